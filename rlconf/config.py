@@ -1,0 +1,600 @@
+"""The rlplan configuration tree: frozen dataclasses, the single source of every default.
+
+Each section is a small dataclass owned by the component that reads it. The string literal under a field
+is its documentation: it becomes CLI help (tyro), the JSON Schema description and the reference docs.
+Derived values (effective layouts, resolved paths, schedules) are not stored here; they live in the
+trainer plan (`rlconf.plan`). This module imports nothing beyond the standard library.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+# Names shared by validation, the plan and the workers. Kept here so that the whole vocabulary of the
+# config lives in one module.
+Device = Literal["cpu", "cuda", "npu"]
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus"]
+DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
+CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
+ProfileTool = Literal["none", "torch", "nsys", "npu"]
+Role = Literal[
+    "generate_sequences",
+    "actor_compute_log_prob",
+    "ref_compute_log_prob",
+    "actor_update",
+    "critic_compute_values",
+    "critic_update",
+    "reward_compute",
+]
+ROLES: tuple[str, ...] = Role.__args__
+CHECKPOINT_CONTENTS: tuple[str, ...] = CheckpointContent.__args__
+# Rule-based reward functions shipped with rltrain (rltrain.rewards registers exactly these names).
+BUILTIN_REWARDS: tuple[str, ...] = ("exact_match", "numeric_match", "format", "digit_match")
+
+
+# --------------------------------------------------------------------------------------------- model
+@dataclass(frozen=True)
+class ModelArch:
+    """A built-in decoder-only transformer (Qwen2/Llama family) described with Megatron's names."""
+
+    num_layers: int = 2
+    """Number of transformer layers."""
+    hidden_size: int = 64
+    """Width of the residual stream."""
+    ffn_hidden_size: int = 176
+    """Inner width of the MLP (SwiGLU: the size of each of the gate and up projections)."""
+    num_attention_heads: int = 4
+    """Number of query heads."""
+    num_query_groups: int = 2
+    """Number of key/value heads (grouped-query attention); equal to num_attention_heads for MHA."""
+    vocab_size: int = 32
+    """Vocabulary size (padded by the engine to a multiple of 128 x tensor parallel size)."""
+    max_position_embeddings: int = 256
+    """Longest sequence the rotary embedding is built for (prompt + response)."""
+    kv_channels: int | None = None
+    """Per-head width; None means hidden_size / num_attention_heads."""
+    rotary_base: float = 10000.0
+    """RoPE base (rope_theta in Hugging Face configs)."""
+    norm_epsilon: float = 1e-6
+    """RMSNorm epsilon."""
+    add_qkv_bias: bool = True
+    """Bias on the query/key/value projection (Qwen2: true, Llama: false)."""
+    share_embeddings_and_output_weights: bool = True
+    """Tie the output projection to the input embedding (tie_word_embeddings)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The policy model: a local Hugging Face folder or a built-in architecture with random init."""
+
+    path: str | None = None
+    """Local Hugging Face model folder (config.json + safetensors). None: build `arch` with random init."""
+    arch: ModelArch = field(default_factory=ModelArch)
+    """Built-in architecture, used when `path` is None (the plan reads config.json when it is set)."""
+    tokenizer_path: str | None = None
+    """Tokenizer folder; None means `path`, or the built-in character tokenizer when `path` is None."""
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Dtype of the compute weights (fp32 master weights are kept by the optimizer for bf16/fp16)."""
+    attention_backend: Literal["auto", "sdpa", "local", "te"] = "auto"
+    """Core attention: sdpa (torch scaled_dot_product_attention), local (megatron unfused), te (Transformer
+    Engine), auto (te when installed, else sdpa)."""
+    init_method_std: float = 0.02
+    """Std of the random init when no weights are loaded."""
+
+
+# ---------------------------------------------------------------------------------------------- data
+@dataclass(frozen=True)
+class DataConfig:
+    """Prompts: files (parquet / jsonl) or a built-in synthetic task."""
+
+    train_files: tuple[str, ...] = ()
+    """Training prompt files (.parquet or .jsonl). Empty: use the synthetic task."""
+    val_files: tuple[str, ...] = ()
+    """Validation prompt files. Empty: a held-out split of the synthetic task."""
+    synthetic_task: Literal["count", "copy", "add"] = "count"
+    """Built-in task used when train_files is empty (no download): count -> continue a digit sequence,
+    copy -> repeat the prompt's digits, add -> sum two small numbers."""
+    prompt_key: str = "prompt"
+    """Column (parquet) or key (jsonl) holding the prompt text or chat messages."""
+    answer_key: str = "answer"
+    """Column or key holding the ground truth passed to the reward function."""
+    train_batch_size: int = 8
+    """Prompts per training step."""
+    val_batch_size: int = 16
+    """Prompts per validation batch."""
+    max_prompt_length: int = 16
+    """Longest prompt in tokens; longer prompts are filtered out (or truncated, see `truncation`)."""
+    truncation: Literal["error", "left", "right", "filter"] = "filter"
+    """What to do with prompts longer than max_prompt_length."""
+    apply_chat_template: bool = True
+    """Wrap prompts with the tokenizer's chat template (ignored by the built-in tokenizer)."""
+    shuffle: bool = True
+    """Shuffle prompts each epoch."""
+    seed: int = 1
+    """Seed of the prompt order and of the synthetic task."""
+
+
+# ---------------------------------------------------------------------------------- megatron engine
+@dataclass(frozen=True)
+class OverrideTransformerConfig:
+    """Fields forwarded to megatron-core's TransformerConfig (activation recompute and dropout)."""
+
+    recompute_granularity: Literal["full", "selective"] | None = None
+    """Activation recompute: None (off), selective (recompute_modules only), full (whole layers)."""
+    recompute_method: Literal["uniform", "block"] | None = None
+    """With full recompute: uniform (every recompute_num_layers layers as a chunk) or block (the first
+    recompute_num_layers layers of each stage)."""
+    recompute_num_layers: int | None = None
+    """Layers per recompute chunk (uniform) or recomputed layers per stage (block)."""
+    recompute_modules: tuple[
+        Literal["core_attn", "mlp", "layernorm", "moe", "moe_act", "shared_experts", "mla_up_proj"], ...
+    ] = ("core_attn",)
+    """Submodules recomputed with selective granularity."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities (RL fine-tuning normally keeps this 0)."""
+    hidden_dropout: float = 0.0
+    """Dropout after attention and MLP (RL fine-tuning normally keeps this 0)."""
+
+
+@dataclass(frozen=True)
+class DDPConfig:
+    """Fields forwarded to megatron-core's DistributedDataParallelConfig."""
+
+    grad_reduce_in_fp32: bool = True
+    """Reduce gradients in fp32 even when compute is bf16."""
+    overlap_grad_reduce: bool = False
+    """Overlap the gradient reduce-scatter/all-reduce with the backward pass."""
+    overlap_param_gather: bool = False
+    """Overlap the distributed optimizer's parameter all-gather with the next forward."""
+    bucket_size: int | None = None
+    """Gradient bucket size in elements; None lets megatron choose."""
+    average_in_collective: bool = False
+    """Average inside the collective instead of pre-scaling gradients."""
+
+
+@dataclass(frozen=True)
+class MegatronConfig:
+    """Megatron-core parallel layout and engine options for one role (actor, ref or critic)."""
+
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel size (TP): splits each layer's matmuls across devices."""
+    pipeline_model_parallel_size: int = 1
+    """Pipeline parallel size (PP): splits the layers into stages."""
+    virtual_pipeline_model_parallel_size: int | None = None
+    """Virtual pipeline stages per device (interleaved 1F1B); needs pipeline_model_parallel_size > 1."""
+    context_parallel_size: int = 1
+    """Context parallel size (CP): splits each sequence across devices."""
+    expert_model_parallel_size: int = 1
+    """Expert parallel size (EP) for mixture-of-experts layers."""
+    expert_tensor_parallel_size: int | None = None
+    """Tensor parallel size inside experts; None means tensor_model_parallel_size."""
+    sequence_parallel: bool = True
+    """Split layer-norm and dropout activations along the sequence across TP ranks. Only meaningful with
+    TP > 1: with TP = 1 it is switched off (a warning says so), as megatron does."""
+    use_distributed_optimizer: bool = True
+    """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
+    param_offload: bool = False
+    """Move parameters to host memory while another role uses the device."""
+    grad_offload: bool = False
+    """Move gradients to host memory while another role uses the device."""
+    optimizer_offload: bool = False
+    """Move optimizer state to host memory while another role uses the device."""
+    use_dist_checkpointing: bool = False
+    """Initialise weights from a megatron dist checkpoint at dist_checkpointing_path instead of HF."""
+    dist_checkpointing_path: str | None = None
+    """Folder of a megatron dist (torch_dist) checkpoint used when use_dist_checkpointing is true."""
+    seed: int = 42
+    """Seed of megatron's model-parallel RNG tracker (init and dropout)."""
+    override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)
+    """Overrides applied to megatron's TransformerConfig."""
+    override_ddp_config: DDPConfig = field(default_factory=DDPConfig)
+    """Overrides applied to megatron's DistributedDataParallelConfig."""
+
+
+@dataclass(frozen=True)
+class Optim:
+    """Optimizer and learning-rate schedule (megatron OptimizerParamScheduler semantics)."""
+
+    optimizer: Literal["adam", "sgd"] = "adam"
+    """Optimizer (adam is AdamW: decoupled weight decay)."""
+    lr: float = 1e-3
+    """Peak learning rate."""
+    min_lr: float = 0.0
+    """Learning rate at the end of decay."""
+    lr_warmup_steps: int | None = None
+    """Warmup steps; None derives them from lr_warmup_steps_ratio x total steps."""
+    lr_warmup_steps_ratio: float = 0.0
+    """Warmup as a fraction of trainer.total_steps, used when lr_warmup_steps is None."""
+    lr_warmup_init: float = 0.0
+    """Learning rate at step 1 of warmup (rises linearly to lr)."""
+    lr_decay_steps: int | None = None
+    """Steps over which lr decays from lr to min_lr after warmup; None means trainer.total_steps."""
+    lr_decay_style: DecayStyle = "constant"
+    """Shape of the decay after warmup."""
+    lr_wsd_decay_steps: int | None = None
+    """WSD only: length of the final decay phase; None means 10% of lr_decay_steps."""
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "linear"
+    """WSD only: shape of the final decay phase."""
+    weight_decay: float = 0.01
+    """Decoupled weight decay (not applied to biases and norms)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """Adam beta1 and beta2."""
+    eps: float = 1e-8
+    """Adam epsilon."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables clipping."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """What a role saves and loads (layout under trainer.output_dir/checkpoints)."""
+
+    save_contents: tuple[CheckpointContent, ...] = ("model", "optimizer", "extra")
+    """Parts written at each save: model (dist checkpoint), optimizer, extra (RNG, step, dataloader,
+    KL controller, scheduler), hf_model (safetensors loadable by transformers)."""
+    load_contents: tuple[CheckpointContent, ...] = ("model", "optimizer", "extra")
+    """Parts restored on resume; must be a subset of save_contents."""
+    async_save: bool = False
+    """Write checkpoints in the background while training continues."""
+
+
+# ------------------------------------------------------------------------------------------- roles
+@dataclass(frozen=True)
+class ActorConfig:
+    """The policy being trained (PPO/GRPO actor) on the Megatron engine."""
+
+    strategy: Literal["megatron"] = "megatron"
+    """Training engine (megatron-core is the one engine, CPU and GPU)."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout and engine options."""
+    optim: Optim = field(default_factory=Optim)
+    """Optimizer and lr schedule."""
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    """Checkpoint contents."""
+    ppo_mini_batch_size: int = 4
+    """Prompts per optimizer update (each with rollout.n responses); train_batch_size / this = updates
+    per epoch."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Responses per forward/backward on one data-parallel rank (ignored with use_dynamic_bsz)."""
+    use_dynamic_bsz: bool = False
+    """Cut micro-batches by a token budget (ppo_max_token_len_per_gpu) instead of a fixed count."""
+    ppo_max_token_len_per_gpu: int = 4096
+    """Token budget of one micro-batch per rank when use_dynamic_bsz is true."""
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Responses per forward when computing log-probs (no backward, so it can be larger)."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    shuffle: bool = True
+    """Shuffle responses between mini-batches."""
+    clip_ratio: float = 0.2
+    """PPO clip epsilon."""
+    clip_ratio_low: float | None = None
+    """Lower clip epsilon (asymmetric clipping, DAPO); None means clip_ratio."""
+    clip_ratio_high: float | None = None
+    """Upper clip epsilon (asymmetric clipping, DAPO); None means clip_ratio."""
+    clip_ratio_c: float = 3.0
+    """Dual-clip bound for negative advantages (must be > 1)."""
+    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses are averaged into the batch loss."""
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus."""
+    use_kl_loss: bool = False
+    """Add a KL(actor || ref) term to the loss (GRPO style); needs the ref role."""
+    kl_loss_coef: float = 0.001
+    """Weight of the KL loss."""
+    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
+    """KL estimator used in the loss."""
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    """The frozen reference policy (for the KL loss or KL-in-reward); colocated with the actor."""
+
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the reference model."""
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Responses per forward when computing reference log-probs."""
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    """The value model (PPO with GAE)."""
+
+    enable: bool = False
+    """Train a critic; required by algorithm.adv_estimator = gae."""
+    model_path: str | None = None
+    """Local HF folder to initialise the critic from; None: the actor's model with a fresh value head."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: share the actor's devices; separate: own devices (num_devices of them)."""
+    num_devices: int = 0
+    """Devices of the critic's own pool when placement is separate."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the critic."""
+    optim: Optim = field(default_factory=Optim)
+    """Optimizer and lr schedule of the critic."""
+    checkpoint: Checkpoint = field(default_factory=Checkpoint)
+    """Checkpoint contents of the critic."""
+    ppo_mini_batch_size: int = 4
+    """Prompts per critic update."""
+    ppo_micro_batch_size_per_gpu: int = 4
+    """Responses per forward/backward on one data-parallel rank."""
+    use_dynamic_bsz: bool = False
+    """Cut micro-batches by a token budget."""
+    ppo_max_token_len_per_gpu: int = 4096
+    """Token budget of one micro-batch per rank when use_dynamic_bsz is true."""
+    ppo_epochs: int = 1
+    """Passes over each step's rollouts."""
+    cliprange_value: float = 0.5
+    """Value clipping range."""
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """Sampling parameters used for validation rollouts."""
+
+    n: int = 1
+    """Samples per validation prompt."""
+    temperature: float = 0.0
+    """0 means greedy decoding."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """Response generation."""
+
+    engine: Literal["embedded", "vllm"] = "embedded"
+    """embedded: rlplan's generator on the actor's own weights (CPU and GPU, no extra install);
+    vllm: the optional vLLM adapter (extra [vllm])."""
+    n: int = 4
+    """Responses sampled per prompt."""
+    max_response_length: int = 16
+    """Most tokens generated per response."""
+    temperature: float = 1.0
+    """Sampling temperature (> 0 for training rollouts)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass in (0, 1]."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 disables."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p x the top probability; 0 disables."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra token ids that end a response (EOS always does)."""
+    tensor_model_parallel_size: int = 1
+    """Tensor parallel size of the rollout engine (weights are resharded from the actor's layout)."""
+    gpu_memory_utilization: float = 0.5
+    """Fraction of device memory the rollout engine may use for weights and KV cache."""
+    max_num_seqs: int = 256
+    """Most sequences decoded at once."""
+    cuda_graph: bool = True
+    """Capture decode steps in CUDA graphs (GPU only)."""
+    free_cache_engine: bool = True
+    """Release the KV cache between rollouts (colocated training needs the memory back)."""
+    log_prob_micro_batch_size_per_gpu: int = 8
+    """Responses per forward when recomputing old log-probs."""
+    val: SamplingConfig = field(default_factory=SamplingConfig)
+    """Sampling for validation."""
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """An optional learned reward model (a Megatron value-head model)."""
+
+    enable: bool = False
+    """Score responses with a reward model (added to the rule-based reward)."""
+    path: str | None = None
+    """Local HF folder of the reward model; None: the actor's model with a fresh head (for tests)."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: share the actor's devices; separate: own devices (num_devices of them)."""
+    num_devices: int = 0
+    """Devices of the reward model's own pool when placement is separate."""
+    megatron: MegatronConfig = field(default_factory=MegatronConfig)
+    """Parallel layout of the reward model."""
+    micro_batch_size_per_gpu: int = 8
+    """Responses per forward."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    """How responses are scored."""
+
+    function: str = "digit_match"
+    """A built-in rule reward (exact_match, numeric_match, format, digit_match) or a user function given
+    as `package.module:function` (imported, never evaluated)."""
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
+    """Optional learned reward model."""
+
+
+@dataclass(frozen=True)
+class KLControl:
+    """Coefficient of the KL penalty in the reward."""
+
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """fixed: constant kl_coef; adaptive: steer towards target_kl (Ziegler et al.)."""
+    kl_coef: float = 0.001
+    """(Initial) KL coefficient."""
+    target_kl: float = 0.1
+    """Adaptive only: target KL per token."""
+    horizon: int = 10000
+    """Adaptive only: responses over which the coefficient adapts."""
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    """Advantage estimation and the KL penalty."""
+
+    adv_estimator: AdvEstimator = "grpo"
+    """gae (needs a critic), grpo, rloo or reinforce_plus_plus."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 1.0
+    """GAE lambda."""
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide group-relative advantages by the group's std (false: Dr. GRPO)."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_ctrl.kl_coef x KL(actor || ref) from the token rewards; needs the ref role."""
+    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
+    """KL estimator used in the reward."""
+    kl_ctrl: KLControl = field(default_factory=KLControl)
+    """KL coefficient controller."""
+
+
+# ----------------------------------------------------------------------------------- run and cluster
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The run: length, outputs, saving and resuming."""
+
+    total_steps: int = 30
+    """Optimizer steps of the whole run (steps count from 1, across resumes)."""
+    output_dir: str = "outputs/rlplan"
+    """Folder of config.yaml, plan.json, metrics.jsonl, checkpoints/ and plots."""
+    project_name: str = "rlplan"
+    """Project name shown by loggers."""
+    experiment_name: str = "run"
+    """Experiment name shown by loggers."""
+    save_freq: int = 0
+    """Save a checkpoint every this many steps (and at the last step); 0 disables saving."""
+    test_freq: int = 0
+    """Validate every this many steps; 0 disables validation."""
+    val_before_train: bool = False
+    """Validate once before the first step."""
+    resume_mode: Literal["auto", "disable", "resume_path"] = "auto"
+    """auto: resume from the newest complete checkpoint if any; disable: start fresh; resume_path: resume
+    from resume_from_path."""
+    resume_from_path: str | None = None
+    """Checkpoint folder (global_step_N) used with resume_mode = resume_path."""
+    max_ckpt_to_keep: int | None = None
+    """Keep at most this many complete checkpoints; None keeps all."""
+    critic_warmup: int = 0
+    """Steps that train only the critic before the actor starts updating."""
+    seed: int = 1
+    """Global seed (python, numpy, torch)."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Where the run executes."""
+
+    device: Device = "cpu"
+    """cpu (gloo, CI and laptops), cuda (NCCL) or npu (Ascend, HCCL)."""
+    nnodes: int = 1
+    """Number of nodes."""
+    gpus_per_node: int = 1
+    """Devices per node (GPUs, NPUs, or worker processes on cpu)."""
+    device_memory_gib: float | None = None
+    """Memory of one device in GiB for the plan's memory check; None skips the check."""
+    ray_address: str | None = None
+    """Ray cluster to join; None starts a local cluster (or joins RAY_ADDRESS when set)."""
+    cpus_per_worker: float = 1.0
+    """CPUs Ray reserves for each worker process."""
+
+
+@dataclass(frozen=True)
+class TorchProfileOptions:
+    """torch.profiler options."""
+
+    activities: tuple[Literal["cpu", "cuda", "npu"], ...] = ("cpu", "cuda")
+    """Activities recorded (cuda is dropped on cpu runs)."""
+    record_shapes: bool = False
+    """Record operator input shapes."""
+    profile_memory: bool = False
+    """Track tensor allocations."""
+    with_stack: bool = False
+    """Record Python stacks (large traces)."""
+    with_flops: bool = False
+    """Estimate FLOPs of matmuls and convolutions."""
+
+
+@dataclass(frozen=True)
+class NpuProfileOptions:
+    """Ascend (torch_npu / MindSpeed) profiler options."""
+
+    level: Literal["level_none", "level0", "level1", "level2"] = "level1"
+    """Collection level."""
+    contents: tuple[Literal["npu", "cpu", "memory", "shapes", "module", "stack"], ...] = ("npu", "cpu")
+    """What is collected."""
+    analysis: bool = True
+    """Run the offline analysis after collection."""
+
+
+@dataclass(frozen=True)
+class NsysProfileOptions:
+    """Nsight Systems options (capture through cudaProfilerApi, NVTX ranges named by role)."""
+
+    trace: tuple[Literal["cuda", "nvtx", "cublas", "cudnn", "osrt"], ...] = ("cuda", "nvtx")
+    """APIs traced by nsys."""
+    cuda_memory_usage: bool = False
+    """Track CUDA memory usage."""
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Per-role profiling."""
+
+    tool: ProfileTool = "none"
+    """none, torch, nsys (CUDA) or npu (Ascend)."""
+    discrete: bool = True
+    """true: one profile per role call (save_path/step_N/ROLE); false: one per step (save_path/step_N/e2e)."""
+    steps: tuple[int, ...] = ()
+    """Steps to profile (steps count from 1)."""
+    ranks: tuple[int, ...] = (0,)
+    """Global ranks to profile."""
+    all_ranks: bool = False
+    """Profile every rank (ranks is ignored)."""
+    roles: tuple[Role, ...] = ()
+    """Roles to profile; empty means all."""
+    save_path: str = "profile"
+    """Output folder; a relative path is under trainer.output_dir."""
+    torch: TorchProfileOptions = field(default_factory=TorchProfileOptions)
+    """Options used when tool = torch."""
+    npu: NpuProfileOptions = field(default_factory=NpuProfileOptions)
+    """Options used when tool = npu."""
+    nsys: NsysProfileOptions = field(default_factory=NsysProfileOptions)
+    """Options used when tool = nsys."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Metrics and logs."""
+
+    backends: tuple[Literal["console", "jsonl", "tensorboard", "wandb"], ...] = ("console", "jsonl")
+    """Where metrics go (jsonl writes trainer.output_dir/metrics.jsonl)."""
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of the controller and workers."""
+    plot_reward: bool = True
+    """Write reward_curve.png to trainer.output_dir at the end of the run."""
+
+
+# ---------------------------------------------------------------------------------------------- root
+@dataclass(frozen=True)
+class RLConfig:
+    """The whole run: every section, every default."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The policy model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prompts and batch size."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The trained policy."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The reference policy."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Response generation."""
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    """Scoring."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and KL."""
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    """Run length, outputs and checkpoints."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """Devices and Ray."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Per-role profiling."""
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    """Metrics and logs."""
