@@ -1,0 +1,48 @@
+"""Typed Python presets: complete, validated configs that users start from (`rltrain PRESET`).
+
+Presets derive from each other with `replace_paths` (dataclasses.replace on dotted paths), so each one
+states only what differs from its parent. `rlconf diff preset:A preset:B` shows those differences.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from presets import gpu, tiny
+from rlconf.config import RLConfig
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    build: Callable[[], RLConfig]
+
+
+_ALL = (
+    Preset(
+        "tiny-grpo",
+        "CPU, built-in 2-layer model, synthetic counting task, GRPO (the README's main job)",
+        tiny.tiny_grpo,
+    ),
+    Preset(
+        "tiny-ppo",
+        "CPU, the tiny-grpo model and task with PPO: GAE, a critic, KL in the reward",
+        tiny.tiny_ppo,
+    ),
+    Preset("qwen2.5-0.5b-grpo", "1 GPU, Qwen2.5-0.5B shape, GRPO with KL loss, bf16", gpu.qwen25_05b_grpo),
+    Preset("qwen2.5-1.5b-grpo", "1 GPU, Qwen2.5-1.5B shape, GRPO with KL loss, bf16", gpu.qwen25_15b_grpo),
+    Preset(
+        "qwen2.5-1.5b-ppo-tp2", "2 GPUs, Qwen2.5-1.5B shape, PPO with a critic, TP=2", gpu.qwen25_15b_ppo_tp2
+    ),
+    Preset(
+        "qwen2.5-7b-grpo-tp4pp2", "8 GPUs, Qwen2.5-7B shape, GRPO, TP=4 x PP=2", gpu.qwen25_7b_grpo_tp4pp2
+    ),
+)
+PRESETS: dict[str, Preset] = {p.name: p for p in _ALL}
+
+
+def get_preset(name: str) -> RLConfig:
+    """The config of a preset by name (KeyError for an unknown name; the loaders turn that into a ConfigError)."""
+    return PRESETS[name].build()

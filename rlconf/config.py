@@ -169,9 +169,9 @@ class MegatronConfig:
     """Expert parallel size (EP) for mixture-of-experts layers."""
     expert_tensor_parallel_size: int | None = None
     """Tensor parallel size inside experts; None means tensor_model_parallel_size."""
-    sequence_parallel: bool = True
-    """Split layer-norm and dropout activations along the sequence across TP ranks. Only meaningful with
-    TP > 1: with TP = 1 it is switched off (a warning says so), as megatron does."""
+    sequence_parallel: bool = False
+    """Split layer-norm and dropout activations along the sequence across TP ranks (use it with TP > 1;
+    with TP = 1 it is switched off and a warning says so, as megatron does)."""
     use_distributed_optimizer: bool = True
     """Shard optimizer state across data-parallel ranks (ZeRO-1)."""
     param_offload: bool = False
@@ -275,9 +275,9 @@ class ActorConfig:
     """Upper clip epsilon (asymmetric clipping, DAPO); None means clip_ratio."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (must be > 1)."""
-    loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = (
-        "token-mean"
-    )
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
     """How per-token losses are averaged into the batch loss."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus."""

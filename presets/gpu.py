@@ -1,0 +1,133 @@
+"""GPU presets for Qwen2.5-shaped models on Megatron (random init unless model.path points at weights)."""
+
+from __future__ import annotations
+
+from rlconf.config import ModelArch, RLConfig
+from rlconf.fields import replace_paths
+
+QWEN25_05B = ModelArch(
+    num_layers=24, hidden_size=896, ffn_hidden_size=4864, num_attention_heads=14, num_query_groups=2,
+    vocab_size=151936, max_position_embeddings=32768, rotary_base=1000000.0,
+    share_embeddings_and_output_weights=True,
+)  # fmt: skip
+QWEN25_15B = ModelArch(
+    num_layers=28, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12, num_query_groups=2,
+    vocab_size=151936, max_position_embeddings=32768, rotary_base=1000000.0,
+    share_embeddings_and_output_weights=True,
+)  # fmt: skip
+QWEN25_7B = ModelArch(
+    num_layers=28, hidden_size=3584, ffn_hidden_size=18944, num_attention_heads=28, num_query_groups=4,
+    vocab_size=152064, max_position_embeddings=32768, rotary_base=1000000.0,
+    share_embeddings_and_output_weights=False,
+)  # fmt: skip
+
+
+def qwen25_05b_grpo() -> RLConfig:
+    """GRPO with a KL loss on one 80 GiB-class GPU: the shape of verl's GSM8K quick start."""
+    return replace_paths(
+        RLConfig(),
+        {
+            "model.arch": QWEN25_05B,
+            "model.params_dtype": "bfloat16",
+            "model.attention_backend": "auto",
+            "cluster.device": "cuda",
+            "cluster.gpus_per_node": 1,
+            "cluster.device_memory_gib": 80.0,
+            "data.train_batch_size": 64,
+            "data.max_prompt_length": 512,
+            "data.synthetic_task": "add",
+            "reward.function": "numeric_match",
+            "rollout.n": 8,
+            "rollout.max_response_length": 1024,
+            "algorithm.adv_estimator": "grpo",
+            "actor.optim.lr": 1e-6,
+            "actor.optim.lr_warmup_steps_ratio": 0.0,
+            "actor.optim.weight_decay": 0.01,
+            "actor.ppo_mini_batch_size": 16,
+            "actor.ppo_micro_batch_size_per_gpu": 8,
+            "actor.use_dynamic_bsz": True,
+            "actor.ppo_max_token_len_per_gpu": 16384,
+            "actor.log_prob_micro_batch_size_per_gpu": 32,
+            "actor.use_kl_loss": True,
+            "actor.kl_loss_coef": 0.001,
+            "ref.log_prob_micro_batch_size_per_gpu": 32,
+            "rollout.log_prob_micro_batch_size_per_gpu": 32,
+            "trainer.total_steps": 200,
+            "trainer.save_freq": 50,
+            "trainer.test_freq": 25,
+            "trainer.max_ckpt_to_keep": 2,
+            "trainer.output_dir": "outputs/qwen2.5-0.5b-grpo",
+            "trainer.experiment_name": "qwen2.5-0.5b-grpo",
+        },
+    )
+
+
+def qwen25_15b_grpo() -> RLConfig:
+    """The 0.5B GRPO recipe on the 1.5B shape (one GPU)."""
+    return replace_paths(
+        qwen25_05b_grpo(),
+        {
+            "model.arch": QWEN25_15B,
+            "actor.ppo_max_token_len_per_gpu": 12288,
+            "trainer.output_dir": "outputs/qwen2.5-1.5b-grpo",
+            "trainer.experiment_name": "qwen2.5-1.5b-grpo",
+        },
+    )
+
+
+def qwen25_15b_ppo_tp2() -> RLConfig:
+    """PPO with GAE and a colocated critic at TP=2 on two GPUs."""
+    tp2 = {
+        "megatron.tensor_model_parallel_size": 2,
+        "megatron.sequence_parallel": True,
+    }
+    return replace_paths(
+        qwen25_15b_grpo(),
+        {
+            "cluster.gpus_per_node": 2,
+            "algorithm.adv_estimator": "gae",
+            "algorithm.lam": 0.95,
+            "rollout.n": 1,
+            "data.train_batch_size": 256,
+            "actor.ppo_mini_batch_size": 64,
+            "actor.use_kl_loss": False,
+            "critic.enable": True,
+            "critic.optim.lr": 1e-5,
+            "critic.ppo_mini_batch_size": 64,
+            "critic.use_dynamic_bsz": True,
+            "critic.ppo_max_token_len_per_gpu": 16384,
+            **{f"actor.{k}": v for k, v in tp2.items()},
+            **{f"ref.{k}": v for k, v in tp2.items()},
+            **{f"critic.{k}": v for k, v in tp2.items()},
+            "rollout.tensor_model_parallel_size": 2,
+            "trainer.output_dir": "outputs/qwen2.5-1.5b-ppo-tp2",
+            "trainer.experiment_name": "qwen2.5-1.5b-ppo-tp2",
+        },
+    )
+
+
+def qwen25_7b_grpo_tp4pp2() -> RLConfig:
+    """GRPO on the 7B shape over one 8-GPU node: TP=4 x PP=2 (DP=1), distributed optimizer, recompute."""
+    layout = {
+        "megatron.tensor_model_parallel_size": 4,
+        "megatron.pipeline_model_parallel_size": 2,
+        "megatron.sequence_parallel": True,
+    }
+    return replace_paths(
+        qwen25_05b_grpo(),
+        {
+            "model.arch": QWEN25_7B,
+            "cluster.gpus_per_node": 8,
+            "data.train_batch_size": 128,
+            "actor.ppo_mini_batch_size": 32,
+            "actor.ppo_max_token_len_per_gpu": 8192,
+            "actor.megatron.override_transformer_config.recompute_granularity": "full",
+            "actor.megatron.override_transformer_config.recompute_method": "uniform",
+            "actor.megatron.override_transformer_config.recompute_num_layers": 1,
+            **{f"actor.{k}": v for k, v in layout.items()},
+            **{f"ref.{k}": v for k, v in layout.items()},
+            "rollout.tensor_model_parallel_size": 4,
+            "trainer.output_dir": "outputs/qwen2.5-7b-grpo-tp4pp2",
+            "trainer.experiment_name": "qwen2.5-7b-grpo-tp4pp2",
+        },
+    )

@@ -1,0 +1,504 @@
+"""Loading configs from dicts, YAML/JSON files, presets and dotted overrides.
+
+The loader first walks the input against the dataclass types and collects *every* structural problem
+(unknown keys with a did-you-mean, wrong types, values outside a Literal) with its dotted path, including
+list indices. Only a clean input reaches dacite (strict mode), which builds the frozen tree. Cross-field
+rules live in `rlconf.validate`; `load_config` runs both and raises one `ConfigError` with all errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import dacite
+import yaml
+
+from rlconf.config import RLConfig
+from rlconf.errors import ConfigError, Issue, error
+from rlconf.fields import (
+    field_types,
+    is_dataclass_type,
+    iter_leaves,
+    literal_values,
+    strip_optional,
+    tuple_item_types,
+    type_name,
+)
+
+PRESET_KEY = "preset"
+
+
+# ------------------------------------------------------------------------------------------------ YAML
+# PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string. Users write learning rates that way, so both
+# the loader and the dumper resolve it as a float (the dumper must agree, or strings like "1e5" would be
+# written unquoted and read back as floats).
+_FLOAT_RE = re.compile(
+    r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+    |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+    |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+    |[-+]?\.(?:inf|Inf|INF)
+    |\.(?:nan|NaN|NAN))$""",
+    re.X,
+)
+
+
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+for _cls in (_Loader, _Dumper):
+    _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
+
+
+def parse_yaml(text: str, source: str = "<yaml>") -> Any:
+    """Parse YAML text; syntax errors become a ConfigError with the line and column."""
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            [error("", f"YAML syntax error{where}: {problem}", "fix the YAML syntax there", "yaml-syntax")],
+            source,
+        ) from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+        raise ConfigError(
+            [error("", f"unreadable YAML value: {exc}", "fix the value", "yaml-syntax")], source
+        ) from None
+
+
+def dump_yaml(data: Any) -> str:
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=None, width=100)
+
+
+# ------------------------------------------------------------------------------------------ to / from
+def config_to_dict(config: Any) -> dict[str, Any]:
+    """Plain nested dict of a config (tuples become lists), ready for YAML or JSON."""
+
+    def plain(value: Any) -> Any:
+        if dataclasses.is_dataclass(value):
+            return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        if isinstance(value, tuple | list):
+            return [plain(v) for v in value]
+        return value
+
+    return plain(config)
+
+
+def deep_merge(base: Mapping[str, Any], overlay: Mapping[str, Any]) -> dict[str, Any]:
+    """`overlay` on top of `base`; mappings merge key by key, anything else (lists included) replaces."""
+    out = dict(base)
+    for key, value in overlay.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+_INVALID = object()
+
+
+def _did_you_mean(word: str, options: Sequence[str]) -> str | None:
+    match = difflib.get_close_matches(word, list(options), n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def _leaf_suffix_index(root: type) -> dict[str, list[str]]:
+    """Field name -> every dotted path ending in it (for 'did you mean actor.optim.lr' on `actor.lr`)."""
+    index: dict[str, list[str]] = {}
+    for leaf in iter_leaves(root):
+        index.setdefault(leaf.path.rsplit(".", 1)[-1], []).append(leaf.path)
+    return index
+
+
+def _unknown_key_issue(key: str, cls: type, path: str, root: type) -> Issue:
+    names = [f.name for f in dataclasses.fields(cls)]
+    full = f"{path}.{key}" if path else key
+    suggestion = _did_you_mean(key, names)
+    if suggestion:
+        fix = f"did you mean `{(path + '.') if path else ''}{suggestion}`?"
+    else:
+        elsewhere = _leaf_suffix_index(root).get(key) or [
+            p for name, ps in _leaf_suffix_index(root).items() if _did_you_mean(key, [name]) for p in ps
+        ]
+        if elsewhere:
+            fix = "did you mean " + " or ".join(f"`{p}`" for p in elsewhere[:3]) + "?"
+        else:
+            fix = f"remove it; `{path or 'the root'}` accepts: {', '.join(names)}"
+    return error(full, f"unknown field `{key}` in {cls.__name__}", fix, "unknown-key")
+
+
+def unknown_path_issue(path: str) -> Issue:
+    """The issue for a dotted path that names no config field (first unknown part, with a did-you-mean)."""
+    cls: Any = RLConfig
+    parts = path.split(".")
+    for depth, part in enumerate(parts):
+        prefix = ".".join(parts[:depth])
+        if not is_dataclass_type(cls):
+            return error(path, f"`{prefix}` is a value, not a section", f"use --{prefix}", "unknown-key")
+        if part not in field_types(cls):
+            issue = _unknown_key_issue(part, cls, prefix, RLConfig)
+            return dataclasses.replace(issue, path=path)
+        cls = field_types(cls)[part]
+    return error(
+        path,
+        f"`{path}` is a section, not a field",
+        f"set one of its fields, e.g. --{path}.<field>",
+        "unknown-key",
+    )
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    text = text if len(text) <= 60 else text[:57] + "..."
+    return f"{type(value).__name__} {text}"
+
+
+def _coerce(value: Any, tp: Any, path: str, issues: list[Issue], root: type) -> Any:
+    """Check `value` against `tp`, normalising YAML shapes (lists -> tuples, ints -> floats)."""
+    inner, optional = strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        issues.append(
+            error(
+                path, f"must not be null (expected {type_name(tp)})", "give a value or remove the key", "type"
+            )
+        )
+        return _INVALID
+    if is_dataclass_type(inner):
+        return _coerce_section(value, inner, path, issues, root)
+    if (choices := literal_values(inner)) is not None:
+        if isinstance(value, str) and value in choices:
+            return value
+        allowed = ", ".join(str(c) for c in choices)
+        hint = _did_you_mean(str(value), [str(c) for c in choices])
+        fix = (f"did you mean `{hint}`? " if hint else "") + f"allowed values: {allowed}"
+        issues.append(error(path, f"invalid value {value!r}", fix, "invalid-choice"))
+        return _INVALID
+    if (items := tuple_item_types(inner)) is not None:
+        item_tp, variadic = items
+        if isinstance(value, str | int | float | bool) and variadic:
+            value = [value]  # a scalar where a list is expected: a one-element list
+        if not isinstance(value, list | tuple):
+            issues.append(
+                error(path, f"expected a list, got {_describe(value)}", "write a YAML list", "type")
+            )
+            return _INVALID
+        if not variadic and len(value) != len(item_tp):
+            issues.append(
+                error(
+                    path,
+                    f"expected {len(item_tp)} items, got {len(value)}",
+                    f"give {type_name(inner)}",
+                    "type",
+                )
+            )
+            return _INVALID
+        types_ = [item_tp] * len(value) if variadic else list(item_tp)
+        out = [
+            _coerce(v, t, f"{path}[{i}]", issues, root)
+            for i, (v, t) in enumerate(zip(value, types_, strict=True))
+        ]
+        return _INVALID if any(v is _INVALID for v in out) else tuple(out)
+    if inner is bool:
+        if isinstance(value, bool):
+            return value
+        issues.append(
+            error(path, f"expected true or false, got {_describe(value)}", "write true or false", "type")
+        )
+        return _INVALID
+    if inner is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        fix = "write a whole number" + (" (not true/false)" if isinstance(value, bool) else "")
+        issues.append(error(path, f"expected an integer, got {_describe(value)}", fix, "type"))
+        return _INVALID
+    if inner is float:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if not math.isfinite(value):
+                issues.append(
+                    error(path, f"must be a finite number, got {value}", "write a finite number", "type")
+                )
+                return _INVALID
+            return float(value)
+        issues.append(
+            error(path, f"expected a number, got {_describe(value)}", "write a number like 1e-6", "type")
+        )
+        return _INVALID
+    if inner is str:
+        if isinstance(value, str):
+            return value
+        issues.append(
+            error(path, f"expected a string, got {_describe(value)}", "quote the value in YAML", "type")
+        )
+        return _INVALID
+    raise TypeError(f"unsupported config field type {tp!r} at {path}")  # a bug in rlconf.config
+
+
+def _coerce_section(value: Any, cls: type, path: str, issues: list[Issue], root: type) -> Any:
+    if not isinstance(value, Mapping):
+        what = path or "the config"
+        issues.append(
+            error(
+                path,
+                f"{what} must be a mapping of fields, got {_describe(value)}",
+                "write `key: value` lines",
+                "type",
+            )
+        )
+        return _INVALID
+    types_ = field_types(cls)
+    out: dict[str, Any] = {}
+    for key, item in value.items():
+        if not isinstance(key, str):
+            issues.append(error(path, f"field names must be strings, got {key!r}", "quote the key", "type"))
+            continue
+        if key not in types_:
+            issues.append(_unknown_key_issue(key, cls, path, root))
+            continue
+        out[key] = _coerce(item, types_[key], f"{path}.{key}" if path else key, issues, root)
+    return out
+
+
+def _drop_invalid(data: Any) -> Any:
+    if isinstance(data, dict):
+        return {k: _drop_invalid(v) for k, v in data.items() if v is not _INVALID}
+    return data
+
+
+def build_config(
+    data: Mapping[str, Any], *, base: RLConfig | None = None, source: str | None = None
+) -> tuple[RLConfig, tuple[Issue, ...]]:
+    """Best-effort build: the config with every invalid entry left at its base/default value, and the
+    structural issues found. Lets validation report cross-field errors alongside type errors."""
+    if not isinstance(data, Mapping):
+        issue = error(
+            "", f"a config must be a mapping, got {_describe(data)}", "write `section: ...` lines", "type"
+        )
+        return base or RLConfig(), (issue,)
+    issues: list[Issue] = []
+    merged = deep_merge(config_to_dict(base), data) if base is not None else dict(data)
+    coerced = _drop_invalid(_coerce_section(merged, RLConfig, "", issues, RLConfig))
+    try:
+        config = dacite.from_dict(RLConfig, coerced, config=dacite.Config(strict=True, check_types=True))
+    except dacite.DaciteError as exc:  # the walker above should have caught it; never show a traceback
+        path = getattr(exc, "field_path", "") or ""
+        issues.append(error(path, str(exc), "fix the value's type", "type"))
+        config = base or RLConfig()
+    return config, tuple(issues)
+
+
+def config_from_dict(
+    data: Mapping[str, Any], *, base: RLConfig | None = None, source: str | None = None
+) -> RLConfig:
+    """Build a config from a plain dict overlaid on `base` (default: dataclass defaults).
+
+    Checks structure and types only; raises ConfigError listing every structural problem.
+    """
+    config, issues = build_config(data, base=base, source=source)
+    if issues:
+        raise ConfigError(issues, source)
+    return config
+
+
+# ------------------------------------------------------------------------------------------ overrides
+_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$")
+
+
+def _leaf_type(path: str) -> Any | None:
+    cls: Any = RLConfig
+    for part in path.split("."):
+        if not is_dataclass_type(cls) or part not in field_types(cls):
+            return None
+        cls = field_types(cls)[part]
+    return cls
+
+
+def parse_override_value(path: str, text: str) -> Any:
+    """Parse one override value as YAML, except that string fields keep the text as written."""
+    tp = _leaf_type(path)
+    if tp is not None:
+        inner, optional = strip_optional(tp)
+        if inner is str and not (optional and text.strip() in ("null", "~", "None", "")):
+            return text
+        if optional and text.strip() == "None":  # Python spelling of null, as shown by --help
+            return None
+    return parse_yaml(text, source=f"override {path}")
+
+
+def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply `dotted.path=value` overrides to a plain config dict (values parsed as YAML)."""
+    out = json.loads(json.dumps(data)) if data else {}
+    issues: list[Issue] = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip().removeprefix("--")
+        if not sep or not _KEY_RE.match(key):
+            issues.append(
+                error(
+                    key or item,
+                    f"cannot read override {item!r}",
+                    "write `section.field=value`",
+                    "override-syntax",
+                )
+            )
+            continue
+        try:
+            value = parse_override_value(key, text)
+        except ConfigError as exc:
+            issues.extend(dataclasses.replace(i, path=key) for i in exc.issues)
+            continue
+        node = out
+        parts = key.split(".")
+        for depth, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                issues.append(
+                    error(
+                        ".".join(parts[: depth + 1]),
+                        f"is a value, not a section, so `{key}` cannot be set",
+                        "override the field itself",
+                        "override-syntax",
+                    )
+                )
+                break
+            node = child
+        else:
+            node[parts[-1]] = value
+    if issues:
+        raise ConfigError(issues, "overrides")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- files
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a YAML or JSON config file into a dict (the `preset:` key, if any, is kept)."""
+    path = Path(path)
+    source = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(
+            [error("", f"config file {source} does not exist", "check the path", "file")], source
+        ) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(
+            [error("", f"cannot read {source}: {exc}", "check the file", "file")], source
+        ) from None
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                [
+                    error(
+                        "",
+                        f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+                        "fix the JSON",
+                        "json-syntax",
+                    )
+                ],
+                source,
+            ) from None
+    else:
+        data = parse_yaml(text, source)
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [
+                error(
+                    "",
+                    f"the file must hold a mapping of sections, got {_describe(data)}",
+                    "write `section: ...` lines",
+                    "type",
+                )
+            ],
+            source,
+        )
+    return data
+
+
+def _preset_base(name: Any, source: str | None) -> RLConfig:
+    from presets import PRESETS, get_preset
+
+    if not isinstance(name, str) or name not in PRESETS:
+        hint = _did_you_mean(str(name), list(PRESETS))
+        fix = (f"did you mean `{hint}`? " if hint else "") + "presets: " + ", ".join(PRESETS)
+        raise ConfigError([error(PRESET_KEY, f"unknown preset {name!r}", fix, "unknown-preset")], source)
+    return get_preset(name)
+
+
+def _gather(
+    source: str | Path | Mapping[str, Any] | None, *, preset: str | None, overrides: Sequence[str]
+) -> tuple[dict[str, Any], RLConfig | None, str | None]:
+    """The input dict (overrides applied), the preset base and the source name."""
+    src_name = None if source is None or isinstance(source, Mapping) else str(source)
+    if source is None:
+        data: dict[str, Any] = {}
+    elif isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        data = read_config_file(source)
+    file_preset = data.pop(PRESET_KEY, None)
+    if preset is not None and file_preset is not None and file_preset != preset:
+        raise ConfigError(
+            [
+                error(
+                    PRESET_KEY,
+                    f"the file overlays preset {file_preset!r} but the command asks for {preset!r}",
+                    "use the same preset in both places, or remove `preset:` from the file",
+                    "preset-conflict",
+                )
+            ],
+            src_name,
+        )
+    chosen = preset if preset is not None else file_preset
+    base = _preset_base(chosen, src_name) if chosen is not None else None
+    if overrides:
+        data = apply_overrides(data, overrides)
+    return data, base, src_name
+
+
+def resolve_config(
+    source: str | Path | Mapping[str, Any] | None = None,
+    *,
+    preset: str | None = None,
+    overrides: Sequence[str] = (),
+) -> RLConfig:
+    """Structural load with precedence overrides > file > preset > defaults (no cross-field rules)."""
+    data, base, src_name = _gather(source, preset=preset, overrides=overrides)
+    return config_from_dict(data, base=base, source=src_name)
+
+
+def load_config(
+    source: str | Path | Mapping[str, Any] | None = None,
+    *,
+    preset: str | None = None,
+    overrides: Sequence[str] = (),
+) -> RLConfig:
+    """Load and fully validate a config; raises ConfigError with every error (and the warnings)."""
+    from rlconf.validate import check_config
+
+    data, base, src_name = _gather(source, preset=preset, overrides=overrides)
+    config, structural = build_config(data, base=base, source=src_name)
+    issues = structural + check_config(config)
+    if any(i.severity == "error" for i in issues):
+        raise ConfigError(issues, src_name)
+    return config

@@ -1,0 +1,670 @@
+"""Cross-field validation: named rules that see the whole config and report every problem at once.
+
+Each rule is a small generator registered with `@rule(name)`; it yields `Issue`s (errors or warnings) that
+name the config path to change and the fix. `check_config` runs all of them, so a file with three
+independent mistakes reports three errors. Rules never raise on odd values: sizes are checked for
+positivity by one rule and the others guard against zero.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from rlconf.config import BUILTIN_REWARDS, CHECKPOINT_CONTENTS, ROLES, MegatronConfig, Optim, RLConfig
+from rlconf.errors import Issue, error, warning
+from rlconf.fields import iter_leaves
+
+RuleFn = Callable[[RLConfig], Iterator[Issue]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    doc: str
+    fn: RuleFn
+
+
+RULES: dict[str, Rule] = {}
+
+
+def rule(name: str) -> Callable[[RuleFn], RuleFn]:
+    def register(fn: RuleFn) -> RuleFn:
+        RULES[name] = Rule(name, (fn.__doc__ or "").strip(), fn)
+        return fn
+
+    return register
+
+
+def check_config(config: RLConfig) -> tuple[Issue, ...]:
+    """Run every rule; returns errors and warnings (an empty tuple means the config is clean)."""
+    issues: list[Issue] = []
+    for r in RULES.values():
+        issues.extend(r.fn(config))
+    return tuple(issues)
+
+
+# -------------------------------------------------------------------------------------------- helpers
+def total_devices(c: RLConfig) -> int:
+    return c.cluster.nnodes * c.cluster.gpus_per_node
+
+
+def separate_devices(c: RLConfig) -> int:
+    n = 0
+    if c.critic.enable and c.critic.placement == "separate":
+        n += c.critic.num_devices
+    rm = c.reward.reward_model
+    if rm.enable and rm.placement == "separate":
+        n += rm.num_devices
+    return n
+
+
+def actor_world(c: RLConfig) -> int:
+    """Devices of the actor pool (shared by rollout and ref)."""
+    return total_devices(c) - separate_devices(c)
+
+
+def model_parallel(m: MegatronConfig) -> int:
+    return m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
+
+
+def uses_ref(c: RLConfig) -> bool:
+    return c.actor.use_kl_loss or c.algorithm.use_kl_in_reward
+
+
+def _roles_present(c: RLConfig) -> set[str]:
+    roles = {"generate_sequences", "actor_compute_log_prob", "actor_update", "reward_compute"}
+    if uses_ref(c):
+        roles.add("ref_compute_log_prob")
+    if c.critic.enable:
+        roles |= {"critic_compute_values", "critic_update"}
+    return roles
+
+
+def _megatron_roles(c: RLConfig) -> Iterator[tuple[str, MegatronConfig, int]]:
+    """(config prefix, layout, world size) for every Megatron role present in the run."""
+    aw = actor_world(c)
+    yield "actor", c.actor.megatron, aw
+    if uses_ref(c):
+        yield "ref", c.ref.megatron, aw
+    if c.critic.enable:
+        yield "critic", c.critic.megatron, c.critic.num_devices if c.critic.placement == "separate" else aw
+    rm = c.reward.reward_model
+    if rm.enable:
+        yield "reward.reward_model", rm.megatron, rm.num_devices if rm.placement == "separate" else aw
+
+
+def _sizes_ok(c: RLConfig) -> bool:
+    """Whether every size the arithmetic rules divide by is positive (the positivity rule reports the rest)."""
+    return not any(True for _ in positive_sizes(c))
+
+
+_POSITIVE_INT_FIELDS = re.compile(
+    r"(_size|_size_per_gpu|_per_gpu|num_layers|hidden_size|num_attention_heads|num_query_groups|vocab_size"
+    r"|max_position_embeddings|kv_channels|_length|total_steps|nnodes|gpus_per_node|ppo_epochs|^rollout\.n"
+    r"|max_num_seqs|horizon|val\.n)$"
+)
+# Fields that match the pattern above but may legitimately be zero or negative.
+_MAY_BE_NON_POSITIVE = {"rollout.top_k", "critic.num_devices", "reward.reward_model.num_devices"}
+
+
+# ---------------------------------------------------------------------------------------------- rules
+@rule("positive-size")
+def positive_sizes(c: RLConfig) -> Iterator[Issue]:
+    """Sizes, counts, lengths and parallel degrees must be >= 1."""
+    for leaf in iter_leaves(RLConfig):
+        if leaf.path in _MAY_BE_NON_POSITIVE or not _POSITIVE_INT_FIELDS.search(leaf.path):
+            continue
+        value = _get(c, leaf.path)
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            yield error(leaf.path, f"must be >= 1, got {value}", "use a positive integer", "positive-size")
+
+
+def _get(obj: object, path: str) -> object:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+@rule("world-divisible-by-model-parallel")
+def world_divisible(c: RLConfig) -> Iterator[Issue]:
+    """Each Megatron role's world size is divisible by tp x pp x cp, and by the expert layout."""
+    if not _sizes_ok(c):
+        return
+    for prefix, m, world in _megatron_roles(c):
+        mp = model_parallel(m)
+        if world < 1:
+            continue  # reported by the pool rule
+        if world % mp:
+            yield error(
+                f"{prefix}.megatron.tensor_model_parallel_size",
+                f"{prefix} world size {world} is not divisible by tp x pp x cp = "
+                f"{m.tensor_model_parallel_size} x {m.pipeline_model_parallel_size} x {m.context_parallel_size} = {mp}",
+                f"choose tp, pp and cp whose product divides {world}, or change cluster.nnodes x cluster.gpus_per_node",
+                "world-divisible-by-model-parallel",
+            )
+            continue
+        etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
+        ep_mp = etp * m.expert_model_parallel_size * m.pipeline_model_parallel_size
+        if m.expert_model_parallel_size > 1 and world % ep_mp:
+            yield error(
+                f"{prefix}.megatron.expert_model_parallel_size",
+                f"{prefix} world size {world} is not divisible by expert tp x ep x pp = {ep_mp}",
+                "choose expert_model_parallel_size and expert_tensor_parallel_size that divide the world / pp",
+                "world-divisible-by-model-parallel",
+            )
+
+
+@rule("device-pools")
+def device_pools(c: RLConfig) -> Iterator[Issue]:
+    """Separate critic / reward-model pools have devices and leave some for the actor."""
+    for prefix, enabled, placement, n in (
+        ("critic", c.critic.enable, c.critic.placement, c.critic.num_devices),
+        ("reward.reward_model", c.reward.reward_model.enable, c.reward.reward_model.placement,
+         c.reward.reward_model.num_devices),
+    ):  # fmt: skip
+        if enabled and placement == "separate" and n < 1:
+            yield error(
+                f"{prefix}.num_devices",
+                f"{prefix} has its own pool (placement: separate) but num_devices = {n}",
+                "give it at least 1 device, or use placement: colocated",
+                "device-pools",
+            )
+        if enabled and placement == "colocated" and n:
+            yield warning(
+                f"{prefix}.num_devices",
+                f"num_devices = {n} is ignored with placement: colocated",
+                "remove num_devices or use placement: separate",
+                "device-pools",
+            )
+    if total_devices(c) >= 1 and actor_world(c) < 1:
+        yield error(
+            "cluster.gpus_per_node",
+            f"separate pools use {separate_devices(c)} of {total_devices(c)} devices, none is left for the actor",
+            "add devices or shrink the separate pools",
+            "device-pools",
+        )
+
+
+@rule("heads-divisible-by-tp")
+def heads_divisible(c: RLConfig) -> Iterator[Issue]:
+    """Attention heads and query groups are divisible by each role's tensor parallel size."""
+    if c.model.path is not None or not _sizes_ok(c):
+        return  # the architecture comes from config.json; the plan checks it
+    a = c.model.arch
+    layouts = [(p, m.tensor_model_parallel_size) for p, m, _ in _megatron_roles(c)]
+    layouts.append(("rollout", c.rollout.tensor_model_parallel_size))
+    for prefix, tp in layouts:
+        field = f"{prefix}.tensor_model_parallel_size" if prefix == "rollout" else (
+            f"{prefix}.megatron.tensor_model_parallel_size")  # fmt: skip
+        for name, value in (
+            ("num_attention_heads", a.num_attention_heads),
+            ("num_query_groups", a.num_query_groups),
+        ):
+            if value % tp:
+                yield error(
+                    field,
+                    f"model.arch.{name} = {value} is not divisible by {prefix} tp = {tp}",
+                    f"use a tensor parallel size that divides {value}",
+                    "heads-divisible-by-tp",
+                )
+    if a.num_attention_heads % a.num_query_groups:
+        yield error(
+            "model.arch.num_query_groups",
+            f"num_attention_heads = {a.num_attention_heads} is not a multiple of num_query_groups = {a.num_query_groups}",
+            "use a number of query groups that divides the number of heads",
+            "heads-divisible-by-tp",
+        )
+
+
+@rule("layers-divisible-by-pp")
+def layers_divisible(c: RLConfig) -> Iterator[Issue]:
+    """num_layers is divisible by pp (x vpp when set); vpp needs pp > 1."""
+    if not _sizes_ok(c):
+        return
+    for prefix, m, _ in _megatron_roles(c):
+        pp, vpp = m.pipeline_model_parallel_size, m.virtual_pipeline_model_parallel_size
+        if vpp is not None and pp <= 1:
+            yield error(
+                f"{prefix}.megatron.virtual_pipeline_model_parallel_size",
+                "virtual pipeline stages need pipeline_model_parallel_size > 1",
+                "set virtual_pipeline_model_parallel_size: null, or raise pipeline_model_parallel_size",
+                "layers-divisible-by-pp",
+            )
+            continue
+        if c.model.path is not None:
+            continue
+        chunks = pp * (vpp or 1)
+        if c.model.arch.num_layers % chunks:
+            yield error(
+                f"{prefix}.megatron.pipeline_model_parallel_size",
+                f"model.arch.num_layers = {c.model.arch.num_layers} is not divisible by pp x vpp = {chunks}",
+                "choose pp (and vpp) whose product divides the number of layers",
+                "layers-divisible-by-pp",
+            )
+
+
+@rule("sequence-parallel-needs-tp")
+def sequence_parallel(c: RLConfig) -> Iterator[Issue]:
+    """sequence_parallel with tp = 1 is switched off (a warning, as megatron does; the plan shows it off)."""
+    for prefix, m, _ in _megatron_roles(c):
+        if m.sequence_parallel and m.tensor_model_parallel_size == 1:
+            yield warning(
+                f"{prefix}.megatron.sequence_parallel",
+                "sequence_parallel needs tensor_model_parallel_size > 1; it is switched off for this run",
+                "set sequence_parallel: false, or raise tensor_model_parallel_size",
+                "sequence-parallel-needs-tp",
+            )
+
+
+def _batch_checks(
+    c: RLConfig,
+    prefix: str,
+    mini: int,
+    micro: int,
+    dynamic: bool,
+    token_budget: int,
+    world: int,
+    m: MegatronConfig,
+) -> Iterator[Issue]:
+    n = c.rollout.n
+    tbs = c.data.train_batch_size
+    dp = world // model_parallel(m) if world % model_parallel(m) == 0 else 0
+    if tbs % mini:
+        yield error(
+            f"{prefix}.ppo_mini_batch_size",
+            f"ppo_mini_batch_size = {mini} does not divide data.train_batch_size = {tbs}",
+            f"use a divisor of {tbs} (prompts per mini-batch)",
+            "mini-batch-divides-batch",
+        )
+    if dynamic:
+        need = c.data.max_prompt_length + c.rollout.max_response_length
+        if token_budget < need:
+            yield error(
+                f"{prefix}.ppo_max_token_len_per_gpu",
+                f"token budget {token_budget} is smaller than one full sequence "
+                f"(max_prompt_length + max_response_length = {need})",
+                f"set ppo_max_token_len_per_gpu >= {need}",
+                "token-budget-fits-sequence",
+            )
+        return
+    if dp < 1:
+        return  # the layout rule reports it
+    if (tbs * n) % (dp * micro):
+        yield error(
+            f"{prefix}.ppo_micro_batch_size_per_gpu",
+            f"responses per step (train_batch_size x rollout.n = {tbs} x {n} = {tbs * n}) are not divisible by "
+            f"data-parallel size x micro-batch = {dp} x {micro}",
+            "choose train_batch_size, rollout.n and the micro-batch so the responses split evenly",
+            "batch-divisible-by-dp-micro",
+        )
+    per_rank = mini * n / dp
+    if per_rank < micro:
+        yield error(
+            f"{prefix}.ppo_micro_batch_size_per_gpu",
+            f"a mini-batch gives each of {dp} data-parallel ranks {per_rank:g} responses, fewer than "
+            f"ppo_micro_batch_size_per_gpu = {micro}",
+            f"lower the micro-batch to <= {int(per_rank)} or raise ppo_mini_batch_size",
+            "mini-batch-covers-micro",
+        )
+    elif per_rank != int(per_rank) or int(per_rank) % micro:
+        yield error(
+            f"{prefix}.ppo_mini_batch_size",
+            f"a mini-batch of {mini} prompts x {n} responses over {dp} data-parallel ranks gives {per_rank:g} "
+            f"responses per rank, not a multiple of ppo_micro_batch_size_per_gpu = {micro}",
+            "make ppo_mini_batch_size x rollout.n / dp a multiple of the micro-batch",
+            "mini-batch-covers-micro",
+        )
+
+
+@rule("batch-layout")
+def batch_layout(c: RLConfig) -> Iterator[Issue]:
+    """Batches split evenly: mini-batches divide the batch; responses divide over dp x micro-batch; a
+    mini-batch covers a micro-batch per rank; the token budget fits one full sequence."""
+    if not _sizes_ok(c) or actor_world(c) < 1:
+        return
+    a = c.actor
+    yield from _batch_checks(
+        c, "actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
+        a.ppo_max_token_len_per_gpu, actor_world(c), a.megatron,
+    )  # fmt: skip
+    if c.critic.enable:
+        cr = c.critic
+        world = cr.num_devices if cr.placement == "separate" else actor_world(c)
+        if world >= 1:
+            yield from _batch_checks(
+                c, "critic", cr.ppo_mini_batch_size, cr.ppo_micro_batch_size_per_gpu, cr.use_dynamic_bsz,
+                cr.ppo_max_token_len_per_gpu, world, cr.megatron,
+            )  # fmt: skip
+
+
+@rule("estimator-needs")
+def estimator_needs(c: RLConfig) -> Iterator[Issue]:
+    """grpo and rloo need rollout.n >= 2; gae needs a critic; a critic without gae is unused."""
+    est = c.algorithm.adv_estimator
+    if est in ("grpo", "rloo") and c.rollout.n < 2:
+        yield error(
+            "rollout.n",
+            f"{est} compares responses to the same prompt, but rollout.n = {c.rollout.n}",
+            "set rollout.n >= 2 (4-16 is common)",
+            "estimator-needs",
+        )
+    if est == "gae" and not c.critic.enable:
+        yield error(
+            "critic.enable",
+            "adv_estimator gae needs a value model, but the critic is disabled",
+            "set critic.enable: true, or use algorithm.adv_estimator: grpo",
+            "estimator-needs",
+        )
+    if est != "gae" and c.critic.enable:
+        yield warning(
+            "critic.enable",
+            f"the critic is trained but {est} does not use its values",
+            "set critic.enable: false, or use algorithm.adv_estimator: gae",
+            "estimator-needs",
+        )
+
+
+def _optim_checks(prefix: str, o: Optim, total_steps: int) -> Iterator[Issue]:
+    p = f"{prefix}.optim"
+    if o.lr <= 0:
+        yield error(
+            f"{p}.lr", f"learning rate must be > 0, got {o.lr}", "use e.g. 1e-6 for an actor", "optim"
+        )
+    if o.min_lr < 0 or (o.lr > 0 and o.min_lr > o.lr):
+        yield error(
+            f"{p}.min_lr", f"min_lr = {o.min_lr} must be in [0, lr = {o.lr}]", "set min_lr <= lr", "optim"
+        )
+    if o.lr_warmup_init < 0 or (o.lr > 0 and o.lr_warmup_init > o.lr):
+        yield error(
+            f"{p}.lr_warmup_init", f"lr_warmup_init = {o.lr_warmup_init} must be in [0, lr]", "set 0", "optim"
+        )
+    if not 0.0 <= o.lr_warmup_steps_ratio <= 1.0:
+        yield error(
+            f"{p}.lr_warmup_steps_ratio",
+            f"must be in [0, 1], got {o.lr_warmup_steps_ratio}",
+            "use e.g. 0.05",
+            "optim",
+        )
+    if o.lr_warmup_steps is not None and not 0 <= o.lr_warmup_steps <= total_steps:
+        yield error(
+            f"{p}.lr_warmup_steps",
+            f"warmup of {o.lr_warmup_steps} steps is outside the run's 0..{total_steps} steps",
+            f"use at most trainer.total_steps = {total_steps}",
+            "optim",
+        )
+    if o.lr_decay_steps is not None and o.lr_decay_steps < 1:
+        yield error(
+            f"{p}.lr_decay_steps", f"must be >= 1, got {o.lr_decay_steps}", "or null for total steps", "optim"
+        )
+    if o.lr_wsd_decay_steps is not None and o.lr_wsd_decay_steps < 1:
+        yield error(
+            f"{p}.lr_wsd_decay_steps", f"must be >= 1, got {o.lr_wsd_decay_steps}", "or null", "optim"
+        )
+    if o.weight_decay < 0:
+        yield error(f"{p}.weight_decay", f"must be >= 0, got {o.weight_decay}", "use e.g. 0.01", "optim")
+    for i, b in enumerate(o.betas):
+        if not 0.0 <= b < 1.0:
+            yield error(f"{p}.betas[{i}]", f"must be in [0, 1), got {b}", "use e.g. [0.9, 0.999]", "optim")
+    if o.eps <= 0:
+        yield error(f"{p}.eps", f"must be > 0, got {o.eps}", "use e.g. 1e-8", "optim")
+    if o.clip_grad < 0:
+        yield error(f"{p}.clip_grad", f"must be >= 0, got {o.clip_grad}", "use 1.0, or 0 to disable", "optim")
+
+
+@rule("optim")
+def optim(c: RLConfig) -> Iterator[Issue]:
+    """lr > 0, min_lr <= lr, warmup within the run, sane Adam settings (actor, and critic when enabled)."""
+    yield from _optim_checks("actor", c.actor.optim, c.trainer.total_steps)
+    if c.critic.enable:
+        yield from _optim_checks("critic", c.critic.optim, c.trainer.total_steps)
+
+
+@rule("checkpoint-contents")
+def checkpoint_contents(c: RLConfig) -> Iterator[Issue]:
+    """load_contents is within save_contents; no duplicates; the actor saves the model."""
+    roles = [("actor", c.actor.checkpoint)] + ([("critic", c.critic.checkpoint)] if c.critic.enable else [])
+    for prefix, ck in roles:
+        for name in ("save_contents", "load_contents"):
+            items = getattr(ck, name)
+            for i, item in enumerate(items):
+                if items.index(item) != i:
+                    yield warning(
+                        f"{prefix}.checkpoint.{name}[{i}]",
+                        f"{item!r} is listed twice",
+                        "remove it",
+                        "checkpoint-contents",
+                    )
+        missing = [x for x in ck.load_contents if x not in ck.save_contents]
+        if missing:
+            yield error(
+                f"{prefix}.checkpoint.load_contents",
+                f"loads {', '.join(missing)} which save_contents never writes",
+                f"add {', '.join(missing)} to save_contents or drop it from load_contents "
+                f"(allowed: {', '.join(CHECKPOINT_CONTENTS)})",
+                "checkpoint-contents",
+            )
+        if "model" not in ck.save_contents and c.trainer.save_freq > 0:
+            yield error(
+                f"{prefix}.checkpoint.save_contents",
+                "checkpoints without `model` cannot resume training",
+                "add model to save_contents",
+                "checkpoint-contents",
+            )
+
+
+@rule("trainer")
+def trainer_rules(c: RLConfig) -> Iterator[Issue]:
+    """Save/test frequencies are >= 0, resume_path mode names a path, retention keeps >= 1."""
+    t = c.trainer
+    for name in ("save_freq", "test_freq", "critic_warmup"):
+        if getattr(t, name) < 0:
+            yield error(
+                f"trainer.{name}", f"must be >= 0, got {getattr(t, name)}", "use 0 to disable", "trainer"
+            )
+    if t.resume_mode == "resume_path" and not t.resume_from_path:
+        yield error(
+            "trainer.resume_from_path",
+            "resume_mode is resume_path but no resume_from_path is given",
+            "set resume_from_path to a checkpoints/global_step_N folder, or use resume_mode: auto",
+            "trainer",
+        )
+    if t.max_ckpt_to_keep is not None and t.max_ckpt_to_keep < 1:
+        yield error(
+            "trainer.max_ckpt_to_keep",
+            f"must be >= 1, got {t.max_ckpt_to_keep}",
+            "or null to keep all",
+            "trainer",
+        )
+    if c.critic.enable and t.critic_warmup >= t.total_steps > 0:
+        yield warning("trainer.critic_warmup", "the actor never updates: critic_warmup >= total_steps",
+                      "lower critic_warmup", "trainer")  # fmt: skip
+
+
+@rule("sampling")
+def sampling(c: RLConfig) -> Iterator[Issue]:
+    """Sampling parameters are in range; the rollout engine fits the device; sequences fit the model."""
+    r = c.rollout
+    if r.temperature <= 0:
+        yield error("rollout.temperature", f"training rollouts must sample: temperature = {r.temperature}",
+                    "use a temperature > 0 (1.0 is usual)", "sampling")  # fmt: skip
+    if not 0 < r.top_p <= 1:
+        yield error("rollout.top_p", f"must be in (0, 1], got {r.top_p}", "use 1.0 to disable", "sampling")
+    if r.top_k == 0 or r.top_k < -1:
+        yield error("rollout.top_k", f"must be >= 1, or -1 to disable, got {r.top_k}", "use -1", "sampling")
+    if not 0 <= r.min_p < 1:
+        yield error("rollout.min_p", f"must be in [0, 1), got {r.min_p}", "use 0 to disable", "sampling")
+    if not 0 < r.gpu_memory_utilization <= 1:
+        yield error("rollout.gpu_memory_utilization", f"must be in (0, 1], got {r.gpu_memory_utilization}",
+                    "use e.g. 0.5", "sampling")  # fmt: skip
+    if r.val.temperature < 0:
+        yield error("rollout.val.temperature", "must be >= 0", "use 0 for greedy", "sampling")
+    if not 0 < r.val.top_p <= 1:
+        yield error("rollout.val.top_p", f"must be in (0, 1], got {r.val.top_p}", "use 1.0", "sampling")
+    if r.engine == "vllm" and c.cluster.device != "cuda":
+        yield error("rollout.engine", f"vLLM runs on CUDA only, but cluster.device = {c.cluster.device}",
+                    "use rollout.engine: embedded", "sampling")  # fmt: skip
+    if c.model.path is None:
+        need = c.data.max_prompt_length + r.max_response_length
+        if need > c.model.arch.max_position_embeddings:
+            yield error(
+                "rollout.max_response_length",
+                f"prompt + response = {need} tokens exceeds model.arch.max_position_embeddings = "
+                f"{c.model.arch.max_position_embeddings}",
+                "shorten data.max_prompt_length / rollout.max_response_length or raise max_position_embeddings",
+                "sampling",
+            )
+
+
+@rule("ppo-loss")
+def ppo_loss(c: RLConfig) -> Iterator[Issue]:
+    """Clip ranges are positive, dual clip > 1, coefficients >= 0; KL in loss and reward is doubled."""
+    a = c.actor
+    for name in ("clip_ratio", "clip_ratio_low", "clip_ratio_high"):
+        v = getattr(a, name)
+        if v is not None and v <= 0:
+            yield error(f"actor.{name}", f"must be > 0, got {v}", "use e.g. 0.2", "ppo-loss")
+    if a.clip_ratio_c <= 1:
+        yield error(
+            "actor.clip_ratio_c", f"dual-clip bound must be > 1, got {a.clip_ratio_c}", "use 3.0", "ppo-loss"
+        )
+    for name in ("entropy_coeff", "kl_loss_coef"):
+        if getattr(a, name) < 0:
+            yield error(
+                f"actor.{name}", f"must be >= 0, got {getattr(a, name)}", "use 0 to disable", "ppo-loss"
+            )
+    if a.use_kl_loss and c.algorithm.use_kl_in_reward:
+        yield warning("actor.use_kl_loss", "KL is penalised twice (in the loss and in the reward)",
+                      "choose one: actor.use_kl_loss or algorithm.use_kl_in_reward", "ppo-loss")  # fmt: skip
+    al = c.algorithm
+    if not 0 <= al.gamma <= 1:
+        yield error(
+            "algorithm.gamma", f"must be in [0, 1], got {al.gamma}", "use 1.0 for outcome rewards", "ppo-loss"
+        )
+    if not 0 <= al.lam <= 1:
+        yield error("algorithm.lam", f"must be in [0, 1], got {al.lam}", "use 0.95", "ppo-loss")
+    if al.kl_ctrl.kl_coef < 0:
+        yield error("algorithm.kl_ctrl.kl_coef", "must be >= 0", "use e.g. 0.001", "ppo-loss")
+    if al.kl_ctrl.type == "adaptive" and al.kl_ctrl.target_kl <= 0:
+        yield error(
+            "algorithm.kl_ctrl.target_kl", "adaptive control needs target_kl > 0", "use e.g. 0.1", "ppo-loss"
+        )
+    if c.critic.enable and c.critic.cliprange_value <= 0:
+        yield error("critic.cliprange_value", "must be > 0", "use 0.5", "ppo-loss")
+
+
+_USER_FN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+
+
+@rule("reward-function")
+def reward_function(c: RLConfig) -> Iterator[Issue]:
+    """reward.function is a built-in name or an importable `package.module:function` path."""
+    fn = c.reward.function
+    if fn in BUILTIN_REWARDS or _USER_FN.match(fn):
+        return
+    import difflib
+
+    hint = difflib.get_close_matches(fn, BUILTIN_REWARDS, n=1)
+    yield error(
+        "reward.function",
+        f"{fn!r} is neither a built-in reward nor a `module:function` path",
+        (f"did you mean `{hint[0]}`? " if hint else "") + f"built-ins: {', '.join(BUILTIN_REWARDS)}",
+        "reward-function",
+    )
+
+
+@rule("data-files")
+def data_files(c: RLConfig) -> Iterator[Issue]:
+    """Prompt files are .parquet or .jsonl."""
+    for name in ("train_files", "val_files"):
+        for i, f in enumerate(getattr(c.data, name)):
+            if not f.endswith((".parquet", ".jsonl", ".json")):
+                yield error(f"data.{name}[{i}]", f"{f!r} is not a .parquet or .jsonl file",
+                            "convert it to parquet or jsonl", "data-files")  # fmt: skip
+
+
+@rule("profile")
+def profile(c: RLConfig) -> Iterator[Issue]:
+    """Profile ranks are within the world, steps within the run, roles present, tool options fit the tool."""
+    p = c.profile
+    world = total_devices(c)
+    for i, r in enumerate(p.ranks):
+        if not 0 <= r < max(world, 1) and not p.all_ranks:
+            yield error(f"profile.ranks[{i}]", f"rank {r} is outside the world of {world} devices",
+                        f"use ranks in 0..{world - 1}, or all_ranks: true", "profile")  # fmt: skip
+    for i, s in enumerate(p.steps):
+        if not 1 <= s <= c.trainer.total_steps:
+            yield error(f"profile.steps[{i}]", f"step {s} is outside the run's steps 1..{c.trainer.total_steps}",
+                        "steps count from 1", "profile")  # fmt: skip
+    present = _roles_present(c)
+    for i, role in enumerate(p.roles):
+        if role not in present:
+            yield warning(f"profile.roles[{i}]", f"role {role} does not run in this config, nothing to profile",
+                          f"roles of this run: {', '.join(r for r in ROLES if r in present)}", "profile")  # fmt: skip
+    if p.tool == "none":
+        return
+    if not p.steps:
+        yield warning("profile.steps", f"tool is {p.tool} but no steps are listed: nothing is profiled",
+                      "list steps, e.g. [2, 3]", "profile")  # fmt: skip
+    needs = {"nsys": "cuda", "npu": "npu"}
+    if p.tool in needs and c.cluster.device != needs[p.tool]:
+        yield error("profile.tool", f"{p.tool} profiles {needs[p.tool]} devices, but cluster.device = {c.cluster.device}",
+                    "use profile.tool: torch, or the matching device", "profile")  # fmt: skip
+    if p.tool == "torch":
+        wrong = {"cuda": "cuda", "npu": "npu"}
+        for i, act in enumerate(p.torch.activities):
+            if (
+                act in wrong
+                and c.cluster.device != wrong[act]
+                and not (act == "cuda" and c.cluster.device == "cpu")
+            ):
+                yield error(f"profile.torch.activities[{i}]",
+                            f"activity {act} needs cluster.device = {wrong[act]}", "remove it", "profile")  # fmt: skip
+    from rlconf.config import NpuProfileOptions, NsysProfileOptions, TorchProfileOptions
+
+    for name, default in (
+        ("torch", TorchProfileOptions()),
+        ("npu", NpuProfileOptions()),
+        ("nsys", NsysProfileOptions()),
+    ):
+        if name != p.tool and getattr(p, name) != default:
+            yield warning(f"profile.{name}", f"options for {name} are set but profile.tool = {p.tool}; they are ignored",
+                          f"remove profile.{name} or set profile.tool: {name}", "profile")  # fmt: skip
+
+
+@rule("model-source")
+def model_source(c: RLConfig) -> Iterator[Issue]:
+    """A model path and dist checkpoint path are consistent; TE attention is not available on npu/cpu."""
+    for prefix, m, _ in _megatron_roles(c):
+        if m.use_dist_checkpointing and not m.dist_checkpointing_path:
+            yield error(f"{prefix}.megatron.dist_checkpointing_path", "use_dist_checkpointing needs a path",
+                        "set dist_checkpointing_path or use_dist_checkpointing: false", "model-source")  # fmt: skip
+    if c.model.attention_backend == "te" and c.cluster.device != "cuda":
+        yield error("model.attention_backend", f"Transformer Engine needs cuda, cluster.device = {c.cluster.device}",
+                    "use attention_backend: sdpa", "model-source")  # fmt: skip
+    a = c.model.arch
+    heads = max(a.num_attention_heads, 1)
+    if a.kv_channels is None and c.model.path is None and a.hidden_size % heads:
+        yield error(
+            "model.arch.kv_channels",
+            "hidden_size is not divisible by num_attention_heads, so the head width is undefined",
+            "set kv_channels, or make hidden_size a multiple of the head count",
+            "model-source",
+        )
+
+
+@rule("cluster")
+def cluster(c: RLConfig) -> Iterator[Issue]:
+    """Device memory, if given, is positive; CPU workers and rollout TP fit."""
+    if c.cluster.device_memory_gib is not None and c.cluster.device_memory_gib <= 0:
+        yield error(
+            "cluster.device_memory_gib", "must be > 0", "give the device memory in GiB, or null", "cluster"
+        )
+    if c.cluster.cpus_per_worker <= 0:
+        yield error("cluster.cpus_per_worker", "must be > 0", "use 1", "cluster")
+    aw = actor_world(c)
+    tp = c.rollout.tensor_model_parallel_size
+    if aw >= 1 and tp >= 1 and aw % tp:
+        yield error("rollout.tensor_model_parallel_size", f"the actor pool of {aw} devices is not divisible by {tp}",
+                    "use a rollout tp that divides the actor pool", "cluster")  # fmt: skip

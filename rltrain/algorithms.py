@@ -1,0 +1,457 @@
+"""The pure math of PPO/GRPO: advantage estimators, KL penalties and controllers, policy and value losses.
+
+Every function here is a small torch function on (batch, response_length) tensors with no state beyond its
+arguments (the KL controllers hold one float), so that the Megatron engine and the controller share one
+tested definition. Shapes: `B` responses, `T` response tokens; `response_mask` is 1 on generated tokens and
+0 on padding. Formulas follow the common PPO/GRPO implementations (verl, TRL, OpenRLHF) and are given in
+each docstring.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rlconf.config import KLControl
+
+ADV_ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "rloo", "reinforce_plus_plus")
+KL_KINDS: tuple[str, ...] = ("kl", "abs", "mse", "low_var_kl")
+LOSS_AGG_MODES: tuple[str, ...] = (
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "seq-mean-token-sum-norm",
+)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def masked_sum(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """sum(values * mask) over `dim` (all elements when None)."""
+    prod = values * mask
+    return prod.sum() if dim is None else prod.sum(dim)
+
+
+def masked_mean(values: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """sum(values * mask) / sum(mask) over `dim` (all elements when None); 0 where the mask is empty."""
+    denom = mask.sum() if dim is None else mask.sum(dim)
+    return masked_sum(values, mask, dim) / denom.clamp_min(1e-8)
+
+
+def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of the masked elements: sum(mask * (v - mean)^2) / (n - 1) (unbiased) or / n.
+
+    With n <= 1 valid element the unbiased variance is undefined and 0 is returned.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        n = mask.sum()
+        var = torch.where(n > 1, var * n / (n - 1).clamp_min(1e-8), torch.zeros_like(var))
+    return var
+
+
+def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
+    """(values - mean) / sqrt(var + 1e-8) with mean and unbiased var over the masked elements.
+
+    With shift_mean false the mean is added back (only the scale changes). Positions outside the mask are
+    transformed by the same formula; callers mask them.
+    """
+    mean = masked_mean(values, mask)
+    var = masked_var(values, mask)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    return whitened if shift_mean else whitened + mean
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of softmax(logits) over the last dim: H = logsumexp(z) - sum(softmax(z) * z)."""
+    pd = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (pd * logits).sum(-1)
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """log softmax(logits)[..., label]: the log-probability of each label, shape of `labels`."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return logp.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+def outcome_to_token_level(scores: Tensor, response_mask: Tensor) -> Tensor:
+    """Place one scalar reward per response on its last valid token (zeros elsewhere), shape (B, T).
+
+    This is how rule-based rewards enter token-level estimators (GAE, REINFORCE++) and the KL penalty.
+    """
+    mask = response_mask.to(scores.dtype if scores.is_floating_point() else torch.float32)
+    out = torch.zeros_like(mask)
+    lengths = response_mask.long().sum(-1)
+    rows = torch.nonzero(lengths > 0).squeeze(-1)
+    # Index of the last 1 in each row (works for interior zeros too).
+    positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)
+    last = torch.where(response_mask.bool(), positions, torch.full_like(positions, -1)).max(-1).values
+    out[rows, last[rows]] = scores.to(out.dtype)[rows]
+    return out
+
+
+def _group_ids(group_index: Tensor | Sequence[Any], n: int, device: torch.device) -> Tensor:
+    """Dense int ids 0..G-1 for any 1-D int tensor or sequence of hashables (e.g. uid strings)."""
+    if isinstance(group_index, Tensor):
+        if group_index.dim() != 1:
+            raise ValueError(f"group_index must be 1-D, got shape {tuple(group_index.shape)}")
+        keys = group_index.tolist()
+    else:
+        keys = list(group_index)
+    if len(keys) != n:
+        raise ValueError(f"group_index has {len(keys)} entries for {n} responses")
+    dense: dict[Any, int] = {}
+    return torch.tensor([dense.setdefault(k, len(dense)) for k in keys], dtype=torch.long, device=device)
+
+
+# --------------------------------------------------------------------------------------- advantages
+def compute_gae_advantage_return(
+    token_level_rewards: Tensor,
+    values: Tensor,
+    response_mask: Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[Tensor, Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over each response.
+
+    Backwards over valid tokens t (masked tokens are skipped: they neither bootstrap nor accumulate):
+        delta_t = r_t + gamma * V_{t+1} - V_t            (V after the last valid token is 0)
+        A_t     = delta_t + gamma * lam * A_{t+1}
+        returns_t = A_t + V_t                             (computed before whitening)
+    The advantages are then whitened over all valid tokens of the batch (masked_whiten) and set to 0 on
+    masked positions; returns are 0 there too. Returns (advantages, returns), each (B, T).
+    """
+    mask = response_mask.to(values.dtype)
+    with torch.no_grad():
+        next_value = torch.zeros_like(values[:, 0])
+        last_gae = torch.zeros_like(values[:, 0])
+        advantages = torch.zeros_like(values)
+        for t in reversed(range(values.shape[-1])):
+            m = mask[:, t]
+            delta = token_level_rewards[:, t] + gamma * next_value - values[:, t]
+            gae = delta + gamma * lam * last_gae
+            # On a masked position carry the next valid token's value and advantage through unchanged.
+            next_value = values[:, t] * m + (1 - m) * next_value
+            last_gae = gae * m + (1 - m) * last_gae
+            advantages[:, t] = last_gae
+        returns = (advantages + values) * mask
+        advantages = masked_whiten(advantages, mask) * mask
+    return advantages, returns
+
+
+def compute_grpo_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor | Sequence[Any],
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """GRPO (Shao et al. 2024): group-relative outcome advantage, the same for every token of a response.
+
+        s_i = sum_t r_{i,t}
+        A_i = (s_i - mean_g(s)) / (std_g(s) + epsilon)   if norm_adv_by_std_in_grpo (std unbiased)
+        A_i =  s_i - mean_g(s)                            otherwise (Dr. GRPO)
+    where g is the group (prompt) of response i. A group of one response has no baseline: A = 0.
+    Returns (advantages, returns), both A_i broadcast over the valid tokens, (B, T).
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    with torch.no_grad():
+        scores = (token_level_rewards * mask).sum(-1)
+        ids = _group_ids(group_index, scores.shape[0], scores.device)
+        n_groups = int(ids.max()) + 1 if ids.numel() else 0
+        counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
+            0, ids, torch.ones_like(scores)
+        )
+        mean = torch.zeros_like(counts).index_add_(0, ids, scores) / counts
+        dev = scores - mean[ids]
+        var = torch.zeros_like(counts).index_add_(0, ids, dev**2) / (counts - 1).clamp_min(1)
+        adv = dev / (var.sqrt()[ids] + epsilon) if norm_adv_by_std_in_grpo else dev
+        adv = torch.where(counts[ids] > 1, adv, torch.zeros_like(adv))
+        adv = adv.unsqueeze(-1) * mask
+    return adv, adv
+
+
+def compute_rloo_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor | Sequence[Any],
+) -> tuple[Tensor, Tensor]:
+    """RLOO (Ahmadian et al. 2024): each response's baseline is the mean score of the others in its group.
+
+        s_i = sum_t r_{i,t};  A_i = s_i - (sum_{j in g, j != i} s_j) / (n_g - 1)
+    A group of one response has no baseline: A = 0. Returns (advantages, returns), (B, T).
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    with torch.no_grad():
+        scores = (token_level_rewards * mask).sum(-1)
+        ids = _group_ids(group_index, scores.shape[0], scores.device)
+        n_groups = int(ids.max()) + 1 if ids.numel() else 0
+        counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
+            0, ids, torch.ones_like(scores)
+        )
+        sums = torch.zeros_like(counts).index_add_(0, ids, scores)
+        n = counts[ids]
+        baseline = (sums[ids] - scores) / (n - 1).clamp_min(1)
+        adv = torch.where(n > 1, scores - baseline, torch.zeros_like(scores))
+        adv = adv.unsqueeze(-1) * mask
+    return adv, adv
+
+
+def compute_reinforce_plus_plus_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    gamma: float,
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the batch.
+
+        G_t = r_t + gamma * G_{t+1}   (the running return restarts after masked positions)
+        A_t = whiten(G) over valid tokens, 0 on masked positions
+    Returns (advantages, returns=G), (B, T).
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    with torch.no_grad():
+        returns = torch.zeros_like(token_level_rewards)
+        running = torch.zeros_like(token_level_rewards[:, 0])
+        for t in reversed(range(token_level_rewards.shape[-1])):
+            running = token_level_rewards[:, t] + gamma * running
+            returns[:, t] = running
+            running = running * mask[:, t]
+        returns = returns * mask
+        advantages = masked_whiten(returns, mask) * mask
+    return advantages, returns
+
+
+def compute_advantage(
+    estimator: str,
+    *,
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    values: Tensor | None = None,
+    group_index: Tensor | Sequence[Any] | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """Dispatch on `algorithm.adv_estimator` (gae | grpo | rloo | reinforce_plus_plus).
+
+    gae needs `values` (the critic); grpo and rloo need `group_index` (the prompt of each response).
+    Returns (advantages, returns), each (B, T).
+    """
+    if estimator == "gae":
+        if values is None:
+            raise ValueError("algorithm.adv_estimator=gae needs the critic's values (enable critic.enable)")
+        return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
+    if estimator in ("grpo", "rloo"):
+        if group_index is None:
+            raise ValueError(f"algorithm.adv_estimator={estimator} needs group_index (the prompt of each response)")
+        if estimator == "grpo":
+            return compute_grpo_outcome_advantage(
+                token_level_rewards, response_mask, group_index, norm_adv_by_std_in_grpo, epsilon
+            )
+        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, group_index)
+    if estimator == "reinforce_plus_plus":
+        return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
+    raise ValueError(f"unknown algorithm.adv_estimator {estimator!r}; choose one of {', '.join(ADV_ESTIMATORS)}")
+
+
+# ----------------------------------------------------------------------------------------------- KL
+def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from log-probs of the sampled tokens (Schulman's k1/k2/k3).
+
+        kl:          log_prob - ref_log_prob                                   (k1, unbiased)
+        abs:         |log_prob - ref_log_prob|
+        mse:         0.5 * (log_prob - ref_log_prob)^2                          (k2)
+        low_var_kl:  exp(d) - d - 1 with d = ref_log_prob - log_prob            (k3, unbiased, >= 0)
+                     d clamped to [-20, 20] against overflow, the result to [-10, 10]
+    """
+    diff = log_prob - ref_log_prob
+    if kind == "kl":
+        return diff
+    if kind == "abs":
+        return diff.abs()
+    if kind == "mse":
+        return 0.5 * diff.square()
+    if kind == "low_var_kl":
+        d = torch.clamp(-diff, min=-20.0, max=20.0)
+        return torch.clamp(torch.exp(d) - d - 1, min=-10.0, max=10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; choose one of {', '.join(KL_KINDS)}")
+
+
+def apply_kl_penalty(
+    token_level_scores: Tensor,
+    log_prob: Tensor,
+    ref_log_prob: Tensor,
+    response_mask: Tensor,
+    kl_coef: float,
+    kind: str,
+) -> tuple[Tensor, float]:
+    """KL-in-reward: r_t = score_t - kl_coef * kl_t on valid tokens (kl_t from `kl_penalty`, 0 on padding).
+
+    Returns (token_level_rewards, mean_kl) where mean_kl is the batch mean of each response's token-mean KL,
+    the quantity an adaptive controller steers.
+    """
+    mask = response_mask.to(log_prob.dtype)
+    kld = kl_penalty(log_prob, ref_log_prob, kind) * mask
+    rewards = token_level_scores - kl_coef * kld
+    per_seq = masked_mean(kld, mask, dim=-1)
+    return rewards, float(per_seq.mean()) if per_seq.numel() else 0.0
+
+
+class FixedKLController:
+    """Constant KL coefficient (`algorithm.kl_ctrl.type = fixed`)."""
+
+    def __init__(self, kl_coef: float) -> None:
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Nothing to adapt."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "fixed", "value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Checks the type only: a fixed coefficient is configuration, so the config's value wins on resume."""
+        if state["type"] != "fixed":
+            raise ValueError(f"cannot load a {state['type']!r} KL controller state into a fixed controller")
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019), steering the measured KL towards `target_kl`.
+
+        e = clip(current_kl / target_kl - 1, -0.2, 0.2)
+        beta <- beta * (1 + e * n_steps / horizon)
+    """
+
+    def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
+        if target_kl <= 0 or horizon <= 0:
+            raise ValueError("adaptive KL control needs target_kl > 0 and horizon > 0")
+        self.value = float(init_kl_coef)
+        self.target = float(target_kl)
+        self.horizon = int(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": "adaptive", "value": self.value}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores the adapted coefficient (target and horizon come from the config)."""
+        if state["type"] != "adaptive":
+            raise ValueError(f"cannot load a {state['type']!r} KL controller state into an adaptive controller")
+        self.value = float(state["value"])
+
+
+def build_kl_controller(cfg: KLControl) -> FixedKLController | AdaptiveKLController:
+    """The controller described by `algorithm.kl_ctrl`."""
+    if cfg.type == "fixed":
+        return FixedKLController(cfg.kl_coef)
+    if cfg.type == "adaptive":
+        return AdaptiveKLController(cfg.kl_coef, cfg.target_kl, cfg.horizon)
+    raise ValueError(f"unknown algorithm.kl_ctrl.type {cfg.type!r}; choose fixed or adaptive")
+
+
+# ------------------------------------------------------------------------------------------- losses
+def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
+    """Reduce a (B, T) per-token loss to a scalar (`actor.loss_agg_mode`).
+
+        token-mean:              sum(l * m) / sum(m)                          every token weighs the same
+        seq-mean-token-sum:      mean_i sum_t l_it m_it                       longer responses weigh more
+        seq-mean-token-mean:     mean_i (sum_t l_it m_it / sum_t m_it)        every response weighs the same
+        seq-mean-token-sum-norm: mean_i (sum_t l_it m_it) / T                 Dr. GRPO: constant T = max length
+    """
+    mask = loss_mask.to(loss_mat.dtype)
+    if loss_agg_mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    seq_sums = (loss_mat * mask).sum(-1)
+    if loss_agg_mode == "seq-mean-token-sum":
+        return seq_sums.mean()
+    if loss_agg_mode == "seq-mean-token-mean":
+        return (seq_sums / mask.sum(-1).clamp_min(1e-8)).mean()
+    if loss_agg_mode == "seq-mean-token-sum-norm":
+        return seq_sums.mean() / loss_mask.shape[-1]
+    raise ValueError(f"unknown actor.loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+
+
+def compute_policy_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float,
+    loss_agg_mode: str,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate with dual clip (Ye et al. 2020) for negative advantages.
+
+        ratio = exp(log_prob - old_log_prob)          (log-ratio clamped to [-20, 20])
+        L1 = -A * ratio;  L2 = -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
+        L  = max(L1, L2)                              (the pessimistic PPO bound)
+        if A < 0: L = min(L, -A * clip_ratio_c)       (dual clip: bound the loss of a huge ratio)
+        loss = agg_loss(L, response_mask, loss_agg_mode)
+    Metrics (detached scalars): pg_clipfrac = mean[L2 > L1], ppo_kl = mean[old_log_prob - log_prob],
+    pg_clipfrac_lower = mean[A < 0 and max(L1, L2) > -A * clip_ratio_c], all over valid tokens.
+    """
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"actor.clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
+    mask = response_mask.to(log_prob.dtype)
+    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
+    ratio = torch.exp(log_ratio)
+    ppo_kl = masked_mean(-log_ratio, mask)
+
+    losses1 = -advantages * ratio
+    losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    clipped = torch.maximum(losses1, losses2)
+    pg_clipfrac = masked_mean(torch.gt(losses2, losses1).to(mask.dtype), mask)
+
+    losses3 = -advantages * clip_ratio_c
+    dual = torch.minimum(losses3, clipped)
+    negative = advantages < 0
+    pg_clipfrac_lower = masked_mean((torch.gt(clipped, losses3) & negative).to(mask.dtype), mask)
+    pg_losses = torch.where(negative, dual, clipped)
+
+    loss = agg_loss(pg_losses, mask, loss_agg_mode)
+    metrics = {
+        "pg_clipfrac": pg_clipfrac.detach(),
+        "ppo_kl": ppo_kl.detach(),
+        "pg_clipfrac_lower": pg_clipfrac_lower.detach(),
+    }
+    return loss, metrics
+
+
+def compute_value_loss(
+    vpreds: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    response_mask: Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss (PPO2 style, `critic.cliprange_value`).
+
+        V_clip = clip(vpreds, old_values - c, old_values + c)
+        loss   = 0.5 * agg_loss(max((vpreds - R)^2, (V_clip - R)^2), response_mask, loss_agg_mode)
+    Metric: vf_clipfrac = mean over valid tokens of [(V_clip - R)^2 > (vpreds - R)^2].
+    """
+    mask = response_mask.to(vpreds.dtype)
+    clipped_preds = torch.clamp(vpreds, old_values - cliprange_value, old_values + cliprange_value)
+    losses1 = (vpreds - returns).square()
+    losses2 = (clipped_preds - returns).square()
+    loss = 0.5 * agg_loss(torch.maximum(losses1, losses2), mask, loss_agg_mode)
+    vf_clipfrac = masked_mean(torch.gt(losses2, losses1).to(mask.dtype), mask)
+    return loss, {"vf_clipfrac": vf_clipfrac.detach()}
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
+    """1 - Var(returns - values) / Var(returns) over valid tokens (a critic-quality metric); nan if Var = 0."""
+    var_r = masked_var(returns, mask)
+    if float(var_r) == 0.0:
+        return math.nan
+    return float(1.0 - masked_var(returns - values, mask) / var_r)

@@ -1,0 +1,163 @@
+"""The `rltrain` command: `rltrain PRESET [--config FILE.yaml] [--dotted.field VALUE ...] [--dry-run]`.
+
+Precedence: flags > file > preset > dataclass defaults. Flags are parsed by tyro from the config
+dataclasses (help text is the field docstrings); every field is a flag. The whole config is validated and
+the plan compiled before anything starts. This module stays light (no torch, ray or megatron imports) so
+`rltrain --help` is quick; the controller is imported only to run.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rlconf.cli import EXIT_OK, run_guarded
+from rlconf.config import RLConfig
+from rlconf.errors import ConfigError, Issue, error
+from rlconf.fields import iter_leaves, leaf_paths
+
+USAGE = """usage: rltrain PRESET [--config FILE.yaml] [--section.field VALUE ...] [--dry-run]
+       rltrain PRESET --help     every flag, with the preset's values as defaults
+       rltrain --list            the presets
+
+Runs RL fine-tuning (PPO/GRPO) on megatron-core. Precedence: flags > --config file > preset > defaults.
+--dry-run prints the resolved config and the trainer plan and exits.
+"""
+
+_OWN_FLAGS = {"--config", "--dry-run", "--help", "-h"}
+
+
+def _tyro_cli(default: RLConfig, args: Sequence[str], prog: str) -> RLConfig:
+    import tyro
+
+    return tyro.cli(
+        RLConfig,
+        args=list(args),
+        default=default,
+        prog=prog,
+        use_underscores=True,
+        config=(tyro.conf.FlagConversionOff,),
+    )
+
+
+def _flag_issues(args: Sequence[str]) -> list[Issue]:
+    """Unknown --flags, reported as config paths with a did-you-mean, before tyro sees them."""
+    from rlconf.load import unknown_path_issue
+
+    known = set(leaf_paths(RLConfig))
+    issues = []
+    for token in args:
+        if not token.startswith("--") or token in _OWN_FLAGS:
+            continue
+        name = token[2:].split("=", 1)[0].replace("-", "_")
+        if name not in known:
+            issues.append(unknown_path_issue(name))
+    return issues
+
+
+def config_to_flags(config: RLConfig) -> list[str]:
+    """Flags that reproduce `config` from the defaults (only fields that differ are written)."""
+    default = RLConfig()
+    flags: list[str] = []
+    for leaf in iter_leaves(RLConfig):
+        value = _get(config, leaf.path)
+        if value == _get(default, leaf.path):
+            continue
+        flags.append(f"--{leaf.path}")
+        flags.extend(_flag_values(value))
+    return flags
+
+
+def _flag_values(value: Any) -> list[str]:
+    if value is None:
+        return ["None"]
+    if isinstance(value, tuple):
+        return [v for item in value for v in _flag_values(item)]
+    return [repr(value) if isinstance(value, float) else str(value)]
+
+
+def _get(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
+    """(config, dry_run) from `PRESET [--config FILE] [flags] [--dry-run]`; raises ConfigError."""
+    from rlconf.load import build_config, config_to_dict, resolve_config
+    from rlconf.validate import check_config
+
+    preset, rest = argv[0], list(argv[1:])
+    config_file, dry_run, flags = None, False, []
+    i = 0
+    while i < len(rest):
+        token = rest[i]
+        if token == "--dry-run":
+            dry_run = True
+        elif token == "--config" or token.startswith("--config="):
+            if "=" in token:
+                config_file = token.split("=", 1)[1]
+            elif i + 1 < len(rest):
+                config_file, i = rest[i + 1], i + 1
+            else:
+                raise ConfigError(
+                    [error("", "--config needs a FILE", "write --config path/to/run.yaml", "usage")]
+                )
+        else:
+            flags.append(token)
+        i += 1
+    if issues := _flag_issues(flags):
+        raise ConfigError(issues, "command line")
+    base = resolve_config(config_file, preset=preset)
+    config = _tyro_cli(base, flags, prog=f"rltrain {preset}")
+    # tyro checked each value's type; the same structural walk as files (finite floats, ...) and the
+    # cross-field rules run on the result, so flags and files are held to one standard.
+    config, structural = build_config(config_to_dict(config), source="command line")
+    issues = structural + check_config(config)
+    if any(i.severity == "error" for i in issues):
+        raise ConfigError(issues, "command line")
+    for w in issues:
+        print(w.format(), file=sys.stderr)
+    return config, dry_run
+
+
+def _run(argv: Sequence[str]) -> int:
+    from presets import PRESETS
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE + "\npresets:\n" + "\n".join(f"  {p.name:26s} {p.description}" for p in PRESETS.values()))
+        return EXIT_OK
+    if argv[0] == "--list":
+        for p in PRESETS.values():
+            print(f"{p.name:26s} {p.description}")
+        return EXIT_OK
+    if argv[0].startswith("-"):
+        raise ConfigError(
+            [error("", f"expected a PRESET first, got {argv[0]}", "run `rltrain --list`", "usage")]
+        )
+    config, dry_run = parse_args(argv)
+
+    from rlconf.plan import compile_plan, format_plan
+
+    plan = compile_plan(config)
+    if dry_run:
+        from rlconf.render import render_config
+
+        print("# resolved config")
+        print(render_config(config), end="")
+        print("\n# trainer plan")
+        print(format_plan(plan), end="")
+        return EXIT_OK
+    from rltrain.controller import run_training
+
+    return run_training(config, plan)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    return run_guarded(lambda: _run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""CPU compatibility layer: lets unmodified megatron-core 0.16.1 run on CPU with gloo.
+
+megatron-core assumes CUDA in a handful of places (measured, see DESIGN.md "Measured facts"). On a CPU run
+(`cluster.device == "cpu"`) this module redirects exactly those assumptions; on GPU it is never imported
+into the hot path and megatron runs untouched. Everything is in this one module so that a megatron upgrade
+shows, through tests/megatron/test_cpu_compat.py (one test per redirect), which assumption moved.
+
+Two parts:
+
+* `enable_cpu_compat()` (process-wide, idempotent) replaces functions:
+  - `torch.cuda.current_device()` -> `torch.device("cpu")`: megatron passes it as `device=` when it builds
+    tensors (layers, rotary embedding, grad buffers, p2p shapes); a device object works everywhere an int
+    would, without a mode.
+  - `torch.cuda.synchronize()` -> no-op (p2p communication, parallel_state, DDP offload).
+  - CUDA RNG state functions used by `megatron.core.tensor_parallel.random` (`torch.cuda.get_rng_state`,
+    `torch.cuda.set_rng_state`, `torch.cuda.manual_seed`, and megatron's own `_get_cuda_rng_state` /
+    `_set_cuda_rng_state`) -> the CPU default generator, so the model-parallel RNG tracker forks CPU state.
+* `cuda_to_cpu()` (per thread, re-entrant context manager) enters a `TorchFunctionMode` that rewrites
+  what cannot be patched as a function: tensors created with a literal `device="cuda"` (schedules,
+  optimizer, clip_grads, local multi-tensor l2 norm), `Tensor.cuda()` / `Tensor.to("cuda")`, and
+  `Tensor.type()` answering `torch.cuda.FloatTensor`-style names for CPU tensors (the dtype checks in
+  distrib_optimizer, optimizer and clip_grads compare against those strings). Torch function modes are
+  thread-local, so the engine enters it around each call into megatron instead of once per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_lock = threading.Lock()
+_enabled = False
+_tls = threading.local()
+_CPU = torch.device("cpu")
+
+# Tensor.type() names of CPU tensors -> the CUDA names megatron's optimizer checks compare against.
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+    "torch.ByteTensor": "torch.cuda.ByteTensor",
+    "torch.BoolTensor": "torch.cuda.BoolTensor",
+}
+
+
+def is_enabled() -> bool:
+    """Whether `enable_cpu_compat()` has patched this process."""
+    return _enabled
+
+
+def _is_cuda_device(device: Any) -> bool:
+    # An int device means a CUDA ordinal to torch; on a CPU run it can only come from megatron code that
+    # assumed CUDA. bool is an int subclass but never a device, so it is excluded.
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+def _current_device() -> torch.device:
+    return _CPU
+
+
+def _synchronize(device: Any = None) -> None:
+    # CPU ops are synchronous; megatron calls this around p2p and offload.
+    return None
+
+
+def _cpu_get_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _cpu_set_rng_state(new_state: torch.Tensor, device: Any = -1, graph_safe: bool = False) -> None:
+    torch.set_rng_state(new_state)
+
+
+def _cpu_manual_seed(seed: int) -> None:
+    # The generator itself, not torch.manual_seed: that one calls torch.cuda.manual_seed_all (left alone).
+    torch.default_generator.manual_seed(int(seed))
+
+
+class _RngForkWarningFilter(logging.Filter):
+    """Drops megatron's 'CPU RNG state changed within GPU RNG context' warning.
+
+    On CPU the tracker's 'GPU' state is the CPU generator, so any random op inside a tracker fork (dropout,
+    init) changes the CPU state by design; the warning would fire on every such fork.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
+
+
+def enable_cpu_compat() -> None:
+    """Patch the process-wide CUDA assumptions of megatron-core for a CPU run. Idempotent.
+
+    Call only when `cluster.device == "cpu"`: it replaces `torch.cuda` functions in this process.
+    """
+    global _enabled
+    with _lock:
+        if _enabled:
+            return
+        import megatron.core.tensor_parallel.random as mp_random
+        import torch.cuda.random as cuda_random
+
+        torch.cuda.current_device = _current_device
+        torch.cuda.synchronize = _synchronize
+        for module in (torch.cuda, cuda_random):
+            module.get_rng_state = _cpu_get_rng_state
+            module.set_rng_state = _cpu_set_rng_state
+            module.manual_seed = _cpu_manual_seed
+        # megatron's tracker calls these module-level helpers by name (fork, checkpointing).
+        mp_random._get_cuda_rng_state = _cpu_get_rng_state
+        mp_random._set_cuda_rng_state = _cpu_set_rng_state
+        logging.getLogger(mp_random.__name__).addFilter(_RngForkWarningFilter())
+        _enabled = True
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA device requests to the CPU inside megatron calls (see the module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            # .cuda(device=None, non_blocking=False, memory_format=...) -> stay on the CPU.
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        device = kwargs.get("device")
+        if device is not None and _is_cuda_device(device):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda_device(args[1]):
+            args = (args[0], _CPU, *args[2:])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_to_cpu() -> Iterator[None]:
+    """Enter the CUDA->CPU rewrite mode on this thread (re-entrant: nested uses are free)."""
+    if getattr(_tls, "active", False):
+        yield
+        return
+    _tls.active = True
+    try:
+        with CudaToCpuMode():
+            yield
+    finally:
+        _tls.active = False
+
+
+def device_context(device: str) -> contextlib.AbstractContextManager[None]:
+    """The context the engine wraps megatron calls in: the rewrite mode on cpu, nothing otherwise."""
+    if device == "cpu":
+        enable_cpu_compat()
+        return cuda_to_cpu()
+    return contextlib.nullcontext()

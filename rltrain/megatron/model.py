@@ -1,0 +1,324 @@
+"""Model construction for the megatron engine: TransformerConfig, GPTModel chunks, DDP, optimizer, lr schedule.
+
+Builds a Qwen2/Llama-style decoder (RMSNorm, SwiGLU, RoPE, GQA, optional qkv bias, tied embeddings) from
+`ModelArch` with megatron-core's own modules. Core attention is chosen by `model.attention_backend`:
+`SdpaAttention` (below: torch `scaled_dot_product_attention`, fused kernels; 34k vs 21k tok/s for megatron's
+unfused local attention on H200), megatron's local `DotProductAttention`, or the Transformer Engine spec.
+Pipeline stages (and virtual stages) become a list of model chunks, each wrapped in megatron DDP; the
+optimizer is megatron's (`get_megatron_optimizer`), the lr schedule megatron's `OptimizerParamScheduler`.
+A critic is the same trunk with `ValueHead` replacing the vocabulary projection.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.module import Float16Module
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from rlconf.config import MegatronConfig, ModelArch, ModelConfig, Optim
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def te_available() -> bool:
+    """Whether Transformer Engine is importable (decides `attention_backend: auto`)."""
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
+    """Vocabulary padded to a multiple of `multiple` x TP (megatron's rule), so every TP shard is equal."""
+    step = multiple * tp_size
+    return ((vocab_size + step - 1) // step) * step
+
+
+# ------------------------------------------------------------------------------------ core attention
+class SdpaAttention(DotProductAttention):
+    """megatron core attention computed by `torch.nn.functional.scaled_dot_product_attention`.
+
+    Same constructor and partition bookkeeping as megatron's `DotProductAttention` (so specs, TP and
+    sharded state dicts are unchanged); only the math differs: one fused SDPA call with native GQA instead
+    of baddbmm + softmax + bmm. Inputs are megatron's [s, b, heads, dim]; the mask, when given, follows
+    megatron's convention (True = masked out); without one the attention is causal.
+    """
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        attn_mask_type: Any = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: Any = None,
+    ) -> torch.Tensor:
+        assert packed_seq_params is None, "SdpaAttention does not support packed sequences"
+        assert attention_bias is None, "SdpaAttention does not support attention bias"
+        sq, b = query.shape[0], query.shape[1]
+        # [s, b, h, d] -> [b, h, s, d]
+        q = query.permute(1, 2, 0, 3)
+        k = key.permute(1, 2, 0, 3)
+        v = value.permute(1, 2, 0, 3)
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        mask = None if attention_mask is None else ~attention_mask
+        kwargs: dict[str, Any] = {
+            "attn_mask": mask,
+            "dropout_p": dropout_p,
+            "is_causal": mask is None,
+            "scale": self.softmax_scale,
+            "enable_gqa": self.num_attention_heads_per_partition != self.num_query_groups_per_partition,
+        }
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            # Attention dropout differs per TP rank (heads are sharded), as in megatron's local attention.
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                ctx = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        else:
+            ctx = F.scaled_dot_product_attention(q, k, v, **kwargs)
+        # [b, h, s, d] -> [s, b, h*d]
+        return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+
+def layer_spec(backend: str) -> ModuleSpec:
+    """Transformer layer spec for `model.attention_backend` (auto: te when installed, else sdpa)."""
+    if backend == "te" or (backend == "auto" and te_available()):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    with warnings.catch_warnings():
+        # "Apex is not installed. Falling back to Torch Norm": expected, torch RMSNorm is what we want.
+        warnings.simplefilter("ignore")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if backend in ("sdpa", "auto"):
+        # get_gpt_layer_local_spec builds fresh spec objects per call, so editing in place is safe.
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec
+
+
+# ------------------------------------------------------------------------------------ transformer config
+def transformer_config(
+    arch: ModelArch, model_cfg: ModelConfig, mcfg: MegatronConfig, device: str
+) -> TransformerConfig:
+    """megatron TransformerConfig for a Qwen2/Llama-style decoder and one role's parallel layout."""
+    dtype = _DTYPES[model_cfg.params_dtype]
+    tp = mcfg.tensor_model_parallel_size
+    ov = mcfg.override_transformer_config
+    recompute: dict[str, Any] = {}
+    if ov.recompute_granularity is not None:
+        recompute["recompute_granularity"] = ov.recompute_granularity
+        if ov.recompute_granularity == "full":
+            recompute["recompute_method"] = ov.recompute_method or "uniform"
+            recompute["recompute_num_layers"] = ov.recompute_num_layers or 1
+        else:
+            recompute["recompute_modules"] = list(ov.recompute_modules)
+    return TransformerConfig(
+        num_layers=arch.num_layers,
+        hidden_size=arch.hidden_size,
+        ffn_hidden_size=arch.ffn_hidden_size,
+        num_attention_heads=arch.num_attention_heads,
+        num_query_groups=arch.num_query_groups,
+        kv_channels=arch.kv_channels,
+        layernorm_epsilon=arch.norm_epsilon,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=arch.add_qkv_bias,
+        attention_dropout=ov.attention_dropout,
+        hidden_dropout=ov.hidden_dropout,
+        init_method_std=model_cfg.init_method_std,
+        # Fusions need apex / TE / CUDA kernels; the unfused paths are the portable ones.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        use_cpu_initialization=device == "cpu",
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=mcfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=mcfg.context_parallel_size,
+        expert_model_parallel_size=mcfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=mcfg.expert_tensor_parallel_size,
+        # megatron rejects sequence parallel at TP=1; the config doc says we switch it off there.
+        sequence_parallel=mcfg.sequence_parallel and tp > 1,
+        # RL batches change length every step: let the pipeline exchange shapes per micro-batch.
+        variable_seq_lengths=True,
+        # Only MoE layers read this; allgather (the default) refuses variable_seq_lengths.
+        moe_token_dispatcher_type="alltoall",
+        **recompute,
+    )
+
+
+# ------------------------------------------------------------------------------------ value head
+class ValueHead(torch.nn.Module):
+    """Scalar value projection replacing GPTModel's vocabulary projection (`output_layer`) for a critic.
+
+    Replicated on every TP rank: it sees the full hidden state (gathered from sequence-parallel shards
+    without a gradient reduce, since every rank computes the same loss) and returns [s, b, 1].
+    """
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.sequence_parallel = config.sequence_parallel
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))
+        torch.nn.init.normal_(self.weight, std=config.init_method_std)
+
+    def forward(
+        self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
+    ) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False
+            )
+        return F.linear(hidden_states, self.weight), None
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
+        from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, {}, sharded_offsets)
+
+
+# ------------------------------------------------------------------------------------ model chunks
+def build_model_chunks(
+    arch: ModelArch,
+    model_cfg: ModelConfig,
+    mcfg: MegatronConfig,
+    device: str,
+    value_head: bool = False,
+    wrap_ddp: bool = True,
+) -> list[torch.nn.Module]:
+    """This rank's model chunks (one per virtual pipeline stage), optionally wrapped in megatron DDP.
+
+    Each chunk is `DDP(Float16Module?(GPTModel))`; the bare GPTModel (for weights and sharded state dicts)
+    is `unwrap(chunk)`. A critic (`value_head=True`) has no tied output layer: its last stage ends in
+    `ValueHead`.
+    """
+    config = transformer_config(arch, model_cfg, mcfg, device)
+    spec = layer_spec(model_cfg.attention_backend)
+    vpp = mcfg.virtual_pipeline_model_parallel_size
+    vocab = padded_vocab_size(arch.vocab_size, mcfg.tensor_model_parallel_size)
+    chunks: list[torch.nn.Module] = []
+    for i in range(vpp or 1):
+        vp_stage = i if vpp is not None else None
+        pre = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage)
+        post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            vocab_size=vocab,
+            max_sequence_length=arch.max_position_embeddings,
+            pre_process=pre,
+            post_process=post,
+            parallel_output=True,
+            share_embeddings_and_output_weights=arch.share_embeddings_and_output_weights and not value_head,
+            position_embedding_type="rope",
+            rotary_base=arch.rotary_base,
+            vp_stage=vp_stage,
+        )
+        if value_head and post:
+            model.output_layer = ValueHead(config)
+        if device != "cpu":
+            model.cuda(torch.cuda.current_device())
+        if config.bf16 or config.fp16:
+            model = Float16Module(config, model)
+        chunks.append(model)
+    if wrap_ddp:
+        ddp_cfg = ddp_config(mcfg)
+        chunks = [
+            DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=m, disable_bucketing=i > 0)
+            for i, m in enumerate(chunks)
+        ]
+    return chunks
+
+
+def ddp_config(mcfg: MegatronConfig) -> DistributedDataParallelConfig:
+    """megatron DistributedDataParallelConfig from `override_ddp_config`."""
+    ov = mcfg.override_ddp_config
+    return DistributedDataParallelConfig(
+        grad_reduce_in_fp32=ov.grad_reduce_in_fp32,
+        overlap_grad_reduce=ov.overlap_grad_reduce,
+        overlap_param_gather=ov.overlap_param_gather and mcfg.use_distributed_optimizer,
+        bucket_size=ov.bucket_size,
+        average_in_collective=ov.average_in_collective,
+        use_distributed_optimizer=mcfg.use_distributed_optimizer,
+    )
+
+
+def unwrap(chunk: torch.nn.Module) -> GPTModel:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    while not isinstance(chunk, GPTModel):
+        chunk = chunk.module
+    return chunk
+
+
+# ------------------------------------------------------------------------------------ optimizer
+def build_optimizer(
+    chunks: Sequence[torch.nn.Module], optim: Optim, model_cfg: ModelConfig, mcfg: MegatronConfig
+) -> MegatronOptimizer:
+    """megatron optimizer (AdamW or SGD, fp32 master weights for 16-bit params, global grad clip)."""
+    dtype = _DTYPES[model_cfg.params_dtype]
+    cfg = OptimizerConfig(
+        optimizer=optim.optimizer,
+        lr=optim.lr,
+        min_lr=optim.min_lr,
+        weight_decay=optim.weight_decay,
+        adam_beta1=optim.betas[0],
+        adam_beta2=optim.betas[1],
+        adam_eps=optim.eps,
+        clip_grad=optim.clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=mcfg.use_distributed_optimizer,
+        overlap_param_gather=mcfg.override_ddp_config.overlap_param_gather and mcfg.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(cfg, list(chunks))
+
+
+def build_lr_scheduler(optimizer: MegatronOptimizer, optim: Optim, total_steps: int) -> OptimizerParamScheduler:
+    """megatron OptimizerParamScheduler; the engine calls `.step(1)` after every optimizer step."""
+    total_steps = max(int(total_steps), 1)
+    warmup = optim.lr_warmup_steps
+    if warmup is None:
+        warmup = int(optim.lr_warmup_steps_ratio * total_steps)
+    decay = optim.lr_decay_steps if optim.lr_decay_steps is not None else total_steps
+    # megatron asserts warmup < decay; a schedule shorter than its warmup just ends at the peak.
+    decay = max(decay, warmup + 1)
+    wsd = None
+    if optim.lr_decay_style == "WSD":
+        wsd = optim.lr_wsd_decay_steps if optim.lr_wsd_decay_steps is not None else max(1, decay // 10)
+    return OptimizerParamScheduler(
+        optimizer,
+        init_lr=optim.lr_warmup_init,
+        max_lr=optim.lr,
+        min_lr=optim.min_lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=decay,
+        lr_decay_style=optim.lr_decay_style,
+        start_wd=optim.weight_decay,
+        end_wd=optim.weight_decay,
+        wd_incr_steps=1,
+        wd_incr_style="constant",
+        use_checkpoint_opt_param_scheduler=False,
+        override_opt_param_scheduler=True,
+        wsd_decay_steps=wsd,
+        lr_wsd_decay_style=optim.lr_wsd_decay_style if wsd is not None else None,
+    )

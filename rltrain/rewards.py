@@ -1,0 +1,274 @@
+"""Rule-based reward functions and the resolution of `reward.function`.
+
+A reward function has the signature `(response: str, ground_truth: str, prompt: str) -> float`. The built-ins
+are registered in `REWARD_FUNCTIONS` under exactly the names of `rlconf.config.BUILTIN_REWARDS`; a user
+function is named as `package.module:function` and imported with importlib (the spec is never evaluated).
+Every resolution problem raises `RewardFunctionError`, a `ConfigError` on the path `reward.function` that
+says what to change.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import inspect
+import math
+import re
+from collections.abc import Callable, Sequence
+
+from rlconf.errors import ConfigError, error
+
+RewardFunction = Callable[[str, str, str], float]
+
+CONFIG_PATH = "reward.function"
+
+
+class RewardFunctionError(ConfigError):
+    """`reward.function` cannot be resolved to a usable function (message and fix say why)."""
+
+    def __init__(self, message: str, fix: str, rule: str = "reward-function") -> None:
+        super().__init__([error(CONFIG_PATH, message, fix, rule=rule)])
+        self.message = message
+        self.fix = fix
+
+
+# ------------------------------------------------------------------------------------------ parsing
+# Optional sign, digits with thousands commas, optional decimals ("1,234.5", "-3", "0.25"). A trailing
+# sentence period ("is 42.") is not part of the number because decimals need a digit after the dot.
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+_ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL)
+_HASH_MARKER = re.compile(r"####\s*([^\n]*)")
+
+
+def _boxed_contents(text: str) -> list[str]:
+    r"""Contents of every `\boxed{...}` in text, with nested braces balanced (`\boxed{\frac{1}{2}}`)."""
+    out = []
+    start = 0
+    while (i := text.find("\\boxed{", start)) != -1:
+        depth, j = 1, i + len("\\boxed{")
+        while j < len(text) and depth:
+            depth += {"{": 1, "}": -1}.get(text[j], 0)
+            j += 1
+        if depth == 0:
+            out.append(text[i + len("\\boxed{") : j - 1])
+        start = j
+    return out
+
+
+def extract_answer(text: str) -> str:
+    r"""The final-answer part of a response: the last `<answer>...</answer>`, else the text after the last
+    `####`, else the last `\boxed{...}`, else the whole text. Whitespace is stripped."""
+    if tags := _ANSWER_TAG.findall(text):
+        return tags[-1].strip()
+    if marks := _HASH_MARKER.findall(text):
+        return marks[-1].strip()
+    if boxed := _boxed_contents(text):
+        return boxed[-1].strip()
+    return text.strip()
+
+
+def extract_last_number(text: str) -> float | None:
+    r"""The last number of `text` (GSM8K style): searched in the final-answer part (`<answer>`, `####`,
+    `\boxed{}`) first and in the whole text when that part holds none; commas are thousands separators.
+    None when there is no number."""
+    for part in (extract_answer(text), text):
+        if found := _NUMBER.findall(part):
+            try:
+                return float(found[-1].replace(",", ""))
+            except ValueError:  # e.g. "1,,2" cannot occur after removing commas, but stay total
+                continue
+    return None
+
+
+def _normalize(text: str) -> str:
+    return " ".join(text.split())
+
+
+# ----------------------------------------------------------------------------------------- built-ins
+def exact_match(response: str, ground_truth: str, prompt: str) -> float:
+    """1.0 when the response's final answer equals the ground truth, else 0.0.
+
+    The final answer is the `<answer>` / `####` / `\\boxed{}` part when present, else the whole response;
+    both sides are compared with runs of whitespace collapsed and ends stripped.
+    """
+    return float(_normalize(extract_answer(response)) == _normalize(extract_answer(ground_truth)))
+
+
+def numeric_match(response: str, ground_truth: str, prompt: str) -> float:
+    """1.0 when the last number of the response equals the ground truth's number, else 0.0.
+
+    GSM8K style: `#### 1,234`, `\\boxed{42}`, `<answer>7</answer>` and "... so the answer is 42." all give
+    their number; the ground truth may itself be a GSM8K solution ending in `#### N`. Numbers compare with a
+    relative tolerance of 1e-6 (so "3.0" matches "3").
+    """
+    truth = extract_last_number(ground_truth)
+    got = extract_last_number(response)
+    if truth is None or got is None:
+        return 0.0
+    return float(math.isclose(got, truth, rel_tol=1e-6, abs_tol=1e-9))
+
+
+_FORMAT_TAG = re.compile(r"<answer>\s*\S.*?</answer>", re.DOTALL)
+_FORMAT_HASH = re.compile(r"####[ \t]*\S")
+
+
+def format_reward(response: str, ground_truth: str, prompt: str) -> float:
+    """`format`: 1.0 when the response states a final answer in a recognised format, else 0.0.
+
+    Recognised: a non-empty `<answer>...</answer>` or a `#### <answer>` marker. Correctness is not checked
+    (combine with numeric_match in a user function for that).
+    """
+    return float(bool(_FORMAT_TAG.search(response) or _FORMAT_HASH.search(response)))
+
+
+def digit_match(response: str, ground_truth: str, prompt: str) -> float:
+    """Partial credit: the fraction of the ground truth's characters matched position by position.
+
+    With spaces removed from both, reward = #{i < len(gt) : response[i] == gt[i]} / len(gt). Characters the
+    response has beyond the ground truth's length are ignored. A random policy scores a little above 0 and
+    each additional correct position adds 1/len(gt), so the signal is dense and rises smoothly, which is what
+    the tiny synthetic runs need. An empty ground truth scores 1.0 for an empty response, else 0.0.
+    """
+    got = response.replace(" ", "")
+    truth = ground_truth.replace(" ", "")
+    if not truth:
+        return float(not got)
+    hits = sum(1 for a, b in zip(got, truth, strict=False) if a == b)
+    return hits / len(truth)
+
+
+REWARD_FUNCTIONS: dict[str, RewardFunction] = {
+    "exact_match": exact_match,
+    "numeric_match": numeric_match,
+    "format": format_reward,
+    "digit_match": digit_match,
+}
+
+
+# --------------------------------------------------------------------------------------- resolution
+_MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _check_signature(fn: Callable, spec: str) -> None:
+    """Fail early when `fn` cannot be called as fn(response, ground_truth, prompt)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # builtins without signature metadata: trust them
+        return
+    try:
+        sig.bind("", "", "")
+    except TypeError as exc:
+        raise RewardFunctionError(
+            f"{spec!r} has signature {sig}, which cannot be called as fn(response, ground_truth, prompt) "
+            f"({exc})",
+            "give the function three positional parameters (response: str, ground_truth: str, prompt: str)"
+            " returning a float",
+            rule="reward-function-signature",
+        ) from exc
+
+
+def load_reward_function(spec: str) -> RewardFunction:
+    """Resolve `reward.function`: a built-in name or `package.module:function` (imported, never eval'd).
+
+    Raises RewardFunctionError (a ConfigError on `reward.function`) when the name is unknown, the module
+    cannot be imported, the attribute is missing, or it is not a callable taking three arguments.
+    """
+    builtins = ", ".join(REWARD_FUNCTIONS)
+    if not isinstance(spec, str) or not spec.strip():
+        raise RewardFunctionError(
+            f"expected a reward function name, got {spec!r}",
+            f"use one of the built-ins ({builtins}) or a user function as package.module:function",
+            rule="reward-function-unknown",
+        )
+    spec = spec.strip()
+    if ":" not in spec:
+        if spec in REWARD_FUNCTIONS:
+            return REWARD_FUNCTIONS[spec]
+        close = difflib.get_close_matches(spec, list(REWARD_FUNCTIONS), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        if "." in spec:
+            mod, _, attr = spec.rpartition(".")
+            hint += f"for a user function write {mod}:{attr} (module and function separated by ':'). "
+        raise RewardFunctionError(
+            f"unknown reward function {spec!r}; built-ins are: {builtins}",
+            f"{hint}use a built-in name or package.module:function",
+            rule="reward-function-unknown",
+        )
+
+    module_name, _, attr_path = spec.partition(":")
+    if not _MODULE_PATH.match(module_name) or not _MODULE_PATH.match(attr_path):
+        raise RewardFunctionError(
+            f"{spec!r} is not of the form package.module:function",
+            "write the importable module path, a single ':', then the function name, e.g. "
+            "my_rewards.math:score",
+            rule="reward-function-syntax",
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        raise RewardFunctionError(
+            f"cannot import module {module_name!r} of {spec!r}: {exc}",
+            "install the package or add its folder to PYTHONPATH (the workers import it too), and check "
+            "the spelling",
+            rule="reward-function-import",
+        ) from exc
+    except Exception as exc:  # the module exists but raised while importing: report its own error
+        raise RewardFunctionError(
+            f"importing module {module_name!r} of {spec!r} raised {type(exc).__name__}: {exc}",
+            f"fix the error in {module_name} (try `python -c 'import {module_name}'`)",
+            rule="reward-function-import",
+        ) from exc
+
+    obj: object = module
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_") and callable(getattr(obj, n, None))]
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise RewardFunctionError(
+                f"module {module_name!r} has no attribute {attr_path!r}",
+                f"{hint}callables in {module_name}: {', '.join(names) or '(none)'}",
+                rule="reward-function-attribute",
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise RewardFunctionError(
+            f"{spec!r} is a {type(obj).__name__}, not a function",
+            "point reward.function at a function (response, ground_truth, prompt) -> float",
+            rule="reward-function-not-callable",
+        )
+    _check_signature(obj, spec)
+    return obj  # type: ignore[return-value]
+
+
+def score_batch(
+    fn: RewardFunction,
+    responses: Sequence[str],
+    ground_truths: Sequence[str],
+    prompts: Sequence[str],
+) -> list[float]:
+    """Score each (response, ground truth, prompt) triple; the three sequences must have equal length.
+
+    Raises ValueError when a function returns something that is not a finite real number (naming the
+    function and the sample), because a NaN reward silently poisons every advantage of its group.
+    """
+    if not len(responses) == len(ground_truths) == len(prompts):
+        raise ValueError(
+            f"score_batch needs equally long inputs, got {len(responses)} responses, "
+            f"{len(ground_truths)} ground truths and {len(prompts)} prompts"
+        )
+    name = getattr(fn, "__qualname__", repr(fn))
+    scores = []
+    for i, (resp, truth, prompt) in enumerate(zip(responses, ground_truths, prompts, strict=True)):
+        value = fn(resp, truth, prompt)
+        try:
+            score = float(value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"reward function {name} returned {value!r} ({type(value).__name__}) for sample {i}; "
+                "it must return a float"
+            ) from exc
+        if not math.isfinite(score):
+            raise ValueError(f"reward function {name} returned {score} for sample {i}; rewards must be finite")
+        scores.append(score)
+    return scores

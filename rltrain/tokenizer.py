@@ -1,0 +1,206 @@
+"""Tokenizers behind one small interface: a built-in character tokenizer and a Hugging Face wrapper.
+
+The built-in `CharTokenizer` serves the tiny random-init model and the synthetic tasks: a fixed 32-token
+vocabulary (the default `model.arch.vocab_size`), no files, no downloads. A real model brings its own
+tokenizer folder, which `load_tokenizer` opens with `transformers.AutoTokenizer` (local files only) and wraps
+in `HFTokenizer` so that the data pipeline, the rollout and the reward code see the same methods:
+
+    encode(text) -> list[int]        decode(ids) -> str           encode_prompt(prompt, chat) -> list[int]
+    pad_token_id, eos_token_id, bos_token_id, vocab_size, apply_chat_template(messages, ...)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from rlconf.config import ModelConfig
+from rlconf.errors import ConfigError, error
+
+# A prompt is plain text or a list of chat messages ({"role": ..., "content": ...}).
+Prompt = str | Sequence[dict[str, Any]]
+
+PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
+# The built-in vocabulary. Order is part of the checkpoint format of tiny models: append, never reorder.
+# Digits and the space carry the synthetic tasks; the symbols cover the `add` task ("12+7="), GSM8K-style
+# "#### 42" markers and `<answer>...</answer>` tags (hence the letters a, n, s, w, e, r).
+CHAR_VOCAB: tuple[str, ...] = (
+    PAD,
+    BOS,
+    EOS,
+    UNK,
+    *"0123456789",
+    " ",
+    *"+-*=#<>/.,\n",
+    *"answer",
+)
+# Shown by decode() for ids that have no character (unknown characters encode to <unk>).
+UNK_CHAR = "\ufffd"
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+    """What rltrain needs from a tokenizer."""
+
+    pad_token_id: int
+    eos_token_id: int
+    bos_token_id: int | None
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self, messages: Prompt, add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]: ...
+
+    def encode_prompt(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]: ...
+
+
+def messages_to_text(prompt: Prompt) -> str:
+    """Plain text of a prompt: the string itself, or the messages' contents joined by newlines."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(str(m["content"]) for m in prompt)
+
+
+class CharTokenizer:
+    """One token per character over `CHAR_VOCAB`; ids 0-3 are pad, bos, eos, unk.
+
+    Characters outside the vocabulary encode to `<unk>` (so any text can be scored), which decodes as
+    U+FFFD. Its chat template is a no-op: messages are joined into plain text, because a 32-token model has
+    no use for role markup.
+    """
+
+    def __init__(self) -> None:
+        self.vocab: tuple[str, ...] = CHAR_VOCAB
+        self._ids = {tok: i for i, tok in enumerate(self.vocab)}
+        self.pad_token_id: int = self._ids[PAD]
+        self.bos_token_id: int | None = self._ids[BOS]
+        self.eos_token_id: int = self._ids[EOS]
+        self.unk_token_id: int = self._ids[UNK]
+        self.vocab_size: int = len(self.vocab)
+        self.special_ids = frozenset({self.pad_token_id, self.bos_token_id, self.eos_token_id})
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of the characters of `text` (no bos/eos added)."""
+        return [self._ids.get(ch, self.unk_token_id) for ch in text]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`; pad/bos/eos are dropped unless skip_special_tokens is false."""
+        out = []
+        for i in ids:
+            i = int(i)
+            if i in self.special_ids:
+                if not skip_special_tokens:
+                    out.append(self.vocab[i])
+            elif i == self.unk_token_id or not 0 <= i < self.vocab_size:
+                out.append(UNK_CHAR)
+            else:
+                out.append(self.vocab[i])
+        return "".join(out)
+
+    def apply_chat_template(
+        self, messages: Prompt, add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]:
+        """No-op template: the plain text of the messages (ids of it when tokenize is true)."""
+        text = messages_to_text(messages)
+        return self.encode(text) if tokenize else text
+
+    def encode_prompt(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
+        """`<bos>` + the characters of the prompt: the sequence the policy continues."""
+        return [self._ids[BOS], *self.encode(messages_to_text(prompt))]
+
+    def __repr__(self) -> str:
+        return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+class HFTokenizer:
+    """A `transformers` tokenizer behind the rltrain interface."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        self.eos_token_id: int = hf_tokenizer.eos_token_id
+        # Many chat models (Qwen2) have no pad token; padding positions are masked anyway, so eos serves.
+        pad = hf_tokenizer.pad_token_id
+        self.pad_token_id: int = pad if pad is not None else self.eos_token_id
+        self.bos_token_id: int | None = hf_tokenizer.bos_token_id
+        self.vocab_size: int = len(hf_tokenizer)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return getattr(self.hf, "chat_template", None) is not None
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of `text` without special tokens."""
+        return list(self.hf.encode(text, add_special_tokens=False))
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: Prompt, add_generation_prompt: bool = True, tokenize: bool = False
+    ) -> str | list[int]:
+        """The HF chat template; a plain string is treated as one user message."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        out = self.hf.apply_chat_template(
+            list(messages), add_generation_prompt=add_generation_prompt, tokenize=tokenize
+        )
+        # transformers 5 may return a BatchEncoding when tokenize=True.
+        if tokenize and not isinstance(out, list):
+            out = out["input_ids"]
+        return out
+
+    def encode_prompt(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
+        """Ids the policy continues: chat-templated when asked and available, else the plain text with the
+        tokenizer's own special tokens (e.g. a bos)."""
+        if apply_chat_template and self.has_chat_template:
+            return list(self.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
+        return list(self.hf.encode(messages_to_text(prompt), add_special_tokens=True))
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
+    """The tokenizer of `model`: `tokenizer_path`, else `path`, else the built-in character tokenizer.
+
+    Raises ConfigError naming the config path when the folder cannot be opened or the built-in vocabulary
+    does not fit `model.arch.vocab_size`.
+    """
+    path = model_cfg.tokenizer_path if model_cfg.tokenizer_path is not None else model_cfg.path
+    if path is None:
+        tok = CharTokenizer()
+        if model_cfg.arch.vocab_size < tok.vocab_size:
+            raise ConfigError(
+                [
+                    error(
+                        "model.arch.vocab_size",
+                        f"{model_cfg.arch.vocab_size} is smaller than the built-in character tokenizer's "
+                        f"vocabulary ({tok.vocab_size} tokens)",
+                        f"set model.arch.vocab_size >= {tok.vocab_size}, or set model.tokenizer_path",
+                        rule="tokenizer-vocab",
+                    )
+                ]
+            )
+        return tok
+    key = "model.tokenizer_path" if model_cfg.tokenizer_path is not None else "model.path"
+    try:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # transformers raises OSError/ValueError/... depending on what is missing
+        raise ConfigError(
+            [
+                error(
+                    key,
+                    f"cannot load a tokenizer from {path!r}: {type(exc).__name__}: {exc}",
+                    "point it at a local Hugging Face folder holding tokenizer files (tokenizer.json or "
+                    "vocab files); nothing is downloaded",
+                    rule="tokenizer-load",
+                )
+            ]
+        ) from exc
+    return HFTokenizer(hf)
