@@ -1,0 +1,342 @@
+"""The policy on megatron-core: log-probs, PPO/GRPO updates and a simple sampler on the actor's own weights.
+
+`MegatronActor` is built from the config sections (ModelConfig, ActorConfig, device) and works on one
+data-parallel rank's share of a batch (layout: rltrain/megatron/engine.py). Every method runs through
+megatron's pipeline schedules (`get_forward_backward_func`), so TP, PP and virtual PP behave alike, and
+returns its results on every rank. The losses come from rltrain.algorithms (one tested definition shared
+with the controller). The same class serves the frozen reference policy (`optim=None`).
+"""
+
+from __future__ import annotations
+
+import time
+import torch
+from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
+from rltrain import algorithms
+from rltrain.megatron.engine import MegatronEngine, MicroBatch
+from rltrain.megatron.logprob import log_probs_and_entropy
+
+
+class MegatronActor(MegatronEngine):
+    """Policy (or reference policy when `optim` is None) on this rank."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        actor_cfg: ActorConfig,
+        device: str,
+        total_steps: int = 1,
+        rollout_n: int = 1,
+        megatron_cfg: MegatronConfig | None = None,
+        optim: Optim | None = None,
+        trainable: bool = True,
+        arch: ModelArch | None = None,
+    ) -> None:
+        self.cfg = actor_cfg
+        self.rollout_n = rollout_n
+        self.trainable = trainable
+        super().__init__(
+            model_cfg,
+            megatron_cfg if megatron_cfg is not None else actor_cfg.megatron,
+            (optim if optim is not None else actor_cfg.optim) if trainable else None,
+            device,
+            total_steps,
+            value_head=False,
+            arch=arch,
+        )
+        self.vocab_size = self.arch.vocab_size
+        self._sample_calls = 0
+
+    # --------------------------------------------------------------------------------- log-probs
+    def _response_logits(self, mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
+        # [b, L, V/tp] -> [b, R, V/tp]: only the positions predicting response tokens.
+        idx = mb.gather_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
+        return torch.gather(logits, 1, idx)
+
+    def compute_log_prob(
+        self, batch: dict[str, torch.Tensor], temperature: float = 1.0, with_entropy: bool = True
+    ) -> dict[str, torch.Tensor]:
+        """Per-token log-probs ([B, R], 0 on padding) of `responses` and, optionally, the entropy."""
+        with self._ctx():
+            self.eval()
+            mbs = self.micro_batches(batch, self.cfg.log_prob_micro_batch_size_per_gpu)
+
+            def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+                resp_logits = self._response_logits(mb, logits)
+                logp, ent = log_probs_and_entropy(
+                    resp_logits,
+                    mb.data["responses"],
+                    temperature,
+                    self.vocab_size,
+                    with_entropy=with_entropy,
+                    entropy_grad=False,
+                )
+                mask = mb.data["response_mask"].to(logp.dtype)
+                out = {"log_probs": logp * mask}
+                if ent is not None:
+                    out["entropy"] = ent * mask
+                return logp.new_zeros(()), out
+
+            outputs = self.run_schedule(mbs, loss_fn, forward_only=True)
+            b, r = batch["responses"].shape
+            result: dict[str, torch.Tensor] = {}
+            for key in ["log_probs", "entropy"] if with_entropy else ["log_probs"]:
+                local = torch.cat([o[key] for o in outputs], 0) if self.is_last_stage else None
+                result[key] = self.broadcast_from_last_stage(local, (b, r), torch.float32).cpu()
+            return result
+
+    # --------------------------------------------------------------------------------- update
+    def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """PPO/GRPO update on this rank's batch: ppo_epochs x mini-batches x micro-batches, one optimizer
+        step per mini-batch. Returns mean metrics (actor/loss, actor/pg_clipfrac, actor/ppo_kl,
+        actor/entropy, actor/grad_norm, actor/lr, ...). The lr scheduler advances once per call (a trainer
+        step)."""
+        assert self.trainable, "update_policy on a frozen (reference) actor"
+        cfg = self.cfg
+        clip_low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
+        clip_high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
+        use_kl = cfg.use_kl_loss and "ref_log_prob" in batch
+        n = batch["input_ids"].shape[0]
+        mini = max(1, cfg.ppo_mini_batch_size * self.rollout_n // self.dp_size)
+        names = ["actor/loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"]
+        if use_kl:
+            names.append("actor/kl_loss")
+        sums: dict[str, float] = dict.fromkeys(names, 0.0)
+        count = 0
+        grad_norms: list[float] = []
+        lr = self.current_lr()
+        tokens = 0
+        start = time.perf_counter()
+        with self._ctx():
+            self.train()
+            gen = torch.Generator().manual_seed(self.megatron_cfg.seed + int(self.lr_scheduler.num_steps))
+            for _ in range(cfg.ppo_epochs):
+                order = torch.randperm(n, generator=gen) if cfg.shuffle else torch.arange(n)
+                for m0 in range(0, n, mini):
+                    rows = order[m0 : m0 + mini]
+                    mini_batch = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                    mbs = self.micro_batches(
+                        mini_batch, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+                    )
+                    tokens += int(mini_batch["attention_mask"].sum())
+                    total_tokens = float(mini_batch["response_mask"].sum().clamp(min=1))
+                    total_rows = float(rows.numel())
+                    self.zero_grad()
+                    outs = self.run_schedule(
+                        mbs,
+                        lambda mb, logits: self._policy_loss(
+                            mb, logits, clip_low, clip_high, use_kl, total_tokens, total_rows
+                        ),
+                        forward_only=False,
+                    )
+                    ok, grad_norm = self.optimizer_step()
+                    grad_norms.append(grad_norm)
+                    for o in outs:
+                        for k in names:
+                            sums[k] += float(o[k])
+                        count += 1
+            self.lr_scheduler.step(1)
+        metrics = self.reduce_metrics(sums, count, names)
+        metrics["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        metrics["actor/lr"] = lr
+        elapsed = time.perf_counter() - start
+        # Tokens (prompt + response) processed by forward+backward per second on this rank.
+        metrics["perf/actor_update_tokens_per_s"] = tokens / max(elapsed, 1e-9)
+        return metrics
+
+    def _policy_loss(
+        self,
+        mb: MicroBatch,
+        logits: torch.Tensor,
+        clip_low: float,
+        clip_high: float,
+        use_kl: bool,
+        total_tokens: float,
+        total_rows: float,
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        d = mb.data
+        mask = d["response_mask"].float()
+        need_entropy_grad = cfg.entropy_coeff != 0.0
+        logp, ent = log_probs_and_entropy(
+            self._response_logits(mb, logits),
+            d["responses"],
+            1.0,
+            self.vocab_size,
+            with_entropy=True,
+            entropy_grad=need_entropy_grad,
+        )
+        pg_loss, pg_metrics = algorithms.compute_policy_loss(
+            d["old_log_probs"].float(),
+            logp,
+            d["advantages"].float(),
+            mask,
+            clip_low,
+            clip_high,
+            cfg.clip_ratio_c,
+            cfg.loss_agg_mode,
+        )
+        entropy = algorithms.agg_loss(ent, mask, cfg.loss_agg_mode)
+        loss = pg_loss - cfg.entropy_coeff * entropy if need_entropy_grad else pg_loss
+        extra = {
+            "actor/pg_loss": pg_loss.detach(),
+            "actor/pg_clipfrac": pg_metrics["pg_clipfrac"],
+            "actor/ppo_kl": pg_metrics["ppo_kl"],
+            "actor/entropy": entropy.detach(),
+        }
+        if use_kl:
+            kl = algorithms.kl_penalty(logp, d["ref_log_prob"].float(), cfg.kl_loss_type)
+            kl_loss = algorithms.agg_loss(kl, mask, cfg.loss_agg_mode)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            extra["actor/kl_loss"] = kl_loss.detach()
+        extra["actor/loss"] = loss.detach()
+        # Weight of this micro-batch in the mini-batch loss: its share of tokens (token-mean) or rows.
+        if cfg.loss_agg_mode == "token-mean":
+            weight = float(mask.sum()) / total_tokens
+        else:
+            weight = mask.shape[0] / total_rows
+        return loss * weight, extra
+
+    # --------------------------------------------------------------------------------- sampling
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        max_new_tokens: int,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        eos_id: int | None = None,
+        pad_id: int = 0,
+        prompt_mask: torch.Tensor | None = None,
+        stop_token_ids: tuple[int, ...] = (),
+        seed: int | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Sample responses with the actor's weights by repeated full forward passes (no KV cache).
+
+        prompt_ids [B, P] (left or right padded; `prompt_mask` 1 on real tokens, default prompt_ids != pad_id).
+        temperature 0 is greedy. Returns a batch in the engine layout: `input_ids`, `attention_mask`,
+        `position_ids` [B, P + N] (prompt left-padded, response right-padded), `responses`,
+        `response_mask`, `rollout_log_probs` [B, N]. Every rank returns the same tensors.
+        """
+        if prompt_mask is None:
+            prompt_mask = (prompt_ids != pad_id).long()
+        prompt_mask = prompt_mask.long()
+        b, p = prompt_ids.shape
+        stops = set(stop_token_ids) | ({eos_id} if eos_id is not None else set())
+        # Left-pad prompts so responses start at column P for every row.
+        plen = prompt_mask.sum(-1)
+        start = prompt_mask.int().argmax(-1)
+        cols = torch.arange(p)
+        src = (start.unsqueeze(1) + cols - (p - plen).unsqueeze(1)).clamp(0, p - 1)
+        left = torch.gather(prompt_ids, 1, src)
+        left_mask = (cols.unsqueeze(0) >= (p - plen).unsqueeze(1)).long()
+        left = torch.where(left_mask.bool(), left, torch.full_like(left, pad_id))
+        responses = torch.full((b, max_new_tokens), pad_id, dtype=torch.long)
+        resp_mask = torch.zeros((b, max_new_tokens), dtype=torch.long)
+        logps = torch.zeros((b, max_new_tokens), dtype=torch.float32)
+        done = torch.zeros(b, dtype=torch.bool)
+        if seed is None:
+            seed = self.megatron_cfg.seed * 1000003 + self._sample_calls
+        self._sample_calls += 1
+        gen = torch.Generator().manual_seed(seed)
+        with self._ctx():
+            self.eval()
+            for t in range(max_new_tokens):
+                batch = {
+                    "input_ids": torch.cat([left, responses[:, :t]], 1),
+                    "attention_mask": torch.cat([left_mask, resp_mask[:, :t]], 1),
+                    "response_mask": resp_mask[:, :t],
+                }
+                # Rows that finished keep decoding on padding; their samples are discarded.
+                tok, lp = self._sample_step(batch, temperature, top_p, top_k, gen)
+                tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+                responses[:, t] = tok
+                resp_mask[:, t] = (~done).long()
+                logps[:, t] = torch.where(done, torch.zeros_like(lp), lp)
+                if stops:
+                    done = done | torch.isin(tok, torch.tensor(sorted(stops)))
+                if bool(done.all()):
+                    break
+        # Fill the unused tail (early stop) consistently.
+        attention_mask = torch.cat([left_mask, resp_mask], 1)
+        input_ids = torch.cat([left, responses], 1)
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        return {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": position_ids,
+            "responses": responses,
+            "response_mask": resp_mask,
+            "rollout_log_probs": logps,
+        }
+
+    def _sample_step(
+        self,
+        batch: dict[str, torch.Tensor],
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        gen: torch.Generator,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Next token for every row from the logits at its last valid position; same result on all ranks."""
+        b = batch["input_ids"].shape[0]
+        mbs = self.micro_batches(batch, self.cfg.log_prob_micro_batch_size_per_gpu)
+
+        def loss_fn(mb: MicroBatch, logits: torch.Tensor):
+            last = mb.data["attention_mask"].sum(-1) - 1
+            idx = last.to(logits.device).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
+            shard = torch.gather(logits, 1, idx).squeeze(1)
+            # Only [b, V/tp] per step is gathered: sampling needs the whole distribution of one position.
+            full = gather_from_tensor_model_parallel_region(shard.float().contiguous())
+            return full.new_zeros(()), {"logits": full[:, : self.vocab_size]}
+
+        outputs = self.run_schedule(mbs, loss_fn, forward_only=True)
+        if self.is_last_stage:
+            logits = torch.cat([o["logits"] for o in outputs], 0).cpu()
+            tok, lp = sample_tokens(logits, temperature, top_p, top_k, gen)
+            packed = torch.stack([tok.double(), lp.double()], 0)
+        else:
+            packed = None
+            # Keep the generator in step with the last stage (it draws one uniform per row).
+            sample_tokens(torch.zeros(b, 1), 1.0, 1.0, -1, gen)
+        packed = self.broadcast_from_last_stage(packed, (2, b), torch.float64).cpu()
+        return packed[0].long(), packed[1].float()
+
+
+def sample_tokens(
+    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row from full-vocabulary logits [B, V]; returns (tokens, log-probs under the
+    temperature-scaled distribution before top-k/top-p). temperature 0 is greedy."""
+    logits = logits.float()
+    if temperature <= 0.0:
+        tok = logits.argmax(-1)
+        logp = torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
+        torch.rand(logits.shape[0], generator=gen)
+        return tok, logp
+    scaled = logits / temperature
+    logp_all = torch.log_softmax(scaled, -1)
+    filtered = scaled.clone()
+    if top_k is not None and 0 < top_k < filtered.shape[-1]:
+        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(filtered, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, -1)
+        # Drop a token when the mass before it already reaches top_p (the top token always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        filtered = torch.full_like(filtered, float("-inf")).scatter(1, order, sorted_logits)
+    probs = torch.softmax(filtered, -1)
+    # Inverse-CDF sampling with one uniform per row: identical on every rank given the same generator.
+    u = torch.rand(probs.shape[0], 1, generator=gen)
+    cdf = probs.cumsum(-1)
+    tok = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp(max=probs.shape[-1] - 1)
+    return tok, logp_all.gather(1, tok[:, None]).squeeze(1)
+
+
+
+__all__ = ["MegatronActor", "sample_tokens"]

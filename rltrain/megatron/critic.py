@@ -1,0 +1,124 @@
+"""The value model on megatron-core: the policy's GPT trunk with a scalar `ValueHead` (PPO with GAE).
+
+`MegatronCritic` shares the engine of the actor (batch layout, micro-batching, schedules; see engine.py).
+The value of response token j is read at the position that predicts it (the state before the token), as in
+verl. Losses come from rltrain.algorithms.compute_value_loss.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rlconf.config import CriticConfig, ModelArch, ModelConfig
+from rltrain import algorithms
+from rltrain.megatron.engine import MegatronEngine, MicroBatch
+
+
+class MegatronCritic(MegatronEngine):
+    """Value model on this rank (`critic.model_path` or the actor's model, with a fresh value head)."""
+
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        critic_cfg: CriticConfig,
+        device: str,
+        total_steps: int = 1,
+        rollout_n: int = 1,
+        loss_agg_mode: str = "token-mean",
+        arch: ModelArch | None = None,
+    ) -> None:
+        self.cfg = critic_cfg
+        self.rollout_n = rollout_n
+        self.loss_agg_mode = loss_agg_mode
+        if critic_cfg.model_path is not None:
+            from dataclasses import replace
+
+            model_cfg = replace(model_cfg, path=critic_cfg.model_path)
+        super().__init__(
+            model_cfg, critic_cfg.megatron, critic_cfg.optim, device, total_steps, value_head=True, arch=arch
+        )
+
+    def _values(self, mb: MicroBatch, out: torch.Tensor) -> torch.Tensor:
+        # out [b, L, 1] -> values at the positions predicting each response token [b, R].
+        return torch.gather(out.squeeze(-1).float(), 1, mb.gather_index)
+
+    def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Values [B, R] of the response positions (0 on padding)."""
+        with self._ctx():
+            self.eval()
+            mbs = self.micro_batches(batch, self.cfg.ppo_micro_batch_size_per_gpu)
+
+            def loss_fn(mb: MicroBatch, out: torch.Tensor):
+                values = self._values(mb, out) * mb.data["response_mask"].float()
+                return values.new_zeros(()), {"values": values}
+
+            outputs = self.run_schedule(mbs, loss_fn, forward_only=True)
+            b, r = batch["responses"].shape
+            local = torch.cat([o["values"] for o in outputs], 0) if self.is_last_stage else None
+            return self.broadcast_from_last_stage(local, (b, r), torch.float32).cpu()
+
+    def update_critic(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Clipped value regression on `returns` (needs `values` from compute_values and `returns` [B, R]).
+
+        ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; the lr scheduler
+        advances once per call. Returns critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean,
+        critic/grad_norm, critic/lr.
+        """
+        cfg = self.cfg
+        n = batch["input_ids"].shape[0]
+        mini = max(1, cfg.ppo_mini_batch_size * self.rollout_n // self.dp_size)
+        names = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"]
+        sums = dict.fromkeys(names, 0.0)
+        count = 0
+        grad_norms: list[float] = []
+        lr = self.current_lr()
+        start = time.perf_counter()
+        with self._ctx():
+            self.train()
+            gen = torch.Generator().manual_seed(self.megatron_cfg.seed + int(self.lr_scheduler.num_steps))
+            for _ in range(cfg.ppo_epochs):
+                order = torch.randperm(n, generator=gen)
+                for m0 in range(0, n, mini):
+                    rows = order[m0 : m0 + mini]
+                    mini_batch = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                    mbs = self.micro_batches(
+                        mini_batch, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+                    )
+                    total_tokens = float(mini_batch["response_mask"].sum().clamp(min=1))
+                    total_rows = float(rows.numel())
+
+                    def loss_fn(mb: MicroBatch, out: torch.Tensor, total_tokens=total_tokens, total_rows=total_rows):
+                        d = mb.data
+                        mask = d["response_mask"].float()
+                        vpreds = self._values(mb, out)
+                        loss, m = algorithms.compute_value_loss(
+                            vpreds, d["values"].float(), d["returns"].float(), mask, cfg.cliprange_value,
+                            self.loss_agg_mode,
+                        )
+                        extra = {
+                            "critic/vf_loss": loss.detach(),
+                            "critic/vf_clipfrac": m["vf_clipfrac"],
+                            "critic/vpred_mean": algorithms.masked_mean(vpreds.detach(), mask),
+                        }
+                        if self.loss_agg_mode == "token-mean":
+                            weight = float(mask.sum()) / total_tokens
+                        else:
+                            weight = mask.shape[0] / total_rows
+                        return loss * weight, extra
+
+                    self.zero_grad()
+                    outs = self.run_schedule(mbs, loss_fn, forward_only=False)
+                    _, grad_norm = self.optimizer_step()
+                    grad_norms.append(grad_norm)
+                    for o in outs:
+                        for k in names:
+                            sums[k] += float(o[k])
+                        count += 1
+            self.lr_scheduler.step(1)
+        metrics = self.reduce_metrics(sums, count, names)
+        metrics["critic/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        metrics["critic/lr"] = lr
+        metrics["timing/critic_update_s"] = time.perf_counter() - start
+        return metrics
