@@ -165,7 +165,11 @@ def test_precedence_overrides_over_file_over_preset(tmp_path):
 
 def test_override_parsing():
     data = apply_overrides({}, ["profile.ranks=[0, 1]", "trainer.experiment_name=123", "model.path=null"])
-    assert data == {"profile": {"ranks": [0, 1]}, "trainer": {"experiment_name": "123"}, "model": {"path": None}}
+    assert data == {
+        "profile": {"ranks": [0, 1]},
+        "trainer": {"experiment_name": "123"},
+        "model": {"path": None},
+    }
 
 
 def test_override_through_a_value_is_an_error():

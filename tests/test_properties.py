@@ -56,7 +56,9 @@ def test_random_dicts_only_raise_config_error(data):
 def test_random_yaml_text_only_raises_config_error(text):
     """(b) random YAML text either loads or raises ConfigError."""
     try:
-        load_config(parse_yaml(text)) if isinstance(parse_yaml(text), dict) else config_from_dict(parse_yaml(text))
+        load_config(parse_yaml(text)) if isinstance(parse_yaml(text), dict) else config_from_dict(
+            parse_yaml(text)
+        )
     except ConfigError as exc:
         assert_paths_exist(exc, parse_yaml(text) if _parses(text) else None)
 

@@ -27,7 +27,9 @@ profile:
 
 def rlconf(*args: str) -> subprocess.CompletedProcess[str]:
     """Run the real command in its own process (exit code and streams as a user sees them)."""
-    return subprocess.run([sys.executable, "-m", "rlconf.cli", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "rlconf.cli", *args], capture_output=True, text=True, timeout=60
+    )
 
 
 def test_validate_reports_all_three_mistakes_and_exits_2(tmp_path):

@@ -109,7 +109,9 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("overrides", "path", "rule_name", "severity"), CASES, ids=[c[1] + ":" + c[2] for c in CASES])
+@pytest.mark.parametrize(
+    ("overrides", "path", "rule_name", "severity"), CASES, ids=[c[1] + ":" + c[2] for c in CASES]
+)
 def test_rule_reports_its_path(overrides, path, rule_name, severity):
     cfg_issues = _issues(overrides)
     hits = [i for i in cfg_issues if i.path == path and i.rule == rule_name]
@@ -140,5 +142,7 @@ def test_presets_are_clean():
 
 def test_three_independent_mistakes_are_all_reported():
     with pytest.raises(ConfigError) as exc:
-        load_config(None, preset="tiny-grpo", overrides=["actor.optim.lr=0", "rollout.n=1", "profile.ranks=[3]"])
+        load_config(
+            None, preset="tiny-grpo", overrides=["actor.optim.lr=0", "rollout.n=1", "profile.ranks=[3]"]
+        )
     assert {"actor.optim.lr", "rollout.n", "profile.ranks[0]"} <= set(exc.value.paths)

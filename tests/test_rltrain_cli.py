@@ -1,0 +1,106 @@
+"""The `rltrain` command line: precedence, errors with paths, the flag surface and the flag round trip."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from presets import get_preset
+from rlconf.config import RLConfig
+from rlconf.fields import iter_leaves, type_name
+from rltrain.cli import _flag_values, _get, _tyro_cli, config_to_flags, main, parse_args
+from tests.typed_strategies import typed_configs
+
+SNAPSHOT = Path(__file__).parent / "snapshots" / "rltrain_flags.txt"
+
+
+def rltrain(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_dry_run_shows_flag_in_config_and_plan():
+    result = rltrain("tiny-grpo", "--actor.optim.lr", "3e-6", "--dry-run")
+    assert result.returncode == 0, result.stderr
+    config_part, plan_part = result.stdout.split("# trainer plan")
+    assert "lr: 3.0e-06  # default: 0.001" in config_part
+    assert "3e-06" in plan_part or "3.0e-06" in plan_part
+
+
+def test_misspelled_flag_exits_2_with_did_you_mean():
+    result = rltrain("tiny-grpo", "--actor.optim.lrr", "1")
+    assert result.returncode == 2
+    assert "actor.optim.lrr" in result.stderr and "did you mean `actor.optim.lr`" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_cross_field_errors_from_flags_exit_2(capsys):
+    assert main(["tiny-grpo", "--rollout.n", "1", "--actor.optim.lr", "0", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "rollout.n" in err and "actor.optim.lr" in err
+
+
+def test_precedence_flags_over_file_over_preset(tmp_path):
+    f = tmp_path / "run.yaml"
+    f.write_text("actor:\n  optim:\n    lr: 5e-4\n    min_lr: 1e-5\n")
+    config, dry_run = parse_args(["tiny-grpo", "--config", str(f), "--actor.optim.lr", "2e-4", "--dry-run"])
+    assert dry_run
+    assert config.actor.optim.lr == 2e-4 and config.actor.optim.min_lr == 1e-5
+    assert config.trainer.output_dir == "outputs/tiny-grpo"
+
+
+def test_list_and_help(capsys):
+    assert main(["--list"]) == 0
+    assert "tiny-ppo" in capsys.readouterr().out
+    assert main(["--help"]) == 0
+    assert "PRESET" in capsys.readouterr().out
+
+
+def test_preset_help_has_field_docstrings():
+    result = rltrain("tiny-grpo", "--help")
+    assert result.returncode == 0
+    assert "--actor.optim.lr" in result.stdout and "Peak learning rate" in result.stdout
+
+
+def _surface() -> str:
+    return "".join(
+        f"--{leaf.path} [{type_name(leaf.type)}] = {leaf.default!r}\n" for leaf in iter_leaves(RLConfig)
+    )
+
+
+def test_cli_surface_snapshot():
+    """Every config field is a flag; a new or changed flag shows up in review as a snapshot diff.
+    Refresh with: UPDATE_SNAPSHOTS=1 pytest tests/test_rltrain_cli.py"""
+    current = _surface()
+    if os.environ.get("UPDATE_SNAPSHOTS"):
+        SNAPSHOT.write_text(current)
+    assert SNAPSHOT.read_text() == current, "CLI surface changed: review, then UPDATE_SNAPSHOTS=1"
+
+
+def test_every_field_is_a_flag():
+    """Setting every field by flag at once (the tiny-ppo values over plain defaults) gives tiny-ppo."""
+    target = get_preset("tiny-ppo")
+    flags = [
+        tok
+        for leaf in iter_leaves(RLConfig)
+        for tok in (f"--{leaf.path}", *_flag_values(_get(target, leaf.path)))
+    ]
+    assert len([f for f in flags if f.startswith("--")]) == len(list(iter_leaves(RLConfig)))
+    assert _tyro_cli(RLConfig(), flags, prog="rltrain") == target
+
+
+SAFE_TEXT = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_/.", min_size=1, max_size=10).filter(
+    lambda s: s not in ("None", "True", "False") and not s[0].isdigit() and s[0] not in "._"
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(typed_configs(text=SAFE_TEXT))
+def test_config_rendered_to_flags_parses_back_equal(config):
+    assert _tyro_cli(RLConfig(), config_to_flags(config), prog="rltrain") == config
