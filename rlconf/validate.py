@@ -8,6 +8,7 @@ positivity by one rule and the others guard against zero.
 
 from __future__ import annotations
 
+import fnmatch
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -21,17 +22,23 @@ RuleFn = Callable[[RLConfig], Iterator[Issue]]
 
 @dataclass(frozen=True)
 class Rule:
+    """A named cross-field check; `fields` are glob patterns of the config paths it reads (for the docs)."""
+
     name: str
     doc: str
     fn: RuleFn
+    fields: tuple[str, ...]
+
+    def involves(self, path: str) -> bool:
+        return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.fields)
 
 
 RULES: dict[str, Rule] = {}
 
 
-def rule(name: str) -> Callable[[RuleFn], RuleFn]:
+def rule(name: str, *fields: str) -> Callable[[RuleFn], RuleFn]:
     def register(fn: RuleFn) -> RuleFn:
-        RULES[name] = Rule(name, (fn.__doc__ or "").strip(), fn)
+        RULES[name] = Rule(name, " ".join((fn.__doc__ or "").split()), fn, fields)
         return fn
 
     return register
@@ -110,7 +117,22 @@ _MAY_BE_NON_POSITIVE = {"rollout.top_k", "critic.num_devices", "reward.reward_mo
 
 
 # ---------------------------------------------------------------------------------------------- rules
-@rule("positive-size")
+@rule(
+    "positive-size",
+    "*_size",
+    "*_size_per_gpu",
+    "*_per_gpu",
+    "model.arch.*",
+    "*_length",
+    "trainer.total_steps",
+    "cluster.nnodes",
+    "cluster.gpus_per_node",
+    "*.ppo_epochs",
+    "rollout.n",
+    "rollout.max_num_seqs",
+    "*.horizon",
+    "rollout.val.n",
+)
 def positive_sizes(c: RLConfig) -> Iterator[Issue]:
     """Sizes, counts, lengths and parallel degrees must be >= 1."""
     for leaf in iter_leaves(RLConfig):
@@ -127,7 +149,17 @@ def _get(obj: object, path: str) -> object:
     return obj
 
 
-@rule("world-divisible-by-model-parallel")
+@rule(
+    "world-divisible-by-model-parallel",
+    "cluster.nnodes",
+    "cluster.gpus_per_node",
+    "*.megatron.tensor_model_parallel_size",
+    "*.megatron.pipeline_model_parallel_size",
+    "*.megatron.context_parallel_size",
+    "*.megatron.expert_model_parallel_size",
+    "*.megatron.expert_tensor_parallel_size",
+    "*.num_devices",
+)
 def world_divisible(c: RLConfig) -> Iterator[Issue]:
     """Each Megatron role's world size is divisible by tp x pp x cp, and by the expert layout."""
     if not _sizes_ok(c):
@@ -156,7 +188,7 @@ def world_divisible(c: RLConfig) -> Iterator[Issue]:
             )
 
 
-@rule("device-pools")
+@rule("device-pools", "*.placement", "*.num_devices", "cluster.gpus_per_node", "cluster.nnodes")
 def device_pools(c: RLConfig) -> Iterator[Issue]:
     """Separate critic / reward-model pools have devices and leave some for the actor."""
     for prefix, enabled, placement, n in (
@@ -187,7 +219,12 @@ def device_pools(c: RLConfig) -> Iterator[Issue]:
         )
 
 
-@rule("heads-divisible-by-tp")
+@rule(
+    "heads-divisible-by-tp",
+    "model.arch.num_attention_heads",
+    "model.arch.num_query_groups",
+    "*tensor_model_parallel_size",
+)
 def heads_divisible(c: RLConfig) -> Iterator[Issue]:
     """Attention heads and query groups are divisible by each role's tensor parallel size."""
     if c.model.path is not None or not _sizes_ok(c):
@@ -218,7 +255,12 @@ def heads_divisible(c: RLConfig) -> Iterator[Issue]:
         )
 
 
-@rule("layers-divisible-by-pp")
+@rule(
+    "layers-divisible-by-pp",
+    "model.arch.num_layers",
+    "*.megatron.pipeline_model_parallel_size",
+    "*.megatron.virtual_pipeline_model_parallel_size",
+)
 def layers_divisible(c: RLConfig) -> Iterator[Issue]:
     """num_layers is divisible by pp (x vpp when set); vpp needs pp > 1."""
     if not _sizes_ok(c):
@@ -245,7 +287,7 @@ def layers_divisible(c: RLConfig) -> Iterator[Issue]:
             )
 
 
-@rule("sequence-parallel-needs-tp")
+@rule("sequence-parallel-needs-tp", "*.megatron.sequence_parallel", "*.megatron.tensor_model_parallel_size")
 def sequence_parallel(c: RLConfig) -> Iterator[Issue]:
     """sequence_parallel with tp = 1 is switched off (a warning, as megatron does; the plan shows it off)."""
     for prefix, m, _ in _megatron_roles(c):
@@ -318,7 +360,17 @@ def _batch_checks(
         )
 
 
-@rule("batch-layout")
+@rule(
+    "batch-layout",
+    "data.train_batch_size",
+    "rollout.n",
+    "*.ppo_mini_batch_size",
+    "*.ppo_micro_batch_size_per_gpu",
+    "*.use_dynamic_bsz",
+    "*.ppo_max_token_len_per_gpu",
+    "data.max_prompt_length",
+    "rollout.max_response_length",
+)
 def batch_layout(c: RLConfig) -> Iterator[Issue]:
     """Batches split evenly: mini-batches divide the batch; responses divide over dp x micro-batch; a
     mini-batch covers a micro-batch per rank; the token budget fits one full sequence."""
@@ -339,7 +391,7 @@ def batch_layout(c: RLConfig) -> Iterator[Issue]:
             )  # fmt: skip
 
 
-@rule("estimator-needs")
+@rule("estimator-needs", "algorithm.adv_estimator", "rollout.n", "critic.enable")
 def estimator_needs(c: RLConfig) -> Iterator[Issue]:
     """grpo and rloo need rollout.n >= 2; gae needs a critic; a critic without gae is unused."""
     est = c.algorithm.adv_estimator
@@ -413,7 +465,7 @@ def _optim_checks(prefix: str, o: Optim, total_steps: int) -> Iterator[Issue]:
         yield error(f"{p}.clip_grad", f"must be >= 0, got {o.clip_grad}", "use 1.0, or 0 to disable", "optim")
 
 
-@rule("optim")
+@rule("optim", "*.optim.*")
 def optim(c: RLConfig) -> Iterator[Issue]:
     """lr > 0, min_lr <= lr, warmup within the run, sane Adam settings (actor, and critic when enabled)."""
     yield from _optim_checks("actor", c.actor.optim, c.trainer.total_steps)
@@ -421,7 +473,7 @@ def optim(c: RLConfig) -> Iterator[Issue]:
         yield from _optim_checks("critic", c.critic.optim, c.trainer.total_steps)
 
 
-@rule("checkpoint-contents")
+@rule("checkpoint-contents", "*.checkpoint.*", "trainer.save_freq")
 def checkpoint_contents(c: RLConfig) -> Iterator[Issue]:
     """load_contents is within save_contents; no duplicates; the actor saves the model."""
     roles = [("actor", c.actor.checkpoint)] + ([("critic", c.critic.checkpoint)] if c.critic.enable else [])
@@ -454,7 +506,7 @@ def checkpoint_contents(c: RLConfig) -> Iterator[Issue]:
             )
 
 
-@rule("trainer")
+@rule("trainer", "trainer.*")
 def trainer_rules(c: RLConfig) -> Iterator[Issue]:
     """Save/test frequencies are >= 0, resume_path mode names a path, retention keeps >= 1."""
     t = c.trainer
@@ -482,7 +534,7 @@ def trainer_rules(c: RLConfig) -> Iterator[Issue]:
                       "lower critic_warmup", "trainer")  # fmt: skip
 
 
-@rule("sampling")
+@rule("sampling", "rollout.*", "data.max_prompt_length", "model.arch.max_position_embeddings")
 def sampling(c: RLConfig) -> Iterator[Issue]:
     """Sampling parameters are in range; the rollout engine fits the device; sequences fit the model."""
     r = c.rollout
@@ -517,7 +569,15 @@ def sampling(c: RLConfig) -> Iterator[Issue]:
             )
 
 
-@rule("ppo-loss")
+@rule(
+    "ppo-loss",
+    "actor.clip_ratio*",
+    "actor.entropy_coeff",
+    "actor.kl_loss_coef",
+    "actor.use_kl_loss",
+    "algorithm.*",
+    "critic.cliprange_value",
+)
 def ppo_loss(c: RLConfig) -> Iterator[Issue]:
     """Clip ranges are positive, dual clip > 1, coefficients >= 0; KL in loss and reward is doubled."""
     a = c.actor
@@ -557,7 +617,7 @@ def ppo_loss(c: RLConfig) -> Iterator[Issue]:
 _USER_FN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 
-@rule("reward-function")
+@rule("reward-function", "reward.function")
 def reward_function(c: RLConfig) -> Iterator[Issue]:
     """reward.function is a built-in name or an importable `package.module:function` path."""
     fn = c.reward.function
@@ -574,7 +634,7 @@ def reward_function(c: RLConfig) -> Iterator[Issue]:
     )
 
 
-@rule("data-files")
+@rule("data-files", "data.train_files", "data.val_files")
 def data_files(c: RLConfig) -> Iterator[Issue]:
     """Prompt files are .parquet or .jsonl."""
     for name in ("train_files", "val_files"):
@@ -584,7 +644,7 @@ def data_files(c: RLConfig) -> Iterator[Issue]:
                             "convert it to parquet or jsonl", "data-files")  # fmt: skip
 
 
-@rule("profile")
+@rule("profile", "profile.*", "cluster.device")
 def profile(c: RLConfig) -> Iterator[Issue]:
     """Profile ranks are within the world, steps within the run, roles present, tool options fit the tool."""
     p = c.profile
@@ -633,7 +693,14 @@ def profile(c: RLConfig) -> Iterator[Issue]:
                           f"remove profile.{name} or set profile.tool: {name}", "profile")  # fmt: skip
 
 
-@rule("model-source")
+@rule(
+    "model-source",
+    "*.use_dist_checkpointing",
+    "*.dist_checkpointing_path",
+    "model.attention_backend",
+    "model.arch.kv_channels",
+    "model.arch.hidden_size",
+)
 def model_source(c: RLConfig) -> Iterator[Issue]:
     """A model path and dist checkpoint path are consistent; TE attention is not available on npu/cpu."""
     for prefix, m, _ in _megatron_roles(c):
@@ -654,7 +721,7 @@ def model_source(c: RLConfig) -> Iterator[Issue]:
         )
 
 
-@rule("cluster")
+@rule("cluster", "cluster.*", "rollout.tensor_model_parallel_size")
 def cluster(c: RLConfig) -> Iterator[Issue]:
     """Device memory, if given, is positive; CPU workers and rollout TP fit."""
     if c.cluster.device_memory_gib is not None and c.cluster.device_memory_gib <= 0:

@@ -1,0 +1,143 @@
+"""Ray plumbing: start or join a cluster, reserve device pools, and run worker groups with named errors.
+
+A pool is one placement group with a bundle per device; every role placed in the pool puts its rank r into
+bundle r, so colocated roles (actor, rollout, ref, and a colocated critic) share devices. A failing call
+raises `WorkerError` naming the role and the rank, never a bare Ray traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or died. Names the role and the rank; the run can resume from its last checkpoint."""
+
+    def __init__(self, role: str, rank: int, message: str, died: bool) -> None:
+        self.role, self.rank, self.died = role, rank, died
+        what = "died" if died else "failed"
+        super().__init__(f"{role} worker rank {rank} {what}: {message}")
+
+
+def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -> None:
+    """Join `address` (or RAY_ADDRESS) when given, else start a local cluster sized for this run."""
+    if ray.is_initialized():
+        return
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        return
+    kwargs: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": True}
+    if temp_dir:
+        kwargs["_temp_dir"] = temp_dir
+    ray.init(**kwargs)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Pool:
+    """A reserved set of devices: one placement-group bundle per device."""
+
+    name: str
+    size: int
+    pg: PlacementGroup
+    roles_sharing: int
+
+    @classmethod
+    def reserve(cls, name: str, size: int, device: str, cpus_per_worker: float, roles_sharing: int) -> Pool:
+        bundle: dict[str, float] = {"CPU": cpus_per_worker * roles_sharing}
+        if device == "cuda":
+            bundle["GPU"] = 1
+        elif device == "npu":
+            bundle["NPU"] = 1
+        pg = placement_group([dict(bundle) for _ in range(size)], strategy="PACK", name=f"rlplan-{name}")
+        ray.get(pg.ready(), timeout=600)
+        return cls(name, size, pg, roles_sharing)
+
+    def release(self) -> None:
+        remove_placement_group(self.pg)
+
+
+class WorkerGroup:
+    """`world_size` Ray actors of one role, rank r in bundle r of its pool."""
+
+    def __init__(
+        self,
+        role: str,
+        worker_cls: type,
+        pool: Pool,
+        world_size: int,
+        device: str,
+        cpus_per_worker: float,
+        init_kwargs: dict[str, Any],
+    ) -> None:
+        self.role = role
+        self.world_size = world_size
+        remote_cls = ray.remote(worker_cls)
+        share = 1.0 / pool.roles_sharing
+        accel = (
+            {"num_gpus": share}
+            if device == "cuda"
+            else ({"resources": {"NPU": share}} if device == "npu" else {})
+        )
+        master_port = free_port()
+        self.workers = [
+            remote_cls.options(
+                num_cpus=cpus_per_worker,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pool.pg, placement_group_bundle_index=rank
+                ),
+                name=None,
+                **accel,
+            ).remote(
+                role=role,
+                rank=rank,
+                world_size=world_size,
+                master_addr="127.0.0.1",
+                master_port=master_port,
+                **init_kwargs,
+            )
+            for rank in range(world_size)
+        ]
+
+    def call(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs: Any) -> list[Any]:
+        """Call `method` on every rank (rank r gets per_rank_args[r]) and wait for all results."""
+        refs = [
+            getattr(w, method).remote(*(per_rank_args[r] if per_rank_args else ()), **kwargs)
+            for r, w in enumerate(self.workers)
+        ]
+        return self.wait(refs)
+
+    def wait(self, refs: list[Any]) -> list[Any]:
+        results = []
+        for rank, ref in enumerate(refs):
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayActorError as exc:
+                raise WorkerError(self.role, rank, _first_line(exc), died=True) from None
+            except ray.exceptions.RayTaskError as exc:
+                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+                raise WorkerError(self.role, rank, f"{type(cause).__name__}: {cause}", died=False) from None
+        return results
+
+    def shutdown(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
