@@ -71,19 +71,22 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
     a, _ = _load(args.a, None, ())
     b, _ = _load(args.b, None, ())
-    if args.plan:
-        from rlconf.plan import compile_plan, plan_to_dict
-
-        da, db = plan_to_dict(compile_plan(a)), plan_to_dict(compile_plan(b))
-    else:
-        da, db = config_to_dict(a), config_to_dict(b)
-    changes = diff_dicts(da, db)
     print(f"--- {args.a}\n+++ {args.b}")
-    for change in changes:
-        print(change.format())
-    if not changes:
-        print("(no differences)")
+    if args.plan:
+        from rlconf.plan import compile_plan, diff_plans
+
+        lines = [
+            f"~ {path}: {_fmt(old)} -> {_fmt(new)}"
+            for path, old, new in diff_plans(compile_plan(a), compile_plan(b))
+        ]
+    else:
+        lines = [change.format() for change in diff_dicts(config_to_dict(a), config_to_dict(b))]
+    print("\n".join(lines) if lines else "(no differences)")
     return EXIT_OK
+
+
+def _fmt(value: object) -> str:
+    return json.dumps(value) if not isinstance(value, str) else value
 
 
 def cmd_plan(args: argparse.Namespace) -> int:

@@ -61,7 +61,7 @@ DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Bounds that keep the plan's tables (rank grids, lr rows) to a size a controller can hold; far beyond any
 # real run, they only turn absurd inputs into a ConfigError instead of an hour of list building.
 MAX_DEVICES = 1 << 17
-MAX_TOTAL_STEPS = 1_000_000
+MAX_TOTAL_STEPS = 100_000
 MAX_INT = 1 << 40
 
 WORKER_ROLES: tuple[str, ...] = ("actor", "rollout", "ref", "critic", "reward_model")
@@ -621,12 +621,12 @@ class _Checks:
             return False
         return True
 
-    def number(self, path: str, value: object, minimum: float | None = None) -> bool:
+    def number(self, path: str, value: object, minimum: float | None = None, *, rule: str = "optim") -> bool:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            self.add(path, f"must be a finite number, got {value!r}", "use a finite number", "optim")
+            self.add(path, f"must be a finite number, got {value!r}", "use a finite number", rule)
             return False
         if minimum is not None and value < minimum:
-            self.add(path, f"must be >= {minimum}, got {value}", f"use a number >= {minimum}", "optim")
+            self.add(path, f"must be >= {minimum}, got {value}", f"use a number >= {minimum}", rule)
             return False
         return True
 
@@ -689,7 +689,7 @@ def _check_basics(c: RLConfig) -> None:
             "positive-size",
         )
     mem = cl.device_memory_gib
-    if mem is not None and ck.number("cluster.device_memory_gib", mem) and mem <= 0:
+    if mem is not None and ck.number("cluster.device_memory_gib", mem, rule="cluster") and mem <= 0:
         ck.add(
             "cluster.device_memory_gib", "must be > 0", "give the device memory in GiB, or null", "cluster"
         )
@@ -740,7 +740,12 @@ def _check_basics(c: RLConfig) -> None:
             1,
             optional=True,
         )
-        ck.number(f"{prefix}.override_transformer_config.hidden_dropout", ov.hidden_dropout, 0.0)
+        ck.number(
+            f"{prefix}.override_transformer_config.hidden_dropout",
+            ov.hidden_dropout,
+            0.0,
+            rule="model-source",
+        )
     for prefix, role_cfg in (("actor", c.actor), ("critic", c.critic)):
         if prefix == "critic" and not c.critic.enable:
             continue
@@ -843,6 +848,7 @@ def read_hf_arch(folder: str, path: str = "model.path") -> ModelArch:
         return float(value)
 
     heads = positive_int("num_attention_heads")
+    hidden = positive_int("hidden_size")
     # A missing (or null) num_key_value_heads means multi-head attention, as in transformers.
     groups = (
         positive_int("num_key_value_heads")
@@ -867,9 +873,20 @@ def read_hf_arch(folder: str, path: str = "model.path") -> ModelArch:
     tied = bool(raw["tie_word_embeddings"]) if "tie_word_embeddings" in raw else True
     # Some configs (Qwen3, Gemma) give the head width explicitly; it need not be hidden / heads.
     kv_channels = positive_int("head_dim") if "head_dim" in raw and raw["head_dim"] is not None else None
+    if heads % groups:
+        raise fail(
+            f"{cfg_file}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = {groups}",
+            "fix config.json (grouped-query attention needs whole groups)",
+        )
+    if kv_channels is None and hidden % heads:
+        raise fail(
+            f"{cfg_file}: hidden_size = {hidden} is not divisible by num_attention_heads = {heads} and no "
+            "head_dim is given",
+            "add head_dim to config.json",
+        )
     return ModelArch(
         num_layers=positive_int("num_hidden_layers"),
-        hidden_size=positive_int("hidden_size"),
+        hidden_size=hidden,
         ffn_hidden_size=positive_int("intermediate_size"),
         num_attention_heads=heads,
         num_query_groups=groups,
@@ -1868,122 +1885,155 @@ def _check_memory(config: RLConfig, plan: TrainerPlan) -> None:
         if pool.peak_gib <= dev:
             continue
         phase = next(p for p in pool.phases if p.phase == pool.peak_phase)
-        parts = ", ".join(f"{p.label} {p.gib:.1f}" for p in sorted(phase.parts, key=lambda p: -p.gib))
+        big = [p for p in sorted(phase.parts, key=lambda p: -p.gib) if p.gib >= 0.05]
+        parts = " + ".join(f"{p.label} {p.gib:.1f}" for p in big) or "small parts"
+        others = [p.phase for p in pool.phases if p.total_gib > dev and p.phase != pool.peak_phase]
         message = (
-            f"estimated peak memory per device is {pool.peak_gib:.1f} GiB, more than the device's {dev:g} GiB: "
-            f"{pool.pool} rank {pool.rank} during {pool.peak_phase} needs {parts} (GiB)"
+            f"estimated peak memory per device is {pool.peak_gib:.1f} GiB, more than cluster.device_memory_gib = "
+            f"{dev:g} GiB: on {pool.pool} rank {pool.rank}, {pool.peak_phase} needs {parts} GiB"
+            + (f" ({', '.join(others)} also exceed{'s' if len(others) == 1 else ''} it)" if others else "")
+            + "; the run would run out of memory after start-up"
         )
         options = _memory_options(config, pool.pool, pool.peak_gib, dev)
-        fix = "options, with the estimate each gives: " + "; ".join(options)
+        fix = "change one or more of (estimated peak after each change alone): " + "; ".join(options)
         issues.append(error("cluster.device_memory_gib", message, fix, "memory-exceeds-device"))
     if issues:
         raise ConfigError(issues)
 
 
-def _set(config: RLConfig, dotted: str, value: object) -> RLConfig:
+def _set(config: object, dotted: str, value: object) -> RLConfig:
+    """`config` with the field at a dotted path replaced (frozen dataclasses all the way down)."""
     head, _, rest = dotted.partition(".")
-    if not rest:
-        return replace(config, **{head: value})  # type: ignore[arg-type]
-    return replace(config, **{head: _set(getattr(config, head), rest, value)})  # type: ignore[arg-type]
+    inner = value if not rest else _set(getattr(config, head), rest, value)
+    return replace(config, **{head: inner})  # type: ignore[type-var]
 
 
-def _memory_options(config: RLConfig, pool: str, current: float, dev: float) -> list[str]:
-    """Concrete config changes, each with the pool's re-estimated peak, best first."""
-    candidates: list[tuple[str, RLConfig]] = []
-    try:
-        base = _compile(config)
-    except ConfigError:
-        return []
-    shared = len(next(p for p in base.resources.pools if p.name == pool).roles) > 1
-    trained = [r for r in ("actor", "critic") if r in base.roles and base.layout(r).pool == pool]
-    for role in trained:
-        lay = base.layout(role)
+def _role_variants(
+    config: RLConfig, plan: TrainerPlan, role: str, shared: bool
+) -> Iterator[tuple[str, RLConfig]]:
+    """Single changes that lower one role's memory on its devices: (flag text, changed config)."""
+    lay = plan.layout(role)
+    arch = plan.model(lay.model).arch
+    prefix, m = _megatron_of(config, role)
+    tp2, pp2 = lay.tp * 2, lay.pp * 2
+    if (
+        lay.world_size % (tp2 * lay.pp * lay.cp) == 0
+        and arch.num_attention_heads % tp2 == 0
+        and arch.num_query_groups % tp2 == 0
+    ):
+        yield (
+            f"{prefix}.tensor_model_parallel_size={tp2}",
+            _set(config, f"{prefix}.tensor_model_parallel_size", tp2),
+        )
+    if lay.world_size % (lay.tp * pp2 * lay.cp) == 0 and arch.num_layers % (pp2 * (lay.vpp or 1)) == 0:
+        yield (
+            f"{prefix}.pipeline_model_parallel_size={pp2}",
+            _set(config, f"{prefix}.pipeline_model_parallel_size", pp2),
+        )
+    if role in ("actor", "critic"):
         rc = config.actor if role == "actor" else config.critic
-        spec = base.model("critic") if role == "critic" else base.model("policy")
-        m = rc.megatron
-        mp = f"{role}.megatron"
         if not m.use_distributed_optimizer and lay.dp * lay.cp > 1:
-            candidates.append(
-                (
-                    f"{mp}.use_distributed_optimizer=true",
-                    _set(config, f"{mp}.use_distributed_optimizer", True),
-                )
-            )
-        tp2 = lay.tp * 2
-        a = spec.arch
-        if (
-            lay.world_size % (tp2 * lay.pp * lay.cp) == 0
-            and a.num_attention_heads % tp2 == 0
-            and a.num_query_groups % tp2 == 0
-        ):
-            candidates.append(
-                (
-                    f"{mp}.tensor_model_parallel_size={tp2}",
-                    _set(config, f"{mp}.tensor_model_parallel_size", tp2),
-                )
-            )
-        pp2 = lay.pp * 2
-        if lay.world_size % (lay.tp * pp2 * lay.cp) == 0 and a.num_layers % (pp2 * (lay.vpp or 1)) == 0:
-            candidates.append(
-                (
-                    f"{mp}.pipeline_model_parallel_size={pp2}",
-                    _set(config, f"{mp}.pipeline_model_parallel_size", pp2),
-                )
+            yield (
+                f"{prefix}.use_distributed_optimizer=true",
+                _set(config, f"{prefix}.use_distributed_optimizer", True),
             )
         ov = m.override_transformer_config
         if ov.recompute_granularity != "full":
             full = replace(
                 ov, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
             )
-            candidates.append(
-                (
-                    f"{mp}.override_transformer_config.recompute_granularity=full (recompute_method=uniform, "
-                    "recompute_num_layers=1)",
-                    _set(config, f"{mp}.override_transformer_config", full),
-                )
+            yield (
+                f"{prefix}.override_transformer_config.recompute_granularity=full (with recompute_method=uniform, "
+                "recompute_num_layers=1)",
+                _set(config, f"{prefix}.override_transformer_config", full),
             )
         if rc.use_dynamic_bsz:
             half = rc.ppo_max_token_len_per_gpu // 2
             if half >= config.data.max_prompt_length + config.rollout.max_response_length:
-                candidates.append(
-                    (
-                        f"{role}.ppo_max_token_len_per_gpu={half}",
-                        _set(config, f"{role}.ppo_max_token_len_per_gpu", half),
-                    )
+                yield (
+                    f"{role}.ppo_max_token_len_per_gpu={half}",
+                    _set(config, f"{role}.ppo_max_token_len_per_gpu", half),
                 )
         elif rc.ppo_micro_batch_size_per_gpu > 1:
             half = rc.ppo_micro_batch_size_per_gpu // 2
-            candidates.append(
-                (
-                    f"{role}.ppo_micro_batch_size_per_gpu={half}",
-                    _set(config, f"{role}.ppo_micro_batch_size_per_gpu", half),
-                )
+            yield (
+                f"{role}.ppo_micro_batch_size_per_gpu={half}",
+                _set(config, f"{role}.ppo_micro_batch_size_per_gpu", half),
             )
-        # Offloading helps the other roles' calls on a shared device.
+        # Offloading frees the device for the other roles' calls.
         if shared and not (m.param_offload and m.grad_offload and m.optimizer_offload):
             off = replace(m, param_offload=True, grad_offload=True, optimizer_offload=True)
-            candidates.append(
-                (f"{mp}.param_offload/grad_offload/optimizer_offload=true", _set(config, mp, off))
+            yield (
+                f"{prefix}.param_offload=true, grad_offload=true, optimizer_offload=true",
+                _set(config, prefix, off),
             )
-    if "ref" in base.roles and base.layout("ref").pool == pool and not config.ref.megatron.param_offload:
-        candidates.append(
-            ("ref.megatron.param_offload=true", _set(config, "ref.megatron.param_offload", True))
-        )
-    results: list[tuple[float, str]] = []
-    for label, cfg in candidates:
-        try:
-            plan = _compile(cfg)
-        except ConfigError:
+    elif shared and not m.param_offload:
+        yield f"{prefix}.param_offload=true", _set(config, f"{prefix}.param_offload", True)
+    # Log-prob / value / reward forwards materialise fp32 logits for their whole micro-batch.
+    micro_field = {
+        "actor": "actor.log_prob_micro_batch_size_per_gpu",
+        "ref": "ref.log_prob_micro_batch_size_per_gpu",
+        "reward_model": "reward.reward_model.micro_batch_size_per_gpu",
+    }
+    dynamic = config.actor.use_dynamic_bsz and role in ("actor", "ref")
+    if role in micro_field and not dynamic:
+        path = micro_field[role]
+        value = _get(config, path)
+        if isinstance(value, int) and value > 1:
+            yield f"{path}={value // 2}", _set(config, path, value // 2)
+
+
+def _get(obj: object, dotted: str) -> object:
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _evaluate_variants(config: RLConfig, pool: str) -> list[tuple[float, str, RLConfig]]:
+    """Every single change that lowers the pool's peak: (new peak, flag text, changed config), best first."""
+    base = _compile(config)
+    current = next(p.peak_gib for p in base.memory.pools if p.pool == pool)
+    members = next(p for p in base.resources.pools if p.name == pool).roles
+    shared = len([r for r in members if r != "rollout"]) > 1
+    results: list[tuple[float, str, RLConfig]] = []
+    for role in members:
+        if role == "rollout":
             continue
-        peak = next(p.peak_gib for p in plan.memory.pools if p.pool == pool)
-        if peak < current - 1e-6:
-            results.append((peak, label))
-    results.sort()
-    out = [f"set {label} -> {peak:.1f} GiB{' (fits)' if peak <= dev else ''}" for peak, label in results[:6]]
-    out.append("or more devices (larger dp shards the distributed optimizer further)")
-    out.append(
-        "or set cluster.device_memory_gib to the device's real memory if it is larger (or null to skip)"
-    )
+        for label, changed in _role_variants(config, base, role, shared):
+            try:
+                plan = _compile(changed)
+            except ConfigError:
+                continue  # the change breaks another rule (e.g. a batch no longer divides): not offered
+            peak = next(p.peak_gib for p in plan.memory.pools if p.pool == pool)
+            if peak < current - 1e-6:
+                results.append((peak, label, changed))
+    results.sort(key=lambda r: (r[0], r[1]))
+    return results
+
+
+def _memory_options(config: RLConfig, pool: str, current: float, dev: float) -> list[str]:
+    """Concrete config changes for an over-full pool, each with the pool's re-estimated peak, best first;
+    when no single change fits, also a combination found greedily (best change, then the next, ...)."""
+    singles = _evaluate_variants(config, pool)
+    out = [f"{label} -> {peak:.1f} GiB{' (fits)' if peak <= dev else ''}" for peak, label, _ in singles[:8]]
+    if singles and singles[0][0] > dev:
+        chosen: dict[str, str] = {}  # field -> its latest change (tp=2 then tp=4 shows tp=4)
+        cfg, peak = config, current
+        for _ in range(4):
+            step = _evaluate_variants(cfg, pool)
+            if not step:
+                break
+            peak, label, cfg = step[0]
+            chosen.pop(label.split("=")[0], None)
+            chosen[label.split("=")[0]] = label
+            if peak <= dev:
+                break
+        if len(chosen) > 1 or (chosen and peak < singles[0][0]):
+            verdict = "fits" if peak <= dev else "still too much: add devices"
+            head = "together: " if len(chosen) > 1 else ""
+            out.insert(0, f"{head}{' AND '.join(chosen.values())} -> {peak:.1f} GiB ({verdict})")
+    out.append("more devices (a larger dp shards the distributed optimizer further)")
+    out.append("cluster.device_memory_gib, if the device really has more memory (null skips this check)")
     return out
 
 

@@ -179,12 +179,41 @@ def world_divisible(c: RLConfig) -> Iterator[Issue]:
             continue
         etp = m.expert_tensor_parallel_size or m.tensor_model_parallel_size
         ep_mp = etp * m.expert_model_parallel_size * m.pipeline_model_parallel_size
-        if m.expert_model_parallel_size > 1 and world % ep_mp:
+        if world % ep_mp:
             yield error(
                 f"{prefix}.megatron.expert_model_parallel_size",
                 f"{prefix} world size {world} is not divisible by expert tp x ep x pp = {ep_mp}",
                 "choose expert_model_parallel_size and expert_tensor_parallel_size that divide the world / pp",
                 "world-divisible-by-model-parallel",
+            )
+
+
+@rule(
+    "ref-layout-matches-actor",
+    "ref.megatron.*_size",
+    "actor.megatron.*_size",
+)
+def ref_layout(c: RLConfig) -> Iterator[Issue]:
+    """The reference policy lives in the actor's processes (colocated), so it uses the actor's layout."""
+    if not uses_ref(c):
+        return
+    names = (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "virtual_pipeline_model_parallel_size",
+        "context_parallel_size",
+        "expert_model_parallel_size",
+        "expert_tensor_parallel_size",
+    )
+    for name in names:
+        ref_v, act_v = getattr(c.ref.megatron, name), getattr(c.actor.megatron, name)
+        if ref_v != act_v:
+            yield error(
+                f"ref.megatron.{name}",
+                f"ref {name} = {ref_v} differs from the actor's {act_v}; the reference policy runs in the actor's "
+                "processes and shares its parallel groups",
+                f"set ref.megatron.{name} = {act_v}",
+                "ref-layout-matches-actor",
             )
 
 

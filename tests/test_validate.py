@@ -85,6 +85,9 @@ CASES = [
      "critic.num_devices", "device-pools", "error"),
     (["algorithm.adv_estimator=gae", "rollout.n=1", "critic.enable=true", "critic.placement=separate",
       "critic.num_devices=1"], "cluster.gpus_per_node", "device-pools", "error"),
+    (["actor.use_kl_loss=true", "cluster.gpus_per_node=2", "actor.ppo_micro_batch_size_per_gpu=2",
+      "ref.megatron.tensor_model_parallel_size=2"],
+     "ref.megatron.tensor_model_parallel_size", "ref-layout-matches-actor", "error"),
     # positivity, sampling, trainer, reward, data, model, cluster
     (["data.train_batch_size=0"], "data.train_batch_size", "positive-size", "error"),
     (["actor.megatron.tensor_model_parallel_size=0"], "actor.megatron.tensor_model_parallel_size", "positive-size", "error"),

@@ -1,0 +1,748 @@
+"""Tests of the trainer plan (rlconf.plan): properties over valid configs, hand-computed examples."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rlconf.config import (
+    ActorConfig,
+    ClusterConfig,
+    CriticConfig,
+    DataConfig,
+    MegatronConfig,
+    ModelArch,
+    ModelConfig,
+    Optim,
+    OverrideTransformerConfig,
+    ProfileConfig,
+    RewardConfig,
+    RewardModelConfig,
+    RLConfig,
+    RolloutConfig,
+    TrainerConfig,
+)
+from rlconf.errors import ConfigError
+from rlconf.fields import leaf_paths
+from rlconf.plan import (
+    MISSING,
+    TrainerPlan,
+    compile_plan,
+    diff_plans,
+    format_plan,
+    lr_at,
+    plan_to_dict,
+)
+from tests.strategies import valid_configs
+from tests.typed_strategies import typed_configs
+
+PROPERTY = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+# ============================================================================================ properties
+@PROPERTY
+@given(valid_configs())
+def test_valid_configs_compile_and_layouts_are_exact_grids(config: RLConfig) -> None:
+    plan = compile_plan(config)  # never raises on a valid config
+    assert plan.roles[:2] == ("actor", "rollout")
+    for lay in plan.layouts:
+        assert lay.dp * lay.tp * lay.pp * lay.cp == lay.world_size
+        assert [g.rank for g in lay.grid] == list(range(lay.world_size))  # every rank exactly once
+        coords = {(g.pp, g.tp, g.cp, g.dp) for g in lay.grid}
+        assert len(coords) == lay.world_size  # and every coordinate exactly once
+        for g in lay.grid:
+            assert 0 <= g.tp < lay.tp and 0 <= g.pp < lay.pp and 0 <= g.cp < lay.cp and 0 <= g.dp < lay.dp
+            assert g.rank == g.tp + lay.tp * (g.cp + lay.cp * (g.dp + lay.dp * g.pp))
+            assert lay.rank_of(g.pp, g.tp, g.cp, g.dp) == g.rank
+        assert sum(lay.layers_per_stage) == lay.num_layers
+        assert lay.even_layers and len(set(lay.layers_per_stage)) == 1
+        covered = sorted(
+            i
+            for st_ in lay.stages
+            for ch in st_.chunks
+            for i in range(ch.first_layer, ch.first_layer + ch.num_layers)
+        )
+        assert covered == list(range(lay.num_layers))  # chunks tile the layers
+        assert lay.sequence_parallel == (
+            lay.tp > 1 and lay.role != "rollout" and _megatron(config, lay.role).sequence_parallel
+        )
+        assert (
+            lay.padded_vocab_size % (128 * lay.tp) == 0
+            and lay.padded_vocab_size >= plan.model(lay.model).arch.vocab_size
+        )
+    # Pools partition the devices.
+    devices = [d for p in plan.resources.pools for d in range(p.first_device, p.first_device + p.num_devices)]
+    assert devices == list(range(plan.resources.total_devices))
+
+
+def _megatron(config: RLConfig, role: str) -> MegatronConfig:
+    return {
+        "actor": config.actor.megatron,
+        "ref": config.ref.megatron,
+        "critic": config.critic.megatron,
+        "reward_model": config.reward.reward_model.megatron,
+    }[role]
+
+
+@PROPERTY
+@given(valid_configs())
+def test_batch_schedule_adds_up(config: RLConfig) -> None:
+    plan = compile_plan(config)
+    for b in plan.batch:
+        assert b.even
+        assert b.responses_per_step == config.data.train_batch_size * config.rollout.n
+        assert b.mini_batches_per_step * b.mini_batch_prompts == b.prompts_per_step
+        assert b.responses_per_mini_batch_per_rank * b.dp == b.responses_per_mini_batch
+        if b.use_dynamic_bsz:
+            assert b.micro_batch_size_per_rank is None and b.max_token_len_per_micro_batch is not None
+            assert b.max_token_len_per_micro_batch >= b.max_seq_len
+        else:
+            assert (
+                b.micro_batches_per_mini_batch * b.micro_batch_size_per_rank * b.dp
+                == b.responses_per_mini_batch
+            )
+            if plan.layout(b.role).vpp is not None:
+                assert b.micro_batches_per_mini_batch % plan.layout(b.role).pp == 0
+        assert b.optimizer_steps_per_training_step == b.mini_batches_per_step * b.ppo_epochs
+        assert b.optimizer_steps_total == b.optimizer_steps_per_training_step * b.update_steps
+
+
+@PROPERTY
+@given(valid_configs())
+def test_lr_table_follows_warmup_and_bounds(config: RLConfig) -> None:
+    plan = compile_plan(config)
+    for o in plan.optim:
+        assert len(o.table) == config.trainer.total_steps
+        assert [r.step for r in o.table] == list(range(1, config.trainer.total_steps + 1))
+        warm = [r.lr for r in o.table if r.scheduler_step <= o.warmup_steps]
+        assert all(a <= b * (1 + 1e-12) for a, b in itertools.pairwise(warm)), warm
+        tol = 1e-12 * o.lr
+        for r in o.table:
+            assert math.isfinite(r.lr)
+            if r.scheduler_step > o.warmup_steps or o.warmup_steps == 0:
+                assert o.min_lr - tol <= r.lr <= o.lr + tol, (r, o)
+            else:
+                assert min(o.lr_warmup_init, o.lr) - tol <= r.lr <= o.lr + tol
+
+
+@PROPERTY
+@given(valid_configs())
+def test_plan_dict_is_json_and_stable(config: RLConfig) -> None:
+    plan = compile_plan(config)
+    d = plan_to_dict(plan)
+    text = json.dumps(d, sort_keys=True, allow_nan=False)
+    assert json.loads(text) == d  # plain JSON data: nothing is lost in a round trip
+    assert json.dumps(plan_to_dict(compile_plan(config)), sort_keys=True) == text  # deterministic
+    assert diff_plans(plan, plan) == []
+    assert set(d) == {
+        "version", "roles", "models", "resources", "layouts", "batch", "optim", "profile", "checkpoint",
+        "memory", "config",
+    }  # fmt: skip
+
+
+@PROPERTY
+@given(valid_configs())
+def test_profile_checkpoint_and_memory_are_consistent(config: RLConfig) -> None:
+    plan = compile_plan(config)
+    p = plan.profile
+    if p.enabled:
+        assert set(p.steps) == set(config.profile.steps)  # valid configs list steps of the run only
+        expected = {
+            f"{p.save_path}/step_{s}/{t.role}/rank_{r}" for s in p.steps for t in p.targets for r in t.ranks
+        }
+        assert set(p.folders) == expected
+        if p.mode == "continuous":
+            assert [t.role for t in p.targets] == ["e2e"]
+        for t in p.targets:
+            world = 1 if t.worker == "controller" else plan.layout(t.worker).world_size
+            assert all(0 <= r < world for r in t.ranks)
+            if config.profile.all_ranks and t.worker != "controller":
+                assert t.ranks == tuple(range(world))
+        assert p.save_path == os.path.normpath(
+            os.path.join(config.trainer.output_dir, config.profile.save_path)
+        )
+    else:
+        assert p.folders == ()
+    ck = plan.checkpoint
+    if config.trainer.save_freq > 0:
+        assert ck.save_steps[-1] == config.trainer.total_steps
+        assert all(s % config.trainer.save_freq == 0 for s in ck.save_steps[:-1])
+    else:
+        assert ck.save_steps == ()
+    assert [s.step for s in ck.saves] == list(ck.save_steps)
+    assert {r.role for r in ck.roles} == {"actor"} | ({"critic"} if config.critic.enable else set())
+    m = plan.memory
+    assert m.device_memory_gib is None and m.fits is None
+    for r in m.roles:
+        parts = (r.params_gib, r.grads_gib, r.optimizer_gib, r.activations_gib, r.logits_gib)
+        assert all(math.isfinite(x) and x >= 0 for x in parts)
+        assert r.params_gib > 0 and r.total_gib == pytest.approx(sum(parts), abs=1e-5)
+        assert (r.grads_gib > 0) == r.trained
+    assert m.peak_gib == max(pm.peak_gib for pm in m.pools)
+
+
+@settings(max_examples=50, deadline=None)
+@given(valid_configs())
+def test_format_plan_renders(config: RLConfig) -> None:
+    text = format_plan(compile_plan(config))
+    assert text.endswith("\n") and "layouts" in text and "memory estimate" in text
+
+
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
+@given(typed_configs())
+def test_any_typed_config_plans_or_raises_config_error(config: RLConfig) -> None:
+    """Configs that skipped validation (random values of the right types) never crash the plan."""
+    try:
+        plan = compile_plan(config)
+    except ConfigError as exc:
+        assert exc.errors and all(i.path for i in exc.errors)
+        return
+    json.dumps(plan_to_dict(plan))
+
+
+_ODD_INTS = st.sampled_from([0, -1, 1, 2, 3, 7, 64, 1 << 20, 1 << 50])
+_ODD_FLOATS = st.sampled_from([0.0, -1.0, 1e-12, 0.5, 2.0, 1e300, -1e300])
+
+
+@st.composite
+def _mutated_configs(draw: st.DrawFn) -> RLConfig:
+    """A valid config with 1-3 numeric fields set to odd values (zero, negative, huge): the plan must
+    either cope or raise ConfigError."""
+    config = draw(valid_configs())
+    numeric = [
+        p
+        for p in leaf_paths(RLConfig)
+        if isinstance(_get(config, p), (int, float)) or _get(config, p) is None
+    ]
+    for path in draw(st.lists(st.sampled_from(numeric), min_size=1, max_size=3, unique=True)):
+        value = _get(config, path)
+        if isinstance(value, bool):
+            new = draw(st.booleans())
+        elif isinstance(value, float):
+            new = draw(_ODD_FLOATS)
+        else:
+            new = draw(_ODD_INTS | st.none())
+        config = _set(config, path, new)
+    return config
+
+
+def _get(obj: object, path: str) -> object:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _set(obj: object, path: str, value: object) -> object:
+    head, _, rest = path.partition(".")
+    return replace(obj, **{head: _set(getattr(obj, head), rest, value) if rest else value})
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_mutated_configs())
+def test_mutated_configs_plan_or_raise_config_error(config: RLConfig) -> None:
+    try:
+        plan = compile_plan(config)
+    except ConfigError as exc:
+        assert exc.errors and all(i.path for i in exc.errors)
+        return
+    json.dumps(plan_to_dict(plan))
+    format_plan(plan)
+
+
+def test_strategy_configs_pass_validation() -> None:
+    """valid_configs() is valid by construction: rlconf.validate finds no error in what it draws."""
+    validate = pytest.importorskip("rlconf.validate")
+
+    @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(valid_configs())
+    def check(config: RLConfig) -> None:
+        errors = [i for i in validate.check_config(config) if i.severity == "error"]
+        assert not errors, "\n".join(i.format() for i in errors)
+
+    check()
+
+
+# ============================================================================================ megatron lr oracle
+def _megatron_scheduler_class() -> type | None:
+    """megatron-core's OptimizerParamScheduler, loaded from its source without importing megatron.core
+    (its package import costs seconds and needs torch); None when megatron-core is not installed."""
+    spec = importlib.util.find_spec("megatron")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / "core" / "optimizer_param_scheduler.py"
+    if not path.is_file():
+        return None
+    src = path.read_text().replace(
+        "from megatron.core.utils import log_single_rank", "def log_single_rank(*args, **kwargs): pass"
+    )
+    namespace: dict[str, object] = {"__name__": "megatron_optimizer_param_scheduler_copy"}
+    exec(compile(src, str(path), "exec"), namespace)
+    return namespace["OptimizerParamScheduler"]  # type: ignore[return-value]
+
+
+MEGATRON_SCHEDULER = _megatron_scheduler_class()
+
+
+class _FakeOptimizer:
+    def __init__(self) -> None:
+        self.param_groups = [{}]
+
+
+@pytest.mark.skipif(MEGATRON_SCHEDULER is None, reason="megatron-core is not installed")
+@PROPERTY
+@given(valid_configs())
+def test_lr_table_matches_megatron_scheduler(config: RLConfig) -> None:
+    """Row N's lr equals megatron's scheduler after N - 1 steps (one step(1) per training step)."""
+    plan = compile_plan(config)
+    o = plan.optim_plan("actor")
+    sched = MEGATRON_SCHEDULER(
+        _FakeOptimizer(),
+        init_lr=o.lr_warmup_init,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.warmup_steps,
+        lr_decay_steps=o.decay_steps,
+        lr_decay_style=o.decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=config.trainer.total_steps,
+        wd_incr_style="constant",
+        wsd_decay_steps=o.wsd_decay_steps,
+        lr_wsd_decay_style=o.wsd_decay_style,
+    )
+    for row in o.table:
+        if row.update:
+            group = sched.optimizer.param_groups[0]
+            assert row.lr == pytest.approx(group["lr"], rel=1e-9, abs=1e-15), row
+            assert row.weight_decay == pytest.approx(group["weight_decay"])
+            sched.step(1)
+
+
+# ============================================================================================ examples
+QWEN25_7B = ModelArch(
+    num_layers=28,
+    hidden_size=3584,
+    ffn_hidden_size=18944,
+    num_attention_heads=28,
+    num_query_groups=4,
+    vocab_size=152064,
+    max_position_embeddings=32768,
+    add_qkv_bias=True,
+    share_embeddings_and_output_weights=False,
+)
+
+
+def qwen7b_config(**cluster: object) -> RLConfig:
+    """Qwen2.5-7B GRPO on 8 GPUs, actor at TP=4 x PP=2 (DP=1); every field the estimate uses is pinned."""
+    megatron = MegatronConfig(
+        tensor_model_parallel_size=4,
+        pipeline_model_parallel_size=2,
+        sequence_parallel=True,
+        use_distributed_optimizer=True,
+        override_transformer_config=OverrideTransformerConfig(recompute_granularity=None),
+    )
+    return RLConfig(
+        model=ModelConfig(arch=QWEN25_7B, params_dtype="bfloat16"),
+        data=DataConfig(train_batch_size=64, max_prompt_length=1024),
+        actor=ActorConfig(
+            megatron=megatron,
+            optim=Optim(lr=1e-6),
+            ppo_mini_batch_size=16,
+            ppo_micro_batch_size_per_gpu=2,
+            log_prob_micro_batch_size_per_gpu=2,
+        ),
+        rollout=RolloutConfig(n=8, max_response_length=3072, tensor_model_parallel_size=4),
+        trainer=TrainerConfig(total_steps=20),
+        cluster=ClusterConfig(device="cuda", nnodes=1, gpus_per_node=8, **cluster),  # type: ignore[arg-type]
+    )
+
+
+def test_qwen7b_layout_grid_and_stages() -> None:
+    plan = compile_plan(qwen7b_config())
+    lay = plan.layout("actor")
+    assert (lay.world_size, lay.tp, lay.pp, lay.cp, lay.dp) == (8, 4, 2, 1, 1)
+    assert lay.sequence_parallel
+    # rank = tp + 4 * (cp + 1 * (dp + 1 * pp)): ranks 0-3 are stage 0's TP group, 4-7 stage 1's.
+    g = {c.rank: (c.pp, c.tp, c.cp, c.dp) for c in lay.grid}
+    assert g[0] == (0, 0, 0, 0)
+    assert g[3] == (0, 3, 0, 0)
+    assert g[4] == (1, 0, 0, 0)
+    assert g[6] == (1, 2, 0, 0)
+    assert g[7] == (1, 3, 0, 0)
+    assert lay.layers_per_stage == (14, 14)
+    assert [(s.chunks[0].first_layer, s.num_layers, s.embedding, s.output_layer) for s in lay.stages] == [
+        (0, 14, True, False),
+        (14, 14, False, True),
+    ]
+    assert lay.padded_vocab_size == 152064  # already a multiple of 128 x 4 = 512
+    assert plan.layout("rollout").dp == 2 and plan.layout("rollout").pp == 1
+    assert plan.model("policy").num_parameters == 7_615_616_512  # Qwen2.5-7B: 7.62B
+
+
+def test_grid_with_context_and_data_parallel() -> None:
+    config = qwen7b_config()
+    config = replace(
+        config,
+        actor=replace(
+            config.actor,
+            megatron=replace(
+                config.actor.megatron,
+                tensor_model_parallel_size=2,
+                context_parallel_size=2,
+                pipeline_model_parallel_size=2,
+            ),
+        ),
+        cluster=replace(config.cluster, gpus_per_node=16),
+    )
+    lay = compile_plan(config).layout("actor")
+    assert (lay.tp, lay.cp, lay.dp, lay.pp) == (2, 2, 2, 2)
+    g = {c.rank: (c.pp, c.tp, c.cp, c.dp) for c in lay.grid}
+    assert g[1] == (0, 1, 0, 0)  # tp fastest
+    assert g[2] == (0, 0, 1, 0)  # then cp
+    assert g[4] == (0, 0, 0, 1)  # then dp
+    assert g[8] == (1, 0, 0, 0)  # pp slowest
+    assert g[13] == (1, 1, 0, 1)  # 13 = 1 + 2 * (0 + 2 * (1 + 2 * 1))
+
+
+def test_qwen7b_memory_estimate_matches_hand_computation() -> None:
+    """Hand computation (actor, stage 0 = 14 layers + the embedding, TP=4, bf16, DP=1):
+
+    per layer: qkv 3584 x (3584 + 2 x 512) + bias 4608, out 3584^2, MLP 3 x 3584 x 18944 = 233,050,624
+    sharded over tp=4 -> 58,262,656, + 2 x 3584 replicated norm weights = 58,269,824; x 14 = 815,777,536;
+    + embedding 152064 x 3584 / 4 = 136,249,344  ->  952,026,880 params on the device.
+    weights bf16: 2 B -> 1.773 GiB; fp32 grads: 4 B -> 3.547 GiB; Adam fp32 master + m + v: 12 B, no
+    sharding at dp x cp = 1 -> 10.640 GiB.
+    activations: micro 2 x (1024 + 3072) = 8192 tokens; per token and layer (bf16, SP splits all by 4):
+    (4h + 2q + 2g + 3f) / 4 = (14336 + 7168 + 1024 + 56832) / 4 = 19840 elements x 2 B = 39,680 B;
+    x 8192 tokens x 14 layers x 2 micro-batches in flight (first of 2 stages, 1F1B) = 9.102e9 B = 8.477 GiB.
+    Total 1.773 + 3.547 + 10.640 + 8.477 = 24.44 GiB: plausible for 7B on 8 x 80 GB (verl runs it).
+    """
+    plan = compile_plan(qwen7b_config())
+    m = next(r for r in plan.memory.roles if r.role == "actor")
+    gib = 2**30
+    assert m.stage == 0
+    assert m.params_per_device == 952_026_880
+    assert m.params_gib == pytest.approx(952_026_880 * 2 / gib, rel=1e-4)
+    assert m.grads_gib == pytest.approx(952_026_880 * 4 / gib, rel=1e-4)
+    assert m.optimizer_gib == pytest.approx(952_026_880 * 12 / gib, rel=1e-4)
+    assert m.activations_gib == pytest.approx(39_680 * 8192 * 14 * 2 / gib, rel=1e-4)
+    assert m.in_flight_micro_batches == 2
+    assert 20 < m.total_gib < 30
+    # The last stage holds the untied output layer and the fp32 logits slice: 8192 x 152064/4 x 4 B.
+    pool = plan.memory.pools[0]
+    assert pool.pool == "actor_pool" and 20 < pool.peak_gib < 40
+    assert plan.memory.fits is None
+
+
+def test_memory_error_names_device_memory_and_concrete_fixes() -> None:
+    with pytest.raises(ConfigError) as info:
+        compile_plan(qwen7b_config(device_memory_gib=16))
+    exc = info.value
+    assert exc.path == "cluster.device_memory_gib"
+    issue = exc.errors[0]
+    assert issue.rule == "memory-exceeds-device"
+    assert "16 GiB" in issue.message and "actor optimizer" in issue.message and "GiB" in issue.message
+    # Concrete options, each with its own estimate.
+    assert "actor.megatron.override_transformer_config.recompute_granularity=full" in issue.fix
+    assert "actor.ppo_micro_batch_size_per_gpu=1" in issue.fix
+    assert "actor.megatron.tensor_model_parallel_size=" not in issue.fix or "GiB" in issue.fix
+    assert "cluster.device_memory_gib" in issue.fix
+    # Without the distributed optimizer at dp > 1 the fix suggests turning it on.
+    config = qwen7b_config(device_memory_gib=16)
+    config = replace(
+        config,
+        actor=replace(
+            config.actor,
+            megatron=replace(
+                config.actor.megatron, pipeline_model_parallel_size=1, use_distributed_optimizer=False
+            ),
+        ),
+    )
+    with pytest.raises(ConfigError) as info:
+        compile_plan(config)
+    assert "actor.megatron.use_distributed_optimizer=true" in info.value.errors[0].fix
+    # A big enough device passes and says so.
+    assert compile_plan(qwen7b_config(device_memory_gib=80)).memory.fits is True
+
+
+def test_lr_values_cosine_linear_wsd() -> None:
+    def table(optim: Optim, total: int) -> list[float]:
+        config = RLConfig(actor=ActorConfig(optim=optim), trainer=TrainerConfig(total_steps=total))
+        return [r.lr for r in compile_plan(config).optim_plan("actor").table]
+
+    # cosine: warmup 2 from 0, decay over 12 steps. Step N uses the scheduler after N - 1 increments.
+    lrs = table(Optim(lr=1e-3, min_lr=1e-4, lr_warmup_steps=2, lr_decay_style="cosine"), 12)
+    assert lrs[0] == pytest.approx(0.0)  # step 1: lr_warmup_init
+    assert lrs[1] == pytest.approx(5e-4)  # step 2: half-way through warmup
+    assert lrs[2] == pytest.approx(1e-3)  # step 3: warmup done
+    assert lrs[7] == pytest.approx(5.5e-4)  # step 8: decay ratio (7-2)/(12-2) = 0.5 -> min + 0.5 * 9e-4
+    assert lrs[11] == pytest.approx(1e-4 + 0.5 * (math.cos(math.pi * 0.9) + 1) * 9e-4)  # step 12
+    # linear, no warmup, over 10 steps: 1e-3 * (1 - (N - 1) / 10)
+    lrs = table(Optim(lr=1e-3, min_lr=0.0, lr_decay_style="linear"), 10)
+    assert lrs[0] == pytest.approx(1e-3) and lrs[5] == pytest.approx(5e-4) and lrs[9] == pytest.approx(1e-4)
+    # WSD: stable until scheduler step 15 of 20, then a linear tail of 5 steps.
+    lrs = table(Optim(lr=1e-3, lr_decay_style="WSD", lr_wsd_decay_steps=5), 20)
+    assert lrs[15] == pytest.approx(1e-3)  # step 16: anneal starts after scheduler step 15
+    assert lrs[16] == pytest.approx(8e-4)  # step 17
+    assert lrs[19] == pytest.approx(2e-4)  # step 20
+    # WSD tail defaults to 10% of the decay steps; warmup by ratio uses round(ratio x total_steps).
+    plan = compile_plan(
+        RLConfig(
+            actor=ActorConfig(optim=Optim(lr_decay_style="WSD", lr_warmup_steps_ratio=0.25)),
+            trainer=TrainerConfig(total_steps=20),
+        )
+    )
+    o = plan.optim_plan("actor")
+    assert (o.wsd_decay_steps, o.warmup_steps, o.granularity) == (2, 5, "training_step")
+    assert plan.config.actor.optim.lr_warmup_steps == 5 and plan.config.actor.optim.lr_decay_steps == 20
+    # inverse square root after 4 warmup steps: lr x sqrt(4 / 9) at step 10
+    assert lr_at(
+        Optim(lr=1e-3, lr_warmup_steps=4, lr_decay_style="inverse-square-root"), 9, 20
+    ) == pytest.approx(1e-3 * 2 / 3)
+
+
+def test_actor_lr_waits_for_critic_warmup() -> None:
+    config = RLConfig(
+        critic=CriticConfig(enable=True),
+        actor=ActorConfig(optim=Optim(lr=1e-3, lr_warmup_steps=2)),
+        trainer=TrainerConfig(total_steps=6, critic_warmup=2),
+    )
+    plan = compile_plan(config)
+    rows = plan.optim_plan("actor").table
+    assert [r.update for r in rows] == [False, False, True, True, True, True]
+    assert [r.scheduler_step for r in rows] == [0, 0, 0, 1, 2, 3]
+    assert plan.batch_plan("actor").first_update_step == 3 and plan.batch_plan("actor").update_steps == 4
+    assert [r.update for r in plan.optim_plan("critic").table] == [True] * 6
+
+
+_DROP = object()  # a config.json key to leave out
+
+
+def _write_config_json(folder: Path, **overrides: object) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    data = {
+        "model_type": "qwen2",
+        "num_hidden_layers": 4,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 300,
+        "max_position_embeddings": 512,
+        "tie_word_embeddings": True,
+        "rope_theta": 1000000.0,
+        "rms_norm_eps": 1e-5,
+    }
+    data.update(overrides)
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in data.items() if v is not _DROP}))
+    return folder
+
+
+def test_model_path_reads_config_json(tmp_path: Path) -> None:
+    folder = _write_config_json(tmp_path / "tiny")
+    plan = compile_plan(RLConfig(model=ModelConfig(path=str(folder))))
+    arch = plan.model("policy").arch
+    assert (arch.num_layers, arch.hidden_size, arch.ffn_hidden_size) == (4, 64, 128)
+    assert (arch.num_attention_heads, arch.num_query_groups, arch.vocab_size) == (4, 2, 300)
+    assert arch.rotary_base == 1e6 and arch.share_embeddings_and_output_weights and arch.add_qkv_bias
+    assert plan.model("policy").source == str(folder / "config.json")
+    assert plan.config.model.arch == arch  # the effective config carries the architecture read
+    assert plan.layout("actor").layers_per_stage == (4,)
+    # A missing num_key_value_heads means multi-head attention.
+    folder = _write_config_json(tmp_path / "mha", num_key_value_heads=_DROP, model_type="llama")
+    arch = compile_plan(RLConfig(model=ModelConfig(path=str(folder)))).model("policy").arch
+    assert arch.num_query_groups == 4 and not arch.add_qkv_bias
+
+
+@pytest.mark.parametrize(
+    ("setup", "needle"),
+    [
+        (lambda p: p, "does not exist"),
+        (lambda p: (p.mkdir(), (p / "config.json").write_text("{not json"), p)[-1], "cannot read"),
+        (lambda p: _write_config_json(p, hidden_size=_DROP), "hidden_size"),
+        (lambda p: _write_config_json(p, num_hidden_layers="four"), "num_hidden_layers"),
+    ],
+)
+def test_model_path_errors_name_model_path(tmp_path: Path, setup, needle: str) -> None:
+    folder = setup(tmp_path / "model")
+    with pytest.raises(ConfigError) as info:
+        compile_plan(RLConfig(model=ModelConfig(path=str(folder))))
+    assert info.value.path == "model.path"
+    assert needle in info.value.errors[0].message
+
+
+def test_config_json_architecture_is_checked_against_layouts(tmp_path: Path) -> None:
+    """validate.py cannot see config.json: heads / layers vs tp / pp are checked by the plan."""
+    folder = _write_config_json(tmp_path / "m", num_hidden_layers=3)
+    config = RLConfig(
+        model=ModelConfig(path=str(folder)),
+        actor=ActorConfig(
+            megatron=MegatronConfig(tensor_model_parallel_size=4, pipeline_model_parallel_size=2)
+        ),
+        cluster=ClusterConfig(gpus_per_node=8),
+        data=DataConfig(train_batch_size=8),
+        rollout=RolloutConfig(n=4),
+    )
+    with pytest.raises(ConfigError) as info:
+        compile_plan(config)
+    rules = {(i.rule, i.path) for i in info.value.errors}
+    assert ("heads-divisible-by-tp", "actor.megatron.tensor_model_parallel_size") in rules  # 2 groups, tp 4
+    assert (
+        "layers-divisible-by-pp",
+        "actor.megatron.pipeline_model_parallel_size",
+    ) in rules  # 3 layers, pp 2
+
+
+def test_critic_model_path_error_names_critic_path(tmp_path: Path) -> None:
+    config = RLConfig(critic=CriticConfig(enable=True, model_path=str(tmp_path / "nope")))
+    with pytest.raises(ConfigError) as info:
+        compile_plan(config)
+    assert info.value.path == "critic.model_path"
+
+
+def test_resources_pools_and_placement() -> None:
+    config = RLConfig(
+        cluster=ClusterConfig(nnodes=2, gpus_per_node=4),
+        actor=ActorConfig(use_kl_loss=True, ppo_mini_batch_size=5, ppo_micro_batch_size_per_gpu=1),
+        data=DataConfig(train_batch_size=5),
+        rollout=RolloutConfig(n=4),
+        critic=CriticConfig(
+            enable=True,
+            placement="separate",
+            num_devices=2,
+            ppo_mini_batch_size=5,
+            ppo_micro_batch_size_per_gpu=1,
+        ),
+        reward=RewardConfig(reward_model=RewardModelConfig(enable=True, placement="separate", num_devices=1)),
+    )
+    plan = compile_plan(config)
+    assert plan.roles == ("actor", "rollout", "ref", "critic", "reward_model")
+    pools = {p.name: (p.first_device, p.num_devices, p.nodes, p.roles) for p in plan.resources.pools}
+    assert pools == {
+        "actor_pool": (0, 5, (0, 1), ("actor", "rollout", "ref")),
+        "critic_pool": (5, 2, (1,), ("critic",)),
+        "reward_model_pool": (7, 1, (1,), ("reward_model",)),
+    }
+    assert plan.placement("ref").world_size == 5 and plan.placement("ref").colocated_with == (
+        "actor",
+        "rollout",
+    )
+    assert plan.placement("critic").world_size == 2 and plan.placement("critic").num_processes == 2
+    assert [p.pool for p in plan.memory.pools] == ["actor_pool", "critic_pool", "reward_model_pool"]
+    # No ref without a KL term; no pools left for the actor is a ConfigError naming the pool rule.
+    assert "ref" not in compile_plan(RLConfig()).roles
+    with pytest.raises(ConfigError) as info:
+        compile_plan(replace(config, critic=replace(config.critic, num_devices=7)))
+    assert info.value.errors[0].rule == "device-pools"
+
+
+def test_profile_folders_discrete_and_continuous() -> None:
+    base = RLConfig(
+        cluster=ClusterConfig(gpus_per_node=2),
+        trainer=TrainerConfig(total_steps=5, output_dir="out"),
+        profile=ProfileConfig(tool="torch", steps=(2,), ranks=(1,), roles=("actor_update", "reward_compute")),
+    )
+    p = compile_plan(base).profile
+    assert p.enabled and p.save_path == os.path.join("out", "profile")
+    assert p.folders == ("out/profile/step_2/actor_update/rank_1", "out/profile/step_2/reward_compute/rank_0")
+    assert [(t.role, t.worker) for t in p.targets] == [
+        ("actor_update", "actor"),
+        ("reward_compute", "controller"),
+    ]
+    cont = replace(base, profile=replace(base.profile, discrete=False, all_ranks=True, save_path="/abs/prof"))
+    p = compile_plan(cont).profile
+    assert p.folders == ("/abs/prof/step_2/e2e/rank_0", "/abs/prof/step_2/e2e/rank_1")
+    # Empty roles: every role present in the run.
+    p = compile_plan(replace(base, profile=replace(base.profile, roles=()))).profile
+    assert p.roles == ("generate_sequences", "actor_compute_log_prob", "actor_update", "reward_compute")
+    assert not compile_plan(replace(base, profile=replace(base.profile, tool="none"))).profile.enabled
+
+
+def test_checkpoint_steps_paths_and_retention() -> None:
+    config = RLConfig(
+        trainer=TrainerConfig(total_steps=10, save_freq=3, max_ckpt_to_keep=2, output_dir="runs/a"),
+        actor=ActorConfig(use_kl_loss=True),
+        critic=CriticConfig(enable=True),
+    )
+    config = replace(config, actor=replace(config.actor, checkpoint=replace(config.actor.checkpoint, save_contents=("model", "hf_model"), load_contents=("model",))))  # fmt: skip
+    ck = compile_plan(config).checkpoint
+    assert ck.save_steps == (3, 6, 9, 10) and ck.retained_steps == (9, 10)
+    assert ck.latest_file == "runs/a/checkpoints/latest_checkpointed_iteration.txt"
+    last = ck.saves[-1]
+    assert last.path == "runs/a/checkpoints/global_step_10"
+    paths = {r.role: (r.path, r.hf_path) for r in last.roles}
+    assert paths == {
+        "actor": (
+            "runs/a/checkpoints/global_step_10/actor",
+            "runs/a/checkpoints/global_step_10/actor/huggingface",
+        ),
+        "critic": ("runs/a/checkpoints/global_step_10/critic", None),
+    }
+    assert compile_plan(RLConfig()).checkpoint.save_steps == ()
+
+
+def test_effective_config_and_diff() -> None:
+    config = RLConfig(actor=ActorConfig(megatron=MegatronConfig(sequence_parallel=True)))
+    plan = compile_plan(config)
+    assert plan.config.actor.megatron.sequence_parallel is False  # tp = 1: megatron switches it off
+    assert plan.config.actor.megatron.expert_tensor_parallel_size == 1
+    other = replace(config, cluster=ClusterConfig(gpus_per_node=2), actor=replace(config.actor, megatron=MegatronConfig(tensor_model_parallel_size=2)))  # fmt: skip
+    diff = dict((path, (a, b)) for path, a, b in diff_plans(plan, compile_plan(other)))
+    assert diff["layouts[role=actor].tp"] == (1, 2)
+    assert diff["resources.total_devices"] == (1, 2)
+    assert diff["layouts[role=actor].grid[rank=1].tp"] == (MISSING, 1)
+    assert isinstance(plan, TrainerPlan)
+
+
+def test_format_plan_big_world_is_compact() -> None:
+    config = qwen7b_config()
+    config = replace(
+        config,
+        cluster=replace(config.cluster, nnodes=16),
+        data=replace(config.data, train_batch_size=256),
+        profile=ProfileConfig(tool="nsys", steps=(1, 2), all_ranks=True),
+    )
+    text = format_plan(compile_plan(config))
+    assert len(text.splitlines()) < 150
+    assert "pp=1 dp=15: 124 125 126 127" in text and "more" in text
+
+
+def test_non_divisible_world_is_a_config_error() -> None:
+    config = RLConfig(
+        cluster=ClusterConfig(gpus_per_node=3),
+        actor=ActorConfig(megatron=MegatronConfig(tensor_model_parallel_size=2)),
+    )
+    with pytest.raises(ConfigError) as info:
+        compile_plan(config)
+    assert info.value.errors[0].rule == "world-divisible-by-model-parallel"
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 200), st.integers(1, 4), st.sampled_from([None, 2, 3]))
+def test_uneven_layers_are_split_gracefully(layers: int, pp: int, vpp: int | None) -> None:
+    """Configs that skipped validation with layers not divisible by pp x vpp still plan (earlier chunks
+    get one more layer) and the plan says the split is uneven."""
+    vpp = vpp if pp > 1 else None
+    config = RLConfig(
+        model=ModelConfig(arch=replace(ModelArch(), num_layers=layers)),
+        actor=ActorConfig(
+            megatron=MegatronConfig(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp)
+        ),
+        cluster=ClusterConfig(gpus_per_node=pp),
+        data=DataConfig(train_batch_size=pp * 4),
+    )
+    lay = compile_plan(config).layout("actor")
+    assert sum(lay.layers_per_stage) == layers
+    assert lay.even_layers == (layers % (pp * (vpp or 1)) == 0)
+    assert max(lay.layers_per_stage) - min(lay.layers_per_stage) <= (vpp or 1)
