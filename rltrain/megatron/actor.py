@@ -9,7 +9,9 @@ with the controller). The same class serves the frozen reference policy (`optim=
 
 from __future__ import annotations
 
+import functools
 import time
+
 import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
@@ -118,20 +120,25 @@ class MegatronActor(MegatronEngine):
                     rows = order[m0 : m0 + mini]
                     mini_batch = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
                     mbs = self.micro_batches(
-                        mini_batch, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+                        mini_batch,
+                        cfg.ppo_micro_batch_size_per_gpu,
+                        cfg.use_dynamic_bsz,
+                        cfg.ppo_max_token_len_per_gpu,
                     )
                     tokens += int(mini_batch["attention_mask"].sum())
                     total_tokens = float(mini_batch["response_mask"].sum().clamp(min=1))
                     total_rows = float(rows.numel())
                     self.zero_grad()
-                    outs = self.run_schedule(
-                        mbs,
-                        lambda mb, logits: self._policy_loss(
-                            mb, logits, clip_low, clip_high, use_kl, total_tokens, total_rows
-                        ),
-                        forward_only=False,
+                    loss_fn = functools.partial(
+                        self._policy_loss,
+                        clip_low=clip_low,
+                        clip_high=clip_high,
+                        use_kl=use_kl,
+                        total_tokens=total_tokens,
+                        total_rows=total_rows,
                     )
-                    ok, grad_norm = self.optimizer_step()
+                    outs = self.run_schedule(mbs, loss_fn, forward_only=False)
+                    _, grad_norm = self.optimizer_step()
                     grad_norms.append(grad_norm)
                     for o in outs:
                         for k in names:
@@ -336,7 +343,6 @@ def sample_tokens(
     cdf = probs.cumsum(-1)
     tok = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp(max=probs.shape[-1] - 1)
     return tok, logp_all.gather(1, tok[:, None]).squeeze(1)
-
 
 
 __all__ = ["MegatronActor", "sample_tokens"]

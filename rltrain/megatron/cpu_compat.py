@@ -128,7 +128,7 @@ def enable_cpu_compat() -> None:
 class CudaToCpuMode(TorchFunctionMode):
     """Rewrites CUDA device requests to the CPU inside megatron calls (see the module docstring)."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: D105
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             # .cuda(device=None, non_blocking=False, memory_format=...) -> stay on the CPU.

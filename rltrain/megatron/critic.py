@@ -84,17 +84,26 @@ class MegatronCritic(MegatronEngine):
                     rows = order[m0 : m0 + mini]
                     mini_batch = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
                     mbs = self.micro_batches(
-                        mini_batch, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+                        mini_batch,
+                        cfg.ppo_micro_batch_size_per_gpu,
+                        cfg.use_dynamic_bsz,
+                        cfg.ppo_max_token_len_per_gpu,
                     )
                     total_tokens = float(mini_batch["response_mask"].sum().clamp(min=1))
                     total_rows = float(rows.numel())
 
-                    def loss_fn(mb: MicroBatch, out: torch.Tensor, total_tokens=total_tokens, total_rows=total_rows):
+                    def loss_fn(
+                        mb: MicroBatch, out: torch.Tensor, total_tokens=total_tokens, total_rows=total_rows
+                    ):
                         d = mb.data
                         mask = d["response_mask"].float()
                         vpreds = self._values(mb, out)
                         loss, m = algorithms.compute_value_loss(
-                            vpreds, d["values"].float(), d["returns"].float(), mask, cfg.cliprange_value,
+                            vpreds,
+                            d["values"].float(),
+                            d["returns"].float(),
+                            mask,
+                            cfg.cliprange_value,
                             self.loss_agg_mode,
                         )
                         extra = {

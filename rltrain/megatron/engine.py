@@ -26,6 +26,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from rlconf.config import MegatronConfig, ModelArch, ModelConfig, Optim
 from rltrain.megatron import model as mmodel
 from rltrain.megatron.cpu_compat import device_context
+from rltrain.megatron.hf_weights import arch_from_hf, load_hf_weights
 from rltrain.megatron.parallel import init_parallel
 
 
@@ -44,7 +45,7 @@ def _device_of(device: str) -> torch.device:
 
 
 def align_batch(
-    batch: dict[str, torch.Tensor], seq_multiple: int, device: torch.device
+    batch: dict[str, torch.Tensor], seq_multiple: int, device: torch.device, min_length: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Left-align each row's valid tokens; return (tokens [B, L], position_ids [B, L], gather_index [B, R]).
 
@@ -58,8 +59,8 @@ def align_batch(
     r = resp_mask.shape[1]
     valid_len = mask.sum(-1)
     start = torch.where(mask.any(-1), mask.int().argmax(-1), torch.zeros_like(valid_len))
-    length = int(valid_len.max().item()) if b else 1
-    length = max(1, math.ceil(length / seq_multiple) * seq_multiple)
+    length = max(int(valid_len.max().item()) if b else 1, min_length, 1)
+    length = math.ceil(length / seq_multiple) * seq_multiple
     cols = torch.arange(length)
     src = (start.unsqueeze(1) + cols.unsqueeze(0)).clamp(max=s - 1)
     tokens = torch.gather(input_ids, 1, src)
@@ -110,26 +111,20 @@ class MegatronEngine:
         self.model_cfg = model_cfg
         self.megatron_cfg = megatron_cfg
         self.device = device
-        self.torch_device = None
-        self._ctx = lambda: device_context(device)
         if not parallel_state.model_parallel_is_initialized():
             init_parallel(megatron_cfg, device)
         self.torch_device = _device_of(device)
         if arch is None:
-            if model_cfg.path is not None:
-                from rltrain.megatron.hf_weights import arch_from_hf
-
-                arch = arch_from_hf(model_cfg.path)
-            else:
-                arch = model_cfg.arch
+            arch = arch_from_hf(model_cfg.path) if model_cfg.path is not None else model_cfg.arch
         self.arch = arch
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.dp_size = parallel_state.get_data_parallel_world_size()
         with self._ctx():
-            self.chunks = mmodel.build_model_chunks(arch, model_cfg, megatron_cfg, device, value_head=value_head)
+            self.chunks = mmodel.build_model_chunks(
+                arch, model_cfg, megatron_cfg, device, value_head=value_head
+            )
             if model_cfg.path is not None:
-                from rltrain.megatron.hf_weights import load_hf_weights
-
+                # Before the optimizer: it copies fp32 main params from the model weights.
                 load_hf_weights(self.chunks, model_cfg.path, value_head=value_head)
             self.optimizer = None
             self.lr_scheduler = None
@@ -146,6 +141,10 @@ class MegatronEngine:
         self.seq_multiple = self.tp_size if self.config.sequence_parallel else 1
 
     # --------------------------------------------------------------------------------- helpers
+    def _ctx(self) -> contextlib.AbstractContextManager[None]:
+        """Context for every call into megatron: the CUDA->CPU rewrite mode on cpu, nothing on GPU."""
+        return device_context(self.device)
+
     @property
     def is_last_stage(self) -> bool:
         return parallel_state.is_pipeline_last_stage(ignore_virtual=True)
@@ -169,10 +168,14 @@ class MegatronEngine:
             index_sets = [torch.tensor(g) for g in groups]
         else:
             index_sets = [torch.arange(n)[s] for s in split_rows(n, micro_batch_size)]
+        # The interleaved (virtual pipeline) schedule assumes one activation shape for all micro-batches.
+        min_length = int(batch["attention_mask"].sum(-1).max()) if len(self.chunks) > 1 else 1
         out = []
         for idx in index_sets:
             data = {k: v[idx] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-            tokens, positions, gather_index = align_batch(data, self.seq_multiple, self.torch_device)
+            tokens, positions, gather_index = align_batch(
+                data, self.seq_multiple, self.torch_device, min_length
+            )
             data = {k: v.to(self.torch_device) for k, v in data.items()}
             out.append(MicroBatch(tokens, positions, gather_index, data))
         return out
@@ -218,7 +221,9 @@ class MegatronEngine:
                 forward_only=forward_only,
             )
 
-    def broadcast_from_last_stage(self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype) -> torch.Tensor:
+    def broadcast_from_last_stage(
+        self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype
+    ) -> torch.Tensor:
         """Give every pipeline stage the tensor computed on the last stage."""
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
             assert tensor is not None

@@ -18,7 +18,9 @@ from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 _MASKED_LOGIT = -1e9
 
 
-def prepare_logits(logits: torch.Tensor, temperature: float = 1.0, vocab_size: int | None = None) -> torch.Tensor:
+def prepare_logits(
+    logits: torch.Tensor, temperature: float = 1.0, vocab_size: int | None = None
+) -> torch.Tensor:
     """fp32 logits / temperature with padded vocabulary entries of this TP shard masked out.
 
     Always returns a new tensor: megatron's cross entropy works in place on its input.

@@ -163,6 +163,11 @@ def transformer_config(
         variable_seq_lengths=True,
         # Only MoE layers read this; allgather (the default) refuses variable_seq_lengths.
         moe_token_dispatcher_type="alltoall",
+        # gloo matches point-to-point messages between two ranks in posting order. megatron's batched p2p
+        # posts (send_prev, recv_prev, send_next, recv_next) on both ranks, so with PP=2 and interleaving
+        # (traffic both ways between the same pair) activations and gradients arrive swapped. Its
+        # unbatched path orders even/odd ranks to match; use it on cpu, keep megatron's default on GPU.
+        batch_p2p_comm=device != "cpu",
         **recompute,
     )
 
@@ -182,7 +187,10 @@ class ValueHead(torch.nn.Module):
         torch.nn.init.normal_(self.weight, std=config.init_method_std)
 
     def forward(
-        self, hidden_states: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output: Any = None
+        self,
+        hidden_states: torch.Tensor,
+        weight: torch.Tensor | None = None,
+        runtime_gather_output: Any = None,
     ) -> tuple[torch.Tensor, None]:
         if self.sequence_parallel:
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
@@ -193,7 +201,9 @@ class ValueHead(torch.nn.Module):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Any = None) -> Any:
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-        return make_sharded_tensors_for_checkpoint(self.state_dict(keep_vars=True), prefix, {}, sharded_offsets)
+        return make_sharded_tensors_for_checkpoint(
+            self.state_dict(keep_vars=True), prefix, {}, sharded_offsets
+        )
 
 
 # ------------------------------------------------------------------------------------ model chunks
@@ -293,7 +303,9 @@ def build_optimizer(
     return get_megatron_optimizer(cfg, list(chunks))
 
 
-def build_lr_scheduler(optimizer: MegatronOptimizer, optim: Optim, total_steps: int) -> OptimizerParamScheduler:
+def build_lr_scheduler(
+    optimizer: MegatronOptimizer, optim: Optim, total_steps: int
+) -> OptimizerParamScheduler:
     """megatron OptimizerParamScheduler; the engine calls `.step(1)` after every optimizer step."""
     total_steps = max(int(total_steps), 1)
     warmup = optim.lr_warmup_steps

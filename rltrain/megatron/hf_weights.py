@@ -1,0 +1,350 @@
+"""Hugging Face <-> megatron-core weights for Qwen2 / Qwen2.5 / Llama-3 style decoders.
+
+Import: read config.json into a `ModelArch`, read safetensors, and fill this rank's megatron parameters
+(its TP shard of its PP stage's layers): q/k/v fused into `linear_qkv` in megatron's per-query-group
+layout ([q heads of group g, k_g, v_g] for each g), gate/up fused into `linear_fc1` per TP shard
+([gate_r; up_r] on rank r), vocabulary rows padded with zeros (they are masked in log-probs).
+Export: gather TP shards, each pipeline stage writes its own safetensors file (DP rank 0, TP rank 0), and
+global rank 0 writes the index and a config.json that `transformers.AutoModelForCausalLM` loads.
+Layers are matched by megatron's global `layer_number`, so any PP / virtual-PP split maps correctly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from megatron.core import parallel_state
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rlconf.config import ModelArch
+from rltrain.megatron.model import unwrap
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+
+
+# ------------------------------------------------------------------------------------ config.json
+def _read_config(path: str | os.PathLike) -> dict[str, Any]:
+    with open(Path(path) / "config.json") as f:
+        return json.load(f)
+
+
+def _opt(cfg: dict[str, Any], key: str, default: Any) -> Any:
+    # HF configs omit keys that equal the class default; those defaults are passed explicitly here.
+    return cfg[key] if key in cfg and cfg[key] is not None else default
+
+
+def arch_from_hf(path: str | os.PathLike) -> ModelArch:
+    """ModelArch of a local HF folder (Qwen2/Qwen2.5: qkv bias; Llama: attention_bias, usually false)."""
+    cfg = _read_config(path)
+    model_type = cfg["model_type"]
+    if model_type not in ("qwen2", "llama"):
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported (qwen2, llama)")
+    rope = _opt(cfg, "rope_parameters", None) or _opt(cfg, "rope_scaling", None) or {}
+    rope_type = _opt(rope, "rope_type", _opt(rope, "type", "default"))
+    if rope_type != "default":
+        raise NotImplementedError(f"{path}: rope scaling {rope_type!r} is not supported yet")
+    rope_theta = _opt(rope, "rope_theta", _opt(cfg, "rope_theta", 10000.0))
+    heads = cfg["num_attention_heads"]
+    head_dim = _opt(cfg, "head_dim", cfg["hidden_size"] // heads)
+    qkv_bias = True if model_type == "qwen2" else bool(_opt(cfg, "attention_bias", False))
+    if model_type == "llama" and _opt(cfg, "mlp_bias", False):
+        raise NotImplementedError(f"{path}: mlp_bias is not supported")
+    return ModelArch(
+        num_layers=cfg["num_hidden_layers"],
+        hidden_size=cfg["hidden_size"],
+        ffn_hidden_size=cfg["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=_opt(cfg, "num_key_value_heads", heads),
+        vocab_size=cfg["vocab_size"],
+        max_position_embeddings=cfg["max_position_embeddings"],
+        kv_channels=None if head_dim * heads == cfg["hidden_size"] else head_dim,
+        rotary_base=float(rope_theta),
+        norm_epsilon=float(_opt(cfg, "rms_norm_eps", 1e-6)),
+        add_qkv_bias=qkv_bias,
+        share_embeddings_and_output_weights=bool(_opt(cfg, "tie_word_embeddings", False)),
+    )
+
+
+def hf_config_from_arch(
+    arch: ModelArch, dtype: torch.dtype, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """config.json for `arch` (Qwen2ForCausalLM with qkv bias, else LlamaForCausalLM), over `base` if given."""
+    head_dim = arch.kv_channels or arch.hidden_size // arch.num_attention_heads
+    cfg: dict[str, Any] = dict(base) if base is not None else {}
+    qwen = arch.add_qkv_bias
+    if base is None:
+        cfg["architectures"] = ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"]
+        cfg["model_type"] = "qwen2" if qwen else "llama"
+        if not qwen:
+            cfg["attention_bias"] = False
+            cfg["mlp_bias"] = False
+    cfg.update(
+        hidden_act="silu",
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.ffn_hidden_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_query_groups,
+        head_dim=head_dim,
+        vocab_size=arch.vocab_size,
+        max_position_embeddings=arch.max_position_embeddings,
+        rms_norm_eps=arch.norm_epsilon,
+        tie_word_embeddings=arch.share_embeddings_and_output_weights,
+        dtype=str(dtype).removeprefix("torch."),
+    )
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": arch.rotary_base}
+    cfg["rope_theta"] = arch.rotary_base
+    return cfg
+
+
+# ------------------------------------------------------------------------------------ fused layouts
+def _heads(arch: ModelArch) -> tuple[int, int, int]:
+    d = arch.kv_channels or arch.hidden_size // arch.num_attention_heads
+    return arch.num_attention_heads, arch.num_query_groups, d
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, arch: ModelArch) -> torch.Tensor:
+    """HF q/k/v ([nh*d, ...], [ng*d, ...], [ng*d, ...]) -> megatron linear_qkv, grouped per query group."""
+    nh, ng, d = _heads(arch)
+    rest = q.shape[1:]
+    q = q.reshape(ng, nh // ng * d, *rest)
+    k = k.reshape(ng, d, *rest)
+    v = v.reshape(ng, d, *rest)
+    return torch.cat([q, k, v], 1).reshape((nh + 2 * ng) * d, *rest)
+
+
+def split_qkv(qkv: torch.Tensor, arch: ModelArch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of fuse_qkv."""
+    nh, ng, d = _heads(arch)
+    rest = qkv.shape[1:]
+    g = qkv.reshape(ng, (nh // ng + 2) * d, *rest)
+    q, k, v = torch.split(g, [nh // ng * d, d, d], 1)
+    return q.reshape(nh * d, *rest), k.reshape(ng * d, *rest), v.reshape(ng * d, *rest)
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor, tp: int) -> torch.Tensor:
+    """HF gate/up [F, H] -> megatron linear_fc1 laid out so that TP shard r is [gate_r; up_r]."""
+    return torch.cat([torch.cat([g, u]) for g, u in zip(gate.chunk(tp), up.chunk(tp), strict=True)])
+
+
+def split_gate_up(fc1: torch.Tensor, tp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of fuse_gate_up."""
+    parts = [p.chunk(2) for p in fc1.chunk(tp)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def _pad_vocab(w: torch.Tensor, rows: int) -> torch.Tensor:
+    if w.shape[0] == rows:
+        return w
+    out = w.new_zeros((rows, *w.shape[1:]))
+    out[: w.shape[0]] = w
+    return out
+
+
+# ------------------------------------------------------------------------------------ reading
+class _HFReader:
+    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        root = Path(path)
+        index = root / "model.safetensors.index.json"
+        if index.exists():
+            with open(index) as f:
+                weight_map: dict[str, str] = json.load(f)["weight_map"]
+        else:
+            files = sorted(root.glob("*.safetensors"))
+            if not files:
+                raise FileNotFoundError(f"{path}: no safetensors files")
+            weight_map = {}
+            for fname in files:
+                with safe_open(fname, "pt") as f:
+                    weight_map.update(dict.fromkeys(f.keys(), fname.name))
+        self.root = root
+        self.weight_map = weight_map
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.weight_map
+
+    def get(self, name: str) -> torch.Tensor:
+        with safe_open(self.root / self.weight_map[name], "pt") as f:
+            return f.get_tensor(name)
+
+
+def _hf_full_tensor(name: str, reader: _HFReader, arch: ModelArch, tp: int, vocab_rows: int) -> torch.Tensor:
+    """The full (all TP ranks) megatron tensor `name` (global layer numbering) from HF tensors."""
+    if name == "embedding.word_embeddings.weight":
+        return _pad_vocab(reader.get("model.embed_tokens.weight"), vocab_rows)
+    if name == "output_layer.weight":
+        key = "lm_head.weight" if "lm_head.weight" in reader else "model.embed_tokens.weight"
+        return _pad_vocab(reader.get(key), vocab_rows)
+    if name == "decoder.final_layernorm.weight":
+        return reader.get("model.norm.weight")
+    m = _LAYER.match(name)
+    if m is None:
+        raise KeyError(f"no Hugging Face source for megatron parameter {name}")
+    layer, rest = int(m.group(1)), m.group(2)
+    p = f"model.layers.{layer}."
+    if rest == "input_layernorm.weight":
+        return reader.get(p + "input_layernorm.weight")
+    if rest == "pre_mlp_layernorm.weight":
+        return reader.get(p + "post_attention_layernorm.weight")
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        return fuse_qkv(*(reader.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"), arch)
+    if rest == "self_attention.linear_proj.weight":
+        return reader.get(p + "self_attn.o_proj.weight")
+    if rest == "mlp.linear_fc1.weight":
+        return fuse_gate_up(reader.get(p + "mlp.gate_proj.weight"), reader.get(p + "mlp.up_proj.weight"), tp)
+    if rest == "mlp.linear_fc2.weight":
+        return reader.get(p + "mlp.down_proj.weight")
+    raise KeyError(f"no Hugging Face source for megatron parameter {name}")
+
+
+def _global_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+    """(name with global layer numbers, parameter) of one GPTModel chunk."""
+    offsets = {}
+    if hasattr(module, "decoder"):
+        for local, layer in enumerate(module.decoder.layers):
+            offsets[local] = layer.layer_number - 1
+    for name, param in module.named_parameters():
+        m = _LAYER.match(name)
+        if m is not None:
+            name = f"decoder.layers.{offsets[int(m.group(1))]}.{m.group(2)}"
+        yield name, param
+
+
+def _shard(full: torch.Tensor, param: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    if getattr(param, "tensor_model_parallel", False) and tp > 1:
+        return full.chunk(tp, dim=param.partition_dim)[rank]
+    return full
+
+
+@torch.no_grad()
+def load_hf_weights(
+    chunks: Sequence[torch.nn.Module], path: str | os.PathLike, value_head: bool = False
+) -> None:
+    """Copy an HF checkpoint into this rank's model chunks (DDP-wrapped or bare). A critic's value head
+    keeps its fresh init (an HF causal LM has none)."""
+    reader = _HFReader(path)
+    arch = arch_from_hf(path)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    for chunk in chunks:
+        module = unwrap(chunk)
+        vocab_rows = module.vocab_size
+        for name, param in _global_params(module):
+            if value_head and name.startswith("output_layer."):
+                continue
+            full = _hf_full_tensor(name, reader, arch, tp, vocab_rows)
+            local = _shard(full, param, tp, rank)
+            if local.shape != param.shape:
+                raise ValueError(
+                    f"{name}: HF gives {tuple(local.shape)}, megatron expects {tuple(param.shape)}"
+                )
+            param.data.copy_(local.to(param.dtype))
+    # The distributed optimizer keeps fp32 main params of 16-bit models: callers that built an optimizer
+    # before loading must reload them (MegatronEngine loads before building the optimizer).
+
+
+# ------------------------------------------------------------------------------------ export
+def _gather_tp(param: torch.Tensor) -> torch.Tensor:
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    data = param.detach()
+    if tp == 1 or not getattr(param, "tensor_model_parallel", False):
+        return data.cpu()
+    parts = [torch.empty_like(data) for _ in range(tp)]
+    torch.distributed.all_gather(
+        parts, data.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+    )
+    return torch.cat(parts, dim=param.partition_dim).cpu()
+
+
+def _to_hf(name: str, full: torch.Tensor, arch: ModelArch, tp: int) -> dict[str, torch.Tensor]:
+    if name == "embedding.word_embeddings.weight":
+        return {"model.embed_tokens.weight": full[: arch.vocab_size]}
+    if name == "output_layer.weight":
+        return {"lm_head.weight": full[: arch.vocab_size]}
+    if name == "decoder.final_layernorm.weight":
+        return {"model.norm.weight": full}
+    m = _LAYER.match(name)
+    if m is None:
+        raise KeyError(f"no Hugging Face name for megatron parameter {name}")
+    p = f"model.layers.{int(m.group(1))}."
+    rest = m.group(2)
+    if rest == "input_layernorm.weight":
+        return {p + "input_layernorm.weight": full}
+    if rest == "pre_mlp_layernorm.weight":
+        return {p + "post_attention_layernorm.weight": full}
+    if rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        q, k, v = split_qkv(full, arch)
+        return {
+            f"{p}self_attn.q_proj.{kind}": q,
+            f"{p}self_attn.k_proj.{kind}": k,
+            f"{p}self_attn.v_proj.{kind}": v,
+        }
+    if rest == "self_attention.linear_proj.weight":
+        return {p + "self_attn.o_proj.weight": full}
+    if rest == "mlp.linear_fc1.weight":
+        gate, up = split_gate_up(full, tp)
+        return {p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up}
+    if rest == "mlp.linear_fc2.weight":
+        return {p + "mlp.down_proj.weight": full}
+    raise KeyError(f"no Hugging Face name for megatron parameter {name}")
+
+
+@torch.no_grad()
+def export_hf_weights(
+    chunks: Sequence[torch.nn.Module],
+    arch: ModelArch,
+    out_dir: str | os.PathLike,
+    base_config: dict[str, Any] | None = None,
+) -> None:
+    """Write this model as an HF folder (safetensors + config.json). Collective: every rank calls it."""
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+    writer = (
+        parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+    )
+    tensors: dict[str, torch.Tensor] = {}
+    dtype = torch.float32
+    for chunk in chunks:
+        module = unwrap(chunk)
+        for name, param in _global_params(module):
+            full = _gather_tp(param)  # collective over TP: every TP rank takes part
+            dtype = param.dtype
+            if name == "output_layer.weight" and arch.share_embeddings_and_output_weights:
+                continue  # tied: HF reads the embedding
+            tensors.update(_to_hf(name, full, arch, tp))
+    out = Path(out_dir)
+    fname = "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, str(out / fname), metadata={"format": "pt"}
+        )
+    names = list(tensors) if writer else []
+    if pp > 1:
+        gathered: list[Any] = [None] * pp
+        torch.distributed.all_gather_object(
+            gathered, (fname, names), group=parallel_state.get_pipeline_model_parallel_group()
+        )
+    else:
+        gathered = [(fname, names)]
+    if torch.distributed.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        if pp > 1:
+            weight_map = {k: f for f, ks in gathered for k in ks}
+            with open(out / "model.safetensors.index.json", "w") as f:
+                json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+        with open(out / "config.json", "w") as f:
+            json.dump(hf_config_from_arch(arch, dtype, base_config), f, indent=2)
+    torch.distributed.barrier()

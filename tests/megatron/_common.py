@@ -1,0 +1,114 @@
+"""Helpers shared by the megatron tests and the processes they spawn: a tiny random Qwen2 on disk,
+synthetic RL batches, and config sections for the tiny model."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import torch
+
+from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
+
+# Small enough for 2 CPU cores, large enough to exercise GQA (4 heads / 2 groups), TP=2 and PP=2
+# (4 layers), a vocabulary that is not a multiple of 128 (padding) and untied lm_head variants.
+TINY = dict(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=176,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_tiny_qwen2(path: str | os.PathLike, tie: bool = True, seed: int = 0) -> Path:
+    """Save a random tiny Qwen2ForCausalLM to `path` (weights scaled up so logits are not flat)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(**TINY, tie_word_embeddings=tie)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+            else:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(str(path))
+    return Path(path)
+
+
+def hf_logits(path: str | os.PathLike, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    model.eval()
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+
+def make_batch(
+    b: int = 4, p: int = 6, r: int = 5, vocab: int = 100, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """verl layout: prompts left-padded to p, responses right-padded to r (lengths vary per row)."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.zeros(b, p + r, dtype=torch.long)
+    attention_mask = torch.zeros(b, p + r, dtype=torch.long)
+    response_mask = torch.zeros(b, r, dtype=torch.long)
+    for i in range(b):
+        pl = p - (i % 3)
+        rl = r - (i % 2) * 2
+        input_ids[i, p - pl : p] = torch.randint(1, vocab, (pl,), generator=g)
+        input_ids[i, p : p + rl] = torch.randint(1, vocab, (rl,), generator=g)
+        attention_mask[i, p - pl : p + rl] = 1
+        response_mask[i, :rl] = 1
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "responses": input_ids[:, p:].clone(),
+        "response_mask": response_mask,
+    }
+
+
+def reference_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Plain recomputation: log softmax of full-vocabulary logits [B, S, V] at the response positions."""
+    r = batch["responses"].shape[1]
+    s = batch["input_ids"].shape[1]
+    lp = torch.log_softmax(logits.float(), -1)[:, s - r - 1 : s - 1]
+    out = lp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    return out * batch["response_mask"]
+
+
+def tiny_model_cfg(path: str | None = None, attention_backend: str = "sdpa") -> ModelConfig:
+    arch = ModelArch(num_layers=4, vocab_size=100, max_position_embeddings=128)
+    return ModelConfig(path=path, arch=arch, attention_backend=attention_backend)  # type: ignore[arg-type]
+
+
+def actor_cfg(tp: int = 1, pp: int = 1, vpp: int | None = None, **kw) -> ActorConfig:
+    mcfg = MegatronConfig(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+    )
+    defaults = dict(
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=2,
+        log_prob_micro_batch_size_per_gpu=2,
+        optim=Optim(lr=1e-3, clip_grad=1.0),
+    )
+    defaults.update(kw)
+    return ActorConfig(megatron=mcfg, **defaults)  # type: ignore[arg-type]

@@ -1,0 +1,140 @@
+"""One test per CUDA assumption of megatron-core that rltrain.megatron.cpu_compat redirects on CPU.
+
+If a megatron upgrade moves one of these assumptions, the matching test names what broke."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+# megatron-core warns about missing apex / Transformer Engine and deprecated arguments on every build.
+_QUIET = [
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
+]
+pytestmark = _QUIET
+
+
+@pytest.fixture()
+def compat(mp_world):
+    from rltrain.megatron import cpu_compat
+
+    cpu_compat.enable_cpu_compat()
+    return cpu_compat
+
+
+def test_enable_is_idempotent(compat):
+    before = (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state)
+    compat.enable_cpu_compat()
+    assert (torch.cuda.current_device, torch.cuda.synchronize, torch.cuda.get_rng_state) == before
+    assert compat.is_enabled()
+
+
+def test_current_device_is_cpu(compat):
+    # megatron: device=torch.cuda.current_device() in layers, rotary embedding, grad buffers, p2p shapes.
+    assert torch.cuda.current_device() == torch.device("cpu")
+    assert torch.empty(2, device=torch.cuda.current_device()).device.type == "cpu"
+
+
+def test_synchronize_is_noop(compat):
+    # megatron: p2p_communication, parallel_state barriers, DDP offload.
+    assert torch.cuda.synchronize() is None
+
+
+def test_rng_tracker_forks_cpu_state(compat):
+    # megatron.core.tensor_parallel.random: CudaRNGStatesTracker.add/fork and model_parallel_cuda_manual_seed
+    # call torch.cuda.get_rng_state / manual_seed and megatron's _get/_set_cuda_rng_state.
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker, model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(123)
+    tracker = get_cuda_rng_tracker()
+    outside_state = torch.get_rng_state()
+    with tracker.fork():
+        a = torch.rand(3)
+    assert torch.equal(torch.get_rng_state(), outside_state), "fork must restore the default CPU state"
+    with tracker.fork():
+        b = torch.rand(3)
+    assert not torch.equal(a, b), "the tracked state must advance across forks"
+    model_parallel_cuda_manual_seed(123)
+    with get_cuda_rng_tracker().fork():
+        c = torch.rand(3)
+    assert torch.equal(a, c), "re-seeding reproduces the tracked stream"
+
+
+def test_cuda_rng_functions_redirect(compat):
+    import megatron.core.tensor_parallel.random as mp_random
+
+    torch.cuda.manual_seed(5)
+    state = torch.cuda.get_rng_state()
+    x = torch.rand(2)
+    mp_random._set_cuda_rng_state(state)
+    assert torch.equal(torch.rand(2), x)
+    assert torch.equal(mp_random._get_cuda_rng_state(), torch.get_rng_state())
+
+
+def test_literal_cuda_device_is_rewritten(compat):
+    # megatron: schedules (total_num_tokens), optimizer (found_inf, _scale_one), clip_grads, utils l2 norm.
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    with compat.cuda_to_cpu():
+        assert torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+        assert torch.tensor([1.0], device=torch.device("cuda", 0)).device.type == "cpu"
+        norm, _ = local_multi_tensor_l2_norm(0, None, [[torch.ones(4)]], False)
+    assert norm.item() == pytest.approx(2.0)
+
+
+def test_tensor_cuda_and_to_cuda(compat):
+    # megatron: .cuda() in distrib_optimizer (gloo gather), optimizer state reload, utils param hashes.
+    t = torch.ones(2)
+    with compat.cuda_to_cpu():
+        assert t.cuda() is t
+        assert t.to("cuda").device.type == "cpu"
+        assert t.to(device="cuda:0").device.type == "cpu"
+        assert t.to(torch.float64).dtype == torch.float64
+
+
+def test_type_names_report_cuda(compat):
+    # megatron: distrib_optimizer / optimizer / clip_grads compare Tensor.type() to 'torch.cuda.*Tensor'.
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.full((3,), 2.0)
+    with compat.cuda_to_cpu():
+        assert torch.zeros(1).type() == "torch.cuda.FloatTensor"
+        assert torch.zeros(1, dtype=torch.bfloat16).type() == "torch.cuda.BFloat16Tensor"
+        clip_grad_by_total_norm_fp32([p], max_norm=1.0, total_norm=4.0)
+    assert torch.zeros(1).type() == "torch.FloatTensor", "outside the mode types are untouched"
+    assert p.grad[0].item() == pytest.approx(0.5, rel=1e-4)
+
+
+def test_mode_is_per_thread_and_reentrant(compat):
+    errors: list[BaseException] = []
+
+    def other_thread():
+        try:
+            with compat.cuda_to_cpu():
+                assert torch.zeros(1, device="cuda").device.type == "cpu"
+        except BaseException as e:
+            errors.append(e)
+
+    with compat.cuda_to_cpu(), compat.cuda_to_cpu():
+        th = threading.Thread(target=other_thread)
+        th.start()
+        th.join()
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+    assert not errors
+    with pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")
+
+
+def test_cpu_config_uses_unbatched_p2p(mp_world):
+    # gloo matches p2p messages by posting order; megatron's batched p2p swaps tensors with PP=2 + VPP.
+    from rlconf.config import MegatronConfig
+    from rltrain.megatron.model import transformer_config
+
+    from ._common import tiny_model_cfg
+
+    mc = tiny_model_cfg()
+    assert transformer_config(mc.arch, mc, MegatronConfig(), "cpu").batch_p2p_comm is False
