@@ -350,7 +350,7 @@ class RolloutConfig:
     engine: Literal["embedded", "vllm"] = "embedded"
     """embedded: rlplan's generator on the actor's own weights (CPU and GPU, no extra install);
     vllm: the optional vLLM adapter (extra [vllm])."""
-    n: int = 4
+    n: int = 8
     """Responses sampled per prompt."""
     max_response_length: int = 16
     """Most tokens generated per response."""
@@ -448,7 +448,7 @@ class AlgorithmConfig:
 class TrainerConfig:
     """The run: length, outputs, saving and resuming."""
 
-    total_steps: int = 30
+    total_steps: int = 100
     """Optimizer steps of the whole run (steps count from 1, across resumes)."""
     output_dir: str = "outputs/rlplan"
     """Folder of config.yaml, plan.json, metrics.jsonl, checkpoints/ and plots."""

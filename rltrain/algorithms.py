@@ -248,7 +248,9 @@ def compute_advantage(
         return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
     if estimator in ("grpo", "rloo"):
         if group_index is None:
-            raise ValueError(f"algorithm.adv_estimator={estimator} needs group_index (the prompt of each response)")
+            raise ValueError(
+                f"algorithm.adv_estimator={estimator} needs group_index (the prompt of each response)"
+            )
         if estimator == "grpo":
             return compute_grpo_outcome_advantage(
                 token_level_rewards, response_mask, group_index, norm_adv_by_std_in_grpo, epsilon
@@ -256,18 +258,20 @@ def compute_advantage(
         return compute_rloo_outcome_advantage(token_level_rewards, response_mask, group_index)
     if estimator == "reinforce_plus_plus":
         return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
-    raise ValueError(f"unknown algorithm.adv_estimator {estimator!r}; choose one of {', '.join(ADV_ESTIMATORS)}")
+    raise ValueError(
+        f"unknown algorithm.adv_estimator {estimator!r}; choose one of {', '.join(ADV_ESTIMATORS)}"
+    )
 
 
 # ----------------------------------------------------------------------------------------------- KL
 def kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, kind: str) -> Tensor:
     """Per-token estimate of KL(pi || pi_ref) from log-probs of the sampled tokens (Schulman's k1/k2/k3).
 
-        kl:          log_prob - ref_log_prob                                   (k1, unbiased)
-        abs:         |log_prob - ref_log_prob|
-        mse:         0.5 * (log_prob - ref_log_prob)^2                          (k2)
-        low_var_kl:  exp(d) - d - 1 with d = ref_log_prob - log_prob            (k3, unbiased, >= 0)
-                     d clamped to [-20, 20] against overflow, the result to [-10, 10]
+    kl:          log_prob - ref_log_prob                                   (k1, unbiased)
+    abs:         |log_prob - ref_log_prob|
+    mse:         0.5 * (log_prob - ref_log_prob)^2                          (k2)
+    low_var_kl:  exp(d) - d - 1 with d = ref_log_prob - log_prob            (k3, unbiased, >= 0)
+                 d clamped to [-20, 20] against overflow, the result to [-10, 10]
     """
     diff = log_prob - ref_log_prob
     if kind == "kl":
@@ -323,8 +327,8 @@ class FixedKLController:
 class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al. 2019), steering the measured KL towards `target_kl`.
 
-        e = clip(current_kl / target_kl - 1, -0.2, 0.2)
-        beta <- beta * (1 + e * n_steps / horizon)
+    e = clip(current_kl / target_kl - 1, -0.2, 0.2)
+    beta <- beta * (1 + e * n_steps / horizon)
     """
 
     def __init__(self, init_kl_coef: float, target_kl: float, horizon: int) -> None:
@@ -344,7 +348,9 @@ class AdaptiveKLController:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores the adapted coefficient (target and horizon come from the config)."""
         if state["type"] != "adaptive":
-            raise ValueError(f"cannot load a {state['type']!r} KL controller state into an adaptive controller")
+            raise ValueError(
+                f"cannot load a {state['type']!r} KL controller state into an adaptive controller"
+            )
         self.value = float(state["value"])
 
 
@@ -361,10 +367,10 @@ def build_kl_controller(cfg: KLControl) -> FixedKLController | AdaptiveKLControl
 def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
     """Reduce a (B, T) per-token loss to a scalar (`actor.loss_agg_mode`).
 
-        token-mean:              sum(l * m) / sum(m)                          every token weighs the same
-        seq-mean-token-sum:      mean_i sum_t l_it m_it                       longer responses weigh more
-        seq-mean-token-mean:     mean_i (sum_t l_it m_it / sum_t m_it)        every response weighs the same
-        seq-mean-token-sum-norm: mean_i (sum_t l_it m_it) / T                 Dr. GRPO: constant T = max length
+    token-mean:              sum(l * m) / sum(m)                          every token weighs the same
+    seq-mean-token-sum:      mean_i sum_t l_it m_it                       longer responses weigh more
+    seq-mean-token-mean:     mean_i (sum_t l_it m_it / sum_t m_it)        every response weighs the same
+    seq-mean-token-sum-norm: mean_i (sum_t l_it m_it) / T                 Dr. GRPO: constant T = max length
     """
     mask = loss_mask.to(loss_mat.dtype)
     if loss_agg_mode == "token-mean":
@@ -376,7 +382,9 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
         return (seq_sums / mask.sum(-1).clamp_min(1e-8)).mean()
     if loss_agg_mode == "seq-mean-token-sum-norm":
         return seq_sums.mean() / loss_mask.shape[-1]
-    raise ValueError(f"unknown actor.loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}")
+    raise ValueError(
+        f"unknown actor.loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}"
+    )
 
 
 def compute_policy_loss(

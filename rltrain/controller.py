@@ -1,19 +1,279 @@
-"""The RL controller (placeholder until the end-to-end issue lands): validates, writes the run folder."""
+"""The RL controller: a short loop that drives Ray worker groups through generate -> reward -> log-probs
+-> advantages -> update, step after step, and logs what happened.
+
+Read top to bottom: `Trainer.__init__` builds everything from the plan (run folder, tokenizer, reward,
+data, Ray pools and workers), `Trainer.fit` is the loop, `Trainer.train_step` is one RL step. Data moves
+as dicts of tensors with one row per response; `_dispatch` cuts rows by the data-parallel coordinate of
+each rank (from the plan's rank grid) and gathers results from one rank per data-parallel group.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import sys
+import time
 from pathlib import Path
+from typing import Any
+
+import torch
 
 from rlconf.config import RLConfig
 from rlconf.load import config_to_dict, dump_yaml
 from rlconf.plan import TrainerPlan, plan_to_dict
+from rltrain import algorithms
+from rltrain.data import PromptBatch, left_pad
+from rltrain.metrics import REWARD_PLOT, MetricsLogger, plot_reward_curve
+from rltrain.profiling import Profiler, write_summary
+from rltrain.ray_group import Pool, WorkerError, WorkerGroup, start_ray
+
+
+class Trainer:
+    """Owns the run: plan, workers, data, reward, KL controller, logger."""
+
+    def __init__(self, config: RLConfig, plan: TrainerPlan, ray_temp_dir: str | None = None) -> None:
+        from rltrain.data import build_dataloaders
+        from rltrain.rewards import load_reward_function
+        from rltrain.tokenizer import load_tokenizer
+        from rltrain.workers import CriticWorker, PolicyWorker
+
+        self.plan = plan
+        self.cfg = cfg = plan.config
+        self.out = Path(cfg.trainer.output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        (self.out / "config.yaml").write_text(dump_yaml(config_to_dict(config)))
+        (self.out / "plan.json").write_text(json.dumps(plan_to_dict(plan), indent=2) + "\n")
+
+        self.tokenizer = load_tokenizer(cfg.model)
+        self.reward_fn = load_reward_function(cfg.reward.function)
+        self.train_data, self.val_data = build_dataloaders(cfg.data, self.tokenizer)
+        self.kl_ctrl = algorithms.build_kl_controller(cfg.algorithm.kl_ctrl)
+        self.logger = MetricsLogger(self.out, cfg.logging.backends)
+        # Rule rewards run here in the controller; they are profiled as rank 0 of the `reward_compute` role.
+        self.reward_profiler = Profiler(plan.profile, worker="controller", rank=0, device="cpu")
+
+        # Ray: one pool for the actor (rollout and ref share it), one per separately placed role.
+        device, cpus = cfg.cluster.device, cfg.cluster.cpus_per_worker
+        actor_place = plan.placement("actor")
+        critic_place = plan.placement("critic") if "critic" in plan.roles else None
+        critic_shares = critic_place is not None and critic_place.pool == actor_place.pool
+        pool_sizes = [actor_place.world_size * (2 if critic_shares else 1)]
+        if critic_place is not None and not critic_shares:
+            pool_sizes.append(critic_place.world_size)
+        start_ray(
+            cfg.cluster.ray_address, num_cpus=max(int(sum(pool_sizes) * cpus), 1), temp_dir=ray_temp_dir
+        )
+        self.pools = [Pool.reserve("actor", actor_place.world_size, device, cpus, 2 if critic_shares else 1)]
+        self.policy = WorkerGroup("actor", PolicyWorker, self.pools[0], actor_place.world_size, device, cpus,
+                                  {"plan": plan})  # fmt: skip
+        self.critic: WorkerGroup | None = None
+        if critic_place is not None:
+            pool = self.pools[0]
+            if not critic_shares:
+                pool = Pool.reserve("critic", critic_place.world_size, device, cpus, 1)
+                self.pools.append(pool)
+            self.critic = WorkerGroup("critic", CriticWorker, pool, critic_place.world_size, device, cpus,
+                                      {"plan": plan})  # fmt: skip
+        # Build the models in parallel: policy and critic processes import megatron at the same time.
+        pending = [(self.policy, [w.init_model.remote() for w in self.policy.workers])]
+        if self.critic is not None:
+            pending.append((self.critic, [w.init_model.remote() for w in self.critic.workers]))
+        for group, refs in pending:
+            group.wait(refs)
+
+    # ------------------------------------------------------------------------------------ dispatch
+    def _dispatch(
+        self, group: WorkerGroup, role: str, method: str, batch: dict[str, torch.Tensor], *extra: Any
+    ) -> list[Any]:
+        """Call `method` on every rank with its data-parallel shard of `batch`; return the results of the
+        rank that represents each data-parallel group (tp 0, cp 0, last pipeline stage), in dp order."""
+        layout = self.plan.layout(role)
+        rows = next(iter(batch.values())).shape[0]
+        bounds = [rows * d // layout.dp for d in range(layout.dp + 1)]
+        shards = [{k: v[bounds[d] : bounds[d + 1]] for k, v in batch.items()} for d in range(layout.dp)]
+        results = group.call(method, per_rank_args=[(shards[c.dp], *extra) for c in layout.grid])
+        reps = {c.dp: c.rank for c in layout.grid if c.tp == 0 and c.cp == 0 and c.pp == layout.pp - 1}
+        return [results[reps[d]] for d in range(layout.dp)]
+
+    def _dispatch_cat(
+        self, group: WorkerGroup, role: str, method: str, batch: dict[str, torch.Tensor], *extra: Any
+    ) -> Any:
+        parts = self._dispatch(group, role, method, batch, *extra)
+        if isinstance(parts[0], torch.Tensor):
+            return torch.cat(parts, 0)
+        return {k: torch.cat([p[k] for p in parts], 0) for k in parts[0]}
+
+    def _set_step(self, step: int) -> None:
+        self.reward_profiler.set_step(step)
+        groups = [self.policy] + ([self.critic] if self.critic is not None else [])
+        for group in groups:
+            group.call("set_step", per_rank_args=[(step,)] * group.world_size)
+
+    # ------------------------------------------------------------------------------------ one step
+    def rollout(
+        self, prompts: PromptBatch, n: int, validate: bool = False
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Generate n responses per prompt and score them. Returns the batch and the reward metrics."""
+        from rltrain.rewards import score_batch
+
+        ids = [p for p in prompts.input_ids for _ in range(n)]
+        prompt_ids, prompt_mask = left_pad(ids, self.tokenizer.pad_token_id)
+        inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
+        batch = self._dispatch_cat(self.policy, "rollout", "generate_sequences", inputs, validate)
+        texts = [
+            self.tokenizer.decode(row[mask.bool()].tolist())
+            for row, mask in zip(batch["responses"], batch["response_mask"], strict=True)
+        ]
+        t0 = time.perf_counter()
+        with self.reward_profiler.profiled("reward_compute"):
+            scores = score_batch(
+                self.reward_fn,
+                texts,
+                [g for g in prompts.ground_truths for _ in range(n)],
+                [p for p in prompts.prompts for _ in range(n)],
+            )
+        batch["scores"] = torch.tensor(scores, dtype=torch.float32)
+        batch["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
+        lengths = batch["response_mask"].sum(-1).float()
+        metrics: dict[str, Any] = {
+            "reward/mean": batch["scores"].mean().item(),
+            "reward/max": batch["scores"].max().item(),
+            "reward/min": batch["scores"].min().item(),
+            "response/length_mean": lengths.mean().item(),
+            "timing/reward_s": time.perf_counter() - t0,
+        }
+        if not validate:
+            metrics["sample/prompt"] = prompts.prompts[0]
+            metrics["sample/response"] = texts[0]
+        return batch, metrics
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        cfg = self.cfg
+        timing: dict[str, float] = {}
+
+        def timed(name: str, fn, *args):
+            t0 = time.perf_counter()
+            result = fn(*args)
+            timing[f"timing/{name}_s"] = time.perf_counter() - t0
+            return result
+
+        self._set_step(step)
+        prompts = next(self.train_data)
+        batch, metrics = timed("generate", self.rollout, prompts, cfg.rollout.n)
+        model_batch = {
+            k: v for k, v in batch.items() if k not in ("scores", "group_index", "rollout_log_probs")
+        }
+        old = timed("old_log_prob", self._dispatch_cat, self.policy, "actor", "compute_log_prob", model_batch)
+        model_batch["old_log_probs"] = old["log_probs"]
+        metrics["actor/entropy_rollout"] = algorithms.masked_mean(
+            old["entropy"], model_batch["response_mask"]
+        ).item()
+        if "ref" in self.plan.roles:
+            ref = timed("ref", self._dispatch_cat, self.policy, "actor", "compute_ref_log_prob", model_batch)
+            model_batch["ref_log_prob"] = ref["log_probs"]
+        if self.critic is not None:
+            model_batch["values"] = timed(
+                "values", self._dispatch_cat, self.critic, "critic", "compute_values", model_batch
+            )
+
+        mask = model_batch["response_mask"]
+        scores = algorithms.outcome_to_token_level(batch["scores"], mask)
+        if cfg.algorithm.use_kl_in_reward:
+            rewards, kl = algorithms.apply_kl_penalty(scores, model_batch["old_log_probs"], model_batch["ref_log_prob"],
+                                                      mask, self.kl_ctrl.value, cfg.algorithm.kl_penalty)  # fmt: skip
+            metrics["actor/reward_kl"], metrics["actor/kl_coef"] = float(kl), self.kl_ctrl.value
+            self.kl_ctrl.update(float(kl), n_steps=int(mask.shape[0]))
+        else:
+            rewards = scores
+        advantages, returns = algorithms.compute_advantage(
+            cfg.algorithm.adv_estimator,
+            token_level_rewards=rewards,
+            response_mask=mask,
+            group_index=batch["group_index"],
+            values=model_batch.get("values"),
+            gamma=cfg.algorithm.gamma,
+            lam=cfg.algorithm.lam,
+            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+        )
+        model_batch["advantages"], model_batch["returns"] = advantages, returns
+        if self.critic is not None:
+            critic_metrics = timed(
+                "update_critic", self._dispatch, self.critic, "critic", "update_critic", model_batch
+            )
+            metrics.update(critic_metrics[0])
+        if step > cfg.trainer.critic_warmup:
+            actor_metrics = timed(
+                "update_actor", self._dispatch, self.policy, "actor", "update_actor", model_batch
+            )
+            metrics.update(actor_metrics[0])
+        metrics.update(timing)
+        return metrics
+
+    def validate(self) -> dict[str, Any]:
+        """Mean reward of the validation prompts (one pass, validation sampling)."""
+        if self.val_data is None:
+            return {}
+        scores, lengths = [], []
+        for prompts in self.val_data:
+            batch, _ = self.rollout(prompts, self.cfg.rollout.val.n, validate=True)
+            scores.append(batch["scores"])
+            lengths.append(batch["response_mask"].sum(-1).float())
+        return {
+            "val/reward/mean": torch.cat(scores).mean().item(),
+            "val/response/length_mean": torch.cat(lengths).mean().item(),
+        }
+
+    # ------------------------------------------------------------------------------------ the loop
+    def fit(self) -> None:
+        cfg = self.cfg.trainer
+        start = 1
+        self.logger.truncate_after(start - 1)
+        if cfg.val_before_train:
+            self.logger.log(start - 1, self.validate())
+        for step in range(start, cfg.total_steps + 1):
+            t0 = time.perf_counter()
+            metrics = self.train_step(step)
+            if cfg.test_freq and (step % cfg.test_freq == 0 or step == cfg.total_steps):
+                metrics.update(self.validate())
+            metrics["timing/step_s"] = time.perf_counter() - t0
+            self.logger.log(step, metrics)
+        self.reward_profiler.close()
+        if self.plan.profile.enabled:
+            for group in (self.policy, self.critic):
+                if group is not None:
+                    group.call("finish")  # flush continuous profiles before the summary reads them
+            summary = write_summary(self.plan.profile.save_path)
+            print(f"profile summary: {summary}")
+        if self.cfg.logging.plot_reward:
+            plot_reward_curve(self.out / "metrics.jsonl", self.out / REWARD_PLOT, title=cfg.experiment_name)
+
+    def shutdown(self) -> None:
+        for group in (self.policy, self.critic):
+            if group is not None:
+                with contextlib.suppress(WorkerError):
+                    group.call("finish")
+                group.shutdown()
+        for pool in self.pools:
+            pool.release()
 
 
 def run_training(config: RLConfig, plan: TrainerPlan) -> int:
-    out = Path(config.trainer.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(dump_yaml(config_to_dict(config)))
-    (out / "plan.json").write_text(json.dumps(plan_to_dict(plan), indent=2))
-    print(f"wrote {out / 'config.yaml'} and {out / 'plan.json'}")
+    """Run a whole training job; returns the process exit code."""
+    trainer = None
+    try:
+        trainer = Trainer(config, plan)
+        trainer.fit()
+    except WorkerError as exc:
+        print(f"error: {exc}\n    fix: see the worker's log above; rerun the same command to resume from the last "
+              "complete checkpoint (trainer.resume_mode: auto)", file=sys.stderr)  # fmt: skip
+        return 1
+    finally:
+        if trainer is not None:
+            trainer.shutdown()
+        import ray
+
+        if ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+            ray.shutdown()
+    print(f"done: {config.trainer.output_dir}/metrics.jsonl, {config.trainer.output_dir}/{REWARD_PLOT}")
     return 0

@@ -269,6 +269,8 @@ def score_batch(
                 "it must return a float"
             ) from exc
         if not math.isfinite(score):
-            raise ValueError(f"reward function {name} returned {score} for sample {i}; rewards must be finite")
+            raise ValueError(
+                f"reward function {name} returned {score} for sample {i}; rewards must be finite"
+            )
         scores.append(score)
     return scores

@@ -27,6 +27,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rlconf.config import MegatronConfig, ModelArch, ModelConfig, Optim
@@ -91,6 +92,23 @@ class SdpaAttention(DotProductAttention):
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
 
 
+class TorchRMSNorm:
+    """torch RMSNorm usable with sequence parallel (megatron's WrappedTorchNorm refuses it).
+
+    With sequence parallel each TP rank normalises its own slice of the sequence, so the norm weight's
+    gradient is partial per rank; marking the parameter `sequence_parallel` makes megatron's
+    finalize_model_grads all-reduce it over the TP group, exactly as it does for TE/Apex norms.
+    """
+
+    def __new__(
+        cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any
+    ) -> torch.nn.Module:
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
 def layer_spec(backend: str) -> ModuleSpec:
     """Transformer layer spec for `model.attention_backend` (auto: te when installed, else sdpa)."""
     if backend == "te" or (backend == "auto" and te_available()):
@@ -104,7 +122,19 @@ def layer_spec(backend: str) -> ModuleSpec:
     if backend in ("sdpa", "auto"):
         # get_gpt_layer_local_spec builds fresh spec objects per call, so editing in place is safe.
         spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    spec.submodules.input_layernorm = TorchRMSNorm
+    spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     return spec
+
+
+def block_spec(
+    layer: ModuleSpec, config: TransformerConfig, vp_stage: int | None
+) -> ModuleSpec | TransformerBlockSubmodules:
+    """The decoder block: this stage's layers plus the final norm (TorchRMSNorm unless TE builds it)."""
+    if layer.submodules.input_layernorm is not TorchRMSNorm:
+        return layer  # Transformer Engine spec: megatron picks its own fused norms
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TorchRMSNorm)
 
 
 # ------------------------------------------------------------------------------------ transformer config
@@ -232,7 +262,7 @@ def build_model_chunks(
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=spec,
+            transformer_layer_spec=block_spec(spec, config, vp_stage),
             vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre,

@@ -22,17 +22,20 @@ pytestmark = [pytest.mark.multiproc, pytest.mark.slow, *_QUIET]
 
 LAYOUTS = [  # (name, tp, pp, vpp, dp)
     ("tp2", 2, 1, None, 1),
+    ("tp2_sp", 2, 1, None, 1),
     ("pp2", 1, 2, None, 1),
     ("pp2_vpp2", 1, 2, 2, 1),
     ("dp2", 1, 1, None, 2),
 ]
 
 
-def _update_cfg(tp: int = 1, pp: int = 1, vpp: int | None = None):
+def _update_cfg(tp: int = 1, pp: int = 1, vpp: int | None = None, sequence_parallel: bool = False):
+    from dataclasses import replace
+
     from rlconf.config import Optim
 
     # seq-mean-token-mean with equal rows per DP rank makes DP=2 exactly the full-batch loss.
-    return actor_cfg(
+    cfg = actor_cfg(
         tp,
         pp,
         vpp,
@@ -42,6 +45,8 @@ def _update_cfg(tp: int = 1, pp: int = 1, vpp: int | None = None):
         loss_agg_mode="seq-mean-token-mean",
         optim=Optim(lr=1e-4, clip_grad=1.0),
     )
+    # Sequence parallel splits norms' inputs over TP ranks; their weight grads must still match TP=1.
+    return replace(cfg, megatron=replace(cfg.megatron, sequence_parallel=sequence_parallel))
 
 
 def _rl_batch(batch, old):
@@ -95,7 +100,7 @@ def _run_layouts(rank: int, world: int, port: int, hf_path: str, out_dir: str, r
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
     batch = ref["batch"]
     for name, tp, pp, vpp, dp in LAYOUTS:
-        cfg = _update_cfg(tp, pp, vpp)
+        cfg = _update_cfg(tp, pp, vpp, sequence_parallel=name.endswith("_sp"))
         init_parallel(cfg.megatron, "cpu")
         assert parallel_state.get_data_parallel_world_size() == dp
         # Every rank of a DP group sees the same rows; DP ranks split the batch.

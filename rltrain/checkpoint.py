@@ -1,0 +1,1155 @@
+"""Distributed checkpoints of the megatron roles: atomic, optionally asynchronous, reshardable, resumable.
+
+Two halves, one per process kind:
+
+* Worker side (every rank of a role calls these together; they are collective over the role's world):
+  `save_engine` writes one role's state into a folder, `finalize_pending` completes background saves,
+  `load_engine` restores a role from a folder. A role folder holds
+
+      meta.json            what was saved and under which layout (rank 0)
+      dist_ckpt/           megatron dist_checkpointing (torch_dist): "model" (bare GPTModel sharded state
+                           dicts; model0, model1, ... with virtual pipeline chunks) and "optimizer"
+                           (distributed optimizer in the `fully_reshardable` format, or the plain optimizer
+                           in parameter space): both reload under another TP / PP / DP layout
+      rng/rank_NNNNN.pt    python, numpy, torch, cuda and megatron tracker RNG states of each rank
+      extra.json           the controller's `extra` dict and the lr scheduler state (rank 0)
+      huggingface/         safetensors + config.json (+ tokenizer files) when hf_model is saved
+      manifest.json        written last, after every file above is verified: the role's completion mark
+
+* Controller side: `CheckpointRegistry` owns `checkpoints/`. `begin(step)` hands out staging folders
+  (`global_step_N.tmp-<id>/ROLE`), `commit(step)` verifies every role's manifest, writes the
+  `COMPLETE` marker, renames the staging folder to `global_step_N` (one atomic rename) and only then
+  rewrites `latest_checkpointed_iteration.txt` (temp file + os.replace). A folder without the marker is never
+  loaded; `cleanup_incomplete` removes leftovers of crashed saves; `apply_retention` deletes old complete
+  checkpoints only; `resolve_resume` implements trainer.resume_mode.
+
+So a crash at any point leaves the previous checkpoint and the latest file untouched. The checkpoint folder
+must be on a filesystem that every rank and the controller see (one node, or a shared filesystem).
+Megatron is imported lazily: the controller uses the registry without paying for `import megatron.core`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlconf.errors import ConfigError, error
+
+if TYPE_CHECKING:
+    from rlconf.plan import CheckpointPlan, TrainerPlan
+    from rltrain.megatron.engine import MegatronEngine
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "rlplan-megatron-checkpoint/1"
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+COMPLETE = "COMPLETE"
+MANIFEST = "manifest.json"
+META = "meta.json"
+EXTRA = "extra.json"
+DIST_DIR = "dist_ckpt"
+RNG_DIR = "rng"
+HF_DIR = "huggingface"
+# The distributed optimizer's format that reloads under any TP / PP / DP layout (model-space tensors).
+OPTIM_SHARDING = "fully_reshardable"
+# Files up to this size get a sha256 in the manifest (metadata, JSON, RNG); larger ones a size only, so that
+# verification stays a stat() per tensor file.
+_SHA_LIMIT = 1 << 20
+_STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# Leftovers of a save (tmp), of replacing a step that already existed (old) and of retention (del).
+_WORK_DIR = re.compile(r"^global_step_(\d+)\.(tmp|old|del)-([0-9a-z]+)$")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be written or loaded as asked; the message names the config path to change."""
+
+
+# ============================================================================================ small files
+def _fsync_dir(path: Path) -> None:
+    # A rename is durable only once its directory entry is on disk.
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write `path` so that readers see the old content or the new one, never a torn file."""
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    _write_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, allow_nan=True) + "\n").encode())
+
+
+def _read_json(path: Path) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _walk_files(root: Path) -> Iterator[Path]:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            yield Path(dirpath) / name
+
+
+def build_manifest(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """{relative path: {size, sha256 (small files only)}} of every file under `folder` except the manifest."""
+    root = Path(folder)
+    files: dict[str, dict[str, Any]] = {}
+    for path in sorted(_walk_files(root)):
+        rel = path.relative_to(root).as_posix()
+        if rel == MANIFEST or (path.name.startswith(".") and ".tmp-" in path.name):
+            continue
+        size = path.stat().st_size
+        entry: dict[str, Any] = {"size": size}
+        if size <= _SHA_LIMIT:
+            entry["sha256"] = _sha256(path)
+        files[rel] = entry
+    return files
+
+
+def write_manifest(folder: str | os.PathLike, role: str) -> dict[str, Any]:
+    """Write the manifest of a finished role folder (its completion mark); returns it."""
+    root = Path(folder)
+    manifest = {"format": FORMAT, "role": role, "time": time.time(), "files": build_manifest(root)}
+    _write_json(root / MANIFEST, manifest)
+    return manifest
+
+
+def verify_manifest(folder: str | os.PathLike, full: bool = True) -> list[str]:
+    """Problems of a role folder against its manifest (empty when intact). `full` also re-hashes small files."""
+    root = Path(folder)
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        return [f"{root}: no {MANIFEST} (the save of this role never finished)"]
+    try:
+        manifest = _read_json(mpath)
+        files = manifest["files"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return [f"{mpath}: unreadable ({type(exc).__name__}: {exc})"]
+    problems = []
+    for rel, entry in files.items():
+        path = root / rel
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+            continue
+        size = path.stat().st_size
+        if size != entry["size"]:
+            problems.append(f"{path}: {size} bytes, manifest says {entry['size']}")
+        elif full and "sha256" in entry and _sha256(path) != entry["sha256"]:
+            problems.append(f"{path}: content differs from the manifest (sha256)")
+    return problems
+
+
+# ============================================================================================ worker side
+def _dist_rank() -> int:
+    return torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+
+
+def _dist_world() -> int:
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
+
+
+def _bcast_from_rank0(obj: Any) -> Any:
+    """Rank 0's value of `obj` on every rank (so that every rank raises the same error)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _role_of(folder: str | os.PathLike, role: str | None) -> str:
+    return role if role is not None else Path(folder).name
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {
+        "world_size": _dist_world(),
+        "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
+        "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
+        "virtual_pipeline_model_parallel_size": ps.get_virtual_pipeline_model_parallel_world_size() or 1,
+        "context_parallel_size": ps.get_context_parallel_world_size(),
+        "expert_model_parallel_size": ps.get_expert_model_parallel_world_size(),
+        "data_parallel_size": ps.get_data_parallel_world_size(),
+    }
+
+
+# Layout entries that decide how model tensors are cut; a DP-only change keeps every rank's model shard.
+_MODEL_SPLIT_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+)
+
+
+def _sub_optimizers(engine: MegatronEngine) -> list[Any]:
+    from megatron.core.optimizer import ChainedOptimizer
+
+    opt = engine.optimizer
+    if opt is None:
+        return []
+    return list(opt.chained_optimizers) if isinstance(opt, ChainedOptimizer) else [opt]
+
+
+def _uses_distributed_optimizer(engine: MegatronEngine) -> bool:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    return any(isinstance(o, DistributedOptimizer) for o in _sub_optimizers(engine))
+
+
+def _optim_metadata() -> dict[str, Any]:
+    # fully_reshardable stores optimizer state in model space (one tensor per parameter, like the model's
+    # own sharded tensors), so TP / PP / DP changes reshard it exactly as they reshard the weights.
+    # avoid_prefix keeps keys independent of how many chained optimizers a layout has.
+    return {"distrib_optim_sharding_type": OPTIM_SHARDING, "chained_optim_avoid_prefix": True}
+
+
+def _model_sharded_state_dict(engine: MegatronEngine) -> dict[str, Any]:
+    """megatron's convention: "model" for one chunk, "model0", "model1", ... for virtual pipeline chunks."""
+    modules = engine.modules()
+    if len(modules) == 1:
+        return {"model": modules[0].sharded_state_dict()}
+    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+
+
+def _ensure_optimizer_state(engine: MegatronEngine) -> None:
+    """Give every parameter of a never-stepped torch Adam/AdamW its state (step 0, zero moments).
+
+    The distributed optimizer's `state_dict()` reads the common `step` from the per-parameter state and
+    asserts that one exists; torch creates that state lazily at the first step, so a fresh engine (the
+    resume case) has none. Zeros are what torch would create; the load overwrites them.
+    """
+    for sub in _sub_optimizers(engine):
+        inner = sub.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                state = inner.state[p]
+                if "step" not in state:
+                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
+
+def _check_optimizer_supported(engine: MegatronEngine, role: str) -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for sub in _sub_optimizers(engine):
+        if isinstance(sub, DistributedOptimizer) and not isinstance(
+            sub.optimizer, torch.optim.Adam | torch.optim.AdamW
+        ):
+            # megatron-core 0.16.1 gathers exactly (param, exp_avg, exp_avg_sq) for the distributed optimizer.
+            raise CheckpointError(
+                f"{role}: megatron-core cannot checkpoint the state of {type(sub.optimizer).__name__} under "
+                f"the distributed optimizer; set {role}.megatron.use_distributed_optimizer: false or drop "
+                f"optimizer from {role}.checkpoint.save_contents"
+            )
+
+
+def _optimizer_sharded_state_dict(engine: MegatronEngine, model_sd: dict[str, Any], loading: bool) -> Any:
+    # The optimizer finds its parameters' sharded keys in the model's sharded state dict (every chunk; it
+    # walks nested dicts, so the model / model0, model1 nesting does not matter).
+    return engine.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=_optim_metadata())
+
+
+@contextlib.contextmanager
+def _restore_step_per_param(engine: MegatronEngine) -> Iterator[None]:
+    """Work around two defects of megatron-core 0.16.1 when it loads torch Adam/AdamW state:
+
+    * `fully_reshardable` load copies every per-parameter state tensor from the checkpoint, but the
+      checkpoint (by design) has no per-parameter `step` (it is kept once, in param_groups):
+      `KeyError: 'step'` in `_set_main_param_and_optimizer_states`. Here a missing `step` is taken from the
+      state the load has just restored from param_groups, i.e. it is left as is.
+    * the distributed optimizer's `load_state_dict` gives every parameter the *same* step tensor object;
+      torch AdamW increments each parameter's step in place, so one shared tensor advances once per
+      parameter per step and bias correction goes wrong after a resume. Each parameter gets its own copy.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    patched = []
+    for sub in _sub_optimizers(engine):
+        if not isinstance(sub, DistributedOptimizer):
+            continue
+        original = sub._set_main_param_and_optimizer_states
+
+        def set_states(model_param, tensors, _sub=sub, _original=original):
+            if "step" not in tensors:
+                current = _sub._get_main_param_and_optimizer_states(model_param)
+                if "step" in current:
+                    tensors = {**tensors, "step": current["step"]}
+            return _original(model_param, tensors)
+
+        # An instance attribute shadows the method for this load only (removed in `finally`).
+        sub._set_main_param_and_optimizer_states = set_states
+        patched.append(sub)
+    try:
+        yield
+    finally:
+        for sub in patched:
+            del sub._set_main_param_and_optimizer_states
+        for sub in _sub_optimizers(engine):
+            seen: set[int] = set()
+            for state in sub.optimizer.state.values():
+                step = state.get("step") if isinstance(state, dict) else None
+                if isinstance(step, torch.Tensor):
+                    if id(step) in seen:
+                        state["step"] = step.clone()
+                    seen.add(id(state["step"]))
+
+
+# ------------------------------------------------------------------------------------ RNG
+def _rng_state(engine: MegatronEngine) -> dict[str, Any]:
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    tracker = {}
+    for name, state in get_cuda_rng_tracker().get_states().items():
+        tracker[name] = state.get_state() if isinstance(state, torch.Generator) else state.clone()
+    out: dict[str, Any] = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "tracker": tracker,
+    }
+    if engine.device == "cuda" and torch.cuda.is_available():
+        out["cuda"] = torch.cuda.get_rng_state()
+    # The actor's sampler seeds each generate() call from a call counter: part of its random stream.
+    if hasattr(engine, "_sample_calls"):
+        out["sample_calls"] = int(engine._sample_calls)
+    return out
+
+
+def _set_rng_state(engine: MegatronEngine, state: dict[str, Any]) -> None:
+    import numpy as np
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and engine.device == "cuda" and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    tracker = get_cuda_rng_tracker()
+    current = tracker.get_states()
+    restored = {}
+    for name, saved in state["tracker"].items():
+        if isinstance(current.get(name), torch.Generator):
+            current[name].set_state(saved)
+            restored[name] = current[name]
+        else:
+            restored[name] = saved.clone()
+    tracker.set_states(restored)
+    if "sample_calls" in state and hasattr(engine, "_sample_calls"):
+        engine._sample_calls = int(state["sample_calls"])
+
+
+# ------------------------------------------------------------------------------------ HF export
+def _hf_source(engine: MegatronEngine) -> tuple[Path | None, Path | None]:
+    """(model folder, tokenizer folder) the engine was built from, when they exist."""
+    cfg = engine.model_cfg
+    model = Path(cfg.path) if cfg.path is not None else None
+    tok_path = cfg.tokenizer_path if cfg.tokenizer_path is not None else cfg.path
+    return model, Path(tok_path) if tok_path is not None else None
+
+
+def _is_value_model(engine: MegatronEngine) -> bool:
+    from rltrain.megatron.critic import MegatronCritic
+
+    return isinstance(engine, MegatronCritic)
+
+
+def _export_hf(engine: MegatronEngine, out_dir: Path) -> None:
+    from rltrain.megatron.cpu_compat import device_context
+    from rltrain.megatron.hf_weights import export_hf_weights
+
+    model_dir, tok_dir = _hf_source(engine)
+    base = None
+    if model_dir is not None and (model_dir / "config.json").is_file():
+        base = _read_json(model_dir / "config.json")
+    with device_context(engine.device):
+        export_hf_weights(engine.chunks, engine.arch, out_dir, base_config=base)
+    if _dist_rank() == 0 and tok_dir is not None and tok_dir.is_dir():
+        for name in _TOKENIZER_FILES:
+            if (tok_dir / name).is_file():
+                shutil.copy2(tok_dir / name, out_dir / name)
+    _barrier()
+
+
+# ------------------------------------------------------------------------------------ save
+@dataclass
+class _Pending:
+    """A role save whose dist checkpoint is still being written in the background."""
+
+    call_idx: int
+    folder: Path
+    role: str
+    expected: list[str]
+    device: str
+    started: float = field(default_factory=time.perf_counter)
+
+
+class _AsyncSaves:
+    """This process's background saves (megatron's AsyncCallsQueue: a forked writer per save)."""
+
+    def __init__(self) -> None:
+        self.queue: Any = None
+        self.pending: dict[int, _Pending] = {}
+
+    def get_queue(self) -> Any:
+        if self.queue is None:
+            from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+            self.queue = AsyncCallsQueue(persistent=False)
+        return self.queue
+
+
+_ASYNC = _AsyncSaves()
+_LAST_TIMINGS: dict[str, float] = {}
+
+
+def last_timings() -> dict[str, float]:
+    """Seconds spent in the parts of this process's latest save / load (for metrics and benchmarks)."""
+    return dict(_LAST_TIMINGS)
+
+
+def _expected_files(contents: Sequence[str], world: int, has_dist: bool, hf: bool) -> list[str]:
+    files = [META]
+    if has_dist:
+        files += [f"{DIST_DIR}/metadata.json", f"{DIST_DIR}/.metadata", f"{DIST_DIR}/common.pt"]
+    if "extra" in contents:
+        files.append(EXTRA)
+        files += [f"{RNG_DIR}/rank_{r:05d}.pt" for r in range(world)]
+    if hf:
+        files.append(f"{HF_DIR}/config.json")
+    return files
+
+
+def _finish_role(folder: Path, role: str, expected: Sequence[str]) -> None:
+    """Collective: once every rank's files are written, rank 0 verifies them and writes the manifest."""
+    _barrier()
+    problem = None
+    if _dist_rank() == 0:
+        missing = [rel for rel in expected if not (folder / rel).is_file()]
+        hf = folder / HF_DIR
+        if hf.is_dir() and not any(hf.glob("*.safetensors")):
+            missing.append(f"{HF_DIR}/*.safetensors")
+        if (hf / "model.safetensors.index.json").is_file():
+            index = _read_json(hf / "model.safetensors.index.json")
+            missing += [
+                f"{HF_DIR}/{f}" for f in sorted(set(index["weight_map"].values())) if not (hf / f).is_file()
+            ]
+        if (folder / DIST_DIR).is_dir() and not any((folder / DIST_DIR).glob("*.distcp")):
+            missing.append(f"{DIST_DIR}/*.distcp")
+        if missing:
+            problem = f"{role} checkpoint in {folder} is missing {', '.join(missing)}"
+        else:
+            write_manifest(folder, role)
+    problem = _bcast_from_rank0(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
+def save_engine(
+    engine: MegatronEngine,
+    folder: str | os.PathLike,
+    contents: Sequence[str],
+    extra: Mapping[str, Any] | None = None,
+    async_save: bool = False,
+    role: str | None = None,
+) -> bool:
+    """Save one role's state into `folder` (collective: every rank of the role calls it).
+
+    contents: subset of model, optimizer, extra, hf_model (see the module docstring for the files).
+    extra: JSON-serialisable controller state (step, dataloader position, KL controller, ...), written by
+    rank 0 and returned by `load_engine`. With async_save the dist checkpoint is written by a background
+    process and this returns False at once: call `finalize_pending()` on every rank later (next step, and
+    blocking before exit); the role is complete once its manifest exists. Returns True when complete now.
+    A save in flight from an earlier call is finished first (one background save at a time).
+    """
+    from megatron.core import dist_checkpointing
+
+    from rltrain.megatron.cpu_compat import device_context
+
+    role = _role_of(folder, role)
+    folder = Path(folder)
+    contents = tuple(dict.fromkeys(contents))
+    unknown = [c for c in contents if c not in ("model", "optimizer", "extra", "hf_model")]
+    if unknown:
+        raise CheckpointError(f"{role}.checkpoint.save_contents: unknown entries {unknown}")
+    if "optimizer" in contents and engine.optimizer is None:
+        raise CheckpointError(
+            f"{role}.checkpoint.save_contents: optimizer requested but this engine has no optimizer"
+        )
+    if "optimizer" in contents:
+        _check_optimizer_supported(engine, role)
+    hf = "hf_model" in contents
+    if hf and _is_value_model(engine):
+        # A value head is no causal LM: transformers could not load it. Say so instead of writing garbage.
+        warnings.warn(
+            f"{role}: hf_model skipped: a critic (value head) has no Hugging Face causal-LM form; "
+            f"drop hf_model from {role}.checkpoint.save_contents",
+            stacklevel=2,
+        )
+        hf = False
+    finalize_pending(blocking=True)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    rank, world = _dist_rank(), _dist_world()
+    folder.mkdir(parents=True, exist_ok=True)
+    _barrier()
+
+    # Small per-rank and rank-0 files first: they describe the state at this moment.
+    if "extra" in contents:
+        (folder / RNG_DIR).mkdir(exist_ok=True)
+        buf = folder / RNG_DIR / f"rank_{rank:05d}.pt"
+        tmp = buf.with_name(f".{buf.name}.tmp-{uuid.uuid4().hex[:8]}")
+        torch.save(_rng_state(engine), tmp)
+        os.replace(tmp, buf)
+        if rank == 0:
+            sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+            try:
+                payload = json.dumps({"extra": dict(extra or {}), "lr_scheduler": sched}, allow_nan=True)
+            except TypeError as exc:
+                raise CheckpointError(
+                    f"{role}: the checkpoint's extra dict is not JSON-serialisable: {exc}"
+                ) from exc
+            _write_atomic(folder / EXTRA, payload.encode())
+    has_dist = "model" in contents or "optimizer" in contents
+    if rank == 0:
+        meta = {
+            "format": FORMAT,
+            "role": role,
+            "contents": [c for c in contents if c != "hf_model" or hf],
+            "layout": _layout(),
+            "distributed_optimizer": _uses_distributed_optimizer(engine) if engine.optimizer else None,
+            "optimizer_sharding": (
+                (OPTIM_SHARDING if _uses_distributed_optimizer(engine) else "param_space")
+                if "optimizer" in contents
+                else None
+            ),
+            "params_dtype": engine.model_cfg.params_dtype,
+            "arch": asdict(engine.arch),
+            "value_head": _is_value_model(engine),
+            "versions": _versions(),
+            "extra_keys": sorted((extra or {}).keys()),
+        }
+        _write_json(folder / META, meta)
+    timings["small_files_s"] = time.perf_counter() - t0
+
+    request = None
+    if has_dist:
+        t1 = time.perf_counter()
+        (folder / DIST_DIR).mkdir(exist_ok=True)
+        _barrier()
+        with device_context(engine.device), torch.no_grad():
+            model_sd = _model_sharded_state_dict(engine)
+            state: dict[str, Any] = dict(model_sd) if "model" in contents else {}
+            if "optimizer" in contents:
+                state["optimizer"] = _optimizer_sharded_state_dict(engine, model_sd, loading=False)
+            request = dist_checkpointing.save(state, str(folder / DIST_DIR), async_sharded_save=async_save)
+        timings["dist_save_s" if not async_save else "dist_plan_s"] = time.perf_counter() - t1
+    if hf:
+        t2 = time.perf_counter()
+        _export_hf(engine, folder / HF_DIR)
+        timings["hf_export_s"] = time.perf_counter() - t2
+
+    expected = _expected_files(contents, world, has_dist, hf)
+    if request is not None:
+        queue = _ASYNC.get_queue()
+        with device_context(engine.device):
+            idx = queue.schedule_async_request(request)
+        _ASYNC.pending[idx] = _Pending(idx, folder, role, expected, engine.device)
+        timings["blocking_s"] = time.perf_counter() - t0
+        _LAST_TIMINGS.clear()
+        _LAST_TIMINGS.update(timings)
+        return False
+    _finish_role(folder, role, expected)
+    timings["total_s"] = time.perf_counter() - t0
+    _LAST_TIMINGS.clear()
+    _LAST_TIMINGS.update(timings)
+    return True
+
+
+def has_pending() -> bool:
+    """Whether this process has a background save that `finalize_pending` has not completed."""
+    return bool(_ASYNC.pending)
+
+
+def finalize_pending(blocking: bool = False) -> list[str]:
+    """Complete the background saves that have finished on every rank (all of them when `blocking`).
+
+    Collective over the role's ranks (megatron agrees on completion with an all-reduce), so every rank must
+    call it at the same point: at the start of each training step and, blocking, before the process exits.
+    Returns the role folders that became complete (their manifest is written). A failed background write
+    raises CheckpointError on every rank; that folder stays incomplete and is never committed.
+    """
+    if not _ASYNC.pending:
+        return []
+    from rltrain.megatron.cpu_compat import device_context
+
+    device = next(iter(_ASYNC.pending.values())).device
+    try:
+        with device_context(device):
+            done = _ASYNC.get_queue().maybe_finalize_async_calls(blocking=blocking)
+    except Exception as exc:
+        failed = [str(p.folder) for p in _ASYNC.pending.values()]
+        _ASYNC.pending.clear()
+        raise CheckpointError(f"background checkpoint write failed for {failed}: {exc}") from exc
+    out = []
+    for idx in done:
+        entry = _ASYNC.pending.pop(idx)
+        _finish_role(entry.folder, entry.role, entry.expected)
+        _LAST_TIMINGS["async_total_s"] = time.perf_counter() - entry.started
+        out.append(str(entry.folder))
+    return out
+
+
+def _versions() -> dict[str, str]:
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {"torch": torch.__version__}
+    with contextlib.suppress(PackageNotFoundError):
+        out["megatron-core"] = version("megatron-core")
+    return out
+
+
+# ------------------------------------------------------------------------------------ load
+def read_role_meta(folder: str | os.PathLike) -> dict[str, Any]:
+    """meta.json of a role folder; CheckpointError when the role's save never completed."""
+    folder = Path(folder)
+    if not (folder / MANIFEST).is_file():
+        raise CheckpointError(
+            f"{folder} is not a complete checkpoint (no {MANIFEST}); pick a global_step_N folder with a "
+            f"{COMPLETE} marker"
+        )
+    return _read_json(folder / META)
+
+
+def load_engine(
+    engine: MegatronEngine,
+    folder: str | os.PathLike,
+    contents: Sequence[str],
+    role: str | None = None,
+) -> dict[str, Any]:
+    """Restore one role from `folder` (collective). Returns the `extra` dict given to `save_engine` ({} when
+    extra is not loaded).
+
+    contents: subset of what was saved. model and optimizer reload under any TP / PP / DP layout (the
+    optimizer needs the same use_distributed_optimizer setting as at save time). RNG states are restored
+    only when the layout is unchanged (they belong to ranks); the lr scheduler always. hf_model without
+    model initialises the weights from the checkpoint's huggingface/ folder (fresh optimizer state).
+    """
+    from megatron.core import dist_checkpointing
+
+    from rltrain.megatron.cpu_compat import device_context
+
+    role = _role_of(folder, role)
+    folder = Path(folder)
+    contents = tuple(dict.fromkeys(contents))
+    meta = read_role_meta(folder)
+    saved = set(meta["contents"])
+    missing = [c for c in contents if c not in saved]
+    if missing:
+        raise CheckpointError(
+            f"{role}.checkpoint.load_contents asks for {', '.join(missing)} but {folder} holds only "
+            f"{', '.join(meta['contents'])}; drop {', '.join(missing)} from {role}.checkpoint.load_contents"
+        )
+    if "optimizer" in contents and "model" not in contents:
+        raise CheckpointError(
+            f"{role}.checkpoint.load_contents: optimizer without model would pair restored optimizer state "
+            f"with fresh weights; add model to {role}.checkpoint.load_contents"
+        )
+    if "optimizer" in contents and engine.optimizer is None:
+        raise CheckpointError(
+            f"{role}.checkpoint.load_contents: optimizer requested but this engine has none"
+        )
+    _check_arch(meta, engine, role, folder)
+    layout = _layout()
+    saved_layout = meta["layout"]
+    split_changed = any(saved_layout[k] != layout[k] for k in _MODEL_SPLIT_KEYS)
+    if "optimizer" in contents:
+        now_dist = _uses_distributed_optimizer(engine)
+        if meta["distributed_optimizer"] != now_dist:
+            raise CheckpointError(
+                f"{folder}: optimizer state was saved with use_distributed_optimizer="
+                f"{meta['distributed_optimizer']} and this run uses {now_dist}; set "
+                f"{role}.megatron.use_distributed_optimizer back, or drop optimizer from "
+                f"{role}.checkpoint.load_contents (the weights still load)"
+            )
+        if split_changed and meta["optimizer_sharding"] not in (OPTIM_SHARDING, "param_space"):
+            raise CheckpointError(
+                f"{folder}: its optimizer state ({meta['optimizer_sharding']}) cannot be resharded from "
+                f"{_fmt_layout(saved_layout)} to {_fmt_layout(layout)}; drop optimizer from "
+                f"{role}.checkpoint.load_contents (the weights still load) or use the saved layout"
+            )
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    if "model" in contents:
+        with device_context(engine.device), torch.no_grad():
+            model_sd = _model_sharded_state_dict(engine)
+            state: dict[str, Any] = dict(model_sd)
+            if "optimizer" in contents:
+                _ensure_optimizer_state(engine)
+                state["optimizer"] = _optimizer_sharded_state_dict(engine, model_sd, loading=True)
+            loaded = dist_checkpointing.load(state, str(folder / DIST_DIR))
+            for key, module in zip(model_sd, engine.modules(), strict=True):
+                module.load_state_dict(loaded[key], strict=True)
+            if "optimizer" in contents:
+                with _restore_step_per_param(engine):
+                    engine.optimizer.load_state_dict(loaded["optimizer"])
+            elif engine.optimizer is not None:
+                # fp32 main params of 16-bit models are copies: refresh them from the loaded weights.
+                engine.optimizer.reload_model_params()
+        timings["dist_load_s"] = time.perf_counter() - t0
+    elif "hf_model" in contents:
+        from rltrain.megatron.hf_weights import load_hf_weights
+
+        with device_context(engine.device):
+            load_hf_weights(engine.chunks, folder / HF_DIR, value_head=_is_value_model(engine))
+            if engine.optimizer is not None:
+                engine.optimizer.reload_model_params()
+    extra: dict[str, Any] = {}
+    if "extra" in contents:
+        payload = _read_json(folder / EXTRA)
+        extra = payload["extra"]
+        if payload["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(payload["lr_scheduler"])
+        if saved_layout == layout:
+            rng = torch.load(folder / RNG_DIR / f"rank_{_dist_rank():05d}.pt", weights_only=False)
+            _set_rng_state(engine, rng)
+        elif _dist_rank() == 0:
+            warnings.warn(
+                f"{role}: RNG states not restored: saved under {_fmt_layout(saved_layout)}, loading under "
+                f"{_fmt_layout(layout)} (RNG streams belong to ranks); the run continues with fresh seeds",
+                stacklevel=2,
+            )
+    _barrier()
+    timings["total_s"] = time.perf_counter() - t0
+    _LAST_TIMINGS.clear()
+    _LAST_TIMINGS.update(timings)
+    return extra
+
+
+def _fmt_layout(layout: Mapping[str, int]) -> str:
+    return (
+        f"TP={layout['tensor_model_parallel_size']} PP={layout['pipeline_model_parallel_size']} "
+        f"VPP={layout['virtual_pipeline_model_parallel_size']} DP={layout['data_parallel_size']}"
+    )
+
+
+def _check_arch(meta: Mapping[str, Any], engine: MegatronEngine, role: str, folder: Path) -> None:
+    saved = meta["arch"]
+    now = asdict(engine.arch)
+    diff = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k in saved and saved[k] != now[k]]
+    if diff or bool(meta["value_head"]) != _is_value_model(engine):
+        what = ", ".join(diff) if diff else "value head"
+        raise CheckpointError(
+            f"{folder}: saved for another model ({what}); point the run at the matching model "
+            f"(model.path / model.arch) or at another checkpoint (trainer.resume_mode, "
+            f"trainer.resume_from_path)"
+        )
+
+
+# ============================================================================================ controller side
+@dataclass(frozen=True)
+class Resume:
+    """Where a run resumes: the checkpoint's step and its global_step_N folder."""
+
+    step: int
+    folder: Path
+
+    def role_folder(self, role: str) -> Path:
+        return self.folder / role
+
+    def __iter__(self) -> Iterator[Any]:  # (step, folder) = resume
+        return iter((self.step, self.folder))
+
+
+class CheckpointRegistry:
+    """The checkpoints/ folder of a run, seen from the controller: staging, commit, resume, retention.
+
+    Use: `cleanup_incomplete()` and `resolve_resume(plan)` at start-up; per save `begin(step)` -> staging
+    role folders for the workers, then `commit(step)` once every role's save is complete (`ready(step)`),
+    then `apply_retention(max_ckpt_to_keep)`.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        roles: Sequence[str] = ("actor",),
+        contents: Mapping[str, Sequence[str]] | None = None,
+    ) -> None:
+        self.root = Path(root)
+        self.roles = tuple(roles)
+        self.contents = {r: tuple(contents[r]) for r in self.roles} if contents is not None else {}
+        self._staging: dict[int, Path] = {}
+
+    @classmethod
+    def from_plan(cls, plan: TrainerPlan | CheckpointPlan) -> CheckpointRegistry:
+        ck = _checkpoint_plan(plan)
+        return cls(ck.root, [r.role for r in ck.roles], {r.role: r.save_contents for r in ck.roles})
+
+    # ------------------------------------------------------------------------------------ paths
+    @property
+    def latest_file(self) -> Path:
+        return self.root / LATEST_FILE
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"global_step_{step}"
+
+    # ------------------------------------------------------------------------------------ saving
+    def begin(self, step: int) -> dict[str, str]:
+        """Create the staging folder of `step`; returns {role: folder} to pass to the workers' save."""
+        if step < 1:
+            raise ValueError(f"steps count from 1, got {step}")
+        if step in self._staging:
+            raise CheckpointError(f"a save of step {step} is already in progress")
+        tmp = self.root / f"global_step_{step}.tmp-{uuid.uuid4().hex[:10]}"
+        for role in self.roles:
+            (tmp / role).mkdir(parents=True, exist_ok=False)
+        self._staging[step] = tmp
+        return {role: str(tmp / role) for role in self.roles}
+
+    def pending_steps(self) -> list[int]:
+        """Steps begun and not yet committed or aborted."""
+        return sorted(self._staging)
+
+    def ready(self, step: int) -> bool:
+        """Whether every role of the staged `step` has finished writing (its manifest exists)."""
+        tmp = self._staging[step]
+        return all((tmp / role / MANIFEST).is_file() for role in self.roles)
+
+    def commit(self, step: int) -> Path:
+        """Verify the staged save of `step`, mark it complete and publish it; returns global_step_N.
+
+        Order (each step durable before the next): verify every role's files against its manifest ->
+        write COMPLETE into the staging folder -> rename it to global_step_N (atomic) -> rewrite the latest
+        file (temp + os.replace). An existing global_step_N (a step saved again after resuming from an
+        earlier one) is moved aside first and deleted only once the new one is in place.
+        """
+        tmp = self._staging[step]
+        problems = []
+        for role in self.roles:
+            problems += verify_manifest(tmp / role)
+        if problems:
+            raise CheckpointError(
+                f"checkpoint of step {step} is incomplete, not committed: " + "; ".join(problems)
+            )
+        marker = {
+            "format": FORMAT,
+            "step": step,
+            "roles": list(self.roles),
+            "contents": {r: list(_read_json(tmp / r / META)["contents"]) for r in self.roles},
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "unix_time": time.time(),
+        }
+        _write_json(tmp / COMPLETE, marker)
+        final = self.step_dir(step)
+        old = None
+        if final.exists():
+            old = self.root / f"global_step_{step}.old-{uuid.uuid4().hex[:10]}"
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(self.root)
+        del self._staging[step]
+        _write_atomic(self.latest_file, f"{step}\n".encode())
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        logger.info("checkpoint of step %d committed: %s", step, final)
+        return final
+
+    def abort(self, step: int) -> None:
+        """Drop the staged save of `step` (its workers failed); nothing published changes."""
+        tmp = self._staging.pop(step)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------ reading
+    def check_complete(self, folder: str | os.PathLike, full: bool = False) -> str | None:
+        """None when `folder` is a complete checkpoint, else the reason it is not.
+
+        Complete: a COMPLETE marker naming its roles, and every role's files present with the sizes of its
+        manifest (`full` also re-hashes the small files).
+        """
+        folder = Path(folder)
+        if not folder.is_dir():
+            return f"{folder} does not exist"
+        if not (folder / COMPLETE).is_file():
+            return f"{folder} has no {COMPLETE} marker (its save never finished)"
+        try:
+            marker = _read_json(folder / COMPLETE)
+            roles = marker["roles"]
+            int(marker["step"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            return f"{folder / COMPLETE} is unreadable ({type(exc).__name__}: {exc})"
+        problems = []
+        for role in roles:
+            problems += verify_manifest(folder / role, full=full)
+        return "; ".join(problems) if problems else None
+
+    def is_complete(self, folder: str | os.PathLike) -> bool:
+        return self.check_complete(folder) is None
+
+    def step_folders(self) -> dict[int, Path]:
+        """{step: folder} of every global_step_N folder (complete or not)."""
+        out = {}
+        if self.root.is_dir():
+            for child in self.root.iterdir():
+                m = _STEP_DIR.match(child.name)
+                if m and child.is_dir():
+                    out[int(m.group(1))] = child
+        return out
+
+    def complete_steps(self) -> list[int]:
+        """Steps with a complete checkpoint, ascending."""
+        return sorted(s for s, f in self.step_folders().items() if self.is_complete(f))
+
+    def read_latest_file(self) -> int | None:
+        """The step named by the latest file; None when it is missing or does not hold a step number."""
+        try:
+            text = self.latest_file.read_text().strip()
+        except OSError:
+            return None
+        return int(text) if text.isdigit() and int(text) >= 1 else None
+
+    def latest_complete(self) -> int | None:
+        """The step to resume from: the latest file's step when that checkpoint is complete, else the newest
+        complete checkpoint (with a warning), else None."""
+        named = self.read_latest_file()
+        if named is not None:
+            reason = self.check_complete(self.step_dir(named))
+            if reason is None:
+                return named
+        elif self.latest_file.exists():
+            reason = f"{self.latest_file} does not hold a step number"
+        else:
+            reason = f"{self.latest_file} is missing"
+        complete = self.complete_steps()
+        if not complete:
+            if self.step_folders():
+                warnings.warn(
+                    f"checkpoints in {self.root} exist but none is complete ({reason}); starting at step 1",
+                    stacklevel=2,
+                )
+            return None
+        warnings.warn(
+            f"latest checkpoint not usable ({reason}); resuming from the newest complete one, step "
+            f"{complete[-1]}",
+            stacklevel=2,
+        )
+        return complete[-1]
+
+    def resolve_resume(self, plan: TrainerPlan | CheckpointPlan) -> Resume | None:
+        """Where trainer.resume_mode says to resume: Resume(step, folder), or None to start at step 1.
+
+        auto: the latest complete checkpoint under this run's checkpoints/ (see `latest_complete`).
+        disable: None (existing checkpoints stay and are replaced as their steps are saved again).
+        resume_path: trainer.resume_from_path must be a complete global_step_N folder (or a role folder
+        inside one); anything else raises ConfigError naming trainer.resume_from_path.
+        """
+        ck = _checkpoint_plan(plan)
+        if ck.resume_mode == "disable":
+            if self.complete_steps():
+                warnings.warn(
+                    f"trainer.resume_mode is disable: ignoring the checkpoints in {self.root}; saves of the "
+                    "same steps will replace them",
+                    stacklevel=2,
+                )
+            return None
+        if ck.resume_mode == "auto":
+            step = self.latest_complete()
+            return Resume(step, self.step_dir(step)) if step is not None else None
+        if ck.resume_mode != "resume_path":
+            raise ValueError(f"unknown resume_mode {ck.resume_mode!r}")
+        return self.resolve_path(ck.resume_from)
+
+    def resolve_path(self, path: str | os.PathLike | None) -> Resume:
+        """A complete checkpoint folder given by the user (trainer.resume_from_path)."""
+        if path is None:
+            raise ConfigError(
+                [
+                    error(
+                        "trainer.resume_from_path",
+                        "resume_mode is resume_path but no resume_from_path is given",
+                        "set it to a checkpoints/global_step_N folder, or use resume_mode: auto",
+                        "resume-path",
+                    )
+                ]
+            )
+        folder = Path(path)
+        if not _STEP_DIR.match(folder.name) and _STEP_DIR.match(folder.parent.name):
+            folder = folder.parent  # a role folder (global_step_N/actor) names its checkpoint
+        reason = self.check_complete(folder, full=True)
+        if reason is None and not _STEP_DIR.match(folder.name):
+            reason = f"{folder} is not named global_step_N"
+        if reason is not None:
+            nearby = CheckpointRegistry(folder.parent).complete_steps() if folder.parent.is_dir() else []
+            hint = f" (complete checkpoints there: steps {nearby})" if nearby else ""
+            raise ConfigError(
+                [
+                    error(
+                        "trainer.resume_from_path",
+                        f"{path} is not a complete checkpoint: {reason}",
+                        f"point it at a checkpoints/global_step_N folder with a {COMPLETE} marker{hint}, "
+                        "or use resume_mode: auto",
+                        "resume-path",
+                    )
+                ]
+            )
+        step = int(_read_json(folder / COMPLETE)["step"])
+        return Resume(step, folder)
+
+    # ------------------------------------------------------------------------------------ clean-up
+    def apply_retention(self, keep: int | None) -> list[int]:
+        """Delete complete checkpoints beyond the newest `keep` (None keeps all); returns deleted steps.
+
+        Never deleted: the newest complete checkpoint, the one the latest file names, staged saves and
+        anything incomplete (that is `cleanup_incomplete`'s job at start-up). A checkpoint is first renamed
+        out of the global_step_N namespace, so a half-deleted folder can never be mistaken for one.
+        """
+        if keep is None:
+            return []
+        if keep < 1:
+            raise ValueError(f"trainer.max_ckpt_to_keep must be >= 1, got {keep}")
+        complete = self.complete_steps()
+        protected = set(complete[-keep:]) | set(self._staging)
+        named = self.read_latest_file()
+        if named is not None:
+            protected.add(named)
+        deleted = []
+        for step in complete:
+            if step in protected:
+                continue
+            trash = self.root / f"global_step_{step}.del-{uuid.uuid4().hex[:10]}"
+            os.replace(self.step_dir(step), trash)
+            shutil.rmtree(trash, ignore_errors=True)
+            deleted.append(step)
+        if deleted:
+            _fsync_dir(self.root)
+        return deleted
+
+    def cleanup_incomplete(self) -> list[Path]:
+        """Remove what crashed saves left (call at start-up, before resolving the resume). Returns removed.
+
+        * global_step_N.tmp-* (a save that never committed) and .del-* (an interrupted retention delete);
+        * global_step_N.old-* (moved aside by a re-save): restored when global_step_N is gone and it is
+          complete, else removed;
+        * global_step_N folders without a COMPLETE marker that hold this format's role folders (from other
+          tools they are left alone, with a warning: never loaded, never deleted).
+        Saves staged by this registry are kept.
+        """
+        removed: list[Path] = []
+        if not self.root.is_dir():
+            return removed
+        staged = set(self._staging.values())
+        for child in sorted(self.root.iterdir()):
+            if child in staged or not child.is_dir():
+                continue
+            m = _WORK_DIR.match(child.name)
+            if m:
+                step, kind = int(m.group(1)), m.group(2)
+                if kind == "old" and not self.step_dir(step).exists() and self.is_complete(child):
+                    os.replace(child, self.step_dir(step))
+                    logger.warning("restored %s from %s", self.step_dir(step), child.name)
+                    continue
+                shutil.rmtree(child, ignore_errors=True)
+                removed.append(child)
+                continue
+            if _STEP_DIR.match(child.name) and not (child / COMPLETE).is_file():
+                ours = not any(child.iterdir()) or any((sub / META).is_file() for sub in child.iterdir())
+                if ours:
+                    shutil.rmtree(child, ignore_errors=True)
+                    removed.append(child)
+                else:
+                    warnings.warn(
+                        f"{child} has no {COMPLETE} marker and was not written by rlplan: it is never "
+                        "loaded; move it out of the checkpoints folder",
+                        stacklevel=2,
+                    )
+        if removed:
+            _fsync_dir(self.root)
+            logger.warning("removed incomplete checkpoint folders: %s", [p.name for p in removed])
+        return removed
+
+
+def _checkpoint_plan(plan: TrainerPlan | CheckpointPlan) -> CheckpointPlan:
+    return plan.checkpoint if hasattr(plan, "checkpoint") else plan  # type: ignore[return-value]
+
+
+def role_contents(
+    plan: TrainerPlan | CheckpointPlan, role: str
+) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """(save_contents, load_contents, async_save) of `role` in the plan."""
+    for rc in _checkpoint_plan(plan).roles:
+        if rc.role == role:
+            return tuple(rc.save_contents), tuple(rc.load_contents), bool(rc.async_save)
+    raise KeyError(f"the plan has no checkpoint entry for role {role!r}")
+
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointRegistry",
+    "Resume",
+    "build_manifest",
+    "finalize_pending",
+    "has_pending",
+    "last_timings",
+    "load_engine",
+    "read_role_meta",
+    "role_contents",
+    "save_engine",
+    "verify_manifest",
+    "write_manifest",
+]

@@ -1,0 +1,150 @@
+"""Ray worker processes: one per device and role group, each holding its Megatron engine(s).
+
+`PolicyWorker` holds the actor, serves the rollout on the actor's own weights (colocated: no copy, no
+weight sync) and, when the run uses one, the frozen reference policy in the same process (megatron's
+process groups are per process, so the ref shares the actor's layout; validation enforces it).
+`CriticWorker` holds the value model in its own process and process group.
+
+Workers read the plan (its effective config), never raw user input. Each public method is one role's work
+and is wrapped by the profiler (`profiled(ROLE)`), a no-op unless the plan profiles that role and step.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any
+
+import torch
+
+from rlconf.plan import TrainerPlan
+from rltrain.profiling import Profiler
+
+
+class MegatronWorker:
+    """Common set-up: rank environment, threads, torch.distributed rendezvous, the profiler."""
+
+    def __init__(
+        self, role: str, rank: int, world_size: int, master_addr: str, master_port: int, plan: TrainerPlan
+    ) -> None:
+        self.role, self.rank, self.world_size = role, rank, world_size
+        self.plan = plan
+        self.cfg = plan.config
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+            LOCAL_RANK="0",  # Ray gives each worker its own device via CUDA_VISIBLE_DEVICES
+        )
+        torch.set_num_threads(max(1, int(self.cfg.cluster.cpus_per_worker)))
+        # megatron warns once per module that Apex / Transformer Engine are absent; the fallbacks are the
+        # intended path on CPU and on images without them.
+        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
+        warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
+        torch.manual_seed(self.cfg.trainer.seed + rank)
+        self.profiler = Profiler(plan.profile, worker=role, rank=rank, device=self.cfg.cluster.device)
+        self.step = 0
+
+    def set_step(self, step: int) -> None:
+        """The training step the next calls belong to (profiling folders and schedules use it)."""
+        self.step = step
+        self.profiler.set_step(step)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def finish(self) -> None:
+        self.profiler.close()
+
+
+class PolicyWorker(MegatronWorker):
+    """Actor + rollout (+ reference policy) on one rank of the actor pool."""
+
+    def init_model(self) -> dict[str, Any]:
+        from rltrain.megatron.actor import MegatronActor
+
+        cfg = self.cfg
+        total = self.plan.optim_plan("actor").decay_steps if self.plan.optim else cfg.trainer.total_steps
+        self.actor = MegatronActor(
+            cfg.model, cfg.actor, cfg.cluster.device, total_steps=max(total, cfg.trainer.total_steps),
+            rollout_n=cfg.rollout.n,
+        )  # fmt: skip
+        self.ref = None
+        if "ref" in self.plan.roles:
+            self.ref = MegatronActor(
+                cfg.model, cfg.actor, cfg.cluster.device, megatron_cfg=cfg.ref.megatron, trainable=False,
+                rollout_n=cfg.rollout.n,
+            )  # fmt: skip
+            # The reference policy is the actor's starting point: copy the weights instead of trusting that
+            # two random inits with one seed agree.
+            for ref_m, act_m in zip(self.ref.modules(), self.actor.modules(), strict=True):
+                ref_m.load_state_dict(act_m.state_dict(), strict=False)
+        return {"vocab_size": self.actor.vocab_size, "dp_size": self.actor.dp_size}
+
+    def generate_sequences(self, prompts: dict[str, torch.Tensor], validate: bool = False) -> dict:
+        r = self.cfg.rollout
+        prompt_ids, prompt_mask = prompts["prompt_ids"], prompts["prompt_mask"]
+        tok = self._tokenizer()
+        with self.profiler.profiled("generate_sequences"):
+            return self.actor.generate(
+                prompt_ids,
+                max_new_tokens=r.max_response_length,
+                temperature=r.val.temperature if validate else r.temperature,
+                top_p=r.val.top_p if validate else r.top_p,
+                top_k=-1 if validate else r.top_k,
+                eos_id=tok.eos_token_id,
+                pad_id=tok.pad_token_id,
+                prompt_mask=prompt_mask,
+                stop_token_ids=r.stop_token_ids,
+            )
+
+    def compute_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        with self.profiler.profiled("actor_compute_log_prob"):
+            return self.actor.compute_log_prob(batch, temperature=self.cfg.rollout.temperature)
+
+    def compute_ref_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        assert self.ref is not None, "this run has no reference policy"
+        with self.profiler.profiled("ref_compute_log_prob"):
+            return self.ref.compute_log_prob(
+                batch, temperature=self.cfg.rollout.temperature, with_entropy=False
+            )
+
+    def update_actor(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        with self.profiler.profiled("actor_update"):
+            return self.actor.update_policy(batch)
+
+    def _tokenizer(self):
+        if not hasattr(self, "_tok"):
+            from rltrain.tokenizer import load_tokenizer
+
+            self._tok = load_tokenizer(self.cfg.model)
+        return self._tok
+
+    def engines(self) -> dict[str, Any]:
+        return {"actor": self.actor}
+
+
+class CriticWorker(MegatronWorker):
+    """The value model on one rank of its pool."""
+
+    def init_model(self) -> dict[str, Any]:
+        from rltrain.megatron.critic import MegatronCritic
+
+        cfg = self.cfg
+        self.critic = MegatronCritic(
+            cfg.model, cfg.critic, cfg.cluster.device, total_steps=cfg.trainer.total_steps,
+            rollout_n=cfg.rollout.n, loss_agg_mode=cfg.actor.loss_agg_mode,
+        )  # fmt: skip
+        return {"dp_size": self.critic.dp_size}
+
+    def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        with self.profiler.profiled("critic_compute_values"):
+            return self.critic.compute_values(batch)
+
+    def update_critic(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        with self.profiler.profiled("critic_update"):
+            return self.critic.update_critic(batch)
+
+    def engines(self) -> dict[str, Any]:
+        return {"critic": self.critic}

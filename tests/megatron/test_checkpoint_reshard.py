@@ -1,0 +1,155 @@
+"""Checkpoints across parallel layouts: a save at one TP / PP / DP layout loads at another with identical
+log-probs, and with the optimizer state (fully_reshardable) the next update matches an uninterrupted run.
+
+One spawn of 2 gloo processes: each saves at TP=2 and at PP=2 (then takes one more update, the
+uninterrupted reference), and loads the TP=1 checkpoint saved here at TP=2, PP=2 and DP=2 (distributed
+optimizer sharded over DP) and checks it against this process's uninterrupted continuation. This process
+then loads the TP=2 and PP=2 checkpoints at TP=1 and checks them against the workers' continuations.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from ._common import actor_cfg, free_port, make_batch, tiny_model_cfg
+
+pytestmark = [
+    pytest.mark.multiproc,
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+CONTENTS = ("model", "optimizer", "extra")
+SAVE_LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2)]  # saved by the 2 workers, loaded here at TP=1
+LOAD_LAYOUTS = [("tp2", 2, 1, 1), ("pp2", 1, 2, 1), ("dp2", 1, 1, 2)]  # TP=1 checkpoint loaded by the workers
+
+
+def _cfg(tp: int = 1, pp: int = 1):
+    from rlconf.config import Optim
+
+    # seq-mean-token-mean with equal rows per DP rank makes DP=2 exactly the full-batch loss; no shuffle so
+    # that the update does not depend on the generator.
+    return actor_cfg(
+        tp,
+        pp,
+        ppo_mini_batch_size=8,
+        ppo_micro_batch_size_per_gpu=2,
+        shuffle=False,
+        loss_agg_mode="seq-mean-token-mean",
+        optim=Optim(lr=1e-2, clip_grad=1.0),
+    )
+
+
+def _rl_batch(batch: dict, old: torch.Tensor) -> dict:
+    sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(batch["input_ids"].shape[0])])
+    return {**batch, "old_log_probs": old, "advantages": sign.unsqueeze(1) * batch["response_mask"]}
+
+
+def _train_save_continue(hf_path: str, cfg, rl: dict, folder: Path, rows: slice) -> dict[str, torch.Tensor]:
+    """One update, save, one more update. Returns log-probs (full batch rows of this DP rank) at the save and
+    after the uninterrupted second update."""
+    from rltrain.checkpoint import save_engine
+    from rltrain.megatron.actor import MegatronActor
+
+    local = {k: v[rows] for k, v in rl.items()}
+    actor = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", total_steps=4)
+    actor.update_policy(local)
+    saved = actor.compute_log_prob(local, with_entropy=False)["log_probs"]
+    assert save_engine(actor, folder, CONTENTS, {"step": 1})
+    actor.update_policy(local)
+    cont = actor.compute_log_prob(local, with_entropy=False)["log_probs"]
+    return {"saved": saved, "cont": cont}
+
+
+def _load_and_continue(hf_path: str, cfg, rl: dict, folder: Path, rows: slice) -> dict[str, torch.Tensor]:
+    from rltrain.checkpoint import load_engine
+    from rltrain.megatron.actor import MegatronActor
+
+    local = {k: v[rows] for k, v in rl.items()}
+    # Built from random init (not the HF weights): everything must come from the checkpoint.
+    actor = MegatronActor(tiny_model_cfg(None), cfg, "cpu", total_steps=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        extra = load_engine(actor, folder, CONTENTS)
+    # RNG streams belong to ranks: another layout starts fresh ones, and rank 0 says so.
+    if torch.distributed.get_rank() == 0:
+        assert any("RNG states not restored" in str(w.message) for w in caught)
+    assert extra == {"step": 1}
+    assert actor.lr_scheduler.num_steps == 1
+    loaded = actor.compute_log_prob(local, with_entropy=False)["log_probs"]
+    actor.update_policy(local)
+    cont = actor.compute_log_prob(local, with_entropy=False)["log_probs"]
+    return {"loaded": loaded, "cont": cont}
+
+
+def _worker(rank: int, world: int, port: int, hf_path: str, out_dir: str, rl: dict, ref: dict) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        _run(rank, world, port, hf_path, Path(out_dir), rl, ref)
+    except Exception:
+        traceback.print_exc()  # mp.spawn reports only the exception type of a child otherwise
+        raise
+
+
+def _run(rank: int, world: int, port: int, hf_path: str, out: Path, rl: dict, ref: dict) -> None:
+    from megatron.core import parallel_state
+
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    results = {}
+    for name, tp, pp in SAVE_LAYOUTS:
+        cfg = _cfg(tp, pp)
+        init_parallel(cfg.megatron, "cpu")
+        results[name] = _train_save_continue(hf_path, cfg, rl, out / name / "actor", slice(None))
+    for name, tp, pp, dp in LOAD_LAYOUTS:
+        cfg = _cfg(tp, pp)
+        init_parallel(cfg.megatron, "cpu")
+        assert parallel_state.get_data_parallel_world_size() == dp
+        d = parallel_state.get_data_parallel_rank()
+        rows = slice(d * 8 // dp, (d + 1) * 8 // dp)
+        got = _load_and_continue(hf_path, cfg, rl, out / "tp1" / "actor", rows)
+        torch.testing.assert_close(
+            got["loaded"], ref["saved"][rows], atol=1e-5, rtol=1e-5, msg=f"load at {name}"
+        )
+        torch.testing.assert_close(
+            got["cont"], ref["cont"][rows], atol=2e-4, rtol=2e-4, msg=f"update at {name}"
+        )
+    if rank == 0:
+        torch.save(results, out / "worker_results.pt")
+    destroy_parallel()
+
+
+def test_reshard_tp_pp_dp_with_optimizer(mp_world, tiny_hf, tmp_path):
+    from rltrain.checkpoint import read_role_meta
+
+    rl_rows = make_batch(b=8)
+    from rltrain.megatron.actor import MegatronActor
+
+    frozen = MegatronActor(tiny_model_cfg(str(tiny_hf)), _cfg(), "cpu", trainable=False)
+    rl = _rl_batch(rl_rows, frozen.compute_log_prob(rl_rows, with_entropy=False)["log_probs"])
+    del frozen
+    ref = _train_save_continue(str(tiny_hf), _cfg(), rl, tmp_path / "tp1" / "actor", slice(None))
+    assert read_role_meta(tmp_path / "tp1" / "actor")["optimizer_sharding"] == "fully_reshardable"
+
+    torch.multiprocessing.spawn(
+        _worker, args=(2, free_port(), str(tiny_hf), str(tmp_path), rl, ref), nprocs=2, join=True
+    )
+
+    # TP=2 and PP=2 checkpoints at TP=1: the same log-probs, and the next update continues their run.
+    results = torch.load(tmp_path / "worker_results.pt", weights_only=False)
+    for name, _, _ in SAVE_LAYOUTS:
+        meta = read_role_meta(tmp_path / name / "actor")
+        assert meta["layout"]["world_size"] == 2
+        got = _load_and_continue(str(tiny_hf), _cfg(), rl, tmp_path / name / "actor", slice(None))
+        torch.testing.assert_close(got["loaded"], results[name]["saved"], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(got["cont"], results[name]["cont"], atol=2e-4, rtol=2e-4, msg=name)

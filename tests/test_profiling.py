@@ -1,0 +1,460 @@
+"""Per-role profiling (rltrain.profiling): folder layout, filtering, errors, tools and the summary.
+
+The torch profiler runs for real on the CPU and writes real files into tmp_path. Plans are compiled from
+the tiny presets with the same overrides a user would pass, so the folders checked are the plan's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlconf.load import load_config
+from rlconf.plan import ProfilePlan, compile_plan
+from rltrain import profiling
+from rltrain.profiling import Profiler, nsys_command, profiled, write_summary
+
+TWO_RANKS = (
+    "cluster.gpus_per_node=2",
+    "actor.ppo_micro_batch_size_per_gpu=2",
+    "critic.ppo_micro_batch_size_per_gpu=2",
+)
+
+
+def make_plan(tmp_path: Path, *overrides: str, preset: str = "tiny-grpo") -> ProfilePlan:
+    cfg = load_config(None, preset=preset, overrides=[f"trainer.output_dir={tmp_path}", *overrides])
+    return compile_plan(cfg).profile
+
+
+def work() -> torch.Tensor:
+    return torch.randn(16, 16) @ torch.randn(16, 16)
+
+
+def run_steps(prof: Profiler, steps: range, roles: tuple[str, ...]) -> None:
+    for step in steps:
+        prof.set_step(step)
+        for role in roles:
+            with prof.profiled(role):
+                work()
+    prof.close()
+
+
+def written(save_path: str) -> set[str]:
+    """Profile folders on disk (every one holds a meta.json)."""
+    return {str(p.parent) for p in Path(save_path).rglob("meta.json")}
+
+
+def trace_names(folder: str | Path) -> set[str]:
+    data = json.loads((Path(folder) / "trace.json").read_text())
+    return {e["name"] for e in data["traceEvents"] if "name" in e}
+
+
+def meta(folder: str | Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / "meta.json").read_text())
+
+
+POLICY_ROLES = ("generate_sequences", "actor_compute_log_prob", "actor_update")
+
+
+# ============================================================================================ torch
+def test_discrete_layout_is_the_plans_and_traces_name_their_role(tmp_path: Path) -> None:
+    plan = make_plan(tmp_path, "profile.tool=torch", "profile.steps=[2, 3]")
+    assert plan.mode == "discrete" and plan.steps == (2, 3)
+    run_steps(Profiler(plan, worker="actor", rank=0, device="cpu"), range(1, 5), POLICY_ROLES)
+    run_steps(Profiler(plan, worker="controller", rank=0, device="cpu"), range(1, 5), ("reward_compute",))
+
+    assert written(plan.save_path) == set(plan.folders)
+    for folder in plan.folders:
+        m = meta(folder)
+        role, step = m["role"], m["step"]
+        assert folder.endswith(f"/step_{step}/{role}/rank_0")
+        assert m["status"] == "ok" and m["wall_s"] > 0 and m["tool"] == "torch" and m["call"] == 1
+        names = trace_names(folder)  # the Chrome trace loads and shows the role as a range
+        assert role in names
+        # one role per trace: nothing of another role (or step) leaked into it
+        assert not (names & (set(POLICY_ROLES) - {role}))
+        assert "Name" in (Path(folder) / "summary.txt").read_text()  # the key_averages table
+    assert not (Path(plan.save_path) / "step_1").exists() and not (Path(plan.save_path) / "step_4").exists()
+
+
+def test_a_role_called_twice_in_a_step_never_overwrites(tmp_path: Path) -> None:
+    plan = make_plan(
+        tmp_path, "profile.tool=torch", "profile.steps=[2]", "profile.roles=[generate_sequences]"
+    )
+    base = Path(plan.folders[0])
+    prof = Profiler(plan, worker="actor", rank=0, device="cpu")
+    prof.set_step(2)
+    with prof.profiled("generate_sequences"):  # e.g. the training generate ...
+        work()
+    first = (base / "trace.json").read_bytes()
+    with prof.profiled("generate_sequences"):  # ... then a validation generate in the same step
+        work()
+    assert (base / "trace.json").read_bytes() == first
+    assert meta(base / "call_2")["call"] == 2 and "generate_sequences" in trace_names(base / "call_2")
+    # A resumed run re-doing step 2 in a new process keeps both earlier traces too.
+    again = Profiler(plan, worker="actor", rank=0, device="cpu")
+    again.set_step(2)
+    with again.profiled("generate_sequences"):
+        work()
+    assert (base / "trace.json").read_bytes() == first
+    assert written(plan.save_path) == {str(base), str(base / "call_2"), str(base / "call_3")}
+
+
+def test_roles_ranks_and_steps_filter(tmp_path: Path) -> None:
+    plan = make_plan(
+        tmp_path, *TWO_RANKS, "profile.tool=torch", "profile.steps=[2]", "profile.ranks=[1]",
+        "profile.roles=[actor_update, critic_update]", preset="tiny-ppo",
+    )  # fmt: skip
+    every = (*POLICY_ROLES, "ref_compute_log_prob", "critic_compute_values", "critic_update")
+    for worker in ("actor", "critic"):
+        for rank in (0, 1):
+            run_steps(Profiler(plan, worker=worker, rank=rank, device="cpu"), range(1, 4), every)
+    root = plan.save_path
+    assert written(root) == {f"{root}/step_2/actor_update/rank_1", f"{root}/step_2/critic_update/rank_1"}
+    assert written(root) == set(plan.folders)
+    assert meta(f"{root}/step_2/critic_update/rank_1")["worker"] == "critic"
+
+
+def test_disabled_profiler_is_a_shared_no_op(tmp_path: Path) -> None:
+    off = make_plan(tmp_path)  # profile.tool = none
+    prof = Profiler(off, worker="actor", rank=0, device="cpu")
+    prof.set_step(1)
+    on = make_plan(tmp_path, "profile.tool=torch", "profile.steps=[2]")
+    idle = Profiler(on, worker="actor", rank=0, device="cpu")
+    idle.set_step(3)
+    # No allocation on the hot path: the same null context every time.
+    assert (
+        prof.profiled("actor_update") is idle.profiled("actor_update") is prof.profiled("generate_sequences")
+    )
+    with prof.profiled("actor_update"):
+        work()
+    prof.close()
+    assert not Path(on.save_path).exists()
+
+
+def test_continuous_mode_one_profile_per_step(tmp_path: Path) -> None:
+    plan = make_plan(
+        tmp_path, *TWO_RANKS, "profile.tool=torch", "profile.discrete=false", "profile.steps=[2, 3]",
+        "profile.all_ranks=true", preset="tiny-ppo",
+    )  # fmt: skip
+    policy = (*POLICY_ROLES, "ref_compute_log_prob")
+    for rank in (0, 1):
+        prof = Profiler(plan, worker="actor", rank=rank, device="cpu")
+        for step in range(1, 4):
+            prof.set_step(step)  # set_step(3) closes step 2's profile; close() closes step 3's
+            for role in policy:
+                with prof.profiled(role):
+                    work()
+        prof.close()
+        prof.close()  # idempotent
+    # The critic's processes share rank numbers with the policy's: they must not write e2e/rank_R.
+    run_steps(Profiler(plan, worker="critic", rank=0, device="cpu"), range(1, 4), ("critic_update",))
+
+    assert written(plan.save_path) == set(plan.folders)
+    assert all(f.endswith(("/e2e/rank_0", "/e2e/rank_1")) for f in plan.folders)
+    for folder in plan.folders:
+        m = meta(folder)
+        assert m["role"] == "e2e" and m["status"] == "ok"
+        assert [c["role"] for c in m["calls"]] == list(policy)
+        assert m["wall_s"] >= sum(c["wall_s"] for c in m["calls"])
+        assert set(policy) <= trace_names(folder)
+
+
+# ============================================================================================ errors
+class Engine:
+    def __init__(self, prof: Profiler) -> None:
+        self.profiler = prof
+        self.calls = 0
+
+    @profiled("actor_update")
+    def update(self, fail: bool) -> str:
+        self.calls += 1
+        work()
+        if fail:
+            raise ValueError("loss is nan")
+        return "done"
+
+
+def test_an_error_propagates_once_and_flushes_the_trace(tmp_path: Path) -> None:
+    plan = make_plan(tmp_path, "profile.tool=torch", "profile.steps=[2]", "profile.roles=[actor_update]")
+    engine = Engine(Profiler(plan, worker="actor", rank=0, device="cpu"))
+    engine.profiler.set_step(2)
+    with pytest.raises(ValueError, match="loss is nan") as info:
+        engine.update(fail=True)
+    assert engine.calls == 1  # never re-run
+    assert info.value.__cause__ is None and info.value.__context__ is None  # the original, not a wrapper
+    folder = Path(plan.folders[0])
+    m = meta(folder)
+    assert m["status"] == "error" and m["error"] == "ValueError: loss is nan"
+    assert any("raised ValueError" in n for n in m["notes"])
+    assert "actor_update" in trace_names(folder)  # what was captured is written
+    assert (folder / "summary.txt").read_text().startswith("# the call raised ValueError")
+    # The profiler is usable after the error; the next call of the step does not overwrite the failed one.
+    assert engine.update(fail=False) == "done" and engine.calls == 2
+    assert meta(folder / "call_2")["status"] == "ok" and meta(folder)["status"] == "error"
+
+
+def test_an_error_in_continuous_mode_flushes_the_step(tmp_path: Path) -> None:
+    plan = make_plan(tmp_path, "profile.tool=torch", "profile.discrete=false", "profile.steps=[2]")
+    engine = Engine(Profiler(plan, worker="actor", rank=0, device="cpu"))
+    engine.profiler.set_step(2)
+    with engine.profiler.profiled("generate_sequences"):
+        work()
+    with pytest.raises(ValueError):
+        engine.update(fail=True)
+    assert engine.calls == 1
+    m = meta(plan.folders[0])  # written at the error, without waiting for set_step / close
+    assert m["status"] == "error" and [c["status"] for c in m["calls"]] == ["ok", "error"]
+    assert {"generate_sequences", "actor_update"} <= trace_names(plan.folders[0])
+
+
+def test_decorator_rejects_unknown_roles() -> None:
+    with pytest.raises(ValueError, match="unknown profiled role"):
+        profiled("actor_updte")
+
+
+# ============================================================================================ nsys
+class FakeCuda:
+    """Records the CUDA profiler-API, NVTX and synchronize calls the nsys tool makes."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, ...]] = []
+        self.profiler = types.SimpleNamespace(
+            start=lambda: self._log("start"), stop=lambda: self._log("stop")
+        )
+        self.nvtx = types.SimpleNamespace(
+            range_push=lambda name: self._log("push", name), range_pop=lambda: self._log("pop")
+        )
+
+    def _log(self, *event: str) -> None:
+        self.events.append(event)
+
+    def is_available(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        self._log("sync")
+
+
+def test_nsys_brackets_each_role_call(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nsys and CUDA cannot exist on this CPU machine: the module's CUDA boundary (`profiling._cuda`, the
+    torch.cuda it calls start/stop, NVTX and synchronize on) is replaced by a recorder, and the test checks
+    the calls a process launched by `nsys_command` would see, and the files the Profiler writes."""
+    cuda = FakeCuda()
+    monkeypatch.setattr(profiling, "_cuda", cuda)
+    plan = make_plan(
+        tmp_path, "cluster.device=cuda", "profile.tool=nsys", "profile.steps=[2]",
+        "profile.nsys.trace=[cuda, nvtx, osrt]", "profile.nsys.cuda_memory_usage=true",
+    )  # fmt: skip
+    prof = Profiler(plan, worker="actor", rank=0, device="cuda")
+    run_steps(prof, range(1, 4), ("generate_sequences", "actor_update"))
+    work_events = [e for e in cuda.events if e[0] != "sync"]
+    assert work_events == [
+        ("start",), ("push", "generate_sequences/step_2"), ("pop",), ("stop",),
+        ("start",), ("push", "actor_update/step_2"), ("pop",), ("stop",),
+    ]  # fmt: skip
+    # The capture is bounded by device syncs so queued kernels land in the right report.
+    assert cuda.events[cuda.events.index(("start",)) - 1] == ("sync",)
+    assert cuda.events[cuda.events.index(("stop",)) - 1] == ("sync",)
+
+    prefix = nsys_command(plan, worker="actor", rank=0)
+    raw = f"{plan.save_path}/nsys/actor_rank_0_%p"
+    assert prefix == [
+        "nsys", "profile", "-o", raw, "--capture-range=cudaProfilerApi", "--capture-range-end=repeat",
+        "--trace=cuda,nvtx,osrt", "--force-overwrite=true", "--cuda-memory-usage=true",
+    ]  # fmt: skip
+    # Each role folder links the numbered report nsys writes for its capture (%p = this process).
+    captures = []
+    for role in ("generate_sequences", "actor_update"):
+        link = Path(f"{plan.save_path}/step_2/{role}/rank_0/report.nsys-rep")
+        assert link.is_symlink() and not os.path.isabs(os.readlink(link))
+        target = os.path.normpath(link.parent / os.readlink(link))
+        stem, capture, ext = target.rsplit(".", 2)
+        assert stem == raw.replace("%p", str(os.getpid())) and ext == "nsys-rep"
+        captures.append(int(capture))
+        assert meta(link.parent)["status"] == "ok"
+    assert captures[1] == captures[0] + 1
+    # Processes that profile nothing get no nsys prefix.
+    assert nsys_command(plan, worker="critic", rank=0) == []
+    assert nsys_command(make_plan(tmp_path, "profile.steps=[2]"), worker="actor", rank=0) == []
+
+
+def test_nsys_without_cuda_records_nothing_but_times_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cuda = FakeCuda()
+    monkeypatch.setattr(profiling, "_cuda", cuda)
+    plan = make_plan(tmp_path, "cluster.device=cuda", "profile.tool=nsys", "profile.steps=[1]")
+    run_steps(Profiler(plan, worker="controller", rank=0, device="cpu"), range(1, 2), ("reward_compute",))
+    assert cuda.events == []
+    m = meta(plan.folders[-1])
+    assert m["role"] == "reward_compute" and m["wall_s"] > 0 and "without CUDA" in m["notes"][0]
+
+
+# ============================================================================================ npu
+def fake_torch_npu(calls: list[tuple[str, Any]]) -> types.ModuleType:
+    """A stand-in for torch_npu.profiler that records its calls; its trace handler writes a marker file
+    where the real one would write its `*_ascend_pt` folder."""
+
+    def record(name: str):
+        def fn(*args: Any, **kwargs: Any) -> tuple[str, Any]:
+            calls.append((name, kwargs))
+            return (name, kwargs)
+
+        return fn
+
+    def tensorboard_trace_handler(dir_name: str, analyse_flag: bool = True):
+        calls.append(("tensorboard_trace_handler", {"dir_name": dir_name, "analyse_flag": analyse_flag}))
+
+        def ready(prof: Any) -> None:
+            out = Path(dir_name) / "host_1_ascend_pt"
+            out.mkdir(parents=True)
+            (out / "marker.json").write_text(json.dumps({"analyse_flag": analyse_flag}))
+
+        return ready
+
+    class FakeProfile:
+        def __init__(self, **kwargs: Any) -> None:
+            calls.append(("profile", kwargs))
+            self.on_trace_ready = kwargs["on_trace_ready"]
+
+        def start(self) -> None:
+            calls.append(("start", {}))
+
+        def stop(self) -> None:
+            calls.append(("stop", {}))
+            self.on_trace_ready(self)
+
+    ns = types.SimpleNamespace
+    mod = types.ModuleType("torch_npu")
+    mod.profiler = ns(  # type: ignore[attr-defined]
+        ProfilerActivity=ns(CPU="CPU", NPU="NPU"),
+        ProfilerLevel=ns(Level_none="Level_none", Level0="Level0", Level1="Level1", Level2="Level2"),
+        AiCMetrics=ns(PipeUtilization="PipeUtilization", AiCoreNone="AiCoreNone"),
+        ExportType=ns(Text="Text"),
+        _ExperimentalConfig=record("_ExperimentalConfig"),
+        schedule=record("schedule"),
+        tensorboard_trace_handler=tensorboard_trace_handler,
+        profile=FakeProfile,
+    )
+    return mod
+
+
+@pytest.mark.parametrize(
+    ("level", "contents", "analysis"),
+    [
+        ("level1", "[npu, cpu]", True),
+        ("level0", "[npu]", False),
+        ("level2", "[npu, cpu, memory, shapes, module, stack]", True),
+        ("level_none", "[cpu]", False),
+    ],
+)
+def test_npu_passes_level_contents_analysis_and_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, level: str, contents: str, analysis: bool
+) -> None:
+    """torch_npu needs Ascend CANN (and breaks `import torch` here): a recording fake is put in sys.modules
+    and the production code path drives it exactly as it would the real module."""
+    calls: list[tuple[str, Any]] = []
+    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(calls))
+    plan = make_plan(
+        tmp_path, "cluster.device=npu", "profile.tool=npu", "profile.steps=[2]",
+        "profile.roles=[actor_update]", f"profile.npu.level={level}", f"profile.npu.contents={contents}",
+        f"profile.npu.analysis={str(analysis).lower()}",
+    )  # fmt: skip
+    run_steps(Profiler(plan, worker="actor", rank=0, device="npu"), range(1, 4), POLICY_ROLES)
+    folder = plan.folders[0]
+    assert folder.endswith("/step_2/actor_update/rank_0")
+    by_name = {name: kwargs for name, kwargs in calls}
+    assert [name for name, _ in calls if name in ("profile", "start", "stop")] == ["profile", "start", "stop"]
+    expected_level = {"level_none": "Level_none", "level0": "Level0", "level1": "Level1", "level2": "Level2"}
+    assert by_name["_ExperimentalConfig"]["profiler_level"] == expected_level[level]
+    assert by_name["tensorboard_trace_handler"] == {"dir_name": folder, "analyse_flag": analysis}
+    assert by_name["schedule"] == {"wait": 0, "warmup": 0, "active": 1, "repeat": 1, "skip_first": 0}
+    kw = by_name["profile"]
+    parsed = contents.strip("[]").split(", ")
+    assert kw["activities"] == [a for a in ("CPU", "NPU") if a.lower() in parsed]
+    assert kw["record_shapes"] == ("shapes" in parsed) and kw["profile_memory"] == ("memory" in parsed)
+    assert kw["with_stack"] == ("stack" in parsed) and kw["with_modules"] == ("module" in parsed)
+    marker = json.loads((Path(folder) / "host_1_ascend_pt" / "marker.json").read_text())
+    assert marker == {"analyse_flag": analysis}
+    m = meta(folder)
+    assert m["tool"] == "npu" and m["status"] == "ok" and m["files"] == ["host_1_ascend_pt"]
+
+
+def test_torch_npu_is_imported_only_for_the_npu_tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # any import of it now raises ImportError
+    plan = make_plan(tmp_path, "profile.tool=torch", "profile.steps=[1]", "profile.roles=[actor_update]")
+    run_steps(Profiler(plan, worker="actor", rank=0, device="cpu"), range(1, 2), ("actor_update",))
+    assert written(plan.save_path) == set(plan.folders)
+
+
+# ============================================================================================ summary
+def test_summary_tables_wall_time_per_role_and_rank(tmp_path: Path) -> None:
+    plan = make_plan(
+        tmp_path, *TWO_RANKS, "profile.tool=torch", "profile.steps=[1, 2]", "profile.all_ranks=true",
+        "profile.roles=[generate_sequences, actor_update]", preset="tiny-ppo",
+    )  # fmt: skip
+    for rank in (0, 1):
+        engine = Engine(Profiler(plan, worker="actor", rank=rank, device="cpu"))
+        for step in (1, 2):
+            engine.profiler.set_step(step)
+            with engine.profiler.profiled("generate_sequences"):
+                time.sleep(0.06 if step == 1 else 0.0)  # generate is slowest at step 1 ...
+            with engine.profiler.profiled("actor_update"):
+                time.sleep(0.0 if step == 1 else 0.06)  # ... update at step 2
+            if step == 2 and rank == 1:
+                with pytest.raises(ValueError):
+                    engine.update(fail=True)  # a second update call, failing
+        engine.profiler.close()
+
+    md = write_summary(plan.save_path)
+    assert md == Path(plan.save_path) / "summary.md"
+    text = md.read_text()
+    step1, step2 = text.split("## Step 1")[1].split("## Step 2")
+    assert "| role | rank 0 | rank 1 | max |" in step1
+    assert "| **generate_sequences** (slowest) |" in step1 and "| actor_update |" in step1
+    assert "| **actor_update** (slowest) |" in step2 and "(2 calls) error" in step2
+
+    data = json.loads((Path(plan.save_path) / "summary.json").read_text())
+    steps = {s["step"]: s for s in data["steps"]}
+    assert steps[1]["slowest_role"] == "generate_sequences" and steps[2]["slowest_role"] == "actor_update"
+    assert steps[1]["roles"]["generate_sequences"]["0"]["wall_s"] >= 0.06
+    assert steps[2]["roles"]["actor_update"]["1"]["calls"] == 2
+    assert steps[2]["roles"]["actor_update"]["1"]["status"] == "error"
+    assert len(data["records"]) == 9  # 2 roles x 2 ranks x 2 steps, plus the failed second call
+
+
+def test_summary_of_continuous_profiles_and_of_nothing(tmp_path: Path) -> None:
+    plan = make_plan(tmp_path, "profile.tool=torch", "profile.discrete=false", "profile.steps=[2]")
+    prof = Profiler(plan, worker="actor", rank=0, device="cpu")
+    prof.set_step(2)
+    with prof.profiled("generate_sequences"):
+        time.sleep(0.03)
+    with prof.profiled("actor_update"):
+        work()
+    prof.close()
+    text = write_summary(plan.save_path).read_text()
+    assert "| **generate_sequences** (slowest) |" in text and "| e2e |" in text
+    assert "No profile was recorded." in write_summary(tmp_path / "empty").read_text()
+
+
+def test_a_role_called_inside_another_is_a_range_of_the_outer_trace(tmp_path: Path) -> None:
+    # One torch profiler per process: a nested profiled call cannot have its own trace, so it is a named
+    # range in the outer call's trace and a `nested` entry of its meta.json.
+    plan = make_plan(tmp_path, "profile.tool=torch", "profile.steps=[1]")
+    prof = Profiler(plan, worker="actor", rank=0, device="cpu")
+    prof.set_step(1)
+    with prof.profiled("actor_update"), prof.profiled("actor_compute_log_prob"):
+        work()
+    outer = f"{plan.save_path}/step_1/actor_update/rank_0"
+    assert written(plan.save_path) == {outer}
+    assert [c["role"] for c in meta(outer)["nested"]] == ["actor_compute_log_prob"]
+    assert {"actor_update", "actor_compute_log_prob"} <= trace_names(outer)

@@ -1,0 +1,209 @@
+"""Built-in rule rewards, the reward registry, `reward.function` resolution and batch scoring."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from rlconf.config import BUILTIN_REWARDS
+from rlconf.errors import ConfigError
+from rltrain.rewards import (
+    REWARD_FUNCTIONS,
+    RewardFunctionError,
+    digit_match,
+    exact_match,
+    extract_last_number,
+    format_reward,
+    load_reward_function,
+    numeric_match,
+    score_batch,
+)
+
+
+def test_registry_is_exactly_the_builtin_names():
+    assert tuple(REWARD_FUNCTIONS) == BUILTIN_REWARDS
+    for name in BUILTIN_REWARDS:
+        assert load_reward_function(name) is REWARD_FUNCTIONS[name]
+        assert isinstance(REWARD_FUNCTIONS[name]("1", "1", ""), float)
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "expected"),
+    [
+        ("6 7 8", "6 7 8", 1.0),
+        ("  6  7 8\n", "6 7 8", 1.0),  # whitespace runs collapse
+        ("<answer>42</answer>", "42", 1.0),  # the tagged final answer is compared
+        ("so #### 42", "reasoning... #### 42", 1.0),
+        ("678", "6 7 8", 0.0),  # exact: spacing inside the answer matters
+        ("6 7 9", "6 7 8", 0.0),
+    ],
+)
+def test_exact_match(response, truth, expected):
+    assert exact_match(response, truth, "prompt") == expected
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "expected"),
+    [
+        ("The answer is 1,234.", "1234", 1.0),  # thousands comma, sentence period
+        ("She sold 48 + 24 = 72 clips.\n#### 72", "Natalia sold 48/2 = 24 ... #### 72", 1.0),
+        ("#### 12\nbut wait, maybe 99", "12", 1.0),  # the #### marker wins over later numbers
+        ("so \\boxed{3.0} it is", "3", 1.0),
+        ("<answer>-3</answer>", "-3", 1.0),
+        ("first 5, then 7", "5", 0.0),  # the last number counts
+        ("no idea", "5", 0.0),
+        ("5", "no number here", 0.0),
+    ],
+)
+def test_numeric_match(response, truth, expected):
+    assert numeric_match(response, truth, "q") == expected
+
+
+def test_extract_last_number():
+    assert extract_last_number("a 1,000,000 b 2.5") == 2.5
+    assert extract_last_number("\\boxed{\\frac{1}{4}} and 9") == 4.0  # boxed part searched first
+    assert extract_last_number("none") is None
+
+
+@pytest.mark.parametrize(
+    ("response", "expected"),
+    [
+        ("<answer>7</answer>", 1.0),
+        ("think...\n<answer> 12 apples </answer>", 1.0),
+        ("work\n#### 7", 1.0),
+        ("<answer></answer>", 0.0),  # empty answer
+        ("<answer>7", 0.0),  # unclosed tag
+        ("####", 0.0),
+        ("7", 0.0),
+    ],
+)
+def test_format_reward(response, expected):
+    assert format_reward(response, "unused", "q") == expected
+    assert REWARD_FUNCTIONS["format"] is format_reward
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "expected"),
+    [
+        ("6 7 8", "6 7 8", 1.0),
+        ("678", "6 7 8", 1.0),  # spaces ignored on both sides
+        ("6 9 8", "678", 2 / 3),  # positions 0 and 2 match
+        ("6", "6 7 8", 1 / 3),  # a short response scores its matching prefix
+        ("6789999", "678", 1.0),  # characters past the truth's length are ignored
+        ("x678", "678", 0.0),  # position-wise: a shifted answer scores 0
+        ("", "678", 0.0),
+        ("", "", 1.0),
+        ("1", "", 0.0),
+    ],
+)
+def test_digit_match(response, truth, expected):
+    assert digit_match(response, truth, "1 2 3") == pytest.approx(expected)
+
+
+# ------------------------------------------------------------------------------------- user funcs
+def _write_module(tmp_path, monkeypatch, name: str, source: str) -> None:
+    (tmp_path / f"{name}.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+
+def test_user_function_by_path(tmp_path, monkeypatch):
+    _write_module(
+        tmp_path,
+        monkeypatch,
+        "user_rewards_ok",
+        "def length_bonus(response, ground_truth, prompt):\n"
+        "    return len(response) / 10\n"
+        "class Scorers:\n"
+        "    @staticmethod\n"
+        "    def same(response, ground_truth, prompt, weight=1.0):\n"
+        "        return weight * (response == ground_truth)\n",
+    )
+    fn = load_reward_function("user_rewards_ok:length_bonus")
+    assert fn("abcde", "", "") == 0.5
+    nested = load_reward_function(" user_rewards_ok:Scorers.same ")  # dotted attribute, spaces stripped
+    assert score_batch(nested, ["a", "b"], ["a", "a"], ["", ""]) == [1.0, 0.0]
+
+
+def _error(spec: str) -> RewardFunctionError:
+    with pytest.raises(RewardFunctionError) as info:
+        load_reward_function(spec)
+    err = info.value
+    assert isinstance(err, ConfigError)  # the CLI reports it as an invalid config (exit 2)
+    assert err.path == "reward.function"
+    assert "reward.function" in str(err)
+    assert "fix:" in str(err)
+    return err
+
+
+def test_unknown_name_lists_builtins_and_suggests():
+    err = _error("digit_mach")
+    for name in BUILTIN_REWARDS:
+        assert name in err.message
+    assert "did you mean 'digit_match'" in err.fix
+
+
+def test_dotted_name_without_colon_hints_at_module_syntax():
+    err = _error("my_pkg.rewards.score")
+    assert "my_pkg.rewards:score" in err.fix
+
+
+@pytest.mark.parametrize("spec", ["", "   ", "a:b:c", ":fn", "mod:", "1mod:fn", "mod:fn()"])
+def test_malformed_specs(spec):
+    _error(spec)
+
+
+def test_module_not_importable():
+    err = _error("no_such_module_rlplan_xyz:score")
+    assert "no_such_module_rlplan_xyz" in err.message
+    assert "PYTHONPATH" in err.fix
+
+
+def test_module_raising_on_import(tmp_path, monkeypatch):
+    _write_module(tmp_path, monkeypatch, "user_rewards_broken", "raise RuntimeError('boom at import')\n")
+    err = _error("user_rewards_broken:score")
+    assert "RuntimeError" in err.message and "boom at import" in err.message
+
+
+def test_missing_attribute_suggests_close_name(tmp_path, monkeypatch):
+    _write_module(
+        tmp_path,
+        monkeypatch,
+        "user_rewards_attr",
+        "def my_score(response, ground_truth, prompt):\n    return 1.0\n",
+    )
+    err = _error("user_rewards_attr:my_scor")
+    assert "has no attribute 'my_scor'" in err.message
+    assert "did you mean 'my_score'" in err.fix
+    assert "my_score" in err.fix
+
+
+def test_not_callable(tmp_path, monkeypatch):
+    _write_module(tmp_path, monkeypatch, "user_rewards_const", "SCORE = 3\n")
+    err = _error("user_rewards_const:SCORE")
+    assert "not a function" in err.message
+
+
+def test_wrong_signature(tmp_path, monkeypatch):
+    _write_module(
+        tmp_path, monkeypatch, "user_rewards_sig", "def two(response, ground_truth):\n    return 1.0\n"
+    )
+    err = _error("user_rewards_sig:two")
+    assert "(response, ground_truth, prompt)" in err.message
+
+
+def test_spec_is_never_evaluated():
+    # Something that would have side effects if eval'd is just an unknown name.
+    _error("__import__('os').getcwd()")
+
+
+# ------------------------------------------------------------------------------------ score_batch
+def test_score_batch():
+    assert score_batch(digit_match, ["6 7 8", "6"], ["678", "678"], ["", ""]) == pytest.approx([1.0, 1 / 3])
+    assert score_batch(lambda r, g, p: r == g, ["a"], ["a"], [""]) == [1.0]  # bools become floats
+    with pytest.raises(ValueError, match="equally long"):
+        score_batch(digit_match, ["a"], [], [""])
+    with pytest.raises(ValueError, match=r"sample 1.*must return a float"):
+        score_batch(lambda r, g, p: None if r == "x" else 1.0, ["a", "x"], ["", ""], ["", ""])
+    with pytest.raises(ValueError, match="finite"):
+        score_batch(lambda r, g, p: math.nan, ["a"], [""], [""])
