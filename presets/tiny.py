@@ -22,6 +22,8 @@ def tiny_grpo() -> RLConfig:
             "actor.ppo_mini_batch_size": 4,
             "actor.ppo_micro_batch_size_per_gpu": 4,
             "trainer.total_steps": 100,
+            "trainer.test_freq": 25,
+            "trainer.val_before_train": True,
             "trainer.output_dir": "outputs/tiny-grpo",
             "trainer.experiment_name": "tiny-grpo",
         },

@@ -152,9 +152,20 @@ def build_manifest(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return files
 
 
+def _fsync_tree(root: Path) -> None:
+    """Flush every file and folder under `root` to disk (torch.save, safetensors and megatron's common.pt do
+    not fsync), so that a manifest or marker written afterwards never outlives the data after a power loss."""
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError), open(Path(dirpath) / name, "rb") as f:
+                os.fsync(f.fileno())
+        _fsync_dir(Path(dirpath))
+
+
 def write_manifest(folder: str | os.PathLike, role: str) -> dict[str, Any]:
     """Write the manifest of a finished role folder (its completion mark); returns it."""
     root = Path(folder)
+    _fsync_tree(root)
     manifest = {"format": FORMAT, "role": role, "time": time.time(), "files": build_manifest(root)}
     _write_json(root / MANIFEST, manifest)
     return manifest
@@ -270,7 +281,8 @@ def _ensure_optimizer_state(engine: MegatronEngine) -> None:
 
     The distributed optimizer's `state_dict()` reads the common `step` from the per-parameter state and
     asserts that one exists; torch creates that state lazily at the first step, so a fresh engine (the
-    resume case) has none. Zeros are what torch would create; the load overwrites them.
+    resume case, or an actor saved before its first update) has none. Zeros at step 0 are exactly what
+    torch's first step would create, so this changes no update; a load overwrites them.
     """
     for sub in _sub_optimizers(engine):
         inner = sub.optimizer
@@ -289,10 +301,9 @@ def _check_optimizer_supported(engine: MegatronEngine, role: str) -> None:
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for sub in _sub_optimizers(engine):
-        if isinstance(sub, DistributedOptimizer) and not isinstance(
-            sub.optimizer, torch.optim.Adam | torch.optim.AdamW
-        ):
-            # megatron-core 0.16.1 gathers exactly (param, exp_avg, exp_avg_sq) for the distributed optimizer.
+        if isinstance(sub, DistributedOptimizer) and isinstance(sub.optimizer, torch.optim.SGD):
+            # megatron-core 0.16.1 gathers exactly (param, exp_avg, exp_avg_sq) for the distributed
+            # optimizer: SGD's momentum_buffer has no place there (KeyError deep inside the save).
             raise CheckpointError(
                 f"{role}: megatron-core cannot checkpoint the state of {type(sub.optimizer).__name__} under "
                 f"the distributed optimizer; set {role}.megatron.use_distributed_optimizer: false or drop "
@@ -553,19 +564,20 @@ def save_engine(
 
     # Small per-rank and rank-0 files first: they describe the state at this moment.
     if "extra" in contents:
+        sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+        # Serialised on every rank so that a bad value fails everywhere, before any collective.
+        try:
+            payload = json.dumps({"extra": dict(extra or {}), "lr_scheduler": sched}, allow_nan=True)
+        except TypeError as exc:
+            raise CheckpointError(
+                f"{role}: the checkpoint's extra dict is not JSON-serialisable: {exc}"
+            ) from exc
         (folder / RNG_DIR).mkdir(exist_ok=True)
-        buf = folder / RNG_DIR / f"rank_{rank:05d}.pt"
-        tmp = buf.with_name(f".{buf.name}.tmp-{uuid.uuid4().hex[:8]}")
+        rng_file = folder / RNG_DIR / f"rank_{rank:05d}.pt"
+        tmp = rng_file.with_name(f".{rng_file.name}.tmp-{uuid.uuid4().hex[:8]}")
         torch.save(_rng_state(engine), tmp)
-        os.replace(tmp, buf)
+        os.replace(tmp, rng_file)
         if rank == 0:
-            sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-            try:
-                payload = json.dumps({"extra": dict(extra or {}), "lr_scheduler": sched}, allow_nan=True)
-            except TypeError as exc:
-                raise CheckpointError(
-                    f"{role}: the checkpoint's extra dict is not JSON-serialisable: {exc}"
-                ) from exc
             _write_atomic(folder / EXTRA, payload.encode())
     has_dist = "model" in contents or "optimizer" in contents
     if rank == 0:
@@ -598,6 +610,8 @@ def save_engine(
             model_sd = _model_sharded_state_dict(engine)
             state: dict[str, Any] = dict(model_sd) if "model" in contents else {}
             if "optimizer" in contents:
+                # An optimizer that never stepped (e.g. the actor during critic warmup) has no state yet.
+                _ensure_optimizer_state(engine)
                 state["optimizer"] = _optimizer_sharded_state_dict(engine, model_sd, loading=False)
             request = dist_checkpointing.save(state, str(folder / DIST_DIR), async_sharded_save=async_save)
         timings["dist_save_s" if not async_save else "dist_plan_s"] = time.perf_counter() - t1
@@ -638,13 +652,16 @@ def finalize_pending(blocking: bool = False) -> list[str]:
     """
     if not _ASYNC.pending:
         return []
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from rltrain.megatron.cpu_compat import device_context
 
     device = next(iter(_ASYNC.pending.values())).device
     try:
         with device_context(device):
             done = _ASYNC.get_queue().maybe_finalize_async_calls(blocking=blocking)
-    except Exception as exc:
+    # torch's CheckpointException (a failed write on some rank) derives from BaseException.
+    except (Exception, CheckpointException) as exc:
         failed = [str(p.folder) for p in _ASYNC.pending.values()]
         _ASYNC.pending.clear()
         raise CheckpointError(f"background checkpoint write failed for {failed}: {exc}") from exc
@@ -969,14 +986,17 @@ class CheckpointRegistry:
         complete checkpoint (with a warning), else None."""
         named = self.read_latest_file()
         if named is not None:
-            reason = self.check_complete(self.step_dir(named))
+            # The one checkpoint about to be loaded is checked in full (small files re-hashed).
+            reason = self.check_complete(self.step_dir(named), full=True)
             if reason is None:
                 return named
         elif self.latest_file.exists():
             reason = f"{self.latest_file} does not hold a step number"
         else:
             reason = f"{self.latest_file} is missing"
-        complete = self.complete_steps()
+        complete = [
+            s for s in self.complete_steps() if self.check_complete(self.step_dir(s), full=True) is None
+        ]
         if not complete:
             if self.step_folders():
                 warnings.warn(
@@ -1035,8 +1055,14 @@ class CheckpointRegistry:
         if reason is None and not _STEP_DIR.match(folder.name):
             reason = f"{folder} is not named global_step_N"
         if reason is not None:
-            nearby = CheckpointRegistry(folder.parent).complete_steps() if folder.parent.is_dir() else []
-            hint = f" (complete checkpoints there: steps {nearby})" if nearby else ""
+            hint = ""
+            # The user may have named the run folder, the checkpoints folder or a sibling step: show what is
+            # there to pick from.
+            for root in (folder.parent, folder, folder / "checkpoints"):
+                nearby = CheckpointRegistry(root).complete_steps() if root.is_dir() else []
+                if nearby:
+                    hint = f" (complete checkpoints in {root}: steps {nearby})"
+                    break
             raise ConfigError(
                 [
                     error(
@@ -1095,6 +1121,9 @@ class CheckpointRegistry:
             return removed
         staged = set(self._staging.values())
         for child in sorted(self.root.iterdir()):
+            if child.is_file() and child.name.startswith(".") and ".tmp-" in child.name:
+                child.unlink(missing_ok=True)  # a latest-file rewrite that never reached os.replace
+                continue
             if child in staged or not child.is_dir():
                 continue
             m = _WORK_DIR.match(child.name)

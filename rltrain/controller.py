@@ -36,7 +36,7 @@ class Trainer:
         from rltrain.data import build_dataloaders
         from rltrain.rewards import load_reward_function
         from rltrain.tokenizer import load_tokenizer
-        from rltrain.workers import CriticWorker, PolicyWorker
+        from rltrain.workers import CriticWorker, PolicyWorker, RewardModelWorker
 
         self.plan = plan
         self.cfg = cfg = plan.config
@@ -49,36 +49,32 @@ class Trainer:
         self.reward_fn = load_reward_function(cfg.reward.function)
         self.train_data, self.val_data = build_dataloaders(cfg.data, self.tokenizer)
         self.kl_ctrl = algorithms.build_kl_controller(cfg.algorithm.kl_ctrl)
-        self.logger = MetricsLogger(self.out, cfg.logging.backends)
+        self.logger = MetricsLogger(self.out, cfg.logging.backends, cfg.trainer.total_steps,
+                                    cfg.trainer.project_name, cfg.trainer.experiment_name)  # fmt: skip
         # Rule rewards run here in the controller; they are profiled as rank 0 of the `reward_compute` role.
         self.reward_profiler = Profiler(plan.profile, worker="controller", rank=0, device="cpu")
 
-        # Ray: one pool for the actor (rollout and ref share it), one per separately placed role.
+        # Ray: one placement group per plan pool; each process-role (policy = actor + rollout + ref, critic,
+        # reward model) puts rank r on device r of its pool, so colocated roles share devices.
         device, cpus = cfg.cluster.device, cfg.cluster.cpus_per_worker
-        actor_place = plan.placement("actor")
-        critic_place = plan.placement("critic") if "critic" in plan.roles else None
-        critic_shares = critic_place is not None and critic_place.pool == actor_place.pool
-        pool_sizes = [actor_place.world_size * (2 if critic_shares else 1)]
-        if critic_place is not None and not critic_shares:
-            pool_sizes.append(critic_place.world_size)
-        start_ray(
-            cfg.cluster.ray_address, num_cpus=max(int(sum(pool_sizes) * cpus), 1), temp_dir=ray_temp_dir
-        )
-        self.pools = [Pool.reserve("actor", actor_place.world_size, device, cpus, 2 if critic_shares else 1)]
-        self.policy = WorkerGroup("actor", PolicyWorker, self.pools[0], actor_place.world_size, device, cpus,
-                                  {"plan": plan})  # fmt: skip
-        self.critic: WorkerGroup | None = None
-        if critic_place is not None:
-            pool = self.pools[0]
-            if not critic_shares:
-                pool = Pool.reserve("critic", critic_place.world_size, device, cpus, 1)
-                self.pools.append(pool)
-            self.critic = WorkerGroup("critic", CriticWorker, pool, critic_place.world_size, device, cpus,
-                                      {"plan": plan})  # fmt: skip
-        # Build the models in parallel: policy and critic processes import megatron at the same time.
-        pending = [(self.policy, [w.init_model.remote() for w in self.policy.workers])]
-        if self.critic is not None:
-            pending.append((self.critic, [w.init_model.remote() for w in self.critic.workers]))
+        process_roles = {"actor": PolicyWorker, "critic": CriticWorker, "reward_model": RewardModelWorker}
+        present = [r for r in process_roles if r in plan.roles]
+        sharing = {p.name: sum(1 for r in present if r in p.roles) for p in plan.resources.pools}
+        need = sum(p.num_devices * sharing[p.name] for p in plan.resources.pools)
+        start_ray(cfg.cluster.ray_address, num_cpus=max(int(need * cpus), 1), temp_dir=ray_temp_dir)
+        pools = {p.name: Pool.reserve(p.name, p.num_devices, device, cpus, sharing[p.name])
+                 for p in plan.resources.pools if sharing[p.name]}  # fmt: skip
+        self.pools = list(pools.values())
+        self.groups: dict[str, WorkerGroup] = {}
+        for role in present:
+            place = plan.placement(role)
+            self.groups[role] = WorkerGroup(role, process_roles[role], pools[place.pool], place.world_size, device,
+                                            cpus, {"plan": plan})  # fmt: skip
+        self.policy = self.groups["actor"]
+        self.critic = self.groups.get("critic")
+        self.reward_model = self.groups.get("reward_model")
+        # Build the models in parallel: every process imports megatron at the same time.
+        pending = [(g, [w.init_model.remote() for w in g.workers]) for g in self.groups.values()]
         for group, refs in pending:
             group.wait(refs)
 
@@ -106,8 +102,7 @@ class Trainer:
 
     def _set_step(self, step: int) -> None:
         self.reward_profiler.set_step(step)
-        groups = [self.policy] + ([self.critic] if self.critic is not None else [])
-        for group in groups:
+        for group in self.groups.values():
             group.call("set_step", per_rank_args=[(step,)] * group.world_size)
 
     # ------------------------------------------------------------------------------------ one step
@@ -134,6 +129,12 @@ class Trainer:
                 [p for p in prompts.prompts for _ in range(n)],
             )
         batch["scores"] = torch.tensor(scores, dtype=torch.float32)
+        if self.reward_model is not None:
+            rm_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses",
+                                              "response_mask")}  # fmt: skip
+            rm_scores = self._dispatch_cat(self.reward_model, "reward_model", "compute_rm_score", rm_batch)
+            batch["scores"] = batch["scores"] + rm_scores
+            rule_mean = float(sum(scores) / len(scores))
         batch["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
         lengths = batch["response_mask"].sum(-1).float()
         metrics: dict[str, Any] = {
@@ -143,6 +144,8 @@ class Trainer:
             "response/length_mean": lengths.mean().item(),
             "timing/reward_s": time.perf_counter() - t0,
         }
+        if self.reward_model is not None:
+            metrics["reward/rule_mean"], metrics["reward/model_mean"] = rule_mean, rm_scores.mean().item()
         if not validate:
             metrics["sample/prompt"] = prompts.prompts[0]
             metrics["sample/response"] = texts[0]
@@ -166,6 +169,10 @@ class Trainer:
         }
         old = timed("old_log_prob", self._dispatch_cat, self.policy, "actor", "compute_log_prob", model_batch)
         model_batch["old_log_probs"] = old["log_probs"]
+        # The rollout sampled with the weights being trained (colocated, no copy): its log-probs must agree
+        # with the recomputation; a gap here means stale weights or a numerics problem in the sampler.
+        gap = (batch["rollout_log_probs"] - old["log_probs"]).abs()
+        metrics["rollout/logprob_diff_max"] = (gap * model_batch["response_mask"]).max().item()
         metrics["actor/entropy_rollout"] = algorithms.masked_mean(
             old["entropy"], model_batch["response_mask"]
         ).item()
@@ -229,31 +236,34 @@ class Trainer:
         cfg = self.cfg.trainer
         start = 1
         self.logger.truncate_after(start - 1)
-        if cfg.val_before_train:
-            self.logger.log(start - 1, self.validate())
+        # Validation before training is logged with the first step, as `val_before/...`, so every line of
+        # metrics.jsonl is a training step.
+        before = {f"val_before/{k.removeprefix('val/')}": v for k, v in self.validate().items()} if (
+            cfg.val_before_train) else {}  # fmt: skip
         for step in range(start, cfg.total_steps + 1):
             t0 = time.perf_counter()
             metrics = self.train_step(step)
+            if step == start:
+                metrics.update(before)
             if cfg.test_freq and (step % cfg.test_freq == 0 or step == cfg.total_steps):
                 metrics.update(self.validate())
             metrics["timing/step_s"] = time.perf_counter() - t0
             self.logger.log(step, metrics)
         self.reward_profiler.close()
+        self.logger.close()
         if self.plan.profile.enabled:
-            for group in (self.policy, self.critic):
-                if group is not None:
-                    group.call("finish")  # flush continuous profiles before the summary reads them
+            for group in self.groups.values():
+                group.call("finish")  # flush continuous profiles before the summary reads them
             summary = write_summary(self.plan.profile.save_path)
             print(f"profile summary: {summary}")
         if self.cfg.logging.plot_reward:
             plot_reward_curve(self.out / "metrics.jsonl", self.out / REWARD_PLOT, title=cfg.experiment_name)
 
     def shutdown(self) -> None:
-        for group in (self.policy, self.critic):
-            if group is not None:
-                with contextlib.suppress(WorkerError):
-                    group.call("finish")
-                group.shutdown()
+        for group in self.groups.values():
+            with contextlib.suppress(WorkerError):
+                group.call("finish")
+            group.shutdown()
         for pool in self.pools:
             pool.release()
 

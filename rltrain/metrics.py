@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from rlconf.errors import ConfigError, error
 
 METRICS_FILE = "metrics.jsonl"
 REWARD_PLOT = "reward_curve.png"
@@ -31,16 +34,66 @@ def _plain(value: Any) -> Any:
 
 
 class MetricsLogger:
-    """Appends each step's metrics to output_dir/metrics.jsonl and prints a compact console line.
+    """Sends each step's metrics to the configured backends.
 
-    Appending (not rewriting) means a resumed run continues the same file; `truncate_after(step)` drops
-    lines of steps that a resume will redo, so the file never holds a step twice.
+    jsonl: appends to output_dir/metrics.jsonl (appending means a resumed run continues the same file;
+    `truncate_after(step)` drops lines of steps a resume will redo, so no step appears twice).
+    console: a rich progress bar on a terminal, plain lines otherwise (CI logs, files).
+    tensorboard: event files in output_dir/tensorboard. wandb: offline unless WANDB_API_KEY is set.
     """
 
-    def __init__(self, output_dir: str | Path, backends: Sequence[str]) -> None:
+    def __init__(
+        self,
+        output_dir: str | Path,
+        backends: Sequence[str],
+        total_steps: int = 0,
+        project: str = "rlplan",
+        experiment: str = "run",
+    ) -> None:
         self.path = Path(output_dir) / METRICS_FILE
         self.backends = tuple(backends)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._tb = self._wandb = self._progress = None
+        if "tensorboard" in self.backends:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError(
+                    [
+                        error(
+                            "logging.backends",
+                            "tensorboard is not installed",
+                            "pip install tensorboard, or remove tensorboard from logging.backends",
+                            "logging",
+                        )
+                    ]
+                ) from None
+            self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
+        if "wandb" in self.backends:
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError(
+                    [
+                        error(
+                            "logging.backends",
+                            "wandb is not installed",
+                            "pip install wandb, or remove wandb from logging.backends",
+                            "logging",
+                        )
+                    ]
+                ) from None
+            mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
+            self._wandb = wandb.init(project=project, name=experiment, dir=str(output_dir), mode=mode)
+        if "console" in self.backends and sys.stdout.isatty() and total_steps:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(
+                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                TextColumn("{task.description}"),
+            )  # fmt: skip
+            self._task = self._progress.add_task("", total=total_steps)
+            self._progress.start()
 
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
@@ -49,18 +102,36 @@ class MetricsLogger:
             line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step
         ]
         self.path.write_text("".join(line + "\n" for line in kept))
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
 
     def log(self, step: int, metrics: Mapping[str, Any]) -> None:
         record = {"step": step, **{k: _plain(v) for k, v in sorted(metrics.items())}}
         if "jsonl" in self.backends:
             with self.path.open("a", encoding="utf-8") as f:
                 f.write(json.dumps(record) + "\n")
+        numbers = {k: v for k, v in record.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for key, value in numbers.items():
+                if key != "step":
+                    self._tb.add_scalar(key, value, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
         if "console" in self.backends:
-            parts = [f"step {step:4d}"]
-            for key in CONSOLE_KEYS:
-                if record.get(key) is not None:
-                    parts.append(f"{key} {record[key]:.4g}")
-            print("  ".join(parts), file=sys.stdout, flush=True)
+            parts = [f"{key} {record[key]:.4g}" for key in CONSOLE_KEYS if record.get(key) is not None]
+            if self._progress is not None:
+                self._progress.update(self._task, completed=step, description="  ".join(parts[:3]))
+            else:
+                print(f"step {step:4d}  " + "  ".join(parts), file=sys.stdout, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
@@ -70,30 +141,40 @@ def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+KL_KEYS = ("actor/reward_kl", "actor/kl_loss", "actor/ppo_kl")
+
+
 def plot_reward_curve(metrics_path: str | Path, png_path: str | Path, title: str = "reward") -> Path | None:
-    """Plot reward/mean (and val/reward/mean when present) against step into a PNG."""
-    rows = [r for r in read_metrics(metrics_path) if r.get("reward/mean") is not None]
-    if not rows:
+    """Plot reward/mean (and val/reward/mean) and the KL against step into one PNG with two panels."""
+    rows = read_metrics(metrics_path)
+    train = [r for r in rows if r.get("reward/mean") is not None]
+    if not train:
         return None
     import matplotlib
 
     matplotlib.use("Agg")  # no display on servers
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=120)
-    ax.plot(
-        [r["step"] for r in rows], [r["reward/mean"] for r in rows], marker=".", label="train reward/mean"
+    fig, (ax_r, ax_kl) = plt.subplots(1, 2, figsize=(10, 3.5), dpi=120)
+    ax_r.plot(
+        [r["step"] for r in train], [r["reward/mean"] for r in train], marker=".", label="train reward/mean"
     )
-    val = [r for r in read_metrics(metrics_path) if r.get("val/reward/mean") is not None]
+    # Validation before training is logged with step 1 but measured before it: plot it at step 0.
+    val = [(0, r["val_before/reward/mean"]) for r in rows if r.get("val_before/reward/mean") is not None]
+    val += [(r["step"], r["val/reward/mean"]) for r in rows if r.get("val/reward/mean") is not None]
     if val:
-        ax.plot(
-            [r["step"] for r in val], [r["val/reward/mean"] for r in val], marker="o", label="val reward/mean"
-        )
-    ax.set_xlabel("step")
-    ax.set_ylabel("reward")
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+        ax_r.plot([s for s, _ in val], [v for _, v in val], marker="o", label="val reward/mean")
+    ax_r.set(xlabel="step", ylabel="reward", title=title)
+    ax_r.grid(alpha=0.3)
+    ax_r.legend()
+    for key in KL_KEYS:
+        kl = [r for r in rows if r.get(key) is not None]
+        if kl:
+            ax_kl.plot([r["step"] for r in kl], [r[key] for r in kl], marker=".", label=key)
+    ax_kl.set(xlabel="step", ylabel="KL", title="KL")
+    ax_kl.grid(alpha=0.3)
+    if ax_kl.lines:
+        ax_kl.legend()
     fig.tight_layout()
     png_path = Path(png_path)
     fig.savefig(png_path)

@@ -148,3 +148,39 @@ class CriticWorker(MegatronWorker):
 
     def engines(self) -> dict[str, Any]:
         return {"critic": self.critic}
+
+
+class RewardModelWorker(MegatronWorker):
+    """A learned reward model: the critic's value-head model read at each response's last token."""
+
+    def init_model(self) -> dict[str, Any]:
+        from rlconf.config import CriticConfig
+        from rltrain.megatron.critic import MegatronCritic
+
+        rm = self.cfg.reward.reward_model
+        as_critic = CriticConfig(
+            enable=True,
+            model_path=rm.path,
+            megatron=rm.megatron,
+            ppo_micro_batch_size_per_gpu=rm.micro_batch_size_per_gpu,
+        )
+        self.model = MegatronCritic(self.cfg.model, as_critic, self.cfg.cluster.device, total_steps=1)
+        return {"dp_size": self.model.dp_size}
+
+    def compute_rm_score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """One score per row: the value head at the last response token (after reading all of it)."""
+        with self.profiler.profiled("reward_compute"):
+            # The value model reads position t to value token t+1; appending one token per row makes the
+            # position of the last real token the one that "predicts" the appended token.
+            rows = batch["responses"].shape[0]
+            resp_len = batch["response_mask"].sum(-1)
+            prompt_cols = batch["input_ids"].shape[1] - batch["responses"].shape[1]
+            ext = {k: torch.cat([v, torch.zeros_like(v[:, :1])], 1) for k, v in batch.items() if v.dim() == 2}
+            idx = torch.arange(rows)
+            ext["response_mask"][idx, resp_len] = 1
+            ext["attention_mask"][idx, prompt_cols + resp_len] = 1
+            values = self.model.compute_values(ext)
+            return values[idx, resp_len].float()
+
+    def engines(self) -> dict[str, Any]:
+        return {"reward_model": self.model}

@@ -39,7 +39,7 @@ CASES = [
     (["actor.ppo_micro_batch_size_per_gpu=3", "actor.ppo_mini_batch_size=8"],
      "actor.ppo_micro_batch_size_per_gpu", "batch-divisible-by-dp-micro", "error"),
     (["actor.ppo_mini_batch_size=3"], "actor.ppo_mini_batch_size", "mini-batch-divides-batch", "error"),
-    (["actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size_per_gpu=8"],
+    (["actor.ppo_mini_batch_size=1", "actor.ppo_micro_batch_size_per_gpu=16"],
      "actor.ppo_micro_batch_size_per_gpu", "mini-batch-covers-micro", "error"),
     (["actor.ppo_mini_batch_size=2", "actor.ppo_micro_batch_size_per_gpu=16", "data.train_batch_size=32",
       "rollout.n=12"], "actor.ppo_mini_batch_size", "mini-batch-covers-micro", "error"),
@@ -53,7 +53,7 @@ CASES = [
     # optimizer
     (["actor.optim.lr=0"], "actor.optim.lr", "optim", "error"),
     (["actor.optim.min_lr=0.1"], "actor.optim.min_lr", "optim", "error"),
-    (["actor.optim.lr_warmup_steps=31"], "actor.optim.lr_warmup_steps", "optim", "error"),
+    (["trainer.total_steps=30", "actor.optim.lr_warmup_steps=31"], "actor.optim.lr_warmup_steps", "optim", "error"),
     (["actor.optim.lr_warmup_steps_ratio=1.5"], "actor.optim.lr_warmup_steps_ratio", "optim", "error"),
     (["actor.optim.betas=[0.9, 1.0]"], "actor.optim.betas[1]", "optim", "error"),
     (["algorithm.adv_estimator=gae", "critic.enable=true", "rollout.n=1", "critic.optim.lr=-1"],
@@ -66,7 +66,7 @@ CASES = [
      "actor.checkpoint.save_contents[1]", "checkpoint-contents", "warning"),
     # profile
     (["profile.ranks=[0, 1, 7]", "profile.tool=torch", "profile.steps=[1]"], "profile.ranks[1]", "profile", "error"),
-    (["profile.tool=torch", "profile.steps=[99]"], "profile.steps[0]", "profile", "error"),
+    (["profile.tool=torch", "profile.steps=[999]"], "profile.steps[0]", "profile", "error"),
     (["profile.roles=[critic_update]"], "profile.roles[0]", "profile", "warning"),
     (["profile.tool=nsys", "profile.steps=[1]"], "profile.tool", "profile", "error"),
     (["profile.tool=npu", "profile.steps=[1]"], "profile.tool", "profile", "error"),

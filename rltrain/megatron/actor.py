@@ -220,14 +220,44 @@ class MegatronActor(MegatronEngine):
         prompt_mask: torch.Tensor | None = None,
         stop_token_ids: tuple[int, ...] = (),
         seed: int | None = None,
+        min_p: float = 0.0,
+        use_cache: bool = True,
     ) -> dict[str, torch.Tensor]:
-        """Sample responses with the actor's weights by repeated full forward passes (no KV cache).
+        """Sample responses with the actor's weights.
 
         prompt_ids [B, P] (left or right padded; `prompt_mask` 1 on real tokens, default prompt_ids != pad_id).
         temperature 0 is greedy. Returns a batch in the engine layout: `input_ids`, `attention_mask`,
         `position_ids` [B, P + N] (prompt left-padded, response right-padded), `responses`,
         `response_mask`, `rollout_log_probs` [B, N]. Every rank returns the same tensors.
+
+        `use_cache` (default): the KV-cache engine of rltrain/megatron/inference.py (prefill once, then one
+        token per step). `use_cache=False` (and context parallel, which the cache does not support): the
+        reference path that re-runs the whole sequence for every token; kept for parity tests.
         """
+        if seed is None:
+            seed = self.megatron_cfg.seed * 1000003 + self._sample_calls
+        if use_cache and self.megatron_cfg.context_parallel_size == 1:
+            from rltrain.megatron.inference import generate_with_kv_cache
+
+            self._sample_calls += 1
+            return generate_with_kv_cache(
+                self,
+                prompt_ids,
+                prompt_mask,
+                max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                min_p=min_p,
+                eos_id=eos_id,
+                pad_id=pad_id,
+                stop_token_ids=stop_token_ids,
+                seed=seed,
+            )
+        if min_p > 0.0:
+            raise NotImplementedError(
+                "min_p needs the KV-cache path (use_cache=True, context_parallel_size=1)"
+            )
         if prompt_mask is None:
             prompt_mask = (prompt_ids != pad_id).long()
         prompt_mask = prompt_mask.long()
@@ -245,8 +275,6 @@ class MegatronActor(MegatronEngine):
         resp_mask = torch.zeros((b, max_new_tokens), dtype=torch.long)
         logps = torch.zeros((b, max_new_tokens), dtype=torch.float32)
         done = torch.zeros(b, dtype=torch.bool)
-        if seed is None:
-            seed = self.megatron_cfg.seed * 1000003 + self._sample_calls
         self._sample_calls += 1
         gen = torch.Generator().manual_seed(seed)
         with self._ctx():

@@ -53,7 +53,9 @@ class SdpaAttention(DotProductAttention):
     Same constructor and partition bookkeeping as megatron's `DotProductAttention` (so specs, TP and
     sharded state dicts are unchanged); only the math differs: one fused SDPA call with native GQA instead
     of baddbmm + softmax + bmm. Inputs are megatron's [s, b, heads, dim]; the mask, when given, follows
-    megatron's convention (True = masked out); without one the attention is causal.
+    megatron's convention (True = masked out); without one the attention is causal, aligned bottom-right
+    when the query is shorter than the keys (KV-cache decode: the queries are the *last* positions), and
+    absent when megatron's inference path says `no_mask` (decode of one token sees every cached key).
     """
 
     def forward(
@@ -68,17 +70,22 @@ class SdpaAttention(DotProductAttention):
     ) -> torch.Tensor:
         assert packed_seq_params is None, "SdpaAttention does not support packed sequences"
         assert attention_bias is None, "SdpaAttention does not support attention bias"
-        sq, b = query.shape[0], query.shape[1]
+        sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
         # [s, b, h, d] -> [b, h, s, d]
         q = query.permute(1, 2, 0, 3)
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
         dropout_p = self.config.attention_dropout if self.training else 0.0
         mask = None if attention_mask is None else ~attention_mask
+        causal = mask is None and getattr(attn_mask_type, "name", "causal") != "no_mask"
+        if causal and sq != sk:
+            # SDPA's is_causal aligns the mask top-left, wrong when sq < sk: query i sits at key sk - sq + i.
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
+            causal = False
         kwargs: dict[str, Any] = {
             "attn_mask": mask,
             "dropout_p": dropout_p,
-            "is_causal": mask is None,
+            "is_causal": causal,
             "scale": self.softmax_scale,
             "enable_gqa": self.num_attention_heads_per_partition != self.num_query_groups_per_partition,
         }

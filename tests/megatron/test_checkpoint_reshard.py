@@ -1,10 +1,10 @@
 """Checkpoints across parallel layouts: a save at one TP / PP / DP layout loads at another with identical
 log-probs, and with the optimizer state (fully_reshardable) the next update matches an uninterrupted run.
 
-One spawn of 2 gloo processes: each saves at TP=2 and at PP=2 (then takes one more update, the
+One spawn of 2 gloo processes: each saves at TP=2 and at PP=2 x VPP=2 (then takes one more update, the
 uninterrupted reference), and loads the TP=1 checkpoint saved here at TP=2, PP=2 and DP=2 (distributed
 optimizer sharded over DP) and checks it against this process's uninterrupted continuation. This process
-then loads the TP=2 and PP=2 checkpoints at TP=1 and checks them against the workers' continuations.
+then loads the workers' checkpoints at TP=1 and checks them against the workers' continuations.
 """
 
 from __future__ import annotations
@@ -28,11 +28,13 @@ pytestmark = [
 ]
 
 CONTENTS = ("model", "optimizer", "extra")
-SAVE_LAYOUTS = [("tp2", 2, 1), ("pp2", 1, 2)]  # saved by the 2 workers, loaded here at TP=1
+# (name, tp, pp, vpp): saved by the 2 workers, loaded here at TP=1 (virtual pipeline chunks are saved
+# under megatron's model0 / model1 keys).
+SAVE_LAYOUTS = [("tp2", 2, 1, None), ("pp2_vpp2", 1, 2, 2)]
 LOAD_LAYOUTS = [("tp2", 2, 1, 1), ("pp2", 1, 2, 1), ("dp2", 1, 1, 2)]  # TP=1 checkpoint loaded by the workers
 
 
-def _cfg(tp: int = 1, pp: int = 1):
+def _cfg(tp: int = 1, pp: int = 1, vpp: int | None = None):
     from rlconf.config import Optim
 
     # seq-mean-token-mean with equal rows per DP rank makes DP=2 exactly the full-batch loss; no shuffle so
@@ -40,6 +42,7 @@ def _cfg(tp: int = 1, pp: int = 1):
     return actor_cfg(
         tp,
         pp,
+        vpp,
         ppo_mini_batch_size=8,
         ppo_micro_batch_size_per_gpu=2,
         shuffle=False,
@@ -107,8 +110,8 @@ def _run(rank: int, world: int, port: int, hf_path: str, out: Path, rl: dict, re
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
     results = {}
-    for name, tp, pp in SAVE_LAYOUTS:
-        cfg = _cfg(tp, pp)
+    for name, tp, pp, vpp in SAVE_LAYOUTS:
+        cfg = _cfg(tp, pp, vpp)
         init_parallel(cfg.megatron, "cpu")
         results[name] = _train_save_continue(hf_path, cfg, rl, out / name / "actor", slice(None))
     for name, tp, pp, dp in LOAD_LAYOUTS:
@@ -147,7 +150,7 @@ def test_reshard_tp_pp_dp_with_optimizer(mp_world, tiny_hf, tmp_path):
 
     # TP=2 and PP=2 checkpoints at TP=1: the same log-probs, and the next update continues their run.
     results = torch.load(tmp_path / "worker_results.pt", weights_only=False)
-    for name, _, _ in SAVE_LAYOUTS:
+    for name, *_ in SAVE_LAYOUTS:
         meta = read_role_meta(tmp_path / name / "actor")
         assert meta["layout"]["world_size"] == 2
         got = _load_and_continue(str(tiny_hf), _cfg(), rl, tmp_path / name / "actor", slice(None))

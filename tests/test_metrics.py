@@ -1,0 +1,57 @@
+"""Metrics backends: metrics.jsonl lines, truncation on resume, tensorboard events, the reward/KL PNG."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlconf.errors import ConfigError
+from rltrain.metrics import MetricsLogger, plot_reward_curve, read_metrics
+
+
+def test_jsonl_appends_and_truncates(tmp_path, capsys):
+    log = MetricsLogger(tmp_path, ("console", "jsonl"), total_steps=3)
+    for step in (1, 2, 3):
+        log.log(step, {"reward/mean": 0.1 * step, "actor/lr": 1e-3, "note": "x", "nan": float("nan")})
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["nan"] is None  # NaN is not valid JSON
+    assert "step    2  reward/mean 0.2" in capsys.readouterr().out  # not a terminal: plain lines
+    log.truncate_after(1)  # a resume from step 1 redoes steps 2 and 3
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
+
+
+def test_tensorboard_writes_events(tmp_path):
+    pytest.importorskip("tensorboard")
+    log = MetricsLogger(tmp_path, ("tensorboard",))
+    log.log(1, {"reward/mean": 0.5})
+    log.close()
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_missing_wandb_is_a_config_error(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_wandb(name, *args, **kwargs):
+        if name == "wandb":
+            raise ImportError("no wandb")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_wandb)
+    with pytest.raises(ConfigError) as exc:
+        MetricsLogger(tmp_path, ("wandb",))
+    assert exc.value.path == "logging.backends"
+
+
+def test_plot_has_reward_and_kl(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    rows = [
+        {"step": 1, "reward/mean": 0.1, "actor/reward_kl": 0.0, "val_before/reward/mean": 0.05},
+        {"step": 2, "reward/mean": 0.3, "actor/reward_kl": 0.01, "val/reward/mean": 0.2},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    png = plot_reward_curve(path, tmp_path / "curve.png")
+    assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_reward_curve(tmp_path / "missing.jsonl", tmp_path / "none.png") is None
