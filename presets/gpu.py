@@ -51,7 +51,6 @@ def qwen25_05b_grpo() -> RLConfig:
             "actor.use_kl_loss": True,
             "actor.kl_loss_coef": 0.001,
             "ref.log_prob_micro_batch_size_per_gpu": 32,
-            "rollout.log_prob_micro_batch_size_per_gpu": 32,
             "trainer.total_steps": 200,
             "trainer.save_freq": 50,
             "trainer.test_freq": 25,

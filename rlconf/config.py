@@ -89,7 +89,8 @@ class DataConfig:
     """Prompts: files (parquet / jsonl) or a built-in synthetic task."""
 
     train_files: tuple[str, ...] = ()
-    """Training prompt files (.parquet or .jsonl). Empty: use the synthetic task."""
+    """Training prompt files (.parquet, or .jsonl / .json with one JSON object per line). Empty: use the
+    synthetic task."""
     val_files: tuple[str, ...] = ()
     """Validation prompt files. Empty: a held-out split of the synthetic task."""
     synthetic_task: Literal["count", "copy", "add"] = "count"
@@ -374,8 +375,6 @@ class RolloutConfig:
     """Capture decode steps in CUDA graphs (GPU only)."""
     free_cache_engine: bool = True
     """Release the KV cache between rollouts (colocated training needs the memory back)."""
-    log_prob_micro_batch_size_per_gpu: int = 8
-    """Responses per forward when recomputing old log-probs."""
     val: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling for validation."""
 
@@ -542,7 +541,7 @@ class ProfileConfig:
     steps: tuple[int, ...] = ()
     """Steps to profile (steps count from 1)."""
     ranks: tuple[int, ...] = (0,)
-    """Global ranks to profile."""
+    """Ranks to profile, counted within each role's world (rank r of the actor, of the critic, ...)."""
     all_ranks: bool = False
     """Profile every rank (ranks is ignored)."""
     roles: tuple[Role, ...] = ()

@@ -127,11 +127,14 @@ def _leaf_suffix_index(root: type) -> dict[str, list[str]]:
 def _unknown_key_issue(key: str, cls: type, path: str, root: type) -> Issue:
     names = [f.name for f in dataclasses.fields(cls)]
     full = f"{path}.{key}" if path else key
+    exact_elsewhere = _leaf_suffix_index(root).get(key)
     suggestion = _did_you_mean(key, names)
-    if suggestion:
+    if exact_elsewhere:
+        fix = "did you mean " + " or ".join(f"`{p}`" for p in exact_elsewhere[:3]) + "?"
+    elif suggestion:
         fix = f"did you mean `{(path + '.') if path else ''}{suggestion}`?"
     else:
-        elsewhere = _leaf_suffix_index(root).get(key) or [
+        elsewhere = [
             p for name, ps in _leaf_suffix_index(root).items() if _did_you_mean(key, [name]) for p in ps
         ]
         if elsewhere:

@@ -1106,11 +1106,12 @@ def _layouts(
         world = place.world_size
         spec = models.for_role(role)
         arch = spec.arch
-        if role == "rollout":
+        if role == "rollout" and c.rollout.engine != "embedded":
             tp, pp, vpp, cp, ep, etp, sp = c.rollout.tensor_model_parallel_size, 1, None, 1, 1, None, False
             tp_path = "rollout.tensor_model_parallel_size"
         else:
-            prefix, m = _megatron_of(c, role)
+            # The embedded engine generates with the actor's own weights, so it has the actor's layout.
+            prefix, m = _megatron_of(c, "actor" if role == "rollout" else role)
             tp, pp, vpp = (
                 m.tensor_model_parallel_size,
                 m.pipeline_model_parallel_size,

@@ -34,6 +34,13 @@ class Rule:
 
 
 RULES: dict[str, Rule] = {}
+# Names that a rule reports under, more specific than the rule itself (documented with their rule).
+SUB_RULES: dict[str, str] = {
+    "mini-batch-divides-batch": "batch-layout",
+    "batch-divisible-by-dp-micro": "batch-layout",
+    "mini-batch-covers-micro": "batch-layout",
+    "token-budget-fits-sequence": "batch-layout",
+}
 
 
 def rule(name: str, *fields: str) -> Callable[[RuleFn], RuleFn]:
@@ -186,6 +193,32 @@ def world_divisible(c: RLConfig) -> Iterator[Issue]:
                 "choose expert_model_parallel_size and expert_tensor_parallel_size that divide the world / pp",
                 "world-divisible-by-model-parallel",
             )
+
+
+@rule(
+    "rollout-engine",
+    "rollout.engine",
+    "rollout.tensor_model_parallel_size",
+    "actor.megatron.tensor_model_parallel_size",
+)
+def rollout_engine(c: RLConfig) -> Iterator[Issue]:
+    """The embedded rollout generates with the actor's weights in the actor's layout; vLLM is not bundled."""
+    r, tp = c.rollout, c.actor.megatron.tensor_model_parallel_size
+    if r.engine == "embedded" and r.tensor_model_parallel_size != tp:
+        yield error(
+            "rollout.tensor_model_parallel_size",
+            f"the embedded rollout runs on the actor's weights and layout (tp = {tp}), "
+            f"but rollout.tensor_model_parallel_size = {r.tensor_model_parallel_size}",
+            f"set rollout.tensor_model_parallel_size = {tp}",
+            "rollout-engine",
+        )
+    if r.engine == "vllm":
+        yield error(
+            "rollout.engine",
+            "the vLLM adapter is not available in this version of rlplan",
+            "use rollout.engine: embedded",
+            "rollout-engine",
+        )
 
 
 @rule(
@@ -665,11 +698,11 @@ def reward_function(c: RLConfig) -> Iterator[Issue]:
 
 @rule("data-files", "data.train_files", "data.val_files")
 def data_files(c: RLConfig) -> Iterator[Issue]:
-    """Prompt files are .parquet or .jsonl."""
+    """Prompt files are .parquet, .jsonl or .json (JSON lines)."""
     for name in ("train_files", "val_files"):
         for i, f in enumerate(getattr(c.data, name)):
             if not f.endswith((".parquet", ".jsonl", ".json")):
-                yield error(f"data.{name}[{i}]", f"{f!r} is not a .parquet or .jsonl file",
+                yield error(f"data.{name}[{i}]", f"{f!r} is not a .parquet, .jsonl or .json file",
                             "convert it to parquet or jsonl", "data-files")  # fmt: skip
 
 

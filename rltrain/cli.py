@@ -56,6 +56,24 @@ def _flag_issues(args: Sequence[str]) -> list[Issue]:
     return issues
 
 
+_BOOL_WORDS = {"true": "True", "yes": "True", "on": "True", "1": "True",
+               "false": "False", "no": "False", "off": "False", "0": "False"}  # fmt: skip
+
+
+def _normalize_bools(args: Sequence[str]) -> list[str]:
+    """YAML spellings of booleans (`true`, `false`, ...) for boolean flags, which tyro takes as True/False."""
+    bool_flags = {f"--{leaf.path}" for leaf in iter_leaves(RLConfig) if leaf.type is bool}
+    out = list(args)
+    for i, token in enumerate(out):
+        name, eq, value = token.partition("=")
+        if name in bool_flags:
+            if eq:
+                out[i] = f"{name}={_BOOL_WORDS.get(value.lower(), value)}"
+            elif i + 1 < len(out) and not out[i + 1].startswith("--"):
+                out[i + 1] = _BOOL_WORDS.get(out[i + 1].lower(), out[i + 1])
+    return out
+
+
 def config_to_flags(config: RLConfig) -> list[str]:
     """Flags that reproduce `config` from the defaults (only fields that differ are written)."""
     default = RLConfig()
@@ -109,6 +127,7 @@ def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
         i += 1
     if issues := _flag_issues(flags):
         raise ConfigError(issues, "command line")
+    flags = _normalize_bools(flags)
     base = resolve_config(config_file, preset=preset)
     config = _tyro_cli(base, flags, prog=f"rltrain {preset}")
     # tyro checked each value's type; the same structural walk as files (finite floats, ...) and the

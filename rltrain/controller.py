@@ -25,8 +25,8 @@ from rlconf.plan import TrainerPlan, plan_to_dict
 from rltrain import algorithms
 from rltrain.data import PromptBatch, left_pad
 from rltrain.metrics import REWARD_PLOT, MetricsLogger, plot_reward_curve
-from rltrain.profiling import Profiler, write_summary
-from rltrain.ray_group import Pool, WorkerError, WorkerGroup, start_ray
+from rltrain.profiling import Profiler, nsys_command, write_summary
+from rltrain.ray_group import Pool, WorkerError, WorkerGroup, nsight_runtime_env, start_ray
 
 
 class Trainer:
@@ -68,8 +68,11 @@ class Trainer:
         self.groups: dict[str, WorkerGroup] = {}
         for role in present:
             place = plan.placement(role)
+            # nsys wraps the whole worker process (it records only between the profiler's start/stop).
+            envs = [nsight_runtime_env(nsys_command(plan.profile, role, r)) for r in range(place.world_size)]
             self.groups[role] = WorkerGroup(role, process_roles[role], pools[place.pool], place.world_size, device,
-                                            cpus, {"plan": plan})  # fmt: skip
+                                            cpus, {"plan": plan}, envs)  # fmt: skip
+
         self.policy = self.groups["actor"]
         self.critic = self.groups.get("critic")
         self.reward_model = self.groups.get("reward_model")

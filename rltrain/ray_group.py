@@ -17,6 +17,10 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlconf.errors import ConfigError, error
+
+PLACEMENT_TIMEOUT_S = 600
+
 
 class WorkerError(RuntimeError):
     """A worker failed or died. Names the role and the rank; the run can resume from its last checkpoint."""
@@ -64,7 +68,23 @@ class Pool:
         elif device == "npu":
             bundle["NPU"] = 1
         pg = placement_group([dict(bundle) for _ in range(size)], strategy="PACK", name=f"rlplan-{name}")
-        ray.get(pg.ready(), timeout=600)
+        try:
+            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(pg)
+            have = ray.cluster_resources()
+            raise ConfigError(
+                [
+                    error(
+                        "cluster.gpus_per_node",
+                        f"Ray could not reserve pool {name}: {size} x {bundle} within {PLACEMENT_TIMEOUT_S} s; "
+                        f"the cluster has {have}",
+                        "match cluster.nnodes / cluster.gpus_per_node / cluster.cpus_per_worker to the Ray "
+                        "cluster, or add nodes",
+                        "ray-resources",
+                    )
+                ]
+            ) from None
         return cls(name, size, pg, roles_sharing)
 
     def release(self) -> None:
@@ -83,7 +103,9 @@ class WorkerGroup:
         device: str,
         cpus_per_worker: float,
         init_kwargs: dict[str, Any],
+        runtime_envs: Sequence[dict[str, Any] | None] | None = None,
     ) -> None:
+        """`runtime_envs[r]`, when given, is rank r's Ray runtime_env (e.g. to run it under nsys)."""
         self.role = role
         self.world_size = world_size
         remote_cls = ray.remote(worker_cls)
@@ -93,7 +115,18 @@ class WorkerGroup:
             if device == "cuda"
             else ({"resources": {"NPU": share}} if device == "npu" else {})
         )
-        master_port = free_port()
+        # torch.distributed rendezvous on rank 0's node: ask a probe in bundle 0 for its address and a free
+        # port there (the controller's own address is wrong when the pool spans nodes).
+        probe = (
+            ray.remote(_Probe)
+            .options(
+                num_cpus=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=0),
+            )
+            .remote()
+        )
+        master_addr, master_port = ray.get(probe.address.remote())
+        ray.kill(probe)
         self.workers = [
             remote_cls.options(
                 num_cpus=cpus_per_worker,
@@ -101,12 +134,13 @@ class WorkerGroup:
                     placement_group=pool.pg, placement_group_bundle_index=rank
                 ),
                 name=None,
+                runtime_env=runtime_envs[rank] if runtime_envs else None,
                 **accel,
             ).remote(
                 role=role,
                 rank=rank,
                 world_size=world_size,
-                master_addr="127.0.0.1",
+                master_addr=master_addr,
                 master_port=master_port,
                 **init_kwargs,
             )
@@ -136,6 +170,33 @@ class WorkerGroup:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)
+
+
+def nsight_runtime_env(nsys_argv: Sequence[str]) -> dict[str, Any] | None:
+    """Ray's `nsight` runtime_env from an `nsys profile ...` argv prefix (None when it is empty): Ray then
+    starts the worker process under nsys with these options."""
+    if not nsys_argv:
+        return None
+    opts: dict[str, str] = {}
+    args = list(nsys_argv[2:])  # drop "nsys profile"
+    i = 0
+    while i < len(args):
+        arg = args[i].lstrip("-")
+        if "=" in arg:
+            key, value = arg.split("=", 1)
+        else:
+            key, value = arg, args[i + 1]
+            i += 1
+        opts[key] = value
+        i += 1
+    return {"nsight": opts}
+
+
+class _Probe:
+    """Runs in bundle 0 of a pool to report that node's address and a free port."""
+
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
 
 
 def _first_line(exc: BaseException) -> str:

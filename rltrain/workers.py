@@ -11,6 +11,7 @@ and is wrapped by the profiler (`profiled(ROLE)`), a no-op unless the plan profi
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from typing import Any
@@ -72,8 +73,10 @@ class PolicyWorker(MegatronWorker):
         )  # fmt: skip
         self.ref = None
         if "ref" in self.plan.roles:
+            ref_micro = cfg.ref.log_prob_micro_batch_size_per_gpu
+            ref_cfg = dataclasses.replace(cfg.actor, log_prob_micro_batch_size_per_gpu=ref_micro)
             self.ref = MegatronActor(
-                cfg.model, cfg.actor, cfg.cluster.device, megatron_cfg=cfg.ref.megatron, trainable=False,
+                cfg.model, ref_cfg, cfg.cluster.device, megatron_cfg=cfg.ref.megatron, trainable=False,
                 rollout_n=cfg.rollout.n,
             )  # fmt: skip
             # The reference policy is the actor's starting point: copy the weights instead of trusting that

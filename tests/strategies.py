@@ -189,7 +189,7 @@ def valid_configs(draw: st.DrawFn, max_devices: int = 16) -> RLConfig:
     else:
         m_tp, m_pp, m_vpp, m_cp = draw(_layout_in(actor_world))
         rm_world = 0
-    rollout_tp = draw(st.sampled_from(_divisors(actor_world, 4)))
+    rollout_tp = a_tp  # the embedded rollout runs in the actor's layout
 
     total_devices = actor_world + (critic_world if critic_separate else 0) + rm_world
     nnodes = draw(st.sampled_from(_divisors(total_devices, 4)))

@@ -38,7 +38,8 @@ def _fake_save(reg: CheckpointRegistry, step: int, payload: bytes = b"weights") 
         f = Path(folder)
         (f / "dist_ckpt").mkdir()
         (f / "dist_ckpt" / "__0_0.distcp").write_bytes(payload * 1000)
-        (f / "meta.json").write_text(json.dumps({"role": role, "contents": ["model"]}))
+        contents = list(reg.contents[role]) if role in reg.contents else ["model"]
+        (f / "meta.json").write_text(json.dumps({"role": role, "contents": contents}))
         ck.write_manifest(f, role)
     return paths
 
@@ -82,6 +83,13 @@ def test_commit_publishes_only_complete_saves(reg: CheckpointRegistry):
         f.truncate(10)
     with pytest.raises(CheckpointError, match="bytes, manifest says"):
         reg.commit(2)
+    reg.abort(2)
+    # A role that saved less than the plan asks for is not committed either.
+    paths = _fake_save(reg, 2)
+    (Path(paths["actor"]) / "meta.json").write_text(json.dumps({"role": "actor", "contents": ["model"]}))
+    ck.write_manifest(paths["actor"], "actor")
+    with pytest.raises(CheckpointError, match="lacks optimizer, extra of the planned save"):
+        reg.commit(2)
     assert reg.latest_file.read_text().strip() == "1" and not reg.step_dir(2).exists()
 
 
@@ -96,13 +104,15 @@ def test_crash_mid_save_keeps_previous_and_cleanup_removes_partial(tmp_path, reg
     (reg.root / "global_step_3" / "actor" / "meta.json").write_text("{}")
     (reg.root / "global_step_4").mkdir()
     (reg.root / "global_step_4" / "weights.bin").write_bytes(b"x")
+    stray = reg.root / f".{ck.LATEST_FILE}.tmp-0123abcd"  # a latest-file rewrite cut short
+    stray.write_text("2")
 
     restarted = CheckpointRegistry.from_plan(_plan(tmp_path))
     assert restarted.latest_complete() == 1  # the crash changed nothing published
     with pytest.warns(UserWarning, match="not written by rlplan"):
         removed = restarted.cleanup_incomplete()
     assert sorted(p.name for p in removed) == sorted([partial.parent.name, "global_step_3"])
-    assert (reg.root / "global_step_4" / "weights.bin").is_file()
+    assert (reg.root / "global_step_4" / "weights.bin").is_file() and not stray.exists()
     assert restarted.complete_steps() == [1] and restarted.check_complete(restarted.step_dir(1)) is None
 
 
@@ -178,6 +188,10 @@ def test_resume_modes(tmp_path, reg: CheckpointRegistry):
     meta.write_text(meta.read_text().replace("actor", "ACTOR"))  # same size, other bytes
     with pytest.raises(ConfigError, match="sha256"):
         reg.resolve_resume(_plan(tmp_path, "resume_path", str(reg.step_dir(1))))
+    # A checkpoint without a role this run needs (a GRPO checkpoint for a PPO run) cannot resume it.
+    ppo = CheckpointRegistry(reg.root, ["actor", "critic"])
+    with pytest.raises(ConfigError, match="has no critic"):
+        ppo.resolve_resume(_plan(tmp_path, "resume_path", str(reg.step_dir(2))))
     with pytest.raises(ConfigError, match="no resume_from_path"):
         reg.resolve_resume(replace(auto.checkpoint, resume_mode="resume_path", resume_from=None))
 

@@ -77,6 +77,12 @@ def test_key_in_wrong_section_points_to_the_right_one():
     assert "actor.optim.lr" in the_error(exc, "actor.lr").fix
 
 
+def test_field_of_another_section_is_suggested_over_a_near_name():
+    with pytest.raises(ConfigError) as exc:
+        load_yaml_text("data:\n  max_response_length: 8\n")
+    assert "rollout.max_response_length" in the_error(exc, "data.max_response_length").fix
+
+
 def test_literal_lists_allowed_values_and_suggests():
     with pytest.raises(ConfigError) as exc:
         load_yaml_text("algorithm:\n  adv_estimator: grp\n")

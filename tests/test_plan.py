@@ -72,9 +72,9 @@ def test_valid_configs_compile_and_layouts_are_exact_grids(config: RLConfig) -> 
             for i in range(ch.first_layer, ch.first_layer + ch.num_layers)
         )
         assert covered == list(range(lay.num_layers))  # chunks tile the layers
-        assert lay.sequence_parallel == (
-            lay.tp > 1 and lay.role != "rollout" and _megatron(config, lay.role).sequence_parallel
-        )
+        # The embedded rollout runs in the actor's processes, so it has the actor's layout.
+        owner = "actor" if lay.role == "rollout" else lay.role
+        assert lay.sequence_parallel == (lay.tp > 1 and _megatron(config, owner).sequence_parallel)
         assert (
             lay.padded_vocab_size % (128 * lay.tp) == 0
             and lay.padded_vocab_size >= plan.model(lay.model).arch.vocab_size
@@ -386,7 +386,8 @@ def test_qwen7b_layout_grid_and_stages() -> None:
         (14, 14, False, True),
     ]
     assert lay.padded_vocab_size == 152064  # already a multiple of 128 x 4 = 512
-    assert plan.layout("rollout").dp == 2 and plan.layout("rollout").pp == 1
+    # The embedded rollout generates with the actor's weights: the actor's layout.
+    assert plan.layout("rollout").grid == plan.layout("actor").grid
     assert plan.model("policy").num_parameters == 7_615_616_512  # Qwen2.5-7B: 7.62B
 
 

@@ -56,3 +56,20 @@ def test_group_passes_rank_args_and_names_failures(ray_cluster):
     finally:
         group.shutdown()
         pool.release()
+
+
+def test_nsys_argv_becomes_ray_nsight_runtime_env():
+    from rltrain.ray_group import nsight_runtime_env
+
+    argv = [
+        "nsys",
+        "profile",
+        "-o",
+        "/p/nsys/actor_rank_0_%p",
+        "--capture-range=cudaProfilerApi",
+        "--trace=cuda,nvtx",
+    ]
+    assert nsight_runtime_env(argv) == {
+        "nsight": {"o": "/p/nsys/actor_rank_0_%p", "capture-range": "cudaProfilerApi", "trace": "cuda,nvtx"}
+    }
+    assert nsight_runtime_env([]) is None

@@ -55,6 +55,11 @@ def test_precedence_flags_over_file_over_preset(tmp_path):
     assert config.trainer.output_dir == "outputs/tiny-grpo"
 
 
+def test_boolean_flags_accept_yaml_spellings():
+    config, _ = parse_args(["tiny-grpo", "--actor.shuffle", "false", "--trainer.val_before_train=no"])
+    assert config.actor.shuffle is False and config.trainer.val_before_train is False
+
+
 def test_list_and_help(capsys):
     assert main(["--list"]) == 0
     assert "tiny-ppo" in capsys.readouterr().out

@@ -25,6 +25,8 @@ CASES = [
     (["model.arch.num_query_groups=3"], "model.arch.num_query_groups", "heads-divisible-by-tp", "error"),
     (["cluster.gpus_per_node=2", "rollout.tensor_model_parallel_size=2", "model.arch.num_query_groups=1"],
      "rollout.tensor_model_parallel_size", "heads-divisible-by-tp", "error"),
+    (["cluster.gpus_per_node=2", "rollout.tensor_model_parallel_size=2"],
+     "rollout.tensor_model_parallel_size", "rollout-engine", "error"),
     # layers divisible by pp (x vpp); vpp needs pp > 1
     (["model.arch.num_layers=3", "cluster.gpus_per_node=2", "actor.megatron.pipeline_model_parallel_size=2"],
      "actor.megatron.pipeline_model_parallel_size", "layers-divisible-by-pp", "error"),
@@ -94,6 +96,7 @@ CASES = [
     (["rollout.temperature=0"], "rollout.temperature", "sampling", "error"),
     (["rollout.top_k=0"], "rollout.top_k", "sampling", "error"),
     (["rollout.engine=vllm"], "rollout.engine", "sampling", "error"),
+    (["rollout.engine=vllm", "cluster.device=cuda"], "rollout.engine", "rollout-engine", "error"),
     (["rollout.max_response_length=1000"], "rollout.max_response_length", "sampling", "error"),
     (["trainer.resume_mode=resume_path"], "trainer.resume_from_path", "trainer", "error"),
     (["trainer.max_ckpt_to_keep=0"], "trainer.max_ckpt_to_keep", "trainer", "error"),

@@ -18,7 +18,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
 from rltrain import algorithms
 from rltrain.megatron.engine import MegatronEngine, MicroBatch
-from rltrain.megatron.logprob import log_probs_and_entropy
+from rltrain.megatron.logprob import token_log_probs_and_entropy
 
 
 class MegatronActor(MegatronEngine):
@@ -35,6 +35,7 @@ class MegatronActor(MegatronEngine):
         optim: Optim | None = None,
         trainable: bool = True,
         arch: ModelArch | None = None,
+        init_from: MegatronEngine | None = None,
     ) -> None:
         self.cfg = actor_cfg
         self.rollout_n = rollout_n
@@ -47,54 +48,83 @@ class MegatronActor(MegatronEngine):
             total_steps,
             value_head=False,
             arch=arch,
+            init_from=init_from,
         )
         self.vocab_size = self.arch.vocab_size
         self._sample_calls = 0
+        # Response tokens per chunk of the log-prob / entropy computation; None: a fixed fp32 working-set
+        # budget (rltrain.megatron.logprob.DEFAULT_CHUNK_ELEMENTS / (V / tp)).
+        self.logprob_chunk_tokens: int | None = None
 
     # --------------------------------------------------------------------------------- log-probs
-    def _response_logits(self, mb: MicroBatch, logits: torch.Tensor) -> torch.Tensor:
-        # [b, L, V/tp] -> [b, R, V/tp]: only the positions predicting response tokens.
-        idx = mb.gather_index.unsqueeze(-1).expand(-1, -1, logits.shape[-1])
-        return torch.gather(logits, 1, idx)
+    def _token_log_probs(
+        self, mb: MicroBatch, logits: torch.Tensor, temperature: float, with_entropy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Log-probs (and entropy) [b, R] of the response tokens, 0 on padding, from logits [b, L, V/tp].
+
+        Only the valid response positions are evaluated, in token chunks (logprob.py): no [b, R, V/tp]
+        copy and no fp32 copy of the whole micro-batch's logits is made.
+        """
+        b, length, shard = logits.shape
+        mask = mb.data["response_mask"].bool()
+        rows = (torch.arange(b, device=logits.device).unsqueeze(1) * length + mb.gather_index)[mask]
+        logp, ent = token_log_probs_and_entropy(
+            logits.reshape(b * length, shard),
+            rows,
+            mb.data["responses"][mask],
+            temperature,
+            self.vocab_size,
+            with_entropy=with_entropy,
+            chunk_tokens=self.logprob_chunk_tokens,
+        )
+        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
+        return zeros.masked_scatter(mask, logp), (
+            zeros.masked_scatter(mask, ent) if ent is not None else None
+        )
 
     def compute_log_prob(
         self, batch: dict[str, torch.Tensor], temperature: float = 1.0, with_entropy: bool = True
     ) -> dict[str, torch.Tensor]:
-        """Per-token log-probs ([B, R], 0 on padding) of `responses` and, optionally, the entropy."""
+        """Per-token log-probs ([B, R], 0 on padding) of `responses` and, optionally, the entropy.
+
+        Micro-batches hold `log_prob_micro_batch_size_per_gpu` rows, or with `use_dynamic_bsz` at most
+        `ppo_max_token_len_per_gpu` padded tokens; outputs are in the batch's row order either way.
+        """
+        cfg = self.cfg
         with self._ctx():
             self.eval()
-            mbs = self.micro_batches(batch, self.cfg.log_prob_micro_batch_size_per_gpu)
+            mbs = self.micro_batches(
+                batch,
+                cfg.log_prob_micro_batch_size_per_gpu,
+                cfg.use_dynamic_bsz,
+                cfg.ppo_max_token_len_per_gpu,
+            )
 
             def loss_fn(mb: MicroBatch, logits: torch.Tensor):
-                resp_logits = self._response_logits(mb, logits)
-                logp, ent = log_probs_and_entropy(
-                    resp_logits,
-                    mb.data["responses"],
-                    temperature,
-                    self.vocab_size,
-                    with_entropy=with_entropy,
-                    entropy_grad=False,
-                )
-                mask = mb.data["response_mask"].to(logp.dtype)
-                out = {"log_probs": logp * mask}
+                logp, ent = self._token_log_probs(mb, logits, temperature, with_entropy)
+                out = {"log_probs": logp}
                 if ent is not None:
-                    out["entropy"] = ent * mask
+                    out["entropy"] = ent
                 return logp.new_zeros(()), out
 
             outputs = self.run_schedule(mbs, loss_fn, forward_only=True)
-            b, r = batch["responses"].shape
-            result: dict[str, torch.Tensor] = {}
-            for key in ["log_probs", "entropy"] if with_entropy else ["log_probs"]:
-                local = torch.cat([o[key] for o in outputs], 0) if self.is_last_stage else None
-                result[key] = self.broadcast_from_last_stage(local, (b, r), torch.float32).cpu()
-            return result
+            r = batch["responses"].shape[1]
+            keys = ["log_probs", "entropy"] if with_entropy else ["log_probs"]
+            return {k: self.rows_in_order(mbs, outputs, k, (r,)) for k in keys}
 
     # --------------------------------------------------------------------------------- update
-    def update_policy(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update_policy(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, float]:
         """PPO/GRPO update on this rank's batch: ppo_epochs x mini-batches x micro-batches, one optimizer
         step per mini-batch. Returns mean metrics (actor/loss, actor/pg_clipfrac, actor/ppo_kl,
         actor/entropy, actor/grad_norm, actor/lr, ...). The lr scheduler advances once per call (a trainer
-        step)."""
+        step).
+
+        `temperature` must be the one `old_log_probs` were computed with (rollout.temperature), so that the
+        PPO ratio compares like with like. Each mini-batch's loss is aggregated over the whole mini-batch
+        across all DP ranks (`loss_agg_mode`; see `MegatronEngine.micro_batch_weight`): the update does
+        not depend on how rows fall into micro-batches or onto DP ranks. Every DP rank must hold the same
+        number of rows.
+        """
         assert self.trainable, "update_policy on a frozen (reference) actor"
         cfg = self.cfg
         clip_low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
@@ -112,6 +142,8 @@ class MegatronActor(MegatronEngine):
         tokens = 0
         start = time.perf_counter()
         with self._ctx():
+            self.reload()
+            self.check_equal_rows(n)
             self.train()
             gen = torch.Generator().manual_seed(self.megatron_cfg.seed + int(self.lr_scheduler.num_steps))
             for _ in range(cfg.ppo_epochs):
@@ -126,16 +158,15 @@ class MegatronActor(MegatronEngine):
                         cfg.ppo_max_token_len_per_gpu,
                     )
                     tokens += int(mini_batch["attention_mask"].sum())
-                    total_tokens = float(mini_batch["response_mask"].sum().clamp(min=1))
-                    total_rows = float(rows.numel())
+                    totals = self.global_loss_totals(mini_batch)
                     self.zero_grad()
                     loss_fn = functools.partial(
                         self._policy_loss,
                         clip_low=clip_low,
                         clip_high=clip_high,
                         use_kl=use_kl,
-                        total_tokens=total_tokens,
-                        total_rows=total_rows,
+                        totals=totals,
+                        temperature=temperature,
                     )
                     outs = self.run_schedule(mbs, loss_fn, forward_only=False)
                     _, grad_norm = self.optimizer_step()
@@ -160,21 +191,16 @@ class MegatronActor(MegatronEngine):
         clip_low: float,
         clip_high: float,
         use_kl: bool,
-        total_tokens: float,
-        total_rows: float,
+        totals: tuple[float, float],
+        temperature: float,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         d = mb.data
         mask = d["response_mask"].float()
         need_entropy_grad = cfg.entropy_coeff != 0.0
-        logp, ent = log_probs_and_entropy(
-            self._response_logits(mb, logits),
-            d["responses"],
-            1.0,
-            self.vocab_size,
-            with_entropy=True,
-            entropy_grad=need_entropy_grad,
-        )
+        # The entropy is always computed (a metric); it adds to the gradient only with an entropy bonus.
+        logp, ent = self._token_log_probs(mb, logits, temperature, with_entropy=True)
+        assert ent is not None
         pg_loss, pg_metrics = algorithms.compute_policy_loss(
             d["old_log_probs"].float(),
             logp,
@@ -185,7 +211,7 @@ class MegatronActor(MegatronEngine):
             cfg.clip_ratio_c,
             cfg.loss_agg_mode,
         )
-        entropy = algorithms.agg_loss(ent, mask, cfg.loss_agg_mode)
+        entropy = algorithms.agg_loss(ent if need_entropy_grad else ent.detach(), mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coeff * entropy if need_entropy_grad else pg_loss
         extra = {
             "actor/pg_loss": pg_loss.detach(),
@@ -199,12 +225,7 @@ class MegatronActor(MegatronEngine):
             loss = loss + cfg.kl_loss_coef * kl_loss
             extra["actor/kl_loss"] = kl_loss.detach()
         extra["actor/loss"] = loss.detach()
-        # Weight of this micro-batch in the mini-batch loss: its share of tokens (token-mean) or rows.
-        if cfg.loss_agg_mode == "token-mean":
-            weight = float(mask.sum()) / total_tokens
-        else:
-            weight = mask.shape[0] / total_rows
-        return loss * weight, extra
+        return loss * self.micro_batch_weight(d["response_mask"], cfg.loss_agg_mode, totals), extra
 
     # --------------------------------------------------------------------------------- sampling
     @torch.no_grad()
@@ -231,16 +252,17 @@ class MegatronActor(MegatronEngine):
         `response_mask`, `rollout_log_probs` [B, N]. Every rank returns the same tensors.
 
         `use_cache` (default): the KV-cache engine of rltrain/megatron/inference.py (prefill once, then one
-        token per step). `use_cache=False` (and context parallel, which the cache does not support): the
-        reference path that re-runs the whole sequence for every token; kept for parity tests.
+        token per step). `use_cache=False`, or a model the engine does not follow (`kv_cache_unsupported`:
+        context parallel, Transformer Engine attention, ...): the reference path that re-runs the whole
+        sequence for every token (no min_p). Both draw the same uniforms for a given seed.
         """
+        from rltrain.megatron import inference
+
         if seed is None:
             seed = self.megatron_cfg.seed * 1000003 + self._sample_calls
-        if use_cache and self.megatron_cfg.context_parallel_size == 1:
-            from rltrain.megatron.inference import generate_with_kv_cache
-
+        if use_cache and inference.kv_cache_unsupported(self) is None:
             self._sample_calls += 1
-            return generate_with_kv_cache(
+            return inference.generate_with_kv_cache(
                 self,
                 prompt_ids,
                 prompt_mask,
@@ -255,9 +277,7 @@ class MegatronActor(MegatronEngine):
                 seed=seed,
             )
         if min_p > 0.0:
-            raise NotImplementedError(
-                "min_p needs the KV-cache path (use_cache=True, context_parallel_size=1)"
-            )
+            raise NotImplementedError("min_p needs the KV-cache path (use_cache=True)")
         if prompt_mask is None:
             prompt_mask = (prompt_ids != pad_id).long()
         prompt_mask = prompt_mask.long()

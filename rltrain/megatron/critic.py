@@ -45,25 +45,28 @@ class MegatronCritic(MegatronEngine):
         return torch.gather(out.squeeze(-1).float(), 1, mb.gather_index)
 
     def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Values [B, R] of the response positions (0 on padding)."""
+        """Values [B, R] of the response positions (0 on padding), in the batch's row order (micro-batches
+        of `ppo_micro_batch_size_per_gpu` rows, or by token budget with `use_dynamic_bsz`)."""
+        cfg = self.cfg
         with self._ctx():
             self.eval()
-            mbs = self.micro_batches(batch, self.cfg.ppo_micro_batch_size_per_gpu)
+            mbs = self.micro_batches(
+                batch, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
+            )
 
             def loss_fn(mb: MicroBatch, out: torch.Tensor):
                 values = self._values(mb, out) * mb.data["response_mask"].float()
                 return values.new_zeros(()), {"values": values}
 
             outputs = self.run_schedule(mbs, loss_fn, forward_only=True)
-            b, r = batch["responses"].shape
-            local = torch.cat([o["values"] for o in outputs], 0) if self.is_last_stage else None
-            return self.broadcast_from_last_stage(local, (b, r), torch.float32).cpu()
+            return self.rows_in_order(mbs, outputs, "values", (batch["responses"].shape[1],))
 
     def update_critic(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         """Clipped value regression on `returns` (needs `values` from compute_values and `returns` [B, R]).
 
         ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; the lr scheduler
-        advances once per call. Returns critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean,
+        advances once per call. The loss is aggregated over each whole mini-batch across DP ranks, as in
+        `MegatronActor.update_policy`. Returns critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean,
         critic/grad_norm, critic/lr.
         """
         cfg = self.cfg
@@ -76,6 +79,8 @@ class MegatronCritic(MegatronEngine):
         lr = self.current_lr()
         start = time.perf_counter()
         with self._ctx():
+            self.reload()
+            self.check_equal_rows(n)
             self.train()
             gen = torch.Generator().manual_seed(self.megatron_cfg.seed + int(self.lr_scheduler.num_steps))
             for _ in range(cfg.ppo_epochs):
@@ -89,12 +94,9 @@ class MegatronCritic(MegatronEngine):
                         cfg.use_dynamic_bsz,
                         cfg.ppo_max_token_len_per_gpu,
                     )
-                    total_tokens = float(mini_batch["response_mask"].sum().clamp(min=1))
-                    total_rows = float(rows.numel())
+                    totals = self.global_loss_totals(mini_batch)
 
-                    def loss_fn(
-                        mb: MicroBatch, out: torch.Tensor, total_tokens=total_tokens, total_rows=total_rows
-                    ):
+                    def loss_fn(mb: MicroBatch, out: torch.Tensor, totals: tuple[float, float] = totals):
                         d = mb.data
                         mask = d["response_mask"].float()
                         vpreds = self._values(mb, out)
@@ -111,11 +113,9 @@ class MegatronCritic(MegatronEngine):
                             "critic/vf_clipfrac": m["vf_clipfrac"],
                             "critic/vpred_mean": algorithms.masked_mean(vpreds.detach(), mask),
                         }
-                        if self.loss_agg_mode == "token-mean":
-                            weight = float(mask.sum()) / total_tokens
-                        else:
-                            weight = mask.shape[0] / total_rows
-                        return loss * weight, extra
+                        return loss * self.micro_batch_weight(
+                            d["response_mask"], self.loss_agg_mode, totals
+                        ), extra
 
                     self.zero_grad()
                     outs = self.run_schedule(mbs, loss_fn, forward_only=False)

@@ -1,5 +1,6 @@
-"""Shared machinery of the megatron roles (actor, critic): model + optimizer ownership, batch layout,
-micro-batching and running megatron's forward/backward schedules on this rank's data.
+"""Shared machinery of the megatron roles (actor, ref, critic): model + optimizer ownership, batch layout,
+micro-batching (fixed or token-budget), DP-correct loss weights, running megatron's forward/backward
+schedules on this rank's data, and moving the role's state to host memory while other roles run.
 
 Batch layout (a dict of tensors, one data-parallel rank's share; every TP/PP rank of the same DP rank gets
 the same batch): `input_ids`, `attention_mask`, `position_ids` [B, S] hold prompt + response;
@@ -8,6 +9,11 @@ right-padded response as in verl, or a fully right-padded row); the response is 
 `response_mask.sum()` valid tokens of the row. Before the forward every row is shifted so that its valid
 tokens start at position 0: megatron's RoPE uses positions 0..S-1 regardless of `position_ids`, and a
 right-aligned causal batch then needs no attention mask (SDPA's causal fast path).
+
+Engines with an optimizer wrap each model chunk in megatron DDP (contiguous param / grad buffers, the
+distributed optimizer shards fp32 state over DP). A frozen engine (the reference policy, `optim=None`) holds
+bare chunks: parameters only, no gradient buffers, `requires_grad` off; `init_from` copies another engine's
+weights into it (the reference policy is the actor at step 0) without reading the checkpoint again.
 """
 
 from __future__ import annotations
@@ -20,14 +26,17 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlconf.config import MegatronConfig, ModelArch, ModelConfig, Optim
 from rltrain.megatron import model as mmodel
 from rltrain.megatron.cpu_compat import device_context
 from rltrain.megatron.hf_weights import arch_from_hf, load_hf_weights
+from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, unique_storages
 from rltrain.megatron.parallel import init_parallel
+
+OFFLOAD_GROUPS = ("params", "grads", "optimizer")
 
 
 @dataclass
@@ -38,6 +47,7 @@ class MicroBatch:
     position_ids: torch.Tensor  # [b, L] 0..L-1
     gather_index: torch.Tensor  # [b, R] position whose logits predict response token j
     data: dict[str, torch.Tensor]  # the original per-row tensors ([b, ...]) of this micro-batch
+    rows: torch.Tensor  # [b] indices of these rows in the batch that was split (outputs go back there)
 
 
 def _device_of(device: str) -> torch.device:
@@ -78,25 +88,37 @@ def split_rows(n: int, micro_batch_size: int) -> list[slice]:
 
 
 def split_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
-    """Greedy token-budget micro-batches (use_dynamic_bsz): rows in order, each batch's padded size
-    (rows x longest row) stays within max_tokens (a single longer row gets its own batch)."""
+    """Token-budget micro-batches (use_dynamic_bsz): lists of row indices covering every row once.
+
+    Rows are taken longest first (ties by index, so every rank of a DP replica cuts alike) and packed
+    greedily while the micro-batch's padded size (rows x its longest row) stays within max_tokens; a row
+    longer than the budget gets a micro-batch of its own. Sorting puts rows of similar length together,
+    which keeps padding low; outputs go back to the original order through `MicroBatch.rows`.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     batches: list[list[int]] = []
     cur: list[int] = []
     longest = 0
-    for i, n in enumerate(lengths):
-        new_longest = max(longest, n)
-        if cur and new_longest * (len(cur) + 1) > max_tokens:
+    for i in order:
+        # Descending order: the first row of a micro-batch is its longest.
+        if cur and longest * (len(cur) + 1) > max_tokens:
             batches.append(cur)
-            cur, new_longest = [], n
+            cur = []
+        if not cur:
+            longest = lengths[i]
         cur.append(i)
-        longest = new_longest
     if cur:
         batches.append(cur)
     return batches
 
 
 class MegatronEngine:
-    """One role's megatron model chunks, optimizer and schedule runner on this rank."""
+    """One role's megatron model chunks, optimizer and schedule runner on this rank.
+
+    `chunks` (DDP-wrapped unless frozen) and `optimizer` are properties: reading them brings back whatever
+    was offloaded (parameters for `chunks`; everything for `optimizer`), so code outside the engine (the
+    checkpoint manager, HF export) never sees a released storage.
+    """
 
     def __init__(
         self,
@@ -107,6 +129,7 @@ class MegatronEngine:
         total_steps: int,
         value_head: bool = False,
         arch: ModelArch | None = None,
+        init_from: MegatronEngine | None = None,
     ) -> None:
         self.model_cfg = model_cfg
         self.megatron_cfg = megatron_cfg
@@ -115,35 +138,64 @@ class MegatronEngine:
             init_parallel(megatron_cfg, device)
         self.torch_device = _device_of(device)
         if arch is None:
-            arch = arch_from_hf(model_cfg.path) if model_cfg.path is not None else model_cfg.arch
+            if init_from is not None:
+                arch = init_from.arch
+            else:
+                arch = arch_from_hf(model_cfg.path) if model_cfg.path is not None else model_cfg.arch
         self.arch = arch
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.dp_size = parallel_state.get_data_parallel_world_size()
+        self.trainable = optim is not None
+        self._offloader = HostOffloader(self.torch_device)
         with self._ctx():
-            self.chunks = mmodel.build_model_chunks(
-                arch, model_cfg, megatron_cfg, device, value_head=value_head
+            # A frozen engine needs no DDP: megatron's DDP allocates a gradient buffer as large as the model.
+            self._chunks = mmodel.build_model_chunks(
+                arch, model_cfg, megatron_cfg, device, value_head=value_head, wrap_ddp=self.trainable
             )
-            if model_cfg.path is not None:
-                # Before the optimizer: it copies fp32 main params from the model weights.
-                load_hf_weights(self.chunks, model_cfg.path, value_head=value_head)
-            self.optimizer = None
+            # Weights go in before the optimizer is built: it copies fp32 main params from them.
+            if init_from is not None:
+                self.copy_weights_from(init_from)
+            elif model_cfg.path is not None:
+                load_hf_weights(self._chunks, model_cfg.path, value_head=value_head)
+            if not self.trainable:
+                for chunk in self._chunks:
+                    chunk.requires_grad_(False)
+            self._optimizer = None
             self.lr_scheduler = None
             if optim is not None:
-                self.optimizer = mmodel.build_optimizer(self.chunks, optim, model_cfg, megatron_cfg)
-                self.lr_scheduler = mmodel.build_lr_scheduler(self.optimizer, optim, total_steps)
-        self.config = mmodel.unwrap(self.chunks[0]).config
+                self._optimizer = mmodel.build_optimizer(self._chunks, optim, model_cfg, megatron_cfg)
+                self.lr_scheduler = mmodel.build_lr_scheduler(self._optimizer, optim, total_steps)
+        self.config = mmodel.unwrap(self._chunks[0]).config
         self.config.finalize_model_grads_func = finalize_model_grads
-        no_sync = [c.no_sync for c in self.chunks]
-        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
-        if self.optimizer is not None:
-            self.config.grad_scale_func = self.optimizer.scale_loss
+        if self.trainable:
+            no_sync = [c.no_sync for c in self._chunks]
+            self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+        if self._optimizer is not None:
+            self.config.grad_scale_func = self._optimizer.scale_loss
         # Sequence parallel splits the sequence over TP ranks: lengths must divide evenly.
         self.seq_multiple = self.tp_size if self.config.sequence_parallel else 1
 
     # --------------------------------------------------------------------------------- helpers
     def _ctx(self) -> contextlib.AbstractContextManager[None]:
-        """Context for every call into megatron: the CUDA->CPU rewrite mode on cpu, nothing on GPU."""
+        """Context for every call into megatron: the CUDA->CPU rewrite mode on cpu, nothing on GPU.
+
+        Every such call needs the parameters, so offloaded parameters come back here first.
+        """
+        self.reload(params=True, grads=False, optimizer=False)
         return device_context(self.device)
+
+    @property
+    def chunks(self) -> list[torch.nn.Module]:
+        """This rank's model chunks (parameters reloaded if they were offloaded)."""
+        self.reload(params=True, grads=False, optimizer=False)
+        return self._chunks
+
+    @property
+    def optimizer(self) -> Any:
+        """The megatron optimizer or None (everything offloaded is reloaded: its state refers to all of it)."""
+        if self._optimizer is not None:
+            self.reload()
+        return self._optimizer
 
     @property
     def is_last_stage(self) -> bool:
@@ -153,6 +205,127 @@ class MegatronEngine:
         """The bare GPTModel of each chunk (`.sharded_state_dict()` for checkpoints)."""
         return [mmodel.unwrap(c) for c in self.chunks]
 
+    @torch.no_grad()
+    def copy_weights_from(self, other: MegatronEngine) -> None:
+        """Copy another engine's parameters (same architecture and TP/PP layout) into this one."""
+        for mine, theirs in zip(self.modules(), other.modules(), strict=True):
+            src = dict(theirs.named_parameters())
+            dst = dict(mine.named_parameters())
+            if src.keys() != dst.keys():
+                raise ValueError(
+                    f"copy_weights_from: parameter names differ: {sorted(src.keys() ^ dst.keys())[:5]}"
+                )
+            for name, p in dst.items():
+                if p.shape != src[name].shape:
+                    raise ValueError(
+                        f"copy_weights_from: {name} is {tuple(src[name].shape)} there, {tuple(p.shape)} here "
+                        "(the two engines need the same TP/PP layout)"
+                    )
+                p.data.copy_(src[name].data)
+
+    # --------------------------------------------------------------------------------- offload
+    def _sub_optimizers(self) -> list[Any]:
+        opt = self._optimizer
+        if opt is None:
+            return []
+        subs = list(opt.chained_optimizers) if hasattr(opt, "chained_optimizers") else [opt]
+        return [s for s in subs if getattr(s, "optimizer", None) is not None]
+
+    def _param_tensors(self) -> list[torch.Tensor]:
+        # With the distributed optimizer megatron DDP keeps all params of a buffer in one contiguous
+        # `param_data` storage (each param's .data is a view), so this is a handful of storages; without
+        # it, one storage per parameter.
+        return [p for c in self._chunks for p in c.parameters()]
+
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        out: list[torch.Tensor] = []
+        for c in self._chunks:
+            if isinstance(c, DistributedDataParallel):
+                out += [b.grad_data for b in [*c.buffers, *c.expert_parallel_buffers]]
+            out += [p.grad for p in c.parameters() if p.grad is not None]
+        # fp32 copies of 16-bit grads the optimizer made for its last step. (The distributed optimizer's
+        # fp32 shards are non-leaf views of the params; their .grad is a view of grad_data, counted above,
+        # and reading .grad of a non-leaf tensor warns.)
+        for sub in self._sub_optimizers():
+            for group in sub.optimizer.param_groups:
+                out += [p.grad for p in group["params"] if p.is_leaf and p.grad is not None]
+        return out
+
+    def _optimizer_tensors(self) -> list[torch.Tensor]:
+        # fp32 main params (the distributed optimizer's shards or the fp32 copies of 16-bit params) and
+        # the per-parameter state (Adam moments, step). fp32 main params that are views of the model's own
+        # storage belong to "params" and are excluded here.
+        taken = {storage_key(t) for t in self._param_tensors() + self._grad_tensors()}
+        out: list[torch.Tensor] = []
+        for sub in self._sub_optimizers():
+            for group in sub.optimizer.param_groups:
+                out += list(group["params"])
+            for state in sub.optimizer.state.values():
+                out += [v for v in state.values() if isinstance(v, torch.Tensor)]
+        return unique_storages(out, exclude=taken)
+
+    def state_tensors(self, group: str) -> list[torch.Tensor]:
+        """Tensors whose storages make up one part of this role's state ("params", "grads", "optimizer");
+        what `offload` moves and `device_memory` counts. Parts never share a storage."""
+        if group == "params":
+            return self._param_tensors()
+        if group == "grads":
+            return self._grad_tensors()
+        if group == "optimizer":
+            return self._optimizer_tensors()
+        raise ValueError(f"unknown offload group {group!r}; expected one of {OFFLOAD_GROUPS}")
+
+    def offload(self, params: bool = False, grads: bool = False, optimizer: bool = False) -> dict[str, int]:
+        """Move the chosen parts of this role's state to host memory; returns bytes moved per part.
+
+        params: the model weights (megatron DDP's contiguous `param_data`, or each parameter's storage, plus
+        fp32 optimizer shards that view them). grads: DDP's `grad_data` (every `main_grad`) and any `.grad`
+        tensors. optimizer: fp32 main params held apart from the model, Adam moments and step. Each part is
+        copied out bit-exactly and its device storage released; `reload` brings it back. Already offloaded
+        parts are skipped.
+
+        Intended call points (the worker decides; each engine call reloads what it needs on entry, so a
+        missed reload costs time, never correctness):
+          * actor, after `update_policy`: `offload_for_other_roles(keep_params=True)` — grads and optimizer
+            leave, the weights stay for the rollout on the actor's own weights and `compute_log_prob`;
+          * actor, before the reference policy or a colocated critic / inference engine takes the device:
+            `offload_for_other_roles()`;
+          * ref, after `compute_log_prob`: `offload_for_other_roles()` (parameters only: it has nothing else);
+          * critic, after `update_critic` and after `compute_values`: `offload_for_other_roles()`.
+        Everything `MegatronConfig.{param,grad,optimizer}_offload` leaves off stays on the device.
+        """
+        wanted = [g for g, on in zip(OFFLOAD_GROUPS, (params, grads, optimizer), strict=True) if on]
+        # Gather every group's tensors before releasing anything: the optimizer group excludes storages
+        # that belong to params/grads, recognised by identity (which survives a resize).
+        tensors = {g: self.state_tensors(g) for g in wanted}
+        return {g: self._offloader.offload(g, tensors[g]) for g in wanted}
+
+    def reload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> dict[str, int]:
+        """Bring offloaded parts back to the device (bit-identical); returns bytes moved per part."""
+        wanted = [g for g, on in zip(OFFLOAD_GROUPS, (params, grads, optimizer), strict=True) if on]
+        return {g: self._offloader.reload(g) for g in wanted if self._offloader.is_offloaded(g)}
+
+    def offload_for_other_roles(self, keep_params: bool = False) -> dict[str, int]:
+        """Offload what this role's `MegatronConfig` asks for (param_offload, grad_offload,
+        optimizer_offload); `keep_params` keeps the weights on the device whatever param_offload says (the
+        actor between its update and the rollout that runs on its weights). See `offload` for call points."""
+        cfg = self.megatron_cfg
+        return self.offload(
+            params=cfg.param_offload and not keep_params,
+            grads=cfg.grad_offload,
+            optimizer=cfg.optimizer_offload,
+        )
+
+    def offloaded(self) -> list[str]:
+        """Parts currently in host memory."""
+        return self._offloader.offloaded_groups()
+
+    def device_memory(self) -> dict[str, int]:
+        """Bytes each part of this role's state holds on the device now (distinct storages; 0 when
+        offloaded). On CPU the device is the host and host-side copies are not counted."""
+        return {g: storage_bytes(self.state_tensors(g), self.torch_device) for g in OFFLOAD_GROUPS}
+
+    # --------------------------------------------------------------------------------- batching
     def micro_batches(
         self,
         batch: dict[str, torch.Tensor],
@@ -160,16 +333,21 @@ class MegatronEngine:
         use_dynamic_bsz: bool = False,
         max_token_len: int = 0,
     ) -> list[MicroBatch]:
-        """Split this rank's batch into aligned micro-batches (fixed row count or token budget)."""
+        """Split this rank's batch into aligned micro-batches: fixed row counts in row order, or a token
+        budget (rows regrouped by length; `MicroBatch.rows` says where each row came from)."""
         n = batch["input_ids"].shape[0]
+        lengths = batch["attention_mask"].sum(-1)
+        # The interleaved (virtual pipeline) schedule assumes one activation shape for all micro-batches.
+        min_length = int(lengths.max()) if len(self._chunks) > 1 and n else 1
         if use_dynamic_bsz:
-            lengths = batch["attention_mask"].sum(-1).tolist()
-            groups = split_by_tokens([int(x) for x in lengths], max_token_len)
-            index_sets = [torch.tensor(g) for g in groups]
+            # The padded length each row would have in its own micro-batch (see align_batch).
+            padded = [
+                math.ceil(max(int(x), min_length, 1) / self.seq_multiple) * self.seq_multiple
+                for x in lengths.tolist()
+            ]
+            index_sets = [torch.tensor(g, dtype=torch.long) for g in split_by_tokens(padded, max_token_len)]
         else:
             index_sets = [torch.arange(n)[s] for s in split_rows(n, micro_batch_size)]
-        # The interleaved (virtual pipeline) schedule assumes one activation shape for all micro-batches.
-        min_length = int(batch["attention_mask"].sum(-1).max()) if len(self.chunks) > 1 else 1
         out = []
         for idx in index_sets:
             data = {k: v[idx] for k, v in batch.items() if isinstance(v, torch.Tensor)}
@@ -177,9 +355,74 @@ class MegatronEngine:
                 data, self.seq_multiple, self.torch_device, min_length
             )
             data = {k: v.to(self.torch_device) for k, v in data.items()}
-            out.append(MicroBatch(tokens, positions, gather_index, data))
+            out.append(MicroBatch(tokens, positions, gather_index, data, idx))
         return out
 
+    def rows_in_order(
+        self,
+        micro_batches: list[MicroBatch],
+        outputs: list[dict[str, torch.Tensor]],
+        key: str,
+        row_shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+    ) -> torch.Tensor:
+        """Per-micro-batch outputs `key` ([b_i, *row_shape], last pipeline stage) as one CPU tensor in the
+        original row order, on every pipeline stage."""
+        n = sum(int(mb.rows.numel()) for mb in micro_batches)
+        local = None
+        if self.is_last_stage:
+            local = torch.empty((n, *row_shape), dtype=dtype, device=self.torch_device)
+            rows = torch.cat([mb.rows for mb in micro_batches]).to(self.torch_device)
+            local[rows] = torch.cat([o[key].to(dtype) for o in outputs], 0)
+        return self.broadcast_from_last_stage(local, (n, *row_shape), dtype).cpu()
+
+    # --------------------------------------------------------------------------------- loss weights
+    def check_equal_rows(self, n: int) -> None:
+        """Every DP rank must hold the same number of rows: each mini-batch ends in a collective optimizer
+        step, so a rank with more mini-batches would wait forever."""
+        if self.dp_size == 1:
+            return
+        t = torch.tensor([n, -n], dtype=torch.float64, device=self.torch_device)
+        torch.distributed.all_reduce(
+            t, op=torch.distributed.ReduceOp.MAX, group=parallel_state.get_data_parallel_group()
+        )
+        if int(t[0]) != -int(t[1]):
+            raise ValueError(
+                f"data-parallel ranks hold different numbers of rows ({int(-t[1])}..{int(t[0])}); the "
+                "batch must split evenly over the data-parallel ranks"
+            )
+
+    def global_loss_totals(self, mini_batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+        """(valid response tokens, rows) of a mini-batch summed over all data-parallel ranks."""
+        t = torch.tensor(
+            [float(mini_batch["response_mask"].sum()), float(mini_batch["response_mask"].shape[0])],
+            dtype=torch.float64,
+            device=self.torch_device,
+        )
+        if self.dp_size > 1:
+            torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
+        return max(float(t[0]), 1.0), max(float(t[1]), 1.0)
+
+    def micro_batch_weight(
+        self, response_mask: torch.Tensor, loss_agg_mode: str, totals: tuple[float, float]
+    ) -> float:
+        """Factor that turns a micro-batch's own aggregated loss into its share of the mini-batch loss
+        aggregated over all DP ranks at once.
+
+        token-mean: the micro-batch's token-mean x its tokens / all tokens of the mini-batch (every DP
+        rank); seq-mean-*: its row mean x its rows / all rows. Times dp: megatron DDP averages gradients
+        over the DP ranks, and the global mean is their sum. (run_schedule undoes megatron's division by
+        the number of micro-batches.) The mini-batch gradient is then independent of how rows are split
+        into micro-batches and over DP ranks, however uneven their token counts.
+        """
+        tokens, rows = totals
+        if loss_agg_mode == "token-mean":
+            share = float(response_mask.sum()) / tokens
+        else:
+            share = response_mask.shape[0] / rows
+        return share * self.dp_size
+
+    # --------------------------------------------------------------------------------- schedules
     def run_schedule(
         self,
         micro_batches: list[MicroBatch],
@@ -187,16 +430,21 @@ class MegatronEngine:
         forward_only: bool,
     ) -> list[dict[str, torch.Tensor]]:
         """Run megatron's forward(/backward) schedule over micro-batches; return the loss_fn outputs
-        (non-empty on the last pipeline stage only).
+        (non-empty on the last pipeline stage only), in micro-batch order.
 
         loss_fn(mb, output [b, L, V/tp or 1]) -> (scalar loss of this micro-batch, detached outputs).
         The loss is multiplied by the number of micro-batches here because megatron divides by it.
         """
         num_mb = len(micro_batches)
+        chunks = self.chunks
+        # Keep a 16-bit model's last-stage output in 16 bits: Float16Module would otherwise upcast the whole
+        # [b, L, V/tp] logits to fp32 (2x their memory, and again for their gradient); the log-prob code
+        # upcasts chunk by chunk instead.
+        extra: dict[str, Any] = {"fp32_output": False} if self.config.bf16 or self.config.fp16 else {}
 
         def forward_step(data_iter: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iter)
-            output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None)
+            output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, **extra)
 
             def loss_func(out: torch.Tensor):
                 loss, extra = loss_fn(mb, out)
@@ -206,15 +454,15 @@ class MegatronEngine:
 
         fb = get_forward_backward_func()
         max_len = max(mb.tokens.shape[1] for mb in micro_batches)
-        iters: Any = [iter(micro_batches) for _ in self.chunks]
-        if len(self.chunks) == 1:
+        iters: Any = [iter(micro_batches) for _ in chunks]
+        if len(chunks) == 1:
             iters = iters[0]
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
         with grad_ctx:
             return fb(
                 forward_step_func=forward_step,
                 data_iterator=iters,
-                model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+                model=chunks if len(chunks) > 1 else chunks[0],
                 num_microbatches=num_mb,
                 seq_length=max_len,
                 micro_batch_size=micro_batches[0].tokens.shape[0],
@@ -222,7 +470,7 @@ class MegatronEngine:
             )
 
     def broadcast_from_last_stage(
-        self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype
+        self, tensor: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor:
         """Give every pipeline stage the tensor computed on the last stage."""
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
@@ -240,7 +488,7 @@ class MegatronEngine:
 
     def reduce_metrics(self, sums: dict[str, float], count: int, names: list[str]) -> dict[str, float]:
         """Mean of per-micro-batch metrics: from the last stage to all stages, then across DP ranks."""
-        vals = torch.tensor([sums.get(k, 0.0) for k in names] + [float(count)], dtype=torch.float64)
+        vals = torch.tensor([sums[k] for k in names] + [float(count)], dtype=torch.float64)
         vals = self.broadcast_from_last_stage(
             vals if self.is_last_stage else None, (len(names) + 1,), torch.float64
         ).cpu()
@@ -253,25 +501,28 @@ class MegatronEngine:
         return {k: vals[i].item() / n for i, k in enumerate(names)}
 
     def train(self) -> None:
-        for c in self.chunks:
+        for c in self._chunks:
             c.train()
 
     def eval(self) -> None:
-        for c in self.chunks:
+        for c in self._chunks:
             c.eval()
 
     def optimizer_step(self) -> tuple[bool, float]:
         """One optimizer step on the accumulated gradients; returns (applied, grad_norm)."""
-        assert self.optimizer is not None, "this engine was built without an optimizer"
-        ok, grad_norm, _ = self.optimizer.step()
+        assert self._optimizer is not None, "this engine was built without an optimizer"
+        self.reload()
+        ok, grad_norm, _ = self._optimizer.step()
         return bool(ok), float(grad_norm) if grad_norm is not None else float("nan")
 
     def zero_grad(self) -> None:
-        for c in self.chunks:
+        assert self._optimizer is not None, "this engine was built without an optimizer"
+        self.reload()
+        for c in self._chunks:
             c.zero_grad_buffer()
-        assert self.optimizer is not None
-        self.optimizer.zero_grad()
+        self._optimizer.zero_grad()
 
     def current_lr(self) -> float:
-        assert self.optimizer is not None
-        return float(self.optimizer.param_groups[0]["lr"])
+        assert self._optimizer is not None, "this engine was built without an optimizer"
+        # param_groups hold python numbers only: no need to reload offloaded state to read them.
+        return float(self._optimizer.param_groups[0]["lr"])

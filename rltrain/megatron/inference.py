@@ -4,46 +4,47 @@ Role: `MegatronActor.generate` (colocated rollout, no weight copy) routes here. 
 once (identical prompts, e.g. the `rollout.n` copies of a GRPO group, only once: their cache rows are
 copied), then one token per step is decoded against the cached keys/values. Sampling: temperature (0 is
 greedy), top-k, top-p, min-p, stop on EOS + `rollout.stop_token_ids`, at most `max_new_tokens`, early exit
-once every row is done, and finished rows leave the decode batch (the cache is compacted when at most
-half of its rows are still running). Each sampled token comes with its log-prob under the
-temperature-scaled distribution before filtering (`rollout_log_probs`), which is what `compute_log_prob`
-recomputes at the same temperature.
+once every row is done, and finished rows leave the decode batch (the cache is compacted when at most half
+of its rows are still running). Each sampled token comes with its log-prob under the temperature-scaled
+distribution before filtering (`rollout_log_probs`), which is what `compute_log_prob` recomputes at the
+same temperature.
 
-Design (issue 5 item 5; the two candidates were measured, numbers from bench/rollout_cpu.py on this 2-core
-CPU, fp32, the actor and no-cache path of the same weights):
+Design (issue 5 item 5). Two candidates were built and measured (bench/rollout_cpu.py: 2-core CPU, one
+thread, fp32, random weights, greedy, generated tokens/s; the no-cache path is the old `generate`):
 
-  (1) megatron-core's own static inference path: `StaticInferenceContext` passed as `inference_context` to
-      `GPTModel.forward`. megatron's `Attention` appends this step's keys/values to a preallocated
-      [max_seq, batch, groups, dim] buffer per layer, re-applies RoPE to the cached keys and hands the
-      whole prefix to our core attention; the model only materialises the last position's logits.
-  (2) our own KV cache around the megatron modules (re-implementing the layer loop: norm, qkv, RoPE with
-      per-row positions, cache, attention, projection, MLP), caching keys after RoPE.
+  (1) megatron-core's static inference path: `StaticInferenceContext` passed as `inference_context` to
+      `GPTModel.forward`; megatron's `Attention` appends to a per-layer cache, keeps the keys *before* RoPE
+      and re-rotates the whole cached prefix in every layer at every step, with one position per column
+      (a left-padded row is shifted: equal only through RoPE's shift invariance, i.e. up to rounding).
+  (2) this module: our own per-layer cache driven through megatron's own submodules (embedding, norms,
+      `get_query_key_value_tensors`, megatron's `apply_rotary_pos_emb`, the core attention module,
+      `linear_proj`, the bias-dropout-add functions, MLP, final norm, output layer), keys cached after RoPE
+      at each row's training positions (0 at its first real token).
 
-  Chosen: (1). It reuses the unmodified megatron modules (TP, PP, GQA, qkv bias, any layer spec), so a
-  change of architecture or megatron version cannot make the rollout disagree with training; (2) copies
-  megatron's layer internals. The one thing (2) saves is re-rotating the cached keys every step; measured
-  with the prototype in the bench, (2) was within a few percent of (1) at these sizes (both 5-20x the
-  no-cache path, see the bench and the report), because the projections and MLP dominate a decode step
-  and the cached-key RoPE is elementwise work of the same order as attention itself.
+                          no-cache   (1) megatron   (1) + per-row RoPE   (2) this module
+  tiny  B64 P16 N32           2.2k          9.3k                 7.9k             12.3k
+  wide  B64 P32 N64           0.14k         2.8k                 2.2k              3.3k
+  (3 of the 4096 "wide" greedy tokens of (1) differed from the no-cache path after a near-tie (top-2 logit
+  gap 5e-6) flipped by the position shift; (2) matched all of them.) (1)'s extra cost is megatron's
+  per-layer Python (inference checks, offload/NVTX hooks) and re-rotating the cached keys; giving (1)
+  exact per-row positions costs more (cos/sin of [prefix, rows] per layer per step). (2) is chosen:
+  faster, exact training positions, and one decode step is a plain function of fixed-size buffers, which
+  is what CUDA-graph capture (issue 10) needs. Its cost is a second copy of the layer *composition*
+  (norm -> attention -> residual -> norm -> MLP -> residual; all math is megatron's modules);
+  `kv_cache_unsupported` names every layer feature it does not follow (cross attention, MLA, attention
+  output gate, non-RoPE positions, Transformer Engine / custom core attention, context parallel) and
+  `MegatronActor.generate` then uses the no-cache path instead; the tests compare with the no-cache path
+  (megatron's own forward) in every layout.
 
-  What (1) needs from us: `SdpaAttention` (model.py) takes the query shorter than the keys (decode: no
-  mask, or a bottom-right causal mask; SDPA's `is_causal` is top-left aligned), and left-padded prompts get
-  an explicit mask: causal, pad keys hidden, and every pad query sees itself (a fully masked row gives NaN
-  in SDPA, and NaN values poison even masked attention through 0 * NaN). megatron's RoPE uses the column
-  index as position, so a row with k pad columns is rotated k positions further than in training's
-  left-aligned layout; rotary attention only depends on position differences, so the scores agree (to
-  rounding; the tests check greedy tokens identical to the no-cache path and log-probs against
-  `compute_log_prob`).
-
-Parallelism: every TP rank runs the same steps; logits are all-gathered over TP (`runtime_gather_output`)
-and every rank samples with the same seeded generator, drawing one uniform per row per step for all B rows
-whether active or not (so sampling is independent of compaction and the draws are the same as the no-cache
-path's). PP (and virtual PP) runs its own forward-only pass per step through the stages (point-to-point of
-the [s, b, h] hidden state: megatron's interleaved schedule wants >= PP micro-batches, and one decode step
-is one micro-batch); the last stage samples and broadcasts (token, log-prob) to the other stages. Sequence
-parallel is switched off on the modules during generation (one decode token cannot be split over TP ranks,
-megatron's own inference does the same) and restored after. Context parallel is not supported here
-(`MegatronActor.generate` falls back to the no-cache path).
+Parallelism: every TP rank runs the same steps (megatron's column/row-parallel modules do the TP
+communication) and the logits are all-gathered over TP (`runtime_gather_output`); every rank samples with
+the same seeded generator, drawing one uniform per batch row per step whether the row is still active or
+not (samples do not depend on compaction, and the draws equal the no-cache path's). Pipeline parallel (and
+virtual pipeline) runs its own forward-only pass per step through the stages: point-to-point of the
+[s, b, h] hidden state in stage order (megatron's interleaved schedule wants >= PP micro-batches; a decode
+step is one); the last stage samples and broadcasts (token, log-prob) to the others. Sequence parallel is
+switched off on the modules while generating (one decode token cannot be split over TP ranks; megatron's
+own inference does the same) and restored afterwards. Context parallel is not supported.
 """
 
 from __future__ import annotations
@@ -53,8 +54,10 @@ from collections.abc import Iterator, Sequence
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.inference.contexts import StaticInferenceContext
-from megatron.core.utils import get_attr_wrapped_model
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 
 # Module attributes megatron reads to decide on sequence-parallel communication (cf. megatron's
 # `set_model_to_sequence_parallel`, which cannot restore mixed original values).
@@ -146,33 +149,10 @@ def prefill_mask(valid: torch.Tensor) -> torch.Tensor | None:
     return (future.unsqueeze(0) | pad_key).unsqueeze(1)
 
 
-@contextlib.contextmanager
-def sequence_parallel_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """Run with sequence parallel off on every (sub)module and the shared config; restore the exact values."""
-    saved: list[tuple[object, str, object]] = []
-    for model in modules:
-        config = getattr(model, "config", None)
-        if config is not None and getattr(config, "sequence_parallel", False):
-            saved.append((config, "sequence_parallel", True))
-        for sub in model.modules():
-            for attr in _SP_ATTRS:
-                if getattr(sub, attr, None) is True:
-                    saved.append((sub, attr, True))
-    for obj, attr, _ in saved:
-        setattr(obj, attr, False)
-    try:
-        yield
-    finally:
-        for obj, attr, value in saved:
-            setattr(obj, attr, value)
-
-
-def _unique_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indices of distinct prompts and, per row, which distinct prompt it is (rows in first-seen order)."""
-    key = torch.cat([ids, mask], 1)
-    _, inverse = torch.unique(key, dim=0, return_inverse=True)
-    # First occurrence of each distinct row, ordered by row index (keeps the prefill deterministic).
-    n = int(inverse.max()) + 1 if inverse.numel() else 0
+def unique_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(first row of each distinct prompt, in row order; per row, the index of its distinct prompt)."""
+    _, inverse = torch.unique(torch.cat([ids, mask], 1), dim=0, return_inverse=True)
+    n = int(inverse.max()) + 1
     first = torch.full((n,), ids.shape[0], dtype=torch.long, device=ids.device)
     first = first.scatter_reduce(0, inverse, torch.arange(ids.shape[0], device=ids.device), "amin")
     order = torch.argsort(first)
@@ -181,57 +161,163 @@ def _unique_rows(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, t
     return first[order], rank[inverse]
 
 
+@contextlib.contextmanager
+def sequence_parallel_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """Run with sequence parallel off on every (sub)module and the shared config; restore the exact values."""
+    saved: list[tuple[object, str]] = []
+    for model in modules:
+        config = getattr(model, "config", None)
+        if config is not None and getattr(config, "sequence_parallel", False):
+            saved.append((config, "sequence_parallel"))
+        for sub in model.modules():
+            saved.extend((sub, attr) for attr in _SP_ATTRS if getattr(sub, attr, None) is True)
+    for obj, attr in saved:
+        setattr(obj, attr, False)
+    try:
+        yield
+    finally:
+        for obj, attr in saved:
+            setattr(obj, attr, True)
+
+
+def kv_cache_unsupported(actor) -> str | None:
+    """Why the KV-cache engine cannot run this actor's model (None: it can).
+
+    The engine re-composes megatron's GPT layer (see the module docstring); anything it does not follow
+    is named here so that `generate` takes the no-cache path instead of computing something else.
+    """
+    if parallel_state.get_context_parallel_world_size() > 1:
+        return "context parallel"
+    for model in actor.modules():
+        cfg = model.config
+        if model.position_embedding_type != "rope" or cfg.multi_latent_attention:
+            return f"position embedding {model.position_embedding_type!r} (needs rope, no MLA)"
+        if getattr(cfg, "attention_output_gate", False):
+            return "attention output gate"
+        for layer in model.decoder.layers:
+            if not isinstance(layer.cross_attention, IdentityOp):
+                return "cross attention"
+            if not isinstance(layer.self_attention.core_attention, DotProductAttention):
+                # Transformer Engine's attention takes other mask conventions; untested here.
+                return f"core attention {type(layer.self_attention.core_attention).__name__}"
+    return None
+
+
 # ------------------------------------------------------------------------------------ the engine
 class KVCacheGenerator:
-    """Prefill + cached decode through this rank's model chunks (all PP stages, virtual stages in turn)."""
+    """Per-layer KV cache and the cached forward through this rank's model chunks (all PP/VPP stages).
 
-    def __init__(self, actor) -> None:
+    Cache layout per layer: keys (after RoPE) and values [max_len, rows, groups/TP, head_dim], megatron's
+    sequence-first layout, written at column offset `start` and read as the prefix [:start + s].
+    """
+
+    def __init__(self, actor, positions: torch.Tensor) -> None:
         self.actor = actor
-        self.chunks = actor.chunks
+        self.models = actor.modules()
         self.device = actor.torch_device
         self.vocab_size = actor.vocab_size
-        cfg = actor.config
-        self.hidden_size = cfg.hidden_size
-        self.pipe_dtype = cfg.pipeline_dtype or cfg.params_dtype
-        self.pp = parallel_state.get_pipeline_model_parallel_world_size()
-        self.vpp = len(self.chunks)
+        self.config = self.models[0].config
+        self.pipe_dtype = self.config.pipeline_dtype or self.config.params_dtype
+        # Per-row positions [B, max_len] and the RoPE frequencies of every position [max_len, D].
+        self.positions = positions
+        self.freqs = self.models[0].rotary_pos_emb(positions.shape[1])[:, 0, 0, :]
+        self.cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.models]
 
+    # --------------------------------------------------------------------------------- cache rows
+    def _allocate(self, rows: int) -> None:
+        max_len = self.positions.shape[1]
+        for v, model in enumerate(self.models):
+            attn = [layer.self_attention for layer in model.decoder.layers]
+            self.cache[v] = [
+                tuple(  # type: ignore[misc]
+                    torch.empty(
+                        (max_len, rows, a.num_query_groups_per_partition, a.hidden_size_per_attention_head),
+                        dtype=self.config.params_dtype,
+                        device=self.device,
+                    )
+                    for _ in range(2)
+                )
+                for a in attn
+            ]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep (or repeat) cache rows: row i of the new cache is row `rows[i]` of the old one."""
+        self.cache = [[(k.index_select(1, rows), v.index_select(1, rows)) for k, v in c] for c in self.cache]
+
+    # --------------------------------------------------------------------------------- forward
     def forward(
-        self, tokens: torch.Tensor, mask: torch.Tensor | None, ctx: StaticInferenceContext
+        self, tokens: torch.Tensor, start: int, rows: torch.Tensor, mask: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """Logits [n, V] at the last position of every row (last stage), None on other stages."""
+        """Run `tokens` [n, s] (columns start..start+s-1 of batch rows `rows`) through every stage, writing
+        their keys/values into the cache; return the logits [n, V] of the last column on the last stage
+        (None elsewhere). `mask`: megatron convention [n, 1, s, start + s] or None (causal / all keys)."""
         n, s = tokens.shape
-        positions = (ctx.sequence_len_offset + torch.arange(s, device=self.device)).expand(n, s)
-        out = None
-        for v, chunk in enumerate(self.chunks):
-            vp = v if self.vpp > 1 else None
-            first = parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp)
-            last = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp)
-            if not first:
-                hidden = torch.empty((s, n, self.hidden_size), dtype=self.pipe_dtype, device=self.device)
+        if start == 0:
+            self._allocate(n)
+        pos = self.positions[rows, start : start + s]  # [n, s]
+        freqs = self.freqs[pos.t()].unsqueeze(2)  # [s, n, 1, D]
+        mask_type = AttnMaskType.causal if start == 0 else AttnMaskType.no_mask
+        hidden = None
+        for v, model in enumerate(self.models):
+            if model.pre_process:
+                hidden = model.embedding(input_ids=tokens, position_ids=pos)
+            else:
+                hidden = torch.empty(
+                    (s, n, self.config.hidden_size), dtype=self.pipe_dtype, device=self.device
+                )
                 torch.distributed.recv(
                     hidden,
                     src=parallel_state.get_pipeline_model_parallel_prev_rank(),
                     group=parallel_state.get_pipeline_model_parallel_group(),
                 )
-                get_attr_wrapped_model(chunk, "set_input_tensor")(hidden)
-            out = chunk(
-                input_ids=tokens,
-                position_ids=positions,
-                attention_mask=mask,
-                inference_context=ctx,
-                runtime_gather_output=True,
-            )
-            if not last:
+            for layer, kv in zip(model.decoder.layers, self.cache[v], strict=True):
+                hidden = self._layer(layer, hidden, kv, start, freqs, mask, mask_type)
+            if not model.post_process:
                 torch.distributed.send(
-                    out.contiguous(),
+                    hidden.contiguous(),
                     dst=parallel_state.get_pipeline_model_parallel_next_rank(),
                     group=parallel_state.get_pipeline_model_parallel_group(),
                 )
-        if not parallel_state.is_pipeline_last_stage(ignore_virtual=True):
+        last = self.models[-1]
+        if not last.post_process:
             return None
-        assert out is not None
-        return out[:, -1, : self.vocab_size].float()
+        assert hidden is not None
+        # Only the last column's logits are needed: norm and project [1, n, h], not the whole prefill.
+        hidden = hidden[-1:]
+        if last.decoder.final_layernorm is not None:
+            hidden = last.decoder.final_layernorm(hidden)
+        weight = (
+            last.shared_embedding_or_output_weight() if last.share_embeddings_and_output_weights else None
+        )
+        logits, _ = last.output_layer(hidden, weight=weight, runtime_gather_output=True)
+        return logits[0, :, : self.vocab_size].float()
+
+    def _layer(
+        self,
+        layer: torch.nn.Module,
+        hidden: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        start: int,
+        freqs: torch.Tensor,
+        mask: torch.Tensor | None,
+        mask_type: AttnMaskType,
+    ) -> torch.Tensor:
+        """megatron's TransformerLayer.forward (eval, no cross attention) with cached self-attention."""
+        cfg = layer.config
+        attn = layer.self_attention
+        residual = hidden
+        query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
+        query = apply_rotary_pos_emb(query, freqs, config=cfg)
+        key = apply_rotary_pos_emb(key, freqs, config=cfg)
+        end = start + hidden.shape[0]
+        kv[0][start:end] = key
+        kv[1][start:end] = value
+        context = attn.core_attention(query, kv[0][:end], kv[1][:end], mask, attn_mask_type=mask_type)
+        out = attn.linear_proj(context)
+        hidden = layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
+        residual = hidden
+        out = layer.mlp(layer.pre_mlp_layernorm(hidden))
+        return layer.mlp_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
 
     def sample(
         self,
@@ -273,10 +359,13 @@ def generate_with_kv_cache(
     Returns CPU tensors, identical on every rank: `input_ids`, `attention_mask`, `position_ids` [B, P + N]
     (prompt left-padded, response right-padded), `responses`, `response_mask`, `rollout_log_probs` [B, N].
     """
+    reason = kv_cache_unsupported(actor)
+    if reason is not None:
+        raise NotImplementedError(f"KV-cache generation does not support {reason}")
     if prompt_mask is None:
         prompt_mask = (prompt_ids != pad_id).long()
     prompt_ids, prompt_mask = prompt_ids.cpu(), prompt_mask.cpu().long()
-    b = prompt_ids.shape[0]
+    b, p = prompt_ids.shape
     n_new = max_new_tokens
     left, left_mask = left_pad(prompt_ids, prompt_mask, pad_id)
     stops = sorted(set(stop_token_ids) | ({eos_id} if eos_id is not None else set()))
@@ -285,9 +374,12 @@ def generate_with_kv_cache(
     logps = torch.zeros((b, n_new), dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
     if n_new > 0 and b > 0:
+        # Training's positions: 0 at each row's first real token (pads clamp to 0; they are masked).
+        cols = torch.arange(p + n_new)
+        positions = (cols.unsqueeze(0) - (p - left_mask.sum(-1)).unsqueeze(1)).clamp(min=0)
         with actor._ctx(), sequence_parallel_off(actor.modules()):
             actor.eval()
-            engine = KVCacheGenerator(actor)
+            engine = KVCacheGenerator(actor, positions.to(actor.torch_device))
             _decode(
                 engine,
                 left,
@@ -335,17 +427,15 @@ def _decode(
     valid = left_mask.bool().to(dev)
     padded = not bool(valid.all())
     # Prefill each distinct prompt once; duplicate rows (rollout.n samples) copy its cache rows.
-    uniq, inverse = _unique_rows(left, left_mask)
+    uniq, inverse = unique_rows(left, left_mask)
     uniq, inverse = uniq.to(dev), inverse.to(dev)
-    ctx = StaticInferenceContext(max_batch_size=int(uniq.numel()), max_sequence_length=p + n_new)
-    logits = engine.forward(left.to(dev)[uniq], prefill_mask(valid[uniq]), ctx)
-    ctx.sequence_len_offset += p
+    logits = engine.forward(left.to(dev)[uniq], 0, uniq, prefill_mask(valid[uniq]))
     if uniq.numel() != b:
-        _select_cache_rows(ctx, inverse)
+        engine.select_rows(inverse)
         logits = logits[inverse] if logits is not None else None
-    active = torch.arange(b, device=dev)  # batch row of each cache row
+    active = torch.arange(b, device=dev)  # the batch row of each cache row
     done = torch.zeros(b, dtype=torch.bool, device=dev)
-    tok_dev = torch.zeros(b, dtype=torch.long, device=dev)
+    last_tok = torch.zeros(b, dtype=torch.long, device=dev)
     resp_dev = torch.zeros((b, n_new), dtype=torch.long, device=dev)
     lp_dev = torch.zeros((b, n_new), dtype=torch.float32, device=dev)
     mask_dev = torch.zeros((b, n_new), dtype=torch.bool, device=dev)
@@ -358,26 +448,24 @@ def _decode(
         resp_dev[rows, t] = tok[live]
         lp_dev[rows, t] = lp[live]
         mask_dev[rows, t] = True
-        tok_dev[active] = tok
+        last_tok[active] = tok
         if stops:
             done[rows] = torch.isin(tok[live], stop_t)
         if t == n_new - 1 or bool(done.all()):
             break
         still = ~done[active]
         if int(still.sum()) * 2 <= active.numel():
-            # Drop finished rows from the cache (a copy of the cache; at most log2(B) times per call).
+            # Drop finished rows from the cache (a copy of it; at most log2(B) times per call).
             keep = still.nonzero().squeeze(1)
-            _select_cache_rows(ctx, keep)
+            engine.select_rows(keep)
             active = active[keep]
-        # Keys of this decode step: the prompt (pads hidden) + every response token so far + the new one.
-        k_len = p + t + 1
+        # Keys of this step: the prompt (pads hidden), the response so far and the new token.
         mask = None
         if padded:
-            key_valid = torch.ones((active.numel(), k_len), dtype=torch.bool, device=dev)
+            key_valid = torch.ones((active.numel(), p + t + 1), dtype=torch.bool, device=dev)
             key_valid[:, :p] = valid[active]
             mask = ~key_valid[:, None, None, :]
-        logits = engine.forward(tok_dev[active].unsqueeze(1), mask, ctx)
-        ctx.sequence_len_offset += 1
+        logits = engine.forward(last_tok[active].unsqueeze(1), p + t, active, mask)
     # A row's response is every token sampled up to and including its stop token; the rest stays padding.
     filled = mask_dev.cpu()
     responses.copy_(torch.where(filled, resp_dev.cpu(), responses))
@@ -385,11 +473,13 @@ def _decode(
     logps.copy_(torch.where(filled, lp_dev.cpu(), logps))
 
 
-def _select_cache_rows(ctx: StaticInferenceContext, rows: torch.Tensor) -> None:
-    """Keep (or repeat) cache rows: row i of the new cache is row `rows[i]` of the old one."""
-    for layer, (k, v) in list(ctx.key_value_memory_dict.items()):
-        ctx.key_value_memory_dict[layer] = (k.index_select(1, rows), v.index_select(1, rows))
-    ctx.max_batch_size = int(rows.numel())
-
-
-__all__ = ["KVCacheGenerator", "generate_with_kv_cache", "left_pad", "prefill_mask", "sample_tokens"]
+__all__ = [
+    "KVCacheGenerator",
+    "generate_with_kv_cache",
+    "kv_cache_unsupported",
+    "left_pad",
+    "prefill_mask",
+    "sample_tokens",
+    "sequence_parallel_off",
+    "unique_rows",
+]

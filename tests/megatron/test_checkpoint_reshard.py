@@ -1,7 +1,7 @@
 """Checkpoints across parallel layouts: a save at one TP / PP / DP layout loads at another with identical
 log-probs, and with the optimizer state (fully_reshardable) the next update matches an uninterrupted run.
 
-One spawn of 2 gloo processes: each saves at TP=2 and at PP=2 x VPP=2 (then takes one more update, the
+One spawn of 2 gloo processes: each saves at TP=2, PP=2 x VPP=2 and DP=2 (then takes one more update, the
 uninterrupted reference), and loads the TP=1 checkpoint saved here at TP=2, PP=2 and DP=2 (distributed
 optimizer sharded over DP) and checks it against this process's uninterrupted continuation. This process
 then loads the workers' checkpoints at TP=1 and checks them against the workers' continuations.
@@ -30,7 +30,7 @@ pytestmark = [
 CONTENTS = ("model", "optimizer", "extra")
 # (name, tp, pp, vpp): saved by the 2 workers, loaded here at TP=1 (virtual pipeline chunks are saved
 # under megatron's model0 / model1 keys).
-SAVE_LAYOUTS = [("tp2", 2, 1, None), ("pp2_vpp2", 1, 2, 2)]
+SAVE_LAYOUTS = [("tp2", 2, 1, None), ("pp2_vpp2", 1, 2, 2), ("dp2", 1, 1, None)]
 LOAD_LAYOUTS = [("tp2", 2, 1, 1), ("pp2", 1, 2, 1), ("dp2", 1, 1, 2)]  # TP=1 checkpoint loaded by the workers
 
 
@@ -93,6 +93,14 @@ def _load_and_continue(hf_path: str, cfg, rl: dict, folder: Path, rows: slice) -
     return {"loaded": loaded, "cont": cont}
 
 
+def _dp_rows() -> slice:
+    """This rank's rows of the 8-row batch: data-parallel ranks split it."""
+    from megatron.core import parallel_state
+
+    dp, d = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
+    return slice(d * 8 // dp, (d + 1) * 8 // dp)
+
+
 def _worker(rank: int, world: int, port: int, hf_path: str, out_dir: str, rl: dict, ref: dict) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -113,13 +121,16 @@ def _run(rank: int, world: int, port: int, hf_path: str, out: Path, rl: dict, re
     for name, tp, pp, vpp in SAVE_LAYOUTS:
         cfg = _cfg(tp, pp, vpp)
         init_parallel(cfg.megatron, "cpu")
-        results[name] = _train_save_continue(hf_path, cfg, rl, out / name / "actor", slice(None))
+        rows = _dp_rows()
+        results[name] = {
+            **_train_save_continue(hf_path, cfg, rl, out / name / "actor", rows),
+            "rows": rows,
+        }
     for name, tp, pp, dp in LOAD_LAYOUTS:
         cfg = _cfg(tp, pp)
         init_parallel(cfg.megatron, "cpu")
         assert parallel_state.get_data_parallel_world_size() == dp
-        d = parallel_state.get_data_parallel_rank()
-        rows = slice(d * 8 // dp, (d + 1) * 8 // dp)
+        rows = _dp_rows()
         got = _load_and_continue(hf_path, cfg, rl, out / "tp1" / "actor", rows)
         torch.testing.assert_close(
             got["loaded"], ref["saved"][rows], atol=1e-5, rtol=1e-5, msg=f"load at {name}"
@@ -154,5 +165,8 @@ def test_reshard_tp_pp_dp_with_optimizer(mp_world, tiny_hf, tmp_path):
         meta = read_role_meta(tmp_path / name / "actor")
         assert meta["layout"]["world_size"] == 2
         got = _load_and_continue(str(tiny_hf), _cfg(), rl, tmp_path / name / "actor", slice(None))
-        torch.testing.assert_close(got["loaded"], results[name]["saved"], atol=1e-5, rtol=1e-5, msg=name)
-        torch.testing.assert_close(got["cont"], results[name]["cont"], atol=2e-4, rtol=2e-4, msg=name)
+        rows = results[name]["rows"]  # rank 0's rows (all of them unless the save was at DP=2)
+        torch.testing.assert_close(
+            got["loaded"][rows], results[name]["saved"], atol=1e-5, rtol=1e-5, msg=name
+        )
+        torch.testing.assert_close(got["cont"][rows], results[name]["cont"], atol=2e-4, rtol=2e-4, msg=name)

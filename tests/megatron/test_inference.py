@@ -1,0 +1,348 @@
+"""The KV-cache rollout engine (rltrain/megatron/inference.py) against the no-cache sampler it replaces.
+
+Single process (gloo world of 1): greedy parity with `generate(use_cache=False)` on left/right-padded
+prompts of different lengths, stop tokens, early exit and cache compaction, log-probs against
+`compute_log_prob`, n samples per prompt sharing one prefill, the SDPA core attention with a query shorter
+than the keys, and `sample_tokens` filters on crafted logits. One 2-process spawn checks TP=2 (with and
+without sequence parallel), PP=2 and PP=2 x VPP=2 against the single-process results.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import traceback
+
+import pytest
+import torch
+
+from ._common import actor_cfg, free_port, make_batch, tiny_model_cfg
+
+# megatron-core warns about missing apex / Transformer Engine and deprecated arguments on every build.
+_QUIET = [
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
+]
+pytestmark = _QUIET
+
+KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+@pytest.fixture(scope="module")
+def actor(mp_world, tiny_hf):
+    from rltrain.megatron.actor import MegatronActor
+
+    return MegatronActor(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", trainable=False)
+
+
+def _prompts(b: int = 6) -> torch.Tensor:
+    """Left-padded prompts of lengths 6, 5, 4, 6, 5, 4 (pad 0)."""
+    return make_batch(b=b)["input_ids"][:, :6]
+
+
+def _assert_same_batch(a: dict, b: dict, msg: str = "") -> None:
+    for key in KEYS:
+        assert torch.equal(a[key], b[key]), f"{msg}: {key}\n{a[key]}\n{b[key]}"
+    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5, rtol=1e-5)
+
+
+class _CountForwards:
+    """Records (rows, columns, start) of every cached forward."""
+
+    def __init__(self, monkeypatch) -> None:
+        from rltrain.megatron.inference import KVCacheGenerator
+
+        self.calls: list[tuple[int, int, int]] = []
+        inner = KVCacheGenerator.forward
+
+        def forward(engine, tokens, start, rows, mask):
+            self.calls.append((tokens.shape[0], tokens.shape[1], start))
+            return inner(engine, tokens, start, rows, mask)
+
+        monkeypatch.setattr(KVCacheGenerator, "forward", forward)
+
+
+# ------------------------------------------------------------------------------------ greedy parity
+def test_greedy_matches_no_cache_path_on_padded_prompts(actor):
+    prompts = _prompts()
+    old = actor.generate(prompts, 8, temperature=0.0, pad_id=0, use_cache=False)
+    new = actor.generate(prompts, 8, temperature=0.0, pad_id=0)
+    _assert_same_batch(old, new, "left-padded")
+    assert new["response_mask"].all()
+    # The same prompts right-padded (prompt_mask says where the tokens are) give the same batch.
+    mask = (prompts != 0).long()
+    lengths = mask.sum(-1)
+    right = torch.zeros_like(prompts)
+    for i, row in enumerate(prompts):
+        right[i, : lengths[i]] = row[row != 0]
+    right_mask = (torch.arange(6).unsqueeze(0) < lengths.unsqueeze(1)).long()
+    new_right = actor.generate(right, 8, temperature=0.0, pad_id=0, prompt_mask=right_mask)
+    _assert_same_batch(old, new_right, "right-padded")
+    # Unpadded prompts (no mask at all: SDPA's causal fast path in prefill, no mask in decode).
+    full = prompts[[0, 3]]
+    _assert_same_batch(
+        actor.generate(full, 5, temperature=0.0, use_cache=False), actor.generate(full, 5, temperature=0.0)
+    )
+
+
+def test_local_attention_backend_matches_too(mp_world):
+    """megatron's own DotProductAttention (not SDPA) under the cached path."""
+    from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.inference import kv_cache_unsupported
+    from rltrain.megatron.parallel import seed_parallel_rng
+
+    seed_parallel_rng(3)
+    local = MegatronActor(tiny_model_cfg(None, "local"), actor_cfg(), "cpu", trainable=False)
+    assert kv_cache_unsupported(local) is None
+    prompts = _prompts(4) % 32  # the random-init arch has a vocabulary of 32
+    _assert_same_batch(
+        local.generate(prompts, 6, temperature=0.0, use_cache=False),
+        local.generate(prompts, 6, temperature=0.0),
+        "local attention",
+    )
+
+
+# ------------------------------------------------------------------------------------ stop tokens
+def test_stop_tokens_compaction_and_early_exit(actor, monkeypatch):
+    prompts = _prompts()
+    free = actor.generate(prompts, 8, temperature=0.0, pad_id=0)["responses"]
+    # Rows 0-2 stop at their first token (EOS or an extra stop id): half the batch leaves the cache.
+    eos, extra = int(free[0, 0]), tuple(int(t) for t in free[1:3, 0])
+    assert not set(free[3:, 0].tolist()) & {eos, *extra}, "pick prompts whose first tokens differ"
+    counter = _CountForwards(monkeypatch)
+    # A pad id other than the prompts' 0: the prompt mask says which tokens are real.
+    kw = dict(temperature=0.0, pad_id=7, eos_id=eos, stop_token_ids=extra, prompt_mask=(prompts != 0).long())
+    new = actor.generate(prompts, 8, **kw)
+    old = actor.generate(prompts, 8, **kw, use_cache=False)
+    _assert_same_batch(old, new, "stops")
+    for i in range(3):
+        assert new["response_mask"][i].tolist() == [1] + [0] * 7
+        assert (new["responses"][i, 1:] == 7).all() and (new["rollout_log_probs"][i, 1:] == 0).all()
+    # Rows that never stop keep their free-running tokens.
+    later_stops = torch.isin(free[3:], torch.tensor([eos, *extra]))
+    for j, row in enumerate(range(3, 6)):
+        if not later_stops[j].any():
+            assert torch.equal(new["responses"][row], free[row])
+    # Decode steps after the first sample run on the 3 live rows only (the cache dropped rows 0-2).
+    assert counter.calls[0] == (6, 6, 0)
+    assert counter.calls[1][0] <= 3
+    # Every row stops at its first token: the prefill is the only forward, the tail is padding.
+    counter.calls.clear()
+    every = actor.generate(prompts, 8, temperature=0.0, pad_id=0, stop_token_ids=tuple(free[:, 0].tolist()))
+    assert counter.calls == [(6, 6, 0)]
+    assert every["response_mask"].sum(-1).tolist() == [1] * 6
+    assert every["attention_mask"].shape == (6, 14)
+
+
+# ------------------------------------------------------------------------------------ log-probs
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_log_probs_match_compute_log_prob(actor, temperature):
+    prompts = _prompts()
+    kw = dict(temperature=temperature, top_p=0.9, top_k=20, eos_id=5, pad_id=0, seed=3)
+    out = actor.generate(prompts, 8, **kw)
+    recomputed = actor.compute_log_prob(out, temperature=temperature, with_entropy=False)["log_probs"]
+    torch.testing.assert_close(out["rollout_log_probs"], recomputed, atol=1e-4, rtol=1e-4)
+    assert (out["rollout_log_probs"] < 0).any()
+    # Same seed: same samples, and the same uniforms as the no-cache path (same tokens).
+    assert torch.equal(actor.generate(prompts, 8, **kw)["responses"], out["responses"])
+    _assert_same_batch(actor.generate(prompts, 8, **kw, use_cache=False), out, "sampled")
+    other = actor.generate(prompts, 8, **{**kw, "seed": 4})
+    assert not torch.equal(other["responses"], out["responses"])
+
+
+# ------------------------------------------------------------------------------------ n samples
+def test_n_samples_per_prompt_share_one_prefill(actor, monkeypatch):
+    n = 4
+    unique = _prompts(3)
+    prompts = unique.repeat_interleave(n, 0)
+    counter = _CountForwards(monkeypatch)
+    greedy = actor.generate(prompts, 6, temperature=0.0, pad_id=0)
+    assert counter.calls[0] == (3, 6, 0), "each distinct prompt is prefilled once"
+    assert counter.calls[1] == (12, 1, 6), "then decoded as 12 rows"
+    ref = actor.generate(unique, 6, temperature=0.0, pad_id=0, use_cache=False)
+    for key in KEYS:
+        assert torch.equal(greedy[key], ref[key].repeat_interleave(n, 0)), key
+    sampled = actor.generate(prompts, 6, temperature=1.0, pad_id=0, seed=11)
+    groups = sampled["responses"].view(3, n, 6)
+    assert any(not torch.equal(g[0], g[k]) for g in groups for k in range(1, n)), (
+        "copies sample independently"
+    )
+    recomputed = actor.compute_log_prob(sampled, with_entropy=False)["log_probs"]
+    torch.testing.assert_close(sampled["rollout_log_probs"], recomputed, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------ attention
+def _reference_attention(q, k, v, allowed, scale):
+    """q [s, b, h, d], k/v [t, b, g, d]; allowed [s, t] bool -> [s, b, h*d]."""
+    rep = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(rep, 2)
+    v = v.repeat_interleave(rep, 2)
+    scores = torch.einsum("sbhd,tbhd->bhst", q, k) * scale
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.einsum("bhst,tbhd->sbhd", torch.softmax(scores, -1), v)
+    return out.reshape(q.shape[0], q.shape[1], -1)
+
+
+def test_sdpa_attention_with_a_query_shorter_than_the_keys(actor):
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from rltrain.megatron.model import SdpaAttention, unwrap
+
+    core = unwrap(actor.chunks[0]).decoder.layers[0].self_attention.core_attention
+    assert isinstance(core, SdpaAttention)
+    h, g = core.num_attention_heads_per_partition, core.num_query_groups_per_partition
+    d = core.hidden_size_per_attention_head
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, h, d, generator=gen)
+    k = torch.randn(5, 3, g, d, generator=gen)
+    v = torch.randn(5, 3, g, d, generator=gen)
+    scale = 1.0 / math.sqrt(d)
+    # Causal, no mask, 2 queries over 5 keys: the queries are keys 3 and 4 (bottom-right aligned).
+    allowed = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
+    out = core(q, k, v, None, attn_mask_type=AttnMaskType.causal)
+    torch.testing.assert_close(out, _reference_attention(q, k, v, allowed, scale), atol=1e-5, rtol=1e-5)
+    # Decode (megatron's no_mask): one query sees every key.
+    out = core(q[:1], k, v, None, attn_mask_type=AttnMaskType.no_mask)
+    ref = _reference_attention(q[:1], k, v, torch.ones(1, 5, dtype=torch.bool), scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # Square and causal: unchanged (SDPA's fast path).
+    out = core(q[:1].expand(5, -1, -1, -1), k, v, None)
+    ref = _reference_attention(q[:1].expand(5, -1, -1, -1), k, v, torch.ones(5, 5).tril().bool(), scale)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_mask_hides_pads_and_avoids_empty_rows():
+    from rltrain.megatron.inference import prefill_mask
+
+    valid = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]], dtype=torch.bool)
+    masked = prefill_mask(valid)
+    assert masked is not None and masked.shape == (2, 1, 4, 4)
+    allowed = ~masked[:, 0]
+    # Real queries see real keys up to themselves; pad queries see only themselves.
+    assert allowed[0].int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 1, 1]]
+    assert allowed[1].int().tolist() == torch.ones(4, 4).tril().int().tolist()
+    assert prefill_mask(torch.ones(2, 3, dtype=torch.bool)) is None
+
+
+# ------------------------------------------------------------------------------------ sampling filters
+def _support(logits: torch.Tensor, draws: int = 2000, **kw) -> torch.Tensor:
+    """Frequencies of each token over evenly spaced uniforms (inverse-CDF sampling is then exact)."""
+    from rltrain.megatron.inference import sample_tokens
+
+    u = (torch.arange(draws) + 0.5) / draws
+    tok, _ = sample_tokens(logits.expand(draws, -1), kw.pop("temperature", 1.0), uniform=u, **kw)
+    return torch.bincount(tok, minlength=logits.shape[-1]).float() / draws
+
+
+def test_sample_tokens_filters_on_crafted_logits():
+    from rltrain.megatron.inference import sample_tokens
+
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    torch.testing.assert_close(_support(logits), probs[0], atol=1e-3, rtol=0)
+    # top-k keeps the k most likely tokens, renormalised.
+    torch.testing.assert_close(
+        _support(logits, top_k=2), torch.tensor([0.625, 0.375, 0, 0]), atol=1e-3, rtol=0
+    )
+    # top-p keeps the smallest prefix whose mass reaches p (the top token always stays).
+    assert _support(logits, top_p=0.7).nonzero().flatten().tolist() == [0, 1]
+    assert _support(logits, top_p=0.85).nonzero().flatten().tolist() == [0, 1, 2]
+    assert _support(logits, top_p=0.5).nonzero().flatten().tolist() == [0]
+    # min-p drops tokens below min_p x the top probability.
+    assert _support(logits, min_p=0.5).nonzero().flatten().tolist() == [0, 1]
+    assert _support(logits, min_p=0.2).nonzero().flatten().tolist() == [0, 1, 2]
+    torch.testing.assert_close(
+        _support(logits, min_p=0.2), torch.tensor([0.5, 0.3, 0.15, 0]) / 0.95, atol=1e-3, rtol=0
+    )
+    assert _support(logits, top_k=3, min_p=0.5).nonzero().flatten().tolist() == [0, 1]
+    # Temperature sharpens; the log-prob is the temperature-scaled one before filtering.
+    sharp = _support(logits, temperature=0.5)
+    torch.testing.assert_close(sharp, torch.softmax(logits[0] / 0.5, -1), atol=1e-3, rtol=0)
+    tok, lp = sample_tokens(logits, 2.0, top_k=1, uniform=torch.tensor([0.9]))
+    assert tok.tolist() == [0]
+    torch.testing.assert_close(lp, torch.log_softmax(logits / 2.0, -1)[:, 0])
+    # Greedy: argmax and its log-prob at temperature 1.
+    tok, lp = sample_tokens(torch.tensor([[0.1, 0.2, 5.0, 0.3]]), 0.0)
+    assert tok.tolist() == [2]
+    torch.testing.assert_close(lp, torch.log_softmax(torch.tensor([0.1, 0.2, 5.0, 0.3]), -1)[2:3])
+    # A draw of exactly 0 never lands on a filtered (zero-probability) token.
+    tok, _ = sample_tokens(torch.tensor([[0.1, 0.2, 5.0, 0.3]]), 1.0, top_k=1, uniform=torch.zeros(1))
+    assert tok.tolist() == [2]
+    # A seeded generator is reproducible.
+    many = torch.randn(16, 50, generator=torch.Generator().manual_seed(1))
+    a, _ = sample_tokens(many, 1.0, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    b, _ = sample_tokens(many, 1.0, top_p=0.9, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+
+
+def test_min_p_needs_the_cached_path(actor):
+    prompts = _prompts(2)
+    out = actor.generate(prompts, 3, temperature=1.0, min_p=0.3, seed=1)
+    recomputed = actor.compute_log_prob(out, with_entropy=False)["log_probs"]
+    torch.testing.assert_close(out["rollout_log_probs"], recomputed, atol=1e-4, rtol=1e-4)
+    with pytest.raises(NotImplementedError):
+        actor.generate(prompts, 3, min_p=0.3, use_cache=False)
+
+
+# ------------------------------------------------------------------------------------ TP / PP
+LAYOUTS = [  # (name, tp, pp, vpp, sequence_parallel)
+    ("tp2", 2, 1, None, False),
+    ("tp2_sp", 2, 1, None, True),
+    ("pp2", 1, 2, None, False),
+    ("pp2_vpp2", 1, 2, 2, False),
+]
+
+
+def _layout_worker(rank: int, world: int, port: int, hf_path: str, ref: dict) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        _check_layouts(rank, world, port, hf_path, ref)
+    except Exception:
+        traceback.print_exc()  # mp.spawn reports only the exception type of a child otherwise
+        raise
+
+
+def _check_layouts(rank: int, world: int, port: int, hf_path: str, ref: dict) -> None:
+    from dataclasses import replace
+
+    from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    for name, tp, pp, vpp, sp in LAYOUTS:
+        cfg = actor_cfg(tp, pp, vpp)
+        cfg = replace(cfg, megatron=replace(cfg.megatron, sequence_parallel=sp))
+        init_parallel(cfg.megatron, "cpu")
+        actor = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
+        greedy = actor.generate(ref["prompts"], 8, temperature=0.0, pad_id=0)
+        for key in KEYS:
+            assert torch.equal(greedy[key], ref["greedy"][key]), (name, key)
+        sampled = actor.generate(ref["prompts"], 8, **ref["sample_kw"])
+        assert torch.equal(sampled["responses"], ref["sampled"]), name
+        torch.testing.assert_close(sampled["rollout_log_probs"], ref["sampled_lp"], atol=1e-4, rtol=1e-4)
+        lp = actor.compute_log_prob(sampled, with_entropy=False)["log_probs"]
+        torch.testing.assert_close(sampled["rollout_log_probs"], lp, atol=1e-4, rtol=1e-4, msg=name)
+        # Sequence parallel is back on for training after generation.
+        assert actor.config.sequence_parallel is sp, name
+        del actor
+    destroy_parallel()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_tp_and_pp_layouts_match_single_process(actor):
+    # 8 prompts: the no-cache reference path under VPP needs >= PP micro-batches of 2 rows.
+    prompts = make_batch(b=8)["input_ids"][:, :6]
+    sample_kw = dict(temperature=1.0, top_p=0.95, eos_id=5, pad_id=0, seed=7)
+    greedy = actor.generate(prompts, 8, temperature=0.0, pad_id=0, use_cache=False)
+    sampled = actor.generate(prompts, 8, **sample_kw)
+    ref = {
+        "prompts": prompts,
+        "greedy": greedy,
+        "sample_kw": sample_kw,
+        "sampled": sampled["responses"],
+        "sampled_lp": sampled["rollout_log_probs"],
+    }
+    hf_path = actor.model_cfg.path
+    torch.multiprocessing.spawn(_layout_worker, args=(2, free_port(), hf_path, ref), nprocs=2, join=True)
