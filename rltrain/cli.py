@@ -61,9 +61,22 @@ _BOOL_WORDS = {"true": "True", "yes": "True", "on": "True", "1": "True",
 
 
 def _normalize_bools(args: Sequence[str]) -> list[str]:
-    """YAML spellings of booleans (`true`, `false`, ...) for boolean flags, which tyro takes as True/False."""
+    """YAML spellings users type for flags, in the form tyro takes: booleans (`true`, `no`, ...) become
+    True/False, and a YAML list (`--profile.ranks [0, 1]`) becomes separate values."""
     bool_flags = {f"--{leaf.path}" for leaf in iter_leaves(RLConfig) if leaf.type is bool}
-    out = list(args)
+    list_flags = {
+        f"--{leaf.path}" for leaf in iter_leaves(RLConfig) if getattr(leaf.type, "__origin__", None) is tuple
+    }
+    out: list[str] = []
+    for i, token in enumerate(args):
+        prev = args[i - 1] if i else ""
+        if prev in list_flags and token.startswith("["):
+            from rlconf.load import parse_yaml
+
+            items = parse_yaml(token, source=f"flag {prev}")
+            out.extend(str(v) for v in items) if isinstance(items, list) else out.append(token)
+        else:
+            out.append(token)
     for i, token in enumerate(out):
         name, eq, value = token.partition("=")
         if name in bool_flags:

@@ -23,6 +23,7 @@ from rlconf.config import RLConfig
 from rlconf.load import config_to_dict, dump_yaml
 from rlconf.plan import TrainerPlan, plan_to_dict
 from rltrain import algorithms
+from rltrain.checkpoint import CheckpointRegistry, Resume
 from rltrain.data import PromptBatch, left_pad
 from rltrain.metrics import REWARD_PLOT, MetricsLogger, plot_reward_curve
 from rltrain.profiling import Profiler, nsys_command, write_summary
@@ -44,6 +45,12 @@ class Trainer:
         self.out.mkdir(parents=True, exist_ok=True)
         (self.out / "config.yaml").write_text(dump_yaml(config_to_dict(config)))
         (self.out / "plan.json").write_text(json.dumps(plan_to_dict(plan), indent=2) + "\n")
+
+        # Checkpoints: drop what a crash left half-written, and find where to resume, before any worker
+        # starts (a bad trainer.resume_from_path fails here, in seconds).
+        self.ckpt = CheckpointRegistry.from_plan(plan)
+        self.ckpt.cleanup_incomplete()
+        self.resume = self.ckpt.resolve_resume(plan) if plan.checkpoint.roles else None
 
         self.tokenizer = load_tokenizer(cfg.model)
         self.reward_fn = load_reward_function(cfg.reward.function)
@@ -80,6 +87,49 @@ class Trainer:
         pending = [(g, [w.init_model.remote() for w in g.workers]) for g in self.groups.values()]
         for group, refs in pending:
             group.wait(refs)
+        self.start_step = 1
+        if self.resume is not None:
+            self._load(self.resume)
+
+    # ------------------------------------------------------------------------------------ checkpoints
+    def _trained_groups(self) -> dict[str, WorkerGroup]:
+        return {role: g for role, g in self.groups.items() if role in ("actor", "critic")}
+
+    def _load(self, resume: Resume) -> None:
+        folders = {role: str(resume.role_folder(role)) for role in self._trained_groups()}
+        extras = [g.call("load_checkpoint", per_rank_args=[(folders,)] * g.world_size)[0]
+                  for g in self._trained_groups().values()]  # fmt: skip
+        extra = extras[0]
+        self.train_data.load_state_dict(extra["dataloader"])
+        self.kl_ctrl.load_state_dict(extra["kl_ctrl"])
+        self.start_step = int(extra["step"]) + 1
+        print(f"resumed from {resume.folder} (step {extra['step']})", flush=True)
+
+    def _save(self, step: int) -> None:
+        staging = self.ckpt.begin(step)
+        extra = {
+            "step": step,
+            "dataloader": self.train_data.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+        }
+        try:
+            for group in self._trained_groups().values():
+                group.call("save_checkpoint", per_rank_args=[(staging, extra)] * group.world_size)
+        except WorkerError:
+            self.ckpt.abort(step)
+            raise
+        self._finalize_saves(blocking=False)
+
+    def _finalize_saves(self, blocking: bool) -> None:
+        """Commit every staged save whose roles all finished writing (wait for them when blocking)."""
+        if not self.ckpt.pending_steps():
+            return
+        for group in self._trained_groups().values():
+            group.call("finalize_checkpoint", per_rank_args=[(blocking,)] * group.world_size)
+        for step in self.ckpt.pending_steps():
+            if self.ckpt.ready(step):
+                self.ckpt.commit(step)
+                self.ckpt.apply_retention(self.cfg.trainer.max_ckpt_to_keep)
 
     # ------------------------------------------------------------------------------------ dispatch
     def _dispatch(
@@ -237,8 +287,10 @@ class Trainer:
     # ------------------------------------------------------------------------------------ the loop
     def fit(self) -> None:
         cfg = self.cfg.trainer
-        start = 1
+        start = self.start_step
+        # A resumed run redoes the steps after its checkpoint: their old lines go, so no step appears twice.
         self.logger.truncate_after(start - 1)
+        save_steps = set(self.plan.checkpoint.save_steps)
         # Validation before training is logged with the first step, as `val_before/...`, so every line of
         # metrics.jsonl is a training step.
         before = {f"val_before/{k.removeprefix('val/')}": v for k, v in self.validate().items()} if (
@@ -250,8 +302,14 @@ class Trainer:
                 metrics.update(before)
             if cfg.test_freq and (step % cfg.test_freq == 0 or step == cfg.total_steps):
                 metrics.update(self.validate())
+            self._finalize_saves(blocking=False)  # commit background saves that finished meanwhile
+            if step in save_steps:
+                t_save = time.perf_counter()
+                self._save(step)
+                metrics["timing/save_checkpoint_s"] = time.perf_counter() - t_save
             metrics["timing/step_s"] = time.perf_counter() - t0
             self.logger.log(step, metrics)
+        self._finalize_saves(blocking=True)  # never exit with a save still being written
         self.reward_profiler.close()
         self.logger.close()
         if self.plan.profile.enabled:

@@ -55,6 +55,37 @@ class MegatronWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def engines(self) -> dict[str, Any]:
+        """The trained engines of this process by role (checkpointed)."""
+        return {}
+
+    # ------------------------------------------------------------------ checkpoints (rltrain.checkpoint)
+    def save_checkpoint(self, folders: dict[str, str], extra: dict[str, Any]) -> bool:
+        """Write this rank's part of each engine's checkpoint; True when complete, False while async."""
+        from rltrain.checkpoint import role_contents, save_engine
+
+        done = True
+        for role, engine in self.engines().items():
+            contents, _, async_save = role_contents(self.plan, role)
+            done &= save_engine(engine, folders[role], contents, extra, async_save)
+        return done
+
+    def finalize_checkpoint(self, blocking: bool = False) -> list[str]:
+        """Finish background saves (all when blocking); returns the folders that completed."""
+        from rltrain.checkpoint import finalize_pending
+
+        return finalize_pending(blocking)
+
+    def load_checkpoint(self, folders: dict[str, str]) -> dict[str, Any]:
+        """Restore each engine from its checkpoint folder; returns the controller's extra state."""
+        from rltrain.checkpoint import load_engine, role_contents
+
+        extra: dict[str, Any] = {}
+        for role, engine in self.engines().items():
+            _, contents, _ = role_contents(self.plan, role)
+            extra = load_engine(engine, folders[role], contents)
+        return extra
+
     def finish(self) -> None:
         self.profiler.close()
 
@@ -184,6 +215,3 @@ class RewardModelWorker(MegatronWorker):
             ext["attention_mask"][idx, prompt_cols + resp_len] = 1
             values = self.model.compute_values(ext)
             return values[idx, resp_len].float()
-
-    def engines(self) -> dict[str, Any]:
-        return {"reward_model": self.model}

@@ -85,3 +85,33 @@ def test_reward_rises_on_the_tiny_task(tmp_path):
     rewards = [r["reward/mean"] for r in metrics(out)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > 2 * first and last > first + 0.1, (first, last)
+
+
+def test_resume_continues_exactly_and_exports_hf(tmp_path):
+    """Stop after step 4 (checkpoints every 2, keep 1), rerun to step 6: the run resumes from step 4 and
+    steps 5-6 match an uninterrupted 6-step run exactly; the HF export loads in transformers."""
+    common = ["--trainer.save_freq", "2", "--trainer.val_before_train", "false", "--trainer.test_freq", "0"]
+    out, ref = tmp_path / "resumed", tmp_path / "straight"
+    first = rltrain("tiny-grpo", "--trainer.total_steps", "4", "--trainer.output_dir", str(out),
+                    "--trainer.max_ckpt_to_keep", "1",
+                    "--actor.checkpoint.save_contents", "[model, optimizer, extra, hf_model]", *common)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    ckpts = out / "checkpoints"
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert sorted(p.name for p in ckpts.glob("global_step_*")) == ["global_step_4"]  # retention kept 1
+    assert (ckpts / "global_step_4" / "COMPLETE").exists()
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpts / "global_step_4" / "actor" / "huggingface")
+    assert model.config.num_hidden_layers == 2
+
+    second = rltrain("tiny-grpo", "--trainer.total_steps", "6", "--trainer.output_dir", str(out), *common)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    straight = rltrain("tiny-grpo", "--trainer.total_steps", "6", "--trainer.output_dir", str(ref), *common)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    resumed_rows, straight_rows = metrics(out), metrics(ref)
+    assert [r["step"] for r in resumed_rows] == [1, 2, 3, 4, 5, 6]
+    for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
+        assert [r[key] for r in resumed_rows] == [r[key] for r in straight_rows], key

@@ -4,7 +4,9 @@
 data-parallel rank's share of a batch (layout: rltrain/megatron/engine.py). Every method runs through
 megatron's pipeline schedules (`get_forward_backward_func`), so TP, PP and virtual PP behave alike, and
 returns its results on every rank. The losses come from rltrain.algorithms (one tested definition shared
-with the controller). The same class serves the frozen reference policy (`optim=None`).
+with the controller). The same class serves the frozen reference policy (`trainable=False`: parameters
+only, no DDP gradient buffer, no optimizer; `init_from=actor` starts it from the actor's weights).
+Log-probs and entropy are computed from the vocabulary-parallel logits in token chunks (logprob.py).
 """
 
 from __future__ import annotations

@@ -207,7 +207,8 @@ class MegatronEngine:
 
     @torch.no_grad()
     def copy_weights_from(self, other: MegatronEngine) -> None:
-        """Copy another engine's parameters (same architecture and TP/PP layout) into this one."""
+        """Copy another engine's parameters (same architecture and TP/PP layout) into this one (the other
+        engine's parameters are reloaded first if they were offloaded)."""
         for mine, theirs in zip(self.modules(), other.modules(), strict=True):
             src = dict(theirs.named_parameters())
             dst = dict(mine.named_parameters())

@@ -9,8 +9,7 @@ of its rows are still running). Each sampled token comes with its log-prob under
 distribution before filtering (`rollout_log_probs`), which is what `compute_log_prob` recomputes at the
 same temperature.
 
-Design (issue 5 item 5). Two candidates were built and measured (bench/rollout_cpu.py: 2-core CPU, one
-thread, fp32, random weights, greedy, generated tokens/s; the no-cache path is the old `generate`):
+Design (issue 5 item 5). Two candidates were built and measured (bench/rollout_cpu.py):
 
   (1) megatron-core's static inference path: `StaticInferenceContext` passed as `inference_context` to
       `GPTModel.forward`; megatron's `Attention` appends to a per-layer cache, keeps the keys *before* RoPE
@@ -21,20 +20,25 @@ thread, fp32, random weights, greedy, generated tokens/s; the no-cache path is t
       `linear_proj`, the bias-dropout-add functions, MLP, final norm, output layer), keys cached after RoPE
       at each row's training positions (0 at its first real token).
 
-                          no-cache   (1) megatron   (1) + per-row RoPE   (2) this module
-  tiny  B64 P16 N32           2.2k          9.3k                 7.9k             12.3k
-  wide  B64 P32 N64           0.14k         2.8k                 2.2k              3.3k
-  (3 of the 4096 "wide" greedy tokens of (1) differed from the no-cache path after a near-tie (top-2 logit
-  gap 5e-6) flipped by the position shift; (2) matched all of them.) (1)'s extra cost is megatron's
-  per-layer Python (inference checks, offload/NVTX hooks) and re-rotating the cached keys; giving (1)
-  exact per-row positions costs more (cos/sin of [prefix, rows] per layer per step). (2) is chosen:
-  faster, exact training positions, and one decode step is a plain function of fixed-size buffers, which
-  is what CUDA-graph capture (issue 10) needs. Its cost is a second copy of the layer *composition*
-  (norm -> attention -> residual -> norm -> MLP -> residual; all math is megatron's modules);
-  `kv_cache_unsupported` names every layer feature it does not follow (cross attention, MLA, attention
-  output gate, non-RoPE positions, Transformer Engine / custom core attention, context parallel) and
-  `MegatronActor.generate` then uses the no-cache path instead; the tests compare with the no-cache path
-  (megatron's own forward) in every layout.
+  Generated tokens/s, greedy, 2-core CPU, one thread, fp32, random weights; "bare" = the same greedy loop
+  without sampling, prompt sharing or compaction for both designs (the like-for-like pair):
+
+                                   no-cache  (1) bare  (1) bare, per-row RoPE  (2) bare  (2) engine
+  tiny  4x64,   B64 P16  N32          1.9k      9.3k                   8.0k      13.1k      12.1k
+  wide  4x256,  B64 P32  N64          0.14k     2.5k*                  1.7k       3.1k       3.0k
+  grpo  4x256,  8x8 rows P128 N32     0.05k     1.0k                   0.9k       1.2k       2.6k
+  * 3 of 4096 tokens differ from the no-cache path: a near-tie (top-2 logit gap 5e-6) flipped by the
+    position shift; (2) matched every token in every case.
+
+  (2) is chosen: 1.2-1.4x faster than (1) like for like (megatron's per-layer inference bookkeeping and
+  the re-rotation of the cached keys; exact positions would cost (1) another 15-30%), exact training
+  positions, and the decode step is our own code, so it can later be made shape-static and captured in a
+  CUDA graph (issue 10), which megatron's static path only allows with flash-decode. Its cost is a second
+  copy of the layer *composition* (norm -> attention -> residual -> norm -> MLP -> residual; all math is
+  megatron's modules): `kv_cache_unsupported` names every layer feature it does not follow (cross
+  attention, MLA, attention output gate, non-RoPE positions, Transformer Engine / custom core attention,
+  context parallel), `MegatronActor.generate` then takes the no-cache path, and the tests compare with
+  the no-cache path (megatron's own forward) in every layout.
 
 Parallelism: every TP rank runs the same steps (megatron's column/row-parallel modules do the TP
 communication) and the logits are all-gathered over TP (`runtime_gather_output`); every rank samples with
