@@ -106,14 +106,13 @@ class PolicyWorker(MegatronWorker):
         if "ref" in self.plan.roles:
             ref_micro = cfg.ref.log_prob_micro_batch_size_per_gpu
             ref_cfg = dataclasses.replace(cfg.actor, log_prob_micro_batch_size_per_gpu=ref_micro)
+            # The reference policy is the actor's starting point: its weights are copied from the actor
+            # (parameters only, no optimizer or gradient buffers).
             self.ref = MegatronActor(
                 cfg.model, ref_cfg, cfg.cluster.device, megatron_cfg=cfg.ref.megatron, trainable=False,
-                rollout_n=cfg.rollout.n,
+                rollout_n=cfg.rollout.n, init_from=self.actor,
             )  # fmt: skip
-            # The reference policy is the actor's starting point: copy the weights instead of trusting that
-            # two random inits with one seed agree.
-            for ref_m, act_m in zip(self.ref.modules(), self.actor.modules(), strict=True):
-                ref_m.load_state_dict(act_m.state_dict(), strict=False)
+            self.ref.offload_for_other_roles()
         return {"vocab_size": self.actor.vocab_size, "dp_size": self.actor.dp_size}
 
     def generate_sequences(self, prompts: dict[str, torch.Tensor], validate: bool = False) -> dict:
@@ -127,6 +126,7 @@ class PolicyWorker(MegatronWorker):
                 temperature=r.val.temperature if validate else r.temperature,
                 top_p=r.val.top_p if validate else r.top_p,
                 top_k=-1 if validate else r.top_k,
+                min_p=0.0 if validate else r.min_p,
                 eos_id=tok.eos_token_id,
                 pad_id=tok.pad_token_id,
                 prompt_mask=prompt_mask,
@@ -146,7 +146,11 @@ class PolicyWorker(MegatronWorker):
 
     def update_actor(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         with self.profiler.profiled("actor_update"):
-            return self.actor.update_policy(batch)
+            # Old log-probs were computed at the rollout temperature: the PPO ratio must use the same.
+            metrics = self.actor.update_policy(batch, temperature=self.cfg.rollout.temperature)
+            # Grads and optimizer state may leave the device; the weights stay for the next rollout.
+            self.actor.offload_for_other_roles(keep_params=True)
+            return metrics
 
     def _tokenizer(self):
         if not hasattr(self, "_tok"):
@@ -174,11 +178,15 @@ class CriticWorker(MegatronWorker):
 
     def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         with self.profiler.profiled("critic_compute_values"):
-            return self.critic.compute_values(batch)
+            values = self.critic.compute_values(batch)
+            self.critic.offload_for_other_roles()
+            return values
 
     def update_critic(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
         with self.profiler.profiled("critic_update"):
-            return self.critic.update_critic(batch)
+            metrics = self.critic.update_critic(batch)
+            self.critic.offload_for_other_roles()
+            return metrics
 
     def engines(self) -> dict[str, Any]:
         return {"critic": self.critic}
