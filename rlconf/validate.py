@@ -195,6 +195,27 @@ def world_divisible(c: RLConfig) -> Iterator[Issue]:
             )
 
 
+@rule("engine-support", "*.megatron.context_parallel_size", "*.megatron.expert_model_parallel_size")
+def engine_support(c: RLConfig) -> Iterator[Issue]:
+    """Layouts the Megatron engine does not run yet: context parallel (the packed batch layout does not split
+    sequences) and expert parallel (the built-in architectures have no MoE layers)."""
+    for prefix, m, _ in _megatron_roles(c):
+        if m.context_parallel_size > 1:
+            yield error(
+                f"{prefix}.megatron.context_parallel_size",
+                "context parallel is not supported by the rlplan Megatron engine yet",
+                "use context_parallel_size: 1 (raise tensor or pipeline parallel size instead)",
+                "engine-support",
+            )
+        if m.expert_model_parallel_size > 1:
+            yield error(
+                f"{prefix}.megatron.expert_model_parallel_size",
+                "expert parallel needs mixture-of-experts layers, which the built-in architectures do not have",
+                "use expert_model_parallel_size: 1",
+                "engine-support",
+            )
+
+
 @rule(
     "rollout-engine",
     "rollout.engine",

@@ -26,6 +26,32 @@ Two halves, one per process kind:
 So a crash at any point leaves the previous checkpoint and the latest file untouched. The checkpoint folder
 must be on a filesystem that every rank and the controller see (one node, or a shared filesystem).
 Megatron is imported lazily: the controller uses the registry without paying for `import megatron.core`.
+
+Manifests: every file's size; small files (<= 1 MiB) also a sha256; large ones (tensor shards, safetensors) a
+sampled digest (sha256 over the size and 16 blocks of 64 KiB spread over the file). Hashing whole tensor files
+would cost a minute per save of a 7B model; the sampled digest costs a few reads per file and still catches
+truncation, zero-filled pages (what a power loss leaves of unflushed data) and damage at either end, though
+not every flipped bit in between. Commit, resume and `load_engine` verify against it; a mismatch names the file.
+
+Resume (`trainer.resume_mode: auto`): the checkpoint committed last (COMPLETE marker mtime, step as the
+tie-break), i.e. the latest file's step unless a newer commit happened after the latest file was written (a
+crash between the rename and the latest-file update). A user who edits the latest file to an older step
+makes it newer than every marker, so that edit is honoured. A checkpoint that fails verification is skipped
+with a warning naming the file, and the next one down is used.
+
+Fault injection (tests only; production never sets it): `RLPLAN_CHECKPOINT_FAULT=POINT[@STEP]` makes the
+process that reaches POINT (for the checkpoint of STEP, or of any step) SIGKILL every process of its session
+that carries the variable (the trainer, Ray's daemons and workers, a background checkpoint writer) and then
+itself, as `kill -9` of the whole job would. Start the job in a session of its own (`start_new_session=True`).
+Points, in the order a save passes them:
+
+    during_async_write  worker: the background writer of an async save has just been started
+    before_manifest     worker: every file of the role is written, its manifest is not
+    before_complete     controller: every manifest is verified, the COMPLETE marker is not written
+    before_rename       controller: COMPLETE is written in the staging folder, not yet renamed to global_step_N
+    before_latest       controller: global_step_N is in place, the latest file still names the previous step
+    during_retention    controller: the old checkpoint of STEP is renamed to global_step_N.del-* for deletion
+                        and not yet deleted
 """
 
 from __future__ import annotations
@@ -67,9 +93,20 @@ RNG_DIR = "rng"
 HF_DIR = "huggingface"
 # The distributed optimizer's format that reloads under any TP / PP / DP layout (model-space tensors).
 OPTIM_SHARDING = "fully_reshardable"
-# Files up to this size get a sha256 in the manifest (metadata, JSON, RNG); larger ones a size only, so that
-# verification stays a stat() per tensor file.
+# Files up to this size get a sha256 in the manifest (metadata, JSON, RNG); larger ones a sampled digest of
+# _SAMPLE_BLOCKS x _SAMPLE_BYTES (see the module docstring), so that verification stays a few reads per file.
 _SHA_LIMIT = 1 << 20
+_SAMPLE_BLOCKS = 16
+_SAMPLE_BYTES = 64 << 10
+FAULT_ENV = "RLPLAN_CHECKPOINT_FAULT"
+FAULT_POINTS = (
+    "during_async_write",
+    "before_manifest",
+    "before_complete",
+    "before_rename",
+    "before_latest",
+    "during_retention",
+)
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
 # Leftovers of a save (tmp), of replacing a step that already existed (old) and of retention (del).
 _WORK_DIR = re.compile(r"^global_step_(\d+)\.(tmp|old|del)-([0-9a-z]+)$")
@@ -130,6 +167,49 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _sampled_sha256(path: Path, size: int, blocks: int = _SAMPLE_BLOCKS, block: int = _SAMPLE_BYTES) -> str:
+    """sha256 over `size` and `blocks` blocks spread evenly from the first byte to the last."""
+    h = hashlib.sha256(str(size).encode())
+    last = max(size - block, 0)
+    offsets = sorted({last * i // max(blocks - 1, 1) for i in range(blocks)})
+    with open(path, "rb") as f:
+        for offset in offsets:
+            f.seek(offset)
+            h.update(f.read(block))
+    return h.hexdigest()
+
+
+def _fault(point: str, step: int | None = None) -> None:
+    """Test-only fault injection (see the module docstring): a no-op unless RLPLAN_CHECKPOINT_FAULT names
+    `point`. An unknown point name is an error, so a typo cannot make a crash test pass without crashing."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    name, _, at = spec.partition("@")
+    if name not in FAULT_POINTS or (at and not at.isdigit()):
+        raise CheckpointError(
+            f"{FAULT_ENV}={spec}: expected POINT[@STEP] with POINT one of {', '.join(FAULT_POINTS)}"
+        )
+    if name != point or (at and step != int(at)):
+        return
+    logger.warning("%s=%s: killing this job at %s (step %s)", FAULT_ENV, spec, point, step)
+    _kill_session()
+
+
+def _kill_session() -> None:
+    """SIGKILL every process of this session that carries FAULT_ENV (the job's processes), then this one."""
+    import signal
+
+    import psutil
+
+    me, sid = os.getpid(), os.getsid(0)
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):
+            if proc.pid != me and os.getsid(proc.pid) == sid and FAULT_ENV in proc.environ():
+                os.kill(proc.pid, signal.SIGKILL)
+    os.kill(me, signal.SIGKILL)
+
+
 def _walk_files(root: Path) -> Iterator[Path]:
     for dirpath, _, files in os.walk(root):
         for name in files:
@@ -137,7 +217,7 @@ def _walk_files(root: Path) -> Iterator[Path]:
 
 
 def build_manifest(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
-    """{relative path: {size, sha256 (small files only)}} of every file under `folder` except the manifest."""
+    """{relative path: {size, sha256 | sampled_sha256}} of every file under `folder` except the manifest."""
     root = Path(folder)
     files: dict[str, dict[str, Any]] = {}
     for path in sorted(_walk_files(root)):
@@ -148,6 +228,9 @@ def build_manifest(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
         entry: dict[str, Any] = {"size": size}
         if size <= _SHA_LIMIT:
             entry["sha256"] = _sha256(path)
+        else:
+            entry["sampled_sha256"] = _sampled_sha256(path, size)
+            entry["sample"] = [_SAMPLE_BLOCKS, _SAMPLE_BYTES]  # how it was taken, for later verification
         files[rel] = entry
     return files
 
@@ -172,7 +255,9 @@ def write_manifest(folder: str | os.PathLike, role: str) -> dict[str, Any]:
 
 
 def verify_manifest(folder: str | os.PathLike, full: bool = True) -> list[str]:
-    """Problems of a role folder against its manifest (empty when intact). `full` also re-hashes small files."""
+    """Problems of a role folder against its manifest (empty when intact), each naming its file.
+
+    Sizes are always checked; `full` also re-hashes small files and re-takes the sampled digests."""
     root = Path(folder)
     mpath = root / MANIFEST
     if not mpath.is_file():
@@ -190,9 +275,13 @@ def verify_manifest(folder: str | os.PathLike, full: bool = True) -> list[str]:
             continue
         size = path.stat().st_size
         if size != entry["size"]:
-            problems.append(f"{path}: {size} bytes, manifest says {entry['size']}")
+            problems.append(f"{path}: {size} bytes, manifest says {entry['size']} (truncated or overwritten)")
         elif full and "sha256" in entry and _sha256(path) != entry["sha256"]:
             problems.append(f"{path}: content differs from the manifest (sha256)")
+        elif full and "sampled_sha256" in entry:
+            blocks, block = entry.get("sample", (_SAMPLE_BLOCKS, _SAMPLE_BYTES))
+            if _sampled_sha256(path, size, blocks, block) != entry["sampled_sha256"]:
+                problems.append(f"{path}: content differs from the manifest (sampled sha256)")
     return problems
 
 
@@ -456,6 +545,7 @@ class _Pending:
     role: str
     expected: list[str]
     device: str
+    step: int | None = None
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -495,11 +585,12 @@ def _expected_files(contents: Sequence[str], world: int, has_dist: bool, hf: boo
     return files
 
 
-def _finish_role(folder: Path, role: str, expected: Sequence[str]) -> None:
+def _finish_role(folder: Path, role: str, expected: Sequence[str], step: int | None = None) -> None:
     """Collective: once every rank's files are written, rank 0 verifies them and writes the manifest."""
     _barrier()
     problem = None
     if _dist_rank() == 0:
+        _fault("before_manifest", step)
         missing = [rel for rel in expected if not (folder / rel).is_file()]
         hf = folder / HF_DIR
         if hf.is_dir() and not any(hf.glob("*.safetensors")):
@@ -563,6 +654,8 @@ def save_engine(
         )
         hf = False
     finalize_pending(blocking=True)
+    step = (extra or {}).get("step")
+    step = step if isinstance(step, int) else None  # only names the save for fault injection
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     rank, world = _dist_rank(), _dist_world()
@@ -632,12 +725,13 @@ def save_engine(
         queue = _ASYNC.get_queue()
         with device_context(engine.device):
             idx = queue.schedule_async_request(request)
-        _ASYNC.pending[idx] = _Pending(idx, folder, role, expected, engine.device)
+        _ASYNC.pending[idx] = _Pending(idx, folder, role, expected, engine.device, step)
+        _fault("during_async_write", step)
         timings["blocking_s"] = time.perf_counter() - t0
         _LAST_TIMINGS.clear()
         _LAST_TIMINGS.update(timings)
         return False
-    _finish_role(folder, role, expected)
+    _finish_role(folder, role, expected, step)
     timings["total_s"] = time.perf_counter() - t0
     _LAST_TIMINGS.clear()
     _LAST_TIMINGS.update(timings)
@@ -675,7 +769,7 @@ def finalize_pending(blocking: bool = False) -> list[str]:
     out = []
     for idx in done:
         entry = _ASYNC.pending.pop(idx)
-        _finish_role(entry.folder, entry.role, entry.expected)
+        _finish_role(entry.folder, entry.role, entry.expected, entry.step)
         _LAST_TIMINGS["async_total_s"] = time.perf_counter() - entry.started
         out.append(str(entry.folder))
     return out
@@ -691,6 +785,16 @@ def _versions() -> dict[str, str]:
 
 
 # ------------------------------------------------------------------------------------ load
+def damaged_error(folder: str | os.PathLike, problems: Sequence[str]) -> CheckpointError:
+    """The error for a checkpoint whose files do not match its manifest: the first file named, and the fix."""
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return CheckpointError(
+        f"{problems[0]}{more}: the checkpoint in {folder} is damaged and cannot be loaded; resume from another "
+        "one (trainer.resume_mode: auto skips damaged checkpoints; or set trainer.resume_from_path to an "
+        "intact checkpoints/global_step_N)"
+    )
+
+
 def read_role_meta(folder: str | os.PathLike) -> dict[str, Any]:
     """meta.json of a role folder; CheckpointError when the role's save never completed."""
     folder = Path(folder)
@@ -724,6 +828,12 @@ def load_engine(
     role = _role_of(folder, role)
     folder = Path(folder)
     contents = tuple(dict.fromkeys(contents))
+    read_role_meta(folder)  # the manifest exists: the save finished
+    # Every file against the manifest (rank 0 reads, every rank raises alike): a truncated or overwritten file
+    # is named here instead of surfacing as an unpickling or shape error deep inside torch.
+    problems = _bcast_from_rank0(verify_manifest(folder, full=True) if _dist_rank() == 0 else None)
+    if problems:
+        raise damaged_error(folder, problems)
     meta = read_role_meta(folder)
     saved = set(meta["contents"])
     missing = [c for c in contents if c not in saved]
@@ -922,6 +1032,7 @@ class CheckpointRegistry:
             raise CheckpointError(
                 f"checkpoint of step {step} is incomplete, not committed: " + "; ".join(problems)
             )
+        _fault("before_complete", step)
         marker = {
             "format": FORMAT,
             "step": step,
@@ -931,6 +1042,7 @@ class CheckpointRegistry:
             "unix_time": time.time(),
         }
         _write_json(tmp / COMPLETE, marker)
+        _fault("before_rename", step)
         final = self.step_dir(step)
         old = None
         if final.exists():
@@ -939,6 +1051,7 @@ class CheckpointRegistry:
         os.replace(tmp, final)
         _fsync_dir(self.root)
         del self._staging[step]
+        _fault("before_latest", step)
         _write_atomic(self.latest_file, f"{step}\n".encode())
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
@@ -1008,33 +1121,85 @@ class CheckpointRegistry:
             return None
         return int(text) if text.isdigit() and int(text) >= 1 else None
 
+    def commit_time(self, step: int) -> float:
+        """When `step` was committed: the mtime of its COMPLETE marker (0.0 without one).
+
+        File times, not the marker's own clock reading: the latest file's mtime is compared with it, and on a
+        shared filesystem both come from the same (server) clock."""
+        try:
+            return (self.step_dir(step) / COMPLETE).stat().st_mtime
+        except OSError:
+            return 0.0
+
     def latest_complete(self) -> int | None:
-        """The step to resume from: the latest file's step when that checkpoint is complete, else the newest
-        complete checkpoint (with a warning), else None."""
+        """The step to resume from, or None (nothing complete; a warning when incomplete folders exist).
+
+        Candidates, checked in full (small files re-hashed, sampled digests re-taken) in this order until one
+        is intact: checkpoints committed after the latest file was last written (a crash between publishing
+        global_step_N and updating the latest file), newest first; the latest file's step; the other
+        complete checkpoints, newest commit first. Anything but the latest file's step is taken with a
+        warning that says why.
+        """
         named = self.read_latest_file()
-        if named is not None:
-            # The one checkpoint about to be loaded is checked in full (small files re-hashed).
-            reason = self._resume_problem(self.step_dir(named))
-            if reason is None:
-                return named
-        elif self.latest_file.exists():
-            reason = f"{self.latest_file} does not hold a step number"
+        marked = sorted(
+            (s for s, f in self.step_folders().items() if (f / COMPLETE).is_file()),
+            key=lambda s: (self.commit_time(s), s),
+            reverse=True,
+        )
+        newer: list[int] = []
+        if named is not None and named in marked:
+            written = self.latest_file.stat().st_mtime
+            newer = [s for s in marked if s != named and self.commit_time(s) > written]
+            order = [*newer, named, *(s for s in marked if s != named and s not in newer)]
         else:
-            reason = f"{self.latest_file} is missing"
-        complete = [s for s in self.complete_steps() if self._resume_problem(self.step_dir(s)) is None]
-        if not complete:
+            order = marked
+        chosen, skipped = None, {}
+        for step in order:
+            problem = self._resume_problem(self.step_dir(step))
+            if problem is None:
+                chosen = step
+                break
+            skipped[step] = problem
+        if named is None:
+            why = f"{self.latest_file} does not hold a step number" if self.latest_file.exists() else (
+                f"{self.latest_file} is missing")  # fmt: skip
+        elif named in skipped:
+            why = skipped[named]
+        elif named not in marked:
+            why = self._resume_problem(self.step_dir(named)) or f"{self.step_dir(named)} is not complete"
+        else:
+            why = None
+        if chosen is None:
             if self.step_folders():
                 warnings.warn(
-                    f"checkpoints in {self.root} exist but none is complete ({reason}); starting at step 1",
+                    f"checkpoints in {self.root} exist but none is complete ({why or '; '.join(skipped.values())}); "
+                    "starting at step 1",
                     stacklevel=2,
                 )
             return None
-        warnings.warn(
-            f"latest checkpoint not usable ({reason}); resuming from the newest complete one, step "
-            f"{complete[-1]}",
-            stacklevel=2,
-        )
-        return complete[-1]
+        if chosen in newer:
+            warnings.warn(
+                f"{self.latest_file} names step {named}, but step {chosen} was committed after that file was "
+                f"written (the run stopped between publishing step {chosen} and updating the latest file); "
+                f"resuming from step {chosen}",
+                stacklevel=2,
+            )
+        elif chosen == named:
+            if skipped:
+                warnings.warn(
+                    f"checkpoints committed after the latest file are not usable ({'; '.join(skipped.values())}); "
+                    f"resuming from step {named}, which the latest file names",
+                    stacklevel=2,
+                )
+        else:
+            damaged = [r for s, r in skipped.items() if s != named]
+            also = f"; also not usable: {'; '.join(damaged)}" if damaged else ""
+            warnings.warn(
+                f"latest checkpoint not usable ({why}{also}); resuming from the newest complete one, "
+                f"step {chosen}",
+                stacklevel=2,
+            )
+        return chosen
 
     def resolve_resume(self, plan: TrainerPlan | CheckpointPlan) -> Resume | None:
         """Where trainer.resume_mode says to resume: Resume(step, folder), or None to start at step 1.
@@ -1125,6 +1290,7 @@ class CheckpointRegistry:
                 continue
             trash = self.root / f"global_step_{step}.del-{uuid.uuid4().hex[:10]}"
             os.replace(self.step_dir(step), trash)
+            _fault("during_retention", step)
             shutil.rmtree(trash, ignore_errors=True)
             deleted.append(step)
         if deleted:
@@ -1193,10 +1359,13 @@ def role_contents(
 
 
 __all__ = [
+    "FAULT_ENV",
+    "FAULT_POINTS",
     "CheckpointError",
     "CheckpointRegistry",
     "Resume",
     "build_manifest",
+    "damaged_error",
     "finalize_pending",
     "has_pending",
     "last_timings",

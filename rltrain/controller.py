@@ -316,7 +316,7 @@ class Trainer:
             for group in self.groups.values():
                 group.call("finish")  # flush continuous profiles before the summary reads them
             summary = write_summary(self.plan.profile.save_path)
-            print(f"profile summary: {summary}")
+            print(f"profile summary: {summary}\n{summary.read_text()}", flush=True)
         if self.cfg.logging.plot_reward:
             plot_reward_curve(self.out / "metrics.jsonl", self.out / REWARD_PLOT, title=cfg.experiment_name)
 

@@ -13,12 +13,14 @@ Output (the layout is an interface, see DESIGN.md):
 - continuous mode: one profile per step in `save_path/step_N/e2e/rank_R/`, opened by the step's first
   profiled call and closed by `set_step` of another step or `close()`; role calls inside are named ranges.
 - every profile folder has `meta.json` (role, step, rank, worker, tool, wall_s, status ok|error|running);
-  `write_summary(save_path)` turns them into `summary.md` and `summary.json` (role x rank wall seconds).
+  `write_summary(save_path)` turns them into `profile_summary.md` and `summary.json` (role x rank wall
+  seconds per step) and returns the Markdown file's path; the controller prints it at the end of the run.
 
 Tools: torch writes `trace.json` (Chrome trace, opens in Perfetto) and `summary.txt` (key_averages table);
 nsys brackets calls with cudaProfilerStart/Stop and NVTX ranges for a process launched with
 `nsys_command(...)`, whose numbered reports are linked into the role folders; npu drives
-`torch_npu.profiler` (imported only when the tool is npu) whose trace handler writes into the folder.
+`torch_npu.profiler` (imported only when the tool is npu, through rltrain.npu) whose trace handler writes
+into the folder, and brackets each role call with an mstx range (`ROLE/step_N`) that the profiler collects.
 
 An exception inside a profiled call stops and flushes the profile (status error, with a note) and is
 re-raised once; the call is never re-run. Profiling failures themselves (a trace that cannot be exported)
@@ -29,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
+import inspect
 import itertools
 import json
 import logging
@@ -45,11 +47,13 @@ import torch
 
 from rlconf.config import ROLES, NpuProfileOptions, NsysProfileOptions, TorchProfileOptions
 from rlconf.plan import ProfilePlan
+from rltrain.npu import MstxRange, load_torch_npu
 
 log = logging.getLogger(__name__)
 
 META = "meta.json"
 E2E = "e2e"
+SUMMARY_MD = "profile_summary.md"
 # The CUDA modules the nsys tool calls (profiler start/stop, NVTX, synchronize). Held here, at the module
 # boundary, so that tests on a CUDA-less machine can put a recording stand-in in their place.
 _cuda: Any = torch.cuda
@@ -226,12 +230,46 @@ class _NsysBackend(_Backend):
 _NPU_LEVELS = {"level_none": "Level_none", "level0": "Level0", "level1": "Level1", "level2": "Level2"}
 
 
+def _mstx_switch(experimental_config: Callable[..., Any]) -> dict[str, bool]:
+    """The `_ExperimentalConfig` argument that makes torch_npu's profiler collect mstx ranges: `mstx` in
+    recent torch_npu, `msprof_tx` in older ones (without it, the ranges' messages are not collected)."""
+    try:
+        params = inspect.signature(experimental_config).parameters
+    except (TypeError, ValueError):  # a C-implemented callable without a signature: the current name
+        return {"mstx": True}
+    for name in ("mstx", "msprof_tx"):
+        if name in params:
+            return {name: True}
+    return {}
+
+
+class _NpuRange:
+    """A role call as a torch `record_function` range (the profiler's framework view) and an mstx range
+    (host and device timelines, and what level_none collects)."""
+
+    __slots__ = ("_mstx", "_record")
+
+    def __init__(self, torch_npu: Any, role: str, step: int) -> None:
+        self._record = torch.profiler.record_function(role)
+        self._mstx = MstxRange(torch_npu, f"{role}/step_{step}")
+
+    def __enter__(self) -> None:
+        self._record.__enter__()
+        self._mstx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._mstx.__exit__(*exc)
+        finally:
+            self._record.__exit__(*exc)
+
+
 class _NpuBackend(_Backend):
     tool = "npu"
 
     def __init__(self, opts: NpuProfileOptions) -> None:
         # Imported here only: torch_npu needs Ascend CANN and must never load on other machines.
-        self.torch_npu = importlib.import_module("torch_npu")
+        self.torch_npu = load_torch_npu()
         self.opts = opts
 
     def start(self, folder: Path, notes: list[str]) -> Any:
@@ -249,6 +287,7 @@ class _NpuBackend(_Backend):
             profiler_level=level,
             aic_metrics=tp.AiCMetrics.PipeUtilization if deep else tp.AiCMetrics.AiCoreNone,
             export_type=tp.ExportType.Text,
+            **_mstx_switch(tp._ExperimentalConfig),
         )
         prof = tp.profile(
             activities=activities,
@@ -265,6 +304,9 @@ class _NpuBackend(_Backend):
             notes.append("offline analysis off: run torch_npu.profiler.profiler.analyse(<this folder>) later")
         prof.start()
         return prof
+
+    def mark(self, role: str, step: int) -> AbstractContextManager[Any]:
+        return _NpuRange(self.torch_npu, role, step)
 
     def stop(self, handle: Any, folder: Path, error: BaseException | None, notes: list[str]) -> None:
         handle.stop()
@@ -339,6 +381,8 @@ class Profiler:
         # Built (and torch_npu imported) only in processes that profile something: fails at start-up, not
         # at step N, when the tool cannot load.
         self._backend = _backend(plan, worker, rank, device) if self._roles else None
+        # torch_npu's device module, for the syncs around profiled calls on an NPU (any tool).
+        self._npu = load_torch_npu().npu if device == "npu" and self._roles else None
 
     # ------------------------------------------------------------------ the worker's calls
     def set_step(self, step: int) -> None:
@@ -473,8 +517,8 @@ class Profiler:
         # Device work is asynchronous: wall times and capture bounds mean something only after a sync.
         if self.device == "cuda" and _cuda.is_available():
             _cuda.synchronize()
-        elif self.device == "npu" and hasattr(torch, "npu"):
-            torch.npu.synchronize()
+        elif self._npu is not None:
+            self._npu.synchronize()
 
 
 def profiled(role: str) -> Callable[[F], F]:
@@ -532,8 +576,9 @@ def _role_order(role: str) -> tuple[int, str]:
 
 
 def write_summary(save_path: str | Path) -> Path:
-    """Collect every profile folder's meta.json under save_path into summary.md (per step: a role x rank
-    table of wall seconds, the slowest role in bold) and summary.json; returns the summary.md path."""
+    """Collect every profile folder's meta.json under save_path into `profile_summary.md` (per step: a
+    role x rank table of wall seconds, the slowest role in bold) and `summary.json`; returns the Markdown
+    file's path (its text is what the controller prints at the end of a run)."""
     root = Path(save_path)
     root.mkdir(parents=True, exist_ok=True)
     records = _records(root)
@@ -582,7 +627,7 @@ def write_summary(save_path: str | Path) -> Path:
                 },
             }
         )
-    md = root / "summary.md"
+    md = root / SUMMARY_MD
     md.write_text("\n".join(lines) + "\n")
     _write_json(root / "summary.json", {"save_path": str(root), "steps": steps_json, "records": records})
     return md

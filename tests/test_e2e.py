@@ -40,6 +40,9 @@ def test_tiny_grpo_run_writes_the_run_folder(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
         assert all(row[k] is not None for k in REQUIRED), row
+        # The weights change every step and the rollout samples with them (colocated, fp32 on CPU): its
+        # log-probs equal the recomputation, so the rollout never used stale weights.
+        assert row["actor/grad_norm"] > 0 and row["rollout/logprob_diff_max"] < 1e-4, row
     plan = json.loads((out / "plan.json").read_text())
     table = next(o for o in plan["optim"] if o["role"] == "actor")["table"]
     assert [r["actor/lr"] for r in rows] == pytest.approx([t["lr"] for t in table])

@@ -6,11 +6,13 @@ the tiny presets with the same overrides a user would pass, so the folders check
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import sys
 import time
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +21,7 @@ import torch
 
 from rlconf.load import load_config
 from rlconf.plan import ProfilePlan, compile_plan
-from rltrain import profiling
+from rltrain import npu, profiling
 from rltrain.profiling import Profiler, nsys_command, profiled, write_summary
 
 TWO_RANKS = (
@@ -300,52 +302,95 @@ def test_nsys_without_cuda_records_nothing_but_times_the_call(
 
 
 # ============================================================================================ npu
-def fake_torch_npu(calls: list[tuple[str, Any]]) -> types.ModuleType:
-    """A stand-in for torch_npu.profiler that records its calls; its trace handler writes a marker file
-    where the real one would write its `*_ascend_pt` folder."""
+# No NPU, CANN, torch_npu or MindSpeed exists on the project's machines (and an installed torch_npu breaks
+# `import torch` there): every NPU test puts recording stand-ins for them in sys.modules and runs the
+# production code path against those. What that does not show (real traces, real patches) is listed in
+# docs/profiling.md.
+class FakeTorchNpu(types.ModuleType):
+    """A stand-in for torch_npu: `profiler` (profile, schedule, trace handler, _ExperimentalConfig with the
+    mstx switch of the given name), `npu.mstx` (range_start/range_end/mark) and the `npu` device calls. Every
+    call is appended to `calls` in order; the trace handler writes a marker file where the real one writes
+    its `*_ascend_pt` folder."""
 
-    def record(name: str):
-        def fn(*args: Any, **kwargs: Any) -> tuple[str, Any]:
-            calls.append((name, kwargs))
-            return (name, kwargs)
+    def __init__(self, switch: str = "mstx", ranges: bool = True, range_ids: int = 1) -> None:
+        super().__init__("torch_npu")
+        self.calls: list[tuple[str, Any]] = []
+        self.adaptations: list[list[str]] = []  # argv seen by each import of the stand-in adaptor
+        log = self._log
+        ns = types.SimpleNamespace
 
-        return fn
+        def experimental_config(**kwargs: Any) -> dict[str, Any]:
+            log("_ExperimentalConfig", kwargs)
+            return kwargs
 
-    def tensorboard_trace_handler(dir_name: str, analyse_flag: bool = True):
-        calls.append(("tensorboard_trace_handler", {"dir_name": dir_name, "analyse_flag": analyse_flag}))
+        # The keyword torch_npu uses to turn on mstx collection: `mstx` (recent), `msprof_tx` (older).
+        params = [
+            inspect.Parameter(n, inspect.Parameter.KEYWORD_ONLY, default=None)
+            for n in ("profiler_level", "aic_metrics", "export_type", switch)
+        ]
+        experimental_config.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
 
-        def ready(prof: Any) -> None:
-            out = Path(dir_name) / "host_1_ascend_pt"
-            out.mkdir(parents=True)
-            (out / "marker.json").write_text(json.dumps({"analyse_flag": analyse_flag}))
+        def tensorboard_trace_handler(dir_name: str, analyse_flag: bool = True) -> Callable[[Any], None]:
+            log("tensorboard_trace_handler", {"dir_name": dir_name, "analyse_flag": analyse_flag})
 
-        return ready
+            def ready(prof: Any) -> None:
+                out = Path(dir_name) / "host_1_ascend_pt"
+                out.mkdir(parents=True)
+                (out / "marker.json").write_text(json.dumps({"analyse_flag": analyse_flag}))
 
-    class FakeProfile:
-        def __init__(self, **kwargs: Any) -> None:
-            calls.append(("profile", kwargs))
-            self.on_trace_ready = kwargs["on_trace_ready"]
+            return ready
 
-        def start(self) -> None:
-            calls.append(("start", {}))
+        class FakeProfile:
+            def __init__(self, **kwargs: Any) -> None:
+                log("profile", kwargs)
+                self.on_trace_ready = kwargs["on_trace_ready"]
 
-        def stop(self) -> None:
-            calls.append(("stop", {}))
-            self.on_trace_ready(self)
+            def start(self) -> None:
+                log("start")
 
-    ns = types.SimpleNamespace
-    mod = types.ModuleType("torch_npu")
-    mod.profiler = ns(  # type: ignore[attr-defined]
-        ProfilerActivity=ns(CPU="CPU", NPU="NPU"),
-        ProfilerLevel=ns(Level_none="Level_none", Level0="Level0", Level1="Level1", Level2="Level2"),
-        AiCMetrics=ns(PipeUtilization="PipeUtilization", AiCoreNone="AiCoreNone"),
-        ExportType=ns(Text="Text"),
-        _ExperimentalConfig=record("_ExperimentalConfig"),
-        schedule=record("schedule"),
-        tensorboard_trace_handler=tensorboard_trace_handler,
-        profile=FakeProfile,
-    )
-    return mod
+            def stop(self) -> None:
+                log("stop")
+                self.on_trace_ready(self)
+
+        self.profiler = ns(
+            ProfilerActivity=ns(CPU="CPU", NPU="NPU"),
+            ProfilerLevel=ns(Level_none="Level_none", Level0="Level0", Level1="Level1", Level2="Level2"),
+            AiCMetrics=ns(PipeUtilization="PipeUtilization", AiCoreNone="AiCoreNone"),
+            ExportType=ns(Text="Text"),
+            _ExperimentalConfig=experimental_config,
+            schedule=lambda **kw: log("schedule", kw) or kw,
+            tensorboard_trace_handler=tensorboard_trace_handler,
+            profile=FakeProfile,
+        )
+        ids = iter(range(range_ids, 10**6)) if range_ids else iter(lambda: 0, 1)
+        mstx = ns(mark=lambda message, stream=None: log("mark", message, stream))
+        if ranges:
+            mstx.range_start = lambda message, stream=None: log("range_start", message, stream) or next(ids)
+            mstx.range_end = lambda range_id: log("range_end", range_id)
+        self.npu = ns(
+            mstx=mstx,
+            current_stream=lambda: "stream0",
+            synchronize=lambda: log("synchronize"),
+            set_device=lambda index: log("set_device", index),
+            device_count=lambda: 8,
+        )
+
+    def _log(self, name: str, *args: Any) -> None:
+        self.calls.append((name, *args))
+
+    def names(self, *keep: str) -> list[str]:
+        return [c[0] for c in self.calls if not keep or c[0] in keep]
+
+
+@pytest.fixture()
+def torch_npu(monkeypatch: pytest.MonkeyPatch) -> FakeTorchNpu:
+    fake = FakeTorchNpu()
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    return fake
+
+
+def npu_plan(tmp_path: Path, *overrides: str) -> ProfilePlan:
+    return make_plan(tmp_path, "cluster.device=npu", "profile.tool=npu", "profile.steps=[2]", *overrides)
 
 
 @pytest.mark.parametrize(
@@ -358,24 +403,24 @@ def fake_torch_npu(calls: list[tuple[str, Any]]) -> types.ModuleType:
     ],
 )
 def test_npu_passes_level_contents_analysis_and_folder(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, level: str, contents: str, analysis: bool
+    tmp_path: Path, torch_npu: FakeTorchNpu, level: str, contents: str, analysis: bool
 ) -> None:
-    """torch_npu needs Ascend CANN (and breaks `import torch` here): a recording fake is put in sys.modules
-    and the production code path drives it exactly as it would the real module."""
-    calls: list[tuple[str, Any]] = []
-    monkeypatch.setitem(sys.modules, "torch_npu", fake_torch_npu(calls))
-    plan = make_plan(
-        tmp_path, "cluster.device=npu", "profile.tool=npu", "profile.steps=[2]",
-        "profile.roles=[actor_update]", f"profile.npu.level={level}", f"profile.npu.contents={contents}",
-        f"profile.npu.analysis={str(analysis).lower()}",
+    """The option mapping onto torch_npu.profiler, checked against the stand-in torch_npu (no NPU here)."""
+    plan = npu_plan(
+        tmp_path, "profile.roles=[actor_update]", f"profile.npu.level={level}",
+        f"profile.npu.contents={contents}", f"profile.npu.analysis={str(analysis).lower()}",
     )  # fmt: skip
     run_steps(Profiler(plan, worker="actor", rank=0, device="npu"), range(1, 4), POLICY_ROLES)
     folder = plan.folders[0]
     assert folder.endswith("/step_2/actor_update/rank_0")
-    by_name = {name: kwargs for name, kwargs in calls}
-    assert [name for name, _ in calls if name in ("profile", "start", "stop")] == ["profile", "start", "stop"]
+    by_name = {c[0]: c[1] for c in torch_npu.calls if len(c) > 1}
+    assert torch_npu.names("profile", "start", "stop") == ["profile", "start", "stop"]
     expected_level = {"level_none": "Level_none", "level0": "Level0", "level1": "Level1", "level2": "Level2"}
-    assert by_name["_ExperimentalConfig"]["profiler_level"] == expected_level[level]
+    config = by_name["_ExperimentalConfig"]
+    assert config["profiler_level"] == expected_level[level]
+    assert config["mstx"] is True  # the role ranges are collected (and are all level_none collects)
+    deep = level in ("level1", "level2")
+    assert config["aic_metrics"] == ("PipeUtilization" if deep else "AiCoreNone")
     assert by_name["tensorboard_trace_handler"] == {"dir_name": folder, "analyse_flag": analysis}
     assert by_name["schedule"] == {"wait": 0, "warmup": 0, "active": 1, "repeat": 1, "skip_first": 0}
     kw = by_name["profile"]
@@ -389,11 +434,180 @@ def test_npu_passes_level_contents_analysis_and_folder(
     assert m["tool"] == "npu" and m["status"] == "ok" and m["files"] == ["host_1_ascend_pt"]
 
 
+def test_npu_brackets_each_role_call_with_an_mstx_range(tmp_path: Path, torch_npu: FakeTorchNpu) -> None:
+    """Each profiled role call is one mstx range `ROLE/step_N` on the current NPU stream, inside its own
+    torch_npu profile, with device syncs between the range and the profile's bounds (stand-in torch_npu)."""
+    plan = npu_plan(tmp_path, "profile.roles=[actor_compute_log_prob, actor_update]")
+    engine = Engine(Profiler(plan, worker="actor", rank=0, device="npu"))
+    for step in (1, 2, 3):
+        engine.profiler.set_step(step)
+        with engine.profiler.profiled("generate_sequences"):  # not a profiled role: no range, no sync
+            work()
+        with engine.profiler.profiled("actor_compute_log_prob"):
+            work()
+        if step == 2:
+            with pytest.raises(ValueError):
+                engine.update(fail=True)  # an error still ends the range, then the profile
+    engine.profiler.close()
+    keep = ("profile", "start", "stop", "range_start", "range_end", "synchronize")
+    assert [c for c in torch_npu.calls if c[0] in keep and c[0] != "profile"] == [
+        ("synchronize",), ("start",), ("range_start", "actor_compute_log_prob/step_2", "stream0"),
+        ("range_end", 1), ("synchronize",), ("stop",),
+        ("synchronize",), ("start",), ("range_start", "actor_update/step_2", "stream0"),
+        ("range_end", 2), ("stop",),  # no sync after the raising call: the error is already known
+    ]  # fmt: skip
+    assert meta(f"{plan.save_path}/step_2/actor_update/rank_0")["status"] == "error"
+    assert meta(f"{plan.save_path}/step_2/actor_compute_log_prob/rank_0")["status"] == "ok"
+
+
+def test_npu_continuous_step_has_one_range_per_role_call(tmp_path: Path, torch_npu: FakeTorchNpu) -> None:
+    """Continuous mode (stand-in torch_npu): one profile for the step, an mstx range for each role call."""
+    plan = npu_plan(tmp_path, "profile.discrete=false")
+    run_steps(Profiler(plan, worker="actor", rank=0, device="npu"), range(1, 4), POLICY_ROLES)
+    ranges = [c[1] for c in torch_npu.calls if c[0] == "range_start"]
+    assert ranges == [f"{role}/step_2" for role in POLICY_ROLES]
+    assert torch_npu.names("start", "stop") == ["start", "stop"]
+    assert torch_npu.names("range_end") == ["range_end"] * 3
+    assert [c["role"] for c in meta(plan.folders[0])["calls"]] == list(POLICY_ROLES)
+
+
+@pytest.mark.parametrize("variant", ["msprof_tx", "marks only", "range_start fails"])
+def test_npu_older_or_failing_mstx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
+    """Stand-ins for older torch_npu releases: the mstx switch is `msprof_tx`; a torch_npu without mstx
+    ranges gets start/end marks; a failed range_start (id 0) gets no range_end."""
+    fake = FakeTorchNpu(
+        switch="msprof_tx" if variant == "msprof_tx" else "mstx",
+        ranges=variant != "marks only",
+        range_ids=0 if variant == "range_start fails" else 1,
+    )
+    monkeypatch.setitem(sys.modules, "torch_npu", fake)
+    plan = npu_plan(tmp_path, "profile.roles=[actor_update]")
+    run_steps(Profiler(plan, worker="actor", rank=0, device="npu"), range(2, 3), ("actor_update",))
+    config = next(c[1] for c in fake.calls if c[0] == "_ExperimentalConfig")
+    marks = [c[1:] for c in fake.calls if c[0] in ("mark", "range_start", "range_end")]
+    if variant == "msprof_tx":
+        assert config["msprof_tx"] is True and "mstx" not in config
+        assert marks == [("actor_update/step_2", "stream0"), (1,)]
+    elif variant == "marks only":
+        assert marks == [("actor_update/step_2/start", "stream0"), ("actor_update/step_2/end", "stream0")]
+    else:
+        assert marks == [("actor_update/step_2", "stream0")]
+    assert meta(plan.folders[0])["status"] == "ok"
+
+
 def test_torch_npu_is_imported_only_for_the_npu_tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # any import of it now raises ImportError
     plan = make_plan(tmp_path, "profile.tool=torch", "profile.steps=[1]", "profile.roles=[actor_update]")
     run_steps(Profiler(plan, worker="actor", rank=0, device="cpu"), range(1, 2), ("actor_update",))
     assert written(plan.save_path) == set(plan.folders)
+
+
+def test_npu_profiler_without_torch_npu_names_the_setting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    plan = npu_plan(tmp_path)
+    with pytest.raises(npu.NpuUnavailableError, match=r"cluster\.device = npu needs torch_npu") as info:
+        Profiler(plan, worker="actor", rank=0, device="npu")
+    assert str(info.value).endswith("install torch_npu and MindSpeed from source; see docs/profiling.md")
+    # A process that profiles nothing on an npu run does not need it.
+    Profiler(plan, worker="critic", rank=0, device="npu")
+
+
+# ------------------------------------------------------------------ the device layer (rltrain.npu)
+@pytest.fixture()
+def mindspeed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, torch_npu: FakeTorchNpu
+) -> Iterator[FakeTorchNpu]:
+    """A stand-in `mindspeed` package on sys.path whose `megatron_adaptor`, like the real one, does its work
+    when imported: it records the argv it parses into the stand-in torch_npu (which it imports, as the
+    real adaptor imports torch_npu.contrib.transfer_to_npu)."""
+    pkg = tmp_path / "site" / "mindspeed"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "megatron_adaptor.py").write_text(
+        "import sys\nimport torch_npu\n\ntorch_npu.adaptations.append(list(sys.argv))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.setattr(npu, "_adapted", False)
+    yield torch_npu
+    for name in ("mindspeed.megatron_adaptor", "mindspeed"):
+        sys.modules.pop(name, None)
+
+
+def without_megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process as a fresh worker: no megatron.core module loaded (restored after the test)."""
+    for name in [n for n in sys.modules if n == "megatron.core" or n.startswith("megatron.core.")]:
+        monkeypatch.delitem(sys.modules, name)
+
+
+def test_prepare_npu_loads_binds_and_adapts_once(
+    mindspeed: FakeTorchNpu, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Stand-in torch_npu and MindSpeed: the device is bound, the adaptor imported once, and it parses no
+    argv but the program name (a Ray worker's argv holds Ray's flags)."""
+    without_megatron(monkeypatch)
+    monkeypatch.setattr(sys, "argv", ["default_worker.py", "--node-ip-address=10.0.0.1", "--seed=7"])
+    assert npu.prepare_npu(local_rank=9) is mindspeed
+    npu.prepare_npu(local_rank=9)
+    assert mindspeed.adaptations == [["default_worker.py"]]
+    assert sys.argv == ["default_worker.py", "--node-ip-address=10.0.0.1", "--seed=7"]  # restored
+    assert [c for c in mindspeed.calls if c[0] == "set_device"] == [("set_device", 1)] * 2  # 9 % 8 NPUs
+    assert "after megatron.core was imported" not in caplog.text
+
+
+def test_mindspeed_after_megatron_warns(
+    mindspeed: FakeTorchNpu, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setitem(sys.modules, "megatron.core", types.ModuleType("megatron.core"))
+    npu.apply_mindspeed()
+    assert mindspeed.adaptations and "after megatron.core was imported" in caplog.text
+
+
+@pytest.mark.parametrize("missing", ["torch_npu", "mindspeed"])
+def test_prepare_npu_names_cluster_device_when_a_package_is_missing(
+    missing: str, mindspeed: FakeTorchNpu, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, missing, None)
+    with pytest.raises(npu.NpuUnavailableError) as info:
+        npu.prepare_npu(local_rank=0)
+    text = str(info.value)
+    assert text.startswith("cluster.device = npu needs ") and missing in text
+    assert text.endswith("install torch_npu and MindSpeed from source; see docs/profiling.md")
+    assert not npu._adapted  # a later call tries again
+
+
+def test_init_distributed_prepares_the_npu_before_hccl(
+    mindspeed: FakeTorchNpu, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rltrain.megatron.parallel on npu (stand-in torch_npu / MindSpeed, recorded process-group call): the
+    device is bound and the adaptor applied before the hccl group is created."""
+    from rltrain.megatron import parallel
+
+    without_megatron(monkeypatch)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
+    monkeypatch.setattr(
+        torch.distributed, "init_process_group",
+        lambda backend, **kw: mindspeed.calls.append(("init_process_group", backend, len(mindspeed.adaptations))),
+    )  # fmt: skip
+    parallel.init_distributed("npu", rank=0, world_size=1, master_addr="127.0.0.1", master_port=1)
+    assert [c for c in mindspeed.calls if c[0] in ("set_device", "init_process_group")] == [
+        ("set_device", 3), ("init_process_group", "hccl", 1),
+    ]  # fmt: skip
+
+
+def test_init_distributed_on_cuda_imports_nothing_of_npu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from rltrain.megatron import parallel
+
+    for name in ("torch_npu", "mindspeed", "mindspeed.megatron_adaptor"):
+        monkeypatch.setitem(sys.modules, name, None)  # importing any of them would raise
+    bound: list[int] = []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)  # stop before the NCCL group
+    parallel.init_distributed("cuda")
+    assert bound == [0]
 
 
 # ============================================================================================ summary
@@ -416,7 +630,7 @@ def test_summary_tables_wall_time_per_role_and_rank(tmp_path: Path) -> None:
         engine.profiler.close()
 
     md = write_summary(plan.save_path)
-    assert md == Path(plan.save_path) / "summary.md"
+    assert md == Path(plan.save_path) / "profile_summary.md"
     text = md.read_text()
     step1, step2 = text.split("## Step 1")[1].split("## Step 2")
     assert "| role | rank 0 | rank 1 | max |" in step1

@@ -90,6 +90,10 @@ CASES = [
     (["actor.use_kl_loss=true", "cluster.gpus_per_node=2", "actor.ppo_micro_batch_size_per_gpu=2",
       "ref.megatron.tensor_model_parallel_size=2"],
      "ref.megatron.tensor_model_parallel_size", "ref-layout-matches-actor", "error"),
+    (["actor.megatron.context_parallel_size=2", "cluster.gpus_per_node=2"],
+     "actor.megatron.context_parallel_size", "engine-support", "error"),
+    (["actor.megatron.expert_model_parallel_size=2", "cluster.gpus_per_node=2"],
+     "actor.megatron.expert_model_parallel_size", "engine-support", "error"),
     # positivity, sampling, trainer, reward, data, model, cluster
     (["data.train_batch_size=0"], "data.train_batch_size", "positive-size", "error"),
     (["actor.megatron.tensor_model_parallel_size=0"], "actor.megatron.tensor_model_parallel_size", "positive-size", "error"),

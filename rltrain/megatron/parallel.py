@@ -47,6 +47,11 @@ def init_distributed(
         # Bind this process to its GPU before NCCL creates communicators on it.
         local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else 0
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    elif device == "npu":
+        # Imported on npu only: torch_npu (hccl, the device) and MindSpeed's megatron adaptor (rltrain.npu).
+        from rltrain.npu import prepare_npu
+
+        prepare_npu(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     if torch.distributed.is_initialized():
         return
     if rank is None:
