@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
 from rltrain import algorithms
 from rltrain.megatron.engine import MegatronEngine, MicroBatch
+from rltrain.megatron.inference import sample_tokens
 from rltrain.megatron.logprob import token_log_probs_and_entropy
 
 
@@ -353,46 +354,14 @@ class MegatronActor(MegatronEngine):
         outputs = self.run_schedule(mbs, loss_fn, forward_only=True)
         if self.is_last_stage:
             logits = torch.cat([o["logits"] for o in outputs], 0).cpu()
-            tok, lp = sample_tokens(logits, temperature, top_p, top_k, gen)
+            tok, lp = sample_tokens(logits, temperature, top_p, top_k, generator=gen)
             packed = torch.stack([tok.double(), lp.double()], 0)
         else:
             packed = None
             # Keep the generator in step with the last stage (it draws one uniform per row).
-            sample_tokens(torch.zeros(b, 1), 1.0, 1.0, -1, gen)
+            sample_tokens(torch.zeros(b, 1), 1.0, 1.0, -1, generator=gen)
         packed = self.broadcast_from_last_stage(packed, (2, b), torch.float64).cpu()
         return packed[0].long(), packed[1].float()
 
 
-def sample_tokens(
-    logits: torch.Tensor, temperature: float, top_p: float, top_k: int, gen: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row from full-vocabulary logits [B, V]; returns (tokens, log-probs under the
-    temperature-scaled distribution before top-k/top-p). temperature 0 is greedy."""
-    logits = logits.float()
-    if temperature <= 0.0:
-        tok = logits.argmax(-1)
-        logp = torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
-        torch.rand(logits.shape[0], generator=gen)
-        return tok, logp
-    scaled = logits / temperature
-    logp_all = torch.log_softmax(scaled, -1)
-    filtered = scaled.clone()
-    if top_k is not None and 0 < top_k < filtered.shape[-1]:
-        kth = torch.topk(filtered, top_k, dim=-1).values[:, -1:]
-        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(filtered, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, -1)
-        # Drop a token when the mass before it already reaches top_p (the top token always stays).
-        drop = (probs.cumsum(-1) - probs) >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        filtered = torch.full_like(filtered, float("-inf")).scatter(1, order, sorted_logits)
-    probs = torch.softmax(filtered, -1)
-    # Inverse-CDF sampling with one uniform per row: identical on every rank given the same generator.
-    u = torch.rand(probs.shape[0], 1, generator=gen)
-    cdf = probs.cumsum(-1)
-    tok = torch.searchsorted(cdf, u * cdf[:, -1:]).squeeze(1).clamp(max=probs.shape[-1] - 1)
-    return tok, logp_all.gather(1, tok[:, None]).squeeze(1)
-
-
-__all__ = ["MegatronActor", "sample_tokens"]
+__all__ = ["MegatronActor"]
