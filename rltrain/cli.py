@@ -155,6 +155,10 @@ def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
 
 
 def _run(argv: Sequence[str]) -> int:
+    if argv and argv[0] in ("inspect", "export-hf"):  # checkpoint tools: `rltrain inspect --help`
+        from rltrain.checkpoint_tools import main as checkpoint_tool
+
+        return checkpoint_tool(argv)
     from presets import PRESETS
 
     if not argv or argv[0] in ("-h", "--help"):

@@ -155,6 +155,8 @@ class Trainer:
 
     def _set_step(self, step: int) -> None:
         self.reward_profiler.set_step(step)
+        if not self.plan.profile.enabled:
+            return  # only the profilers use the step; skip a round trip to every worker
         for group in self.groups.values():
             group.call("set_step", per_rank_args=[(step,)] * group.world_size)
 

@@ -245,21 +245,31 @@ def _mstx_switch(experimental_config: Callable[..., Any]) -> dict[str, bool]:
 
 class _NpuRange:
     """A role call as a torch `record_function` range (the profiler's framework view) and an mstx range
-    (host and device timelines, and what level_none collects)."""
+    (host and device timelines, and what level_none collects). A failing mstx call costs the range, never
+    the role call: it is logged and the call runs on."""
 
-    __slots__ = ("_mstx", "_record")
+    __slots__ = ("_message", "_mstx", "_record", "_torch_npu")
 
     def __init__(self, torch_npu: Any, role: str, step: int) -> None:
         self._record = torch.profiler.record_function(role)
-        self._mstx = MstxRange(torch_npu, f"{role}/step_{step}")
+        self._torch_npu, self._message = torch_npu, f"{role}/step_{step}"
+        self._mstx: MstxRange | None = None
 
     def __enter__(self) -> None:
         self._record.__enter__()
-        self._mstx.__enter__()
+        try:
+            mstx = MstxRange(self._torch_npu, self._message)
+            mstx.__enter__()
+            self._mstx = mstx
+        except Exception as exc:
+            log.warning("profiler: no mstx range for %s: %s", self._message, _describe(exc))
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            self._mstx.__exit__(*exc)
+            if self._mstx is not None:
+                self._mstx.__exit__(*exc)
+        except Exception as err:
+            log.warning("profiler: could not end the mstx range %s: %s", self._message, _describe(err))
         finally:
             self._record.__exit__(*exc)
 

@@ -31,6 +31,11 @@ class MegatronWorker:
         self.role, self.rank, self.world_size = role, rank, world_size
         self.plan = plan
         self.cfg = plan.config
+        if self.cfg.cluster.device == "npu":
+            # MindSpeed patches megatron: it must run before this process imports megatron.core.
+            from rltrain.npu import prepare_npu
+
+            prepare_npu()
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),

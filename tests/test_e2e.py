@@ -54,7 +54,7 @@ def test_tiny_grpo_run_writes_the_run_folder(tmp_path):
         assert trace.exists(), role
         assert role in trace.read_text()
     assert not (profile / "step_1").exists() and not (profile / "step_3").exists()
-    assert (profile / "summary.md").exists()
+    assert (profile / "profile_summary.md").exists()
 
 
 def test_tiny_ppo_trains_critic_and_uses_kl_in_reward(tmp_path):

@@ -1,7 +1,11 @@
-"""Per-role profiling (rltrain.profiling): folder layout, filtering, errors, tools and the summary.
+"""Per-role profiling (rltrain.profiling) and the NPU device layer (rltrain.npu): folder layout, filtering,
+errors, tools and the summary.
 
 The torch profiler runs for real on the CPU and writes real files into tmp_path. Plans are compiled from
 the tiny presets with the same overrides a user would pass, so the folders checked are the plan's own.
+CUDA / nsys and torch_npu / MindSpeed cannot run on this CPU-only machine: their tests drive the production
+code against recording stand-ins (a fake `torch.cuda` at `profiling._cuda`, fake `torch_npu` and `mindspeed`
+modules in sys.modules), as each test's docstring says. tests/test_profiling_e2e.py runs the real CLI.
 """
 
 from __future__ import annotations
@@ -312,7 +316,9 @@ class FakeTorchNpu(types.ModuleType):
     call is appended to `calls` in order; the trace handler writes a marker file where the real one writes
     its `*_ascend_pt` folder."""
 
-    def __init__(self, switch: str = "mstx", ranges: bool = True, range_ids: int = 1) -> None:
+    def __init__(
+        self, switch: str = "mstx", ranges: bool = True, range_ids: int = 1, broken: bool = False
+    ) -> None:
         super().__init__("torch_npu")
         self.calls: list[tuple[str, Any]] = []
         self.adaptations: list[list[str]] = []  # argv seen by each import of the stand-in adaptor
@@ -364,7 +370,9 @@ class FakeTorchNpu(types.ModuleType):
         )
         ids = iter(range(range_ids, 10**6)) if range_ids else iter(lambda: 0, 1)
         mstx = ns(mark=lambda message, stream=None: log("mark", message, stream))
-        if ranges:
+        if broken:
+            mstx.range_start = lambda message, stream=None: 1 / 0
+        elif ranges:
             mstx.range_start = lambda message, stream=None: log("range_start", message, stream) or next(ids)
             mstx.range_end = lambda range_id: log("range_end", range_id)
         self.npu = ns(
@@ -471,14 +479,18 @@ def test_npu_continuous_step_has_one_range_per_role_call(tmp_path: Path, torch_n
     assert [c["role"] for c in meta(plan.folders[0])["calls"]] == list(POLICY_ROLES)
 
 
-@pytest.mark.parametrize("variant", ["msprof_tx", "marks only", "range_start fails"])
-def test_npu_older_or_failing_mstx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, variant: str) -> None:
-    """Stand-ins for older torch_npu releases: the mstx switch is `msprof_tx`; a torch_npu without mstx
-    ranges gets start/end marks; a failed range_start (id 0) gets no range_end."""
+@pytest.mark.parametrize("variant", ["msprof_tx", "marks only", "range_start fails", "range_start raises"])
+def test_npu_older_or_failing_mstx(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, variant: str
+) -> None:
+    """Stand-ins for older or failing torch_npu releases: the mstx switch is `msprof_tx`; a torch_npu
+    without mstx ranges gets start/end marks; a failed range_start (id 0) gets no range_end; a raising
+    range_start costs the range (logged), not the role call."""
     fake = FakeTorchNpu(
         switch="msprof_tx" if variant == "msprof_tx" else "mstx",
         ranges=variant != "marks only",
         range_ids=0 if variant == "range_start fails" else 1,
+        broken=variant == "range_start raises",
     )
     monkeypatch.setitem(sys.modules, "torch_npu", fake)
     plan = npu_plan(tmp_path, "profile.roles=[actor_update]")
@@ -490,9 +502,11 @@ def test_npu_older_or_failing_mstx(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert marks == [("actor_update/step_2", "stream0"), (1,)]
     elif variant == "marks only":
         assert marks == [("actor_update/step_2/start", "stream0"), ("actor_update/step_2/end", "stream0")]
-    else:
+    elif variant == "range_start fails":
         assert marks == [("actor_update/step_2", "stream0")]
-    assert meta(plan.folders[0])["status"] == "ok"
+    else:
+        assert marks == [] and "no mstx range for actor_update/step_2: ZeroDivisionError" in caplog.text
+    assert meta(plan.folders[0])["status"] == "ok" and fake.names("start", "stop") == ["start", "stop"]
 
 
 def test_torch_npu_is_imported_only_for_the_npu_tool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -505,6 +519,8 @@ def test_torch_npu_is_imported_only_for_the_npu_tool(tmp_path: Path, monkeypatch
 def test_npu_profiler_without_torch_npu_names_the_setting(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """torch_npu made unimportable (None in sys.modules): the npu profiler fails at worker start, naming
+    the setting."""
     monkeypatch.setitem(sys.modules, "torch_npu", None)
     plan = npu_plan(tmp_path)
     with pytest.raises(npu.NpuUnavailableError, match=r"cluster\.device = npu needs torch_npu") as info:
@@ -559,6 +575,7 @@ def test_prepare_npu_loads_binds_and_adapts_once(
 def test_mindspeed_after_megatron_warns(
     mindspeed: FakeTorchNpu, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """Stand-in MindSpeed applied with a (stand-in) megatron.core already loaded: a warning says so."""
     monkeypatch.setitem(sys.modules, "megatron.core", types.ModuleType("megatron.core"))
     npu.apply_mindspeed()
     assert mindspeed.adaptations and "after megatron.core was imported" in caplog.text
@@ -568,6 +585,8 @@ def test_mindspeed_after_megatron_warns(
 def test_prepare_npu_names_cluster_device_when_a_package_is_missing(
     missing: str, mindspeed: FakeTorchNpu, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One of the two packages made unimportable, the other a stand-in: the error names the setting and
+    the fix."""
     monkeypatch.setitem(sys.modules, missing, None)
     with pytest.raises(npu.NpuUnavailableError) as info:
         npu.prepare_npu(local_rank=0)
@@ -598,6 +617,7 @@ def test_init_distributed_prepares_the_npu_before_hccl(
 
 
 def test_init_distributed_on_cuda_imports_nothing_of_npu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_npu and MindSpeed unimportable, CUDA calls recorded: the cuda path never reaches rltrain.npu."""
     from rltrain.megatron import parallel
 
     for name in ("torch_npu", "mindspeed", "mindspeed.megatron_adaptor"):

@@ -1,0 +1,633 @@
+"""`rltrain inspect` and `rltrain export-hf`: look into a checkpoint, and turn one into a Hugging Face model.
+
+    rltrain inspect CHECKPOINT [--json]
+        CHECKPOINT: checkpoints/global_step_N (or a role folder in it), or a run's checkpoints/ or output
+        folder for one line per step. Shows the step, roles, contents, the layout it was saved with
+        (TP / PP / VPP / CP / EP / DP), files and sizes, whether it is complete, the manifest verification
+        (every size, sha256 of small files, sampled digests of large ones) and when it was committed.
+    rltrain export-hf CHECKPOINT OUT [--role actor] [--overwrite]
+        Writes OUT/{model.safetensors, config.json, tokenizer files} loadable by
+        `transformers.AutoModelForCausalLM.from_pretrained`, from the dist checkpoint (no hf_model needed in
+        save_contents). The model is built on the CPU in this process (TP = PP = 1, a gloo world of one) and
+        the checkpoint is loaded resharded from whatever layout it was saved with. The architecture and dtype
+        come from the role's meta.json; the base config.json and the tokenizer files from the run's model
+        folder named in output_dir/config.yaml (or plan.json) next to checkpoints/, when it still exists.
+
+Errors (no such folder, an incomplete or damaged checkpoint, a non-empty OUT) are one line naming the file
+and the fix, exit code 2; `inspect` of an incomplete or damaged checkpoint prints its report and then the
+error. Only `export-hf` imports megatron (~10 s); `inspect` reads JSON and hashes files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import sys
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rltrain.checkpoint import (
+    _STEP_DIR,
+    _TOKENIZER_FILES,
+    _WORK_DIR,
+    COMPLETE,
+    DIST_DIR,
+    HF_DIR,
+    LATEST_FILE,
+    MANIFEST,
+    META,
+    CheckpointError,
+    CheckpointRegistry,
+    damaged_error,
+    verify_manifest,
+)
+
+EXIT_OK, EXIT_INVALID = 0, 2
+_LAYOUT_KEYS = (
+    ("TP", "tensor_model_parallel_size"),
+    ("PP", "pipeline_model_parallel_size"),
+    ("VPP", "virtual_pipeline_model_parallel_size"),
+    ("CP", "context_parallel_size"),
+    ("EP", "expert_model_parallel_size"),
+    ("DP", "data_parallel_size"),
+)
+
+
+# ============================================================================================ locating
+@dataclass(frozen=True)
+class Located:
+    """What a CHECKPOINT argument names: a run's checkpoints folder, or one checkpoint (and maybe a role)."""
+
+    kind: str  # "root" | "step"
+    folder: Path  # the checkpoints/ folder, or the global_step_N(.tmp-*) folder
+    role: str | None = None
+
+
+def _nearby_hint(path: Path) -> str:
+    """' (complete checkpoints in X: steps [...])' for the closest checkpoints folder, else ''."""
+    for root in (path.parent, path, path / "checkpoints", path.parent.parent):
+        with contextlib.suppress(OSError):
+            steps = CheckpointRegistry(root).complete_steps() if root.is_dir() else []
+            if steps:
+                return f" (complete checkpoints in {root}: steps {steps})"
+    return ""
+
+
+def _is_step_name(name: str) -> bool:
+    return bool(_STEP_DIR.match(name) or (_WORK_DIR.match(name) and ".tmp-" in name))
+
+
+def locate(path: str | os.PathLike) -> Located:
+    """Classify a CHECKPOINT argument; CheckpointError (naming the path and the fix) when it is none."""
+    p = Path(path).absolute()
+    if not p.exists():
+        raise CheckpointError(
+            f"{p} does not exist; give a checkpoints/global_step_N folder (or its actor folder){_nearby_hint(p)}"
+        )
+    if not p.is_dir():
+        raise CheckpointError(f"{p} is a file; give a checkpoints/global_step_N folder{_nearby_hint(p)}")
+    if (p / COMPLETE).is_file() or _is_step_name(p.name):
+        return Located("step", p)
+    if (p / META).is_file() or (p / MANIFEST).is_file() or (p / DIST_DIR).is_dir():
+        if not _is_step_name(p.parent.name) and not (p.parent / COMPLETE).is_file():
+            raise CheckpointError(
+                f"{p} is a role folder outside a global_step_N folder; give the global_step_N folder that holds it"
+            )
+        return Located("step", p.parent, p.name)
+    if (p / LATEST_FILE).is_file() or any(_is_step_name(c.name) for c in p.iterdir() if c.is_dir()):
+        return Located("root", p)
+    if (p / "checkpoints").is_dir():
+        return Located("root", p / "checkpoints")
+    raise CheckpointError(
+        f"{p} holds no checkpoint (no {COMPLETE}, {META} or global_step_N folders); give a "
+        f"checkpoints/global_step_N folder{_nearby_hint(p)}"
+    )
+
+
+# ============================================================================================ inspect
+def _read_json(path: Path) -> tuple[Any, str | None]:
+    """(content, None) or (None, why it cannot be read)."""
+    try:
+        with open(path) as f:
+            return json.load(f), None
+    except FileNotFoundError:
+        return None, f"{path} is missing"
+    except (OSError, ValueError) as exc:
+        return None, f"{path} is unreadable ({type(exc).__name__}: {exc})"
+
+
+def _iso(unix: float | None) -> str | None:
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(unix)) if unix else None
+
+
+def _files(folder: Path) -> list[dict[str, Any]]:
+    out = []
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            path = Path(dirpath) / name
+            with contextlib.suppress(OSError):
+                out.append({"path": path.relative_to(folder).as_posix(), "bytes": path.stat().st_size})
+    return sorted(out, key=lambda f: f["path"])
+
+
+def _role_report(folder: Path) -> dict[str, Any]:
+    role: dict[str, Any] = {"path": str(folder), "exists": folder.is_dir()}
+    if not folder.is_dir():
+        role["problems"] = [f"{folder}: missing"]
+        return role
+    meta, meta_error = _read_json(folder / META)
+    manifest, _ = _read_json(folder / MANIFEST)
+    extra, _ = _read_json(folder / "extra.json")
+    if isinstance(meta, dict):
+        for key in ("contents", "layout", "distributed_optimizer", "optimizer_sharding", "params_dtype",
+                    "arch", "value_head", "versions", "extra_keys"):  # fmt: skip
+            role[key] = meta.get(key)
+    else:
+        role["meta_error"] = meta_error
+    if isinstance(extra, dict) and isinstance(extra.get("extra"), dict):
+        role["saved_step"] = extra["extra"].get("step")
+    files = _files(folder)
+    role["files"] = files
+    role["bytes"] = sum(f["bytes"] for f in files)
+    if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict):
+        entries = manifest["files"].values()
+        role["saved_at"] = _iso(manifest.get("time"))
+        role["manifest"] = {
+            "files": len(manifest["files"]),
+            "sha256": sum(1 for e in entries if "sha256" in e),
+            "sampled_sha256": sum(1 for e in entries if "sampled_sha256" in e),
+        }
+    role["problems"] = verify_manifest(folder, full=True)
+    return role
+
+
+def inspect_step(folder: Path, only_role: str | None = None) -> dict[str, Any]:
+    """The report of one checkpoint folder (JSON-serialisable); `problems` is empty when it is loadable."""
+    marker, marker_error = _read_json(folder / COMPLETE)
+    m = _STEP_DIR.match(folder.name) or _WORK_DIR.match(folder.name)
+    report: dict[str, Any] = {
+        "kind": "checkpoint",
+        "path": str(folder),
+        "step": int(m.group(1)) if m else None,
+    }
+    problems: list[str] = []
+    if isinstance(marker, dict):
+        report["step"] = marker.get("step", report["step"])
+        report["committed"] = marker.get("time")
+        roles = list(marker.get("roles", []))
+    else:
+        problems.append(
+            f"{folder} has no {COMPLETE} marker (its save never finished or was never committed)"
+            if not (folder / COMPLETE).exists()
+            else marker_error
+        )
+        roles = sorted(c.name for c in folder.iterdir() if c.is_dir()) if folder.is_dir() else []
+    if ".tmp-" in folder.name:
+        problems.append(f"{folder} is a staging folder: a save that was never published")
+    report["complete"] = not problems
+    if only_role is not None:
+        if only_role not in roles and not (folder / only_role).is_dir():
+            raise CheckpointError(
+                f"{folder} has no role {only_role} (it holds {', '.join(roles) or 'nothing'})"
+            )
+        roles = [only_role]
+    report["roles"] = {r: _role_report(folder / r) for r in roles}
+    for r in report["roles"].values():
+        problems += r["problems"]
+    latest = folder.parent / LATEST_FILE
+    named = CheckpointRegistry(folder.parent).read_latest_file() if latest.is_file() else None
+    report["latest_file_step"] = named
+    report["is_latest"] = (
+        named is not None and named == report["step"] and _STEP_DIR.match(folder.name) is not None
+    )
+    report["bytes"] = sum(r.get("bytes", 0) for r in report["roles"].values())
+    # complete: the save finished and was published (marker); verified: every file matches its manifest.
+    report["verified"] = not any(r["problems"] for r in report["roles"].values())
+    report["problems"] = problems
+    report["ok"] = not problems
+    return report
+
+
+def inspect_root(root: Path) -> dict[str, Any]:
+    """One entry per checkpoint folder of a run's checkpoints/ (sizes checked, not re-hashed: fast)."""
+    reg = CheckpointRegistry(root)
+    steps = []
+    for step, folder in sorted(reg.step_folders().items()):
+        marker, _ = _read_json(folder / COMPLETE)
+        reason = reg.check_complete(folder, full=False)
+        status = "complete" if reason is None else "damaged" if isinstance(marker, dict) else "incomplete"
+        steps.append({
+            "step": step,
+            "path": str(folder),
+            "status": status,
+            "complete": reason is None,
+            "problem": reason,
+            "committed": marker.get("time") if isinstance(marker, dict) else None,
+            "roles": list(marker.get("roles", [])) if isinstance(marker, dict) else [],
+            "bytes": sum(f["bytes"] for f in _files(folder)),
+        })  # fmt: skip
+    leftovers = sorted(c.name for c in root.iterdir() if _WORK_DIR.match(c.name))
+    return {
+        "kind": "checkpoints",
+        "path": str(root),
+        "latest_file_step": reg.read_latest_file(),
+        "checkpoints": steps,
+        "leftovers": leftovers,
+        "problems": [],
+        "ok": True,
+    }
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _layout(layout: dict[str, Any] | None) -> str:
+    if not layout:
+        return "?"
+    parts = [f"{short}={layout.get(key, '?')}" for short, key in _LAYOUT_KEYS]
+    return " ".join(parts) + f" (world {layout.get('world_size', '?')})"
+
+
+def _table(rows: Sequence[Sequence[str]], indent: str = "") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+
+
+def format_step(report: dict[str, Any]) -> str:
+    """The human-readable form of `inspect_step`."""
+    lines = [f"checkpoint  {report['path']}", f"step        {report['step']}"]
+    if report["complete"]:
+        lines.append(f"status      complete ({COMPLETE} marker, committed {report.get('committed')})")
+    else:
+        lines.append("status      INCOMPLETE (never loaded; the next run removes it)")
+    named = report["latest_file_step"]
+    lines.append(
+        "latest      " + ("yes: " if report["is_latest"] else "no: ")
+        + (f"{LATEST_FILE} names step {named}" if named is not None else f"no readable {LATEST_FILE}")
+    )  # fmt: skip
+    n_files = sum(len(r.get("files", [])) for r in report["roles"].values())
+    lines.append(f"size        {_size(report['bytes'])} in {n_files} files")
+    role_problems = [p for r in report["roles"].values() for p in r["problems"]]
+    if role_problems:
+        lines.append(
+            f"verified    FAILED: {role_problems[0]}"
+            + (f" (+{len(role_problems) - 1} more)" if len(role_problems) > 1 else "")
+        )
+    else:
+        counts = [r.get("manifest", {}) for r in report["roles"].values()]
+        lines.append(
+            f"verified    ok: {sum(c.get('files', 0) for c in counts)} files match their manifests (sizes; sha256 "
+            f"of {sum(c.get('sha256', 0) for c in counts)}, sampled sha256 of {sum(c.get('sampled_sha256', 0) for c in counts)})"
+        )  # fmt: skip
+    lines.append("")
+    rows = [["role", "contents", "saved with", "optimizer state", "dtype", "model", "saved at"]]
+    for name, r in report["roles"].items():
+        arch = r.get("arch") or {}
+        model = (
+            f"{arch.get('num_layers')} layers, hidden {arch.get('hidden_size')}, vocab {arch.get('vocab_size')}"
+            + (", value head" if r.get("value_head") else "")
+            if arch
+            else "?"
+        )
+        optim = "-"
+        if r.get("optimizer_sharding"):
+            kind = "distributed" if r.get("distributed_optimizer") else "plain"
+            optim = f"{kind}, {r['optimizer_sharding']}"
+        rows.append([
+            name,
+            ", ".join(r.get("contents") or []) or "?",
+            _layout(r.get("layout")),
+            optim,
+            str(r.get("params_dtype") or "?"),
+            model,
+            str(r.get("saved_at") or "?"),
+        ])  # fmt: skip
+    lines += _table(rows)
+    for name, r in report["roles"].items():
+        if r.get("meta_error"):
+            lines.append(f"{name}: {r['meta_error']}")
+        if not r.get("files"):
+            continue
+        lines += ["", f"{name} files ({_size(r['bytes'])})"]
+        lines += _table([[_size(f["bytes"]).rjust(10), f["path"]] for f in r["files"]], indent="  ")
+    return "\n".join(lines)
+
+
+def format_root(report: dict[str, Any]) -> str:
+    """The human-readable form of `inspect_root`."""
+    named = report["latest_file_step"]
+    lines = [
+        f"checkpoints {report['path']}",
+        f"latest      {f'step {named} (*)' if named is not None else 'none'} ({LATEST_FILE})",
+        "",
+    ]
+    if report["checkpoints"]:
+        rows = [["step", "status", "committed", "size", "roles"]]
+        for c in report["checkpoints"]:
+            rows.append([str(c["step"]) + (" *" if c["step"] == named else ""), c["status"],
+                         str(c["committed"] or "-"), _size(c["bytes"]), ", ".join(c["roles"]) or "-"])  # fmt: skip
+        lines += _table(rows)
+        lines += [f"step {c['step']}: {c['problem']}" for c in report["checkpoints"] if c["problem"]]
+    else:
+        lines.append("no global_step_N folders")
+    if report["leftovers"]:
+        lines += [
+            "",
+            "left by interrupted saves (removed when the run restarts): " + ", ".join(report["leftovers"]),
+        ]
+    return "\n".join(lines)
+
+
+def _step_error(report: dict[str, Any]) -> CheckpointError:
+    """The one-line error for a checkpoint that cannot be loaded: damaged files first, else incomplete."""
+    damaged = [p for r in report["roles"].values() for p in r["problems"]]
+    if report["complete"] and damaged:
+        return damaged_error(report["path"], damaged)
+    problems = report["problems"]
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return CheckpointError(
+        f"{problems[0]}{more}; it cannot be loaded: use an earlier complete checkpoint (`rltrain inspect "
+        f"{Path(report['path']).parent}` lists them; trainer.resume_mode: auto picks the newest intact one)"
+    )
+
+
+def run_inspect(path: str, as_json: bool) -> int:
+    loc = locate(path)
+    report = inspect_root(loc.folder) if loc.kind == "root" else inspect_step(loc.folder, loc.role)
+    print(
+        json.dumps(report, indent=2)
+        if as_json
+        else (format_root if loc.kind == "root" else format_step)(report)
+    )
+    if not report["ok"]:
+        print(f"error: {_step_error(report)}", file=sys.stderr)
+        return EXIT_INVALID
+    return EXIT_OK
+
+
+# ============================================================================================ export
+def _run_model_paths(step_dir: Path) -> tuple[Path | None, Path | None, str]:
+    """(model folder, tokenizer folder, where that came from) of the run that wrote the checkpoint."""
+    out_dir = step_dir.parent.parent
+    model: dict[str, Any] | None = None
+    source = ""
+    if (out_dir / "config.yaml").is_file():
+        import yaml
+
+        with contextlib.suppress(OSError, yaml.YAMLError):
+            data = yaml.safe_load((out_dir / "config.yaml").read_text())
+            model = data.get("model") if isinstance(data, dict) else None
+            source = str(out_dir / "config.yaml")
+    if model is None and (out_dir / "plan.json").is_file():
+        plan, _ = _read_json(out_dir / "plan.json")
+        if isinstance(plan, dict) and isinstance(plan.get("config"), dict):
+            model = plan["config"].get("model")
+            source = str(out_dir / "plan.json")
+    if not isinstance(model, dict):
+        return None, None, ""
+    path = model.get("path")
+    tok = model.get("tokenizer_path") or path
+    return (Path(path) if path else None), (Path(tok) if tok else None), source
+
+
+@contextlib.contextmanager
+def _cpu_world() -> Any:
+    """A gloo world of one at TP = PP = 1 (the caller's, when it already has exactly that)."""
+    import torch
+    from megatron.core import parallel_state
+
+    from rlconf.config import MegatronConfig
+    from rltrain.megatron.parallel import destroy_parallel, init_parallel
+    from rltrain.ray_group import free_port
+
+    if torch.distributed.is_initialized():
+        layout_ok = (
+            torch.distributed.get_world_size() == 1
+            and parallel_state.model_parallel_is_initialized()
+            and parallel_state.get_tensor_model_parallel_world_size() == 1
+            and parallel_state.get_pipeline_model_parallel_world_size() == 1
+        )
+        if not layout_ok:
+            raise CheckpointError("export-hf runs in a process of its own (a torch.distributed world of one)")
+        yield
+        return
+    init_parallel(
+        MegatronConfig(), "cpu", rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
+    )
+    try:
+        yield
+    finally:
+        destroy_parallel()
+
+
+def _require_loadable(step_dir: Path, role: str) -> dict[str, Any]:
+    """The role's meta.json once the checkpoint is complete and the role's files match its manifest."""
+    marker, marker_error = _read_json(step_dir / COMPLETE)
+    if not isinstance(marker, dict):
+        why = (
+            f"{step_dir} has no {COMPLETE} marker (its save never finished)"
+            if marker_error and "missing" in marker_error
+            else marker_error
+        )
+        raise CheckpointError(
+            f"{why}; export a complete checkpoint instead (`rltrain inspect {step_dir.parent}` lists them)"
+        )
+    if role not in marker.get("roles", []):
+        raise CheckpointError(
+            f"{step_dir} has no role {role} (it holds {', '.join(marker.get('roles', [])) or 'nothing'}); "
+            f"pass --role with one of those"
+        )
+    problems = verify_manifest(step_dir / role, full=True)
+    if problems:
+        raise damaged_error(step_dir / role, problems)
+    meta, meta_error = _read_json(step_dir / role / META)
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{meta_error}; export another checkpoint")
+    return meta
+
+
+def _prepare_out(out: Path, overwrite: bool) -> Path:
+    if out.exists() and not out.is_dir():
+        raise CheckpointError(f"{out} is a file; give a folder for the Hugging Face model")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise CheckpointError(f"{out} is not empty; choose a new folder or pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _publish(tmp: Path, out: Path) -> None:
+    """Move the finished export into place (a crash before this leaves only a hidden .tmp- folder)."""
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+
+
+def export_hf(
+    checkpoint: str | os.PathLike, out: str | os.PathLike, role: str = "actor", overwrite: bool = False
+) -> dict[str, Any]:
+    """Write a Hugging Face model folder from a checkpoint; returns what was written (for the CLI summary)."""
+    loc = locate(checkpoint)
+    if loc.kind == "root":
+        steps = CheckpointRegistry(loc.folder).complete_steps()
+        pick = f"{loc.folder}/global_step_{steps[-1]}" if steps else f"{loc.folder}/global_step_N"
+        raise CheckpointError(f"{loc.folder} is a checkpoints folder; name one checkpoint in it, e.g. {pick}")
+    role = loc.role or role
+    step_dir = loc.folder
+    meta = _require_loadable(step_dir, role)
+    if meta.get("value_head"):
+        raise CheckpointError(
+            f"{step_dir / role} is a value model (critic): it has no Hugging Face causal-LM form; export the "
+            "actor (--role actor)"
+        )
+    out = Path(out).absolute()
+    model_dir, tok_dir, source = _run_model_paths(step_dir)
+    notes: list[str] = []
+    contents = meta.get("contents", [])
+    tmp = _prepare_out(out, overwrite)
+    try:
+        if "model" not in contents:
+            if "hf_model" not in contents:
+                raise CheckpointError(
+                    f"{step_dir / role} holds no model weights (contents: {', '.join(contents)}); export a "
+                    f"checkpoint saved with model in {role}.checkpoint.save_contents"
+                )
+            # Only the HF export was saved: that is already the answer.
+            shutil.copytree(step_dir / role / HF_DIR, tmp, dirs_exist_ok=True)
+            notes.append(f"copied the checkpoint's {HF_DIR}/ folder (it holds no dist checkpoint)")
+        else:
+            base = None
+            if model_dir is not None and (model_dir / "config.json").is_file():
+                base, _ = _read_json(model_dir / "config.json")
+            elif model_dir is not None:
+                notes.append(f"model.path {model_dir} (from {source}) has no config.json any more: config.json "
+                             "is written from the saved architecture")  # fmt: skip
+            _export_dist(step_dir / role, role, meta, tmp, base)
+        if tok_dir is not None and tok_dir.is_dir():
+            copied = [n for n in _TOKENIZER_FILES if (tok_dir / n).is_file() and not (tmp / n).exists()]
+            for name in copied:
+                shutil.copy2(tok_dir / name, tmp / name)
+            if copied:
+                notes.append(f"tokenizer files from {tok_dir}: {', '.join(copied)}")
+        elif tok_dir is not None:
+            notes.append(f"tokenizer folder {tok_dir} (from {source}) is gone: no tokenizer files copied")
+        elif not source:
+            notes.append("no config.yaml / plan.json next to checkpoints/: no tokenizer files copied")
+        else:
+            notes.append("the run used the built-in character tokenizer: no tokenizer files to copy")
+        _publish(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = _files(out)
+    return {"out": str(out), "role": role, "step_dir": str(step_dir), "files": files, "notes": notes}
+
+
+def _export_dist(
+    role_dir: Path, role: str, meta: dict[str, Any], out: Path, base: dict[str, Any] | None
+) -> None:
+    """Build the role's model at TP = PP = 1 on the CPU, load its dist checkpoint (resharded), export it."""
+    import warnings
+
+    with warnings.catch_warnings():
+        # megatron's notes about missing Apex / Transformer Engine: the CPU fallbacks are intended here.
+        warnings.simplefilter("ignore")
+        from rlconf.config import MegatronConfig, ModelArch, ModelConfig
+        from rltrain.checkpoint import load_engine
+        from rltrain.megatron.cpu_compat import device_context
+        from rltrain.megatron.engine import MegatronEngine
+        from rltrain.megatron.hf_weights import export_hf_weights
+
+        arch = ModelArch(**meta["arch"])
+        # sdpa: megatron's local layer spec, the parameter names every CPU and non-TE run saves.
+        model_cfg = ModelConfig(
+            path=None, arch=arch, params_dtype=meta["params_dtype"], attention_backend="sdpa"
+        )
+        with _cpu_world():
+            # No optimizer: parameters only (a frozen engine has no DDP buffers either).
+            engine = MegatronEngine(model_cfg, MegatronConfig(), None, "cpu", total_steps=1, arch=arch)
+            load_engine(engine, role_dir, ("model",), role=role)
+            with device_context("cpu"):
+                export_hf_weights(engine.chunks, arch, out, base_config=base)
+
+
+def run_export(checkpoint: str, out: str, role: str, overwrite: bool) -> int:
+    t0 = time.perf_counter()
+    result = export_hf(checkpoint, out, role=role, overwrite=overwrite)
+    total = sum(f["bytes"] for f in result["files"])
+    print(f"exported {result['role']} of {result['step_dir']} to {result['out']} "
+          f"({len(result['files'])} files, {_size(total)}, {time.perf_counter() - t0:.1f} s)")  # fmt: skip
+    for note in result["notes"]:
+        print(f"  note: {note}")
+    return EXIT_OK
+
+
+# ============================================================================================ CLI
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rltrain", description="Checkpoint tools of rltrain.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    ins = sub.add_parser(
+        "inspect",
+        help="what a checkpoint holds, and whether it is complete and intact",
+        description="Show a checkpoint: step, roles, contents, saved layout, files and sizes, completeness, "
+        "manifest verification, commit time. Exit 2 when it is incomplete or damaged.",
+    )
+    ins.add_argument(
+        "checkpoint", help="checkpoints/global_step_N (or its role folder), or a checkpoints/ folder"
+    )
+    ins.add_argument("--json", action="store_true", help="print the report as JSON")
+    exp = sub.add_parser(
+        "export-hf",
+        help="write a Hugging Face model folder from a checkpoint",
+        description="Write safetensors + config.json (+ the run's tokenizer files) loadable by "
+        "transformers.AutoModelForCausalLM.from_pretrained, from a checkpoint saved with or without hf_model.",
+    )
+    exp.add_argument("checkpoint", help="checkpoints/global_step_N, or its actor folder")
+    exp.add_argument("out", help="output folder (new or empty)")
+    exp.add_argument("--role", default="actor", help="role folder to export (default: actor)")
+    exp.add_argument("--overwrite", action="store_true", help="replace OUT when it is not empty")
+    return parser
+
+
+def main(argv: Sequence[str]) -> int:
+    """`rltrain inspect ...` / `rltrain export-hf ...`; 0 ok, 2 a checkpoint or argument problem."""
+    try:
+        args = _parser().parse_args(list(argv))
+    except SystemExit as exc:  # argparse: --help (0) or a usage error (2), already printed
+        return int(exc.code or 0)
+    try:
+        if args.command == "inspect":
+            return run_inspect(args.checkpoint, args.json)
+        return run_export(args.checkpoint, args.out, args.role, args.overwrite)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_INVALID
+    except BrokenPipeError:  # `rltrain inspect ... | head`: not an error (run_guarded exits 0)
+        raise
+    except OSError as exc:  # unreadable files or folders: the message names the file
+        print(f"error: {exc}; check the path and its permissions", file=sys.stderr)
+        return EXIT_INVALID
+
+
+__all__ = [
+    "Located",
+    "export_hf",
+    "format_root",
+    "format_step",
+    "inspect_root",
+    "inspect_step",
+    "locate",
+    "main",
+]
