@@ -40,9 +40,10 @@ makes it newer than every marker, so that edit is honoured. A checkpoint that fa
 with a warning naming the file, and the next one down is used.
 
 Fault injection (tests only; production never sets it): `RLPLAN_CHECKPOINT_FAULT=POINT[@STEP]` makes the
-process that reaches POINT (for the checkpoint of STEP, or of any step) SIGKILL every process of its session
-that carries the variable (the trainer, Ray's daemons and workers, a background checkpoint writer) and then
-itself, as `kill -9` of the whole job would. Start the job in a session of its own (`start_new_session=True`).
+process that reaches POINT (for the checkpoint of STEP, or of any step) SIGKILL the whole job and then itself,
+as `kill -9` of the job would: every process of its session (the trainer, Ray's daemons and workers, a
+background checkpoint writer) when the job leads its session (start it with `start_new_session=True`), else
+only the processes that carry the variable.
 Points, in the order a save passes them:
 
     during_async_write  worker: the background writer of an async save has just been started
@@ -197,15 +198,25 @@ def _fault(point: str, step: int | None = None) -> None:
 
 
 def _kill_session() -> None:
-    """SIGKILL every process of this session that carries FAULT_ENV (the job's processes), then this one."""
+    """SIGKILL the job, then this process: every process of this session when the job leads its session
+    (the leader carries FAULT_ENV: Ray's agents, started without it, go too), else only those with FAULT_ENV
+    (never the shell of a user who typed the variable in front of a command)."""
     import signal
 
     import psutil
 
     me, sid = os.getpid(), os.getsid(0)
+    try:
+        whole_session = FAULT_ENV in psutil.Process(sid).environ()
+    except (psutil.Error, OSError):
+        whole_session = False
     for proc in psutil.process_iter():
         with contextlib.suppress(psutil.Error, OSError):
-            if proc.pid != me and os.getsid(proc.pid) == sid and FAULT_ENV in proc.environ():
+            if (
+                proc.pid != me
+                and os.getsid(proc.pid) == sid
+                and (whole_session or FAULT_ENV in proc.environ())
+            ):
                 os.kill(proc.pid, signal.SIGKILL)
     os.kill(me, signal.SIGKILL)
 
