@@ -182,9 +182,11 @@ class MegatronConfig:
     optimizer_offload: bool = False
     """Move optimizer state to host memory while another role uses the device."""
     use_dist_checkpointing: bool = False
-    """Initialise weights from a megatron dist checkpoint at dist_checkpointing_path instead of HF."""
+    """Initialise weights from the megatron dist (torch_dist) checkpoint at dist_checkpointing_path instead
+    of HF or random init (model weights only; any TP/PP layout)."""
     dist_checkpointing_path: str | None = None
-    """Folder of a megatron dist (torch_dist) checkpoint used when use_dist_checkpointing is true."""
+    """An rlplan role checkpoint folder (checkpoints/global_step_N/actor or .../critic) used when
+    use_dist_checkpointing is true."""
     seed: int = 42
     """Seed of megatron's model-parallel RNG tracker (init and dropout)."""
     override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)

@@ -832,10 +832,6 @@ def load_engine(
     warning says when they are not). hf_model without model initialises the weights from the checkpoint's
     huggingface/ folder (fresh optimizer state).
     """
-    from megatron.core import dist_checkpointing
-
-    from rltrain.megatron.cpu_compat import device_context
-
     role = _role_of(folder, role)
     folder = Path(folder)
     contents = tuple(dict.fromkeys(contents))
@@ -845,6 +841,10 @@ def load_engine(
     problems = _bcast_from_rank0(verify_manifest(folder, full=True) if _dist_rank() == 0 else None)
     if problems:
         raise damaged_error(folder, problems)
+    from megatron.core import dist_checkpointing
+
+    from rltrain.megatron.cpu_compat import device_context
+
     meta = read_role_meta(folder)
     saved = set(meta["contents"])
     missing = [c for c in contents if c not in saved]

@@ -22,6 +22,16 @@ from rlconf.plan import TrainerPlan
 from rltrain.profiling import Profiler
 
 
+def load_initial_weights(engine: Any, megatron_cfg: Any, prefix: str) -> None:
+    """`use_dist_checkpointing`: start from the model weights of a saved rlplan role checkpoint
+    (`checkpoints/global_step_N/<role>`, megatron dist format, any TP/PP layout) instead of HF or random."""
+    if not megatron_cfg.use_dist_checkpointing:
+        return
+    from rltrain.checkpoint import load_engine
+
+    load_engine(engine, megatron_cfg.dist_checkpointing_path, ("model",), role=prefix)
+
+
 class MegatronWorker:
     """Common set-up: rank environment, threads, torch.distributed rendezvous, the profiler."""
 
@@ -107,6 +117,7 @@ class PolicyWorker(MegatronWorker):
             cfg.model, cfg.actor, cfg.cluster.device, total_steps=max(total, cfg.trainer.total_steps),
             rollout_n=cfg.rollout.n,
         )  # fmt: skip
+        load_initial_weights(self.actor, cfg.actor.megatron, "actor")
         self.ref = None
         if "ref" in self.plan.roles:
             ref_micro = cfg.ref.log_prob_micro_batch_size_per_gpu
@@ -179,6 +190,7 @@ class CriticWorker(MegatronWorker):
             cfg.model, cfg.critic, cfg.cluster.device, total_steps=cfg.trainer.total_steps,
             rollout_n=cfg.rollout.n, loss_agg_mode=cfg.actor.loss_agg_mode,
         )  # fmt: skip
+        load_initial_weights(self.critic, cfg.critic.megatron, "critic")
         return {"dp_size": self.critic.dp_size}
 
     def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,0 +1,363 @@
+"""Checkpoint tools and damaged checkpoints: `rltrain inspect`, `rltrain export-hf`, manifest verification of
+truncated or overwritten files (at load, in inspect, and the fallback of resume_mode auto), and the choice
+of the checkpoint to resume when the latest file is stale.
+
+The registry tests write checkpoints the way the workers do, without megatron (fast). The export tests
+build a real actor in a gloo world of one (in-process), and export a checkpoint that a TP=2 training run
+saved (the CLI, in a subprocess) to compare with the HF export the run wrote itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlconf.config import ModelConfig, RLConfig, TrainerConfig
+from rlconf.load import config_to_dict, dump_yaml
+from rlconf.plan import compile_plan
+from rltrain import checkpoint as ck
+from rltrain import checkpoint_tools as tools
+from rltrain.checkpoint import CheckpointError, CheckpointRegistry
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+]
+
+BIG = 3 << 20  # > 1 MiB: manifests keep a sampled digest of such files, not a full sha256
+
+
+# ============================================================================================ registry
+def _plan(out: Path):
+    return compile_plan(RLConfig(trainer=TrainerConfig(output_dir=str(out), save_freq=1, total_steps=8)))
+
+
+def _save(reg: CheckpointRegistry, step: int) -> Path:
+    """A committed checkpoint as the workers write it: a large tensor file, small files, meta, manifest."""
+    paths = reg.begin(step)
+    for role, folder in paths.items():
+        f = Path(folder)
+        (f / "dist_ckpt").mkdir()
+        (f / "dist_ckpt" / "__0_0.distcp").write_bytes(os.urandom(BIG))
+        (f / "dist_ckpt" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+        meta = {
+            "format": ck.FORMAT,
+            "role": role,
+            "contents": list(reg.contents.get(role, ("model",))),
+            "layout": {"world_size": 4, "tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2,
+                       "virtual_pipeline_model_parallel_size": 1, "context_parallel_size": 1,
+                       "expert_model_parallel_size": 1, "data_parallel_size": 1},
+            "distributed_optimizer": True,
+            "optimizer_sharding": ck.OPTIM_SHARDING,
+            "params_dtype": "bfloat16",
+            "arch": {"num_layers": 2, "hidden_size": 64, "vocab_size": 32},
+            "value_head": False,
+        }  # fmt: skip
+        (f / "meta.json").write_text(json.dumps(meta))
+        (f / "extra.json").write_text(json.dumps({"extra": {"step": step}, "lr_scheduler": None}))
+        ck.write_manifest(f, role)
+    return reg.commit(step)
+
+
+@pytest.fixture
+def reg(tmp_path) -> CheckpointRegistry:
+    return CheckpointRegistry.from_plan(_plan(tmp_path / "run"))
+
+
+def _zero_block(path: Path, offset: int, n: int = 4096) -> None:
+    """Overwrite n bytes with zeros in place (same size): what a lost page looks like after a power loss."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(b"\0" * n)
+
+
+def test_manifest_digests_catch_truncation_and_same_size_damage(reg: CheckpointRegistry):
+    folder = _save(reg, 1) / "actor"
+    manifest = json.loads((folder / "manifest.json").read_text())["files"]
+    assert "sampled_sha256" in manifest["dist_ckpt/__0_0.distcp"] and "sha256" in manifest["meta.json"]
+    assert ck.verify_manifest(folder) == []
+    tensor = folder / "dist_ckpt" / "__0_0.distcp"
+    # Zeros in the middle of a large file: same size, so only the full check (sampled digest) sees it.
+    _zero_block(tensor, BIG // 2)
+    assert ck.verify_manifest(folder, full=False) == []
+    assert ck.verify_manifest(folder) == [f"{tensor}: content differs from the manifest (sampled sha256)"]
+    with open(tensor, "r+b") as f:
+        f.truncate(BIG - 1)
+    assert ck.verify_manifest(folder, full=False) == [
+        f"{tensor}: {BIG - 1} bytes, manifest says {BIG} (truncated or overwritten)"
+    ]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "zeroed", "small_file"])
+def test_resume_auto_falls_back_to_the_previous_intact_checkpoint(tmp_path, reg: CheckpointRegistry, damage):
+    _save(reg, 1)
+    newest = _save(reg, 2) / "actor"
+    if damage == "truncated":
+        bad = newest / "dist_ckpt" / "__0_0.distcp"
+        with open(bad, "r+b") as f:
+            f.truncate(1000)
+        expected = "1000 bytes, manifest says"
+    elif damage == "zeroed":
+        bad = newest / "dist_ckpt" / "__0_0.distcp"
+        _zero_block(bad, BIG - 10_000)
+        expected = "sampled sha256"
+    else:
+        bad = newest / "extra.json"
+        bad.write_text(bad.read_text().replace('"step": 2', '"step": 7'))
+        expected = "(sha256)"
+    with pytest.warns(UserWarning, match="resuming from the newest complete one, step 1") as record:
+        resume = reg.resolve_resume(_plan(tmp_path / "run"))
+    assert resume.step == 1
+    message = str(record[0].message)
+    assert str(bad) in message and expected in message, message
+
+
+def test_load_refuses_a_damaged_role_folder_naming_the_file(reg: CheckpointRegistry):
+    folder = _save(reg, 1) / "actor"
+    bad = folder / "dist_ckpt" / "__0_0.distcp"
+    _zero_block(bad, 0)
+    # load_engine checks the manifest before it touches the engine (None is never used).
+    with pytest.raises(CheckpointError, match=rf"{bad}: content differs .* is damaged .* resume_mode: auto"):
+        ck.load_engine(None, folder, ("model",))  # type: ignore[arg-type]
+
+
+def _touch(path: Path, when: float) -> None:
+    os.utime(path, (when, when))
+
+
+def test_resume_picks_the_last_commit_even_when_the_latest_file_lags(tmp_path, reg: CheckpointRegistry):
+    plan = _plan(tmp_path / "run")
+    for step in (1, 2, 3):
+        _save(reg, step)
+    now = time.time()
+    for step in (1, 2, 3):
+        _touch(reg.step_dir(step) / "COMPLETE", now - 100 + 10 * step)
+    # Killed between publishing step 3 and rewriting the latest file: it still names step 2, written
+    # before step 3's marker.
+    reg.latest_file.write_text("2\n")
+    _touch(reg.latest_file, now - 100 + 25)
+    with pytest.warns(UserWarning, match="names step 2, but step 3 was committed after"):
+        assert reg.resolve_resume(plan).step == 3
+    # A user who points the latest file at an older step (written after every commit) is obeyed, silently.
+    reg.latest_file.write_text("1\n")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert reg.resolve_resume(plan).step == 1
+    # ... unless that one is damaged: then the newest intact commit, saying why.
+    with open(reg.step_dir(1) / "actor" / "dist_ckpt" / "__0_0.distcp", "r+b") as f:
+        f.truncate(5)
+    with pytest.warns(UserWarning, match=r"latest checkpoint not usable .*global_step_1.* step 3"):
+        assert reg.resolve_resume(plan).step == 3
+
+
+# ============================================================================================ inspect
+def _inspect(capsys, *args: str) -> tuple[int, str, str]:
+    code = tools.main(["inspect", *args])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_inspect_shows_a_checkpoint_and_its_layout(capsys, reg: CheckpointRegistry):
+    folder = _save(reg, 3)
+    code, out, err = _inspect(capsys, str(folder))
+    assert code == 0 and err == ""
+    assert f"checkpoint  {folder}" in out and "step        3" in out
+    assert "status      complete" in out and "latest      yes" in out
+    assert "verified    ok: 4 files match their manifests" in out and "sampled sha256 of 1" in out
+    assert "TP=2 PP=2 VPP=1 CP=1 EP=1 DP=1 (world 4)" in out and "distributed, fully_reshardable" in out
+    assert "model, optimizer, extra" in out and "bfloat16" in out
+    assert "3.15 MB  dist_ckpt/__0_0.distcp" in out
+    # A role folder names the same checkpoint; --json carries the same facts.
+    code, out, _ = _inspect(capsys, str(folder / "actor"), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["step"] == 3 and report["complete"] and report["verified"]
+    actor = report["roles"]["actor"]
+    assert actor["layout"]["tensor_model_parallel_size"] == 2 and actor["saved_step"] == 3
+    assert {"path": "dist_ckpt/__0_0.distcp", "bytes": BIG} in actor["files"]
+    # The run folder (or checkpoints/) lists every step.
+    _save(reg, 4)
+    code, out, _ = _inspect(capsys, str(reg.root.parent))
+    assert code == 0 and "latest      step 4 (*)" in out
+    assert [line.split()[:2] for line in out.splitlines() if line[:1].isdigit()] == [
+        ["3", "complete"], ["4", "*"]
+    ]  # fmt: skip
+
+
+def test_inspect_errors_are_one_line_exit_2(capsys, tmp_path, reg: CheckpointRegistry):
+    folder = _save(reg, 1)
+    code, out, err = _inspect(capsys, str(reg.root / "global_step_9"))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith(f"error: {reg.root / 'global_step_9'} does not exist") and "steps [1]" in err
+    bad = folder / "actor" / "dist_ckpt" / "__0_0.distcp"
+    with open(bad, "r+b") as f:
+        f.truncate(100)
+    code, out, err = _inspect(capsys, str(folder))
+    assert code == 2 and "verified    FAILED" in out
+    assert err.count("\n") == 1 and err.startswith(f"error: {bad}: 100 bytes, manifest says {BIG}")
+    assert "resume_mode: auto" in err
+    code, out, err = _inspect(capsys, str(folder), "--json")
+    assert code == 2 and json.loads(out)["problems"] == [
+        f"{bad}: 100 bytes, manifest says {BIG} (truncated or overwritten)"
+    ]
+
+    # An unfinished save (staging folder, no COMPLETE marker) and a missing folder.
+    reg.begin(2)
+    (staged,) = reg.root.glob("global_step_2.tmp-*")
+    code, out, err = _inspect(capsys, str(staged))
+    assert code == 2 and "INCOMPLETE" in out and err.count("\n") == 1
+    assert "has no COMPLETE marker" in err and "use an earlier complete checkpoint" in err
+    code, _, err = _inspect(capsys, str(tmp_path / "empty_dir_that_is_missing"))
+    assert code == 2 and "does not exist" in err
+
+
+def test_cli_dispatch_no_traceback(tmp_path):
+    """`rltrain inspect` through the real entry point: exit 2 and one line, never a traceback."""
+    result = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "inspect", str(tmp_path / "nope")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "RLPLAN_DEBUG": ""},
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "Traceback" not in result.stderr
+    assert f"{tmp_path / 'nope'} does not exist" in result.stderr
+
+
+# ============================================================================================ export (megatron)
+@pytest.fixture(scope="module")
+def world():
+    torch.set_num_threads(1)
+    from rlconf.config import MegatronConfig
+    from rltrain.megatron.parallel import destroy_parallel, init_parallel
+
+    from .megatron._common import free_port
+
+    owned = not torch.distributed.is_initialized()
+    init_parallel(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
+    yield
+    if owned:
+        destroy_parallel()
+
+
+@pytest.mark.usefixtures("world")
+@pytest.mark.slow
+def test_export_hf_from_a_checkpoint_without_hf_model(tmp_path):
+    """A run folder (config.yaml naming an HF model with a tokenizer) whose checkpoint has no hf_model: the
+    export equals the trained actor (log-probs through transformers) and carries the tokenizer files."""
+    from rlconf.config import Optim
+    from rltrain.megatron.actor import MegatronActor
+
+    from .megatron._common import actor_cfg, hf_logits, make_batch, make_tiny_qwen2, reference_log_probs
+
+    hf_dir = make_tiny_qwen2(tmp_path / "base")
+    (hf_dir / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 128}))
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    model = ModelConfig(path=str(hf_dir), attention_backend="sdpa")
+    (out_dir / "config.yaml").write_text(dump_yaml(config_to_dict(RLConfig(model=model))))
+
+    cfg = actor_cfg(ppo_mini_batch_size=4, optim=Optim(lr=1e-2, clip_grad=1.0))
+    actor = MegatronActor(model, cfg, "cpu", total_steps=4)
+    batch = make_batch(b=8)
+    old = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+    sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(8)]).unsqueeze(1)
+    actor.update_policy({**batch, "old_log_probs": old, "advantages": sign * batch["response_mask"]})
+    trained = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+    assert not torch.allclose(trained, old)
+
+    reg = CheckpointRegistry(out_dir / "checkpoints", ["actor"])
+    ck.save_engine(actor, reg.begin(1)["actor"], ("model", "optimizer", "extra"), {"step": 1})
+    step_dir = reg.commit(1)
+    assert not (step_dir / "actor" / "huggingface").exists()
+
+    result = tools.export_hf(step_dir / "actor", tmp_path / "hf")
+    hf = tmp_path / "hf"
+    assert (hf / "tokenizer_config.json").is_file() and (hf / "model.safetensors").is_file()
+    config = json.loads((hf / "config.json").read_text())
+    assert config["model_type"] == "qwen2" and config["num_hidden_layers"] == 4
+    assert any("tokenizer files" in n for n in result["notes"])
+    lp = reference_log_probs(hf_logits(hf, batch["input_ids"], batch["attention_mask"]), batch)
+    torch.testing.assert_close(lp, trained, atol=1e-5, rtol=1e-5)
+    assert not list(tmp_path.glob(".hf.tmp-*"))
+
+    # OUT not empty: refused unless --overwrite; a damaged checkpoint: refused naming the file.
+    with pytest.raises(CheckpointError, match="not empty; choose a new folder or pass --overwrite"):
+        tools.export_hf(step_dir, hf)
+    tools.export_hf(step_dir, hf, overwrite=True)
+    _zero_block(step_dir / "actor" / "rng" / "rank_00000.pt", 0, 16)
+    with pytest.raises(CheckpointError, match=r"rank_00000\.pt: content differs .* is damaged"):
+        tools.export_hf(step_dir, tmp_path / "hf2")
+    assert not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_export_hf_cli_reshards_a_tp2_run(tmp_path):
+    """A TP=2 training run saves its own HF export (hf_model); `rltrain export-hf` of the same checkpoint,
+    built at TP=1 from the dist checkpoint, writes the same tensors and a config transformers loads."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    out = tmp_path / "run"
+    train = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--trainer.total_steps", "1", "--trainer.save_freq", "1",
+         "--trainer.output_dir", str(out), "--trainer.val_before_train", "false", "--trainer.test_freq", "0",
+         "--logging.plot_reward", "false", "--cluster.gpus_per_node", "2",
+         "--actor.megatron.tensor_model_parallel_size", "2", "--rollout.tensor_model_parallel_size", "2",
+         "--actor.checkpoint.save_contents", "[model, optimizer, extra, hf_model]"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert train.returncode == 0, train.stderr[-3000:]
+    step_dir = out / "checkpoints" / "global_step_1"
+    export = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "export-hf", str(step_dir), str(tmp_path / "hf")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert export.returncode == 0, export.stderr[-3000:]
+    assert f"exported actor of {step_dir}" in export.stdout
+    ours = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    theirs = load_file(str(step_dir / "actor" / "huggingface" / "model.safetensors"))
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(ours[name], tensor), name
+    mine = json.loads((tmp_path / "hf" / "config.json").read_text())
+    saved = json.loads((step_dir / "actor" / "huggingface" / "config.json").read_text())
+    assert mine == saved
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert model.config.num_hidden_layers == 2
+
+    inspect = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "inspect", str(step_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert inspect.returncode == 0, inspect.stderr
+    assert "TP=2 PP=1 VPP=1 CP=1 EP=1 DP=1 (world 2)" in inspect.stdout
+    assert "model, optimizer, extra, hf_model" in inspect.stdout
+    # A second export into the same folder is refused: exit 2, one line, the fix named.
+    again = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "export-hf", str(step_dir), str(tmp_path / "hf")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert again.returncode == 2 and again.stderr.count("\n") == 1 and "--overwrite" in again.stderr
+
+
+def test_unknown_fault_point_is_an_error(monkeypatch):
+    monkeypatch.setenv(ck.FAULT_ENV, "before_lunch@3")
+    with pytest.raises(CheckpointError, match="expected POINT"):
+        ck._fault("before_manifest", 3)
+    monkeypatch.setenv(ck.FAULT_ENV, "before_manifest@3")
+    ck._fault("before_manifest", 2)  # another step: no-op
+    ck._fault("before_rename", 3)  # another point: no-op
