@@ -1513,6 +1513,8 @@ class _StageMem:
     logits_infer: float
     in_flight: int
     tokens: int
+    rollout_kv: float = 0.0
+    """Embedded rollout's KV cache during generate_sequences (actor only; 0 for other roles)."""
 
 
 @dataclass(frozen=True)
@@ -1606,6 +1608,24 @@ def _stage_activation_bytes(
     return (held * stored + working) * tokens
 
 
+def _rollout_kv_bytes(c: RLConfig, lay: RoleLayout, arch: ModelArch, num_layers: int) -> float:
+    """The embedded engine's KV cache on one actor device: keys and values of every layer of this stage,
+    kv_heads / tp heads, at the full sequence length, for the rows one DP rank generates (rltrain/megatron/
+    inference.py allocates [P + N, rows, groups/tp, head_dim] twice per layer in params_dtype).
+
+    0 for vLLM (its own pool, capped by rollout.gpu_memory_utilization) and with context parallel (the
+    engine then falls back to the cache-less path).
+    """
+    if c.rollout.engine != "embedded" or lay.cp > 1:
+        return 0.0
+    rows = _cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
+    seq = c.data.max_prompt_length + c.rollout.max_response_length
+    kv_heads = max(arch.num_query_groups // lay.tp, 1)
+    return float(
+        2 * num_layers * kv_heads * _kv_channels(arch) * seq * rows * DTYPE_BYTES[c.model.params_dtype]
+    )
+
+
 def _role_mem_model(
     c: RLConfig, role: str, lay: RoleLayout, spec: ModelSpec, batch: BatchPlan | None
 ) -> _RoleMemModel:
@@ -1659,8 +1679,9 @@ def _role_mem_model(
             if st.output_layer:
                 logits_train = tokens * out_width * 4.0
         logits_infer = infer_tokens * out_width * 4.0 if st.output_layer else 0.0
+        kv = _rollout_kv_bytes(c, lay, spec.arch, st.num_layers) if role == "actor" else 0.0
         stages.append(
-            _StageMem(params, pbytes, grads, optim, acts, logits_train, logits_infer, in_flight, tokens)
+            _StageMem(params, pbytes, grads, optim, acts, logits_train, logits_infer, in_flight, tokens, kv)
         )
     offload = (bool(m.param_offload), bool(m.grad_offload) and trained, bool(m.optimizer_offload) and trained)
     return _RoleMemModel(role, trained, offload, tuple(stages), infer_phase)
@@ -1698,6 +1719,16 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
             infer += [] if oo else [(f"{r.role} optimizer", s.optim_bytes)]
         infer.append((f"{r.role} logits", s.logits_infer))
         calls.append((r.infer_phase, infer))
+        if s.rollout_kv > 0:
+            # generate_sequences on the actor's weights: what stays resident for the actor (as in its
+            # log-prob call) plus the KV cache; compacting the cache (when at most half of the rows still
+            # run) briefly holds the old cache and the new one of at most half its rows.
+            gen = [
+                *infer[:-1],
+                ("rollout kv cache", s.rollout_kv),
+                ("rollout kv compaction", s.rollout_kv / 2),
+            ]
+            calls.append(("generate_sequences", gen))
         for name, own_parts in calls:
             parts = tuple(MemoryPart(label, _gib(b)) for label, b in own_parts + others if b > 0)
             phases.append(PhaseMemory(name, _gib(sum(b for _, b in own_parts + others)), parts))
@@ -1798,8 +1829,10 @@ def _memory(
     notes = [
         "estimate per device; parameters on the most loaded pipeline stage; megatron's allocator overhead, "
         "NCCL buffers and fragmentation are not included (keep ~10-20% headroom)",
-        "rollout engine memory is not included: the embedded engine generates with the actor's weights and "
-        "its KV cache (rollout.gpu_memory_utilization) is freed between rollouts",
+        "rollout: the embedded engine generates with the actor's weights; its KV cache (2 x layers x "
+        "kv_heads/tp x head_dim x (max_prompt_length + max_response_length) x rows per DP rank x dtype bytes, "
+        "+50% while compacting) is counted in generate_sequences and freed after it; "
+        "rollout.gpu_memory_utilization caps only a vLLM engine's pool and is not used here",
         "optimizer: fp32 master weights (when params are not fp32) + Adam m and v, sharded over dp x cp "
         "with use_distributed_optimizer; gradients in fp32 with grad_reduce_in_fp32",
         "activations: Korthikanti et al. per layer without the attention s^2 term (flash/SDPA attention), "

@@ -469,6 +469,28 @@ def _restore_step_per_param(engine: MegatronEngine) -> Iterator[None]:
                     seen.add(id(state["step"]))
 
 
+def _fill_missing_common_step(obj: Any) -> None:
+    """Put back the step of a never-stepped plain (non-distributed) optimizer before megatron loads it.
+
+    megatron-core 0.16.1 saves the Adam step shared by all parameters only when it is truthy (`if step:` in
+    the mixed-precision and fp32 optimizers' `sharded_state_dict`), so a save before the first update (step
+    0, from `_ensure_optimizer_state`) has per-parameter state without any step, and torch's
+    `load_state_dict` fails with `KeyError: 'step'`. Step 0 is exactly what was saved.
+    """
+    if isinstance(obj, dict):
+        state = obj.get("state")
+        if isinstance(state, dict) and "param_groups" in obj:
+            per_param = [v for k, v in state.items() if k != "common_step" and isinstance(v, dict)]
+            if "common_step" not in state and any("step" not in v for v in per_param):
+                state["common_step"] = torch.tensor(0.0, dtype=torch.float32)
+            return
+        for value in obj.values():
+            _fill_missing_common_step(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            _fill_missing_common_step(value)
+
+
 # ------------------------------------------------------------------------------------ RNG
 def _rng_state(engine: MegatronEngine) -> dict[str, Any]:
     import numpy as np
@@ -894,6 +916,8 @@ def load_engine(
             for key, module in zip(model_sd, engine.modules(), strict=True):
                 module.load_state_dict(loaded[key], strict=True)
             if "optimizer" in contents:
+                if not _uses_distributed_optimizer(engine):
+                    _fill_missing_common_step(loaded["optimizer"])
                 with _restore_step_per_param(engine):
                     engine.optimizer.load_state_dict(loaded["optimizer"])
             elif engine.optimizer is not None:

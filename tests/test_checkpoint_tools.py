@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -87,8 +88,9 @@ def test_manifest_digests_catch_truncation_and_same_size_damage(reg: CheckpointR
     assert "sampled_sha256" in manifest["dist_ckpt/__0_0.distcp"] and "sha256" in manifest["meta.json"]
     assert ck.verify_manifest(folder) == []
     tensor = folder / "dist_ckpt" / "__0_0.distcp"
-    # Zeros in the middle of a large file: same size, so only the full check (sampled digest) sees it.
-    _zero_block(tensor, BIG // 2)
+    # Zeros in the middle of a large file: same size, so only the full check (sampled digest) sees it. The
+    # samples are under 1/15 of the size apart: a damaged region of 1/16 of it is always caught.
+    _zero_block(tensor, BIG // 2, BIG // 16)
     assert ck.verify_manifest(folder, full=False) == []
     assert ck.verify_manifest(folder) == [f"{tensor}: content differs from the manifest (sampled sha256)"]
     with open(tensor, "r+b") as f:
@@ -127,7 +129,7 @@ def test_load_refuses_a_damaged_role_folder_naming_the_file(reg: CheckpointRegis
     bad = folder / "dist_ckpt" / "__0_0.distcp"
     _zero_block(bad, 0)
     # load_engine checks the manifest before it touches the engine (None is never used).
-    with pytest.raises(CheckpointError, match=rf"{bad}: content differs .* is damaged .* resume_mode: auto"):
+    with pytest.raises(CheckpointError, match=rf"{bad}: content differs .* is damaged.*resume_mode: auto"):
         ck.load_engine(None, folder, ("model",))  # type: ignore[arg-type]
 
 
@@ -298,6 +300,27 @@ def test_export_hf_from_a_checkpoint_without_hf_model(tmp_path):
     with pytest.raises(CheckpointError, match=r"rank_00000\.pt: content differs .* is damaged"):
         tools.export_hf(step_dir, tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.usefixtures("world")
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_never_stepped_plain_optimizer_round_trip(tmp_path, dtype):
+    """A save before the first update (e.g. the actor during critic warmup) with the non-distributed
+    optimizer: megatron drops the step-0 Adam step from it; the load puts it back instead of KeyError."""
+    from rltrain.megatron.actor import MegatronActor
+
+    from .megatron._common import actor_cfg, tiny_model_cfg
+
+    model = replace(tiny_model_cfg(), params_dtype=dtype)
+    cfg = actor_cfg()
+    cfg = replace(cfg, megatron=replace(cfg.megatron, use_distributed_optimizer=False))
+    folder = tmp_path / "global_step_1" / "actor"
+    ck.save_engine(MegatronActor(model, cfg, "cpu", total_steps=4), folder, ("model", "optimizer"), {})
+    fresh = MegatronActor(model, cfg, "cpu", total_steps=4)
+    ck.load_engine(fresh, folder, ("model", "optimizer"))
+    steps = {float(s["step"]) for s in fresh.optimizer.optimizer.state.values()}
+    assert steps == {0.0}
 
 
 @pytest.mark.slow

@@ -446,9 +446,15 @@ def test_qwen7b_memory_estimate_matches_hand_computation() -> None:
     assert plan.memory.fits is None
 
 
+def _update_bound_7b(device_memory_gib: float) -> RLConfig:
+    """The 7B layout with one response per prompt: the update phase, not the rollout's KV cache, peaks."""
+    config = qwen7b_config(device_memory_gib=device_memory_gib)
+    return replace(config, rollout=replace(config.rollout, n=1))
+
+
 def test_memory_error_names_device_memory_and_concrete_fixes() -> None:
     with pytest.raises(ConfigError) as info:
-        compile_plan(qwen7b_config(device_memory_gib=16))
+        compile_plan(_update_bound_7b(16))
     exc = info.value
     assert exc.path == "cluster.device_memory_gib"
     issue = exc.errors[0]
@@ -460,7 +466,7 @@ def test_memory_error_names_device_memory_and_concrete_fixes() -> None:
     assert "actor.megatron.tensor_model_parallel_size=" not in issue.fix or "GiB" in issue.fix
     assert "cluster.device_memory_gib" in issue.fix
     # Without the distributed optimizer at dp > 1 the fix suggests turning it on.
-    config = qwen7b_config(device_memory_gib=16)
+    config = _update_bound_7b(16)
     config = replace(
         config,
         actor=replace(
@@ -747,3 +753,30 @@ def test_uneven_layers_are_split_gracefully(layers: int, pp: int, vpp: int | Non
     assert sum(lay.layers_per_stage) == layers
     assert lay.even_layers == (layers % (pp * (vpp or 1)) == 0)
     assert max(lay.layers_per_stage) - min(lay.layers_per_stage) <= (vpp or 1)
+
+
+def test_memory_counts_embedded_rollout_kv_cache() -> None:
+    """generate_sequences holds the embedded engine's KV cache on the actor's devices. Qwen2.5-7B at TP=4
+    x PP=2 (DP=1), 64 prompts x n=8 = 512 rows, 1024 + 3072 tokens, bf16, 14 layers per stage:
+    2 x 14 x (4 kv heads / 4) x 128 x 4096 x 512 x 2 B = 15_032_385_536 B = 14.0 GiB, plus half of it
+    while the cache is compacted (old cache + the new one of at most half the rows)."""
+    from rlconf.plan import _rollout_kv_bytes
+
+    config = qwen7b_config()
+    plan = compile_plan(config)
+    pool = plan.memory.pools[0]
+    gen = next(p for p in pool.phases if p.phase == "generate_sequences")
+    parts = {p.label: p.gib for p in gen.parts}
+    assert parts["rollout kv cache"] == pytest.approx(15_032_385_536 / 2**30, abs=1e-5)
+    assert parts["rollout kv compaction"] == pytest.approx(7.0, abs=1e-5)
+    # The actor's weights (and its grads/optimizer state unless offloaded) stay resident meanwhile.
+    assert parts["actor params"] == pytest.approx(952_026_880 * 2 / 2**30, rel=1e-4)
+    assert gen.total_gib == pytest.approx(sum(parts.values()), abs=1e-4)
+    assert pool.peak_gib >= gen.total_gib
+    assert any("rollout.gpu_memory_utilization" in n for n in plan.memory.notes)
+    # Halving the rows per DP rank halves it; vLLM's cache is its own (rollout.gpu_memory_utilization).
+    lay = plan.layout("actor")
+    half = replace(config, data=replace(config.data, train_batch_size=32))
+    assert _rollout_kv_bytes(half, lay, QWEN25_7B, 14) == 15_032_385_536 / 2
+    vllm = replace(config, rollout=replace(config.rollout, engine="vllm"))
+    assert _rollout_kv_bytes(vllm, lay, QWEN25_7B, 14) == 0.0
