@@ -20,6 +20,8 @@ from rlconf.fields import iter_leaves, leaf_paths
 USAGE = """usage: rltrain PRESET [--config FILE.yaml] [--section.field VALUE ...] [--dry-run]
        rltrain PRESET --help     every flag, with the preset's values as defaults
        rltrain --list            the presets
+       rltrain inspect CHECKPOINT [--json]       what a checkpoint holds, complete or not
+       rltrain export-hf CHECKPOINT OUT          Hugging Face weights from a checkpoint
 
 Runs RL fine-tuning (PPO/GRPO) on megatron-core. Precedence: flags > --config file > preset > defaults.
 --dry-run prints the resolved config and the trainer plan and exits.

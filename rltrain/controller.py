@@ -118,7 +118,6 @@ class Trainer:
         except WorkerError:
             self.ckpt.abort(step)
             raise
-        self._finalize_saves(blocking=False)
 
     def _finalize_saves(self, blocking: bool) -> None:
         """Commit every staged save whose roles all finished writing (wait for them when blocking)."""
@@ -311,6 +310,9 @@ class Trainer:
                 metrics["timing/save_checkpoint_s"] = time.perf_counter() - t_save
             metrics["timing/step_s"] = time.perf_counter() - t0
             self.logger.log(step, metrics)
+            # Commit only after the step's metrics line is written: a crash in between redoes the step, a
+            # crash after it resumes after the step; metrics.jsonl never has a gap.
+            self._finalize_saves(blocking=False)
         self._finalize_saves(blocking=True)  # never exit with a save still being written
         self.reward_profiler.close()
         self.logger.close()

@@ -17,6 +17,8 @@ def test_jsonl_appends_and_truncates(tmp_path, capsys):
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
     assert read_metrics(tmp_path / "metrics.jsonl")[0]["nan"] is None  # NaN is not valid JSON
     assert "step    2  reward/mean 0.2" in capsys.readouterr().out  # not a terminal: plain lines
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 4, "rew')  # a run killed mid-write
     log.truncate_after(1)  # a resume from step 1 redoes steps 2 and 3
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1]
 
