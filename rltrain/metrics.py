@@ -98,9 +98,14 @@ class MetricsLogger:
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [
-            line for line in self.path.read_text().splitlines() if line and json.loads(line)["step"] <= step
-        ]
+        kept = []
+        for line in self.path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # the half-written last line of a killed run
+            if record["step"] <= step:
+                kept.append(line)
         self.path.write_text("".join(line + "\n" for line in kept))
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
