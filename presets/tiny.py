@@ -23,6 +23,8 @@ def tiny_grpo() -> RLConfig:
             "actor.ppo_micro_batch_size_per_gpu": 4,
             "trainer.total_steps": 100,
             "trainer.test_freq": 25,
+            "trainer.save_freq": 50,
+            "trainer.max_ckpt_to_keep": 2,
             "trainer.val_before_train": True,
             "trainer.output_dir": "outputs/tiny-grpo",
             "trainer.experiment_name": "tiny-grpo",
