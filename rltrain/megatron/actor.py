@@ -171,13 +171,9 @@ class MegatronActor(MegatronEngine):
                         totals=totals,
                         temperature=temperature,
                     )
-                    outs = self.run_schedule(mbs, loss_fn, forward_only=False)
-                    _, grad_norm = self.optimizer_step()
+                    grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
                     grad_norms.append(grad_norm)
-                    for o in outs:
-                        for k in names:
-                            sums[k] += float(o[k])
-                        count += 1
+                    count += counted
             self.lr_scheduler.step(1)
         metrics = self.reduce_metrics(sums, count, names)
         metrics["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)

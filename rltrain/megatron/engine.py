@@ -509,6 +509,22 @@ class MegatronEngine:
         for c in self._chunks:
             c.eval()
 
+    def optimizer_step_on(
+        self,
+        micro_batches: list[MicroBatch],
+        loss_fn: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+        names: list[str],
+        sums: dict[str, float],
+    ) -> tuple[float, int]:
+        """One optimizer step over one mini-batch's micro-batches: forward+backward through the schedule,
+        the step, and the micro-batch metrics added into `sums`. Returns (grad_norm, outputs counted)."""
+        outs = self.run_schedule(micro_batches, loss_fn, forward_only=False)
+        _, grad_norm = self.optimizer_step()
+        for o in outs:
+            for k in names:
+                sums[k] += float(o[k])
+        return grad_norm, len(outs)
+
     def optimizer_step(self) -> tuple[bool, float]:
         """One optimizer step on the accumulated gradients; returns (applied, grad_norm)."""
         assert self._optimizer is not None, "this engine was built without an optimizer"
