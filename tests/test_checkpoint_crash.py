@@ -76,8 +76,11 @@ def rltrain(out: Path, total_steps: int, *flags: str, fault: str | None = None, 
     env.pop(FAULT_ENV, None)
     if fault is not None:
         env[FAULT_ENV] = fault
+    # Keep every checkpoint unless a run asks for retention (the preset keeps 2), so each fault point
+    # finds the checkpoints it is aimed at.
+    keep = () if "--trainer.max_ckpt_to_keep" in flags else ("--trainer.max_ckpt_to_keep", "None")
     cmd = [sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--trainer.total_steps", str(total_steps),
-           "--trainer.output_dir", str(out), *COMMON, *flags]  # fmt: skip
+           "--trainer.output_dir", str(out), *COMMON, *keep, *flags]  # fmt: skip
     logs = out.parent / f"{out.name}-logs"
     logs.mkdir(exist_ok=True)
     n = len(list(logs.glob("*.out")))
