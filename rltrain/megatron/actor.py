@@ -134,7 +134,6 @@ class MegatronActor(MegatronEngine):
         clip_high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
         use_kl = cfg.use_kl_loss and "ref_log_prob" in batch
         n = batch["input_ids"].shape[0]
-        mini = max(1, cfg.ppo_mini_batch_size * self.rollout_n // self.dp_size)
         names = ["actor/loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"]
         if use_kl:
             names.append("actor/kl_loss")
@@ -148,32 +147,29 @@ class MegatronActor(MegatronEngine):
             self.reload()
             self.check_equal_rows(n)
             self.train()
-            gen = torch.Generator().manual_seed(self.megatron_cfg.seed + int(self.lr_scheduler.num_steps))
-            for _ in range(cfg.ppo_epochs):
-                order = torch.randperm(n, generator=gen) if cfg.shuffle else torch.arange(n)
-                for m0 in range(0, n, mini):
-                    rows = order[m0 : m0 + mini]
-                    mini_batch = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-                    mbs = self.micro_batches(
-                        mini_batch,
-                        cfg.ppo_micro_batch_size_per_gpu,
-                        cfg.use_dynamic_bsz,
-                        cfg.ppo_max_token_len_per_gpu,
-                    )
-                    tokens += int(mini_batch["attention_mask"].sum())
-                    totals = self.global_loss_totals(mini_batch)
-                    self.zero_grad()
-                    loss_fn = functools.partial(
-                        self._policy_loss,
-                        clip_low=clip_low,
-                        clip_high=clip_high,
-                        use_kl=use_kl,
-                        totals=totals,
-                        temperature=temperature,
-                    )
-                    grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
-                    grad_norms.append(grad_norm)
-                    count += counted
+            for mini_batch, mbs, totals in self.iter_mini_batches(
+                batch,
+                cfg.ppo_mini_batch_size,
+                self.rollout_n,
+                cfg.ppo_epochs,
+                cfg.shuffle,
+                cfg.ppo_micro_batch_size_per_gpu,
+                cfg.use_dynamic_bsz,
+                cfg.ppo_max_token_len_per_gpu,
+            ):
+                tokens += int(mini_batch["attention_mask"].sum())
+                self.zero_grad()
+                loss_fn = functools.partial(
+                    self._policy_loss,
+                    clip_low=clip_low,
+                    clip_high=clip_high,
+                    use_kl=use_kl,
+                    totals=totals,
+                    temperature=temperature,
+                )
+                grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
+                grad_norms.append(grad_norm)
+                count += counted
             self.lr_scheduler.step(1)
         metrics = self.reduce_metrics(sums, count, names)
         metrics["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)

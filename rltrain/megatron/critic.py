@@ -71,7 +71,6 @@ class MegatronCritic(MegatronEngine):
         """
         cfg = self.cfg
         n = batch["input_ids"].shape[0]
-        mini = max(1, cfg.ppo_mini_batch_size * self.rollout_n // self.dp_size)
         names = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"]
         sums = dict.fromkeys(names, 0.0)
         count = 0
@@ -82,45 +81,43 @@ class MegatronCritic(MegatronEngine):
             self.reload()
             self.check_equal_rows(n)
             self.train()
-            gen = torch.Generator().manual_seed(self.megatron_cfg.seed + int(self.lr_scheduler.num_steps))
-            for _ in range(cfg.ppo_epochs):
-                order = torch.randperm(n, generator=gen)
-                for m0 in range(0, n, mini):
-                    rows = order[m0 : m0 + mini]
-                    mini_batch = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-                    mbs = self.micro_batches(
-                        mini_batch,
-                        cfg.ppo_micro_batch_size_per_gpu,
-                        cfg.use_dynamic_bsz,
-                        cfg.ppo_max_token_len_per_gpu,
+            # The critic always shuffles (CriticConfig has no shuffle switch).
+            for _, mbs, totals in self.iter_mini_batches(
+                batch,
+                cfg.ppo_mini_batch_size,
+                self.rollout_n,
+                cfg.ppo_epochs,
+                True,
+                cfg.ppo_micro_batch_size_per_gpu,
+                cfg.use_dynamic_bsz,
+                cfg.ppo_max_token_len_per_gpu,
+            ):
+
+                def loss_fn(mb: MicroBatch, out: torch.Tensor, totals: tuple[float, float] = totals):
+                    d = mb.data
+                    mask = d["response_mask"].float()
+                    vpreds = self._values(mb, out)
+                    loss, m = algorithms.compute_value_loss(
+                        vpreds,
+                        d["values"].float(),
+                        d["returns"].float(),
+                        mask,
+                        cfg.cliprange_value,
+                        self.loss_agg_mode,
                     )
-                    totals = self.global_loss_totals(mini_batch)
+                    extra = {
+                        "critic/vf_loss": loss.detach(),
+                        "critic/vf_clipfrac": m["vf_clipfrac"],
+                        "critic/vpred_mean": algorithms.masked_mean(vpreds.detach(), mask),
+                    }
+                    return loss * self.micro_batch_weight(
+                        d["response_mask"], self.loss_agg_mode, totals
+                    ), extra
 
-                    def loss_fn(mb: MicroBatch, out: torch.Tensor, totals: tuple[float, float] = totals):
-                        d = mb.data
-                        mask = d["response_mask"].float()
-                        vpreds = self._values(mb, out)
-                        loss, m = algorithms.compute_value_loss(
-                            vpreds,
-                            d["values"].float(),
-                            d["returns"].float(),
-                            mask,
-                            cfg.cliprange_value,
-                            self.loss_agg_mode,
-                        )
-                        extra = {
-                            "critic/vf_loss": loss.detach(),
-                            "critic/vf_clipfrac": m["vf_clipfrac"],
-                            "critic/vpred_mean": algorithms.masked_mean(vpreds.detach(), mask),
-                        }
-                        return loss * self.micro_batch_weight(
-                            d["response_mask"], self.loss_agg_mode, totals
-                        ), extra
-
-                    self.zero_grad()
-                    grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
-                    grad_norms.append(grad_norm)
-                    count += counted
+                self.zero_grad()
+                grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
+                grad_norms.append(grad_norm)
+                count += counted
             self.lr_scheduler.step(1)
         metrics = self.reduce_metrics(sums, count, names)
         metrics["critic/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)

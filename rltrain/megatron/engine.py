@@ -509,6 +509,32 @@ class MegatronEngine:
         for c in self._chunks:
             c.eval()
 
+    def iter_mini_batches(
+        self,
+        batch: dict[str, torch.Tensor],
+        mini_batch_prompts: int,
+        rollout_n: int,
+        epochs: int,
+        shuffle: bool,
+        micro_batch_size: int,
+        use_dynamic_bsz: bool,
+        max_token_len: int,
+    ) -> Iterator[tuple[dict[str, torch.Tensor], list[MicroBatch], tuple[float, float]]]:
+        """The mini-batches of one update on this rank: `epochs` passes over the rows (a seeded permutation
+        per pass when `shuffle`), each mini-batch of `mini_batch_prompts` x `rollout_n` / dp rows. Yields
+        (mini-batch rows, its micro-batches, its DP-wide loss totals for `micro_batch_weight`)."""
+        n = batch["input_ids"].shape[0]
+        mini = max(1, mini_batch_prompts * rollout_n // self.dp_size)
+        # Seeded by the scheduler step: a resumed run shuffles exactly as an uninterrupted one.
+        gen = torch.Generator().manual_seed(self.megatron_cfg.seed + int(self.lr_scheduler.num_steps))
+        for _ in range(epochs):
+            order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
+            for m0 in range(0, n, mini):
+                rows = order[m0 : m0 + mini]
+                mini_batch = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+                mbs = self.micro_batches(mini_batch, micro_batch_size, use_dynamic_bsz, max_token_len)
+                yield mini_batch, mbs, self.global_loss_totals(mini_batch)
+
     def optimizer_step_on(
         self,
         micro_batches: list[MicroBatch],
