@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import socket
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -59,29 +61,47 @@ def hf_logits(path: str | os.PathLike, input_ids: torch.Tensor, attention_mask: 
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
 
 
-def make_batch(
-    b: int = 4, p: int = 6, r: int = 5, vocab: int = 100, seed: int = 0
+def batch_from_lengths(
+    lens: list[tuple[int, int]], p: int, r: int, vocab: int = 100, seed: int = 0
 ) -> dict[str, torch.Tensor]:
-    """verl layout: prompts left-padded to p, responses right-padded to r (lengths vary per row)."""
+    """verl layout from (prompt length, response length) per row: prompts left-padded to p, responses
+    right-padded to r, random token ids in [1, vocab)."""
     g = torch.Generator().manual_seed(seed)
+    b = len(lens)
     input_ids = torch.zeros(b, p + r, dtype=torch.long)
     attention_mask = torch.zeros(b, p + r, dtype=torch.long)
     response_mask = torch.zeros(b, r, dtype=torch.long)
-    for i in range(b):
-        pl = p - (i % 3)
-        rl = r - (i % 2) * 2
+    for i, (pl, rl) in enumerate(lens):
         input_ids[i, p - pl : p] = torch.randint(1, vocab, (pl,), generator=g)
         input_ids[i, p : p + rl] = torch.randint(1, vocab, (rl,), generator=g)
         attention_mask[i, p - pl : p + rl] = 1
         response_mask[i, :rl] = 1
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     return {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
-        "position_ids": position_ids,
+        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
         "responses": input_ids[:, p:].clone(),
         "response_mask": response_mask,
     }
+
+
+def make_batch(
+    b: int = 4, p: int = 6, r: int = 5, vocab: int = 100, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """verl layout: prompts left-padded to p, responses right-padded to r (lengths vary per row)."""
+    return batch_from_lengths([(p - (i % 3), r - (i % 2) * 2) for i in range(b)], p, r, vocab, seed)
+
+
+def run_spawned(fn: Callable[..., None], *args: object) -> None:
+    """Body of a torch.multiprocessing.spawn child on CPU: one thread, and the child's traceback printed
+    (mp.spawn reports only the exception type of a child otherwise)."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        fn(*args)
+    except Exception:
+        traceback.print_exc()
+        raise
 
 
 def reference_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:

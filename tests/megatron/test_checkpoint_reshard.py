@@ -9,15 +9,13 @@ then loads the workers' checkpoints at TP=1 and checks them against the workers'
 
 from __future__ import annotations
 
-import os
-import traceback
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
-from ._common import actor_cfg, free_port, make_batch, tiny_model_cfg
+from ._common import actor_cfg, free_port, make_batch, run_spawned, tiny_model_cfg
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -102,13 +100,7 @@ def _dp_rows() -> slice:
 
 
 def _worker(rank: int, world: int, port: int, hf_path: str, out_dir: str, rl: dict, ref: dict) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        _run(rank, world, port, hf_path, Path(out_dir), rl, ref)
-    except Exception:
-        traceback.print_exc()  # mp.spawn reports only the exception type of a child otherwise
-        raise
+    run_spawned(_run, rank, world, port, hf_path, Path(out_dir), rl, ref)
 
 
 def _run(rank: int, world: int, port: int, hf_path: str, out: Path, rl: dict, ref: dict) -> None:

@@ -10,13 +10,11 @@ without sequence parallel), PP=2 and PP=2 x VPP=2 against the single-process res
 from __future__ import annotations
 
 import math
-import os
-import traceback
 
 import pytest
 import torch
 
-from ._common import actor_cfg, free_port, make_batch, tiny_model_cfg
+from ._common import actor_cfg, free_port, make_batch, run_spawned, tiny_model_cfg
 
 # megatron-core warns about missing apex / Transformer Engine and deprecated arguments on every build.
 _QUIET = [
@@ -294,13 +292,7 @@ LAYOUTS = [  # (name, tp, pp, vpp, sequence_parallel)
 
 
 def _layout_worker(rank: int, world: int, port: int, hf_path: str, ref: dict) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        _check_layouts(rank, world, port, hf_path, ref)
-    except Exception:
-        traceback.print_exc()  # mp.spawn reports only the exception type of a child otherwise
-        raise
+    run_spawned(_check_layouts, rank, world, port, hf_path, ref)
 
 
 def _check_layouts(rank: int, world: int, port: int, hf_path: str, ref: dict) -> None:

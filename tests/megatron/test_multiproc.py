@@ -17,13 +17,21 @@ from __future__ import annotations
 
 import json
 import os
-import traceback
 from dataclasses import replace
 
 import pytest
 import torch
 
-from ._common import actor_cfg, free_port, hf_logits, make_tiny_qwen2, reference_log_probs, tiny_model_cfg
+from ._common import (
+    actor_cfg,
+    batch_from_lengths,
+    free_port,
+    hf_logits,
+    make_tiny_qwen2,
+    reference_log_probs,
+    run_spawned,
+    tiny_model_cfg,
+)
 
 # megatron-core warns about missing apex / Transformer Engine and deprecated arguments on every build.
 _QUIET = [
@@ -73,24 +81,8 @@ def _update_cfg(
 
 def _uneven_batch() -> dict[str, torch.Tensor]:
     """8 rows; rows 0-3 (DP rank 0 at DP=2) have long prompts and responses, rows 4-7 short ones."""
-    g = torch.Generator().manual_seed(0)
-    p, r = 12, 16
     lens = [(12, 16), (10, 14), (12, 11), (9, 16), (3, 2), (2, 4), (4, 1), (3, 3)]
-    input_ids = torch.zeros(8, p + r, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros(8, r, dtype=torch.long)
-    for i, (pl, rl) in enumerate(lens):
-        input_ids[i, p - pl : p] = torch.randint(1, 100, (pl,), generator=g)
-        input_ids[i, p : p + rl] = torch.randint(1, 100, (rl,), generator=g)
-        attention_mask[i, p - pl : p + rl] = 1
-        response_mask[i, :rl] = 1
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "responses": input_ids[:, p:].clone(),
-        "response_mask": response_mask,
-    }
+    return batch_from_lengths(lens, 12, 16, seed=0)
 
 
 def _rl_batch(batch, old):
@@ -129,14 +121,7 @@ def _reference(hf_path: str) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, paths: dict, out_dir: str, ref: dict) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        _run_layouts(rank, world, port, paths, out_dir, ref)
-    except Exception:
-        # mp.spawn reports only the exception type of a child otherwise.
-        traceback.print_exc()
-        raise
+    run_spawned(_run_layouts, rank, world, port, paths, out_dir, ref)
 
 
 def _maxdiff(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -18,7 +18,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ._common import actor_cfg, hf_logits, make_batch, make_tiny_qwen2, reference_log_probs, tiny_model_cfg
+from ._common import (
+    actor_cfg,
+    batch_from_lengths,
+    hf_logits,
+    make_batch,
+    make_tiny_qwen2,
+    reference_log_probs,
+    tiny_model_cfg,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
@@ -45,25 +53,8 @@ def untied_hf(tmp_path_factory):
 
 def _uneven_batch(seed: int = 0) -> dict[str, torch.Tensor]:
     """Rows of very different lengths (prompt 2..20, response 1..24 tokens) in mixed order."""
-    g = torch.Generator().manual_seed(seed)
-    p, r = 20, 24
     lens = [(20, 24), (2, 1), (11, 3), (3, 24), (20, 2), (5, 9), (2, 24), (14, 14), (7, 1), (19, 20)]
-    b = len(lens)
-    input_ids = torch.zeros(b, p + r, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    response_mask = torch.zeros(b, r, dtype=torch.long)
-    for i, (pl, rl) in enumerate(lens):
-        input_ids[i, p - pl : p] = torch.randint(1, 100, (pl,), generator=g)
-        input_ids[i, p : p + rl] = torch.randint(1, 100, (rl,), generator=g)
-        attention_mask[i, p - pl : p + rl] = 1
-        response_mask[i, :rl] = 1
-    return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "responses": input_ids[:, p:].clone(),
-        "response_mask": response_mask,
-    }
+    return batch_from_lengths(lens, 20, 24, seed=seed)
 
 
 # ------------------------------------------------------------------------------------ HF parity

@@ -13,12 +13,11 @@ The model is the untied tiny Qwen2 (lm_head and embedding both travel).
 from __future__ import annotations
 
 import os
-import traceback
 
 import pytest
 import torch
 
-from ._common import actor_cfg, free_port, make_batch, make_tiny_qwen2, tiny_model_cfg
+from ._common import actor_cfg, free_port, make_batch, make_tiny_qwen2, run_spawned, tiny_model_cfg
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -30,13 +29,7 @@ BUCKETS = (1024, 64 * 1024, 2**30)
 
 
 def _worker(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        _run(rank, world, port, hf_path, out_dir)
-    except Exception:
-        traceback.print_exc()  # mp.spawn reports only the exception type of a child otherwise
-        raise
+    run_spawned(_run, rank, world, port, hf_path, out_dir)
 
 
 def _run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
