@@ -22,6 +22,7 @@ from rltrain import algorithms
 from rltrain.megatron.engine import MegatronEngine, MicroBatch
 from rltrain.megatron.inference import sample_tokens
 from rltrain.megatron.logprob import token_log_probs_and_entropy
+from rltrain.rollout.batch import rollout_batch
 
 
 class MegatronActor(MegatronEngine):
@@ -310,18 +311,7 @@ class MegatronActor(MegatronEngine):
                     done = done | torch.isin(tok, torch.tensor(sorted(stops)))
                 if bool(done.all()):
                     break
-        # Fill the unused tail (early stop) consistently.
-        attention_mask = torch.cat([left_mask, resp_mask], 1)
-        input_ids = torch.cat([left, responses], 1)
-        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        return {
-            "input_ids": input_ids,
-            "attention_mask": attention_mask,
-            "position_ids": position_ids,
-            "responses": responses,
-            "response_mask": resp_mask,
-            "rollout_log_probs": logps,
-        }
+        return rollout_batch(left, left_mask, responses, resp_mask, logps)
 
     def _sample_step(
         self,

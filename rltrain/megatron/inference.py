@@ -66,6 +66,8 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
+from rltrain.rollout.batch import rollout_batch
+
 # Module attributes megatron reads to decide on sequence-parallel communication (cf. megatron's
 # `set_model_to_sequence_parallel`, which cannot restore mixed original values).
 _SP_ATTRS = ("sequence_parallel", "reduce_scatter_embeddings")
@@ -401,15 +403,7 @@ def generate_with_kv_cache(
                 top_k,
                 min_p,
             )
-    attention_mask = torch.cat([left_mask, resp_mask], 1)
-    return {
-        "input_ids": torch.cat([left, responses], 1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "responses": responses,
-        "response_mask": resp_mask,
-        "rollout_log_probs": logps,
-    }
+    return rollout_batch(left, left_mask, responses, resp_mask, logps)
 
 
 def _decode(

@@ -32,6 +32,7 @@ import torch
 
 from rlconf.config import RolloutConfig
 from rlconf.errors import ConfigError, Issue
+from rltrain.rollout.batch import rollout_batch
 
 INSTALL_HINT = "pip install 'rlplan[vllm]'"
 
@@ -250,15 +251,7 @@ def to_batch(
         resp[i, :n] = torch.tensor(toks, dtype=torch.long)
         resp_mask[i, :n] = 1
         logps[i, :n] = torch.tensor(lps, dtype=torch.float32)
-    attention_mask = torch.cat([left_mask, resp_mask], 1)
-    return {
-        "input_ids": torch.cat([left, resp], 1),
-        "attention_mask": attention_mask,
-        "position_ids": (attention_mask.cumsum(-1) - 1).clamp(min=0),
-        "responses": resp,
-        "response_mask": resp_mask,
-        "rollout_log_probs": logps,
-    }
+    return rollout_batch(left, left_mask, resp, resp_mask, logps)
 
 
 __all__ = ["INSTALL_HINT", "Sampling", "VLLMRollout", "import_vllm", "sampling_params", "to_batch"]
