@@ -144,6 +144,13 @@ def section_paths(cls: type, prefix: str = "") -> tuple[str, ...]:
     return tuple(out)
 
 
+def get_path(obj: Any, path: str) -> Any:
+    """The value at a dotted path of a config: `get_path(cfg, "actor.optim.lr")`."""
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
 def replace_paths(obj: Any, updates: dict[str, Any]) -> Any:
     """`dataclasses.replace` for dotted paths: `replace_paths(cfg, {"actor.optim.lr": 1e-6})`.
 

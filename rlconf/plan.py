@@ -50,6 +50,7 @@ from rlconf.config import (
     TorchProfileOptions,
 )
 from rlconf.errors import ConfigError, Issue, error
+from rlconf.fields import get_path
 
 PLAN_VERSION = 1
 GIB = 2**30
@@ -2012,15 +2013,9 @@ def _role_variants(
     dynamic = config.actor.use_dynamic_bsz and role in ("actor", "ref")
     if role in micro_field and not dynamic:
         path = micro_field[role]
-        value = _get(config, path)
+        value = get_path(config, path)
         if isinstance(value, int) and value > 1:
             yield f"{path}={value // 2}", _set(config, path, value // 2)
-
-
-def _get(obj: object, dotted: str) -> object:
-    for part in dotted.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _evaluate_variants(config: RLConfig, pool: str) -> list[tuple[float, str, RLConfig]]:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from rlconf.config import BUILTIN_REWARDS, CHECKPOINT_CONTENTS, ROLES, MegatronConfig, Optim, RLConfig
 from rlconf.errors import Issue, error, warning
-from rlconf.fields import iter_leaves
+from rlconf.fields import get_path, iter_leaves
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
 
@@ -145,15 +145,9 @@ def positive_sizes(c: RLConfig) -> Iterator[Issue]:
     for leaf in iter_leaves(RLConfig):
         if leaf.path in _MAY_BE_NON_POSITIVE or not _POSITIVE_INT_FIELDS.search(leaf.path):
             continue
-        value = _get(c, leaf.path)
+        value = get_path(c, leaf.path)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             yield error(leaf.path, f"must be >= 1, got {value}", "use a positive integer", "positive-size")
-
-
-def _get(obj: object, path: str) -> object:
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 @rule(

@@ -15,7 +15,7 @@ from typing import Any
 from rlconf.cli import EXIT_OK, run_guarded
 from rlconf.config import RLConfig
 from rlconf.errors import ConfigError, Issue, error
-from rlconf.fields import iter_leaves, leaf_paths
+from rlconf.fields import get_path, iter_leaves, leaf_paths
 
 USAGE = """usage: rltrain PRESET [--config FILE.yaml] [--section.field VALUE ...] [--dry-run]
        rltrain PRESET --help     every flag, with the preset's values as defaults
@@ -94,8 +94,8 @@ def config_to_flags(config: RLConfig) -> list[str]:
     default = RLConfig()
     flags: list[str] = []
     for leaf in iter_leaves(RLConfig):
-        value = _get(config, leaf.path)
-        if value == _get(default, leaf.path):
+        value = get_path(config, leaf.path)
+        if value == get_path(default, leaf.path):
             continue
         flags.append(f"--{leaf.path}")
         flags.extend(_flag_values(value))
@@ -108,12 +108,6 @@ def _flag_values(value: Any) -> list[str]:
     if isinstance(value, tuple):
         return [v for item in value for v in _flag_values(item)]
     return [repr(value) if isinstance(value, float) else str(value)]
-
-
-def _get(obj: Any, path: str) -> Any:
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:

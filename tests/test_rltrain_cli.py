@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from presets import get_preset
 from rlconf.config import RLConfig
-from rlconf.fields import iter_leaves, type_name
-from rltrain.cli import _flag_values, _get, _tyro_cli, config_to_flags, main, parse_args
+from rlconf.fields import get_path, iter_leaves, type_name
+from rltrain.cli import _flag_values, _tyro_cli, config_to_flags, main, parse_args
 from tests.typed_strategies import typed_configs
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "rltrain_flags.txt"
@@ -94,7 +94,7 @@ def test_every_field_is_a_flag():
     flags = [
         tok
         for leaf in iter_leaves(RLConfig)
-        for tok in (f"--{leaf.path}", *_flag_values(_get(target, leaf.path)))
+        for tok in (f"--{leaf.path}", *_flag_values(get_path(target, leaf.path)))
     ]
     assert len([f for f in flags if f.startswith("--")]) == len(list(iter_leaves(RLConfig)))
     assert _tyro_cli(RLConfig(), flags, prog="rltrain") == target
