@@ -109,6 +109,19 @@ def _group_ids(group_index: Tensor | Sequence[Any], n: int, device: torch.device
 
 
 # --------------------------------------------------------------------------------------- advantages
+def _group_scores(
+    token_level_rewards: Tensor, mask: Tensor, group_index: Tensor | Sequence[Any]
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Outcome score per response (sum of its token rewards), its group id, and each group's size."""
+    scores = (token_level_rewards * mask).sum(-1)
+    ids = _group_ids(group_index, scores.shape[0], scores.device)
+    n_groups = int(ids.max()) + 1 if ids.numel() else 0
+    counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
+        0, ids, torch.ones_like(scores)
+    )
+    return scores, ids, counts
+
+
 def compute_gae_advantage_return(
     token_level_rewards: Tensor,
     values: Tensor,
@@ -160,12 +173,7 @@ def compute_grpo_outcome_advantage(
     """
     mask = response_mask.to(token_level_rewards.dtype)
     with torch.no_grad():
-        scores = (token_level_rewards * mask).sum(-1)
-        ids = _group_ids(group_index, scores.shape[0], scores.device)
-        n_groups = int(ids.max()) + 1 if ids.numel() else 0
-        counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
-            0, ids, torch.ones_like(scores)
-        )
+        scores, ids, counts = _group_scores(token_level_rewards, mask, group_index)
         mean = torch.zeros_like(counts).index_add_(0, ids, scores) / counts
         dev = scores - mean[ids]
         var = torch.zeros_like(counts).index_add_(0, ids, dev**2) / (counts - 1).clamp_min(1)
@@ -187,12 +195,7 @@ def compute_rloo_outcome_advantage(
     """
     mask = response_mask.to(token_level_rewards.dtype)
     with torch.no_grad():
-        scores = (token_level_rewards * mask).sum(-1)
-        ids = _group_ids(group_index, scores.shape[0], scores.device)
-        n_groups = int(ids.max()) + 1 if ids.numel() else 0
-        counts = torch.zeros(n_groups, dtype=scores.dtype, device=scores.device).index_add_(
-            0, ids, torch.ones_like(scores)
-        )
+        scores, ids, counts = _group_scores(token_level_rewards, mask, group_index)
         sums = torch.zeros_like(counts).index_add_(0, ids, scores)
         n = counts[ids]
         baseline = (sums[ids] - scores) / (n - 1).clamp_min(1)
