@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -13,3 +14,20 @@ settings.register_profile(
     "dev", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
 settings.load_profile("ci" if os.environ.get("CI") else os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+@pytest.fixture(scope="module")
+def world():
+    """gloo world of one at TP = PP = 1 (or the session's, when the megatron tests already made one)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from rlconf.config import MegatronConfig
+    from rltrain.megatron.parallel import destroy_parallel, init_parallel
+    from tests.megatron._common import free_port
+
+    owned = not torch.distributed.is_initialized()
+    init_parallel(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
+    yield
+    if owned:
+        destroy_parallel()

@@ -204,20 +204,6 @@ def test_only_incomplete_checkpoints_warn_before_starting_fresh(reg: CheckpointR
 
 
 # ============================================================================================ megatron
-@pytest.fixture(scope="module")
-def world():
-    """gloo world of one at TP = PP = 1 (or the session's, when the megatron tests already made one)."""
-    torch.set_num_threads(1)
-    from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import destroy_parallel, init_parallel
-
-    from .megatron._common import free_port
-
-    owned = not torch.distributed.is_initialized()
-    init_parallel(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
-    yield
-    if owned:
-        destroy_parallel()
 
 
 @pytest.fixture(scope="module")

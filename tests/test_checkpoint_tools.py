@@ -236,19 +236,6 @@ def test_cli_dispatch_no_traceback(tmp_path):
 
 
 # ============================================================================================ export (megatron)
-@pytest.fixture(scope="module")
-def world():
-    torch.set_num_threads(1)
-    from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import destroy_parallel, init_parallel
-
-    from .megatron._common import free_port
-
-    owned = not torch.distributed.is_initialized()
-    init_parallel(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
-    yield
-    if owned:
-        destroy_parallel()
 
 
 @pytest.mark.usefixtures("world")
