@@ -122,6 +122,37 @@ def cmd_docs(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _split_verl_inputs(inputs: Sequence[str]) -> tuple[str | None, list[str]]:
+    """The verl config file (the first input that is not an override) and the Hydra overrides."""
+    first = inputs[0] if inputs else ""
+    if "=" not in first and (first.endswith((".yaml", ".yml", ".json")) or os.path.isfile(first)):
+        return first, list(inputs[1:])
+    return None, list(inputs)
+
+
+def cmd_import_verl(args: argparse.Namespace) -> int:
+    from rlconf.verl import format_report, to_yaml, translate_sources, translation_to_dict
+
+    file, overrides = _split_verl_inputs(args.inputs)
+    tr = translate_sources(file, overrides)
+    text = to_yaml(tr)
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as f:
+            f.write(text)
+    report = sys.stdout if args.output or args.json else sys.stderr
+    if args.json:
+        print(json.dumps({**translation_to_dict(tr), "output": args.output}, indent=2, default=str))
+    else:
+        print(format_report(tr), end="", file=report)
+        if args.output:
+            state = "" if tr.valid else " (invalid: fix the errors above, then run `rlconf validate` on it)"
+            hint = f"\nnext: rlconf plan {args.output}" if tr.valid else ""
+            print(f"\nwrote {args.output}{state}{hint}", file=report)
+        else:
+            print(text, end="")
+    return EXIT_OK if tr.valid else EXIT_INVALID
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlconf",
@@ -164,6 +195,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p = add("schema", cmd_schema, "print the JSON Schema of the config (for editor completion)")
     p.add_argument("--output", "-o", help="write to this file instead of stdout")
+    p = add(
+        "import-verl",
+        cmd_import_verl,
+        "translate a verl Megatron trainer config and/or Hydra overrides into an rlplan config, report every "
+        "key that did not map, and validate the result",
+    )
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="VERL.yaml|OVERRIDE",
+        help="an optional verl config file (.yaml/.json) first, then Hydra overrides: key=value, +key=value, "
+        "++key=value, ~key",
+    )
+    p.add_argument(
+        "--output", "-o", help="write the rlplan config here (default: print it; report to stderr)"
+    )
+    p.add_argument("--json", action="store_true", help="print the report (and the config) as JSON")
     p = add("docs", cmd_docs, "generate the configuration reference (docs/reference/*.md)")
     p.add_argument("outdir", nargs="?", default="docs/reference")
     return parser

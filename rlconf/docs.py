@@ -93,11 +93,20 @@ def presets_reference() -> str:
     return "".join(lines)
 
 
+MIGRATION_PAGE = "migrating-from-verl.md"
+
+
 def write_reference(outdir: str | Path) -> list[Path]:
+    """Write config.md and presets.md into `outdir`, and the verl migration guide (generated from the
+    `rlconf.verl` table) into its parent, the docs folder (`rlconf docs docs/reference` -> docs/)."""
+    from rlconf.verl import migration_page
+
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     written = []
     for name, text in (("config.md", config_reference()), ("presets.md", presets_reference())):
         (out / name).write_text(text, encoding="utf-8")
         written.append(out / name)
+    (out.parent / MIGRATION_PAGE).write_text(migration_page(), encoding="utf-8")
+    written.append(out.parent / MIGRATION_PAGE)
     return written
