@@ -11,7 +11,7 @@ Two halves, one per process kind:
                            dicts; model0, model1, ... with virtual pipeline chunks) and "optimizer"
                            (distributed optimizer in the `fully_reshardable` format, or the plain optimizer
                            in parameter space): both reload under another TP / PP / DP layout
-      rng/rank_NNNNN.pt    python, numpy, torch, cuda and megatron tracker RNG states of each rank
+      rng/rank_NNNNN.pt    python, numpy, torch, device (cuda / npu) and megatron tracker RNG states of each rank
       extra.json           the controller's `extra` dict and the lr scheduler state (rank 0)
       huggingface/         safetensors + config.json (+ tokenizer files) when hf_model is saved
       manifest.json        written last, after every file above is verified: the role's completion mark
@@ -76,6 +76,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlconf.errors import ConfigError, error
+from rltrain import device as devices
 
 if TYPE_CHECKING:
     from rlconf.plan import CheckpointPlan, TrainerPlan
@@ -505,8 +506,9 @@ def _rng_state(engine: MegatronEngine) -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "tracker": tracker,
     }
-    if engine.device == "cuda" and torch.cuda.is_available():
-        out["cuda"] = torch.cuda.get_rng_state()
+    # The accelerator's generator of the current device, under the device's name ("cuda", "npu").
+    if devices.is_accelerator(engine.device) and devices.is_available(engine.device):
+        out[engine.device] = devices.get_rng_state(engine.device)
     # The actor's sampler seeds each generate() call from a call counter: part of its random stream.
     if hasattr(engine, "_sample_calls"):
         out["sample_calls"] = int(engine._sample_calls)
@@ -520,8 +522,12 @@ def _set_rng_state(engine: MegatronEngine, state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and engine.device == "cuda" and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    if (
+        engine.device in state
+        and devices.is_accelerator(engine.device)
+        and devices.is_available(engine.device)
+    ):
+        devices.set_rng_state(engine.device, state[engine.device])
     tracker = get_cuda_rng_tracker()
     current = tracker.get_states()
     restored = {}
@@ -552,7 +558,7 @@ def _is_value_model(engine: MegatronEngine) -> bool:
 
 
 def _export_hf(engine: MegatronEngine, out_dir: Path) -> None:
-    from rltrain.megatron.cpu_compat import device_context
+    from rltrain.device import device_context
     from rltrain.megatron.hf_weights import export_hf_weights
 
     model_dir, tok_dir = _hf_source(engine)
@@ -663,7 +669,7 @@ def save_engine(
     """
     from megatron.core import dist_checkpointing
 
-    from rltrain.megatron.cpu_compat import device_context
+    from rltrain.device import device_context
 
     role = _role_of(folder, role)
     folder = Path(folder)
@@ -788,7 +794,7 @@ def finalize_pending(blocking: bool = False) -> list[str]:
         return []
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from rltrain.megatron.cpu_compat import device_context
+    from rltrain.device import device_context
 
     device = next(iter(_ASYNC.pending.values())).device
     try:
@@ -865,7 +871,7 @@ def load_engine(
         raise damaged_error(folder, problems)
     from megatron.core import dist_checkpointing
 
-    from rltrain.megatron.cpu_compat import device_context
+    from rltrain.device import device_context
 
     meta = read_role_meta(folder)
     saved = set(meta["contents"])

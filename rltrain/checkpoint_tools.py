@@ -546,7 +546,7 @@ def _export_dist(
         warnings.simplefilter("ignore")
         from rlconf.config import MegatronConfig, ModelArch, ModelConfig
         from rltrain.checkpoint import load_engine
-        from rltrain.megatron.cpu_compat import device_context
+        from rltrain.device import device_context
         from rltrain.megatron.engine import MegatronEngine
         from rltrain.megatron.hf_weights import export_hf_weights
 

@@ -151,8 +151,12 @@ def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
 
 
 def _run(argv: Sequence[str]) -> int:
+    from rltrain.device import configure_process_env
+
     if argv and argv[0] in ("inspect", "export-hf"):  # checkpoint tools: `rltrain inspect --help`
         from rltrain.checkpoint_tools import main as checkpoint_tool
+
+        configure_process_env("cpu")  # the tools build models on the CPU
 
         return checkpoint_tool(argv)
     from presets import PRESETS
@@ -181,6 +185,9 @@ def _run(argv: Sequence[str]) -> int:
         print("\n# trainer plan")
         print(format_plan(plan), end="")
         return EXIT_OK
+    # Before torch is imported (by the controller): keep an installed torch_npu from loading on cpu / cuda
+    # runs (rltrain.device.worker_env); a local Ray cluster hands the setting on to its workers.
+    configure_process_env(config.cluster.device)
     from rltrain.controller import run_training
 
     return run_training(config, plan)

@@ -23,6 +23,7 @@ from rlconf.config import RLConfig
 from rlconf.load import config_to_dict, dump_yaml
 from rlconf.plan import TrainerPlan, plan_to_dict
 from rltrain import algorithms
+from rltrain import device as devices
 from rltrain.checkpoint import CheckpointRegistry, Resume
 from rltrain.data import PromptBatch, left_pad
 from rltrain.metrics import REWARD_PLOT, MetricsLogger, plot_reward_curve
@@ -335,6 +336,11 @@ class Trainer:
 
 def run_training(config: RLConfig, plan: TrainerPlan) -> int:
     """Run a whole training job; returns the process exit code."""
+    if not (config.cluster.ray_address or os.environ.get("RAY_ADDRESS")):
+        # The local Ray cluster's workers run on this machine: a device it lacks (no GPU, no torch_npu /
+        # CANN / MindSpeed) is a config error with what to install (exit 2), found before Ray starts, not
+        # a placement group that never fills. A remote cluster's nodes are other machines.
+        devices.check_available(config.cluster.device)
     trainer = None
     try:
         trainer = Trainer(config, plan)

@@ -47,6 +47,7 @@ import torch
 
 from rlconf.config import ROLES, NpuProfileOptions, NsysProfileOptions, TorchProfileOptions
 from rlconf.plan import ProfilePlan
+from rltrain import device as devices
 from rltrain.npu import MstxRange, load_torch_npu
 
 log = logging.getLogger(__name__)
@@ -54,9 +55,10 @@ log = logging.getLogger(__name__)
 META = "meta.json"
 E2E = "e2e"
 SUMMARY_MD = "profile_summary.md"
-# The CUDA modules the nsys tool calls (profiler start/stop, NVTX, synchronize). Held here, at the module
-# boundary, so that tests on a CUDA-less machine can put a recording stand-in in their place.
-_cuda: Any = torch.cuda
+# The CUDA device module the nsys tool calls (profiler start/stop, NVTX, synchronize), from the device layer.
+# Held here, at the module boundary, so that tests on a CUDA-less machine can put a recording stand-in in
+# its place.
+_cuda: Any = devices.accelerator_module("cuda")
 # PolicyWorker serves actor, rollout and ref in one process: the plan names the worker role of each
 # profiled role, the process is identified by its host worker.
 _HOST = {"rollout": "actor", "ref": "actor"}
@@ -392,7 +394,7 @@ class Profiler:
         # at step N, when the tool cannot load.
         self._backend = _backend(plan, worker, rank, device) if self._roles else None
         # torch_npu's device module, for the syncs around profiled calls on an NPU (any tool).
-        self._npu = load_torch_npu().npu if device == "npu" and self._roles else None
+        self._npu = devices.accelerator_module("npu") if device == "npu" and self._roles else None
 
     # ------------------------------------------------------------------ the worker's calls
     def set_step(self, step: int) -> None:

@@ -1,7 +1,9 @@
 """Ray plumbing: start or join a cluster, reserve device pools, and run worker groups with named errors.
 
 A pool is one placement group with a bundle per device; every role placed in the pool puts its rank r into
-bundle r, so colocated roles (actor, rollout, ref, and a colocated critic) share devices. A failing call
+bundle r, so colocated roles (actor, rollout, ref, and a colocated critic) share devices. The Ray resource of
+a device (GPU, NPU, none on cpu) and the environment of the worker processes come from the device layer
+(rltrain.device). A failing call
 raises `WorkerError` naming the role and the rank, never a bare Ray traceback.
 """
 
@@ -18,6 +20,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlconf.errors import ConfigError, error
+from rltrain import device as devices
 
 PLACEMENT_TIMEOUT_S = 600
 
@@ -63,10 +66,8 @@ class Pool:
     @classmethod
     def reserve(cls, name: str, size: int, device: str, cpus_per_worker: float, roles_sharing: int) -> Pool:
         bundle: dict[str, float] = {"CPU": cpus_per_worker * roles_sharing}
-        if device == "cuda":
-            bundle["GPU"] = 1
-        elif device == "npu":
-            bundle["NPU"] = 1
+        if resource := devices.ray_resource(device):
+            bundle[resource] = 1
         pg = placement_group([dict(bundle) for _ in range(size)], strategy="PACK", name=f"rlplan-{name}")
         try:
             ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
@@ -109,12 +110,14 @@ class WorkerGroup:
         self.role = role
         self.world_size = world_size
         remote_cls = ray.remote(worker_cls)
-        share = 1.0 / pool.roles_sharing
-        accel = (
-            {"num_gpus": share}
-            if device == "cuda"
-            else ({"resources": {"NPU": share}} if device == "npu" else {})
-        )
+        accel = accelerator_options(device, 1.0 / pool.roles_sharing)
+        # Every worker process starts with the device layer's environment (before it imports torch); a
+        # rank's own runtime_env (nsys) keeps its other keys.
+        env_vars = devices.worker_env(device)
+        envs = [dict(runtime_envs[rank] or {}) if runtime_envs else {} for rank in range(world_size)]
+        for env in envs:
+            if env_vars:
+                env["env_vars"] = {**env_vars, **env.get("env_vars", {})}
         # torch.distributed rendezvous on rank 0's node: ask a probe in bundle 0 for its address and a free
         # port there (the controller's own address is wrong when the pool spans nodes).
         probe = (
@@ -134,7 +137,7 @@ class WorkerGroup:
                     placement_group=pool.pg, placement_group_bundle_index=rank
                 ),
                 name=None,
-                runtime_env=runtime_envs[rank] if runtime_envs else None,
+                runtime_env=envs[rank] or None,
                 **accel,
             ).remote(
                 role=role,
@@ -190,6 +193,15 @@ def nsight_runtime_env(nsys_argv: Sequence[str]) -> dict[str, Any] | None:
         opts[key] = value
         i += 1
     return {"nsight": opts}
+
+
+def accelerator_options(device: str, share: float) -> dict[str, Any]:
+    """Ray actor options reserving `share` of one device: `num_gpus` for GPUs (Ray refuses "GPU" among
+    custom resources), `resources` for others (NPU), nothing on cpu."""
+    resource = devices.ray_resource(device)
+    if resource is None:
+        return {}
+    return {"num_gpus": share} if resource == "GPU" else {"resources": {resource: share}}
 
 
 class _Probe:

@@ -525,7 +525,7 @@ def test_npu_profiler_without_torch_npu_names_the_setting(
     plan = npu_plan(tmp_path)
     with pytest.raises(npu.NpuUnavailableError, match=r"cluster\.device = npu needs torch_npu") as info:
         Profiler(plan, worker="actor", rank=0, device="npu")
-    assert str(info.value).endswith("install torch_npu and MindSpeed from source; see docs/profiling.md")
+    assert str(info.value).endswith(npu.INSTALL_HINT)
     # A process that profiles nothing on an npu run does not need it.
     Profiler(plan, worker="critic", rank=0, device="npu")
 
@@ -592,7 +592,7 @@ def test_prepare_npu_names_cluster_device_when_a_package_is_missing(
         npu.prepare_npu(local_rank=0)
     text = str(info.value)
     assert text.startswith("cluster.device = npu needs ") and missing in text
-    assert text.endswith("install torch_npu and MindSpeed from source; see docs/profiling.md")
+    assert text.endswith(npu.INSTALL_HINT)
     assert not npu._adapted  # a later call tries again
 
 

@@ -40,6 +40,28 @@ def test_misspelled_flag_exits_2_with_did_you_mean():
     assert "Traceback" not in result.stderr
 
 
+def test_npu_without_torch_npu_exits_2_with_the_install_hint(tmp_path):
+    # This machine has no torch_npu, CANN, MindSpeed or NPU: the run stops before Ray starts, on the
+    # config path, with what to install.
+    result = rltrain("tiny-grpo", "--cluster.device", "npu", "--trainer.output_dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    assert "cluster.device" in result.stderr and "torch_npu" in result.stderr
+    assert "docs/hardware.md" in result.stderr and "MindSpeed" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists(), "nothing of the run was created"
+
+
+def test_cuda_without_a_gpu_exits_2(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        return  # a GPU machine runs it for real
+    result = rltrain("tiny-grpo", "--cluster.device", "cuda", "--trainer.output_dir", str(tmp_path / "run"))
+    assert result.returncode == 2, result.stderr
+    assert "cluster.device" in result.stderr and "no usable CUDA device" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_cross_field_errors_from_flags_exit_2(capsys):
     assert main(["tiny-grpo", "--rollout.n", "1", "--actor.optim.lr", "0", "--dry-run"]) == 2
     err = capsys.readouterr().err

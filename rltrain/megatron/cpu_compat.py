@@ -1,9 +1,11 @@
-"""CPU compatibility layer: lets unmodified megatron-core 0.16.1 run on CPU with gloo.
+"""The cpu case of the device layer (rltrain/device.py): unmodified megatron-core 0.16.1 on CPU with gloo.
 
 megatron-core assumes CUDA in a handful of places (measured, see DESIGN.md "Measured facts"). On a CPU run
-(`cluster.device == "cpu"`) this module redirects exactly those assumptions; on GPU it is never imported
-into the hot path and megatron runs untouched. Everything is in this one module so that a megatron upgrade
-shows, through tests/megatron/test_cpu_compat.py (one test per redirect), which assumption moved.
+(`cluster.device == "cpu"`) this module redirects exactly those assumptions; on cuda and npu it is never
+called and megatron runs untouched. Only rltrain.device uses it (`prepare_process("cpu")` and
+`device_context("cpu")`); everything is in this one module so that a megatron upgrade shows, through
+tests/megatron/test_cpu_compat.py (one test per redirect), which assumption moved. It lives beside the
+engine because what it redirects are megatron's assumptions, not a device's.
 
 Two parts:
 
@@ -156,11 +158,3 @@ def cuda_to_cpu() -> Iterator[None]:
             yield
     finally:
         _tls.active = False
-
-
-def device_context(device: str) -> contextlib.AbstractContextManager[None]:
-    """The context the engine wraps megatron calls in: the rewrite mode on cpu, nothing otherwise."""
-    if device == "cpu":
-        enable_cpu_compat()
-        return cuda_to_cpu()
-    return contextlib.nullcontext()

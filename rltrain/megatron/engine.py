@@ -30,8 +30,8 @@ from megatron.core.distributed import DistributedDataParallel, finalize_model_gr
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlconf.config import MegatronConfig, ModelArch, ModelConfig, Optim
+from rltrain.device import device_context, torch_device
 from rltrain.megatron import model as mmodel
-from rltrain.megatron.cpu_compat import device_context
 from rltrain.megatron.hf_weights import arch_from_hf, load_hf_weights
 from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, unique_storages
 from rltrain.megatron.parallel import init_parallel
@@ -51,7 +51,7 @@ class MicroBatch:
 
 
 def _device_of(device: str) -> torch.device:
-    return torch.device("cpu") if device == "cpu" else torch.device(device, torch.cuda.current_device())
+    return torch_device(device)
 
 
 def align_batch(

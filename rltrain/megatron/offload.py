@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rltrain import device as devices
+
 
 def storage_key(t: torch.Tensor) -> int:
     """Identity of a tensor's storage, stable across resizes (views of one storage share it)."""
@@ -70,7 +72,7 @@ class HostOffloader:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.accelerator = device.type != "cpu"
+        self.accelerator = devices.is_accelerator(device.type)
         self._moved: dict[str, list[_Moved]] = {}
         # Host copies, keyed like the storages they hold (kept across round trips on accelerators only).
         self._host: dict[int, torch.Tensor] = {}
@@ -131,10 +133,10 @@ class HostOffloader:
 
     def _synchronize(self) -> None:
         if self.accelerator:
-            getattr(torch, self.device.type).synchronize()
+            devices.synchronize(self.device.type)
 
     def _release_cache(self) -> None:
         # Freed blocks stay in the caching allocator otherwise, invisible to other processes (a colocated
         # critic worker, an inference engine) that want the memory.
         if self.accelerator:
-            getattr(torch, self.device.type).empty_cache()
+            devices.empty_cache(self.device.type)

@@ -1,7 +1,7 @@
 """Process-group setup for the megatron engine: torch.distributed + megatron-core parallel_state.
 
-One entry point per process: `init_parallel(megatron_cfg, device)` initialises torch.distributed (gloo on
-cpu, nccl on cuda) from the usual env vars (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) or
+One entry point per process: `init_parallel(megatron_cfg, device)` initialises torch.distributed (the
+device layer's backend: gloo on cpu, nccl on cuda, hccl on npu) from the usual env vars (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) or
 explicit arguments, builds megatron's TP/PP/CP/EP/DP groups and seeds the model-parallel RNG tracker.
 `destroy_parallel()` tears both down (tests run several layouts in one process).
 """
@@ -14,18 +14,7 @@ import os
 import torch
 
 from rlconf.config import MegatronConfig
-from rltrain.megatron.cpu_compat import enable_cpu_compat
-
-
-def backend_for(device: str) -> str:
-    """torch.distributed backend for a cluster device."""
-    if device == "cpu":
-        return "gloo"
-    if device == "cuda":
-        return "nccl"
-    if device == "npu":
-        return "hccl"
-    raise ValueError(f"unknown device {device!r}; expected cpu, cuda or npu")
+from rltrain import device as devices
 
 
 def init_distributed(
@@ -41,17 +30,9 @@ def init_distributed(
     Missing arguments come from RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT (torchrun and Ray workers set
     them); a lone process without them becomes a world of one.
     """
-    if device == "cpu":
-        enable_cpu_compat()
-    elif device == "cuda":
-        # Bind this process to its GPU before NCCL creates communicators on it.
-        local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else 0
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-    elif device == "npu":
-        # Imported on npu only: torch_npu (hccl, the device) and MindSpeed's megatron adaptor (rltrain.npu).
-        from rltrain.npu import prepare_npu
-
-        prepare_npu(local_rank=int(os.environ.get("LOCAL_RANK", "0")))
+    # Bind this process to its device before NCCL / HCCL create communicators on it (cpu: megatron's CPU
+    # redirects). A worker has done this already in its constructor; then this is a no-op.
+    devices.prepare_process(device, local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     if torch.distributed.is_initialized():
         return
     if rank is None:
@@ -63,7 +44,7 @@ def init_distributed(
     if master_port is None:
         master_port = int(os.environ.get("MASTER_PORT", "29500"))
     torch.distributed.init_process_group(
-        backend=backend_for(device),
+        backend=devices.dist_backend(device),
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world_size,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from rlconf.config import ModelArch
+from rltrain import device as devices
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 LoadWeights = Callable[[list[tuple[str, torch.Tensor]]], object]
@@ -206,8 +207,7 @@ def sync_weights(
 
 
 def _sync(device: torch.device | str) -> None:
-    if torch.device(device).type == "cuda":
-        torch.cuda.synchronize()
+    devices.synchronize(torch.device(device).type)
 
 
 # ------------------------------------------------------------------------------------ receiver: megatron

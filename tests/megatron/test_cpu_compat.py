@@ -1,6 +1,8 @@
-"""One test per CUDA assumption of megatron-core that rltrain.megatron.cpu_compat redirects on CPU.
+"""One test per CUDA assumption of megatron-core that the device layer's cpu case redirects on CPU.
 
-If a megatron upgrade moves one of these assumptions, the matching test names what broke."""
+The cpu case is rltrain.megatron.cpu_compat, reached through rltrain.device (`prepare_process("cpu")`,
+`device_context("cpu")`), as every run reaches it. If a megatron upgrade moves one of these assumptions, the
+matching test names what broke."""
 
 from __future__ import annotations
 
@@ -19,10 +21,22 @@ pytestmark = _QUIET
 
 @pytest.fixture()
 def compat(mp_world):
+    from rltrain import device as devices
     from rltrain.megatron import cpu_compat
 
-    cpu_compat.enable_cpu_compat()
+    devices.prepare_process("cpu", local_rank=0)
+    assert cpu_compat.is_enabled()
     return cpu_compat
+
+
+def test_device_context_is_the_rewrite_mode_on_cpu_only(compat):
+    # The engine, checkpoint and export code enter rltrain.device.device_context around megatron calls.
+    from rltrain.device import device_context
+
+    with device_context("cpu"):
+        assert torch.zeros(1, device="cuda").device.type == "cpu"
+    with device_context("cuda"), pytest.raises((RuntimeError, AssertionError)):
+        torch.zeros(1, device="cuda")
 
 
 def test_enable_is_idempotent(compat):
