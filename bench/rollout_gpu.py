@@ -7,9 +7,11 @@ paths generate with identical weights. Prompts: `--prompt` tokens, no padding; e
 `--new-tokens` tokens (EOS ignored: HF with min_new_tokens = max_new_tokens, the engine with eos_id=None);
 pure sampling at temperature 1 (no top-k/top-p) on both sides. Reported per batch size:
 
-  hf_tok_s      transformers AutoModelForCausalLM.generate (sdpa, dynamic cache), generated tokens / s
-  engine_tok_s  MegatronActor.generate (rltrain/megatron/inference.py, KV cache), generated tokens / s
-  ratio         engine / hf
+  hf_tok_s            transformers AutoModelForCausalLM.generate (sdpa, dynamic cache), generated tokens / s
+  engine_tok_s        MegatronActor.generate (rltrain/megatron/inference.py, KV cache), eager decode
+  engine_graph_tok_s  the same with `cuda_graph=True` (StaticDecodeStep: decode captured in CUDA graphs;
+                      the capture of each key-length bucket's graph is inside the timing, as in a rollout)
+  ratio, ratio_graph  engine / hf, engine_graph / hf
 and once:
   colocated_refit_s   0: the embedded engine samples with the actor's own parameters (no copy exists)
   sync_pack_s         weight_sync.send_weights without receivers (TP gather + HF mapping + bucket packing)
@@ -20,7 +22,8 @@ and once:
 Each case runs in its own try/except (an error is recorded, the others still run), after a warm-up, with
 torch.cuda.synchronize() around every timing. Prints a table, writes rollout_gpu.json to --out ($OUT).
 
-GPU (lead):  PYTHONPATH=/tmp/site:$PWD python3 bench/rollout_gpu.py --out $OUT
+GPU (lead):  PYTHONPATH=/tmp/site:$PWD python3 bench/rollout_gpu.py --arch qwen05b --out $OUT
+             (and --arch qwen15b for the Qwen2.5-1.5B shape)
 CPU smoke:   OMP_NUM_THREADS=1 .venv/bin/python bench/rollout_gpu.py --arch tiny --device cpu \
                  --batches 4,8 --prompt 8 --new-tokens 8 --out /tmp/rollout_gpu
 """
@@ -71,6 +74,10 @@ def get_arch(name: str, min_positions: int):
         from presets.gpu import QWEN25_05B
 
         arch = QWEN25_05B
+    elif name == "qwen15b":
+        from presets.gpu import QWEN25_15B
+
+        arch = QWEN25_15B
     else:  # the tests' tiny Qwen2 shape
         arch = ModelArch(
             num_layers=4, hidden_size=64, ffn_hidden_size=176, num_attention_heads=4, num_query_groups=2,
@@ -123,9 +130,17 @@ def hf_generate(hf, ids: torch.Tensor, new_tokens: int, device: str) -> torch.Te
     return out
 
 
-def engine_generate(actor, ids: torch.Tensor, new_tokens: int) -> dict[str, torch.Tensor]:
+def engine_generate(
+    actor, ids: torch.Tensor, new_tokens: int, cuda_graph: bool = False
+) -> dict[str, torch.Tensor]:
     out = actor.generate(
-        ids, new_tokens, temperature=1.0, eos_id=None, pad_id=0, prompt_mask=torch.ones_like(ids)
+        ids,
+        new_tokens,
+        temperature=1.0,
+        eos_id=None,
+        pad_id=0,
+        prompt_mask=torch.ones_like(ids),
+        cuda_graph=cuda_graph,
     )
     assert int(out["response_mask"].sum()) == ids.shape[0] * new_tokens
     return out
@@ -145,7 +160,7 @@ def hf_loader(hf):
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="qwen05b", choices=["qwen05b", "tiny"])
+    parser.add_argument("--arch", default="qwen05b", choices=["qwen05b", "qwen15b", "tiny"])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument(
         "--dtype", default=None, choices=["bfloat16", "float32"], help="default: bf16 on cuda"
@@ -204,6 +219,7 @@ def main() -> int:
     warm = min(args.warmup_tokens, n)
     attempt("warmup_hf", lambda: hf_generate(hf, prompts[batches[0]], warm, args.device))
     attempt("warmup_engine", lambda: engine_generate(actor, prompts[batches[0]], warm))
+    attempt("warmup_graph", lambda: engine_generate(actor, prompts[batches[0]], warm, cuda_graph=True))
 
     for b in batches:
         row: dict[str, float] = {"batch": b}
@@ -211,6 +227,7 @@ def main() -> int:
         for name, fn in (
             ("hf", lambda b=b: hf_generate(hf, prompts[b], n, args.device)),
             ("engine", lambda b=b: engine_generate(actor, prompts[b], n)),
+            ("engine_graph", lambda b=b: engine_generate(actor, prompts[b], n, cuda_graph=True)),
         ):
             if args.device == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -223,8 +240,9 @@ def main() -> int:
                     row[f"{name}_peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-        if "hf_tok_s" in row and "engine_tok_s" in row:
-            row["ratio"] = row["engine_tok_s"] / row["hf_tok_s"]
+        for engine, ratio in (("engine", "ratio"), ("engine_graph", "ratio_graph")):
+            if "hf_tok_s" in row and f"{engine}_tok_s" in row:
+                row[ratio] = row[f"{engine}_tok_s"] / row["hf_tok_s"]
 
     # ---- refit cost
     bucket = int(args.bucket_mb * 2**20)
@@ -259,16 +277,12 @@ def main() -> int:
     print(
         f"\nrollout {args.arch} {dtype_name} on {report['device']}: prompt {p}, {n} new tokens, sampling T=1"
     )
-    print(
-        f"{'batch':>6} {'hf tok/s':>10} {'engine tok/s':>13} {'engine/hf':>10} {'hf GiB':>8} {'eng GiB':>8}"
-    )
+    cols = ["hf_tok_s", "engine_tok_s", "engine_graph_tok_s", "ratio", "ratio_graph"]
+    cols += ["hf_peak_gib", "engine_peak_gib", "engine_graph_peak_gib"]
+    print(f"{'batch':>6} " + " ".join(f"{c:>21}" for c in cols))
     for b in batches:
         r = cases[str(b)]
-        print(
-            f"{b:>6} {r.get('hf_tok_s', float('nan')):>10.0f} {r.get('engine_tok_s', float('nan')):>13.0f} "
-            f"{r.get('ratio', float('nan')):>10.2f} {r.get('hf_peak_gib', float('nan')):>8.2f} "
-            f"{r.get('engine_peak_gib', float('nan')):>8.2f}"
-        )
+        print(f"{b:>6} " + " ".join(f"{r.get(c, float('nan')):>21.2f}" for c in cols))
     print(
         f"refit: colocated 0 s (weights used in place); separate engine: pack "
         f"{refit.get('sync_pack_s', float('nan')):.3f} s, pack + load_weights "
@@ -279,7 +293,7 @@ def main() -> int:
         print("errors:", json.dumps(errors, indent=1))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "rollout_gpu.json").write_text(json.dumps(report, indent=2))
+    (out / f"rollout_gpu_{args.arch}.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     return 0
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlconf.plan import TrainerPlan
+from rltrain import device as devices
 from rltrain.profiling import Profiler
 
 
@@ -41,18 +42,19 @@ class MegatronWorker:
         self.role, self.rank, self.world_size = role, rank, world_size
         self.plan = plan
         self.cfg = plan.config
-        if self.cfg.cluster.device == "npu":
-            # MindSpeed patches megatron: it must run before this process imports megatron.core.
-            from rltrain.npu import prepare_npu
-
-            prepare_npu()
+        device = self.cfg.cluster.device
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
             MASTER_ADDR=master_addr,
             MASTER_PORT=str(master_port),
-            LOCAL_RANK="0",  # Ray gives each worker its own device via CUDA_VISIBLE_DEVICES
+            # Ray gives each worker its own device through devices.visible_devices_env(device)
+            # (CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES): index 0 of what the process sees.
+            LOCAL_RANK="0",
         )
+        # Before anything in this process imports megatron: on npu, MindSpeed's adaptor patches megatron-core
+        # when imported (with this role's options); on cuda the GPU is bound, on cpu megatron's redirects.
+        devices.prepare_process(device, local_rank=0, megatron_cfg=self._megatron_cfg())
         torch.set_num_threads(max(1, int(self.cfg.cluster.cpus_per_worker)))
         # megatron warns once per module that Apex / Transformer Engine are absent; the fallbacks are the
         # intended path on CPU and on images without them.
@@ -61,6 +63,14 @@ class MegatronWorker:
         torch.manual_seed(self.cfg.trainer.seed + rank)
         self.profiler = Profiler(plan.profile, worker=role, rank=rank, device=self.cfg.cluster.device)
         self.step = 0
+
+    def _megatron_cfg(self) -> Any:
+        """The MegatronConfig of the model(s) this process holds (the ref shares the actor's layout)."""
+        if self.role == "critic":
+            return self.cfg.critic.megatron
+        if self.role == "reward_model":
+            return self.cfg.reward.reward_model.megatron
+        return self.cfg.actor.megatron
 
     def set_step(self, step: int) -> None:
         """The training step the next calls belong to (profiling folders and schedules use it)."""
@@ -147,6 +157,7 @@ class PolicyWorker(MegatronWorker):
                 pad_id=tok.pad_token_id,
                 prompt_mask=prompt_mask,
                 stop_token_ids=r.stop_token_ids,
+                cuda_graph=r.cuda_graph and devices.graphs_supported(self.cfg.cluster.device),
             )
 
     def compute_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

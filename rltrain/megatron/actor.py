@@ -239,6 +239,7 @@ class MegatronActor(MegatronEngine):
         seed: int | None = None,
         min_p: float = 0.0,
         use_cache: bool = True,
+        cuda_graph: bool = False,
     ) -> dict[str, torch.Tensor]:
         """Sample responses with the actor's weights.
 
@@ -251,6 +252,8 @@ class MegatronActor(MegatronEngine):
         token per step). `use_cache=False`, or a model the engine does not follow (`kv_cache_unsupported`:
         context parallel, Transformer Engine attention, ...): the reference path that re-runs the whole
         sequence for every token (no min_p). Both draw the same uniforms for a given seed.
+        `cuda_graph`: the KV-cache engine decodes with static shapes, captured in CUDA graphs on a CUDA
+        device (`inference.StaticDecodeStep`; eager elsewhere, and not with pipeline parallel).
         """
         from rltrain.megatron import inference
 
@@ -271,6 +274,7 @@ class MegatronActor(MegatronEngine):
                 pad_id=pad_id,
                 stop_token_ids=stop_token_ids,
                 seed=seed,
+                static_decode=cuda_graph,
             )
         if min_p > 0.0:
             raise NotImplementedError("min_p needs the KV-cache path (use_cache=True)")

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -66,6 +67,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
+from rltrain import device as devices
 from rltrain.rollout.batch import rollout_batch
 
 # Module attributes megatron reads to decide on sequence-parallel communication (cf. megatron's
@@ -220,8 +222,11 @@ class KVCacheGenerator:
     sequence-first layout, written at column offset `start` and read as the prefix [:start + s].
     """
 
-    def __init__(self, actor, positions: torch.Tensor) -> None:
+    def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
+        # The static decode step attends over whole buckets of cache columns, unwritten ones masked; they
+        # must hold finite numbers (a masked NaN still poisons the 0-weight product), hence zeros.
+        self.zero_cache = zero_cache
         self.models = actor.modules()
         self.device = actor.torch_device
         self.vocab_size = actor.vocab_size
@@ -239,7 +244,7 @@ class KVCacheGenerator:
             attn = [layer.self_attention for layer in model.decoder.layers]
             self.cache[v] = [
                 tuple(  # type: ignore[misc]
-                    torch.empty(
+                    (torch.zeros if self.zero_cache else torch.empty)(
                         (max_len, rows, a.num_query_groups_per_partition, a.hidden_size_per_attention_head),
                         dtype=self.config.params_dtype,
                         device=self.device,
@@ -280,17 +285,21 @@ class KVCacheGenerator:
                     group=parallel_state.get_pipeline_model_parallel_group(),
                 )
             for layer, kv in zip(model.decoder.layers, self.cache[v], strict=True):
-                hidden = self._layer(layer, hidden, kv, start, freqs, mask, mask_type)
+                hidden = self._layer(layer, hidden, kv, start, start + s, freqs, mask, mask_type)
             if not model.post_process:
                 torch.distributed.send(
                     hidden.contiguous(),
                     dst=parallel_state.get_pipeline_model_parallel_next_rank(),
                     group=parallel_state.get_pipeline_model_parallel_group(),
                 )
-        last = self.models[-1]
-        if not last.post_process:
+        if not self.models[-1].post_process:
             return None
         assert hidden is not None
+        return self.logits(hidden)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary fp32 logits [n, V] of the last column of the last stage's `hidden` [s, n, h]."""
+        last = self.models[-1]
         # Only the last column's logits are needed: norm and project [1, n, h], not the whole prefill.
         hidden = hidden[-1:]
         if last.decoder.final_layernorm is not None:
@@ -306,22 +315,31 @@ class KVCacheGenerator:
         layer: torch.nn.Module,
         hidden: torch.Tensor,
         kv: tuple[torch.Tensor, torch.Tensor],
-        start: int,
+        start: int | torch.Tensor,
+        keys: int,
         freqs: torch.Tensor,
         mask: torch.Tensor | None,
         mask_type: AttnMaskType,
     ) -> torch.Tensor:
-        """megatron's TransformerLayer.forward (eval, no cross attention) with cached self-attention."""
+        """megatron's TransformerLayer.forward (eval, no cross attention) with cached self-attention.
+
+        The new keys/values go to cache columns `start` (an int: columns start.. of a slice; a 1-element
+        device tensor: one column chosen on the device, as a CUDA graph needs) and the attention reads
+        the first `keys` columns.
+        """
         cfg = layer.config
         attn = layer.self_attention
         residual = hidden
         query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
         query = apply_rotary_pos_emb(query, freqs, config=cfg)
         key = apply_rotary_pos_emb(key, freqs, config=cfg)
-        end = start + hidden.shape[0]
-        kv[0][start:end] = key
-        kv[1][start:end] = value
-        context = attn.core_attention(query, kv[0][:end], kv[1][:end], mask, attn_mask_type=mask_type)
+        if isinstance(start, torch.Tensor):
+            kv[0].index_copy_(0, start, key)
+            kv[1].index_copy_(0, start, value)
+        else:
+            kv[0][start : start + hidden.shape[0]] = key
+            kv[1][start : start + hidden.shape[0]] = value
+        context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
         out = attn.linear_proj(context)
         hidden = layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
         residual = hidden
@@ -347,6 +365,81 @@ class KVCacheGenerator:
         return packed[0].long(), packed[1].float()
 
 
+# Cache columns per key-length bucket of the static decode step: attention reads the bucket holding the
+# current length (unwritten columns masked), so one captured graph serves KEY_BUCKET consecutive steps.
+KEY_BUCKET = 256
+
+
+class StaticDecodeStep:
+    """The one-token decode step of a fixed set of cache rows with static shapes, optionally in CUDA graphs.
+
+    Why: on a GPU an eager decode step of a 0.5B model is ~400 kernel launches and their Python, ~30 ms
+    whatever the batch, while its math takes well under a millisecond; replaying a captured graph costs
+    one launch. A graph replays fixed addresses and shapes, so every input lives in a buffer of this
+    object (token, position, cache column, uniform draw) and the step reads whole buckets of KEY_BUCKET
+    cache columns: the key-padding mask `key_masked` [rows, max_len] (True = hidden) starts as the prompt
+    pads plus every response column, and each step unmasks its own column on the device. One graph is
+    captured per bucket the decode reaches, on first use, for this set of rows (compaction builds a new
+    step over the new cache). Forward, logits and sampling are all inside the graph; sampling parameters
+    are fixed per call. Graphs share one memory pool and are freed with this object, at the end of a
+    `generate` call, so no memory outlives a rollout.
+
+    `capture=False` runs the same static-shape step eagerly (CPU, and the tests' way of checking it
+    against the dynamic path). Pipeline parallel is not captured (the step's point-to-point sends would
+    sit inside the graph); callers use the dynamic path there.
+    """
+
+    def __init__(
+        self,
+        engine: KVCacheGenerator,
+        rows: torch.Tensor,
+        key_masked: torch.Tensor,
+        sampling: tuple[float, float, int, float],
+        capture: bool,
+        pool: object | None = None,
+    ) -> None:
+        dev = engine.device
+        n = rows.numel()
+        self.engine, self.rows, self.key_masked, self.sampling = engine, rows, key_masked, sampling
+        self.capture, self.pool = capture, pool
+        self.tokens = torch.zeros((n, 1), dtype=torch.long, device=dev)
+        self.pos = torch.zeros((n, 1), dtype=torch.long, device=dev)
+        self.col = torch.zeros((1,), dtype=torch.long, device=dev)
+        self.uniform = torch.zeros((n,), dtype=torch.float32, device=dev)
+        self.device = engine.actor.device  # the `cluster.device` name, for the device layer
+        self.graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def _body(self, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+        engine = self.engine
+        (model,) = engine.models  # one chunk, first and last stage (no pipeline parallel)
+        self.key_masked.index_fill_(1, self.col, False)
+        mask = self.key_masked[:, None, None, :keys]
+        freqs = engine.freqs[self.pos.t()].unsqueeze(2)  # [1, n, 1, D]
+        hidden = model.embedding(input_ids=self.tokens, position_ids=self.pos)
+        for layer, kv in zip(model.decoder.layers, engine.cache[0], strict=True):
+            hidden = engine._layer(layer, hidden, kv, self.col, keys, freqs, mask, AttnMaskType.no_mask)
+        return sample_tokens(engine.logits(hidden), *self.sampling, uniform=self.uniform)
+
+    def __call__(
+        self, tokens: torch.Tensor, start: int, uniform: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Decode `tokens` [n] at cache column `start`: (sampled tokens [n], their log-probs [n])."""
+        self.tokens.copy_(tokens.view(-1, 1))
+        self.pos.copy_(self.engine.positions[self.rows, start : start + 1])
+        self.col.fill_(start)
+        self.uniform.copy_(uniform)
+        keys = min(-(-(start + 1) // KEY_BUCKET) * KEY_BUCKET, self.key_masked.shape[1])
+        if not self.capture:
+            return self._body(keys)
+        if keys not in self.graphs:
+            # The warm-up and the capture both run the real step on the real buffers; it is idempotent: it
+            # rewrites this column's keys/values and mask bit.
+            self.graphs[keys] = devices.capture_graph(self.device, lambda: self._body(keys), self.pool)
+        graph, (tok, lp) = self.graphs[keys]
+        graph.replay()
+        return tok, lp
+
+
 @torch.no_grad()
 def generate_with_kv_cache(
     actor,
@@ -361,12 +454,17 @@ def generate_with_kv_cache(
     pad_id: int = 0,
     stop_token_ids: Sequence[int] = (),
     seed: int = 0,
+    static_decode: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Sample up to `max_new_tokens` per row with a KV cache; the batch layout of `MegatronActor.generate`.
 
     prompt_ids [B, P] left or right padded (`prompt_mask` 1 on real tokens; default prompt_ids != pad_id).
     Returns CPU tensors, identical on every rank: `input_ids`, `attention_mask`, `position_ids` [B, P + N]
     (prompt left-padded, response right-padded), `responses`, `response_mask`, `rollout_log_probs` [B, N].
+
+    `static_decode`: decode through `StaticDecodeStep`, captured in CUDA graphs on a CUDA device (eager
+    elsewhere); without pipeline parallel only (with it the dynamic path runs). Same tokens as the dynamic
+    path up to the rounding of a different attention kernel.
     """
     reason = kv_cache_unsupported(actor)
     if reason is not None:
@@ -381,28 +479,20 @@ def generate_with_kv_cache(
     responses = torch.full((b, n_new), pad_id, dtype=torch.long)
     resp_mask = torch.zeros((b, n_new), dtype=torch.long)
     logps = torch.zeros((b, n_new), dtype=torch.float32)
-    gen = torch.Generator().manual_seed(seed)
+    static = static_decode and parallel_state.get_pipeline_model_parallel_world_size() == 1
     if n_new > 0 and b > 0:
         # Training's positions: 0 at each row's first real token (pads clamp to 0; they are masked).
         cols = torch.arange(p + n_new)
         positions = (cols.unsqueeze(0) - (p - left_mask.sum(-1)).unsqueeze(1)).clamp(min=0)
+        # One uniform per batch row per step, drawn up front (the same numbers as one draw per step).
+        uniform = torch.rand((n_new, b), generator=torch.Generator().manual_seed(seed))
         with actor._ctx(), sequence_parallel_off(actor.modules()):
             actor.eval()
-            engine = KVCacheGenerator(actor, positions.to(actor.torch_device))
+            engine = KVCacheGenerator(actor, positions.to(actor.torch_device), zero_cache=static)
             _decode(
-                engine,
-                left,
-                left_mask,
-                responses,
-                resp_mask,
-                logps,
-                stops,
-                gen,
-                temperature,
-                top_p,
-                top_k,
-                min_p,
-            )
+                engine, left, left_mask, responses, resp_mask, logps, stops, uniform,
+                (temperature, top_p, top_k, min_p), static,
+            )  # fmt: skip
     return rollout_batch(left, left_mask, responses, resp_mask, logps)
 
 
@@ -414,11 +504,9 @@ def _decode(
     resp_mask: torch.Tensor,
     logps: torch.Tensor,
     stops: list[int],
-    gen: torch.Generator,
-    temperature: float,
-    top_p: float,
-    top_k: int,
-    min_p: float,
+    uniform: torch.Tensor,
+    sampling: tuple[float, float, int, float],
+    static: bool,
 ) -> None:
     """The generation loop; fills responses / resp_mask / logps (CPU, [B, N]) in place."""
     dev = engine.device
@@ -427,6 +515,7 @@ def _decode(
     stop_t = torch.tensor(stops, dtype=torch.long, device=dev)
     valid = left_mask.bool().to(dev)
     padded = not bool(valid.all())
+    uniform = uniform.to(dev)
     # Prefill each distinct prompt once; duplicate rows (rollout.n samples) copy its cache rows.
     uniq, inverse = unique_rows(left, left_mask)
     uniq, inverse = uniq.to(dev), inverse.to(dev)
@@ -435,15 +524,21 @@ def _decode(
         engine.select_rows(inverse)
         logits = logits[inverse] if logits is not None else None
     active = torch.arange(b, device=dev)  # the batch row of each cache row
+    tok, lp = engine.sample(logits, b, uniform[0], *sampling)
+    step = None
+    if static:
+        # Keys a row may not see: its prompt pads and every response column not yet written.
+        key_masked = torch.ones((b, engine.positions.shape[1]), dtype=torch.bool, device=dev)
+        key_masked[:, :p] = ~valid
+        capture = devices.graphs_supported(engine.actor.device)
+        pool = devices.graph_pool(engine.actor.device)
+        step = StaticDecodeStep(engine, active, key_masked, sampling, capture, pool)
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     last_tok = torch.zeros(b, dtype=torch.long, device=dev)
     resp_dev = torch.zeros((b, n_new), dtype=torch.long, device=dev)
     lp_dev = torch.zeros((b, n_new), dtype=torch.float32, device=dev)
     mask_dev = torch.zeros((b, n_new), dtype=torch.bool, device=dev)
     for t in range(n_new):
-        # One uniform per batch row every step: samples do not depend on which rows are still decoding.
-        u = torch.rand(b, generator=gen).to(dev)
-        tok, lp = engine.sample(logits, int(active.numel()), u[active], temperature, top_p, top_k, min_p)
         # Writes through integer indices and masks, not boolean indexing (which syncs with the device).
         live = ~done[active]
         resp_dev[active, t] = torch.where(live, tok, 0)
@@ -454,7 +549,7 @@ def _decode(
             break
         if stops:
             done[active] = ~live | torch.isin(tok, stop_t)
-            # One host sync per step (none without stop tokens): decode is launch-bound on a GPU.
+            # One host sync per step (none without stop tokens).
             still = ~done[active]
             n_live = int(still.sum())
             if n_live == 0:
@@ -464,6 +559,14 @@ def _decode(
                 keep = still.nonzero().squeeze(1)
                 engine.select_rows(keep)
                 active = active[keep]
+                if step is not None:
+                    # New cache tensors: new buffers and graphs (the old ones are freed with the old step).
+                    step = StaticDecodeStep(
+                        engine, active, step.key_masked[keep], sampling, step.capture, step.pool
+                    )
+        if step is not None:
+            tok, lp = step(last_tok[active], p + t, uniform[t + 1, active])
+            continue
         # Keys of this step: the prompt (pads hidden), the response so far and the new token.
         mask = None
         if padded:
@@ -471,6 +574,7 @@ def _decode(
             key_valid[:, :p] = valid[active]
             mask = ~key_valid[:, None, None, :]
         logits = engine.forward(last_tok[active].unsqueeze(1), p + t, active, mask)
+        tok, lp = engine.sample(logits, int(active.numel()), uniform[t + 1, active], *sampling)
     # A row's response is every token sampled up to and including its stop token; the rest stays padding.
     filled = mask_dev.cpu()
     responses.copy_(torch.where(filled, resp_dev.cpu(), responses))
@@ -480,6 +584,7 @@ def _decode(
 
 __all__ = [
     "KVCacheGenerator",
+    "StaticDecodeStep",
     "generate_with_kv_cache",
     "kv_cache_unsupported",
     "left_pad",

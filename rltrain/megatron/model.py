@@ -31,6 +31,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from rlconf.config import MegatronConfig, ModelArch, ModelConfig, Optim
+from rltrain import device as devices
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -187,7 +188,7 @@ def transformer_config(
         pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
-        use_cpu_initialization=device == "cpu",
+        use_cpu_initialization=not devices.is_accelerator(device),
         tensor_model_parallel_size=tp,
         pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=mcfg.virtual_pipeline_model_parallel_size,
@@ -204,7 +205,7 @@ def transformer_config(
         # posts (send_prev, recv_prev, send_next, recv_next) on both ranks, so with PP=2 and interleaving
         # (traffic both ways between the same pair) activations and gradients arrive swapped. Its
         # unbatched path orders even/odd ranks to match; use it on cpu, keep megatron's default on GPU.
-        batch_p2p_comm=device != "cpu",
+        batch_p2p_comm=devices.dist_backend(device) != "gloo",
         **recompute,
     )
 
@@ -282,8 +283,8 @@ def build_model_chunks(
         )
         if value_head and post:
             model.output_layer = ValueHead(config)
-        if device != "cpu":
-            model.cuda(torch.cuda.current_device())
+        if devices.is_accelerator(device):
+            model.to(devices.torch_device(device))
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
         chunks.append(model)
@@ -337,7 +338,33 @@ def build_optimizer(
         use_distributed_optimizer=mcfg.use_distributed_optimizer,
         overlap_param_gather=mcfg.override_ddp_config.overlap_param_gather and mcfg.use_distributed_optimizer,
     )
-    return get_megatron_optimizer(cfg, list(chunks))
+    optimizer = get_megatron_optimizer(cfg, list(chunks))
+    use_fused_torch_adam(optimizer)
+    return optimizer
+
+
+def use_fused_torch_adam(optimizer: MegatronOptimizer) -> int:
+    """Switch megatron's torch AdamW fallback to torch's fused kernel on accelerator params; returns how many
+    param groups were switched.
+
+    Without Transformer Engine or apex, megatron-core builds `torch.optim.AdamW` with torch's default, the
+    multi-tensor `foreach` path (several kernels per tensor list per update term). `fused=True` does the
+    whole update in one kernel per chunk of tensors; on the 1.5B shape the step moves ~25 GB of fp32 state
+    either way, and the fused kernel reads and writes it once (docs/benchmarks.md has the measurement).
+    The flag is read per group at every `step()`, so setting it after construction is enough. CPU params
+    keep the foreach path (the CPU tests' reference numbers were made with it).
+    """
+    switched = 0
+    subs = getattr(optimizer, "chained_optimizers", [optimizer])
+    for sub in subs:
+        inner = getattr(sub, "optimizer", None)
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        for group in inner.param_groups:
+            if group["params"] and all(p.device.type != "cpu" for p in group["params"]):
+                group["fused"], group["foreach"] = True, False
+                switched += 1
+    return switched
 
 
 def build_lr_scheduler(

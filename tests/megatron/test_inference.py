@@ -169,6 +169,38 @@ def test_n_samples_per_prompt_share_one_prefill(actor, monkeypatch):
     torch.testing.assert_close(sampled["rollout_log_probs"], recomputed, atol=1e-4, rtol=1e-4)
 
 
+# ------------------------------------------------------------------------------------ static decode
+@pytest.mark.parametrize("bucket", [4, 256])
+def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket):
+    """`cuda_graph=True` decodes through StaticDecodeStep: fixed shapes, whole buckets of cache columns with
+    the unwritten ones masked. Captured in CUDA graphs on a GPU (tests/megatron/test_gpu.py); here the same
+    step runs eagerly and must give the dynamic path's batch: padded prompts, decode crossing key-length
+    buckets (bucket 4), sampling with filters, stop tokens with cache compaction."""
+    from rltrain.megatron import inference
+
+    monkeypatch.setattr(inference, "KEY_BUCKET", bucket)
+    rows_per_step: list[int] = []
+    inner = inference.StaticDecodeStep.__call__
+
+    def call(step, tokens, start, uniform):
+        rows_per_step.append(step.rows.numel())
+        return inner(step, tokens, start, uniform)
+
+    monkeypatch.setattr(inference.StaticDecodeStep, "__call__", call)
+    prompts = _prompts()
+    free = actor.generate(prompts, 8, temperature=0.0, pad_id=0)["responses"]
+    stop_kw = dict(temperature=0.0, eos_id=int(free[0, 0]), stop_token_ids=(int(free[1, 0]), int(free[2, 0])))
+    sample_kw = dict(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=3)
+    for kw in (dict(temperature=0.0), sample_kw, stop_kw):
+        rows_per_step.clear()
+        dynamic = actor.generate(prompts, 8, pad_id=0, **kw)
+        static = actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **kw)
+        _assert_same_batch(dynamic, static, str(kw))
+        assert len(rows_per_step) == 7, "every decode step after the first sample is a static step"
+    # With stops, rows 0-2 finish at their first token and the static step is rebuilt over 3 rows.
+    assert rows_per_step[0] == 3
+
+
 # ------------------------------------------------------------------------------------ attention
 def _reference_attention(q, k, v, allowed, scale):
     """q [s, b, h, d], k/v [t, b, g, d]; allowed [s, t] bool -> [s, b, h*d]."""
