@@ -14,7 +14,8 @@ One process, one run, for each shape in `--shapes` (Qwen2.5-0.5B and -1.5B, rand
     ours_grpo       `update_policy` with dynamic batching by a `--budget`-token budget (rows regrouped by
                     length, no padding computed) and one optimizer step
     ours_logprob    `compute_log_prob` (log-prob + entropy from vocab-parallel logits, chunked)
-    opt_step        the megatron optimizer step alone (fp32 master weights, AdamW, grad clip)
+    opt_step        the megatron optimizer step alone (fp32 master weights, fused AdamW, grad clip)
+    opt_step_foreach  the same with torch's multi-tensor (foreach) AdamW, megatron's own fallback
 
 Tokens/s count real tokens (padding HF computes shows as lost throughput). MFU = (6N + 6·L·h·s̄) flops
 per trained token (2N + 2·L·h·s̄ forward only) over the H200's 989 TFLOP/s dense bf16 spec and the
@@ -215,6 +216,13 @@ def our_cases(cases: Cases, arch, dense: dict, grpo: dict, args) -> None:
         Path(args.out, f"profile_{args.shape_name}.txt").write_text(table)
         print(table[:6000])
     cases.run("opt_step", lambda: actor.optimizer.step(), 1, args.iters, ids.numel())
+    # The same step on torch's foreach AdamW (megatron's fallback before model.use_fused_torch_adam).
+    groups = [g for sub in actor._sub_optimizers() for g in sub.optimizer.param_groups]
+    for g in groups:
+        g["fused"], g["foreach"] = False, True
+    cases.run("opt_step_foreach", lambda: actor.optimizer.step(), 1, args.iters, ids.numel())
+    for g in groups:
+        g["fused"], g["foreach"] = True, False
 
     # GRPO-shaped: dynamic batching by token budget, one optimizer step per update
     actor.cfg = ActorConfig(
@@ -274,7 +282,7 @@ def main() -> int:
         torch.cuda.empty_cache()
         mean_len = {"dense": args.seq, "grpo": float(grpo["attention_mask"].sum(-1).float().mean())}
         for name, res in cases.results.items():
-            if name == "opt_step":
+            if name.startswith("opt_step"):
                 continue
             attn_len = mean_len["grpo" if name.endswith(("grpo", "logprob")) else "dense"]
             per_token = 6 * n_params + 6 * arch.num_layers * arch.hidden_size * attn_len

@@ -162,9 +162,10 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
                 coef.add_(z.sub_(mean_shifted[c].unsqueeze(-1)).mul_(grad_ent[c].float().unsqueeze(-1)))
             grad_z = coef.mul_(probs).neg_()
             if grad_logp is not None:
-                hit = in_shard[c]
-                idx = torch.nonzero(hit).squeeze(-1)
-                grad_z[idx, local_labels[c][idx]] += grad_logp[c].float()[idx]
+                # + grad at the label (on the rank whose shard holds it): a scatter, not boolean indexing,
+                # which would wait for the device once per chunk and stall the launch queue.
+                hit = torch.where(in_shard[c], grad_logp[c].float(), 0.0)
+                grad_z.scatter_add_(1, local_labels[c].unsqueeze(-1), hit.unsqueeze(-1))
             if ctx.temperature != 1.0:
                 grad_z.div_(ctx.temperature)
             grad_logits.index_add_(0, rows[c], grad_z.to(grad_logits.dtype))
