@@ -374,7 +374,8 @@ class RolloutConfig:
     max_num_seqs: int = 256
     """Most sequences decoded at once."""
     cuda_graph: bool = True
-    """Capture decode steps in CUDA graphs (GPU only)."""
+    """Capture each embedded decode step (forward, logits, sampling) in CUDA graphs on cuda workers; no
+    effect on cpu, npu or with pipeline parallel (they decode eagerly)."""
     free_cache_engine: bool = True
     """Release the KV cache between rollouts (colocated training needs the memory back)."""
     val: SamplingConfig = field(default_factory=SamplingConfig)

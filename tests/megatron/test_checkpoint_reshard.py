@@ -4,7 +4,8 @@ log-probs, and with the optimizer state (fully_reshardable) the next update matc
 One spawn of 2 gloo processes: each saves at TP=2, PP=2 x VPP=2 and DP=2 (then takes one more update, the
 uninterrupted reference), and loads the TP=1 checkpoint saved here at TP=2, PP=2 and DP=2 (distributed
 optimizer sharded over DP) and checks it against this process's uninterrupted continuation. This process
-then loads the workers' checkpoints at TP=1 and checks them against the workers' continuations.
+then loads the workers' checkpoints at TP=1 and checks them against the workers' continuations. A spawn of 4
+processes runs issue 12's layouts: TP=2 x PP=2 against TP=1, its save resumed at TP=2 x DP=2.
 """
 
 from __future__ import annotations
@@ -162,3 +163,56 @@ def test_reshard_tp_pp_dp_with_optimizer(mp_world, tiny_hf, tmp_path):
             got["loaded"][rows], results[name]["saved"], atol=1e-5, rtol=1e-5, msg=name
         )
         torch.testing.assert_close(got["cont"][rows], results[name]["cont"], atol=2e-4, rtol=2e-4, msg=name)
+
+
+# ------------------------------------------------------------------------------------ 4 processes
+def _four_worker(rank: int, world: int, port: int, hf_path: str, out_dir: str, rl: dict, ref: dict) -> None:
+    run_spawned(_four_layouts, rank, world, port, hf_path, Path(out_dir), rl, ref)
+
+
+def _four_layouts(rank: int, world: int, port: int, hf_path: str, out: Path, rl: dict, ref: dict) -> None:
+    from megatron.core import parallel_state
+
+    from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    # TP=2 x PP=2: log-prob parity with TP=1 on the same weights, then train, save, continue.
+    cfg = _cfg(tp=2, pp=2)
+    assert cfg.megatron.use_distributed_optimizer
+    init_parallel(cfg.megatron, "cpu")
+    assert parallel_state.get_data_parallel_world_size() == 1
+    fresh = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
+    initial = fresh.compute_log_prob(rl, with_entropy=False)["log_probs"]
+    torch.testing.assert_close(initial, ref["initial"], atol=1e-5, rtol=1e-5, msg="TP2xPP2 log-probs")
+    del fresh
+    got = _train_save_continue(hf_path, cfg, rl, out / "tp2pp2" / "actor", slice(None))
+    torch.testing.assert_close(got["saved"], ref["saved"], atol=1e-4, rtol=1e-4, msg="TP2xPP2 update")
+    torch.testing.assert_close(got["cont"], ref["cont"], atol=2e-4, rtol=2e-4, msg="TP2xPP2 continued")
+    # TP=2 x DP=2 (distributed optimizer sharded over DP): resume the TP2xPP2 save and continue its run.
+    cfg = _cfg(tp=2)
+    init_parallel(cfg.megatron, "cpu")
+    assert parallel_state.get_data_parallel_world_size() == 2
+    rows = _dp_rows()
+    got = _load_and_continue(hf_path, cfg, rl, out / "tp2pp2" / "actor", rows)
+    torch.testing.assert_close(got["loaded"], ref["saved"][rows], atol=1e-4, rtol=1e-4, msg="load at TP2xDP2")
+    torch.testing.assert_close(got["cont"], ref["cont"][rows], atol=2e-4, rtol=2e-4, msg="resume at TP2xDP2")
+    destroy_parallel()
+
+
+def test_four_processes_tp2pp2_save_resumes_at_tp2dp2(mp_world, tiny_hf, tmp_path):
+    """Issue 12's layouts on 4 gloo processes (the 4-GPU machine is not lent): TP=2 x PP=2 matches TP=1
+    log-probs on the same weights and its update; its checkpoint (distributed optimizer) resumes at
+    TP=2 x DP=2 and continues exactly as the uninterrupted TP=1 run."""
+    from rltrain.megatron.actor import MegatronActor
+
+    rl_rows = make_batch(b=8)
+    frozen = MegatronActor(tiny_model_cfg(str(tiny_hf)), _cfg(), "cpu", trainable=False)
+    initial = frozen.compute_log_prob(rl_rows, with_entropy=False)["log_probs"]
+    rl = _rl_batch(rl_rows, initial)
+    del frozen
+    ref = _train_save_continue(str(tiny_hf), _cfg(), rl, tmp_path / "tp1" / "actor", slice(None))
+    ref["initial"] = initial
+    torch.multiprocessing.spawn(
+        _four_worker, args=(4, free_port(), str(tiny_hf), str(tmp_path), rl, ref), nprocs=4, join=True
+    )
