@@ -154,6 +154,17 @@ class DDPConfig:
     """Average inside the collective instead of pre-scaling gradients."""
 
 
+# MegatronConfig's fields that make up a role's parallel layout (process grid), in megatron's order.
+LAYOUT_FIELDS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
 @dataclass(frozen=True)
 class MegatronConfig:
     """Megatron-core parallel layout and engine options for one role (actor, ref or critic)."""

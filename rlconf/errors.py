@@ -26,15 +26,10 @@ class Issue:
         return f"{label} [{self.rule}] {self.path or '<root>'}: {self.message}\n    fix: {self.fix}"
 
 
-class ConfigError(Exception):
-    """A config that cannot run. Carries every error found (not just the first) and any warnings."""
+class IssueSet:
+    """Errors and warnings of a tuple `issues` (ConfigError and reports that carry issues)."""
 
-    def __init__(self, issues: Iterable[Issue], source: str | None = None) -> None:
-        self.issues: tuple[Issue, ...] = tuple(issues)
-        self.source = source
-        if not self.errors:
-            raise ValueError("ConfigError needs at least one error issue")
-        super().__init__(self.format())
+    issues: tuple[Issue, ...]
 
     @property
     def errors(self) -> tuple[Issue, ...]:
@@ -43,6 +38,17 @@ class ConfigError(Exception):
     @property
     def warnings(self) -> tuple[Issue, ...]:
         return tuple(i for i in self.issues if i.severity == "warning")
+
+
+class ConfigError(IssueSet, Exception):
+    """A config that cannot run. Carries every error found (not just the first) and any warnings."""
+
+    def __init__(self, issues: Iterable[Issue], source: str | None = None) -> None:
+        self.issues: tuple[Issue, ...] = tuple(issues)
+        self.source = source
+        if not self.errors:
+            raise ValueError("ConfigError needs at least one error issue")
+        super().__init__(self.format())
 
     @property
     def path(self) -> str:

@@ -13,7 +13,15 @@ import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from rlconf.config import BUILTIN_REWARDS, CHECKPOINT_CONTENTS, ROLES, MegatronConfig, Optim, RLConfig
+from rlconf.config import (
+    BUILTIN_REWARDS,
+    CHECKPOINT_CONTENTS,
+    LAYOUT_FIELDS,
+    ROLES,
+    MegatronConfig,
+    Optim,
+    RLConfig,
+)
 from rlconf.errors import Issue, error, warning
 from rlconf.fields import get_path, iter_leaves
 
@@ -245,15 +253,7 @@ def ref_layout(c: RLConfig) -> Iterator[Issue]:
     """The reference policy lives in the actor's processes (colocated), so it uses the actor's layout."""
     if not uses_ref(c):
         return
-    names = (
-        "tensor_model_parallel_size",
-        "pipeline_model_parallel_size",
-        "virtual_pipeline_model_parallel_size",
-        "context_parallel_size",
-        "expert_model_parallel_size",
-        "expert_tensor_parallel_size",
-    )
-    for name in names:
+    for name in LAYOUT_FIELDS:
         ref_v, act_v = getattr(c.ref.megatron, name), getattr(c.actor.megatron, name)
         if ref_v != act_v:
             yield error(

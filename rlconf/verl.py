@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from rlconf.config import RLConfig
-from rlconf.errors import ConfigError, Issue, error
+from rlconf.config import LAYOUT_FIELDS, RLConfig
+from rlconf.errors import ConfigError, Issue, IssueSet, error
 from rlconf.fields import field_types, leaf_paths, strip_optional
 
 Reason = Literal["unsupported", "ignored-by-verl", "not-needed", "deprecated-in-verl"]
@@ -277,14 +277,6 @@ _MEGATRON_ROLES = (
     ("critic.megatron", "critic.megatron"),
     ("reward_model.megatron", "reward.reward_model.megatron"),
 )
-_LAYOUT_FIELDS = (
-    "tensor_model_parallel_size",
-    "pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size",
-    "context_parallel_size",
-    "expert_model_parallel_size",
-    "expert_tensor_parallel_size",
-)
 
 
 def _megatron_rows() -> list[VerlKey]:
@@ -303,7 +295,7 @@ def _megatron_rows() -> list[VerlKey]:
                 rows.append(_u(key, reason or "unsupported", note, family="megatron"))
             else:
                 row_note = note
-                if ours == "ref.megatron" and suffix in _LAYOUT_FIELDS:
+                if ours == "ref.megatron" and suffix in LAYOUT_FIELDS:
                     row_note = f"must equal the actor's: {_IN_ACTOR}; when unset, the actor's value is used"
                 rows.append(_m(key, f"{ours}.{suffix}", row_note, convert, family="megatron"))
     return rows
@@ -969,7 +961,7 @@ class Derived:
 
 
 @dataclass(frozen=True)
-class Translation:
+class Translation(IssueSet):
     """The result of importing a verl config: settings, what mapped and what did not, and our verdict."""
 
     settings: dict[str, Any]
@@ -982,14 +974,6 @@ class Translation:
     config: RLConfig
     plan_checked: bool = False
     sources: tuple[str, ...] = field(default=())
-
-    @property
-    def errors(self) -> tuple[Issue, ...]:
-        return tuple(i for i in self.issues if i.severity == "error")
-
-    @property
-    def warnings(self) -> tuple[Issue, ...]:
-        return tuple(i for i in self.issues if i.severity == "warning")
 
     @property
     def valid(self) -> bool:
@@ -1187,7 +1171,7 @@ def _derive_rlplan_rules(
     estimator = _current(settings, "algorithm.adv_estimator")
     if "critic.enable" not in settings and estimator == "gae":
         derive("critic.enable", True, "verl enables the critic for adv_estimator gae (critic.enable: null)")
-    for name in _LAYOUT_FIELDS:
+    for name in LAYOUT_FIELDS:
         actor_path, ref_path = f"actor.megatron.{name}", f"ref.megatron.{name}"
         if actor_path in settings and ref_path not in settings:
             derive(ref_path, settings[actor_path], _IN_ACTOR)
