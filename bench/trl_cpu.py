@@ -157,7 +157,11 @@ def main() -> int:
     import transformers
     import trl
 
-    report: dict[str, object] = {"steps": args.steps, "torch": torch.__version__, "trl_version": trl.__version__}
+    report: dict[str, object] = {
+        "steps": args.steps,
+        "torch": torch.__version__,
+        "trl_version": trl.__version__,
+    }
     report["transformers"] = transformers.__version__
     report["rlplan"] = run_rlplan(args.steps, out)
     with tempfile.TemporaryDirectory() as tmp:
