@@ -38,7 +38,6 @@ import argparse
 import gc
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -50,12 +49,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 SPEC_PEAK, MATMUL_PEAK = 989e12, 760e12
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def timed(fn: Callable[[], object], warmup: int, iters: int) -> float:
@@ -256,7 +249,7 @@ def main() -> int:
 
     from presets.gpu import QWEN25_05B, QWEN25_15B
     from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import destroy_parallel, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, free_port, init_parallel
 
     archs = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B}
     report: dict[str, object] = {
@@ -376,6 +369,8 @@ def layout_worker(rank: int, world: int, port: int, shape: str, tp: int, args, q
 
 
 def run_layouts(args, report: dict) -> None:
+    from rltrain.megatron.parallel import free_port
+
     world = torch.cuda.device_count()
     ctx = torch.multiprocessing.get_context("spawn")
     layouts: dict[str, object] = {"gpus": world}

@@ -31,20 +31,6 @@ from typing import Any
 
 import torch
 
-# Qwen2.5-0.5B (config.json of the Hugging Face release), in Megatron's names.
-QWEN25_05B = dict(
-    num_layers=24,
-    hidden_size=896,
-    ffn_hidden_size=4864,
-    num_attention_heads=14,
-    num_query_groups=2,
-    vocab_size=151936,
-    max_position_embeddings=32768,
-    rotary_base=1000000.0,
-    norm_epsilon=1e-6,
-    add_qkv_bias=True,
-    share_embeddings_and_output_weights=True,
-)
 CONTENTS = ("model", "optimizer", "extra")
 
 
@@ -89,10 +75,13 @@ def dd_write(folder: Path, mb: int) -> dict[str, Any]:
 
 
 def build_actor(layers: int, dtype: str, distributed: bool = True):
-    from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
+    from dataclasses import replace
+
+    from presets.gpu import QWEN25_05B
+    from rlconf.config import ActorConfig, MegatronConfig, ModelConfig, Optim
     from rltrain.megatron.actor import MegatronActor
 
-    arch = ModelArch(**{**QWEN25_05B, "num_layers": layers})  # type: ignore[arg-type]
+    arch = replace(QWEN25_05B, num_layers=layers)
     model = ModelConfig(arch=arch, params_dtype=dtype, attention_backend="sdpa")  # type: ignore[arg-type]
     actor = ActorConfig(megatron=MegatronConfig(use_distributed_optimizer=distributed), optim=Optim(lr=1e-6))
     return MegatronActor(model, actor, "cpu", total_steps=10)
@@ -124,8 +113,7 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     from rlconf.config import MegatronConfig
     from rltrain import checkpoint as ck
-    from rltrain.megatron.parallel import destroy_parallel, init_parallel
-    from rltrain.ray_group import free_port
+    from rltrain.megatron.parallel import destroy_parallel, free_port, init_parallel
 
     root = Path(args.dir)
     if root.exists():

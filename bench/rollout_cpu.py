@@ -273,11 +273,11 @@ def main() -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import init_parallel
+    from rltrain.megatron.parallel import free_port, init_parallel
 
     global DEVICE, DTYPE
     DEVICE, DTYPE = args.device, args.dtype
-    init_parallel(MegatronConfig(), DEVICE, rank=0, world_size=1, master_port=_free_port())
+    init_parallel(MegatronConfig(), DEVICE, rank=0, world_size=1, master_port=free_port())
     report = {}
     names = ("nocache", "engine", "owncache", "megatron", "megatron_rowpos")
     print(f"{'case':<6} {'B':>3} {'P':>4} {'N':>3} {'n':>2} " + " ".join(f"{k:>15}" for k in names))
@@ -296,14 +296,6 @@ def main() -> int:
         )
     print(json.dumps(report))
     return 0
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 if __name__ == "__main__":

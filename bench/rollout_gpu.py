@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -44,12 +43,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sync(device: str) -> None:
@@ -181,7 +174,7 @@ def main() -> int:
     p, n = args.prompt, args.new_tokens
 
     from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import init_parallel
+    from rltrain.megatron.parallel import free_port, init_parallel
     from rltrain.rollout.weight_sync import send_weights, sync_weights
 
     init_parallel(MegatronConfig(), args.device, rank=0, world_size=1, master_port=free_port())

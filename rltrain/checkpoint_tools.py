@@ -408,8 +408,7 @@ def _cpu_world() -> Any:
     from megatron.core import parallel_state
 
     from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import destroy_parallel, init_parallel
-    from rltrain.ray_group import free_port
+    from rltrain.megatron.parallel import destroy_parallel, free_port, init_parallel
 
     if torch.distributed.is_initialized():
         layout_ok = (

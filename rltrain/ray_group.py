@@ -10,7 +10,6 @@ raises `WorkerError` naming the role and the rank, never a bare Ray traceback.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -21,6 +20,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlconf.errors import ConfigError, error
 from rltrain import device as devices
+from rltrain.megatron.parallel import free_port
 
 PLACEMENT_TIMEOUT_S = 600
 
@@ -46,12 +46,6 @@ def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -
     if temp_dir:
         kwargs["_temp_dir"] = temp_dir
     ray.init(**kwargs)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

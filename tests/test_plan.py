@@ -203,12 +203,18 @@ def test_format_plan_renders(config: RLConfig) -> None:
 @given(typed_configs())
 def test_any_typed_config_plans_or_raises_config_error(config: RLConfig) -> None:
     """Configs that skipped validation (random values of the right types) never crash the plan."""
+    plan = _plan_or_config_error(config)
+    if plan is not None:
+        json.dumps(plan_to_dict(plan))
+
+
+def _plan_or_config_error(config: RLConfig) -> TrainerPlan | None:
+    """The plan, or None when compile_plan raised a ConfigError whose errors all name a path."""
     try:
-        plan = compile_plan(config)
+        return compile_plan(config)
     except ConfigError as exc:
         assert exc.errors and all(i.path for i in exc.errors)
-        return
-    json.dumps(plan_to_dict(plan))
+        return None
 
 
 _ODD_INTS = st.sampled_from([0, -1, 1, 2, 3, 7, 64, 1 << 20, 1 << 50])
@@ -251,13 +257,10 @@ def _set(obj: object, path: str, value: object) -> object:
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(_mutated_configs())
 def test_mutated_configs_plan_or_raise_config_error(config: RLConfig) -> None:
-    try:
-        plan = compile_plan(config)
-    except ConfigError as exc:
-        assert exc.errors and all(i.path for i in exc.errors)
-        return
-    json.dumps(plan_to_dict(plan))
-    format_plan(plan)
+    plan = _plan_or_config_error(config)
+    if plan is not None:
+        json.dumps(plan_to_dict(plan))
+        format_plan(plan)
 
 
 def test_strategy_configs_pass_validation() -> None:

@@ -10,11 +10,19 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 
 import torch
 
 from rlconf.config import MegatronConfig
 from rltrain import device as devices
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a torch.distributed rendezvous (MASTER_PORT)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def init_distributed(

@@ -4,7 +4,6 @@ synthetic RL batches, and config sections for the tiny model."""
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import torch
 
 from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
+from rltrain.megatron.parallel import free_port as free_port  # re-exported for the tests
 
 # Small enough for 2 CPU cores, large enough to exercise GQA (4 heads / 2 groups), TP=2 and PP=2
 # (4 layers), a vocabulary that is not a multiple of 128 (padding) and untied lm_head variants.
@@ -26,12 +26,6 @@ TINY = dict(
     rope_theta=10000.0,
     rms_norm_eps=1e-6,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_tiny_qwen2(path: str | os.PathLike, tie: bool = True, seed: int = 0) -> Path:

@@ -105,23 +105,16 @@ def test_gpu_engine_matches_transformers(tiny_hf):
 
 
 def _bench_worker(rank: int, world: int, port: int) -> None:
-    from rlconf.config import ModelArch, ModelConfig, Optim
+    from dataclasses import replace
+
+    from presets.gpu import QWEN25_05B
+    from rlconf.config import ModelConfig, Optim
     from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.parallel import init_distributed, init_parallel
 
     os.environ["LOCAL_RANK"] = str(rank)
     init_distributed("cuda", rank=rank, world_size=world, master_port=port)
-    arch = ModelArch(
-        num_layers=24,
-        hidden_size=896,
-        ffn_hidden_size=4864,
-        num_attention_heads=14,
-        num_query_groups=2,
-        vocab_size=151936,
-        max_position_embeddings=4096,
-        rotary_base=1e6,
-        share_embeddings_and_output_weights=True,
-    )
+    arch = replace(QWEN25_05B, max_position_embeddings=4096)
     b, s, r = 16, 2048, 1024
     for backend in ("sdpa", "local"):
         mcfg = ModelConfig(arch=arch, params_dtype="bfloat16", attention_backend=backend)
