@@ -384,9 +384,9 @@ class StaticDecodeStep:
     are fixed per call. Graphs share one memory pool and are freed with this object, at the end of a
     `generate` call, so no memory outlives a rollout.
 
-    `capture=False` runs the same static-shape step eagerly (CPU, and the tests' way of checking it
-    against the dynamic path). Pipeline parallel is not captured (the step's point-to-point sends would
-    sit inside the graph); callers use the dynamic path there.
+    Where the device layer has no graphs (cpu, npu) the same static-shape step runs eagerly (the CPU tests
+    check it that way against the dynamic path). Pipeline parallel is not captured (the point-to-point
+    sends would sit inside the graph); callers use the dynamic path there.
     """
 
     def __init__(
@@ -395,18 +395,23 @@ class StaticDecodeStep:
         rows: torch.Tensor,
         key_masked: torch.Tensor,
         sampling: tuple[float, float, int, float],
-        capture: bool,
         pool: object | None = None,
     ) -> None:
         dev = engine.device
         n = rows.numel()
-        self.engine, self.rows, self.key_masked, self.sampling = engine, rows, key_masked, sampling
-        self.capture, self.pool = capture, pool
+        self.engine, self.rows, self.key_masked, self.sampling, self.pool = (
+            engine,
+            rows,
+            key_masked,
+            sampling,
+            pool,
+        )
         self.tokens = torch.zeros((n, 1), dtype=torch.long, device=dev)
         self.pos = torch.zeros((n, 1), dtype=torch.long, device=dev)
         self.col = torch.zeros((1,), dtype=torch.long, device=dev)
         self.uniform = torch.zeros((n,), dtype=torch.float32, device=dev)
         self.device = engine.actor.device  # the `cluster.device` name, for the device layer
+        self.capture = devices.graphs_supported(self.device)
         self.graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def _body(self, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -530,9 +535,7 @@ def _decode(
         # Keys a row may not see: its prompt pads and every response column not yet written.
         key_masked = torch.ones((b, engine.positions.shape[1]), dtype=torch.bool, device=dev)
         key_masked[:, :p] = ~valid
-        capture = devices.graphs_supported(engine.actor.device)
-        pool = devices.graph_pool(engine.actor.device)
-        step = StaticDecodeStep(engine, active, key_masked, sampling, capture, pool)
+        step = StaticDecodeStep(engine, active, key_masked, sampling, devices.graph_pool(engine.actor.device))
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     last_tok = torch.zeros(b, dtype=torch.long, device=dev)
     resp_dev = torch.zeros((b, n_new), dtype=torch.long, device=dev)
@@ -561,9 +564,7 @@ def _decode(
                 active = active[keep]
                 if step is not None:
                     # New cache tensors: new buffers and graphs (the old ones are freed with the old step).
-                    step = StaticDecodeStep(
-                        engine, active, step.key_masked[keep], sampling, step.capture, step.pool
-                    )
+                    step = StaticDecodeStep(engine, active, step.key_masked[keep], sampling, step.pool)
         if step is not None:
             tok, lp = step(last_tok[active], p + t, uniform[t + 1, active])
             continue
