@@ -4,6 +4,10 @@ The loader first walks the input against the dataclass types and collects *every
 (unknown keys with a did-you-mean, wrong types, values outside a Literal) with its dotted path, including
 list indices. Only a clean input reaches dacite (strict mode), which builds the frozen tree. Cross-field
 rules live in `rlconf.validate`; `load_config` runs both and raises one `ConfigError` with all errors.
+
+Every config file, preset overlay and verl input is read through `read_config_file` / `parse_yaml`, which
+bound what a file may cost before anything walks it: its size, its nesting depth and (for YAML) the number
+of nodes once aliases are expanded, and they refuse duplicate keys (the later one would silently win).
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ import dataclasses
 import difflib
 import json
 import math
+import os
 import re
+import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +40,17 @@ from rlconf.fields import (
 
 PRESET_KEY = "preset"
 
+# Bounds on one config file. Real configs (ours, verl's with every default spelled out) are tens of KB,
+# about 8 levels deep and a few thousand nodes; the bounds are far above that, and far below what makes a
+# YAML anchor bomb or a deeply nested document cost seconds, gigabytes or a RecursionError.
+# PyYAML is pure Python (tens of microseconds per node), so the node bound also bounds the parse time.
+MAX_CONFIG_BYTES = 256 << 10
+MAX_CONFIG_DEPTH = 64
+MAX_CONFIG_NODES = 10_000
+# A run of openers deeper than the bound; PyYAML's scanner is quadratic in the flow depth it sees within
+# its 1024-character look-ahead, so such a run is refused before YAML reads it.
+_DEEP_FLOW_RE = re.compile(rf"(?:[\[{{][ \t\r\n]*){{{MAX_CONFIG_DEPTH + 1}}}")
+
 
 # ------------------------------------------------------------------------------------------------ YAML
 # PyYAML follows YAML 1.1, where `1e-6` (no dot) is a string. Users write learning rates that way, so both
@@ -50,7 +67,22 @@ _FLOAT_RE = re.compile(
 
 
 class _Loader(yaml.SafeLoader):
-    pass
+    """SafeLoader that stops composing at MAX_CONFIG_DEPTH, before reading the rest of a too-deep file."""
+
+    _depth = 0
+    _nodes = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node:
+        self._depth += 1
+        self._nodes += 1  # distinct nodes (an alias composes none); _check_yaml_graph counts expansions
+        try:
+            if self._depth > MAX_CONFIG_DEPTH:
+                raise _GraphLimit(_too_deep(""))
+            if self._nodes > MAX_CONFIG_NODES:
+                raise _GraphLimit(_too_many_nodes())
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
 
 
 class _Dumper(yaml.SafeDumper):
@@ -61,10 +93,117 @@ for _cls in (_Loader, _Dumper):
     _cls.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_RE, list("-+0123456789."))
 
 
+def _limit_issue(message: str, fix: str) -> Issue:
+    return error("", message, fix, "file-limits")
+
+
+def _too_deep(path: str) -> Issue:
+    where = f"`{path if len(path) <= 60 else path[:57] + '...'}`" if path else "the document"
+    return _limit_issue(
+        f"{where} is nested deeper than {MAX_CONFIG_DEPTH} levels",
+        "flatten the file: config sections are a few levels deep",
+    )
+
+
+def _too_many_nodes() -> Issue:
+    return _limit_issue(
+        f"the document holds more than {MAX_CONFIG_NODES:,} values (counting each YAML alias as a copy "
+        "of what it points to)",
+        "check that this is the config file you meant; a config has a few hundred values, and aliases "
+        "that repeat aliases multiply",
+    )
+
+
+def _key_text(node: yaml.Node) -> str | None:
+    """A mapping key as it reads in a dotted path (None for a merge key or a non-scalar key)."""
+    if not isinstance(node, yaml.ScalarNode) or node.tag == "tag:yaml.org,2002:merge":
+        return None
+    return str(node.value)
+
+
+def _check_yaml_graph(root: yaml.Node) -> list[Issue]:
+    """Duplicate keys, nesting depth and size with aliases expanded, walking each node once.
+
+    PyYAML shares an aliased node (and the object built from it) instead of copying it, so loading a bomb
+    is cheap; the cost comes later, from every walk that expands it. Sizes are memoized per node, so this
+    check costs one visit per distinct node however often aliases repeat it. A node that contains itself
+    (`&a [*a]`) is refused: no config is infinite.
+    """
+    issues: list[Issue] = []
+    expanded: dict[int, int] = {}
+    in_progress: set[int] = set()
+
+    def size(node: yaml.Node, path: str, depth: int) -> int:
+        key = id(node)
+        if key in expanded:
+            return expanded[key]
+        if key in in_progress:
+            raise _GraphLimit(
+                _limit_issue(
+                    f"`{path or '<root>'}` contains itself through a YAML alias",
+                    "replace the alias by the values it should hold",
+                )
+            )
+        if depth > MAX_CONFIG_DEPTH:
+            raise _GraphLimit(_too_deep(path))
+        in_progress.add(key)
+        total = 1
+        if isinstance(node, yaml.MappingNode):
+            seen: set[str] = set()
+            for key_node, value_node in node.value:
+                name = _key_text(key_node)
+                child = f"{path}.{name}" if path and name is not None else (name or path)
+                if name is not None:
+                    if name in seen:
+                        line = key_node.start_mark.line + 1
+                        issues.append(
+                            error(
+                                child,
+                                f"`{child}` is given twice (again at line {line}); only one of them would count",
+                                f"merge the two `{name}:` entries into one",
+                                "duplicate-key",
+                            )
+                        )
+                    seen.add(name)
+                total += size(key_node, child, depth + 1) + size(value_node, child, depth + 1)
+                if total > MAX_CONFIG_NODES:
+                    break
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                total += size(item, f"{path}[{i}]", depth + 1)
+                if total > MAX_CONFIG_NODES:
+                    break
+        in_progress.discard(key)
+        if total > MAX_CONFIG_NODES:
+            raise _GraphLimit(_too_many_nodes())
+        expanded[key] = total
+        return total
+
+    size(root, "", 0)
+    return issues
+
+
+class _GraphLimit(Exception):
+    def __init__(self, issue: Issue) -> None:
+        super().__init__(issue.message)
+        self.issue = issue
+
+
 def parse_yaml(text: str, source: str = "<yaml>") -> Any:
-    """Parse YAML text; syntax errors become a ConfigError with the line and column."""
+    """Parse YAML text; syntax errors, duplicate keys and documents over the size, depth or alias
+    expansion bounds become a ConfigError (with the line and column where YAML gives one)."""
+    if _DEEP_FLOW_RE.search(text):
+        raise ConfigError([_too_deep("")], source)
+    loader = _Loader(text)
     try:
-        return yaml.load(text, Loader=_Loader)
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        if issues := _check_yaml_graph(node):
+            raise ConfigError(issues, source)
+        return loader.construct_document(node)
+    except _GraphLimit as exc:
+        raise ConfigError([exc.issue], source) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -73,10 +212,14 @@ def parse_yaml(text: str, source: str = "<yaml>") -> Any:
             [error("", f"YAML syntax error{where}: {problem}", "fix the YAML syntax there", "yaml-syntax")],
             source,
         ) from None
-    except (ValueError, TypeError, OverflowError, RecursionError) as exc:
+    except RecursionError:  # PyYAML's parser recurses once per nesting level
+        raise ConfigError([_too_deep("")], source) from None
+    except (ValueError, TypeError, OverflowError) as exc:
         raise ConfigError(
             [error("", f"unreadable YAML value: {exc}", "fix the value", "yaml-syntax")], source
         ) from None
+    finally:
+        loader.dispose()
 
 
 def dump_yaml(data: Any) -> str:
@@ -390,37 +533,128 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
 
 
 # ---------------------------------------------------------------------------------------------- files
+def _read_limited(path: Path, source: str) -> str:
+    """The text of a regular file of at most MAX_CONFIG_BYTES (reading at most one byte more)."""
+
+    def fail(message: str, fix: str, rule: str = "file") -> ConfigError:
+        return ConfigError([error("", message, fix, rule)], source)
+
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise fail(f"config file {source} does not exist", "check the path") from None
+    except OSError as exc:
+        raise fail(
+            f"cannot read {source}: {exc.strerror or exc}", "check the path and its permissions"
+        ) from None
+    if stat.S_ISDIR(mode):
+        raise fail(f"{source} is a folder, not a config file", "name a .yaml or .json file inside it")
+    if not stat.S_ISREG(mode):
+        raise fail(
+            f"{source} is not a regular file (a device, pipe or socket)",
+            "save the config to a .yaml or .json file and pass that",
+        )
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise fail(f"cannot read {source}: {exc.strerror or exc}", "check the file's permissions") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise fail(
+            f"{source} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config is a few KiB",
+            "check that this is the config file you meant",
+            "file-limits",
+        )
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail(
+            f"{source} is not UTF-8 text (byte {exc.start})", "save the config as UTF-8 text"
+        ) from None
+
+
+class _JsonObject(dict):
+    """A JSON object that remembers the keys it was given more than once (json keeps the last silently)."""
+
+    duplicates: tuple[str, ...] = ()
+
+
+def _json_object(pairs: list[tuple[str, Any]]) -> _JsonObject:
+    obj = _JsonObject(pairs)
+    if len(obj) != len(pairs):
+        seen: set[str] = set()
+        obj.duplicates = tuple(k for k, _ in pairs if k in seen or seen.add(k))
+    return obj
+
+
+def _json_issues(data: Any) -> list[Issue]:
+    """Duplicate keys and nesting beyond MAX_CONFIG_DEPTH, with their dotted paths."""
+    issues: list[Issue] = []
+
+    def walk(value: Any, path: str, depth: int) -> None:
+        if depth > MAX_CONFIG_DEPTH:
+            raise _GraphLimit(_too_deep(path))
+        if isinstance(value, dict):
+            for key in getattr(value, "duplicates", ()):
+                child = f"{path}.{key}" if path else key
+                issues.append(
+                    error(
+                        child,
+                        f"`{child}` is given twice; only the last one would count",
+                        f'merge the two "{key}" entries into one',
+                        "duplicate-key",
+                    )
+                )
+            for key, item in value.items():
+                walk(item, f"{path}.{key}" if path else str(key), depth + 1)
+        elif isinstance(value, list):
+            for i, item in enumerate(value):
+                walk(item, f"{path}[{i}]", depth + 1)
+
+    try:
+        walk(data, "", 0)
+    except _GraphLimit as exc:
+        return [exc.issue]
+    return issues
+
+
+def parse_json(text: str, source: str = "<json>") -> Any:
+    """Parse JSON text; syntax errors, duplicate keys and documents nested too deep become a ConfigError."""
+    try:
+        data = json.loads(text, object_pairs_hook=_json_object)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(
+            [
+                error(
+                    "",
+                    f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}",
+                    "fix the JSON",
+                    "json-syntax",
+                )
+            ],
+            source,
+        ) from None
+    except RecursionError:  # the json scanner recurses once per nesting level
+        raise ConfigError([_too_deep("")], source) from None
+    except ValueError as exc:  # e.g. an integer longer than Python's digit limit
+        raise ConfigError(
+            [error("", f"unreadable JSON value: {exc}", "fix the value", "json-syntax")], source
+        ) from None
+    if issues := _json_issues(data):
+        raise ConfigError(issues, source)
+    return data
+
+
 def read_config_file(path: str | Path) -> dict[str, Any]:
-    """Read a YAML or JSON config file into a dict (the `preset:` key, if any, is kept)."""
+    """Read a YAML or JSON config file into a dict (the `preset:` key, if any, is kept).
+
+    Refuses what is not a regular file (a folder, /dev/zero, a pipe) and files over MAX_CONFIG_BYTES
+    before parsing, so a wrong path costs a message, not the machine's memory.
+    """
     path = Path(path)
     source = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ConfigError(
-            [error("", f"config file {source} does not exist", "check the path", "file")], source
-        ) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(
-            [error("", f"cannot read {source}: {exc}", "check the file", "file")], source
-        ) from None
-    if path.suffix == ".json":
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(
-                [
-                    error(
-                        "",
-                        f"JSON syntax error at line {exc.lineno}, column {exc.colno}: {exc.msg}",
-                        "fix the JSON",
-                        "json-syntax",
-                    )
-                ],
-                source,
-            ) from None
-    else:
-        data = parse_yaml(text, source)
+    text = _read_limited(path, source)
+    data = parse_json(text, source) if path.suffix == ".json" else parse_yaml(text, source)
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -435,7 +669,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             ],
             source,
         )
-    return data
+    return dict(data)
 
 
 def _preset_base(name: Any, source: str | None) -> RLConfig:
