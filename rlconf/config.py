@@ -112,8 +112,9 @@ class DataConfig:
     """Wrap prompts with the tokenizer's chat template (ignored by the built-in tokenizer)."""
     shuffle: bool = True
     """Shuffle prompts each epoch."""
-    seed: int = 1
-    """Seed of the prompt order and of the synthetic task."""
+    seed: int | None = None
+    """Seed of the prompt order and of the synthetic task. None: trainer.seed (resolved once, in the
+    plan); set it to change the prompts while keeping the rest of the run's randomness."""
 
 
 # ---------------------------------------------------------------------------------- megatron engine
@@ -198,8 +199,10 @@ class MegatronConfig:
     dist_checkpointing_path: str | None = None
     """An rlplan role checkpoint folder (checkpoints/global_step_N/actor or .../critic) used when
     use_dist_checkpointing is true."""
-    seed: int = 42
-    """Seed of megatron's model-parallel RNG tracker (init and dropout)."""
+    seed: int | None = None
+    """Seed of this role's weight initialisation and the base of its per-step dropout and mini-batch
+    shuffle streams (megatron's model-parallel RNG tracker, reseeded each step from (seed, step, purpose)).
+    None: trainer.seed (resolved once, in the plan)."""
     override_transformer_config: OverrideTransformerConfig = field(default_factory=OverrideTransformerConfig)
     """Overrides applied to megatron's TransformerConfig."""
     override_ddp_config: DDPConfig = field(default_factory=DDPConfig)
@@ -485,7 +488,10 @@ class TrainerConfig:
     critic_warmup: int = 0
     """Steps that train only the critic before the actor starts updating."""
     seed: int = 1
-    """Global seed (python, numpy, torch)."""
+    """Root seed of the run. Every random stream derives from it by (seed, step, purpose): rollout and
+    validation sampling, and through the seeds left None (data.seed, actor/ref/critic.megatron.seed) the
+    prompt order, the synthetic task, weight init, dropout and mini-batch shuffling. A resumed run draws
+    exactly what the uninterrupted run draws."""
 
 
 @dataclass(frozen=True)

@@ -15,8 +15,9 @@ Design choices
   the derived values resolved so that a worker reading it cannot disagree with the plan:
   `sequence_parallel` is off at tp = 1 (megatron switches it off), `expert_tensor_parallel_size` is the
   tp size when None, `model.arch` holds the architecture read from config.json when `model.path` is set,
-  and each `optim` has `lr_warmup_steps`, `lr_decay_steps` and `lr_wsd_decay_steps` resolved to numbers.
-  Everything else equals the input. (The user's own config is saved separately as config.yaml.)
+  each `optim` has `lr_warmup_steps`, `lr_decay_steps` and `lr_wsd_decay_steps` resolved to numbers, and
+  `data.seed` and every `megatron.seed` left None hold `trainer.seed` (rlconf.seeding). Everything else
+  equals the input. (The user's own config is saved separately as config.yaml.)
 - Conventions: ranks are 0-based within a role's world (= the process index inside its device pool);
   layers are 0-based; steps are 1-based training steps (step N is the N-th step of the run, across
   resumes); memory is in GiB (2**30 bytes).
@@ -51,6 +52,7 @@ from rlconf.config import (
 )
 from rlconf.errors import ConfigError, Issue, error
 from rlconf.fields import get_path
+from rlconf.seeding import resolve_seed
 
 PLAN_VERSION = 1
 GIB = 2**30
@@ -1856,32 +1858,39 @@ def _memory(
 
 
 # ============================================================================================ assembly
-def _effective_megatron(m: MegatronConfig) -> MegatronConfig:
+def _effective_megatron(m: MegatronConfig, trainer_seed: int) -> MegatronConfig:
     tp = m.tensor_model_parallel_size
     return replace(
         m,
         sequence_parallel=bool(m.sequence_parallel) and tp > 1,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size or tp,
+        seed=resolve_seed(m.seed, trainer_seed),
     )
 
 
 def _effective_config(c: RLConfig, models: _Models, roles: tuple[str, ...]) -> RLConfig:
     total = c.trainer.total_steps
+    seed = c.trainer.seed  # seeds left None derive from it (rlconf.seeding)
     actor = replace(
-        c.actor, megatron=_effective_megatron(c.actor.megatron), optim=_resolved_optim(c.actor.optim, total)
+        c.actor,
+        megatron=_effective_megatron(c.actor.megatron, seed),
+        optim=_resolved_optim(c.actor.optim, total),
     )
     critic = c.critic
     if "critic" in roles:
         critic = replace(
-            critic, megatron=_effective_megatron(critic.megatron), optim=_resolved_optim(critic.optim, total)
+            critic,
+            megatron=_effective_megatron(critic.megatron, seed),
+            optim=_resolved_optim(critic.optim, total),
         )
-    ref = replace(c.ref, megatron=_effective_megatron(c.ref.megatron)) if "ref" in roles else c.ref
+    ref = replace(c.ref, megatron=_effective_megatron(c.ref.megatron, seed)) if "ref" in roles else c.ref
     reward = c.reward
     if "reward_model" in roles:
-        rm = replace(reward.reward_model, megatron=_effective_megatron(reward.reward_model.megatron))
+        rm = replace(reward.reward_model, megatron=_effective_megatron(reward.reward_model.megatron, seed))
         reward = replace(reward, reward_model=rm)
     model = replace(c.model, arch=models.policy.arch)
-    return replace(c, model=model, actor=actor, critic=critic, ref=ref, reward=reward)
+    data = replace(c.data, seed=resolve_seed(c.data.seed, seed))
+    return replace(c, model=model, data=data, actor=actor, critic=critic, ref=ref, reward=reward)
 
 
 def _compile(config: RLConfig) -> TrainerPlan:
@@ -2123,6 +2132,38 @@ def _grid_lines(lay: RoleLayout) -> list[str]:
     return _elide(lines, 8, 2, "    ")
 
 
+def _model_of_role(plan: TrainerPlan, role: str) -> ModelSpec | None:
+    return next((m for m in plan.models if role in m.used_by), None)
+
+
+def _vocab_padding_note(plan: TrainerPlan, model: str, vocab: int) -> str:
+    """' (padded to N in layouts)' when a layout of this model pads its vocabulary, else ''."""
+    padded = sorted({lay.padded_vocab_size for lay in plan.layouts
+                     if (spec := _model_of_role(plan, lay.role)) is not None and spec.name == model})  # fmt: skip
+    padded = [p for p in padded if p != vocab]
+    return f" (padded to {' / '.join(map(str, padded))} in layouts)" if padded else ""
+
+
+def _vocab_lines(plan: TrainerPlan) -> list[str]:
+    """Why a layout's vocab differs from the model's: megatron pads the embedding and output layer to a
+    multiple of VOCAB_DIVISIBLE_BY x tp so every tp rank holds an equal slice; logits past the real
+    vocabulary are cut off before sampling and log-probs."""
+    seen: set[tuple[int, int, int]] = set()
+    lines = []
+    for lay in plan.layouts:
+        spec = _model_of_role(plan, lay.role)
+        if spec is None or (spec.arch.vocab_size, lay.tp, lay.padded_vocab_size) in seen:
+            continue
+        seen.add((spec.arch.vocab_size, lay.tp, lay.padded_vocab_size))
+        if lay.padded_vocab_size != spec.arch.vocab_size:
+            lines.append(
+                f"  vocab {lay.padded_vocab_size} = {spec.arch.vocab_size} padded to a multiple of "
+                f"{VOCAB_DIVISIBLE_BY} x tp {lay.tp} (megatron's make_vocab_size_divisible_by: equal slices per "
+                f"tp rank; the padded rows are never sampled or scored)"
+            )
+    return lines
+
+
 def format_plan(plan: TrainerPlan) -> str:
     """A compact, readable rendering of the plan (what `rlconf plan FILE` prints)."""
     out: list[str] = [f"rlplan trainer plan (v{plan.version}): roles {', '.join(plan.roles)}", ""]
@@ -2133,7 +2174,7 @@ def format_plan(plan: TrainerPlan) -> str:
         out.append(
             f"  {m.name}: {_fmt_count(m.num_parameters)} params, {a.num_layers} layers, hidden {a.hidden_size}, "
             f"ffn {a.ffn_hidden_size}, heads {a.num_attention_heads}/{a.num_query_groups} groups, vocab "
-            f"{a.vocab_size}, {m.head} head{', tied embeddings' if a.share_embeddings_and_output_weights and m.head == 'lm' else ''}"
+            f"{a.vocab_size}{_vocab_padding_note(plan, m.name, a.vocab_size)}, {m.head} head{', tied embeddings' if a.share_embeddings_and_output_weights and m.head == 'lm' else ''}"
             f" [{m.source}]"
         )
     r = plan.resources
@@ -2157,6 +2198,7 @@ def format_plan(plan: TrainerPlan) -> str:
             for lay in plan.layouts
         ],
     )  # fmt: skip
+    out += _vocab_lines(plan)
     seen: dict[tuple[int, int, int, int], str] = {}
     for lay in plan.layouts:
         key = (lay.world_size, lay.tp, lay.pp, lay.cp)

@@ -22,6 +22,7 @@ import torch
 from rlconf.config import RLConfig
 from rlconf.load import config_to_dict, dump_yaml
 from rlconf.plan import TrainerPlan, plan_to_dict
+from rlconf.seeding import ROLLOUT, VALIDATE, derive_seed
 from rltrain import algorithms
 from rltrain import device as devices
 from rltrain.checkpoint import CheckpointRegistry, Resume
@@ -162,15 +163,16 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ one step
     def rollout(
-        self, prompts: PromptBatch, n: int, validate: bool = False
+        self, prompts: PromptBatch, n: int, seed: int, validate: bool = False
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Generate n responses per prompt and score them. Returns the batch and the reward metrics."""
+        """Generate n responses per prompt with the sampling stream `seed` (rlconf.seeding) and score
+        them. Returns the batch and the reward metrics."""
         from rltrain.rewards import score_batch
 
         ids = [p for p in prompts.input_ids for _ in range(n)]
         prompt_ids, prompt_mask = left_pad(ids, self.tokenizer.pad_token_id)
         inputs = {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask}
-        batch = self._dispatch_cat(self.policy, "rollout", "generate_sequences", inputs, validate)
+        batch = self._dispatch_cat(self.policy, "rollout", "generate_sequences", inputs, seed, validate)
         texts = [
             self.tokenizer.decode(row[mask.bool()].tolist())
             for row, mask in zip(batch["responses"], batch["response_mask"], strict=True)
@@ -218,7 +220,10 @@ class Trainer:
 
         self._set_step(step)
         prompts = next(self.train_data)
-        batch, metrics = timed("generate", self.rollout, prompts, cfg.rollout.n)
+        # Each random stream of the step is keyed by (seed, step, purpose), never by what ran before (a
+        # validation pass, a restart): a resumed run repeats the uninterrupted one exactly.
+        seed = derive_seed(cfg.trainer.seed, step, ROLLOUT)
+        batch, metrics = timed("generate", self.rollout, prompts, cfg.rollout.n, seed)
         model_batch = {
             k: v for k, v in batch.items() if k not in ("scores", "group_index", "rollout_log_probs")
         }
@@ -261,24 +266,26 @@ class Trainer:
         model_batch["advantages"], model_batch["returns"] = advantages, returns
         if self.critic is not None:
             critic_metrics = timed(
-                "update_critic", self._dispatch, self.critic, "critic", "update_critic", model_batch
+                "update_critic", self._dispatch, self.critic, "critic", "update_critic", model_batch, step
             )
             metrics.update(critic_metrics[0])
         if step > cfg.trainer.critic_warmup:
             actor_metrics = timed(
-                "update_actor", self._dispatch, self.policy, "actor", "update_actor", model_batch
+                "update_actor", self._dispatch, self.policy, "actor", "update_actor", model_batch, step
             )
             metrics.update(actor_metrics[0])
         metrics.update(timing)
         return metrics
 
-    def validate(self) -> dict[str, Any]:
-        """Mean reward of the validation prompts (one pass, validation sampling)."""
+    def validate(self, step: int) -> dict[str, Any]:
+        """Mean reward of the validation prompts (one pass, validation sampling) with the weights after
+        `step` training steps (0: before training); batch i samples from (seed, step, "validate/i")."""
         if self.val_data is None:
             return {}
         scores, lengths = [], []
-        for prompts in self.val_data:
-            batch, _ = self.rollout(prompts, self.cfg.rollout.val.n, validate=True)
+        for i, prompts in enumerate(self.val_data):
+            seed = derive_seed(self.cfg.trainer.seed, step, f"{VALIDATE}/{i}")
+            batch, _ = self.rollout(prompts, self.cfg.rollout.val.n, seed, validate=True)
             scores.append(batch["scores"])
             lengths.append(batch["response_mask"].sum(-1).float())
         return {
@@ -295,7 +302,7 @@ class Trainer:
         save_steps = set(self.plan.checkpoint.save_steps)
         # Validation before training is logged with the first step, as `val_before/...`, so every line of
         # metrics.jsonl is a training step.
-        before = {f"val_before/{k.removeprefix('val/')}": v for k, v in self.validate().items()} if (
+        before = {f"val_before/{k.removeprefix('val/')}": v for k, v in self.validate(start - 1).items()} if (
             cfg.val_before_train) else {}  # fmt: skip
         for step in range(start, cfg.total_steps + 1):
             t0 = time.perf_counter()
@@ -303,7 +310,7 @@ class Trainer:
             if step == start:
                 metrics.update(before)
             if cfg.test_freq and (step % cfg.test_freq == 0 or step == cfg.total_steps):
-                metrics.update(self.validate())
+                metrics.update(self.validate(step))
             self._finalize_saves(blocking=False)  # commit background saves that finished meanwhile
             if step in save_steps:
                 t_save = time.perf_counter()

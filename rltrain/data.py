@@ -31,6 +31,7 @@ import torch
 
 from rlconf.config import DataConfig
 from rlconf.errors import ConfigError, error
+from rlconf.seeding import run_seed
 from rltrain.tokenizer import Prompt, Tokenizer, messages_to_text
 
 logger = logging.getLogger(__name__)
@@ -533,16 +534,17 @@ def build_prompt_sources(
     Validation: data.val_files when set; else, for the synthetic task, SYNTHETIC_VAL_SIZE samples of a
     separately seeded stream; else (training files without validation files) None: no validation.
     """
+    seed = run_seed(data_cfg.seed)  # a run's plan has resolved it (None -> trainer.seed)
     if data_cfg.train_files:
         train: PromptSource = ListPromptSource(load_prompt_files(data_cfg.train_files, data_cfg, tokenizer))
     else:
-        train = SyntheticPromptSource(data_cfg.synthetic_task, data_cfg.seed, tokenizer, data_cfg, "train")
+        train = SyntheticPromptSource(data_cfg.synthetic_task, seed, tokenizer, data_cfg, "train")
     val: PromptSource | None
     if data_cfg.val_files:
         val = ListPromptSource(load_prompt_files(data_cfg.val_files, data_cfg, tokenizer, "data.val_files"))
     elif not data_cfg.train_files:
         val = SyntheticPromptSource(
-            data_cfg.synthetic_task, data_cfg.seed, tokenizer, data_cfg, "val", size=SYNTHETIC_VAL_SIZE
+            data_cfg.synthetic_task, seed, tokenizer, data_cfg, "val", size=SYNTHETIC_VAL_SIZE
         )
     else:
         val = None
@@ -554,14 +556,13 @@ def build_dataloaders(
 ) -> tuple[PromptDataloader, PromptDataloader | None]:
     """(train loader, validation loader or None) for the `data` section."""
     train_src, val_src = build_prompt_sources(data_cfg, tokenizer)
+    seed = run_seed(data_cfg.seed)
     train = PromptDataloader(
-        train_src, data_cfg.train_batch_size, shuffle=data_cfg.shuffle, seed=data_cfg.seed, repeat=True
+        train_src, data_cfg.train_batch_size, shuffle=data_cfg.shuffle, seed=seed, repeat=True
     )
     val = (
         None
         if val_src is None
-        else PromptDataloader(
-            val_src, data_cfg.val_batch_size, shuffle=False, seed=data_cfg.seed, repeat=False
-        )
+        else PromptDataloader(val_src, data_cfg.val_batch_size, shuffle=False, seed=seed, repeat=False)
     )
     return train, val

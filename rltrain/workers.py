@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlconf.plan import TrainerPlan
+from rlconf.seeding import DP_SHARD, derive_seed
 from rltrain import device as devices
 from rltrain.profiling import Profiler
 
@@ -60,7 +61,9 @@ class MegatronWorker:
         # intended path on CPU and on images without them.
         warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
-        torch.manual_seed(self.cfg.trainer.seed + rank)
+        # Every random draw of a run comes from a stream keyed by (seed, step, purpose) (rlconf.seeding);
+        # this only makes anything that draws outside those streams reproducible too.
+        torch.manual_seed(derive_seed(self.cfg.trainer.seed, rank, "process"))
         self.profiler = Profiler(plan.profile, worker=role, rank=rank, device=self.cfg.cluster.device)
         self.step = 0
 
@@ -141,10 +144,16 @@ class PolicyWorker(MegatronWorker):
             self.ref.offload_for_other_roles()
         return {"vocab_size": self.actor.vocab_size, "dp_size": self.actor.dp_size}
 
-    def generate_sequences(self, prompts: dict[str, torch.Tensor], validate: bool = False) -> dict:
+    def generate_sequences(self, prompts: dict[str, torch.Tensor], seed: int, validate: bool = False) -> dict:
+        """Sample responses for this data-parallel rank's prompts. `seed` is the controller's seed of this
+        call (rlconf.seeding: (trainer.seed, step, "rollout" | "validate/i")); each DP rank samples from its
+        own stream derived from it, the TP / PP ranks of one DP rank from the same."""
+        from megatron.core import parallel_state
+
         r = self.cfg.rollout
         prompt_ids, prompt_mask = prompts["prompt_ids"], prompts["prompt_mask"]
         tok = self._tokenizer()
+        shard_seed = derive_seed(seed, parallel_state.get_data_parallel_rank(), DP_SHARD)
         with self.profiler.profiled("generate_sequences"):
             return self.actor.generate(
                 prompt_ids,
@@ -158,6 +167,7 @@ class PolicyWorker(MegatronWorker):
                 prompt_mask=prompt_mask,
                 stop_token_ids=r.stop_token_ids,
                 cuda_graph=r.cuda_graph and devices.graphs_supported(self.cfg.cluster.device),
+                seed=shard_seed,
             )
 
     def compute_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -171,10 +181,10 @@ class PolicyWorker(MegatronWorker):
                 batch, temperature=self.cfg.rollout.temperature, with_entropy=False
             )
 
-    def update_actor(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update_actor(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
         with self.profiler.profiled("actor_update"):
             # Old log-probs were computed at the rollout temperature: the PPO ratio must use the same.
-            metrics = self.actor.update_policy(batch, temperature=self.cfg.rollout.temperature)
+            metrics = self.actor.update_policy(batch, temperature=self.cfg.rollout.temperature, step=step)
             # Grads and optimizer state may leave the device; the weights stay for the next rollout.
             self.actor.offload_for_other_roles(keep_params=True)
             return metrics
@@ -210,9 +220,9 @@ class CriticWorker(MegatronWorker):
             self.critic.offload_for_other_roles()
             return values
 
-    def update_critic(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update_critic(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
         with self.profiler.profiled("critic_update"):
-            metrics = self.critic.update_critic(batch)
+            metrics = self.critic.update_critic(batch, step=step)
             self.critic.offload_for_other_roles()
             return metrics
 

@@ -18,6 +18,7 @@ import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
+from rlconf.seeding import GENERATE, derive_seed
 from rltrain import algorithms
 from rltrain.megatron.engine import MegatronEngine, MicroBatch
 from rltrain.megatron.inference import sample_tokens
@@ -117,7 +118,9 @@ class MegatronActor(MegatronEngine):
             return {k: self.rows_in_order(mbs, outputs, k, (r,)) for k in keys}
 
     # --------------------------------------------------------------------------------- update
-    def update_policy(self, batch: dict[str, torch.Tensor], temperature: float = 1.0) -> dict[str, float]:
+    def update_policy(
+        self, batch: dict[str, torch.Tensor], temperature: float = 1.0, step: int | None = None
+    ) -> dict[str, float]:
         """PPO/GRPO update on this rank's batch: ppo_epochs x mini-batches x micro-batches, one optimizer
         step per mini-batch. Returns mean metrics (actor/loss, actor/pg_clipfrac, actor/ppo_kl,
         actor/entropy, actor/grad_norm, actor/lr, ...). The lr scheduler advances once per call (a trainer
@@ -127,7 +130,8 @@ class MegatronActor(MegatronEngine):
         PPO ratio compares like with like. Each mini-batch's loss is aggregated over the whole mini-batch
         across all DP ranks (`loss_agg_mode`; see `MegatronEngine.micro_batch_weight`): the update does
         not depend on how rows fall into micro-batches or onto DP ranks. Every DP rank must hold the same
-        number of rows.
+        number of rows. `step` (the training step) keys the update's dropout and shuffle streams
+        (`seed_update`; None outside a run).
         """
         assert self.trainable, "update_policy on a frozen (reference) actor"
         cfg = self.cfg
@@ -148,6 +152,7 @@ class MegatronActor(MegatronEngine):
             self.reload()
             self.check_equal_rows(n)
             self.train()
+            step = self.seed_update(step)
             for mini_batch, mbs, totals in self.iter_mini_batches(
                 batch,
                 cfg.ppo_mini_batch_size,
@@ -157,6 +162,7 @@ class MegatronActor(MegatronEngine):
                 cfg.ppo_micro_batch_size_per_gpu,
                 cfg.use_dynamic_bsz,
                 cfg.ppo_max_token_len_per_gpu,
+                step,
             ):
                 tokens += int(mini_batch["attention_mask"].sum())
                 self.zero_grad()
@@ -257,8 +263,8 @@ class MegatronActor(MegatronEngine):
         """
         from rltrain.megatron import inference
 
-        if seed is None:
-            seed = self.megatron_cfg.seed * 1000003 + self._sample_calls
+        if seed is None:  # outside a run (the controller passes each call's seed): a per-call stream
+            seed = derive_seed(self.seed, self._sample_calls, GENERATE)
         if use_cache and inference.kv_cache_unsupported(self) is None:
             self._sample_calls += 1
             return inference.generate_with_kv_cache(

@@ -61,13 +61,14 @@ class MegatronCritic(MegatronEngine):
             outputs = self.run_schedule(mbs, loss_fn, forward_only=True)
             return self.rows_in_order(mbs, outputs, "values", (batch["responses"].shape[1],))
 
-    def update_critic(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+    def update_critic(self, batch: dict[str, torch.Tensor], step: int | None = None) -> dict[str, float]:
         """Clipped value regression on `returns` (needs `values` from compute_values and `returns` [B, R]).
 
         ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; the lr scheduler
         advances once per call. The loss is aggregated over each whole mini-batch across DP ranks, as in
         `MegatronActor.update_policy`. Returns critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean,
-        critic/grad_norm, critic/lr.
+        critic/grad_norm, critic/lr. `step` (the training step) keys the update's dropout and shuffle
+        streams (`seed_update`; None outside a run).
         """
         cfg = self.cfg
         n = batch["input_ids"].shape[0]
@@ -81,6 +82,7 @@ class MegatronCritic(MegatronEngine):
             self.reload()
             self.check_equal_rows(n)
             self.train()
+            step = self.seed_update(step)
             # The critic always shuffles (CriticConfig has no shuffle switch).
             for _, mbs, totals in self.iter_mini_batches(
                 batch,
@@ -91,6 +93,7 @@ class MegatronCritic(MegatronEngine):
                 cfg.ppo_micro_batch_size_per_gpu,
                 cfg.use_dynamic_bsz,
                 cfg.ppo_max_token_len_per_gpu,
+                step,
             ):
 
                 def loss_fn(mb: MicroBatch, out: torch.Tensor, totals: tuple[float, float] = totals):

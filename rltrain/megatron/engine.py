@@ -30,11 +30,12 @@ from megatron.core.distributed import DistributedDataParallel, finalize_model_gr
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlconf.config import MegatronConfig, ModelArch, ModelConfig, Optim
+from rlconf.seeding import DROPOUT, SHUFFLE, derive_seed, run_seed
 from rltrain.device import device_context, torch_device
 from rltrain.megatron import model as mmodel
 from rltrain.megatron.hf_weights import arch_from_hf, load_hf_weights
 from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, unique_storages
-from rltrain.megatron.parallel import init_parallel
+from rltrain.megatron.parallel import init_parallel, seed_parallel_rng
 
 OFFLOAD_GROUPS = ("params", "grads", "optimizer")
 
@@ -133,6 +134,8 @@ class MegatronEngine:
     ) -> None:
         self.model_cfg = model_cfg
         self.megatron_cfg = megatron_cfg
+        # The base of this engine's per-step dropout and shuffle streams (rlconf.seeding).
+        self.seed = run_seed(megatron_cfg.seed)
         self.device = device
         if not parallel_state.model_parallel_is_initialized():
             init_parallel(megatron_cfg, device)
@@ -509,6 +512,16 @@ class MegatronEngine:
         for c in self._chunks:
             c.eval()
 
+    def seed_update(self, step: int | None) -> int:
+        """Start the random streams of the update of training step `step` and return the step: dropout
+        (torch's generator and megatron's model-parallel tracker) is reseeded from (seed, step, "dropout"),
+        so a resumed run draws what the uninterrupted run drew whatever ran before it in this process.
+        None (engines outside a run): the engine's next update, counted by its lr scheduler."""
+        if step is None:
+            step = int(self.lr_scheduler.num_steps) + 1
+        seed_parallel_rng(derive_seed(self.seed, step, DROPOUT))
+        return step
+
     def iter_mini_batches(
         self,
         batch: dict[str, torch.Tensor],
@@ -519,14 +532,15 @@ class MegatronEngine:
         micro_batch_size: int,
         use_dynamic_bsz: bool,
         max_token_len: int,
+        step: int,
     ) -> Iterator[tuple[dict[str, torch.Tensor], list[MicroBatch], tuple[float, float]]]:
-        """The mini-batches of one update on this rank: `epochs` passes over the rows (a seeded permutation
-        per pass when `shuffle`), each mini-batch of `mini_batch_prompts` x `rollout_n` / dp rows. Yields
-        (mini-batch rows, its micro-batches, its DP-wide loss totals for `micro_batch_weight`)."""
+        """The mini-batches of one update on this rank: `epochs` passes over the rows (a permutation per
+        pass when `shuffle`, from the stream (seed, step, "shuffle")), each mini-batch of
+        `mini_batch_prompts` x `rollout_n` / dp rows. Yields (mini-batch rows, its micro-batches, its
+        DP-wide loss totals for `micro_batch_weight`)."""
         n = batch["input_ids"].shape[0]
         mini = max(1, mini_batch_prompts * rollout_n // self.dp_size)
-        # Seeded by the scheduler step: a resumed run shuffles exactly as an uninterrupted one.
-        gen = torch.Generator().manual_seed(self.megatron_cfg.seed + int(self.lr_scheduler.num_steps))
+        gen = torch.Generator().manual_seed(derive_seed(self.seed, step, SHUFFLE))
         for _ in range(epochs):
             order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
             for m0 in range(0, n, mini):

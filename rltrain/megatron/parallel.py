@@ -15,6 +15,7 @@ import socket
 import torch
 
 from rlconf.config import MegatronConfig
+from rlconf.seeding import run_seed
 from rltrain import device as devices
 
 
@@ -75,12 +76,14 @@ def init_parallel(cfg: MegatronConfig, device: str, **dist_kwargs: object) -> No
         expert_model_parallel_size=cfg.expert_model_parallel_size,
         expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
     )
-    seed_parallel_rng(cfg.seed)
+    # A run's plan has resolved the seed (None -> trainer.seed); engines built outside a run use the default.
+    seed_parallel_rng(run_seed(cfg.seed))
 
 
 def seed_parallel_rng(seed: int) -> None:
     """Seed torch and megatron's model-parallel RNG tracker (same seed on every rank; megatron offsets the
-    tensor-parallel stream by the TP rank)."""
+    tensor-parallel stream by the TP rank). Used at start-up (weight init) and before each update, with
+    the step's dropout seed (`MegatronEngine.seed_update`)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
