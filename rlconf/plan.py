@@ -15,8 +15,9 @@ Design choices
   the derived values resolved so that a worker reading it cannot disagree with the plan:
   `sequence_parallel` is off at tp = 1 (megatron switches it off), `expert_tensor_parallel_size` is the
   tp size when None, `model.arch` holds the architecture read from config.json when `model.path` is set,
-  and each `optim` has `lr_warmup_steps`, `lr_decay_steps` and `lr_wsd_decay_steps` resolved to numbers.
-  Everything else equals the input. (The user's own config is saved separately as config.yaml.)
+  each `optim` has `lr_warmup_steps`, `lr_decay_steps` and `lr_wsd_decay_steps` resolved to numbers, and
+  `data.seed` and every `megatron.seed` left None hold `trainer.seed` (rlconf.seeding). Everything else
+  equals the input. (The user's own config is saved separately as config.yaml.)
 - Conventions: ranks are 0-based within a role's world (= the process index inside its device pool);
   layers are 0-based; steps are 1-based training steps (step N is the N-th step of the run, across
   resumes); memory is in GiB (2**30 bytes).
@@ -51,6 +52,7 @@ from rlconf.config import (
 )
 from rlconf.errors import ConfigError, Issue, error
 from rlconf.fields import get_path
+from rlconf.seeding import resolve_seed
 
 PLAN_VERSION = 1
 GIB = 2**30
@@ -1856,32 +1858,39 @@ def _memory(
 
 
 # ============================================================================================ assembly
-def _effective_megatron(m: MegatronConfig) -> MegatronConfig:
+def _effective_megatron(m: MegatronConfig, trainer_seed: int) -> MegatronConfig:
     tp = m.tensor_model_parallel_size
     return replace(
         m,
         sequence_parallel=bool(m.sequence_parallel) and tp > 1,
         expert_tensor_parallel_size=m.expert_tensor_parallel_size or tp,
+        seed=resolve_seed(m.seed, trainer_seed),
     )
 
 
 def _effective_config(c: RLConfig, models: _Models, roles: tuple[str, ...]) -> RLConfig:
     total = c.trainer.total_steps
+    seed = c.trainer.seed  # seeds left None derive from it (rlconf.seeding)
     actor = replace(
-        c.actor, megatron=_effective_megatron(c.actor.megatron), optim=_resolved_optim(c.actor.optim, total)
+        c.actor,
+        megatron=_effective_megatron(c.actor.megatron, seed),
+        optim=_resolved_optim(c.actor.optim, total),
     )
     critic = c.critic
     if "critic" in roles:
         critic = replace(
-            critic, megatron=_effective_megatron(critic.megatron), optim=_resolved_optim(critic.optim, total)
+            critic,
+            megatron=_effective_megatron(critic.megatron, seed),
+            optim=_resolved_optim(critic.optim, total),
         )
-    ref = replace(c.ref, megatron=_effective_megatron(c.ref.megatron)) if "ref" in roles else c.ref
+    ref = replace(c.ref, megatron=_effective_megatron(c.ref.megatron, seed)) if "ref" in roles else c.ref
     reward = c.reward
     if "reward_model" in roles:
-        rm = replace(reward.reward_model, megatron=_effective_megatron(reward.reward_model.megatron))
+        rm = replace(reward.reward_model, megatron=_effective_megatron(reward.reward_model.megatron, seed))
         reward = replace(reward, reward_model=rm)
     model = replace(c.model, arch=models.policy.arch)
-    return replace(c, model=model, actor=actor, critic=critic, ref=ref, reward=reward)
+    data = replace(c.data, seed=resolve_seed(c.data.seed, seed))
+    return replace(c, model=model, data=data, actor=actor, critic=critic, ref=ref, reward=reward)
 
 
 def _compile(config: RLConfig) -> TrainerPlan:
