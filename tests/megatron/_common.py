@@ -13,6 +13,8 @@ import torch
 from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
 from rltrain.megatron.parallel import free_port as free_port  # re-exported for the tests
 
+from ..tolerance import assert_close
+
 # Small enough for 2 CPU cores, large enough to exercise GQA (4 heads / 2 groups), TP=2 and PP=2
 # (4 layers), a vocabulary that is not a multiple of 128 (padding) and untied lm_head variants.
 TINY = dict(
@@ -26,6 +28,12 @@ TINY = dict(
     rope_theta=10000.0,
     rms_norm_eps=1e-6,
 )
+# What a log-prob of the tiny model passes through, for tolerances (tests/tolerance.py): its widest sum
+# (the MLP's inner dimension, or the vocabulary padded to 128) and the reductions in sequence (attention and
+# MLP per layer, the final norm and the output layer). An update adds a backward pass and another forward.
+TINY_REDUCTION = max(TINY["hidden_size"], TINY["intermediate_size"], 128)
+TINY_DEPTH = 2 * TINY["num_hidden_layers"] + 2
+UPDATE_DEPTH = 3 * TINY_DEPTH
 
 
 def make_tiny_qwen2(path: str | os.PathLike, tie: bool = True, seed: int = 0) -> Path:
@@ -84,6 +92,14 @@ def make_batch(
 ) -> dict[str, torch.Tensor]:
     """verl layout: prompts left-padded to p, responses right-padded to r (lengths vary per row)."""
     return batch_from_lengths([(p - (i % 3), r - (i % 2) * 2) for i in range(b)], p, r, vocab, seed)
+
+
+def assert_tiny_close(
+    actual: torch.Tensor, expected: torch.Tensor, msg: str | None = None, depth: int = TINY_DEPTH
+) -> None:
+    """Two computations of a tiny-model quantity (fp32 log-probs, entropy, values) agree to the rounding of
+    their reductions; pass depth=UPDATE_DEPTH for values computed after an optimizer step."""
+    assert_close(actual, expected, reduction=TINY_REDUCTION, depth=depth, msg=msg)
 
 
 def run_spawned(fn: Callable[..., None], *args: object) -> None:

@@ -16,7 +16,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._common import actor_cfg, free_port, make_batch, run_spawned, tiny_model_cfg
+from ._common import (
+    UPDATE_DEPTH,
+    actor_cfg,
+    assert_tiny_close,
+    free_port,
+    make_batch,
+    run_spawned,
+    tiny_model_cfg,
+)
+
+# Log-probs after a second update: two forward + backward passes and their optimizer steps.
+CONTINUED_DEPTH = 2 * UPDATE_DEPTH
 
 pytestmark = [
     pytest.mark.multiproc,
@@ -125,12 +136,8 @@ def _run(rank: int, world: int, port: int, hf_path: str, out: Path, rl: dict, re
         assert parallel_state.get_data_parallel_world_size() == dp
         rows = _dp_rows()
         got = _load_and_continue(hf_path, cfg, rl, out / "tp1" / "actor", rows)
-        torch.testing.assert_close(
-            got["loaded"], ref["saved"][rows], atol=1e-5, rtol=1e-5, msg=f"load at {name}"
-        )
-        torch.testing.assert_close(
-            got["cont"], ref["cont"][rows], atol=2e-4, rtol=2e-4, msg=f"update at {name}"
-        )
+        assert_tiny_close(got["loaded"], ref["saved"][rows], msg=f"load at {name}", depth=UPDATE_DEPTH)
+        assert_tiny_close(got["cont"], ref["cont"][rows], msg=f"update at {name}", depth=CONTINUED_DEPTH)
     if rank == 0:
         torch.save(results, out / "worker_results.pt")
     destroy_parallel()
@@ -159,10 +166,8 @@ def test_reshard_tp_pp_dp_with_optimizer(mp_world, tiny_hf, tmp_path):
         assert meta["layout"]["world_size"] == 2
         got = _load_and_continue(str(tiny_hf), _cfg(), rl, tmp_path / name / "actor", slice(None))
         rows = results[name]["rows"]  # rank 0's rows (all of them unless the save was at DP=2)
-        torch.testing.assert_close(
-            got["loaded"][rows], results[name]["saved"], atol=1e-5, rtol=1e-5, msg=name
-        )
-        torch.testing.assert_close(got["cont"][rows], results[name]["cont"], atol=2e-4, rtol=2e-4, msg=name)
+        assert_tiny_close(got["loaded"][rows], results[name]["saved"], msg=name, depth=UPDATE_DEPTH)
+        assert_tiny_close(got["cont"][rows], results[name]["cont"], msg=name, depth=CONTINUED_DEPTH)
 
 
 # ------------------------------------------------------------------------------------ 4 processes
@@ -184,19 +189,19 @@ def _four_layouts(rank: int, world: int, port: int, hf_path: str, out: Path, rl:
     assert parallel_state.get_data_parallel_world_size() == 1
     fresh = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
     initial = fresh.compute_log_prob(rl, with_entropy=False)["log_probs"]
-    torch.testing.assert_close(initial, ref["initial"], atol=1e-5, rtol=1e-5, msg="TP2xPP2 log-probs")
+    assert_tiny_close(initial, ref["initial"], msg="TP2xPP2 log-probs")
     del fresh
     got = _train_save_continue(hf_path, cfg, rl, out / "tp2pp2" / "actor", slice(None))
-    torch.testing.assert_close(got["saved"], ref["saved"], atol=1e-4, rtol=1e-4, msg="TP2xPP2 update")
-    torch.testing.assert_close(got["cont"], ref["cont"], atol=2e-4, rtol=2e-4, msg="TP2xPP2 continued")
+    assert_tiny_close(got["saved"], ref["saved"], msg="TP2xPP2 update", depth=UPDATE_DEPTH)
+    assert_tiny_close(got["cont"], ref["cont"], msg="TP2xPP2 continued", depth=CONTINUED_DEPTH)
     # TP=2 x DP=2 (distributed optimizer sharded over DP): resume the TP2xPP2 save and continue its run.
     cfg = _cfg(tp=2)
     init_parallel(cfg.megatron, "cpu")
     assert parallel_state.get_data_parallel_world_size() == 2
     rows = _dp_rows()
     got = _load_and_continue(hf_path, cfg, rl, out / "tp2pp2" / "actor", rows)
-    torch.testing.assert_close(got["loaded"], ref["saved"][rows], atol=1e-4, rtol=1e-4, msg="load at TP2xDP2")
-    torch.testing.assert_close(got["cont"], ref["cont"][rows], atol=2e-4, rtol=2e-4, msg="resume at TP2xDP2")
+    assert_tiny_close(got["loaded"], ref["saved"][rows], msg="load at TP2xDP2", depth=UPDATE_DEPTH)
+    assert_tiny_close(got["cont"], ref["cont"][rows], msg="resume at TP2xDP2", depth=CONTINUED_DEPTH)
     destroy_parallel()
 
 

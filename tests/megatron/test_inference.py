@@ -14,7 +14,8 @@ import math
 import pytest
 import torch
 
-from ._common import actor_cfg, free_port, make_batch, run_spawned, tiny_model_cfg
+from ..tolerance import assert_close
+from ._common import actor_cfg, assert_tiny_close, free_port, make_batch, run_spawned, tiny_model_cfg
 
 # megatron-core warns about missing apex / Transformer Engine and deprecated arguments on every build.
 _QUIET = [
@@ -41,7 +42,7 @@ def _prompts(b: int = 6) -> torch.Tensor:
 def _assert_same_batch(a: dict, b: dict, msg: str = "") -> None:
     for key in KEYS:
         assert torch.equal(a[key], b[key]), f"{msg}: {key}\n{a[key]}\n{b[key]}"
-    torch.testing.assert_close(a["rollout_log_probs"], b["rollout_log_probs"], atol=1e-5, rtol=1e-5)
+    assert_tiny_close(a["rollout_log_probs"], b["rollout_log_probs"], msg=msg)
 
 
 class _CountForwards:
@@ -139,7 +140,7 @@ def test_sampled_log_probs_match_compute_log_prob(actor, temperature):
     kw = dict(temperature=temperature, top_p=0.9, top_k=20, eos_id=5, pad_id=0, seed=3)
     out = actor.generate(prompts, 8, **kw)
     recomputed = actor.compute_log_prob(out, temperature=temperature, with_entropy=False)["log_probs"]
-    torch.testing.assert_close(out["rollout_log_probs"], recomputed, atol=1e-4, rtol=1e-4)
+    assert_tiny_close(out["rollout_log_probs"], recomputed)
     assert (out["rollout_log_probs"] < 0).any()
     # Same seed: same samples, and the same uniforms as the no-cache path (same tokens).
     assert torch.equal(actor.generate(prompts, 8, **kw)["responses"], out["responses"])
@@ -166,7 +167,7 @@ def test_n_samples_per_prompt_share_one_prefill(actor, monkeypatch):
         "copies sample independently"
     )
     recomputed = actor.compute_log_prob(sampled, with_entropy=False)["log_probs"]
-    torch.testing.assert_close(sampled["rollout_log_probs"], recomputed, atol=1e-4, rtol=1e-4)
+    assert_tiny_close(sampled["rollout_log_probs"], recomputed)
 
 
 # ------------------------------------------------------------------------------------ static decode
@@ -230,15 +231,16 @@ def test_sdpa_attention_with_a_query_shorter_than_the_keys(actor):
     # Causal, no mask, 2 queries over 5 keys: the queries are keys 3 and 4 (bottom-right aligned).
     allowed = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=torch.bool)
     out = core(q, k, v, None, attn_mask_type=AttnMaskType.causal)
-    torch.testing.assert_close(out, _reference_attention(q, k, v, allowed, scale), atol=1e-5, rtol=1e-5)
+    # Scores sum over the head dim, the softmax and the weighted values over the keys: depth 3.
+    assert_close(out, _reference_attention(q, k, v, allowed, scale), reduction=d, depth=3)
     # Decode (megatron's no_mask): one query sees every key.
     out = core(q[:1], k, v, None, attn_mask_type=AttnMaskType.no_mask)
     ref = _reference_attention(q[:1], k, v, torch.ones(1, 5, dtype=torch.bool), scale)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_close(out, ref, reduction=d, depth=3)
     # Square and causal: unchanged (SDPA's fast path).
     out = core(q[:1].expand(5, -1, -1, -1), k, v, None)
     ref = _reference_attention(q[:1].expand(5, -1, -1, -1), k, v, torch.ones(5, 5).tril().bool(), scale)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert_close(out, ref, reduction=d, depth=3)
 
 
 def test_prefill_mask_hides_pads_and_avoids_empty_rows():
@@ -309,7 +311,7 @@ def test_min_p_needs_the_cached_path(actor):
     prompts = _prompts(2)
     out = actor.generate(prompts, 3, temperature=1.0, min_p=0.3, seed=1)
     recomputed = actor.compute_log_prob(out, with_entropy=False)["log_probs"]
-    torch.testing.assert_close(out["rollout_log_probs"], recomputed, atol=1e-4, rtol=1e-4)
+    assert_tiny_close(out["rollout_log_probs"], recomputed)
     with pytest.raises(NotImplementedError):
         actor.generate(prompts, 3, min_p=0.3, use_cache=False)
 
@@ -344,9 +346,9 @@ def _check_layouts(rank: int, world: int, port: int, hf_path: str, ref: dict) ->
             assert torch.equal(greedy[key], ref["greedy"][key]), (name, key)
         sampled = actor.generate(ref["prompts"], 8, **ref["sample_kw"])
         assert torch.equal(sampled["responses"], ref["sampled"]), name
-        torch.testing.assert_close(sampled["rollout_log_probs"], ref["sampled_lp"], atol=1e-4, rtol=1e-4)
+        assert_tiny_close(sampled["rollout_log_probs"], ref["sampled_lp"])
         lp = actor.compute_log_prob(sampled, with_entropy=False)["log_probs"]
-        torch.testing.assert_close(sampled["rollout_log_probs"], lp, atol=1e-4, rtol=1e-4, msg=name)
+        assert_tiny_close(sampled["rollout_log_probs"], lp, msg=name)
         # Sequence parallel is back on for training after generation.
         assert actor.config.sequence_parallel is sp, name
         del actor

@@ -2,9 +2,9 @@
 DP=2 (distributed optimizer) and DP=2 (plain optimizer) in turn, loading the same HF weights, and compare
 with results computed here in one process (fp32 throughout):
 
-* log-probs and entropy equal transformers' within 1e-5 in every layout; greedy generation is identical;
-* one PPO update (token-mean) gives the TP=1 grad norm (rel 1e-5) and log-probs after it (1e-5) in every
-  layout; the batch gives the two DP ranks very different token counts, so DP=2 only matches when the
+* log-probs and entropy equal transformers' in every layout (to the rounding of the model's reductions,
+  tests/tolerance.py: about 3e-5 for these fp32 log-probs); greedy generation is identical;
+* one PPO update (token-mean) gives the TP=1 grad norm and log-probs after it in every layout (same rule); the batch gives the two DP ranks very different token counts, so DP=2 only matches when the
   loss is normalised by the mini-batch's tokens over all DP ranks (also checked for seq-mean-token-mean);
 * the distributed optimizer's update equals the plain optimizer's;
 * HF -> megatron (TP=2, and PP=2) -> HF export is bit-identical to the source folder, tied and untied;
@@ -22,8 +22,12 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ..tolerance import rel_tolerance
 from ._common import (
+    TINY_REDUCTION,
+    UPDATE_DEPTH,
     actor_cfg,
+    assert_tiny_close,
     batch_from_lengths,
     free_port,
     hf_logits,
@@ -48,7 +52,8 @@ LAYOUTS = [  # (name, tp, pp, vpp, dp, distributed optimizer)
     ("dp2", 1, 1, None, 2, True),
     ("dp2_plain", 1, 1, None, 2, False),
 ]
-TOL = dict(atol=1e-5, rtol=0.0)
+# A grad norm sums squares over every parameter after a forward and backward pass.
+GRAD_NORM_REL = rel_tolerance(torch.float32, TINY_REDUCTION, UPDATE_DEPTH)
 GROUPS = ("params", "grads", "optimizer")
 
 
@@ -63,7 +68,7 @@ def _update_cfg(
     from rlconf.config import Optim
 
     # lr 1e-4: Adam's first step is about lr x sign(grad), so a gradient that is zero up to rounding moves
-    # its weight by a full lr either way; a small lr keeps that below the 1e-5 comparison.
+    # its weight by a full lr either way; a small lr keeps that below the rounding tolerance.
     cfg = actor_cfg(
         tp,
         pp,
@@ -168,8 +173,8 @@ def _run_layouts(rank: int, world: int, port: int, paths: dict, out_dir: str, re
         out = frozen.compute_log_prob(local)
         d["log_probs_vs_hf"] = _maxdiff(out["log_probs"], ref["log_probs"][rows])
         d["entropy_vs_hf"] = _maxdiff(out["entropy"], ref["entropy"][rows])
-        torch.testing.assert_close(out["log_probs"], ref["log_probs"][rows], **TOL, msg=name)
-        torch.testing.assert_close(out["entropy"], ref["entropy"][rows], **TOL, msg=name)
+        assert_tiny_close(out["log_probs"], ref["log_probs"][rows], msg=name)
+        assert_tiny_close(out["entropy"], ref["entropy"][rows], msg=name)
         if dp == 1:
             gen = frozen.generate(batch["input_ids"][:4, :12], 4, temperature=0.0, pad_id=0)
             assert torch.equal(gen["responses"], ref["gen"]), name
@@ -188,8 +193,8 @@ def _run_layouts(rank: int, world: int, port: int, paths: dict, out_dir: str, re
             expected = ref[mode]
             d[f"grad_norm_rel_{mode}"] = abs(res["grad_norm"] / expected["grad_norm"] - 1)
             d[f"after_update_{mode}"] = _maxdiff(res["after"], expected["after"][rows])
-            assert res["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5), (name, mode)
-            torch.testing.assert_close(res["after"], expected["after"][rows], **TOL, msg=f"{name} {mode}")
+            assert res["grad_norm"] == pytest.approx(expected["grad_norm"], rel=GRAD_NORM_REL), (name, mode)
+            assert_tiny_close(res["after"], expected["after"][rows], msg=f"{name} {mode}", depth=UPDATE_DEPTH)
             if mode == "token-mean":
                 after_by_layout[name] = res["after"]
                 actor = res["actor"]
@@ -197,9 +202,9 @@ def _run_layouts(rank: int, world: int, port: int, paths: dict, out_dir: str, re
             d["after_update_vs_distributed_optimizer"] = _maxdiff(
                 after_by_layout["dp2"], after_by_layout[name]
             )
-            torch.testing.assert_close(
-                after_by_layout["dp2"], after_by_layout["dp2_plain"], atol=1e-6, rtol=0
-            )
+            # The two optimizers reduce gradients in other orders (reduce-scatter of buckets vs all-reduce):
+            # equal up to rounding, which on Intel CPUs was 3 ulps where AMD gave 0.
+            assert_tiny_close(after_by_layout["dp2"], after_by_layout["dp2_plain"], depth=UPDATE_DEPTH)
         if name == "dp2":
             # Offload round trip of the distributed optimizer's DP shards (each rank holds half).
             before = _storage_bytes(actor)
