@@ -4,7 +4,8 @@ A reward function has the signature `(response: str, ground_truth: str, prompt: 
 are registered in `REWARD_FUNCTIONS` under exactly the names of `rlconf.config.BUILTIN_REWARDS`; a user
 function is named as `package.module:function` and imported with importlib (the spec is never evaluated).
 Every resolution problem raises `RewardFunctionError`, a `ConfigError` on the path `reward.function` that
-says what to change.
+says what to change; so does, during the run, a function that returns something other than a finite
+number or raises (`score_batch`): the run stops with exit 2 and a message naming the function and the row.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import importlib
 import inspect
 import math
 import re
+import traceback
 from collections.abc import Callable, Sequence
 
 from rlconf.errors import ConfigError, error
@@ -241,6 +243,32 @@ def load_reward_function(spec: str) -> RewardFunction:
     return obj  # type: ignore[return-value]
 
 
+def function_name(fn: Callable) -> str:
+    """`module:qualname` of a reward function, as `reward.function` spells a user function."""
+    module = getattr(fn, "__module__", None) or "?"
+    return f"{module}:{getattr(fn, '__qualname__', None) or type(fn).__qualname__}"
+
+
+def _shorten(text: str, limit: int = 48) -> str:
+    """`text` quoted, cut to about `limit` characters (long prompts and responses would bury the message)."""
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def _as_reward(value: object) -> float | None:
+    """`value` as a finite float, or None when it is not a real number (None, str, NaN, inf, a list...).
+
+    Numbers and number-like scalars (bool, numpy scalars, one-element tensors) are accepted; strings are
+    not, although float("1") would parse them: a string reward is a bug in the function.
+    """
+    if isinstance(value, str | bytes) or not hasattr(type(value), "__float__"):
+        return None
+    try:
+        score = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError, RuntimeError):  # RuntimeError: a tensor of several elements
+        return None
+    return score if math.isfinite(score) else None
+
+
 def score_batch(
     fn: RewardFunction,
     responses: Sequence[str],
@@ -249,28 +277,39 @@ def score_batch(
 ) -> list[float]:
     """Score each (response, ground truth, prompt) triple; the three sequences must have equal length.
 
-    Raises ValueError when a function returns something that is not a finite real number (naming the
-    function and the sample), because a NaN reward silently poisons every advantage of its group.
+    A function that returns something other than a finite real number (None, NaN, inf, a string, ...) or
+    raises is a RewardFunctionError on `reward.function` (exit 2): a NaN reward would silently poison every
+    advantage of its group. The message names the function (module:function), the row and its prompt and
+    response (shortened).
     """
     if not len(responses) == len(ground_truths) == len(prompts):
         raise ValueError(
             f"score_batch needs equally long inputs, got {len(responses)} responses, "
             f"{len(ground_truths)} ground truths and {len(prompts)} prompts"
         )
-    name = getattr(fn, "__qualname__", repr(fn))
+    name = function_name(fn)
     scores = []
     for i, (resp, truth, prompt) in enumerate(zip(responses, ground_truths, prompts, strict=True)):
-        value = fn(resp, truth, prompt)
+        row = f"row {i} (prompt {_shorten(prompt)}, response {_shorten(resp)})"
         try:
-            score = float(value)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(
-                f"reward function {name} returned {value!r} ({type(value).__name__}) for sample {i}; "
-                "it must return a float"
+            value = fn(resp, truth, prompt)
+        except Exception as exc:
+            where = traceback.extract_tb(exc.__traceback__)[-1]
+            raise RewardFunctionError(
+                f"reward function {name} raised {type(exc).__name__}: {exc} "
+                f"(at {where.filename}:{where.lineno}) on {row}",
+                f"fix {name} so that it returns a float for every response (call it on this prompt and "
+                "response to reproduce)",
+                rule="reward-function-raised",
             ) from exc
-        if not math.isfinite(score):
-            raise ValueError(
-                f"reward function {name} returned {score} for sample {i}; rewards must be finite"
+        score = _as_reward(value)
+        if score is None:
+            shown = f"{value!r} ({type(value).__name__})"
+            raise RewardFunctionError(
+                f"reward function {name} returned {shown[:80]} for {row}; a reward must be a finite number",
+                f"make {name} return a finite float for every response (e.g. 0.0 for a response it cannot "
+                "score)",
+                rule="reward-function-value",
             )
         scores.append(score)
     return scores

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from rlconf.config import BUILTIN_REWARDS
 from rlconf.errors import ConfigError
@@ -198,12 +204,82 @@ def test_spec_is_never_evaluated():
 
 
 # ------------------------------------------------------------------------------------ score_batch
-def test_score_batch():
+def test_score_batch_accepts_numbers():
     assert score_batch(digit_match, ["6 7 8", "6"], ["678", "678"], ["", ""]) == pytest.approx([1.0, 1 / 3])
     assert score_batch(lambda r, g, p: r == g, ["a"], ["a"], [""]) == [1.0]  # bools become floats
+    number_likes = [np.float32(0.5), np.int64(2), np.bool_(True), torch.tensor(0.25), -3]
+    scores = score_batch(lambda r, g, p: number_likes[int(r)], ["0", "1", "2", "3", "4"], [""] * 5, [""] * 5)
+    assert scores == [0.5, 2.0, 1.0, 0.25, -3.0] and all(type(s) is float for s in scores)
     with pytest.raises(ValueError, match="equally long"):
         score_batch(digit_match, ["a"], [], [""])
-    with pytest.raises(ValueError, match=r"sample 1.*must return a float"):
-        score_batch(lambda r, g, p: None if r == "x" else 1.0, ["a", "x"], ["", ""], ["", ""])
-    with pytest.raises(ValueError, match="finite"):
-        score_batch(lambda r, g, p: math.nan, ["a"], [""], [""])
+
+
+def none_for_x(response, ground_truth, prompt):
+    return None if response == "x" else 1.0
+
+
+@pytest.mark.parametrize(
+    ("bad", "shown"),
+    [
+        (None, "None (NoneType)"),
+        (math.nan, "nan (float)"),
+        (math.inf, "inf (float)"),
+        (np.float64("nan"), "(float64)"),
+        ("1.0", "'1.0' (str)"),  # float() would parse it, but a string reward is a bug
+        ([1.0], "[1.0] (list)"),
+        (torch.tensor([1.0, 2.0]), "(Tensor)"),
+    ],
+)
+def test_non_number_reward_is_a_config_error_naming_function_and_row(bad, shown):
+    def scorer(response, ground_truth, prompt):
+        return bad if response.startswith("bad") else 0.5
+
+    long_prompt = "count on: " + "1 2 3 " * 40
+    with pytest.raises(RewardFunctionError) as info:
+        score_batch(scorer, ["fine", "bad " + "9" * 200], ["", ""], ["short", long_prompt])
+    err = info.value
+    assert isinstance(err, ConfigError) and err.path == "reward.function"  # exit 2, not a crash
+    assert err.issues[0].rule == "reward-function-value"
+    assert f"{__name__}:{scorer.__qualname__}" in err.message  # module:function
+    assert "row 1" in err.message and shown in err.message
+    assert "'count on: 1 2 3" in err.message and "'bad 999" in err.message  # the row's prompt and response
+    assert long_prompt not in err.message and "9" * 100 not in err.message  # ... shortened
+    assert "finite" in err.fix
+
+
+def test_module_level_function_named_as_in_the_config():
+    with pytest.raises(RewardFunctionError, match=rf"{__name__}:none_for_x returned None .* row 2"):
+        score_batch(none_for_x, ["a", "b", "x"], [""] * 3, [""] * 3)
+
+
+def test_reward_function_that_raises_is_a_config_error_with_its_location():
+    def divide(response, ground_truth, prompt):
+        return 1 / len(response)
+
+    with pytest.raises(RewardFunctionError) as info:
+        score_batch(divide, ["ok", ""], ["", ""], ["p0", "p1"])
+    err = info.value
+    assert err.issues[0].rule == "reward-function-raised" and err.path == "reward.function"
+    assert "ZeroDivisionError" in err.message and "row 1 (prompt 'p1', response '')" in err.message
+    assert f"{Path(__file__).name}:" in err.message  # where it raised
+    assert isinstance(err.__cause__, ZeroDivisionError)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_run_stops_with_exit_2_on_a_bad_reward(tmp_path):
+    """A user reward returning NaN mid-run: `rltrain` exits 2 with the reward.function error, no traceback."""
+    (tmp_path / "nan_reward_mod.py").write_text(
+        "def score(response, ground_truth, prompt):\n    return float('nan') if len(response) > 3 else 0.0\n"
+    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--trainer.total_steps", "2",
+         "--trainer.val_before_train", "false", "--trainer.output_dir", str(tmp_path / "run"),
+         "--reward.function", "nan_reward_mod:score"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "reward.function" in result.stderr and "nan_reward_mod:score returned nan" in result.stderr
+    assert "row " in result.stderr and "Traceback" not in result.stderr
