@@ -188,6 +188,10 @@ def _run(argv: Sequence[str]) -> int:
     # Before torch is imported (by the controller): keep an installed torch_npu from loading on cpu / cuda
     # runs (rltrain.device.worker_env); a local Ray cluster hands the setting on to its workers.
     configure_process_env(config.cluster.device)
+    from rltrain.quiet import quiet_driver
+
+    if note := quiet_driver(config.cluster.device):  # third-party noise filtered; what it meant, said once
+        print(note, file=sys.stderr, flush=True)
     from rltrain.controller import run_training
 
     return run_training(config, plan)

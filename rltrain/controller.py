@@ -204,6 +204,7 @@ class Trainer:
         if self.reward_model is not None:
             metrics["reward/rule_mean"], metrics["reward/model_mean"] = rule_mean, rm_scores.mean().item()
         if not validate:
+            metrics["perf/total_num_tokens"] = int(batch["attention_mask"].sum())  # prompts + responses
             metrics["sample/prompt"] = prompts.prompts[0]
             metrics["sample/response"] = texts[0]
         return batch, metrics
@@ -317,6 +318,9 @@ class Trainer:
                 self._save(step)
                 metrics["timing/save_checkpoint_s"] = time.perf_counter() - t_save
             metrics["timing/step_s"] = time.perf_counter() - t0
+            # tokens per second per device over the whole step (generation, log-probs, updates, saves)
+            tokens_per_s = metrics["perf/total_num_tokens"] / metrics["timing/step_s"]
+            metrics["perf/throughput"] = tokens_per_s / self.plan.resources.total_devices
             self.logger.log(step, metrics)
             # Commit only after the step's metrics line is written: a crash in between redoes the step, a
             # crash after it resumes after the step; metrics.jsonl never has a gap.

@@ -22,6 +22,18 @@ CONSOLE_KEYS = (
     "response/length_mean",
     "timing/step_s",
 )
+THROUGHPUT_KEY = "perf/total_num_tokens"
+"""Tokens (prompts + responses, padding excluded) of a step; the console line turns it into tokens/s."""
+
+
+def format_eta(seconds: float) -> str:
+    """`42s`, `3m05s`, `1h02m`: short enough for a progress line."""
+    s = max(0, round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _plain(value: Any) -> Any:
@@ -53,6 +65,8 @@ class MetricsLogger:
         self.path = Path(output_dir) / METRICS_FILE
         self.backends = tuple(backends)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.total_steps = total_steps
+        self._step_seconds: list[float] = []  # this process's steps: the ETA ignores a resumed run's past
         self._tb = self._wandb = self._progress = None
         if "tensorboard" in self.backends:
             try:
@@ -125,10 +139,27 @@ class MetricsLogger:
             self._wandb.log(numbers, step=step)
         if "console" in self.backends:
             parts = [f"{key} {record[key]:.4g}" for key in CONSOLE_KEYS if record.get(key) is not None]
+            speed = self._speed(step, record)
             if self._progress is not None:
-                self._progress.update(self._task, completed=step, description="  ".join(parts[:3]))
+                self._progress.update(
+                    self._task, completed=step, description="  ".join(parts[:3] + speed[:1])
+                )
             else:
-                print(f"step {step:4d}  " + "  ".join(parts), file=sys.stdout, flush=True)
+                print(f"step {step:4d}  " + "  ".join(parts + speed), file=sys.stdout, flush=True)
+
+    def _speed(self, step: int, record: Mapping[str, Any]) -> list[str]:
+        """`tokens/s N` of this step and `ETA` from the mean step time of this process's steps so far."""
+        step_s = record.get("timing/step_s")
+        if not step_s:
+            return []
+        self._step_seconds.append(step_s)
+        out = []
+        if record.get(THROUGHPUT_KEY):
+            out.append(f"tokens/s {record[THROUGHPUT_KEY] / step_s:.0f}")
+        if self.total_steps:
+            mean = sum(self._step_seconds) / len(self._step_seconds)
+            out.append(f"ETA {format_eta(mean * max(0, self.total_steps - step))}")
+        return out
 
     def close(self) -> None:
         if self._progress is not None:

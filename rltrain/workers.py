@@ -21,6 +21,7 @@ import torch
 from rlconf.plan import TrainerPlan
 from rlconf.seeding import DP_SHARD, derive_seed
 from rltrain import device as devices
+from rltrain import quiet
 from rltrain.profiling import Profiler
 
 
@@ -53,13 +54,12 @@ class MegatronWorker:
             # (CUDA_VISIBLE_DEVICES, ASCEND_RT_VISIBLE_DEVICES): index 0 of what the process sees.
             LOCAL_RANK="0",
         )
+        # megatron's import-time warnings (rltrain.quiet; the driver notes once what they stand for).
+        quiet.filter_third_party_warnings()
         # Before anything in this process imports megatron: on npu, MindSpeed's adaptor patches megatron-core
         # when imported (with this role's options); on cuda the GPU is bound, on cpu megatron's redirects.
         devices.prepare_process(device, local_rank=0, megatron_cfg=self._megatron_cfg())
         torch.set_num_threads(max(1, int(self.cfg.cluster.cpus_per_worker)))
-        # megatron warns once per module that Apex / Transformer Engine are absent; the fallbacks are the
-        # intended path on CPU and on images without them.
-        warnings.filterwarnings("ignore", message=".*(Apex|Transformer Engine).*")
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
         # Every random draw of a run comes from a stream keyed by (seed, step, purpose) (rlconf.seeding);
         # this only makes anything that draws outside those streams reproducible too.

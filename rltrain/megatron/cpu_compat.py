@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,6 +125,15 @@ def enable_cpu_compat() -> None:
         mp_random._get_cuda_rng_state = _cpu_get_rng_state
         mp_random._set_cuda_rng_state = _cpu_set_rng_state
         logging.getLogger(mp_random.__name__).addFilter(_RngForkWarningFilter())
+        # Torch attributes a warning raised inside a torch function to the Python frame that called the op,
+        # which under CudaToCpuMode is __torch_function__ below. megatron's own non-leaf `.grad` read in
+        # DistributedOptimizer.zero_grad (its source notes it "throws grad-access warning") therefore
+        # showed as this module's UserWarning. Only warnings attributed to this module are dropped: the
+        # mode's own code reads no `.grad`, so a non-leaf `.grad` read elsewhere still warns.
+        warnings.filterwarnings(
+            "ignore", message="The .grad attribute of a Tensor that is not a leaf", category=UserWarning,
+            module=__name__.replace(".", r"\."),
+        )  # fmt: skip
         _enabled = True
 
 

@@ -1,0 +1,68 @@
+"""Quiet, honest run output: third-party warnings that tell a user nothing are filtered once per process,
+and what they stood for is said once, in one line, by the driver.
+
+`filter_third_party_warnings()` runs in every worker before it imports megatron (and in the driver);
+`quiet_driver(device)` runs in the driver before Ray starts and returns the one note worth printing. Keep
+this module free of torch, Ray and megatron imports: the `rltrain` command imports it before any of them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import warnings
+
+# (start of the message, module regex of the code that warns): warnings.filterwarnings matches both from
+# the start.
+MEGATRON_NOISE = (
+    # Four or five per process when megatron imports (one per module that has a fused fallback); the
+    # driver's `kernel_note` says once what is missing and what it costs.
+    ("Transformer Engine and Apex are not installed", "megatron"),  # also megatron_fsdp
+    ("Apex is not installed", "megatron"),  # per model build: Torch norms instead of Apex's fused ones
+    # megatron's own TransformerConfig default (cuda_graph_scope="full") trips its own deprecation on every
+    # model build; rlplan does not capture megatron's graphs, so nothing for the user to change.
+    ("full scope is deprecated", r"megatron\.core\.transformer"),
+    # megatron's DistributedOptimizer.zero_grad reads `.grad` of its fp32 shard views (its source says
+    # "throws grad-access warning"). On CPU the same read is attributed to rltrain.megatron.cpu_compat,
+    # which filters it there.
+    ("The .grad attribute of a Tensor that is not a leaf", r"megatron\.core\.optimizer"),
+)
+
+# Ray 2.60 logs this at every `ray.init`; the token it mentions is Ray's default and needs no action.
+RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
+RAY_TOKEN_AUTH_MESSAGE = "Token authentication is enabled for this Ray cluster"
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.prefixes)
+
+
+def filter_third_party_warnings() -> None:
+    """Ignore the warnings in MEGATRON_NOISE in this process. Idempotent; call before importing megatron
+    (its import-time warnings are emitted once and cannot be filtered afterwards)."""
+    for message, module in MEGATRON_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
+
+
+def kernel_note(device: str) -> str | None:
+    """One line when megatron runs without Transformer Engine / Apex on this machine, else None."""
+    missing = [name for module, name in (("transformer_engine", "Transformer Engine"), ("apex", "Apex"))
+               if importlib.util.find_spec(module) is None]  # fmt: skip
+    if not missing:
+        return None
+    cost = "no effect on CPU runs" if device == "cpu" else "slower on GPUs: unfused kernels"
+    return f"note: no {' / '.join(missing)}: megatron uses its plain torch implementations ({cost})"
+
+
+def quiet_driver(device: str) -> str | None:
+    """Filter the driver's noise (before `ray.init`) and return the note to print once, if any."""
+    filter_third_party_warnings()
+    ray_auth = logging.getLogger(RAY_TOKEN_AUTH_LOGGER)
+    if not any(isinstance(f, _DropMessages) for f in ray_auth.filters):
+        ray_auth.addFilter(_DropMessages(RAY_TOKEN_AUTH_MESSAGE))
+    return kernel_note(device)
