@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 
@@ -20,20 +21,58 @@ PRESET_PREFIX = "preset:"
 
 
 def _load(
-    source: str | None, preset: str | None, overrides: Sequence[str]
+    source: str | None, preset: str | None, overrides: Sequence[str], *, filesystem: bool = False
 ) -> tuple[RLConfig, tuple[Issue, ...]]:
-    """Load a config from a file, `preset:NAME` or --preset; returns it with its warnings."""
+    """Load a config from a file, `preset:NAME` or --preset (a file overlays --preset); returns it with its
+    warnings. `filesystem` adds the checks of the paths a run reads and writes (rlconf.validate)."""
     from rlconf.load import load_config
     from rlconf.validate import check_config
 
     if source is not None and source.startswith(PRESET_PREFIX):
-        source, preset = None, source.removeprefix(PRESET_PREFIX)
+        named = source.removeprefix(PRESET_PREFIX)
+        if preset is not None and preset != named:
+            raise ConfigError(
+                [
+                    Issue(
+                        "preset",
+                        f"both preset:{named} and --preset {preset} are given",
+                        "give the preset once",
+                        "usage",
+                    )
+                ],
+                "rlconf",
+            )
+        source, preset = None, named
     if source is None and preset is None:
         raise ConfigError(
             [Issue("", "no config given", "pass a FILE, preset:NAME or --preset NAME", "usage")], "rlconf"
         )
-    config = load_config(source, preset=preset, overrides=overrides)
-    return config, tuple(i for i in check_config(config) if i.severity == "warning")
+    config = load_config(source, preset=preset, overrides=overrides, filesystem=filesystem)
+    warnings = tuple(i for i in check_config(config, filesystem=filesystem) if i.severity == "warning")
+    return config, warnings
+
+
+def _write_output(path: str, text: str, option: str) -> None:
+    """Write a command's output file; a path that cannot be written is a usage error naming the option."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        raise _unwritable(path, option, exc) from None
+
+
+def _unwritable(path: str, option: str, exc: OSError) -> ConfigError:
+    return ConfigError(
+        [
+            Issue(
+                option,
+                f"cannot write {exc.filename or path}: {exc.strerror or exc}",
+                "choose a path in a folder that exists and that you can write to",
+                "output-path",
+            )
+        ],
+        "rlconf",
+    )
 
 
 def _print_warnings(warnings: Sequence[Issue]) -> None:
@@ -42,16 +81,29 @@ def _print_warnings(warnings: Sequence[Issue]) -> None:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Every check a run makes before its workers start: the rules (paths included) and the plan."""
+    from rlconf.plan import compile_plan
+
+    sources = args.files or [None]
+    if args.files == [] and args.preset is None:
+        raise ConfigError(
+            [Issue("", "no config given", "pass FILE..., preset:NAME or --preset NAME", "usage")], "rlconf"
+        )
     status = EXIT_OK
-    for source in args.files:
+    for source in sources:
+        name = source or f"preset:{args.preset}"
         try:
-            _, warnings = _load(source, None, args.set)
+            config, warnings = _load(source, args.preset, args.set, filesystem=True)
+            try:
+                compile_plan(config)
+            except ConfigError as exc:
+                raise ConfigError(exc.issues, name) from None
         except ConfigError as exc:
-            print(exc.format() if exc.source else f"{source}: {exc.format()}", file=sys.stderr)
+            print(exc.format() if exc.source else f"{name}: {exc.format()}", file=sys.stderr)
             status = EXIT_INVALID
             continue
         suffix = f" ({len(warnings)} warning{'s' if len(warnings) != 1 else ''})" if warnings else ""
-        print(f"ok {source}{suffix}")
+        print(f"ok {name}{suffix}")
         _print_warnings(warnings)
     return status
 
@@ -69,24 +121,98 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from rlconf.load import config_to_dict
     from rlconf.render import diff_dicts
 
-    a, _ = _load(args.a, None, ())
-    b, _ = _load(args.b, None, ())
-    print(f"--- {args.a}\n+++ {args.b}")
+    b_source = args.b
+    if b_source is None:
+        if args.preset is None:
+            raise ConfigError(
+                [
+                    Issue(
+                        "",
+                        "diff needs two configs",
+                        "pass A B, or A --preset NAME to compare A with it",
+                        "usage",
+                    )
+                ],
+                "rlconf",
+            )
+        b_source = f"{PRESET_PREFIX}{args.preset}"
+    a, _ = _load(args.a, args.preset, ())
+    b, _ = _load(b_source, args.preset, ())
+    print(f"--- {args.a}\n+++ {b_source}")
     if args.plan:
         from rlconf.plan import compile_plan, diff_plans
 
-        lines = [
-            f"~ {path}: {_fmt(old)} -> {_fmt(new)}"
-            for path, old, new in diff_plans(compile_plan(a), compile_plan(b))
-        ]
+        lines = format_plan_diff(diff_plans(compile_plan(a), compile_plan(b)))
     else:
         lines = [change.format() for change in diff_dicts(config_to_dict(a), config_to_dict(b))]
     print("\n".join(lines) if lines else "(no differences)")
     return EXIT_OK
 
 
+_STEP_KEY = re.compile(r"^(?P<head>.*?\[step=)(?P<step>\d+)(?P<tail>\].*)$")
+
+
+def format_plan_diff(changes: Sequence[tuple[str, object, object]]) -> list[str]:
+    """`~ path: old -> new` lines of a plan diff, with per-step rows collapsed into step ranges.
+
+    A plan has a row per training step (the lr table); two plans that differ in their schedule differ in
+    hundreds of rows. Consecutive steps whose rows change the same way (same field, the same sides
+    missing, the same value types) become one line `table[step=3..100].lr: a -> b`, where a side that
+    varies over the range reads `first..last`.
+    """
+    groups: dict[tuple[str, str], list[tuple[int, object, object]]] = {}
+    order: list[tuple[str, str] | int] = []
+    for index, (path, old, new) in enumerate(changes):
+        m = _STEP_KEY.match(path)
+        if m is None:
+            order.append(index)
+            continue
+        key = (m["head"], m["tail"])
+        if key not in groups:
+            groups[key] = []
+            order.append(key)
+        groups[key].append((int(m["step"]), old, new))
+    lines: list[str] = []
+    for item in order:
+        if isinstance(item, int):
+            path, old, new = changes[item]
+            lines.append(f"~ {path}: {_fmt(old)} -> {_fmt(new)}")
+            continue
+        head, tail = item
+        for run in _step_runs(sorted(groups[item], key=lambda row: row[0])):
+            first, last = run[0][0], run[-1][0]
+            steps = str(first) if first == last else f"{first}..{last}"
+            olds, news = [row[1] for row in run], [row[2] for row in run]
+            lines.append(f"~ {head}{steps}{tail}: {_fmt_range(olds)} -> {_fmt_range(news)}")
+    return lines
+
+
+def _step_runs(rows: list[tuple[int, object, object]]) -> list[list[tuple[int, object, object]]]:
+    """Maximal runs of consecutive steps whose rows share a change pattern."""
+    from rlconf.plan import MISSING
+
+    def pattern(row: tuple[int, object, object]) -> tuple[str, str]:
+        return type(row[1]).__name__ + repr(row[1] == MISSING), type(row[2]).__name__ + repr(
+            row[2] == MISSING
+        )
+
+    runs: list[list[tuple[int, object, object]]] = []
+    for row in rows:
+        if runs and runs[-1][-1][0] + 1 == row[0] and pattern(runs[-1][-1]) == pattern(row):
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs
+
+
 def _fmt(value: object) -> str:
     return json.dumps(value) if not isinstance(value, str) else value
+
+
+def _fmt_range(values: list[object]) -> str:
+    if all(v == values[0] for v in values):
+        return _fmt(values[0])
+    return f"{_fmt(values[0])}..{_fmt(values[-1])}"
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -107,8 +233,7 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
     text = json.dumps(config_schema(), indent=2) + "\n"
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+        _write_output(args.output, text, "--output")
     else:
         print(text, end="")
     return EXIT_OK
@@ -117,7 +242,11 @@ def cmd_schema(args: argparse.Namespace) -> int:
 def cmd_docs(args: argparse.Namespace) -> int:
     from rlconf.docs import write_reference
 
-    for path in write_reference(args.outdir):
+    try:
+        written = write_reference(args.outdir)
+    except OSError as exc:
+        raise _unwritable(args.outdir, "OUTDIR", exc) from None
+    for path in written:
         print(f"wrote {path}")
     return EXIT_OK
 
@@ -137,8 +266,7 @@ def cmd_import_verl(args: argparse.Namespace) -> int:
     tr = translate_sources(file, overrides)
     text = to_yaml(tr)
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            f.write(text)
+        _write_output(args.output, text, "--output")
     report = sys.stdout if args.output or args.json else sys.stderr
     if args.json:
         print(json.dumps({**translation_to_dict(tr), "output": args.output}, indent=2, default=str))
@@ -180,15 +308,22 @@ def build_parser() -> argparse.ArgumentParser:
             help="override a field, e.g. actor.optim.lr=1e-6",
         )
 
-    p = add("validate", cmd_validate, "check config files; report every error with its path and fix")
-    p.add_argument("files", nargs="+", metavar="FILE", help="config files (or preset:NAME)")
+    p = add(
+        "validate",
+        cmd_validate,
+        "check configs as a run would before it starts (fields, rules, paths it reads and writes, the plan); "
+        "report every error with its path and fix",
+    )
+    p.add_argument("files", nargs="*", metavar="FILE", help="YAML/JSON config files (or preset:NAME)")
+    p.add_argument("--preset", help="start from this preset (each file, if any, overlays it)")
     add_set(p)
     p = add("show", cmd_show, "print the resolved config as YAML, marking values that differ from defaults")
     add_source(p)
     p.add_argument("--plain", action="store_true", help="no annotations")
     p = add("diff", cmd_diff, "semantic diff of two configs (FILE or preset:NAME) by dotted path")
-    p.add_argument("a")
-    p.add_argument("b")
+    p.add_argument("a", metavar="A", help="YAML/JSON config file (or preset:NAME)")
+    p.add_argument("b", metavar="B", nargs="?", help="the same forms; default: the --preset itself")
+    p.add_argument("--preset", help="start both from this preset (files overlay it)")
     p.add_argument("--plan", action="store_true", help="diff the compiled plans instead of the configs")
     p = add("plan", cmd_plan, "compile and print the trainer plan (layouts, batches, lr table, memory)")
     add_source(p)

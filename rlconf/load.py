@@ -724,18 +724,35 @@ def resolve_config(
     return config_from_dict(data, base=base, source=src_name)
 
 
+def build_from_sources(
+    source: str | Path | Mapping[str, Any] | None = None,
+    *,
+    preset: str | None = None,
+    overrides: Sequence[str] = (),
+) -> tuple[RLConfig, tuple[Issue, ...], str | None]:
+    """Best-effort config from a file / dict, preset and overrides, its structural issues and the source
+    name. Unreadable files, unknown presets and bad override syntax still raise ConfigError (there is
+    nothing to build); bad values are reported and left at the preset's or default value."""
+    data, base, src_name = _gather(source, preset=preset, overrides=overrides)
+    config, structural = build_config(data, base=base, source=src_name)
+    return config, structural, src_name
+
+
 def load_config(
     source: str | Path | Mapping[str, Any] | None = None,
     *,
     preset: str | None = None,
     overrides: Sequence[str] = (),
+    filesystem: bool = False,
 ) -> RLConfig:
-    """Load and fully validate a config; raises ConfigError with every error (and the warnings)."""
+    """Load and fully validate a config; raises ConfigError with every error (and the warnings).
+
+    `filesystem=True` adds the rules that check the paths a run reads and writes (see rlconf.validate).
+    """
     from rlconf.validate import check_config
 
-    data, base, src_name = _gather(source, preset=preset, overrides=overrides)
-    config, structural = build_config(data, base=base, source=src_name)
-    issues = structural + check_config(config)
+    config, structural, src_name = build_from_sources(source, preset=preset, overrides=overrides)
+    issues = structural + check_config(config, filesystem=filesystem)
     if any(i.severity == "error" for i in issues):
         raise ConfigError(issues, src_name)
     return config

@@ -4,11 +4,19 @@ Each rule is a small generator registered with `@rule(name)`; it yields `Issue`s
 name the config path to change and the fix. `check_config` runs all of them, so a file with three
 independent mistakes reports three errors. Rules never raise on odd values: sizes are checked for
 positivity by one rule and the others guard against zero.
+
+This is the one checker of what a run rejects: the data loader's file types, the plan's limits, the seed
+range torch and numpy accept, and (with `filesystem=True`) the files a run reads or writes before any
+worker starts: prompt files, the resume checkpoint and `trainer.output_dir`. `rlconf validate` and
+`rltrain` (with or without --dry-run) run the same rules. Filesystem rules are separate because a config
+is also checked where its files do not live (a verl import on a laptop, property tests).
+Nothing here imports user code: `reward.function` is only checked for its form.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,6 +32,7 @@ from rlconf.config import (
 )
 from rlconf.errors import Issue, error, warning
 from rlconf.fields import get_path, iter_leaves
+from rlconf.plan import MAX_DEVICES, MAX_INT, MAX_TOTAL_STEPS
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
 
@@ -36,6 +45,8 @@ class Rule:
     doc: str
     fn: RuleFn
     fields: tuple[str, ...]
+    filesystem: bool = False
+    """Reads the filesystem (paths the run reads or writes); runs only when check_config is asked to."""
 
     def involves(self, path: str) -> bool:
         return any(fnmatch.fnmatchcase(path, pattern) for pattern in self.fields)
@@ -51,19 +62,25 @@ SUB_RULES: dict[str, str] = {
 }
 
 
-def rule(name: str, *fields: str) -> Callable[[RuleFn], RuleFn]:
+def rule(name: str, *fields: str, filesystem: bool = False) -> Callable[[RuleFn], RuleFn]:
     def register(fn: RuleFn) -> RuleFn:
-        RULES[name] = Rule(name, " ".join((fn.__doc__ or "").split()), fn, fields)
+        RULES[name] = Rule(name, " ".join((fn.__doc__ or "").split()), fn, fields, filesystem)
         return fn
 
     return register
 
 
-def check_config(config: RLConfig) -> tuple[Issue, ...]:
-    """Run every rule; returns errors and warnings (an empty tuple means the config is clean)."""
+def check_config(config: RLConfig, *, filesystem: bool = False) -> tuple[Issue, ...]:
+    """Run every rule; returns errors and warnings (an empty tuple means the config is clean).
+
+    `filesystem=True` adds the rules that look at paths (prompt files, the resume checkpoint, the output
+    folder) as the run would see them from the current directory: what `rlconf validate` and `rltrain`
+    check before a run starts.
+    """
     issues: list[Issue] = []
     for r in RULES.values():
-        issues.extend(r.fn(config))
+        if filesystem or not r.filesystem:
+            issues.extend(r.fn(config))
     return tuple(issues)
 
 
@@ -711,14 +728,134 @@ def reward_function(c: RLConfig) -> Iterator[Issue]:
     )
 
 
+PROMPT_FILE_TYPES = (".parquet", ".jsonl")
+"""Suffixes the data loader reads (rltrain.data; case-insensitive)."""
+
+
 @rule("data-files", "data.train_files", "data.val_files")
 def data_files(c: RLConfig) -> Iterator[Issue]:
-    """Prompt files are .parquet, .jsonl or .json (JSON lines)."""
+    """Prompt files are .parquet or .jsonl (the types the data loader reads)."""
     for name in ("train_files", "val_files"):
         for i, f in enumerate(getattr(c.data, name)):
-            if not f.endswith((".parquet", ".jsonl", ".json")):
-                yield error(f"data.{name}[{i}]", f"{f!r} is not a .parquet, .jsonl or .json file",
-                            "convert it to parquet or jsonl", "data-files")  # fmt: skip
+            if not f.lower().endswith(PROMPT_FILE_TYPES):
+                hint = " (JSON lines: rename it to .jsonl)" if f.lower().endswith(".json") else ""
+                yield error(f"data.{name}[{i}]", f"{f!r} is not a .parquet or .jsonl file{hint}",
+                            "convert it to parquet or jsonl (one JSON object per line)", "data-files")  # fmt: skip
+
+
+@rule("data-files-exist", "data.train_files", "data.val_files", filesystem=True)
+def data_files_exist(c: RLConfig) -> Iterator[Issue]:
+    """Prompt files exist (relative paths are relative to the directory the run starts in)."""
+    for name in ("train_files", "val_files"):
+        for i, f in enumerate(getattr(c.data, name)):
+            if not os.path.isfile(f):
+                what = "is a folder" if os.path.isdir(f) else "does not exist"
+                yield error(f"data.{name}[{i}]", f"prompt file {f!r} {what}",
+                            f"fix the path (relative to {os.getcwd()})", "data-files-exist")  # fmt: skip
+
+
+SEED_FIELDS = ("trainer.seed", "data.seed", "actor.megatron.seed", "ref.megatron.seed", "critic.megatron.seed",
+               "reward.reward_model.megatron.seed")  # fmt: skip
+SEED_LIMIT = 2**62
+"""Seeds are in [0, SEED_LIMIT): numpy's SeedSequence takes no negative seed, torch.manual_seed no seed of
+2**64 or more, and workers add offsets to a seed (megatron: 2718 + rank; rlconf.seeding: rank, step)."""
+
+
+@rule("seed-range", *SEED_FIELDS)
+def seed_range(c: RLConfig) -> Iterator[Issue]:
+    """Seeds are whole numbers in [0, 2**62), the range every random generator of the run accepts."""
+    for path in SEED_FIELDS:
+        value = get_path(c, path)
+        if isinstance(value, int) and not isinstance(value, bool) and not 0 <= value < SEED_LIMIT:
+            yield error(path, f"seed {value} is outside [0, 2**62)", "use a non-negative seed below 2**62, "
+                        "e.g. 1", "seed-range")  # fmt: skip
+
+
+@rule("plan-limits", "trainer.total_steps", "cluster.nnodes", "cluster.gpus_per_node")
+def plan_limits(c: RLConfig) -> Iterator[Issue]:
+    """Numbers stay within what the plan can lay out: at most 100,000 steps and 131,072 devices, and no
+    integer beyond 2**40 (the plan's step, rank and lr tables are built from them)."""
+    if c.trainer.total_steps > MAX_TOTAL_STEPS:
+        yield error("trainer.total_steps", f"{c.trainer.total_steps} steps is more than a plan supports "
+                    f"({MAX_TOTAL_STEPS:,})", f"use at most {MAX_TOTAL_STEPS:,} steps per run (a longer "
+                    "run resumes from its checkpoint with a larger total_steps)", "plan-limits")  # fmt: skip
+    if total_devices(c) > MAX_DEVICES:
+        yield error("cluster.nnodes", f"{c.cluster.nnodes} x {c.cluster.gpus_per_node} devices is more than a "
+                    f"plan supports ({MAX_DEVICES:,})", "check cluster.nnodes and cluster.gpus_per_node",
+                    "plan-limits")  # fmt: skip
+    for leaf in iter_leaves(RLConfig):
+        if leaf.path in SEED_FIELDS or leaf.path == "trainer.total_steps":
+            continue  # reported above and by seed-range
+        value = get_path(c, leaf.path)
+        values = value if isinstance(value, tuple) else (value,)
+        for i, v in enumerate(values):
+            if isinstance(v, int) and not isinstance(v, bool) and abs(v) > MAX_INT:
+                where = f"{leaf.path}[{i}]" if isinstance(value, tuple) else leaf.path
+                yield error(where, f"{v} is too large to plan", f"use a value of at most 2**40 "
+                            f"({MAX_INT:,})", "plan-limits")  # fmt: skip
+
+
+CHECKPOINT_COMPLETE_MARKER = "COMPLETE"
+"""The file a complete checkpoint folder holds (rltrain.checkpoint.COMPLETE)."""
+_STEP_FOLDER = re.compile(r"^global_step_\d+$")
+
+
+@rule("resume-path", "trainer.resume_mode", "trainer.resume_from_path", filesystem=True)
+def resume_path(c: RLConfig) -> Iterator[Issue]:
+    """With resume_mode resume_path, resume_from_path is a complete checkpoints/global_step_N folder (or a
+    role folder in one). The run re-checks every file's digest at start; this catches a wrong path first."""
+    t = c.trainer
+    if t.resume_mode != "resume_path" or not t.resume_from_path:
+        return  # the trainer rule reports a missing path
+    folder = os.path.abspath(t.resume_from_path)
+    if not _STEP_FOLDER.match(os.path.basename(folder)) and _STEP_FOLDER.match(
+        os.path.basename(os.path.dirname(folder))
+    ):
+        folder = os.path.dirname(folder)  # a role folder (global_step_N/actor) names its checkpoint
+    fix = "point it at a checkpoints/global_step_N folder of an earlier run, or use resume_mode: auto"
+    if not os.path.exists(folder):
+        problem = f"{t.resume_from_path} does not exist"
+    elif not os.path.isdir(folder):
+        problem = f"{t.resume_from_path} is a file, not a checkpoint folder"
+    elif not _STEP_FOLDER.match(os.path.basename(folder)):
+        problem = f"{t.resume_from_path} is not a global_step_N folder"
+    elif not os.path.isfile(os.path.join(folder, CHECKPOINT_COMPLETE_MARKER)):
+        problem = f"{folder} has no {CHECKPOINT_COMPLETE_MARKER} marker (the save did not finish)"
+    else:
+        return
+    yield error("trainer.resume_from_path", f"cannot resume: {problem}", fix, "resume-path")
+
+
+def _unwritable_reason(path: str) -> str | None:
+    """Why a folder cannot be used (or created) for output, or None when it can."""
+    target = os.path.abspath(path)
+    if os.path.exists(target):
+        if not os.path.isdir(target):
+            return f"{path} is not a folder"
+        if not os.access(target, os.W_OK | os.X_OK):
+            return f"{path} is not writable"
+        return None
+    parent = os.path.dirname(target)
+    while not os.path.exists(parent):  # the nearest existing folder decides whether it can be created
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{parent} is a file, so {path} cannot be created"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path} cannot be created: {parent} is not writable"
+    return None
+
+
+@rule("output-dir", "trainer.output_dir", "profile.save_path", filesystem=True)
+def output_dir(c: RLConfig) -> Iterator[Issue]:
+    """trainer.output_dir (and an absolute profile.save_path) is a writable folder or can be created."""
+    if (reason := _unwritable_reason(c.trainer.output_dir)) is not None:
+        yield error("trainer.output_dir", f"the run cannot write its outputs: {reason}",
+                    "choose a folder you can write to (it is created if missing)", "output-dir")  # fmt: skip
+    p = c.profile
+    if p.tool != "none" and os.path.isabs(p.save_path) and (reason := _unwritable_reason(p.save_path)):
+        yield error("profile.save_path", f"the profiler cannot write: {reason}",
+                    "choose a folder you can write to, or a path relative to trainer.output_dir",
+                    "output-dir")  # fmt: skip
 
 
 @rule("profile", "profile.*", "cluster.device")

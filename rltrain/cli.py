@@ -29,6 +29,13 @@ Runs RL fine-tuning (PPO/GRPO) on megatron-core. Precedence: flags > --config fi
 
 _OWN_FLAGS = {"--config", "--dry-run", "--help", "-h"}
 
+RUN_OPTIONS = """run options (rltrain's own; every other flag below sets one config field):
+  --config FILE.yaml   overlay this YAML/JSON file on the preset (flags overlay the file)
+  --dry-run            check everything a run checks, print the resolved config and the trainer plan, exit
+  -h, --help           this help: the run options, then every field with this preset's value as its default
+
+Precedence: flags > --config file > preset > defaults. Check a file alone with `rlconf validate FILE`."""
+
 
 def _tyro_cli(default: RLConfig, args: Sequence[str], prog: str) -> RLConfig:
     import tyro
@@ -38,6 +45,7 @@ def _tyro_cli(default: RLConfig, args: Sequence[str], prog: str) -> RLConfig:
         args=list(args),
         default=default,
         prog=prog,
+        description=RUN_OPTIONS,
         use_underscores=True,
         config=(tyro.conf.FlagConversionOff,),
     )
@@ -111,8 +119,13 @@ def _flag_values(value: Any) -> list[str]:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
-    """(config, dry_run) from `PRESET [--config FILE] [flags] [--dry-run]`; raises ConfigError."""
-    from rlconf.load import build_config, config_to_dict, resolve_config
+    """(config, dry_run) from `PRESET [--config FILE] [flags] [--dry-run]`; raises ConfigError.
+
+    Reports what `rlconf validate` reports, all at once: the file's structural errors (its bad values are
+    left at the preset's so the rest can still be checked), then every rule on the result with the flags
+    applied, the filesystem rules included (the run reads and writes those paths).
+    """
+    from rlconf.load import build_config, build_from_sources, config_to_dict
     from rlconf.validate import check_config
 
     preset, rest = argv[0], list(argv[1:])
@@ -134,17 +147,18 @@ def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
         else:
             flags.append(token)
         i += 1
+    source = config_file if config_file is not None else "command line"
     if issues := _flag_issues(flags):
         raise ConfigError(issues, "command line")
     flags = _normalize_bools(flags)
-    base = resolve_config(config_file, preset=preset)
-    config = _tyro_cli(base, flags, prog=f"rltrain {preset}")
+    base, file_issues, _ = build_from_sources(config_file, preset=preset)
+    config = _tyro_cli(base, flags, prog=f"rltrain {preset} [--config FILE.yaml] [--dry-run]")
     # tyro checked each value's type; the same structural walk as files (finite floats, ...) and the
     # cross-field rules run on the result, so flags and files are held to one standard.
-    config, structural = build_config(config_to_dict(config), source="command line")
-    issues = structural + check_config(config)
+    config, structural = build_config(config_to_dict(config), source=source)
+    issues = file_issues + structural + check_config(config, filesystem=True)
     if any(i.severity == "error" for i in issues):
-        raise ConfigError(issues, "command line")
+        raise ConfigError(issues, source)
     for w in issues:
         print(w.format(), file=sys.stderr)
     return config, dry_run

@@ -109,6 +109,22 @@ CASES = [
     (["algorithm.gamma=1.5"], "algorithm.gamma", "ppo-loss", "error"),
     (["reward.function=exact_matc"], "reward.function", "reward-function", "error"),
     (["data.train_files=[prompts.csv]"], "data.train_files[0]", "data-files", "error"),
+    (["data.val_files=[prompts.json]"], "data.val_files[0]", "data-files", "error"),  # the loader reads no .json
+    # what a run reads and writes before its workers start (filesystem rules)
+    (["data.train_files=[/nonexistent/prompts.jsonl]"], "data.train_files[0]", "data-files-exist", "error"),
+    (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/nonexistent/checkpoints/global_step_3"],
+     "trainer.resume_from_path", "resume-path", "error"),
+    (["trainer.output_dir=/dev/null"], "trainer.output_dir", "output-dir", "error"),
+    (["trainer.output_dir=/dev/null/run"], "trainer.output_dir", "output-dir", "error"),
+    (["profile.tool=torch", "profile.steps=[1]", "profile.save_path=/dev/null/prof"],
+     "profile.save_path", "output-dir", "error"),
+    # numbers the plan and the workers cannot handle
+    (["trainer.seed=-1"], "trainer.seed", "seed-range", "error"),
+    (["trainer.seed=100000000000000000000000000000"], "trainer.seed", "seed-range", "error"),
+    (["actor.megatron.seed=4611686018427387904"], "actor.megatron.seed", "seed-range", "error"),  # 2**62
+    (["trainer.total_steps=100001"], "trainer.total_steps", "plan-limits", "error"),
+    (["cluster.nnodes=1024", "cluster.gpus_per_node=1024"], "cluster.nnodes", "plan-limits", "error"),
+    (["trainer.save_freq=100000000000000000000000000000"], "trainer.save_freq", "plan-limits", "error"),
     (["model.attention_backend=te"], "model.attention_backend", "model-source", "error"),
     (["actor.megatron.use_dist_checkpointing=true"], "actor.megatron.dist_checkpointing_path", "model-source", "error"),
     (["model.arch.hidden_size=66"], "model.arch.kv_channels", "model-source", "error"),
@@ -132,10 +148,10 @@ def test_rule_reports_its_path(overrides, path, rule_name, severity):
 
 def _issues(overrides):
     try:
-        cfg = load_config(None, preset="tiny-grpo", overrides=overrides)
+        cfg = load_config(None, preset="tiny-grpo", overrides=overrides, filesystem=True)
     except ConfigError as exc:
         return exc.issues
-    return check_config(cfg)
+    return check_config(cfg, filesystem=True)
 
 
 def test_every_rule_has_an_example():
