@@ -35,7 +35,6 @@ from typing import Any
 
 from rltrain.checkpoint import (
     _STEP_DIR,
-    _TOKENIZER_FILES,
     _WORK_DIR,
     COMPLETE,
     DIST_DIR,
@@ -45,7 +44,12 @@ from rltrain.checkpoint import (
     META,
     CheckpointError,
     CheckpointRegistry,
+    copy_tokenizer_files,
     damaged_error,
+    normalize_modes,
+    parse_latest_file,
+    read_manifest,
+    read_marker,
     verify_manifest,
 )
 
@@ -119,12 +123,29 @@ def _read_json(path: Path) -> tuple[Any, str | None]:
             return json.load(f), None
     except FileNotFoundError:
         return None, f"{path} is missing"
-    except (OSError, ValueError) as exc:
-        return None, f"{path} is unreadable ({type(exc).__name__}: {exc})"
+    except (OSError, ValueError, RecursionError) as exc:
+        return None, f"{path} is unreadable ({type(exc).__name__}: {str(exc)[:200]})"
 
 
-def _iso(unix: float | None) -> str | None:
-    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(unix)) if unix else None
+def _iso(unix: Any) -> str | None:
+    if not isinstance(unix, int | float) or isinstance(unix, bool) or not 0 < unix < 1e11:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(unix))
+
+
+# meta.json fields shown by inspect, with the type each must have to be shown (a damaged meta.json is
+# reported by the manifest check; its odd values must not crash the report).
+_META_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "contents": list,
+    "layout": dict,
+    "distributed_optimizer": (bool, type(None)),
+    "optimizer_sharding": (str, type(None)),
+    "params_dtype": str,
+    "arch": dict,
+    "value_head": bool,
+    "versions": dict,
+    "extra_keys": list,
+}
 
 
 def _files(folder: Path) -> list[dict[str, Any]]:
@@ -143,24 +164,25 @@ def _role_report(folder: Path) -> dict[str, Any]:
         role["problems"] = [f"{folder}: missing"]
         return role
     meta, meta_error = _read_json(folder / META)
-    manifest, _ = _read_json(folder / MANIFEST)
+    manifest, _ = read_manifest(folder)
     extra, _ = _read_json(folder / "extra.json")
     if isinstance(meta, dict):
-        for key in ("contents", "layout", "distributed_optimizer", "optimizer_sharding", "params_dtype",
-                    "arch", "value_head", "versions", "extra_keys"):  # fmt: skip
-            role[key] = meta.get(key)
+        for key, kind in _META_FIELDS.items():
+            role[key] = meta.get(key) if isinstance(meta.get(key), kind) else None
     else:
-        role["meta_error"] = meta_error
+        role["meta_error"] = meta_error or f"{folder / META} is not a JSON object"
     if isinstance(extra, dict) and isinstance(extra.get("extra"), dict):
         role["saved_step"] = extra["extra"].get("step")
     files = _files(folder)
     role["files"] = files
     role["bytes"] = sum(f["bytes"] for f in files)
-    if isinstance(manifest, dict) and isinstance(manifest.get("files"), dict):
+    if manifest is not None:
         entries = manifest["files"].values()
         role["saved_at"] = _iso(manifest.get("time"))
         role["manifest"] = {
             "files": len(manifest["files"]),
+            "crc32": sum(1 for e in entries if "crc32" in e),
+            # digests of manifests written by older rlplan versions
             "sha256": sum(1 for e in entries if "sha256" in e),
             "sampled_sha256": sum(1 for e in entries if "sampled_sha256" in e),
         }
@@ -170,26 +192,23 @@ def _role_report(folder: Path) -> dict[str, Any]:
 
 def inspect_step(folder: Path, only_role: str | None = None) -> dict[str, Any]:
     """The report of one checkpoint folder (JSON-serialisable); `problems` is empty when it is loadable."""
-    marker, marker_error = _read_json(folder / COMPLETE)
+    marker, marker_error = read_marker(folder)
     m = _STEP_DIR.match(folder.name) or _WORK_DIR.match(folder.name)
     report: dict[str, Any] = {
         "kind": "checkpoint",
         "path": str(folder),
         "step": int(m.group(1)) if m else None,
+        "staging": ".tmp-" in folder.name,
     }
     problems: list[str] = []
-    if isinstance(marker, dict):
-        report["step"] = marker.get("step", report["step"])
-        report["committed"] = marker.get("time")
-        roles = list(marker.get("roles", []))
+    if marker is not None:
+        report["step"] = marker["step"]
+        report["committed"] = marker.get("time") if isinstance(marker.get("time"), str) else None
+        roles = list(marker["roles"])
     else:
-        problems.append(
-            f"{folder} has no {COMPLETE} marker (its save never finished or was never committed)"
-            if not (folder / COMPLETE).exists()
-            else marker_error
-        )
+        problems.append(marker_error or f"{folder} has no {COMPLETE} marker")
         roles = sorted(c.name for c in folder.iterdir() if c.is_dir()) if folder.is_dir() else []
-    if ".tmp-" in folder.name:
+    if report["staging"]:
         problems.append(f"{folder} is a staging folder: a save that was never published")
     report["complete"] = not problems
     if only_role is not None:
@@ -201,8 +220,7 @@ def inspect_step(folder: Path, only_role: str | None = None) -> dict[str, Any]:
     report["roles"] = {r: _role_report(folder / r) for r in roles}
     for r in report["roles"].values():
         problems += r["problems"]
-    latest = folder.parent / LATEST_FILE
-    named = CheckpointRegistry(folder.parent).read_latest_file() if latest.is_file() else None
+    named, report["latest_file_problem"] = parse_latest_file(folder.parent / LATEST_FILE)
     report["latest_file_step"] = named
     report["is_latest"] = (
         named is not None and named == report["step"] and _STEP_DIR.match(folder.name) is not None
@@ -220,28 +238,39 @@ def inspect_root(root: Path) -> dict[str, Any]:
     reg = CheckpointRegistry(root)
     steps = []
     for step, folder in sorted(reg.step_folders().items()):
-        marker, _ = _read_json(folder / COMPLETE)
+        marker, _ = read_marker(folder)
         reason = reg.check_complete(folder, full=False)
-        status = "complete" if reason is None else "damaged" if isinstance(marker, dict) else "incomplete"
+        if reason is None:
+            status = "complete"
+        elif marker is not None:
+            status = "damaged"
+        else:
+            status = "unmarked" if not (folder / COMPLETE).exists() else "bad marker"
         steps.append({
             "step": step,
             "path": str(folder),
             "status": status,
             "complete": reason is None,
             "problem": reason,
-            "committed": marker.get("time") if isinstance(marker, dict) else None,
-            "roles": list(marker.get("roles", [])) if isinstance(marker, dict) else [],
+            "committed": marker.get("time") if marker is not None and isinstance(marker.get("time"), str) else None,
+            "roles": list(marker["roles"]) if marker is not None else [],
             "bytes": sum(f["bytes"] for f in _files(folder)),
         })  # fmt: skip
     leftovers = sorted(c.name for c in root.iterdir() if _WORK_DIR.match(c.name))
+    named, latest_problem = parse_latest_file(reg.latest_file)
+    problems = []
+    # A missing latest file is normal before the first commit; one that exists must hold a step number.
+    if named is None and (reg.latest_file.exists() or steps):
+        problems.append(f"{latest_problem}; resume_mode auto falls back to the newest intact checkpoint")
     return {
         "kind": "checkpoints",
         "path": str(root),
-        "latest_file_step": reg.read_latest_file(),
+        "latest_file_step": named,
+        "latest_file_problem": latest_problem,
         "checkpoints": steps,
         "leftovers": leftovers,
-        "problems": [],
-        "ok": True,
+        "problems": problems,
+        "ok": not problems,
     }
 
 
@@ -269,12 +298,18 @@ def format_step(report: dict[str, Any]) -> str:
     lines = [f"checkpoint  {report['path']}", f"step        {report['step']}"]
     if report["complete"]:
         lines.append(f"status      complete ({COMPLETE} marker, committed {report.get('committed')})")
+    elif report["staging"]:
+        lines.append(
+            "status      INCOMPLETE (a save in progress or cut short; never loaded; the next run removes it)"
+        )
     else:
-        lines.append("status      INCOMPLETE (never loaded; the next run removes it)")
+        lines.append(
+            f"status      INCOMPLETE (no valid {COMPLETE} marker; never loaded by resume_mode auto; kept)"
+        )
     named = report["latest_file_step"]
     lines.append(
         "latest      " + ("yes: " if report["is_latest"] else "no: ")
-        + (f"{LATEST_FILE} names step {named}" if named is not None else f"no readable {LATEST_FILE}")
+        + (f"{LATEST_FILE} names step {named}" if named is not None else report["latest_file_problem"])
     )  # fmt: skip
     n_files = sum(len(r.get("files", [])) for r in report["roles"].values())
     lines.append(f"size        {_size(report['bytes'])} in {n_files} files")
@@ -286,10 +321,11 @@ def format_step(report: dict[str, Any]) -> str:
         )
     else:
         counts = [r.get("manifest", {}) for r in report["roles"].values()]
-        lines.append(
-            f"verified    ok: {sum(c.get('files', 0) for c in counts)} files match their manifests (sizes; sha256 "
-            f"of {sum(c.get('sha256', 0) for c in counts)}, sampled sha256 of {sum(c.get('sampled_sha256', 0) for c in counts)})"
-        )  # fmt: skip
+        total = {k: sum(c.get(k, 0) for c in counts) for k in ("files", "crc32", "sha256", "sampled_sha256")}
+        how = f"sizes; crc32 of every byte of {total['crc32']}"
+        if total["sha256"] or total["sampled_sha256"]:  # a manifest of an older rlplan version
+            how += f", sha256 of {total['sha256']}, sampled sha256 of {total['sampled_sha256']}"
+        lines.append(f"verified    ok: {total['files']} files match their manifests ({how})")
     lines.append("")
     rows = [["role", "contents", "saved with", "optimizer state", "dtype", "model", "saved at"]]
     for name, r in report["roles"].items():
@@ -306,7 +342,7 @@ def format_step(report: dict[str, Any]) -> str:
             optim = f"{kind}, {r['optimizer_sharding']}"
         rows.append([
             name,
-            ", ".join(r.get("contents") or []) or "?",
+            ", ".join(str(c) for c in r.get("contents") or []) or "?",
             _layout(r.get("layout")),
             optim,
             str(r.get("params_dtype") or "?"),
@@ -327,11 +363,8 @@ def format_step(report: dict[str, Any]) -> str:
 def format_root(report: dict[str, Any]) -> str:
     """The human-readable form of `inspect_root`."""
     named = report["latest_file_step"]
-    lines = [
-        f"checkpoints {report['path']}",
-        f"latest      {f'step {named} (*)' if named is not None else 'none'} ({LATEST_FILE})",
-        "",
-    ]
+    latest = f"step {named} (*) ({LATEST_FILE})" if named is not None else report["latest_file_problem"]
+    lines = [f"checkpoints {report['path']}", f"latest      {latest}", ""]
     if report["checkpoints"]:
         rows = [["step", "status", "committed", "size", "roles"]]
         for c in report["checkpoints"]:
@@ -351,6 +384,11 @@ def format_root(report: dict[str, Any]) -> str:
 
 def _step_error(report: dict[str, Any]) -> CheckpointError:
     """The one-line error for a checkpoint that cannot be loaded: damaged files first, else incomplete."""
+    if report["kind"] == "checkpoints":
+        return CheckpointError(
+            f"{report['problems'][0]}; write the step to resume from into it (e.g. `echo "
+            f"{_newest_complete(report)} > {Path(report['path']) / LATEST_FILE}`) or delete it"
+        )
     damaged = [p for r in report["roles"].values() for p in r["problems"]]
     if report["complete"] and damaged:
         return damaged_error(report["path"], damaged)
@@ -360,6 +398,11 @@ def _step_error(report: dict[str, Any]) -> CheckpointError:
         f"{problems[0]}{more}; it cannot be loaded: use an earlier complete checkpoint (`rltrain inspect "
         f"{Path(report['path']).parent}` lists them; trainer.resume_mode: auto picks the newest intact one)"
     )
+
+
+def _newest_complete(report: dict[str, Any]) -> str:
+    steps = [c["step"] for c in report["checkpoints"] if c["complete"]]
+    return str(steps[-1]) if steps else "N"
 
 
 def run_inspect(path: str, as_json: bool) -> int:
@@ -396,8 +439,8 @@ def _run_model_paths(step_dir: Path) -> tuple[Path | None, Path | None, str]:
             source = str(out_dir / "plan.json")
     if not isinstance(model, dict):
         return None, None, ""
-    path = model.get("path")
-    tok = model.get("tokenizer_path") or path
+    path = model.get("path") if isinstance(model.get("path"), str) else None
+    tok = model.get("tokenizer_path") if isinstance(model.get("tokenizer_path"), str) else path
     return (Path(path) if path else None), (Path(tok) if tok else None), source
 
 
@@ -432,20 +475,14 @@ def _cpu_world() -> Any:
 
 def _require_loadable(step_dir: Path, role: str) -> dict[str, Any]:
     """The role's meta.json once the checkpoint is complete and the role's files match its manifest."""
-    marker, marker_error = _read_json(step_dir / COMPLETE)
-    if not isinstance(marker, dict):
-        why = (
-            f"{step_dir} has no {COMPLETE} marker (its save never finished)"
-            if marker_error and "missing" in marker_error
-            else marker_error
-        )
+    marker, why = read_marker(step_dir)
+    if marker is None:
         raise CheckpointError(
             f"{why}; export a complete checkpoint instead (`rltrain inspect {step_dir.parent}` lists them)"
         )
-    if role not in marker.get("roles", []):
+    if role not in marker["roles"]:
         raise CheckpointError(
-            f"{step_dir} has no role {role} (it holds {', '.join(marker.get('roles', [])) or 'nothing'}); "
-            f"pass --role with one of those"
+            f"{step_dir} has no role {role} (it holds {', '.join(marker['roles'])}); pass --role with one of those"
         )
     problems = verify_manifest(step_dir / role, full=True)
     if problems:
@@ -454,6 +491,67 @@ def _require_loadable(step_dir: Path, role: str) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_error}; export another checkpoint")
     return meta
+
+
+# Names that make a folder a run folder (rltrain's output_dir) or part of a checkpoint. config.yaml counts for
+# OUT and what is inside it (what --overwrite would delete), not for the folders above OUT: a project folder
+# with its own config.yaml is no run.
+_RUN_FILES = ("metrics.jsonl", "plan.json", LATEST_FILE, COMPLETE, MANIFEST, META)
+# More entries than an export folder ever holds: past this, OUT is not scanned further and is refused.
+_SCAN_LIMIT = 10_000
+
+
+def _run_marker(folder: Path, with_config: bool) -> str | None:
+    """What makes `folder` a run folder or (part of) a checkpoint, or None."""
+    if _STEP_DIR.match(folder.name) or _WORK_DIR.match(folder.name):
+        return f"it is named {folder.name}"
+    for name in (*_RUN_FILES, "config.yaml") if with_config else _RUN_FILES:
+        if (folder / name).is_file():
+            return f"it holds {name}"
+    if (folder / DIST_DIR).is_dir():
+        return f"it holds {DIST_DIR}/"
+    ckpts = folder / "checkpoints"
+    with contextlib.suppress(OSError):
+        if ckpts.is_dir() and (
+            (ckpts / LATEST_FILE).exists() or any(_is_step_name(c.name) for c in ckpts.iterdir())
+        ):
+            return "it holds checkpoints/"
+        step = next((c.name for c in folder.iterdir() if c.is_dir() and _is_step_name(c.name)), None)
+        if step is not None:
+            return f"it holds {step}/"
+    return None
+
+
+def _check_out_is_no_run(out: Path, step_dir: Path) -> None:
+    """Refuse an OUT that is, contains or lies inside a run folder or a checkpoint (--overwrite would delete it,
+    or the export would land among the run's files), whatever --overwrite says."""
+    real_out, real_step = out.resolve(), step_dir.resolve()
+    run_dir = real_step.parent.parent
+    fix = (
+        f"; export-hf never writes there, with or without --overwrite: choose a new folder outside the run, "
+        f"e.g. {run_dir.parent / f'{run_dir.name}-hf-{real_step.name}'}"
+    )
+    if real_step.is_relative_to(real_out):
+        raise CheckpointError(f"{out} holds the checkpoint being exported ({step_dir}){fix}")
+    if real_out.is_relative_to(real_step):
+        raise CheckpointError(f"{out} is inside the checkpoint being exported ({step_dir}){fix}")
+    for folder in (real_out, *real_out.parents):
+        why = _run_marker(folder, with_config=folder == real_out) if folder.is_dir() else None
+        if why is not None:
+            where = "is" if folder == real_out else f"is inside {folder}, which is"
+            raise CheckpointError(f"{out} {where} a run folder or checkpoint ({why}){fix}")
+    if not real_out.is_dir():
+        return
+    seen = 0
+    for dirpath, dirs, files in os.walk(real_out):
+        seen += len(dirs) + len(files)
+        if seen > _SCAN_LIMIT:
+            raise CheckpointError(
+                f"{out} holds more than {_SCAN_LIMIT} files and folders: not an export folder{fix}"
+            )
+        why = _run_marker(Path(dirpath), with_config=True)
+        if why is not None:
+            raise CheckpointError(f"{out} holds a run folder or checkpoint ({dirpath}: {why}){fix}")
 
 
 def _prepare_out(out: Path, overwrite: bool) -> Path:
@@ -492,9 +590,10 @@ def export_hf(
             "actor (--role actor)"
         )
     out = Path(out).absolute()
+    _check_out_is_no_run(out, step_dir)
     model_dir, tok_dir, source = _run_model_paths(step_dir)
     notes: list[str] = []
-    contents = meta.get("contents", [])
+    contents = meta["contents"] if isinstance(meta.get("contents"), list) else []
     tmp = _prepare_out(out, overwrite)
     try:
         if "model" not in contents:
@@ -514,24 +613,41 @@ def export_hf(
                 notes.append(f"model.path {model_dir} (from {source}) has no config.json any more: config.json "
                              "is written from the saved architecture")  # fmt: skip
             _export_dist(step_dir / role, role, meta, tmp, base)
-        if tok_dir is not None and tok_dir.is_dir():
-            copied = [n for n in _TOKENIZER_FILES if (tok_dir / n).is_file() and not (tmp / n).exists()]
-            for name in copied:
-                shutil.copy2(tok_dir / name, tmp / name)
-            if copied:
-                notes.append(f"tokenizer files from {tok_dir}: {', '.join(copied)}")
-        elif tok_dir is not None:
-            notes.append(f"tokenizer folder {tok_dir} (from {source}) is gone: no tokenizer files copied")
-        elif not source:
-            notes.append("no config.yaml / plan.json next to checkpoints/: no tokenizer files copied")
-        else:
-            notes.append("the run used the built-in character tokenizer: no tokenizer files to copy")
+        notes += _export_tokenizer(tok_dir, source, meta, tmp)
+        normalize_modes(tmp)
         _publish(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     files = _files(out)
     return {"out": str(out), "role": role, "step_dir": str(step_dir), "files": files, "notes": notes}
+
+
+def _export_tokenizer(tok_dir: Path | None, source: str, meta: dict[str, Any], out: Path) -> list[str]:
+    """Write the tokenizer of the run next to the exported model; returns notes for the summary.
+
+    The run's config (config.yaml / plan.json next to checkpoints/) says which tokenizer it read, else the
+    role's meta.json (recorded since the save of the tokenizer kind); a Hugging Face folder's files are copied,
+    the built-in character tokenizer is written as Hugging Face files (CharTokenizer.save_pretrained)."""
+    saved = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else None
+    if not source and saved is not None:
+        if saved.get("kind") == "char":
+            tok_dir, source = None, "meta.json"
+        elif isinstance(saved.get("path"), str):
+            tok_dir, source = Path(saved["path"]), "meta.json"
+    if tok_dir is not None and tok_dir.is_dir():
+        copied = copy_tokenizer_files(tok_dir, out)
+        return [f"tokenizer files from {tok_dir}: {', '.join(copied)}"] if copied else []
+    if tok_dir is not None:
+        return [f"tokenizer folder {tok_dir} (from {source}) is gone: no tokenizer files copied"]
+    if not source:
+        return [
+            "no config.yaml / plan.json next to checkpoints/ and no tokenizer in meta.json: no tokenizer written"
+        ]
+    from rltrain.tokenizer import CharTokenizer
+
+    written = CharTokenizer().save_pretrained(out)
+    return [f"the built-in character tokenizer, as Hugging Face files: {', '.join(written)}"]
 
 
 def _export_dist(

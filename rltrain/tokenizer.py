@@ -7,11 +7,17 @@ in `HFTokenizer` so that the data pipeline, the rollout and the reward code see 
 
     encode(text) -> list[int]        decode(ids) -> str           encode_prompt(prompt, chat) -> list[int]
     pad_token_id, eos_token_id, bos_token_id, vocab_size, apply_chat_template(messages, ...)
+
+`CharTokenizer.save_pretrained` writes the built-in tokenizer as Hugging Face files (what `rltrain export-hf`
+and the hf_model checkpoint part ship next to a tiny model), so `AutoTokenizer` loads it with the same ids.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 from rlconf.config import ModelConfig
@@ -111,6 +117,81 @@ class CharTokenizer:
     def encode_prompt(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
         """`<bos>` + the characters of the prompt: the sequence the policy continues."""
         return [self._ids[BOS], *self.encode(messages_to_text(prompt))]
+
+    def save_pretrained(self, folder: str | os.PathLike) -> list[str]:
+        """Write this tokenizer as a Hugging Face fast tokenizer (tokenizer.json, tokenizer_config.json,
+        special_tokens_map.json) into `folder`; returns the file names.
+
+        `transformers.AutoTokenizer.from_pretrained(folder)` then behaves like this class: the same ids
+        (`encode(text, add_special_tokens=False)` == `encode(text)`; the default adds `<bos>` like
+        `encode_prompt`), `<unk>` for other characters, decoding with U+FFFD for `<unk>` and pad / bos / eos
+        dropped under skip_special_tokens, special-token text in the input split into characters
+        (split_special_tokens), and the same no-op chat template. Written as JSON, so neither `tokenizers`
+        nor `transformers` is needed to export.
+        """
+        out = Path(folder)
+        out.mkdir(parents=True, exist_ok=True)
+        specials = {"pad_token": PAD, "bos_token": BOS, "eos_token": EOS}
+        config = {
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            **specials,
+            # The built-in tokenizer never treats "<eos>" in a text as a token, and never edits spaces.
+            "split_special_tokens": True,
+            "clean_up_tokenization_spaces": False,
+            "add_bos_token": True,
+            "model_max_length": 1 << 20,
+            # messages_to_text: the contents joined by newlines, no role markup.
+            "chat_template": "{% for m in messages %}{{ m['content'] }}{% if not loop.last %}{{ '\\n' }}{% endif %}{% endfor %}",
+        }
+        files = {
+            "tokenizer.json": self._hf_tokenizer_json(),
+            "tokenizer_config.json": config,
+            "special_tokens_map.json": specials,
+        }
+        for name, obj in files.items():
+            (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        return list(files)
+
+    def _hf_tokenizer_json(self) -> dict[str, Any]:
+        """The `tokenizers` serialisation of a WordLevel model over single characters with these ids."""
+
+        def added(token: str) -> dict[str, Any]:
+            return {"id": self._ids[token], "content": token, "single_word": False, "lstrip": False,
+                    "rstrip": False, "normalized": False, "special": True}  # fmt: skip
+
+        bos = {"SpecialToken": {"id": BOS, "type_id": 0}}
+        return {
+            "version": "1.0",
+            "truncation": None,
+            "padding": None,
+            "added_tokens": [added(t) for t in (PAD, BOS, EOS)],
+            "normalizer": None,
+            # Every character is a word (newlines included), looked up in the vocabulary.
+            "pre_tokenizer": {
+                "type": "Split",
+                "pattern": {"Regex": "[\\s\\S]"},
+                "behavior": "Isolated",
+                "invert": False,
+            },
+            "post_processor": {
+                "type": "TemplateProcessing",
+                "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+                "pair": [
+                    bos,
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                    {"Sequence": {"id": "B", "type_id": 0}},
+                ],
+                "special_tokens": {BOS: {"id": BOS, "ids": [self._ids[BOS]], "tokens": [BOS]}},
+            },
+            "decoder": {
+                "type": "Sequence",
+                "decoders": [
+                    {"type": "Replace", "pattern": {"String": UNK}, "content": UNK_CHAR},
+                    {"type": "Fuse"},
+                ],
+            },
+            "model": {"type": "WordLevel", "vocab": dict(self._ids), "unk_token": UNK},
+        }
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"

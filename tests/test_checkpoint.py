@@ -98,22 +98,35 @@ def test_crash_mid_save_keeps_previous_and_cleanup_removes_partial(tmp_path, reg
     reg.commit(1)
     partial = Path(reg.begin(2)["actor"])
     (partial / "meta.json").write_text("{}")  # some files written, then the process dies
-    # Also: a marker-less global_step_3 written by us (never happens through commit, but e.g. a copy) and
-    # a foreign folder that must never be deleted.
-    (reg.root / "global_step_3" / "actor").mkdir(parents=True)
-    (reg.root / "global_step_3" / "actor" / "meta.json").write_text("{}")
+    # Also: a marker-less global_step_3 written by us (its COMPLETE deleted by hand: the weights are intact)
+    # and a foreign folder; neither is ever deleted.
+    _fake_save(reg, 3)
+    reg.commit(3)
+    (reg.step_dir(3) / "COMPLETE").unlink()
     (reg.root / "global_step_4").mkdir()
     (reg.root / "global_step_4" / "weights.bin").write_bytes(b"x")
     stray = reg.root / f".{ck.LATEST_FILE}.tmp-0123abcd"  # a latest-file rewrite cut short
     stray.write_text("2")
 
     restarted = CheckpointRegistry.from_plan(_plan(tmp_path))
-    assert restarted.latest_complete() == 1  # the crash changed nothing published
-    with pytest.warns(UserWarning, match="not written by rlplan"):
-        removed = restarted.cleanup_incomplete()
-    assert sorted(p.name for p in removed) == sorted([partial.parent.name, "global_step_3"])
-    assert (reg.root / "global_step_4" / "weights.bin").is_file() and not stray.exists()
+    removed = restarted.cleanup_incomplete()
+    assert sorted(p.name for p in removed) == sorted([partial.parent.name, stray.name])
+    assert (reg.root / "global_step_4" / "weights.bin").is_file()
+    assert (reg.step_dir(3) / "actor" / "dist_ckpt" / "__0_0.distcp").is_file()
+    with pytest.warns(UserWarning) as record:
+        assert restarted.latest_complete() == 1  # the crash changed nothing published
+    message = " ".join(str(w.message) for w in record)
+    assert (
+        "global_step_3 has no COMPLETE marker, though its files match their manifests; it is kept" in message
+    )
+    assert f"trainer.resume_from_path: {reg.step_dir(3)}" in message
+    assert "global_step_4 has no COMPLETE marker: kept, not loaded" in message
     assert restarted.complete_steps() == [1] and restarted.check_complete(restarted.step_dir(1)) is None
+    # Retention never deletes it either; naming it explicitly resumes from it (its files verified in full).
+    assert restarted.apply_retention(1) == [] and reg.step_dir(3).is_dir()
+    with pytest.warns(UserWarning, match="has no COMPLETE marker; every file of actor matches its manifest"):
+        resume = restarted.resolve_resume(_plan(tmp_path, "resume_path", str(reg.step_dir(3))))
+    assert (resume.step, resume.folder) == (3, reg.step_dir(3))
 
 
 def test_resave_of_existing_step_replaces_it_and_interrupted_replace_is_recovered(reg: CheckpointRegistry):
@@ -179,14 +192,19 @@ def test_resume_modes(tmp_path, reg: CheckpointRegistry):
     # ... anything else is a ConfigError naming trainer.resume_from_path.
     with pytest.raises(ConfigError, match=r"trainer\.resume_from_path: .*nowhere does not exist"):
         reg.resolve_resume(_plan(tmp_path, "resume_path", str(tmp_path / "nowhere")))
+    # Without its marker but intact, step 3 is taken when named explicitly; once a file is damaged, it is not.
+    with pytest.warns(UserWarning, match="has no COMPLETE marker; every file of actor matches its manifest"):
+        assert reg.resolve_resume(_plan(tmp_path, "resume_path", str(reg.step_dir(3)))).step == 3
+    with open(reg.step_dir(3) / "actor" / "dist_ckpt" / "__0_0.distcp", "r+b") as f:
+        f.truncate(3)
     for bad in (reg.step_dir(3), tmp_path):  # incomplete; the run folder: both show what can be picked
         with pytest.raises(ConfigError, match=r"trainer\.resume_from_path") as info:
             reg.resolve_resume(_plan(tmp_path, "resume_path", str(bad)))
         assert f"complete checkpoints in {reg.root}: steps [1, 2]" in str(info.value)
-    # A small file changed after the save (sha256 in the manifest) is caught for an explicit path.
+    # A small file changed after the save (same size, other bytes) is caught for an explicit path.
     meta = reg.step_dir(1) / "actor" / "meta.json"
-    meta.write_text(meta.read_text().replace("actor", "ACTOR"))  # same size, other bytes
-    with pytest.raises(ConfigError, match="sha256"):
+    meta.write_text(meta.read_text().replace("actor", "ACTOR"))
+    with pytest.raises(ConfigError, match=r"meta\.json: content differs from the manifest \(crc32"):
         reg.resolve_resume(_plan(tmp_path, "resume_path", str(reg.step_dir(1))))
     # A checkpoint without a role this run needs (a GRPO checkpoint for a PPO run) cannot resume it.
     ppo = CheckpointRegistry(reg.root, ["actor", "critic"])

@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-BIG = 3 << 20  # > 1 MiB: manifests keep a sampled digest of such files, not a full sha256
+BIG = 3 << 20  # a tensor shard of a few MiB (older manifests kept only a sampled digest of files > 1 MiB)
 
 
 # ============================================================================================ registry
@@ -43,13 +43,13 @@ def _plan(out: Path):
     return compile_plan(RLConfig(trainer=TrainerConfig(output_dir=str(out), save_freq=1, total_steps=8)))
 
 
-def _save(reg: CheckpointRegistry, step: int) -> Path:
+def _save(reg: CheckpointRegistry, step: int, shard_bytes: int = BIG) -> Path:
     """A committed checkpoint as the workers write it: a large tensor file, small files, meta, manifest."""
     paths = reg.begin(step)
     for role, folder in paths.items():
         f = Path(folder)
         (f / "dist_ckpt").mkdir()
-        (f / "dist_ckpt" / "__0_0.distcp").write_bytes(os.urandom(BIG))
+        (f / "dist_ckpt" / "__0_0.distcp").write_bytes(os.urandom(shard_bytes))
         (f / "dist_ckpt" / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
         meta = {
             "format": ck.FORMAT,
@@ -82,22 +82,76 @@ def _zero_block(path: Path, offset: int, n: int = 4096) -> None:
         f.write(b"\0" * n)
 
 
-def test_manifest_digests_catch_truncation_and_same_size_damage(reg: CheckpointRegistry):
+def test_manifest_digests_cover_every_byte(reg: CheckpointRegistry):
     folder = _save(reg, 1) / "actor"
-    manifest = json.loads((folder / "manifest.json").read_text())["files"]
-    assert "sampled_sha256" in manifest["dist_ckpt/__0_0.distcp"] and "sha256" in manifest["meta.json"]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["digest"] == {"algorithm": "crc32", "block_bytes": 64 << 20}
+    assert set(manifest["files"]) == {
+        "dist_ckpt/__0_0.distcp",
+        "dist_ckpt/metadata.json",
+        "extra.json",
+        "meta.json",
+    }
+    assert all(len(e["crc32"]) == 1 for e in manifest["files"].values())
     assert ck.verify_manifest(folder) == []
     tensor = folder / "dist_ckpt" / "__0_0.distcp"
-    # Zeros in the middle of a large file: same size, so only the full check (sampled digest) sees it. The
-    # samples are under 1/15 of the size apart: a damaged region of 1/16 of it is always caught.
-    _zero_block(tensor, BIG // 2, BIG // 16)
+    # One byte changed in the middle of a large file: same size, so only the full check sees it.
+    with open(tensor, "r+b") as f:
+        f.seek(BIG // 2 + 12345)
+        old = f.read(1)
+        f.seek(BIG // 2 + 12345)
+        f.write(bytes([old[0] ^ 0x10]))
     assert ck.verify_manifest(folder, full=False) == []
-    assert ck.verify_manifest(folder) == [f"{tensor}: content differs from the manifest (sampled sha256)"]
+    assert ck.verify_manifest(folder) == [
+        f"{tensor}: content differs from the manifest (crc32 of bytes 0-{BIG})"
+    ]
     with open(tensor, "r+b") as f:
         f.truncate(BIG - 1)
     assert ck.verify_manifest(folder, full=False) == [
         f"{tensor}: {BIG - 1} bytes, manifest says {BIG} (truncated or overwritten)"
     ]
+    # A file that appeared after the save is not covered by any digest: named too.
+    (folder / "dist_ckpt" / "__1_0.distcp").write_bytes(b"x")
+    assert f"{folder / 'dist_ckpt' / '__1_0.distcp'}: not in the manifest" in ck.verify_manifest(folder)[-1]
+
+
+def test_blocks_locate_the_damage(reg: CheckpointRegistry, monkeypatch):
+    monkeypatch.setattr(ck, "_DIGEST_BLOCK", 1 << 20)  # 3 blocks of 1 MiB, hashed by the thread pool
+    folder = _save(reg, 1) / "actor"
+    tensor = folder / "dist_ckpt" / "__0_0.distcp"
+    assert (
+        len(json.loads((folder / "manifest.json").read_text())["files"]["dist_ckpt/__0_0.distcp"]["crc32"])
+        == 3
+    )
+    _zero_block(tensor, (2 << 20) + 100, 8)
+    assert ck.verify_manifest(folder) == [
+        f"{tensor}: content differs from the manifest (crc32 of bytes {2 << 20}-{3 << 20})"
+    ]
+
+
+def test_zeroed_megabyte_inside_a_48mb_shard_is_caught_by_inspect_export_and_resume(
+    tmp_path, capsys, reg: CheckpointRegistry
+):
+    """The issue's case: 1 MB of zeros in the middle of a 48 MB shard passed the sampled digest everywhere."""
+    size = 48 << 20
+    _save(reg, 1, shard_bytes=size)
+    step2 = _save(reg, 2, shard_bytes=size)
+    shard = step2 / "actor" / "dist_ckpt" / "__0_0.distcp"
+    _zero_block(shard, size // 2 - (1 << 19), 1 << 20)
+
+    code, out, err = _inspect(capsys, str(step2))
+    assert code == 2 and "verified    FAILED" in out and err.count("\n") == 1
+    assert err.startswith(f"error: {shard}: content differs from the manifest (crc32 of bytes 0-{size})")
+    code = tools.main(["export-hf", str(step2), str(tmp_path / "hf")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"error: {shard}: content differs") and "is damaged" in err
+    assert not (tmp_path / "hf").exists()
+    with pytest.raises(CheckpointError, match=rf"{shard}: content differs .* is damaged"):
+        ck.load_engine(None, step2 / "actor", ("model",))  # type: ignore[arg-type]
+    with pytest.warns(
+        UserWarning, match=r"latest checkpoint not usable .*__0_0\.distcp: content differs.* step 1"
+    ):
+        assert reg.resolve_resume(_plan(tmp_path / "run")).step == 1
 
 
 @pytest.mark.parametrize("damage", ["truncated", "zeroed", "small_file"])
@@ -112,11 +166,11 @@ def test_resume_auto_falls_back_to_the_previous_intact_checkpoint(tmp_path, reg:
     elif damage == "zeroed":
         bad = newest / "dist_ckpt" / "__0_0.distcp"
         _zero_block(bad, BIG - 10_000)
-        expected = "sampled sha256"
+        expected = "content differs from the manifest (crc32"
     else:
         bad = newest / "extra.json"
         bad.write_text(bad.read_text().replace('"step": 2', '"step": 7'))
-        expected = "(sha256)"
+        expected = "content differs from the manifest (crc32"
     with pytest.warns(UserWarning, match="resuming from the newest complete one, step 1") as record:
         resume = reg.resolve_resume(_plan(tmp_path / "run"))
     assert resume.step == 1
@@ -177,7 +231,7 @@ def test_inspect_shows_a_checkpoint_and_its_layout(capsys, reg: CheckpointRegist
     assert code == 0 and err == ""
     assert f"checkpoint  {folder}" in out and "step        3" in out
     assert "status      complete" in out and "latest      yes" in out
-    assert "verified    ok: 4 files match their manifests" in out and "sampled sha256 of 1" in out
+    assert "verified    ok: 4 files match their manifests (sizes; crc32 of every byte of 4)" in out
     assert "TP=2 PP=2 VPP=1 CP=1 EP=1 DP=1 (world 4)" in out and "distributed, fully_reshardable" in out
     assert "model, optimizer, extra" in out and "bfloat16" in out
     assert "3.15 MB  dist_ckpt/__0_0.distcp" in out
