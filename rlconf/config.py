@@ -483,6 +483,11 @@ class TrainerConfig:
     from resume_from_path."""
     resume_from_path: str | None = None
     """Checkpoint folder (global_step_N) used with resume_mode = resume_path."""
+    accept_config_changes: bool = False
+    """Resume although the config differs from the one the run folder holds (its config.yaml with
+    config_history.jsonl applied); the changes take effect from the next step and are recorded in
+    config_history.jsonl. Not needed for logging, profile, names, saving, validation, Ray placement, or a
+    total_steps that leaves the learning rates of the remaining steps as they were."""
     max_ckpt_to_keep: int | None = None
     """Keep at most this many complete checkpoints; None keeps all."""
     critic_warmup: int = 0

@@ -10,32 +10,41 @@ each rank (from the plan's rank grid) and gathers results from one rank per data
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+import signal
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlconf.config import RLConfig
-from rlconf.load import config_to_dict, dump_yaml
-from rlconf.plan import TrainerPlan, plan_to_dict
+from rlconf.plan import TrainerPlan
 from rlconf.seeding import ROLLOUT, VALIDATE, derive_seed
 from rltrain import algorithms
 from rltrain import device as devices
-from rltrain.checkpoint import CheckpointRegistry, Resume
+from rltrain.checkpoint import CheckpointError, Resume
 from rltrain.data import PromptBatch, left_pad
 from rltrain.metrics import REWARD_PLOT, MetricsLogger, plot_reward_curve
 from rltrain.profiling import Profiler, nsys_command, write_summary
 from rltrain.ray_group import Pool, WorkerError, WorkerGroup, nsight_runtime_env, start_ray
+from rltrain.runfolder import RunFolder, StopSignals
 
 
 class Trainer:
     """Owns the run: plan, workers, data, reward, KL controller, logger."""
 
-    def __init__(self, config: RLConfig, plan: TrainerPlan, ray_temp_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        config: RLConfig,
+        plan: TrainerPlan,
+        ray_temp_dir: str | None = None,
+        run_folder: RunFolder | None = None,
+        stop_signals: StopSignals | None = None,
+    ) -> None:
+        """`run_folder`: the folder `run_training` locked and checked (opened here when not given; its
+        checkpoints were cleaned and the resume point found under the lock). `stop_signals` are put back in
+        place once Ray has started (ray.init installs its own SIGTERM handler)."""
         from rltrain.data import build_dataloaders
         from rltrain.rewards import load_reward_function
         from rltrain.tokenizer import load_tokenizer
@@ -43,16 +52,13 @@ class Trainer:
 
         self.plan = plan
         self.cfg = cfg = plan.config
-        self.out = Path(cfg.trainer.output_dir)
-        self.out.mkdir(parents=True, exist_ok=True)
-        (self.out / "config.yaml").write_text(dump_yaml(config_to_dict(config)))
-        (self.out / "plan.json").write_text(json.dumps(plan_to_dict(plan), indent=2) + "\n")
-
-        # Checkpoints: drop what a crash left half-written, and find where to resume, before any worker
-        # starts (a bad trainer.resume_from_path fails here, in seconds).
-        self.ckpt = CheckpointRegistry.from_plan(plan)
-        self.ckpt.cleanup_incomplete()
-        self.resume = self.ckpt.resolve_resume(plan) if plan.checkpoint.roles else None
+        self._own_folder = run_folder is None
+        self.run_folder = run_folder if run_folder is not None else RunFolder.open(config, plan)
+        self.out = self.run_folder.path
+        self.run_folder.record_start(config, plan)
+        self.ckpt, self.resume = self.run_folder.ckpt, self.run_folder.resume
+        # The last step whose metrics line is written: a stop keeps only saves of steps up to it.
+        self._logged_step = 0
 
         self.tokenizer = load_tokenizer(cfg.model)
         self.reward_fn = load_reward_function(cfg.reward.function)
@@ -71,6 +77,8 @@ class Trainer:
         sharing = {p.name: sum(1 for r in present if r in p.roles) for p in plan.resources.pools}
         need = sum(p.num_devices * sharing[p.name] for p in plan.resources.pools)
         start_ray(cfg.cluster.ray_address, num_cpus=max(int(need * cpus), 1), temp_dir=ray_temp_dir)
+        if stop_signals is not None:
+            stop_signals.install()  # ray.init replaced the SIGTERM handler
         pools = {p.name: Pool.reserve(p.name, p.num_devices, device, cpus, sharing[p.name])
                  for p in plan.resources.pools if sharing[p.name]}  # fmt: skip
         self.pools = list(pools.values())
@@ -322,6 +330,7 @@ class Trainer:
             tokens_per_s = metrics["perf/total_num_tokens"] / metrics["timing/step_s"]
             metrics["perf/throughput"] = tokens_per_s / self.plan.resources.total_devices
             self.logger.log(step, metrics)
+            self._logged_step = step
             # Commit only after the step's metrics line is written: a crash in between redoes the step, a
             # crash after it resumes after the step; metrics.jsonl never has a gap.
             self._finalize_saves(blocking=False)
@@ -336,36 +345,91 @@ class Trainer:
         if self.cfg.logging.plot_reward:
             plot_reward_curve(self.out / "metrics.jsonl", self.out / REWARD_PLOT, title=cfg.experiment_name)
 
-    def shutdown(self) -> None:
+    def _settle_saves(self) -> None:
+        """On a stop: staged saves of steps whose metrics line is written are finished (each worker first
+        ends the call the stop abandoned) and committed; any other staged save is removed by `shutdown`."""
+        keep = [step for step in self.ckpt.pending_steps() if step <= self._logged_step]
+        if not keep:
+            return
+        print(f"stopping: finishing the checkpoint of step {keep[-1]}", file=sys.stderr, flush=True)
+        try:
+            for group in self._trained_groups().values():
+                group.call("finalize_checkpoint", per_rank_args=[(True,)] * group.world_size)
+            for step in keep:
+                if self.ckpt.ready(step):
+                    self.ckpt.commit(step)
+                    self.ckpt.apply_retention(self.cfg.trainer.max_ckpt_to_keep)
+        except (WorkerError, CheckpointError) as exc:
+            print(f"stopping: the checkpoint could not be finished ({exc}); it is removed", file=sys.stderr)
+
+    def shutdown(self, stopping: bool = False) -> None:
+        """End the workers and give their devices back. `stopping` (SIGINT / SIGTERM): the step in flight is
+        abandoned, a save is committed or removed (`_settle_saves`), and workers are not asked to flush
+        profiles (that call would wait behind the abandoned one)."""
+        if stopping:
+            self._settle_saves()
         for group in self.groups.values():
-            with contextlib.suppress(WorkerError):
-                group.call("finish")
+            if not stopping:
+                with contextlib.suppress(WorkerError):
+                    group.call("finish")
             group.shutdown()
+        # The workers are gone, so nothing writes into a staged save any more: remove what was not committed.
+        for step in self.ckpt.pending_steps():
+            self.ckpt.abort(step)
         for pool in self.pools:
             pool.release()
+        if stopping:
+            self.logger.close()
+        if self._own_folder:
+            self.run_folder.close()
 
 
 def run_training(config: RLConfig, plan: TrainerPlan) -> int:
-    """Run a whole training job; returns the process exit code."""
+    """Run a whole training job; returns the process exit code (0 done or nothing to do, 1 a worker failed,
+    130 / 143 stopped by SIGINT / SIGTERM; a ConfigError, exit 2, propagates).
+
+    Before Ray starts: the device check, then the run folder is locked and checked (`RunFolder.open`: another
+    run holding it, a changed config, a finished run). The lock is held until the process exits."""
     if not (config.cluster.ray_address or os.environ.get("RAY_ADDRESS")):
         # The local Ray cluster's workers run on this machine: a device it lacks (no GPU, no torch_npu /
         # CANN / MindSpeed) is a config error with what to install (exit 2), found before Ray starts, not
         # a placement group that never fills. A remote cluster's nodes are other machines.
         devices.check_available(config.cluster.device)
-    trainer = None
+    stop = StopSignals()
+    stop.install()
+    folder = trainer = None
+    code = 0
     try:
-        trainer = Trainer(config, plan)
-        trainer.fit()
-    except WorkerError as exc:
-        print(f"error: {exc}\n    fix: see the worker's log above; rerun the same command to resume from the last "
-              "complete checkpoint (trainer.resume_mode: auto)", file=sys.stderr)  # fmt: skip
-        return 1
-    finally:
-        if trainer is not None:
-            trainer.shutdown()
-        import ray
+        try:
+            folder = RunFolder.open(config, plan)
+            if folder.finished:
+                print(folder.finished, flush=True)
+                return 0
+            trainer = Trainer(config, plan, run_folder=folder, stop_signals=stop)
+            trainer.fit()
+        except KeyboardInterrupt:
+            code = stop.exit_code()
+        except WorkerError as exc:
+            if stop.signum is not None:  # a worker ended by the same signal (Ctrl-C reaches the whole group)
+                code = stop.exit_code()
+            else:
+                print(f"error: {exc}\n    fix: see the worker's log above; rerun the same command to resume from "
+                      "the last complete checkpoint (trainer.resume_mode: auto)", file=sys.stderr)  # fmt: skip
+                return 1
+        finally:
+            if trainer is not None:
+                trainer.shutdown(stopping=code != 0)
+            import ray
 
-        if ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-            ray.shutdown()
+            if ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
+                ray.shutdown()
+    finally:
+        if folder is not None:
+            if code:
+                print(folder.stop_message(stop.signum or signal.SIGINT), file=sys.stderr, flush=True)
+            folder.close()
+        stop.restore()
+    if code:
+        return code
     print(f"done: {config.trainer.output_dir}/metrics.jsonl, {config.trainer.output_dir}/{REWARD_PLOT}")
     return 0

@@ -1,0 +1,500 @@
+"""The run folder (`trainer.output_dir`) around a run: one run at a time, what the folder already holds, its
+config history, and a clean stop on SIGINT / SIGTERM.
+
+`RunFolder.open(config, plan)` runs in `run_training` before Ray starts (seconds, no workers):
+  1. lock: `run.lock` is flock'ed for the whole run and names its holder (host, pid, start time, command);
+     a second run on the folder is a ConfigError (exit 2) naming the holder. The kernel drops the lock when
+     its holder dies; the next run reports that it takes over from the dead PID.
+  2. checkpoints: what crashed saves left is removed (only ever under the lock: a run must not delete the
+     save another run is writing) and the resume point is resolved.
+  3. history: the folder's config is `config.yaml` (written once, by the first start, never rewritten) with
+     the changes of `config_history.jsonl` applied in order. A resume whose config differs from it is a
+     ConfigError listing every field old -> new, unless `trainer.accept_config_changes` is set; accepted
+     changes are recorded with the step they take effect from.
+  4. finished: a run whose steps are all done says so and exits 0 (nothing is written, Ray never starts).
+
+Fields that are not changes of the run (recorded in the history, never refused), see `free_reason`:
+  logging.*, profile.*            what is observed, not what is trained
+  trainer.output_dir, project_name, experiment_name        names
+  trainer.resume_mode, resume_from_path, accept_config_changes        how this start resumes
+  trainer.save_freq, max_ckpt_to_keep, *.checkpoint.async_save        how and when saves are written
+  trainer.test_freq, val_before_train                      validation
+  cluster.ray_address, cpus_per_worker, device_memory_gib  where it runs, not the layout
+  trainer.total_steps              when the steps still to run keep their learning rates (an extension);
+                                   a schedule that follows total_steps (decay or warmup ratio) is a change
+A fresh start at step 1 (no checkpoint to resume, or trainer.resume_mode disable) may change anything; its
+changes are recorded as a restart.
+
+`StopSignals` turns SIGINT / SIGTERM into KeyboardInterrupt (Ray's blocking `ray.get` only gives way to
+that) and remembers which signal came; `run_training` then stops the run cleanly and prints `stop_message`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rlconf.config import RLConfig
+from rlconf.errors import ConfigError, error
+from rlconf.fields import get_path, replace_paths
+from rlconf.load import config_from_dict, config_to_dict, dump_yaml, parse_yaml
+from rlconf.plan import compile_plan, plan_to_dict
+from rlconf.render import diff_dicts, flatten
+
+if TYPE_CHECKING:
+    from rlconf.plan import TrainerPlan
+    from rltrain.checkpoint import CheckpointRegistry, Resume
+
+LOCK_FILE = "run.lock"
+CONFIG_FILE = "config.yaml"
+PLAN_FILE = "plan.json"
+HISTORY_FILE = "config_history.jsonl"
+METRICS_FILE = "metrics.jsonl"  # rltrain.metrics.METRICS_FILE, without importing torch through it
+
+EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
+
+_FREE_PREFIXES = {"logging.": "logging", "profile.": "profiling"}
+_FREE_PATHS = {
+    "trainer.output_dir": "a name",
+    "trainer.project_name": "a name",
+    "trainer.experiment_name": "a name",
+    "trainer.resume_mode": "how this start resumes",
+    "trainer.resume_from_path": "how this start resumes",
+    "trainer.accept_config_changes": "how this start resumes",
+    "trainer.save_freq": "saving",
+    "trainer.max_ckpt_to_keep": "saving",
+    "trainer.test_freq": "validation",
+    "trainer.val_before_train": "validation",
+    "cluster.ray_address": "where it runs",
+    "cluster.cpus_per_worker": "where it runs",
+    "cluster.device_memory_gib": "the memory check",
+}
+
+
+def free_reason(path: str) -> str | None:
+    """Why a changed field is not a change of the run (None when it is one); total_steps is judged apart."""
+    if path in _FREE_PATHS:
+        return _FREE_PATHS[path]
+    if path.endswith(".checkpoint.async_save"):
+        return "saving"
+    return next((why for prefix, why in _FREE_PREFIXES.items() if path.startswith(prefix)), None)
+
+
+# ============================================================================================ the lock
+@dataclass(frozen=True)
+class Holder:
+    """Who holds (or last held) a run folder's lock, as written in its lock file."""
+
+    host: str
+    pid: int
+    since: str
+    command: str
+
+    @classmethod
+    def me(cls) -> Holder:
+        return cls(
+            socket.gethostname(), os.getpid(), time.strftime("%Y-%m-%d %H:%M:%S %z"), " ".join(sys.argv)
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> Holder | None:
+        try:
+            data = json.loads(text)
+            return cls(str(data["host"]), int(data["pid"]), str(data["since"]), str(data.get("command", "")))
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def describe(self) -> str:
+        return f"PID {self.pid} on host {self.host}, since {self.since}"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class RunLock:
+    """An exclusive flock on `output_dir/run.lock`, held by this process until `release()` (or its death).
+
+    flock, not a pid file: the kernel frees the lock when the holder dies (kill -9 included), so a stale lock
+    never blocks a folder; the holder's details in the file are for the messages only. The descriptor is
+    not inherited by child processes (Ray's daemons), so only this process holds the lock.
+    """
+
+    def __init__(self, path: Path, fd: int, took_over: Holder | None) -> None:
+        self.path, self._fd, self.took_over = path, fd, took_over
+
+    @classmethod
+    def acquire(cls, folder: str | os.PathLike) -> RunLock:
+        """Lock `folder` (created if missing); ConfigError naming the holder when another run has it."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = Holder.parse(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
+            os.close(fd)
+            who = holder.describe() if holder else "another process (it has not written its details yet)"
+            command = f" ({holder.command})" if holder and holder.command else ""
+            raise ConfigError(
+                [
+                    error(
+                        "trainer.output_dir",
+                        f"{folder} is in use by another run: {who}{command}",
+                        "wait for that run to finish (or stop it), or give this run another "
+                        "--trainer.output_dir",
+                        "run-folder-locked",
+                    )
+                ]
+            ) from None
+        # The file still names a holder only when that run ended without releasing the lock (it died).
+        previous = Holder.parse(os.pread(fd, 1 << 16, 0).decode(errors="replace"))
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(dataclasses.asdict(Holder.me())).encode() + b"\n", 0)
+        os.fsync(fd)
+        if previous is not None:
+            if previous.host == socket.gethostname() and not _pid_alive(previous.pid):
+                what = f"dead PID {previous.pid} (started {previous.since})"
+            else:
+                what = f"{previous.describe()}, which no longer holds it"
+            print(f"run folder {folder}: taking over the lock from {what}", file=sys.stderr, flush=True)
+        return cls(path, fd, previous)
+
+    def release(self) -> None:
+        """Empty the file (no holder) and unlock; the file stays (deleting it would race a new holder)."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            os.ftruncate(self._fd, 0)
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = -1
+
+
+# ============================================================================================ history
+def recorded_config(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """{dotted path: value} of the folder's current config: config.yaml with config_history.jsonl applied;
+    None when the folder holds no config.yaml (a new run)."""
+    folder = Path(folder)
+    if not (folder / CONFIG_FILE).is_file():
+        return None
+    flat = flatten(parse_yaml((folder / CONFIG_FILE).read_text(), source=str(folder / CONFIG_FILE)) or {})
+    for entry in read_history(folder):
+        for change in entry["changes"]:
+            if change["new"] is None and change.get("removed"):
+                flat.pop(change["path"], None)
+            else:
+                flat[change["path"]] = change["new"]
+    return flat
+
+
+def read_history(folder: str | os.PathLike) -> list[dict[str, Any]]:
+    """The entries of config_history.jsonl, oldest first (a half-written last line is skipped)."""
+    path = Path(folder) / HISTORY_FILE
+    if not path.is_file():
+        return []
+    entries = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            entries.append(json.loads(line))
+    return entries
+
+
+def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, value in flat.items():
+        node = out
+        *parents, leaf = path.split(".")
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return out
+
+
+def _scalar(value: Any) -> str:
+    return dump_yaml(value).strip().removesuffix("...").strip()
+
+
+def _default(path: str) -> Any:
+    try:
+        return config_to_dict(get_path(RLConfig(), path))
+    except AttributeError:
+        return None
+
+
+@dataclass(frozen=True)
+class ConfigChange:
+    """A field whose value differs from the run folder's config."""
+
+    path: str
+    old: Any
+    new: Any
+    free: str | None = None
+    """Why it is not a change of the run (None: it is one)."""
+    note: str = ""
+    removed: bool = False
+
+    def describe(self) -> str:
+        return f"{self.path}: {_scalar(self.old)} -> {_scalar(self.new)}" + (
+            f" ({self.note})" if self.note else ""
+        )
+
+    def record(self, kind: str) -> dict[str, Any]:
+        out = {"path": self.path, "old": self.old, "new": self.new, "kind": kind}
+        if self.free:
+            out["why"] = self.free
+        if self.removed:
+            out["removed"] = True
+        return out
+
+
+def _lr_rows(config: RLConfig, first: int, last: int) -> dict[str, list[tuple]]:
+    """{role: [(step, scheduler step, update, lr, weight decay) for steps first..last]} of the plan."""
+    plan = compile_plan(config)
+    return {
+        o.role: [
+            (r.step, r.scheduler_step, r.update, r.lr, r.weight_decay) for r in o.table[first - 1 : last]
+        ]
+        for o in plan.optim
+    }
+
+
+def _total_steps_change(old_flat: Mapping[str, Any], config: RLConfig, done: int, old: int, new: int) -> str:
+    """'' when steps done+1..min(old, new) keep their learning rates under the new total_steps, else why
+    not (the schedule follows total_steps)."""
+    first, last = done + 1, min(old, new)
+    try:
+        recorded = config_from_dict(_unflatten(old_flat))
+        before = _lr_rows(replace_paths(recorded, {"trainer.total_steps": old}), first, last)
+        after = _lr_rows(replace_paths(recorded, {"trainer.total_steps": new}), first, last)
+    except ConfigError:
+        return "the folder's config no longer compiles, so its lr schedule cannot be compared"
+    for role, rows in before.items():
+        for a, b in zip(rows, after.get(role, []), strict=False):
+            if a != b:
+                return (
+                    f"the {role} lr schedule follows total_steps: step {a[0]} would use lr {b[3]:.6g} instead of "
+                    f"{a[3]:.6g}"
+                )
+    return ""
+
+
+def config_changes(old_flat: Mapping[str, Any], config: RLConfig, done: int) -> list[ConfigChange]:
+    """Every field where `config` differs from the folder's config, classified; `done` is the step the run
+    resumes after (0: it starts at step 1)."""
+    changes = []
+    for ch in diff_dicts(dict(old_flat), flatten(config_to_dict(config))):
+        if ch.kind == "added" and ch.new == _default(ch.path):
+            continue  # a field newer than the folder's config.yaml, at its default: nothing changed
+        if ch.kind == "removed":
+            changes.append(ConfigChange(ch.path, ch.old, None, "no longer a config field", removed=True))
+            continue
+        if ch.path == "trainer.total_steps" and isinstance(ch.old, int):
+            why = _total_steps_change(old_flat, config, done, ch.old, ch.new)
+            free = None if why else ("an extension" if ch.new > ch.old else "a shorter run")
+            changes.append(ConfigChange(ch.path, ch.old, ch.new, free, why))
+            continue
+        changes.append(ConfigChange(ch.path, ch.old, ch.new, free_reason(ch.path)))
+    return changes
+
+
+def last_logged_step(folder: str | os.PathLike) -> int:
+    """The last step in metrics.jsonl (0 when there is none)."""
+    path = Path(folder) / METRICS_FILE
+    last = 0
+    if path.is_file():
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(json.JSONDecodeError, KeyError, TypeError, ValueError):
+                last = max(last, int(json.loads(line)["step"]))
+    return last
+
+
+# ============================================================================================ the folder
+@dataclass
+class RunFolder:
+    """A locked run folder and what it holds: the checkpoint registry, the resume point, the config changes
+    of this start, and whether the run is already finished (`finished` is then the message to print)."""
+
+    path: Path
+    lock: RunLock
+    ckpt: CheckpointRegistry
+    resume: Resume | None
+    changes: list[ConfigChange] = field(default_factory=list)
+    new: bool = True
+    finished: str | None = None
+
+    @property
+    def start_step(self) -> int:
+        return self.resume.step + 1 if self.resume is not None else 1
+
+    @classmethod
+    def open(cls, config: RLConfig, plan: TrainerPlan) -> RunFolder:
+        """Lock the folder and check it against `config` (see the module docstring); ConfigError (exit 2)
+        when another run holds it, a resume path is bad, or the config changed without being accepted."""
+        from rltrain.checkpoint import CheckpointRegistry
+
+        path = Path(config.trainer.output_dir)
+        lock = RunLock.acquire(path)
+        try:
+            ckpt = CheckpointRegistry.from_plan(plan)
+            ckpt.cleanup_incomplete()
+            resume = ckpt.resolve_resume(plan) if plan.checkpoint.roles else None
+            folder = cls(path, lock, ckpt, resume)
+            folder._check(config, plan)
+        except BaseException:
+            lock.release()
+            raise
+        return folder
+
+    def _check(self, config: RLConfig, plan: TrainerPlan) -> None:
+        recorded = recorded_config(self.path)
+        self.new = recorded is None
+        done = self.resume.step if self.resume is not None else 0
+        total = config.trainer.total_steps
+        self.changes = [] if recorded is None else config_changes(recorded, config, done)
+        real = [c for c in self.changes if c.free is None]
+        if config.trainer.resume_mode == "disable":
+            return  # a fresh start: anything may change, it is recorded as a restart
+        logged = last_logged_step(self.path)
+        if done >= total or (not self.ckpt.step_folders() and not real and 0 < total <= logged):
+            self.finished = self._finished_message(config, done if done >= total else logged)
+            return
+        if done and real and not config.trainer.accept_config_changes:
+            self._refuse(real, done)
+
+    def _refuse(self, real: list[ConfigChange], done: int) -> None:
+        issues = [
+            error(c.path, f"{_scalar(c.old)} -> {_scalar(c.new)}{f' ({c.note})' if c.note else ''}: differs from "
+                  f"the run in {self.path}",
+                  f"set it back to {_scalar(c.old)}", "run-config-changed")
+            for c in real
+        ]  # fmt: skip
+        issues.append(
+            error(
+                "trainer.accept_config_changes",
+                f"{self.path} holds a run that resumes from step {done} with another config "
+                f"({len(real)} field{'s' if len(real) != 1 else ''} above; the folder's config is {CONFIG_FILE} "
+                f"with {HISTORY_FILE} applied)",
+                "keep the run's config; or give this run another --trainer.output_dir; or start over in this "
+                "folder with --trainer.resume_mode disable; or continue with the changes from step "
+                f"{done + 1} on with --trainer.accept_config_changes true (recorded in {HISTORY_FILE})",
+                "run-config-changed",
+            )
+        )
+        raise ConfigError(issues, str(self.path))
+
+    def _finished_message(self, config: RLConfig, done: int) -> str:
+        total = config.trainer.total_steps
+        where = f"checkpoint {self.resume.folder}" if self.resume is not None else f"{METRICS_FILE}"
+        further = f"--trainer.total_steps N (N > {total})"
+        if self.resume is None:
+            further += " --trainer.resume_mode disable (no checkpoint to continue from: it starts over)"
+        return (
+            f"nothing to do: the run in {self.path} is finished (step {done} of trainer.total_steps {total} "
+            f"is done; {where}).\n"
+            f"    to train further: rerun the same command with {further}; "
+            "to start over: --trainer.resume_mode disable, or another --trainer.output_dir"
+        )
+
+    def record_start(self, config: RLConfig, plan: TrainerPlan) -> None:
+        """Write what this start adds to the folder: config.yaml on the first start (never rewritten), a
+        config_history.jsonl entry when the config changed, and plan.json (the plan of this start)."""
+        if self.new:
+            _write_text(self.path / CONFIG_FILE, dump_yaml(config_to_dict(config)))
+        elif self.changes:
+            restart = self.start_step == 1
+            entry = {
+                "step": self.start_step,
+                "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "restart": restart,
+                "changes": [
+                    c.record("restart" if restart else "free" if c.free else "accepted") for c in self.changes
+                ],
+            }
+            with (self.path / HISTORY_FILE).open("a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+                f.flush()
+                os.fsync(f.fileno())
+            if not restart and (accepted := [c for c in self.changes if c.free is None]):
+                print(f"config changes accepted from step {self.start_step} on (recorded in "
+                      f"{self.path / HISTORY_FILE}): " + "; ".join(c.describe() for c in accepted),
+                      file=sys.stderr, flush=True)  # fmt: skip
+        _write_text(self.path / PLAN_FILE, json.dumps(plan_to_dict(plan), indent=2) + "\n")
+
+    def stop_message(self, signum: int) -> str:
+        """One line: which signal stopped the run, what the folder holds, and how to resume."""
+        name = signal.Signals(signum).name
+        steps = self.ckpt.complete_steps()
+        logged = last_logged_step(self.path)
+        if steps:
+            held = f"its last complete checkpoint is step {steps[-1]} ({self.ckpt.step_dir(steps[-1])})"
+            how = f"rerun the same command to resume from step {steps[-1]}"
+        else:
+            held = "it holds no complete checkpoint"
+            how = "rerun the same command to start again from step 1"
+        return f"stopped by {name}: {self.path} has metrics up to step {logged} and {held}; {how}"
+
+    def close(self) -> None:
+        self.lock.release()
+
+
+def _write_text(path: Path, text: str) -> None:
+    """Write through a temporary file and os.replace, so a crash never leaves half a file."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ============================================================================================ stopping
+class StopSignals:
+    """SIGINT and SIGTERM stop the run cleanly: the first raises KeyboardInterrupt in the main thread (the
+    only exception Ray's blocking calls give way to) and is remembered in `signum`; a second one while the
+    run is stopping exits at once.
+
+    `install()` again after `ray.init`, which puts its own SIGTERM handler in place.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> None:
+        for signum in EXIT_SIGNAL:
+            previous = signal.signal(signum, self._handle)
+            self._previous.setdefault(signum, previous)
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.signum is not None:
+            print(f"{signal.Signals(signum).name} again: exiting without finishing the clean stop (the next run "
+                  "removes any half-written checkpoint)", file=sys.stderr, flush=True)  # fmt: skip
+            os._exit(EXIT_SIGNAL[signum])
+        self.signum = signum
+        raise KeyboardInterrupt
+
+    def exit_code(self) -> int:
+        return EXIT_SIGNAL.get(self.signum or signal.SIGINT, 130)
