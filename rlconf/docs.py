@@ -2,12 +2,18 @@
 
 `rlconf docs OUTDIR` writes `config.md` (every section and field: type, default, allowed values,
 docstring, the validation rules that involve it, the CLI flag) and `presets.md` (every preset with its
-differences from the defaults). A test regenerates them and fails when the committed files are stale.
+differences from the defaults). It also rewrites the generated regions of the guides and the README
+(`<!-- generated:NAME -->` ... `<!-- /generated -->`): plan excerpts from `compile_plan` of a preset, and
+the output and numbers of the recorded main-job run (docs/_generated/tiny-grpo-run.json, written by
+bench/docs_run.py). Tests regenerate all of it and fail when a committed file is stale.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from rlconf.config import RLConfig
@@ -94,11 +100,106 @@ def presets_reference() -> str:
 
 
 MIGRATION_PAGE = "migrating-from-verl.md"
+RUN_RECORD = Path("_generated") / "tiny-grpo-run.json"
+"""The recorded main-job run, relative to the docs folder (bench/docs_run.py writes it)."""
+PAGES_WITH_REGIONS = ("quickstart.md", "concepts.md", "../README.md")
+"""Pages (relative to the docs folder) whose generated regions `rlconf docs` rewrites."""
+_REGION = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
+_BATCH_KEYS = ("role", "prompts_per_step", "responses_per_prompt", "responses_per_step", "mini_batch_prompts",
+               "mini_batches_per_step", "responses_per_mini_batch", "dp", "micro_batch_size_per_rank",
+               "micro_batches_per_mini_batch", "max_seq_len", "optimizer_steps_per_training_step",
+               "optimizer_steps_total", "even")  # fmt: skip
+
+
+def _round(value: object) -> object:
+    return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
+def _wrap_json(items: list[str], width: int = 105) -> str:
+    lines, line = [], "{"
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "}")
+        if len(line) + len(piece) + 1 > width and line not in ("{", " "):
+            lines.append(line.rstrip())
+            line = " "
+        line += piece + " "
+    return "\n".join([*lines, line.rstrip()])
+
+
+def _preset_plan(name: str):  # -> TrainerPlan (rlconf.plan is imported lazily)
+    from presets import PRESETS
+    from rlconf.plan import compile_plan
+
+    return compile_plan(PRESETS[name].build())
+
+
+def plan_regions() -> dict[str, str]:
+    """Regions quoted from the tiny-grpo plan: the actor's batch plan (plan.json) and the batch table."""
+    from rlconf.plan import format_plan, plan_to_dict
+
+    plan = _preset_plan("tiny-grpo")
+    batch = next(b for b in plan_to_dict(plan)["batch"] if b["role"] == "actor")
+    items = [f"{json.dumps(k)}: {json.dumps(batch[k])}" for k in _BATCH_KEYS] + ["..."]
+    text = format_plan(plan).splitlines()
+    start = next(i for i, line in enumerate(text) if line.startswith("batch schedule"))
+    end = next(i for i in range(start, len(text)) if not text[i].strip())
+    return {
+        "plan-batch": "```json\n" + _wrap_json(items) + "\n```\n",
+        "batch-table": "```text\n" + "\n".join(text[start:end]) + "\n```\n",
+    }
+
+
+def run_regions(record: Mapping[str, object]) -> dict[str, str]:
+    """Regions quoted from the recorded main-job run (bench/docs_run.py)."""
+    steps = [line for line in record["stdout"] if line.startswith("step ")]
+    done = [line for line in record["stdout"] if line.startswith("done:")]
+    shown = [*steps[:3], "...", *steps[-2:], *done]
+    rewards = list(record["rewards"])
+    total = len(rewards)
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    val = record["val"]
+    final_val = val[str(total)]
+    install = (
+        f"the install (`{record['install_command']}`) took {record['install_s']:.0f} s and "
+        if record.get("install_s") is not None
+        else ""
+    )
+    summary = (
+        f"In the recorded run ({record['date']}; {record['machine']}) {install}the main job "
+        f"`{record['command']}` took {record['wall_s']:.0f} s, Ray and megatron start-up included. The "
+        f"mean reward was {first:.3f} over the first 10 steps and {last:.3f} over the last 10; greedy "
+        f"validation went from {record['val_before']:.2f} before training to {final_val:.2f} at step {total}.\n"
+    )
+    last_row = {k: _round(v) for k, v in record["last"].items()}
+    items = [f"{json.dumps(k)}: {json.dumps(v, ensure_ascii=False)}" for k, v in last_row.items()]
+    return {
+        "run-output": "```text\n" + "\n".join(shown) + "\n```\n",
+        "run-summary": summary,
+        "last-metrics": "```json\n" + _wrap_json(items) + "\n```\n",
+    }
+
+
+def generated_regions(docs_dir: str | Path) -> dict[str, str]:
+    record_path = Path(docs_dir) / RUN_RECORD
+    record = json.loads(record_path.read_text(encoding="utf-8")) if record_path.exists() else None
+    return {**plan_regions(), **(run_regions(record) if record else {})}
+
+
+def refresh_regions(text: str, regions: Mapping[str, str]) -> str:
+    """`text` with the body of every `<!-- generated:NAME -->` region replaced by regions[NAME] (unknown
+    names are left as they are)."""
+
+    def body(m: re.Match[str]) -> str:
+        new = regions.get(m.group("name"))
+        return m.group(0) if new is None else m.group(1) + new + m.group(4)
+
+    return _REGION.sub(body, text)
 
 
 def write_reference(outdir: str | Path) -> list[Path]:
-    """Write config.md and presets.md into `outdir`, and the verl migration guide (generated from the
-    `rlconf.verl` table) into its parent, the docs folder (`rlconf docs docs/reference` -> docs/)."""
+    """Write config.md and presets.md into `outdir`, the verl migration guide (generated from the
+    `rlconf.verl` table) into its parent, the docs folder (`rlconf docs docs/reference` -> docs/), and
+    refresh the generated regions of the pages in PAGES_WITH_REGIONS; returns the files written."""
     from rlconf.verl import migration_page
 
     out = Path(outdir)
@@ -109,4 +210,12 @@ def write_reference(outdir: str | Path) -> list[Path]:
         written.append(out / name)
     (out.parent / MIGRATION_PAGE).write_text(migration_page(), encoding="utf-8")
     written.append(out.parent / MIGRATION_PAGE)
+    regions = generated_regions(out.parent)
+    for name in PAGES_WITH_REGIONS:
+        page = out.parent / name
+        if page.exists():
+            text = page.read_text(encoding="utf-8")
+            if (new := refresh_regions(text, regions)) != text:
+                page.write_text(new, encoding="utf-8")
+                written.append(page)
     return written

@@ -1,0 +1,94 @@
+"""The run record the docs quote: the README's main job run as written, its output and numbers saved.
+
+    .venv/bin/python bench/docs_run.py [--install]
+
+Runs `.venv/bin/rltrain tiny-grpo` in a fresh temporary folder (with `.venv` linked in, so the command and
+the `outputs/tiny-grpo/...` paths are the README's), then writes `docs/_generated/tiny-grpo-run.json`: the
+command, its wall time, this machine, the printed lines, the per-step rewards, the validation rewards and
+the last metrics line; copies the run's reward curve to `docs/img/tiny-grpo-reward-curve.png`; and
+regenerates the docs (`rlconf docs`), whose generated regions quote the record. `--install` also times the
+README's install command in a fresh virtual environment (otherwise the record keeps its last measurement).
+
+tests/test_readme_commands.py checks that a short run of today's code still starts like the record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RECORD = ROOT / "docs" / "_generated" / "tiny-grpo-run.json"
+CURVE = ROOT / "docs" / "img" / "tiny-grpo-reward-curve.png"
+COMMAND = ".venv/bin/rltrain tiny-grpo"
+INSTALL = "python3 -m venv .venv && .venv/bin/pip install -q torch==2.13.0 -e ."
+
+
+def _machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())  # fmt: skip
+    return f"{model}, {os.cpu_count()} cores, Python {platform.python_version()}"
+
+
+def time_install() -> float:
+    """Seconds for the README's install command in an empty folder (the repository installed editable)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        command = INSTALL.replace("-e .", f"-e {ROOT}")
+        t0 = time.perf_counter()
+        subprocess.run(command, shell=True, cwd=tmp, check=True)
+        return time.perf_counter() - t0
+
+
+def run_main_job() -> dict[str, object]:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / ".venv").symlink_to(ROOT / ".venv")
+        t0 = time.perf_counter()
+        result = subprocess.run(COMMAND, shell=True, cwd=tmp, capture_output=True, text=True, check=False)
+        wall = time.perf_counter() - t0
+        if result.returncode != 0:
+            sys.exit(f"{COMMAND} failed ({result.returncode}):\n{result.stderr[-3000:]}")
+        out = Path(tmp) / "outputs" / "tiny-grpo"
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        shutil.copyfile(out / "reward_curve.png", CURVE)
+    return {
+        "command": COMMAND,
+        "wall_s": round(wall, 1),
+        "stdout": result.stdout.splitlines(),
+        "rewards": [r["reward/mean"] for r in rows],
+        "val_before": rows[0].get("val_before/reward/mean"),
+        "val": {str(r["step"]): r["val/reward/mean"] for r in rows if r.get("val/reward/mean") is not None},
+        "last": rows[-1],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--install", action="store_true", help="also time the install command")
+    args = parser.parse_args()
+    old = json.loads(RECORD.read_text()) if RECORD.exists() else {}
+    record = {
+        "date": datetime.date.today().isoformat(),
+        "machine": _machine(),
+        "install_command": INSTALL,
+        "install_s": round(time_install(), 1) if args.install else old.get("install_s"),
+        "install_date": datetime.date.today().isoformat() if args.install else old.get("install_date"),
+        **run_main_job(),
+    }
+    RECORD.parent.mkdir(parents=True, exist_ok=True)
+    RECORD.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {RECORD} and {CURVE}")
+    subprocess.run([str(ROOT / ".venv" / "bin" / "rlconf"), "docs", "docs/reference"], cwd=ROOT, check=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
