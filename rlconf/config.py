@@ -89,8 +89,8 @@ class DataConfig:
     """Prompts: files (parquet / jsonl) or a built-in synthetic task."""
 
     train_files: tuple[str, ...] = ()
-    """Training prompt files (.parquet, or .jsonl / .json with one JSON object per line). Empty: use the
-    synthetic task."""
+    """Training prompt files: .parquet, or .jsonl with one JSON object per line (checked to exist before
+    the run starts). Empty: use the synthetic task."""
     val_files: tuple[str, ...] = ()
     """Validation prompt files. Empty: a held-out split of the synthetic task."""
     synthetic_task: Literal["count", "copy", "add"] = "count"
@@ -420,7 +420,9 @@ class RewardConfig:
 
     function: str = "digit_match"
     """A built-in rule reward (exact_match, numeric_match, format, digit_match) or a user function given
-    as `package.module:function` (imported, never evaluated)."""
+    as `package.module:function`. Trust: a module path runs code you chose, like a Python preset; the run
+    imports it at start (running its top level) and checks it can be called as fn(response, ground_truth,
+    prompt); `rlconf validate` and `rltrain --dry-run` never import it, they check only the path's form."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Optional learned reward model."""
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jsonschema
+import pytest
 import yaml
 
 from presets import PRESETS, get_preset
@@ -122,3 +123,71 @@ def test_crash_is_exit_1_without_traceback(monkeypatch, capsys):
     assert main(["show", "--preset", "tiny-grpo"]) == 1
     err = capsys.readouterr().err
     assert "internal error: RuntimeError: simulated bug" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["validate", "show", "plan"])
+@pytest.mark.parametrize("form", ["file", "preset:NAME", "--preset NAME", "--preset NAME + file"])
+def test_every_command_takes_every_input_form(command, form, tmp_path, capsys):
+    f = tmp_path / "run.yaml"
+    f.write_text("preset: tiny-ppo\nactor:\n  optim:\n    lr: 0.0005\n" if form == "file" else
+                 "actor:\n  optim:\n    lr: 0.0005\n")  # fmt: skip
+    args = {
+        "file": [str(f)],
+        "preset:NAME": ["preset:tiny-ppo"],
+        "--preset NAME": ["--preset", "tiny-ppo"],
+        "--preset NAME + file": ["--preset", "tiny-ppo", str(f)],
+    }[form]
+    assert main([command, *args]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    if command == "show":
+        assert "enable: true  # default: false" in out  # the critic of tiny-ppo
+    if command == "validate":
+        assert out.startswith("ok ")
+
+
+def test_diff_takes_preset_forms(tmp_path, capsys):
+    f = tmp_path / "a.yaml"
+    f.write_text("actor:\n  optim:\n    lr: 0.0005\n")
+    assert main(["diff", str(f), "--preset", "tiny-grpo"]) == 0  # the file over the preset vs the preset
+    assert "~ actor.optim.lr: 0.0005 -> 0.001" in capsys.readouterr().out
+    assert main(["diff", "preset:tiny-grpo", "--preset", "tiny-ppo"]) == 2
+    assert "both preset:tiny-grpo and --preset tiny-ppo" in capsys.readouterr().err
+
+
+def test_diff_plan_collapses_per_step_rows_into_ranges(capsys):
+    assert main(["diff", "--plan", "preset:tiny-grpo", "preset:tiny-ppo"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    table = [line for line in lines if ".table[" in line]
+    assert "~ optim[role=critic].table[step=1..100].lr: <missing> -> 0.001" in table
+    assert "~ optim[role=critic].table[step=1..100].step: <missing> -> 1..100" in table
+    assert len(table) == 5  # one line per table column, not one per step (515 lines before)
+    assert len(lines) < 400
+
+
+def test_diff_plan_range_shows_how_a_varying_schedule_changes(tmp_path, capsys):
+    f = tmp_path / "warm.yaml"
+    f.write_text("preset: tiny-grpo\ntrainer:\n  total_steps: 20\nactor:\n  optim:\n    lr_warmup_steps: 4\n")
+    g = tmp_path / "flat.yaml"
+    g.write_text("preset: tiny-grpo\ntrainer:\n  total_steps: 20\n")
+    assert main(["diff", "--plan", str(f), str(g)]) == 0
+    out = capsys.readouterr().out
+    # steps 1-4 ramp up in the first plan and are flat in the second; steps 5-20 are equal (not listed)
+    assert "~ optim[role=actor].table[step=1..4].lr: 0.0..0.00075 -> 0.001" in out
+    assert "step=5" not in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["schema", "-o", "{bad}/schema.json"],
+        ["docs", "{bad}/reference"],
+        ["import-verl", "data.train_batch_size=8", "-o", "{bad}/run.yaml"],
+    ],
+    ids=["schema", "docs", "import-verl"],
+)
+def test_unwritable_output_paths_exit_2_naming_the_option(args, tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")  # a folder path under a file can never be created, even by root
+    assert main([a.format(bad=blocker) for a in args]) == 2
+    err = capsys.readouterr().err
+    assert "[output-path]" in err and str(blocker) in err and "fix:" in err and "Traceback" not in err

@@ -131,3 +131,39 @@ SAFE_TEXT = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_/.", min_size
 @given(typed_configs(text=SAFE_TEXT))
 def test_config_rendered_to_flags_parses_back_equal(config):
     assert _tyro_cli(RLConfig(), config_to_flags(config), prog="rltrain") == config
+
+
+FOUR_ERRORS = """\
+preset: tiny-grpo
+actor:
+  optim:
+    lrr: 1e-6           # structural: unknown key
+    lr: 0               # cross-field: lr must be > 0
+rollout:
+  n: 1                  # cross-field: grpo needs n >= 2
+trainer:
+  total_steps: many     # structural: not an integer
+"""
+
+
+def test_every_config_error_at_once_exactly_like_rlconf_validate(tmp_path, capsys):
+    from rlconf.cli import main as rlconf_main
+
+    f = tmp_path / "bad.yaml"
+    f.write_text(FOUR_ERRORS)
+    assert rlconf_main(["validate", str(f)]) == 2
+    validate_err = capsys.readouterr().err
+    assert main(["tiny-grpo", "--config", str(f), "--dry-run"]) == 2
+    rltrain_err = capsys.readouterr().err
+    assert rltrain_err == validate_err
+    for path in ("actor.optim.lrr", "trainer.total_steps", "actor.optim.lr", "rollout.n"):
+        assert f"] {path}:" in rltrain_err
+    assert rltrain_err.startswith(f"{f}: invalid config:")
+
+
+def test_preset_help_starts_with_the_run_options():
+    result = rltrain("tiny-grpo", "--help")
+    assert result.returncode == 0
+    head = "\n".join(result.stdout.splitlines()[:12])
+    assert "--config FILE.yaml" in head and "--dry-run" in head
+    assert "--model.path" not in head  # the 900 lines of fields come after
