@@ -1,24 +1,37 @@
 """Ray plumbing: start or join a cluster, reserve device pools, and run worker groups with named errors.
 
-A pool is one placement group with a bundle per device; every role placed in the pool puts its rank r into
-bundle r, so colocated roles (actor, rollout, ref, and a colocated critic) share devices. The Ray resource of
-a device (GPU, NPU, none on cpu) and the environment of the worker processes come from the device layer
-(rltrain.device). A failing call
-raises `WorkerError` naming the role and the rank, never a bare Ray traceback.
+A pool is a placement group with a bundle per device; every role placed in the pool puts its rank r into
+bundle r, so colocated roles (actor, rollout, ref, and a colocated critic) share devices. A pool that spans
+nodes (cluster.nnodes > 1) is one placement group per node, each on a node of its own, so ranks sit node by
+node as the plan numbers devices. The Ray resource of a device (GPU, NPU, none on cpu) and the environment
+of the worker processes come from the device layer (rltrain.device). A failing call raises `WorkerError`
+naming the role and the rank, never a bare Ray traceback. A local cluster started here dies with the
+driver, even after `kill -9` (rltrain.ray_reaper).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import psutil
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    NODE_ID_LABEL_KEY,
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlconf.errors import ConfigError, error
+from rlconf.plan import Pool as PlanPool
+from rlconf.plan import Resources
 from rltrain import device as devices
 from rltrain.megatron.parallel import free_port
 
@@ -35,7 +48,8 @@ class WorkerError(RuntimeError):
 
 
 def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -> None:
-    """Join `address` (or RAY_ADDRESS) when given, else start a local cluster sized for this run."""
+    """Join `address` (or RAY_ADDRESS) when given, else start a local cluster sized for this run whose
+    processes all end with this one (ray.shutdown, exit, or kill -9)."""
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
@@ -46,44 +60,166 @@ def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -
     if temp_dir:
         kwargs["_temp_dir"] = temp_dir
     ray.init(**kwargs)
+    _start_reaper()
+
+
+# The reaper of the local cluster and the pipe to it: the pipe closes when this process dies, however it
+# dies, which tells the reaper to kill the cluster's processes. Kept here so the pipe stays open.
+_reaper: subprocess.Popen | None = None
+
+
+def _start_reaper() -> None:
+    """Start rltrain.ray_reaper for the cluster ray.init just started under this process."""
+    global _reaper
+    ray_dir = os.path.dirname(ray.__file__)
+    roots = []
+    for child in psutil.Process().children():
+        try:
+            if any(ray_dir in part for part in child.cmdline()):
+                roots.append(child)
+        except psutil.Error:
+            continue
+    raylet = next((p for p in roots if p.name() == "raylet"), None)
+    if raylet is None:
+        print(f"warning: no raylet among the processes ray.init started ({[p.name() for p in roots]}); "
+              "a kill -9 of this process may leave Ray's agents running for a minute", file=sys.stderr)  # fmt: skip
+        return
+    _reaper = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "rltrain.ray_reaper",
+            str(os.getpid()),
+            str(raylet.pid),
+            *(str(p.pid) for p in roots),
+        ],
+        stdin=subprocess.PIPE,
+        # Its own session: Ctrl-C or a kill of this process group leaves it alive to clean up after us.
+        start_new_session=True,
+    )
 
 
 @dataclass
 class Pool:
-    """A reserved set of devices: one placement-group bundle per device."""
+    """A reserved set of devices: one placement-group bundle per device, one placement group per node."""
 
     name: str
     size: int
-    pg: PlacementGroup
+    groups: list[PlacementGroup]
+    """One per node the pool spans (a single group on one node), in the plan's node order."""
+    slots: list[tuple[int, int]]
+    """Rank r's (group, bundle) index."""
     roles_sharing: int
 
     @classmethod
-    def reserve(cls, name: str, size: int, device: str, cpus_per_worker: float, roles_sharing: int) -> Pool:
+    def for_plan(
+        cls, pool: PlanPool, resources: Resources, cpus_per_worker: float, roles_sharing: int
+    ) -> Pool:
+        """Reserve a plan pool with its devices node by node, as the plan numbers them."""
+        return cls.reserve(pool.name, pool.num_devices, resources.device, cpus_per_worker, roles_sharing,
+                           devices_per_node(pool, resources.gpus_per_node))  # fmt: skip
+
+    @classmethod
+    def reserve(
+        cls,
+        name: str,
+        size: int,
+        device: str,
+        cpus_per_worker: float,
+        roles_sharing: int,
+        per_node: Sequence[int] = (),
+    ) -> Pool:
+        """`per_node[i]` devices on the i-th node of the pool (in rank order); empty: all on one node if
+        Ray can (strategy PACK), as on a single-node cluster. Over several nodes each node's bundles are
+        one STRICT_PACK group, and every group avoids the nodes the earlier groups took."""
         bundle: dict[str, float] = {"CPU": cpus_per_worker * roles_sharing}
         if resource := devices.ray_resource(device):
             bundle[resource] = 1
-        pg = placement_group([dict(bundle) for _ in range(size)], strategy="PACK", name=f"rlplan-{name}")
-        try:
-            ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(pg)
-            have = ray.cluster_resources()
-            raise ConfigError(
-                [
-                    error(
-                        "cluster.gpus_per_node",
-                        f"Ray could not reserve pool {name}: {size} x {bundle} within {PLACEMENT_TIMEOUT_S} s; "
-                        f"the cluster has {have}",
-                        "match cluster.nnodes / cluster.gpus_per_node / cluster.cpus_per_worker to the Ray "
-                        "cluster, or add nodes",
-                        "ray-resources",
-                    )
-                ]
-            ) from None
-        return cls(name, size, pg, roles_sharing)
+        counts = list(per_node) or [size]
+        assert sum(counts) == size, (per_node, size)
+        groups: list[PlacementGroup] = []
+        taken: list[str] = []
+        for count in counts:
+            if len(counts) == 1:
+                pg = placement_group(
+                    [dict(bundle) for _ in range(size)], strategy="PACK", name=f"rlplan-{name}"
+                )
+            else:
+                avoid = [{NODE_ID_LABEL_KEY: f"!in({','.join(taken)})"}] * count if taken else None
+                pg = placement_group([dict(bundle) for _ in range(count)], strategy="STRICT_PACK",
+                                     name=f"rlplan-{name}-node{len(groups)}", bundle_label_selector=avoid)  # fmt: skip
+            groups.append(pg)
+            try:
+                ray.get(pg.ready(), timeout=PLACEMENT_TIMEOUT_S)
+            except ray.exceptions.GetTimeoutError:
+                for g in groups:
+                    remove_placement_group(g)
+                raise _placement_error(name, counts, len(groups) - 1, bundle) from None
+            taken.append(_node_ids(pg)[0])
+        slots = [(g, b) for g, count in enumerate(counts) for b in range(count)]
+        pool = cls(name, size, groups, slots, roles_sharing)
+        print(f"pool {name}: {pool.describe()}", flush=True)
+        return pool
+
+    def strategy(self, rank: int) -> PlacementGroupSchedulingStrategy:
+        """Where rank r runs: its bundle."""
+        group, bundle = self.slots[rank]
+        return PlacementGroupSchedulingStrategy(self.groups[group], placement_group_bundle_index=bundle)
+
+    def node_ids(self) -> list[str]:
+        """Ray node id of every rank's bundle."""
+        per_group = [_node_ids(g) for g in self.groups]
+        return [per_group[g][b] for g, b in self.slots]
+
+    def describe(self) -> str:
+        """Ranks per node, e.g. `ranks 0-3 on node 10.0.0.1 (1a2b3c4d), ranks 4-7 on node 10.0.0.2 (...)`."""
+        ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+        runs: list[tuple[str, int, int]] = []
+        for rank, node in enumerate(self.node_ids()):
+            if runs and runs[-1][0] == node:
+                runs[-1] = (node, runs[-1][1], rank)
+            else:
+                runs.append((node, rank, rank))
+        return ", ".join(
+            f"{'rank' if a == b else 'ranks'} {a if a == b else f'{a}-{b}'} on node {ips.get(node, '?')} ({node[:8]})"
+            for node, a, b in runs
+        )
 
     def release(self) -> None:
-        remove_placement_group(self.pg)
+        for pg in self.groups:
+            remove_placement_group(pg)
+
+
+def devices_per_node(pool: PlanPool, gpus_per_node: int) -> list[int]:
+    """How many of the pool's devices each of its nodes holds (the plan numbers devices node by node)."""
+    end = pool.first_device + pool.num_devices
+    return [min(end, (n + 1) * gpus_per_node) - max(pool.first_device, n * gpus_per_node) for n in pool.nodes]
+
+
+def _node_ids(pg: PlacementGroup) -> list[str]:
+    by_bundle = placement_group_table(pg)["bundles_to_node_id"]
+    return [by_bundle[b] for b in sorted(by_bundle)]
+
+
+def _placement_error(name: str, counts: list[int], group: int, bundle: dict[str, float]) -> ConfigError:
+    have = ray.cluster_resources()
+    where = (
+        f" (node {group + 1} of {len(counts)}: {counts[group]} x {bundle} on a node of its own)"
+        if len(counts) > 1
+        else ""
+    )
+    return ConfigError(
+        [
+            error(
+                "cluster.gpus_per_node",
+                f"Ray could not reserve pool {name}: {sum(counts)} x {bundle}{where} within {PLACEMENT_TIMEOUT_S} s; "
+                f"the cluster has {have}",
+                "match cluster.nnodes / cluster.gpus_per_node / cluster.cpus_per_worker to the Ray "
+                "cluster, or add nodes",
+                "ray-resources",
+            )
+        ]
+    )
 
 
 class WorkerGroup:
@@ -114,22 +250,13 @@ class WorkerGroup:
                 env["env_vars"] = {**env_vars, **env.get("env_vars", {})}
         # torch.distributed rendezvous on rank 0's node: ask a probe in bundle 0 for its address and a free
         # port there (the controller's own address is wrong when the pool spans nodes).
-        probe = (
-            ray.remote(_Probe)
-            .options(
-                num_cpus=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pool.pg, placement_group_bundle_index=0),
-            )
-            .remote()
-        )
+        probe = ray.remote(_Probe).options(num_cpus=0, scheduling_strategy=pool.strategy(0)).remote()
         master_addr, master_port = ray.get(probe.address.remote())
         ray.kill(probe)
         self.workers = [
             remote_cls.options(
                 num_cpus=cpus_per_worker,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=pool.pg, placement_group_bundle_index=rank
-                ),
+                scheduling_strategy=pool.strategy(rank),
                 name=None,
                 runtime_env=envs[rank] or None,
                 **accel,

@@ -1,10 +1,18 @@
-"""Worker groups on a real local Ray cluster: rank placement, per-rank arguments, named failures."""
+"""Worker groups on a real local Ray cluster: rank placement, per-rank arguments, named failures; and the
+local cluster's lifetime: none of its processes outlives the driver (ray.shutdown, or kill -9)."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import textwrap
+import time
 
+import psutil
 import pytest
 import ray
 
@@ -73,3 +81,126 @@ def test_nsys_argv_becomes_ray_nsight_runtime_env():
         "nsight": {"o": "/p/nsys/actor_rank_0_%p", "capture-range": "cudaProfilerApi", "trace": "cuda,nvtx"}
     }
     assert nsight_runtime_env([]) is None
+
+
+# A driver as users run one: a local cluster from start_ray, a pool and a worker group that has answered a
+# call, so Ray's agents and worker processes exist; then it reports and waits to be killed or shut down.
+DRIVER = textwrap.dedent(
+    """
+    import sys, time
+    import ray
+    from rltrain.ray_group import Pool, WorkerGroup, start_ray
+
+    class Echo:
+        def __init__(self, role, rank, world_size, master_addr, master_port):
+            self.rank = rank
+
+        def rank_of(self):
+            return self.rank
+
+    temp_dir, mode = sys.argv[1], sys.argv[2]
+    start_ray(None, num_cpus=2, temp_dir=temp_dir)
+    pool = Pool.reserve("test", 2, "cpu", 1.0, 1)
+    group = WorkerGroup("actor", Echo, pool, 2, "cpu", 1.0, {})
+    assert group.call("rank_of") == [0, 1]
+    print("ready", flush=True)
+    if mode == "shutdown":
+        ray.shutdown()
+        print("down", flush=True)
+    time.sleep(600)
+    """
+)
+SURVIVAL_LIMIT_S = 20
+
+
+def _start_driver(tmp_path, temp_dir: str, mode: str) -> subprocess.Popen:
+    script = tmp_path / "driver.py"
+    script.write_text(DRIVER)
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    driver = subprocess.Popen(
+        [sys.executable, str(script), temp_dir, mode], stdout=subprocess.PIPE, text=True, env=env
+    )
+    _read_until(driver, "ready")
+    return driver
+
+
+def _read_until(driver: subprocess.Popen, word: str) -> None:
+    assert driver.stdout is not None
+    lines = []
+    while (line := driver.stdout.readline()) and line.strip() != word:
+        lines.append(line)
+    assert line, f"the driver exited before printing {word!r}: {''.join(lines)}"
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _ray_processes(
+    family: list[psutil.Process], temp_dir: str, raylet_pid: int, driver_pid: int
+) -> list[str]:
+    """Live processes of the driver's cluster: its recorded processes, anything whose command line names
+    the cluster's temp dir, and anything whose environment names its raylet (agents and workers rename
+    themselves, `ray::DashboardAgent`, so their command line no longer shows the temp dir)."""
+    found = {p.pid: p for p in family if _alive(p)}
+    for proc in psutil.process_iter():
+        if proc.pid == driver_pid:  # after ray.shutdown the driver lives on, its temp dir on its command line
+            continue
+        try:
+            if temp_dir in " ".join(proc.cmdline()) or proc.environ().get("RAY_RAYLET_PID") == str(
+                raylet_pid
+            ):
+                found.setdefault(proc.pid, proc)
+        except psutil.Error:
+            continue
+    described = []
+    for proc in found.values():
+        if _alive(proc):
+            try:
+                described.append(f"{proc.pid} {proc.name()} {' '.join(proc.cmdline())[:120]}")
+            except psutil.Error:
+                continue
+    return described
+
+
+def _wait_until_gone(family: list[psutil.Process], temp_dir: str, raylet_pid: int, driver_pid: int):
+    t0 = time.monotonic()
+    left = _ray_processes(family, temp_dir, raylet_pid, driver_pid)
+    while left and time.monotonic() - t0 < SURVIVAL_LIMIT_S:
+        time.sleep(0.5)
+        left = _ray_processes(family, temp_dir, raylet_pid, driver_pid)
+    return left, time.monotonic() - t0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ending", ["kill -9", "ray.shutdown"])
+def test_no_ray_process_outlives_the_driver(tmp_path, ending):
+    """kill -9 of the driver (Ray's agents used to linger ~1 min) or ray.shutdown: within 20 s no process
+    of its cluster is left, the reaper included."""
+    temp_dir = tempfile.mkdtemp(prefix="rlray", dir="/tmp")  # short: Ray's socket paths have a length limit
+    driver = _start_driver(tmp_path, temp_dir, "shutdown" if ending == "ray.shutdown" else "wait")
+    try:
+        family = psutil.Process(driver.pid).children(recursive=True)
+        names = {p.name() for p in family}
+        # The cluster is really up: its head processes, both agents, the workers and our reaper.
+        assert {"gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names, names
+        assert sum(1 for p in family if p.name() == "ray::Echo") == 2, names
+        assert any("rltrain.ray_reaper" in " ".join(p.cmdline()) for p in family), names
+        raylet_pid = next(p.pid for p in family if p.name() == "raylet")
+        if ending == "kill -9":
+            os.kill(driver.pid, signal.SIGKILL)
+            driver.wait()
+        else:
+            _read_until(driver, "down")
+        left, waited = _wait_until_gone(family, temp_dir, raylet_pid, driver.pid)
+        print(f"after {ending}: the cluster's {len(family)} processes were gone in {waited:.1f} s")
+        assert not left, f"{len(left)} Ray processes left {waited:.0f} s after {ending}:\n" + "\n".join(left)
+        if ending == "ray.shutdown":
+            assert driver.poll() is None  # the driver itself lives on
+    finally:
+        driver.kill()
+        driver.wait()
+        shutil.rmtree(temp_dir, ignore_errors=True)
