@@ -34,9 +34,41 @@ BUILTIN_REWARDS: tuple[str, ...] = ("exact_match", "numeric_match", "format", "d
 
 
 # --------------------------------------------------------------------------------------------- model
+ModelFamily = Literal["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"]
+"""Hugging Face model_type values rlplan reads and writes (rlconf.model_spec.FAMILIES has their features)."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """RoPE frequency scaling for long context (Hugging Face rope_parameters / rope_scaling)."""
+
+    type: Literal["none", "linear", "llama3", "yarn"] = "none"
+    """none: plain RoPE; linear: positions divided by factor; llama3: Llama 3.1 / 3.2 per-frequency
+    scaling; yarn: YaRN (Qwen long-context configs)."""
+    factor: float = 1.0
+    """Scaling factor (context extension ratio)."""
+    low_freq_factor: float = 1.0
+    """llama3: wavelengths longer than original_max_position_embeddings / low_freq_factor are divided by
+    factor."""
+    high_freq_factor: float = 4.0
+    """llama3: wavelengths shorter than original_max_position_embeddings / high_freq_factor are kept."""
+    original_max_position_embeddings: int | None = None
+    """llama3 / yarn: the context length of pre-training; None means max_position_embeddings."""
+    beta_fast: float = 32.0
+    """yarn: rotations above which frequencies are kept (extrapolated)."""
+    beta_slow: float = 1.0
+    """yarn: rotations below which frequencies are interpolated."""
+
+
 @dataclass(frozen=True)
 class ModelArch:
-    """A built-in decoder-only transformer (Qwen2/Llama family) described with Megatron's names."""
+    """A decoder-only transformer described with Megatron's names: the built-in random-init model, or what
+    rlconf.model_spec reads from a Hugging Face config.json."""
+
+    family: ModelFamily = "qwen2"
+    """Hugging Face model_type this architecture follows; it fixes the weight names, the features that
+    come with the family (qkv bias for qwen2, QK-norm for qwen3) and the config.json of exported
+    checkpoints."""
 
     num_layers: int = 2
     """Number of transformer layers."""
@@ -62,6 +94,30 @@ class ModelArch:
     """Bias on the query/key/value projection (Qwen2: true, Llama: false)."""
     share_embeddings_and_output_weights: bool = True
     """Tie the output projection to the input embedding (tie_word_embeddings)."""
+    qk_layernorm: bool = False
+    """RMSNorm over each query and key head before RoPE (Qwen3's q_norm / k_norm)."""
+    rope_scaling: RopeScaling = field(default_factory=RopeScaling)
+    """RoPE scaling for long context."""
+    sliding_window: int | None = None
+    """Attention window in tokens (Mistral, Qwen use_sliding_window); None: full causal attention. Runs are
+    limited to sequences that fit in the window (where windowed and full attention agree)."""
+    num_moe_experts: int | None = None
+    """Routed experts per MoE layer (num_experts / num_local_experts); None: a dense model."""
+    moe_router_topk: int = 2
+    """Experts each token is routed to (num_experts_per_tok)."""
+    moe_ffn_hidden_size: int | None = None
+    """Inner width of each routed expert (moe_intermediate_size); None means ffn_hidden_size."""
+    moe_shared_expert_intermediate_size: int | None = None
+    """Inner width of the shared expert every token goes through (qwen2_moe); None: no shared expert."""
+    moe_shared_expert_gate: bool = False
+    """A sigmoid gate (hidden -> 1) scales the shared expert's output (qwen2_moe)."""
+    moe_norm_topk_prob: bool = False
+    """Renormalise the top-k routing probabilities to sum to 1 (norm_topk_prob)."""
+    moe_dense_layers: tuple[int, ...] = ()
+    """0-based layers whose MLP is dense (ffn_hidden_size) instead of experts (Hugging Face mlp_only_layers
+    and the layers decoder_sparse_step skips)."""
+    moe_aux_loss_coeff: float = 0.0
+    """Router load-balancing loss coefficient (router_aux_loss_coef)."""
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,6 @@ Design choices
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Iterator, Mapping
@@ -52,6 +51,15 @@ from rlconf.config import (
 )
 from rlconf.errors import ConfigError, Issue, error
 from rlconf.fields import get_path
+from rlconf.model_spec import (
+    UNSUPPORTED_RULE,
+    count_parameters,
+    family_issues,
+    head_dim,
+    is_moe_layer,
+    layer_params,
+    read_model_arch,
+)
 from rlconf.seeding import resolve_seed
 
 PLAN_VERSION = 1
@@ -96,8 +104,12 @@ class ModelSpec:
     """The architecture (Megatron names)."""
     head: str
     """lm (vocabulary logits) or value (one scalar per token: critic and reward model)."""
-    num_parameters: int
-    """Parameters of the unpadded, unsharded model (embedding, layers, final norm, output layer)."""
+    params_total: int
+    """Parameters of the unpadded, unsharded model (embedding, layers with every expert, final norm,
+    output layer)."""
+    params_active: int
+    """Parameters one token passes through: params_total with only moe_router_topk routed experts per MoE
+    layer; equal to params_total for dense models."""
     used_by: tuple[str, ...]
     """Worker roles built from this model."""
 
@@ -533,6 +545,8 @@ def plan_to_dict(plan: TrainerPlan) -> dict[str, object]:
     """The plan as plain JSON data (dicts, lists, str, int, float, bool, None); `json.dumps` works on it."""
     out = _jsonable(plan)
     assert isinstance(out, dict)
+    # Keyed by model name (`models.policy.params_total`): a model is looked up by name, never by position.
+    out["models"] = {m["name"]: m for m in out["models"]}  # type: ignore[index, union-attr]
     return out
 
 
@@ -792,117 +806,6 @@ def _check_basics(c: RLConfig) -> None:
 
 
 # ============================================================================================ model
-_HF_REQUIRED = (
-    "num_hidden_layers",
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "vocab_size",
-    "max_position_embeddings",
-)
-
-
-def read_hf_arch(folder: str, path: str = "model.path") -> ModelArch:
-    """The architecture of a local Hugging Face model folder, from its config.json.
-
-    `path` is the config path named in errors (model.path, critic.model_path, reward.reward_model.path).
-    Raises ConfigError when the file is missing, unreadable or lacks the decoder-only fields.
-    """
-    cfg_file = os.path.join(folder, "config.json")
-
-    def fail(message: str, fix: str) -> ConfigError:
-        return ConfigError([error(path, message, fix, "model-config-json")])
-
-    try:
-        with open(cfg_file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
-        return_fix = f"point {path} at a local Hugging Face model folder that contains config.json"
-        if path == "model.path":
-            return_fix += ", or set model.path: null to build model.arch"
-        raise fail(f"{cfg_file} does not exist", return_fix) from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise fail(f"cannot read {cfg_file}: {exc}", "make config.json readable, valid JSON") from None
-    if not isinstance(raw, dict):
-        raise fail(f"{cfg_file} is not a JSON object", "use the config.json written by transformers")
-    # Multimodal configs nest the language model's fields.
-    if "num_hidden_layers" not in raw and "text_config" in raw and isinstance(raw["text_config"], dict):
-        raw = raw["text_config"]
-    missing = [k for k in _HF_REQUIRED if k not in raw]
-    if missing:
-        raise fail(
-            f"{cfg_file} lacks {', '.join(missing)}",
-            "use the config.json of a decoder-only (Llama / Qwen2 style) model",
-        )
-
-    def positive_int(key: str) -> int:
-        value = raw[key]
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INT:
-            raise fail(f"{cfg_file}: {key} must be a positive integer, got {value!r}", "fix config.json")
-        return value
-
-    def number(key: str, default: float) -> float:
-        # HF configs omit keys equal to the model class default; these defaults are transformers' own.
-        if key not in raw:
-            return default
-        value = raw[key]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise fail(f"{cfg_file}: {key} must be a number, got {value!r}", "fix config.json")
-        return float(value)
-
-    heads = positive_int("num_attention_heads")
-    hidden = positive_int("hidden_size")
-    # A missing (or null) num_key_value_heads means multi-head attention, as in transformers.
-    groups = (
-        positive_int("num_key_value_heads")
-        if raw.setdefault("num_key_value_heads", None) is not None
-        else heads
-    )
-    rope_theta = number("rope_theta", 10000.0)
-    if "rope_theta" not in raw and "rope_parameters" in raw and isinstance(raw["rope_parameters"], dict):
-        # transformers 5 moved rope_theta into rope_parameters.
-        params = raw["rope_parameters"]
-        if "rope_theta" in params:
-            value = params["rope_theta"]
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                rope_theta = float(value)
-    if "attention_bias" in raw:
-        qkv_bias = bool(raw["attention_bias"])
-    else:
-        # Qwen2 always has q/k/v biases and writes no flag; Llama-style configs write attention_bias.
-        qkv_bias = "model_type" in raw and str(raw["model_type"]).startswith("qwen2")
-    # PretrainedConfig's default is tie_word_embeddings = True, and save_pretrained omits values equal
-    # to it, so a missing key means tied.
-    tied = bool(raw["tie_word_embeddings"]) if "tie_word_embeddings" in raw else True
-    # Some configs (Qwen3, Gemma) give the head width explicitly; it need not be hidden / heads.
-    kv_channels = positive_int("head_dim") if "head_dim" in raw and raw["head_dim"] is not None else None
-    if heads % groups:
-        raise fail(
-            f"{cfg_file}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = {groups}",
-            "fix config.json (grouped-query attention needs whole groups)",
-        )
-    if kv_channels is None and hidden % heads:
-        raise fail(
-            f"{cfg_file}: hidden_size = {hidden} is not divisible by num_attention_heads = {heads} and no "
-            "head_dim is given",
-            "add head_dim to config.json",
-        )
-    return ModelArch(
-        num_layers=positive_int("num_hidden_layers"),
-        hidden_size=hidden,
-        ffn_hidden_size=positive_int("intermediate_size"),
-        num_attention_heads=heads,
-        num_query_groups=groups,
-        vocab_size=positive_int("vocab_size"),
-        max_position_embeddings=positive_int("max_position_embeddings"),
-        kv_channels=kv_channels,
-        rotary_base=rope_theta,
-        norm_epsilon=number("rms_norm_eps", 1e-6),
-        add_qkv_bias=qkv_bias,
-        share_embeddings_and_output_weights=tied,
-    )
-
-
 def _check_arch(arch: ModelArch, prefix: str) -> None:
     ck = _Checks()
     for name in (
@@ -916,32 +819,38 @@ def _check_arch(arch: ModelArch, prefix: str) -> None:
     ):
         ck.integer(f"{prefix}.{name}", getattr(arch, name), 1)
     ck.integer(f"{prefix}.kv_channels", arch.kv_channels, 1, optional=True)
+    ck.integer(f"{prefix}.num_moe_experts", arch.num_moe_experts, 1, optional=True)
+    ck.integer(f"{prefix}.moe_ffn_hidden_size", arch.moe_ffn_hidden_size, 1, optional=True)
+    ck.integer(f"{prefix}.moe_shared_expert_intermediate_size", arch.moe_shared_expert_intermediate_size, 1,
+               optional=True)  # fmt: skip
+    ck.integer(f"{prefix}.sliding_window", arch.sliding_window, 1, optional=True)
+    ck.raise_if_any()
+    for path, message, fix in family_issues(arch, prefix):
+        ck.add(path, message, fix, UNSUPPORTED_RULE)
     ck.raise_if_any()
 
 
+def _check_sequence_fits(c: RLConfig, arch: ModelArch, source: str, path: str) -> None:
+    """A sliding attention window shorter than the run's sequences is a feature the engine does not build
+    (within the window, windowed and full causal attention are the same computation)."""
+    seq = c.data.max_prompt_length + c.rollout.max_response_length
+    if arch.sliding_window is not None and seq > arch.sliding_window:
+        raise ConfigError([error(
+            path,
+            f"{source}: family {arch.family} attends within a sliding window of {arch.sliding_window} tokens, "
+            f"shorter than prompt + response = {seq}; rlplan builds full causal attention only",
+            f"keep data.max_prompt_length + rollout.max_response_length <= {arch.sliding_window}",
+            UNSUPPORTED_RULE,
+        )])  # fmt: skip
+
+
 def _kv_channels(arch: ModelArch) -> int:
-    return arch.kv_channels if arch.kv_channels is not None else arch.hidden_size // arch.num_attention_heads
+    return head_dim(arch)
 
 
-def _layer_params(arch: ModelArch) -> tuple[int, int]:
-    """(tensor-parallel-sharded, replicated) parameters of one transformer layer (SwiGLU MLP, RMSNorm)."""
-    h, f = arch.hidden_size, arch.ffn_hidden_size
-    kv = _kv_channels(arch)
-    q, g = arch.num_attention_heads * kv, arch.num_query_groups * kv
-    sharded = h * (q + 2 * g) + q * h + 3 * h * f  # qkv, output projection, gate + up + down
-    if arch.add_qkv_bias:
-        sharded += q + 2 * g
-    return sharded, 2 * h  # the two RMSNorm weights are replicated across tp
-
-
-def _num_parameters(arch: ModelArch, head: str) -> int:
-    sharded, replicated = _layer_params(arch)
-    n = arch.num_layers * (sharded + replicated) + arch.vocab_size * arch.hidden_size + arch.hidden_size
-    if head == "value":
-        n += arch.hidden_size
-    elif not arch.share_embeddings_and_output_weights:
-        n += arch.vocab_size * arch.hidden_size
-    return n
+def _model_spec(name: str, source: str, arch: ModelArch, head: str, used_by: tuple[str, ...]) -> ModelSpec:
+    total, active = count_parameters(arch, head)
+    return ModelSpec(name, source, arch, head, total, active, used_by)
 
 
 @dataclass(frozen=True)
@@ -975,12 +884,14 @@ def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
                 ]
             )
         policy_arch, source = (
-            read_hf_arch(c.model.path, "model.path"),
+            read_model_arch(c.model.path, "model.path"),
             os.path.join(c.model.path, "config.json"),
         )
+        _check_sequence_fits(c, policy_arch, source, "model.path")
     else:
         policy_arch, source = c.model.arch, "model.arch"
         _check_arch(policy_arch, "model.arch")
+        _check_sequence_fits(c, policy_arch, source, "model.arch.sliding_window")
     policy_users = tuple(r for r in ("actor", "rollout", "ref") if r in roles)
 
     def value_model(name: str, path: str | None, path_name: str) -> ModelSpec:
@@ -996,10 +907,11 @@ def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
                         )
                     ]
                 )
-            arch, src = read_hf_arch(path, path_name), os.path.join(path, "config.json")
+            arch, src = read_model_arch(path, path_name), os.path.join(path, "config.json")
+            _check_sequence_fits(c, arch, src, path_name)
         else:
             arch, src = policy_arch, source  # the policy's architecture with a value head
-        return ModelSpec(name, src, arch, "value", _num_parameters(arch, "value"), (name,))
+        return _model_spec(name, src, arch, "value", (name,))
 
     critic = value_model("critic", c.critic.model_path, "critic.model_path") if "critic" in roles else None
     rm_cfg = c.reward.reward_model
@@ -1008,7 +920,7 @@ def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
         if "reward_model" in roles
         else None
     )
-    policy = ModelSpec("policy", source, policy_arch, "lm", _num_parameters(policy_arch, "lm"), policy_users)
+    policy = _model_spec("policy", source, policy_arch, "lm", policy_users)
     return _Models(policy, critic, rm)
 
 
@@ -1530,9 +1442,16 @@ class _RoleMemModel:
 
 
 def _stage_params(arch: ModelArch, lay: RoleLayout, stage: StageLayers, head: str) -> int:
-    sharded, replicated = _layer_params(arch)
+    """Parameters one rank of `stage` holds: tp shards of attention and dense MLPs, routed experts split
+    over ep x etp ranks (num_moe_experts / ep experts, each sharded by etp), replicated norms and router."""
     tp = lay.tp
-    n = stage.num_layers * (_cdiv(sharded, tp) + replicated)
+    moe_layers = sum(
+        is_moe_layer(arch, layer) for ch in stage.chunks for layer in range(ch.first_layer, ch.first_layer + ch.num_layers)
+    )  # fmt: skip
+    n = 0
+    for moe, count in ((True, moe_layers), (False, stage.num_layers - moe_layers)):
+        p = layer_params(arch, moe)
+        n += count * (_cdiv(p.tp_sharded, tp) + p.replicated + _cdiv(p.experts, lay.ep * lay.etp))
     emb = lay.padded_vocab_size * arch.hidden_size // tp
     if stage.embedding:
         n += emb
@@ -2172,7 +2091,13 @@ def format_plan(plan: TrainerPlan) -> str:
     for m in plan.models:
         a = m.arch
         out.append(
-            f"  {m.name}: {_fmt_count(m.num_parameters)} params, {a.num_layers} layers, hidden {a.hidden_size}, "
+            f"  {m.name}: {_fmt_count(m.params_total)} params"
+            + (
+                f" ({_fmt_count(m.params_active)} active: {a.num_moe_experts} experts, {a.moe_router_topk} per token)"
+                if a.num_moe_experts is not None
+                else ""
+            )
+            + f", {a.family}, {a.num_layers} layers, hidden {a.hidden_size}, "
             f"ffn {a.ffn_hidden_size}, heads {a.num_attention_heads}/{a.num_query_groups} groups, vocab "
             f"{a.vocab_size}{_vocab_padding_note(plan, m.name, a.vocab_size)}, {m.head} head{', tied embeddings' if a.share_embeddings_and_output_weights and m.head == 'lm' else ''}"
             f" [{m.source}]"

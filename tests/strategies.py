@@ -205,7 +205,10 @@ def valid_configs(draw: st.DrawFn, max_devices: int = 16) -> RLConfig:
     heads = groups * draw(st.integers(1, 2))
     max_prompt = draw(st.integers(1, 32))
     max_response = draw(st.integers(1, 32))
+    # q/k/v biases come with the family: qwen2 has them, llama has none.
+    family, qkv_bias = draw(st.sampled_from([("qwen2", True), ("llama", False)]))
     arch = ModelArch(
+        family=family,
         num_layers=math.lcm(*chunks) * draw(st.integers(1, 2)),
         hidden_size=heads * draw(st.sampled_from([4, 8])),
         ffn_hidden_size=t * draw(st.integers(1, 6)) * 8,
@@ -213,7 +216,7 @@ def valid_configs(draw: st.DrawFn, max_devices: int = 16) -> RLConfig:
         num_query_groups=groups,
         vocab_size=draw(st.integers(16, 300)),
         max_position_embeddings=max_prompt + max_response + draw(st.integers(0, 64)),
-        add_qkv_bias=draw(st.booleans()),
+        add_qkv_bias=qkv_bias,
         share_embeddings_and_output_weights=draw(st.booleans()),
     )
 

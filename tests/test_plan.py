@@ -391,7 +391,7 @@ def test_qwen7b_layout_grid_and_stages() -> None:
     assert lay.padded_vocab_size == 152064  # already a multiple of 128 x 4 = 512
     # The embedded rollout generates with the actor's weights: the actor's layout.
     assert plan.layout("rollout").grid == plan.layout("actor").grid
-    assert plan.model("policy").num_parameters == 7_615_616_512  # Qwen2.5-7B: 7.62B
+    assert plan.model("policy").params_total == 7_615_616_512  # Qwen2.5-7B: 7.62B
 
 
 def test_grid_with_context_and_data_parallel() -> None:

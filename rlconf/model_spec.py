@@ -1,0 +1,566 @@
+"""The one reader of Hugging Face config.json: a model folder -> `ModelArch` (and back, for exports).
+
+Pure standard library, like all of rlconf: the plan compiler, `rlconf validate` and the megatron engine's
+weight import / export (rltrain.megatron.hf_weights) all read a folder through `read_model_arch`, so they
+cannot disagree about what a config.json means.
+
+Families (`FAMILIES`): llama (Llama 3 / 3.1 / 3.2), mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral.
+A key missing from config.json takes the default of that family's transformers config class (e.g. a
+missing tie_word_embeddings is false for every family here, a missing Qwen3 head_dim is 128), because that
+is what transformers builds from the same file. Everything else, and every feature of a supported family
+that rlplan cannot build (vision towers, multi-token prediction, linear attention, MLA, quantized weights,
+rope types other than linear / llama3 / yarn, ...), is a ConfigError with rule `model-unsupported` that
+names the config path, the model_type and the feature: a model is never silently reduced to a smaller one.
+
+Parameter counts (`count_parameters`) live here too: the plan reports them (total and, for MoE, active
+per token) and sizes its memory estimate with the same per-layer pieces.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlconf.config import ModelArch, RopeScaling
+from rlconf.errors import ConfigError, error
+
+MAX_SIZE = 1 << 40
+"""Bound on any size read from config.json (absurd values become errors, not hours of arithmetic)."""
+MAX_LAYERS = 1 << 16
+UNSUPPORTED_RULE = "model-unsupported"
+READ_RULE = "model-config-json"
+
+
+@dataclass(frozen=True)
+class Family:
+    """What one Hugging Face model_type fixes about the architecture."""
+
+    model_type: str
+    hf_architecture: str
+    """The transformers class an exported checkpoint names in `architectures`."""
+    qkv_bias: bool | None
+    """q/k/v projections have biases: always (True), never (False), or per config (None: qwen2_moe's
+    qkv_bias key)."""
+    qk_layernorm: bool
+    """RMSNorm per query / key head (q_norm, k_norm)."""
+    moe: bool
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    """transformers' class defaults for the keys config.json may omit (tests/test_model_spec.py checks them
+    against the installed transformers)."""
+
+
+_COMMON = {
+    "tie_word_embeddings": False,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "hidden_act": "silu",
+    "head_dim": None,  # None: hidden_size / num_attention_heads
+}
+_QWEN_MOE = {
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": False,
+    "router_aux_loss_coef": 0.001,
+    "use_sliding_window": False,
+}
+FAMILIES: Mapping[str, Family] = {
+    "llama": Family("llama", "LlamaForCausalLM", False, False, False,
+                    {**_COMMON, "num_key_value_heads": None, "attention_bias": False, "mlp_bias": False}),
+    "mistral": Family("mistral", "MistralForCausalLM", False, False, False,
+                      {**_COMMON, "num_key_value_heads": 8, "sliding_window": 4096}),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", True, False, False,
+                    {**_COMMON, "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096,
+                     "max_window_layers": 28}),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", False, True, False,
+                    {**_COMMON, "num_key_value_heads": 32, "head_dim": 128, "attention_bias": False,
+                     "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}),
+    "qwen2_moe": Family("qwen2_moe", "Qwen2MoeForCausalLM", None, False, True,
+                        {**_COMMON, **_QWEN_MOE, "num_key_value_heads": 16, "qkv_bias": True, "num_experts": 60,
+                         "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                         "shared_expert_intermediate_size": 5632, "sliding_window": 4096,
+                         "max_window_layers": 28}),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", False, True, True,
+                        {**_COMMON, **_QWEN_MOE, "num_key_value_heads": 4, "attention_bias": False,
+                         "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
+                         "sliding_window": 4096}),
+    "mixtral": Family("mixtral", "MixtralForCausalLM", False, False, True,
+                      {**_COMMON, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                       "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
+                       "router_jitter_noise": 0.0, "sliding_window": None}),
+}  # fmt: skip
+SUPPORTED = ", ".join(FAMILIES)
+# model_types people try whose defining feature rlplan does not build (the message names it).
+_KNOWN_UNSUPPORTED: Mapping[str, str] = {
+    "qwen2_vl": "a vision encoder (vision-language model)",
+    "qwen2_5_vl": "a vision encoder (vision-language model)",
+    "qwen3_vl": "a vision encoder (vision-language model)",
+    "qwen3_vl_moe": "a vision encoder (vision-language model)",
+    "qwen2_5_omni": "audio and vision encoders (omni model)",
+    "llava": "a vision encoder (vision-language model)",
+    "mllama": "cross-attention to a vision encoder (vision-language model)",
+    "gemma3": "a vision encoder and local / global attention layers",
+    "qwen3_next": "hybrid linear attention (Gated DeltaNet layers)",
+    "gpt_oss": "attention sinks, alternating sliding-window layers and MXFP4 experts",
+    "deepseek_v2": "multi-head latent attention (MLA)",
+    "deepseek_v3": "multi-head latent attention (MLA) and multi-token prediction",
+    "kimi_k2": "multi-head latent attention (MLA)",
+    "glm4_moe": "multi-token prediction and partial rotary embeddings",
+}
+_ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
+
+
+# ============================================================================================ reading
+def read_model_arch(folder: str, path: str = "model.path") -> ModelArch:
+    """The architecture of a local Hugging Face model folder, from its config.json.
+
+    `path` is the config path errors name (model.path, critic.model_path, reward.reward_model.path).
+    Raises ConfigError: rule `model-config-json` when the file is missing, unreadable or lacks a field,
+    rule `model-unsupported` when it describes a model or feature rlplan cannot build.
+    """
+    cfg_file = os.path.join(folder, "config.json")
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        fix = f"point {path} at a local Hugging Face model folder that contains config.json"
+        if path == "model.path":
+            fix += ", or set model.path: null to build model.arch"
+        raise ConfigError([error(path, f"{cfg_file} does not exist", fix, READ_RULE)]) from None
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(
+            [
+                error(
+                    path, f"cannot read {cfg_file}: {exc}", "make config.json readable, valid JSON", READ_RULE
+                )
+            ]
+        ) from None
+    return arch_from_config(raw, cfg_file, path)
+
+
+def arch_from_config(raw: object, source: str, path: str = "model.path") -> ModelArch:
+    """The architecture a parsed config.json describes; `source` names the file in messages."""
+    return _Reader(raw, source, path).arch()
+
+
+class _Reader:
+    """One config.json being read: typed getters with the family's defaults and errors naming `path`."""
+
+    def __init__(self, raw: object, source: str, path: str) -> None:
+        self.source, self.path = source, path
+        if not isinstance(raw, dict):
+            raise self.fail("is not a JSON object", "use the config.json written by transformers")
+        self.raw: dict[str, Any] = raw
+        model_type = raw.get("model_type")
+        self.model_type = model_type if isinstance(model_type, str) else None
+
+    # ---------------------------------------------------------------------------------- errors
+    def fail(self, message: str, fix: str, rule: str = READ_RULE) -> ConfigError:
+        return ConfigError([error(self.path, f"{self.source} {message}", fix, rule)])
+
+    def unsupported(self, feature: str) -> ConfigError:
+        return self.fail(
+            f"(model_type {self.model_type!r}) has {feature}, which rlplan cannot build",
+            f"use a model of a supported family ({SUPPORTED}) without it; rlplan never trains a reduced "
+            "version of a model",
+            UNSUPPORTED_RULE,
+        )
+
+    # ---------------------------------------------------------------------------------- typed access
+    def present(self, key: str) -> bool:
+        return key in self.raw and self.raw[key] is not None
+
+    def value(self, key: str) -> Any:
+        # transformers builds a missing key from its class default; so does this reader.
+        return self.raw[key] if key in self.raw else self.family.defaults.get(key)
+
+    def size(self, key: str, *, required: bool = False) -> int | None:
+        if required and key not in self.raw:
+            raise self.fail(f"lacks {key}", f"use the config.json of a decoder-only model ({SUPPORTED})")
+        v = self.value(key)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= MAX_SIZE:
+            raise self.fail(f": {key} must be a positive integer, got {v!r}", "fix config.json")
+        return v
+
+    def need(self, key: str) -> int:
+        v = self.size(key, required=True)
+        assert v is not None
+        return v
+
+    def number(
+        self, key: str, mapping: Mapping[str, Any] | None = None, default: float | None = None
+    ) -> float:
+        src = self.raw if mapping is None else mapping
+        v = src.get(key, self.family.defaults.get(key) if mapping is None else default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise self.fail(f": {key} must be a number, got {v!r}", "fix config.json")
+        return float(v)
+
+    def flag(self, key: str) -> bool:
+        v = self.value(key)
+        if not isinstance(v, bool):
+            raise self.fail(f": {key} must be true or false, got {v!r}", "fix config.json")
+        return v
+
+    # ---------------------------------------------------------------------------------- the model
+    def arch(self) -> ModelArch:
+        mt = self.model_type
+        if mt is None:
+            raise self.fail("has no model_type", f"use the config.json written by transformers ({SUPPORTED})")
+        if mt in _KNOWN_UNSUPPORTED:
+            raise self.unsupported(_KNOWN_UNSUPPORTED[mt])
+        if mt not in FAMILIES:
+            raise self.fail(
+                f"has model_type {mt!r}, which rlplan does not support",
+                f"use a model of a supported family: {SUPPORTED}",
+                UNSUPPORTED_RULE,
+            )
+        self.family = FAMILIES[mt]
+        self._reject_features()
+        heads = self.need("num_attention_heads")
+        hidden = self.need("hidden_size")
+        groups = self.size("num_key_value_heads") or heads
+        head_dim = self.size("head_dim")
+        if heads % groups:
+            raise self.fail(
+                f": num_attention_heads = {heads} is not a multiple of num_key_value_heads = {groups}",
+                "fix config.json (grouped-query attention needs whole groups)",
+            )
+        if head_dim is None and hidden % heads:
+            raise self.fail(
+                f": hidden_size = {hidden} is not divisible by num_attention_heads = {heads} and no head_dim "
+                "is given",
+                "add head_dim to config.json",
+            )
+        num_layers = self.need("num_hidden_layers")
+        if num_layers > MAX_LAYERS:
+            raise self.fail(
+                f": num_hidden_layers = {num_layers} is more than {MAX_LAYERS}", "fix config.json"
+            )
+        max_pos = self.need("max_position_embeddings")
+        qkv_bias = self.family.qkv_bias if self.family.qkv_bias is not None else self.flag("qkv_bias")
+        return ModelArch(
+            family=mt,  # type: ignore[arg-type]
+            num_layers=num_layers,
+            hidden_size=hidden,
+            ffn_hidden_size=self.need("intermediate_size"),
+            num_attention_heads=heads,
+            num_query_groups=groups,
+            vocab_size=self.need("vocab_size"),
+            max_position_embeddings=max_pos,
+            kv_channels=None if head_dim is None or head_dim * heads == hidden else head_dim,
+            rotary_base=self._rope_theta(),
+            norm_epsilon=self.number("rms_norm_eps"),
+            add_qkv_bias=qkv_bias,
+            share_embeddings_and_output_weights=self.flag("tie_word_embeddings"),
+            qk_layernorm=self.family.qk_layernorm,
+            rope_scaling=self._rope_scaling(),
+            sliding_window=self._sliding_window(num_layers),
+            **self._moe(num_layers),
+        )
+
+    def _reject_features(self) -> None:
+        raw = self.raw
+        for key in ("vision_config", "text_config", "audio_config"):
+            if key in raw:
+                raise self.unsupported(f"{key} (a multimodal model)")
+        mtp = raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers")
+        if mtp:
+            raise self.unsupported(f"multi-token prediction layers (num_nextn_predict_layers = {mtp})")
+        if self.present("quantization_config"):
+            method = raw["quantization_config"]
+            method = method.get("quant_method", "?") if isinstance(method, dict) else method
+            raise self.unsupported(f"quantized weights (quantization_config: {method})")
+        if self.value("hidden_act") != "silu":
+            raise self.unsupported(
+                f"hidden_act {self.value('hidden_act')!r} (rlplan builds SwiGLU with silu)"
+            )
+        if self.family.model_type == "llama" and self.flag("mlp_bias"):
+            raise self.unsupported("mlp_bias (biases on the MLP projections)")
+        if (
+            self.family.qkv_bias is False
+            and "attention_bias" in self.family.defaults
+            and self.flag("attention_bias")
+        ):
+            raise self.unsupported("attention_bias (biases on q/k/v and the output projection)")
+        if self.family.model_type == "mixtral" and self.number("router_jitter_noise") != 0.0:
+            raise self.unsupported("router_jitter_noise (random router noise)")
+        types = raw.get("layer_types")
+        if isinstance(types, list):
+            other = sorted({t for t in types if t not in ("full_attention", "sliding_attention")}, key=str)
+            if other:
+                raise self.unsupported(f"layer_types {other} (attention other than full / sliding window)")
+
+    def _rope_params(self) -> Mapping[str, Any]:
+        for key in ("rope_parameters", "rope_scaling"):
+            v = self.raw.get(key)
+            if isinstance(v, dict):
+                return v
+            if v is not None:
+                raise self.fail(f": {key} must be an object, got {v!r}", "fix config.json")
+        return {}
+
+    def _rope_theta(self) -> float:
+        params = self._rope_params()
+        if "rope_theta" in self.raw:
+            return self.number("rope_theta")
+        if "rope_theta" in params:  # transformers 5 moved rope_theta into rope_parameters
+            return self.number("rope_theta", params)
+        return self.number("rope_theta")
+
+    def _rope_scaling(self) -> RopeScaling:
+        params = self._rope_params()
+        kind = params.get("rope_type", params.get("type", "default"))
+        if kind not in _ROPE_TYPES:
+            raise self.unsupported(f"rope scaling {kind!r} (supported: linear, llama3, yarn)")
+        if self.number("partial_rotary_factor", params, 1.0) != 1.0:
+            raise self.unsupported("partial_rotary_factor (RoPE on part of each head)")
+        if _ROPE_TYPES[kind] == "none":
+            return RopeScaling()
+        for extra in ("mscale", "mscale_all_dim", "attention_factor"):
+            if params.get(extra) is not None:
+                raise self.unsupported(f"rope scaling {kind!r} with {extra}")
+        orig = params.get("original_max_position_embeddings")
+        if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig < 1):
+            raise self.fail(f": original_max_position_embeddings must be a positive integer, got {orig!r}",
+                            "fix config.json")  # fmt: skip
+        scaling = RopeScaling(
+            type=_ROPE_TYPES[kind],
+            factor=self.number("factor", params, 1.0),
+            low_freq_factor=self.number("low_freq_factor", params, 1.0),
+            high_freq_factor=self.number("high_freq_factor", params, 4.0),
+            original_max_position_embeddings=orig,
+            beta_fast=self.number("beta_fast", params, 32.0),
+            beta_slow=self.number("beta_slow", params, 1.0),
+        )
+        if scaling.factor <= 0 or (
+            scaling.type == "llama3" and scaling.high_freq_factor <= scaling.low_freq_factor
+        ):
+            raise self.fail(f": rope scaling {params!r} has a non-positive factor or high_freq_factor <= "
+                            "low_freq_factor", "fix config.json")  # fmt: skip
+        return scaling
+
+    def _sliding_window(self, num_layers: int) -> int | None:
+        if "use_sliding_window" in self.family.defaults and not self.flag("use_sliding_window"):
+            return None
+        if "max_window_layers" in self.family.defaults:
+            # Qwen2 / Qwen3: only layers from max_window_layers on use the window.
+            first = self.value("max_window_layers")
+            if isinstance(first, int) and not isinstance(first, bool) and first >= num_layers:
+                return None
+        return self.size("sliding_window") if "sliding_window" in self.family.defaults else None
+
+    def _moe(self, num_layers: int) -> dict[str, Any]:
+        if not self.family.moe:
+            return {}
+        mixtral = self.family.model_type == "mixtral"
+        experts_key = "num_local_experts" if mixtral else "num_experts"
+        alias = "num_experts" if mixtral else "num_local_experts"
+        experts = self.size(alias) if alias in self.raw else self.size(experts_key)
+        if experts is None:
+            raise self.fail(f"lacks {experts_key}", "fix config.json")
+        topk = self.size("num_experts_per_tok")
+        if topk is None or topk > experts:
+            raise self.fail(
+                f": num_experts_per_tok = {topk} must be between 1 and {experts}", "fix config.json"
+            )
+        dense: tuple[int, ...] = ()
+        if not mixtral:
+            step = self.size("decoder_sparse_step") or 1
+            only = self.value("mlp_only_layers") or []
+            if not isinstance(only, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) for i in only
+            ):
+                raise self.fail(
+                    f": mlp_only_layers must be a list of layer numbers, got {only!r}", "fix config.json"
+                )
+            # transformers: layer i has experts iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0
+            dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step)
+        shared = (
+            self.size("shared_expert_intermediate_size") if self.family.model_type == "qwen2_moe" else None
+        )
+        return {
+            "num_moe_experts": experts,
+            "moe_router_topk": topk,
+            "moe_ffn_hidden_size": None if mixtral else self.size("moe_intermediate_size"),
+            "moe_shared_expert_intermediate_size": shared,
+            "moe_shared_expert_gate": shared is not None,
+            "moe_norm_topk_prob": True if mixtral else self.flag("norm_topk_prob"),
+            "moe_dense_layers": dense,
+            "moe_aux_loss_coeff": self.number("router_aux_loss_coef"),
+        }
+
+
+# ============================================================================================ writing
+def hf_config(arch: ModelArch, dtype: str, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """config.json of `arch` for transformers (its family's model_type and class), over `base` if given
+    (the source folder's config.json: keys rlplan does not model, such as token ids, are kept)."""
+    family = FAMILIES[arch.family]
+    cfg: dict[str, Any] = dict(base) if base is not None else {}
+    cfg["architectures"] = [family.hf_architecture]
+    cfg["model_type"] = family.model_type
+    head_dim = arch.kv_channels or arch.hidden_size // arch.num_attention_heads
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": arch.rotary_base}
+    rs = arch.rope_scaling
+    if rs.type != "none":
+        rope.update(rope_type=rs.type, factor=rs.factor)
+        if rs.type in ("llama3", "yarn"):
+            rope["original_max_position_embeddings"] = (
+                rs.original_max_position_embeddings or arch.max_position_embeddings
+            )
+        if rs.type == "llama3":
+            rope.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
+        if rs.type == "yarn":
+            rope.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
+    cfg.pop("rope_scaling", None)  # rope_parameters replaces it; two sources could disagree
+    cfg.update(
+        hidden_act="silu",
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.ffn_hidden_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_attention_heads,
+        num_key_value_heads=arch.num_query_groups,
+        head_dim=head_dim,
+        vocab_size=arch.vocab_size,
+        max_position_embeddings=arch.max_position_embeddings,
+        rms_norm_eps=arch.norm_epsilon,
+        tie_word_embeddings=arch.share_embeddings_and_output_weights,
+        rope_parameters=rope,
+        rope_theta=arch.rotary_base,
+        dtype=dtype,
+    )
+    if "attention_bias" in family.defaults:
+        cfg["attention_bias"] = False
+    if family.model_type == "llama":
+        cfg["mlp_bias"] = False
+    if family.qkv_bias is None:
+        cfg["qkv_bias"] = arch.add_qkv_bias
+    if "use_sliding_window" in family.defaults:
+        cfg["use_sliding_window"] = arch.sliding_window is not None
+        if arch.sliding_window is not None:
+            cfg["max_window_layers"] = 0
+    if "sliding_window" in family.defaults:
+        cfg["sliding_window"] = arch.sliding_window
+    if family.moe:
+        assert arch.num_moe_experts is not None
+        cfg["num_experts_per_tok"] = arch.moe_router_topk
+        cfg["router_aux_loss_coef"] = arch.moe_aux_loss_coeff
+        if family.model_type == "mixtral":
+            cfg["num_local_experts"] = arch.num_moe_experts
+        else:
+            cfg["num_experts"] = arch.num_moe_experts
+            cfg["moe_intermediate_size"] = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
+            cfg["norm_topk_prob"] = arch.moe_norm_topk_prob
+            cfg["decoder_sparse_step"] = 1
+            cfg["mlp_only_layers"] = list(arch.moe_dense_layers)
+        if arch.moe_shared_expert_intermediate_size is not None:
+            cfg["shared_expert_intermediate_size"] = arch.moe_shared_expert_intermediate_size
+    return cfg
+
+
+# ============================================================================================ checks
+def family_issues(arch: ModelArch, prefix: str) -> list[tuple[str, str, str]]:
+    """(path, message, fix) for every way `arch` contradicts its family (a built-in `model.arch` can say
+    anything; an exported checkpoint must mean the same to transformers)."""
+    family = FAMILIES.get(arch.family)
+    if family is None:
+        return [(f"{prefix}.family", f"unknown family {arch.family!r}", f"use one of {SUPPORTED}")]
+    out = []
+    if family.qkv_bias is not None and arch.add_qkv_bias != family.qkv_bias:
+        fix = "set family: qwen2 (q/k/v biases) or llama (none)"
+        out.append((f"{prefix}.add_qkv_bias", f"family {arch.family} {'has' if family.qkv_bias else 'has no'} "
+                    f"q/k/v biases, add_qkv_bias = {arch.add_qkv_bias}", fix))  # fmt: skip
+    if arch.qk_layernorm != family.qk_layernorm:
+        out.append((f"{prefix}.qk_layernorm", f"family {arch.family} {'has' if family.qk_layernorm else 'has no'} "
+                    f"QK-norm, qk_layernorm = {arch.qk_layernorm}",
+                    "set qk_layernorm to match, or a family with (qwen3) / without (qwen2, llama) QK-norm"))  # fmt: skip
+    if family.moe != (arch.num_moe_experts is not None):
+        out.append((f"{prefix}.num_moe_experts", f"family {arch.family} is {'' if family.moe else 'not '}a "
+                    f"mixture of experts, num_moe_experts = {arch.num_moe_experts}",
+                    "set num_moe_experts (MoE families) or null (dense families), or change family"))  # fmt: skip
+    if arch.num_moe_experts is not None and not 1 <= arch.moe_router_topk <= arch.num_moe_experts:
+        out.append((f"{prefix}.moe_router_topk", f"moe_router_topk = {arch.moe_router_topk} is not between 1 "
+                    f"and num_moe_experts = {arch.num_moe_experts}", "fix moe_router_topk"))  # fmt: skip
+    if any(not 0 <= i < arch.num_layers for i in arch.moe_dense_layers):
+        out.append((f"{prefix}.moe_dense_layers", f"layers {list(arch.moe_dense_layers)} are not all in "
+                    f"[0, {arch.num_layers})", "list 0-based layer numbers"))  # fmt: skip
+    return out
+
+
+# ============================================================================================ counting
+def head_dim(arch: ModelArch) -> int:
+    """Per-head width (kv_channels, else hidden_size / num_attention_heads)."""
+    return arch.kv_channels if arch.kv_channels is not None else arch.hidden_size // arch.num_attention_heads
+
+
+def is_moe_layer(arch: ModelArch, layer: int) -> bool:
+    """Whether 0-based `layer` has routed experts."""
+    return arch.num_moe_experts is not None and layer not in arch.moe_dense_layers
+
+
+def num_moe_layers(arch: ModelArch) -> int:
+    """Layers with routed experts."""
+    if arch.num_moe_experts is None:
+        return 0
+    return arch.num_layers - len({i for i in arch.moe_dense_layers if 0 <= i < arch.num_layers})
+
+
+@dataclass(frozen=True)
+class LayerParams:
+    """Parameters of one transformer layer, split by how megatron distributes them."""
+
+    tp_sharded: int
+    """Split across tensor-parallel ranks: q/k/v (+ biases), output projection, a dense MLP or the
+    shared expert."""
+    replicated: int
+    """On every tensor-parallel rank: RMSNorm weights, QK-norm weights, the router, the shared-expert gate."""
+    experts: int
+    """All routed experts (split across expert-parallel x expert-tensor-parallel ranks)."""
+    active_experts: int
+    """The routed experts one token passes through (moe_router_topk of them)."""
+
+
+def layer_params(arch: ModelArch, moe: bool) -> LayerParams:
+    """Parameter counts of one layer with routed experts (`moe`, see is_moe_layer) or a dense MLP (SwiGLU
+    MLPs: gate, up and down projections)."""
+    h, kv = arch.hidden_size, head_dim(arch)
+    q, g = arch.num_attention_heads * kv, arch.num_query_groups * kv
+    sharded = h * (q + 2 * g) + q * h
+    if arch.add_qkv_bias:
+        sharded += q + 2 * g
+    replicated = 2 * h + (2 * kv if arch.qk_layernorm else 0)
+    experts = active = 0
+    if moe and arch.num_moe_experts is not None:
+        expert = 3 * h * (arch.moe_ffn_hidden_size or arch.ffn_hidden_size)
+        experts, active = arch.num_moe_experts * expert, arch.moe_router_topk * expert
+        replicated += arch.num_moe_experts * h  # router
+        if arch.moe_shared_expert_intermediate_size is not None:
+            sharded += 3 * h * arch.moe_shared_expert_intermediate_size
+            replicated += h if arch.moe_shared_expert_gate else 0
+    else:
+        sharded += 3 * h * arch.ffn_hidden_size
+    return LayerParams(sharded, replicated, experts, active)
+
+
+def count_parameters(arch: ModelArch, head: str) -> tuple[int, int]:
+    """(total, active per token) parameters of the unpadded, unsharded model: embedding, layers, final norm
+    and the output layer (`head` lm: vocabulary logits, untied unless share_embeddings_and_output_weights;
+    value: hidden -> 1). Equal for dense models."""
+    total = active = arch.vocab_size * arch.hidden_size + arch.hidden_size
+    if head == "value":
+        total += arch.hidden_size
+        active += arch.hidden_size
+    elif not arch.share_embeddings_and_output_weights:
+        total += arch.vocab_size * arch.hidden_size
+        active += arch.vocab_size * arch.hidden_size
+    moe_layers = num_moe_layers(arch)
+    for moe, count in ((True, moe_layers), (False, arch.num_layers - moe_layers)):
+        p = layer_params(arch, moe)
+        total += count * (p.tp_sharded + p.replicated + p.experts)
+        active += count * (p.tp_sharded + p.replicated + p.active_experts)
+    return total, active
