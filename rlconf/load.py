@@ -194,8 +194,9 @@ def parse_yaml(text: str, source: str = "<yaml>") -> Any:
     expansion bounds become a ConfigError (with the line and column where YAML gives one)."""
     if _DEEP_FLOW_RE.search(text):
         raise ConfigError([_too_deep("")], source)
-    loader = _Loader(text)
+    loader: _Loader | None = None
     try:
+        loader = _Loader(text)  # its reader rejects unprintable characters at once
         node = loader.get_single_node()
         if node is None:
             return None
@@ -219,7 +220,8 @@ def parse_yaml(text: str, source: str = "<yaml>") -> Any:
             [error("", f"unreadable YAML value: {exc}", "fix the value", "yaml-syntax")], source
         ) from None
     finally:
-        loader.dispose()
+        if loader is not None:
+            loader.dispose()
 
 
 def dump_yaml(data: Any) -> str:

@@ -148,3 +148,11 @@ def test_import_verl_applies_the_bounds(tmp_path, capsys):
     dup.write_text(json.dumps({"trainer": {"total_epochs": 1}})[:-1] + ', "trainer": {}}')
     assert rlconf_main(["import-verl", str(dup)]) == 2
     assert "[duplicate-key] trainer:" in capsys.readouterr().err
+
+
+def test_unprintable_characters_are_a_syntax_error_naming_the_file(tmp_path, capsys):
+    f = tmp_path / "ctrl.yaml"
+    f.write_text("trainer:\n  total_steps: 3\x1f\n")
+    assert rlconf_main(["validate", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert str(f) in err and "[yaml-syntax]" in err and "unacceptable character" in err
