@@ -69,7 +69,8 @@ def test_huge_seed_is_rejected_and_the_limit_fits_every_generator(tmp_path, caps
     _both_reject(tmp_path, capsys, "trainer:\n  seed: 100000000000000000000000000000\n", "trainer.seed")
     import torch
 
-    with pytest.raises((RuntimeError, ValueError)):  # what a worker did with it: died without naming the cause
+    # What a worker did with it: died without naming the cause.
+    with pytest.raises((RuntimeError, ValueError)):
         torch.manual_seed(10**29)
     # The largest accepted seed, plus the offsets workers add (ranks, megatron's 2718 + tp rank), is fine.
     torch.manual_seed(SEED_LIMIT - 1 + 2718 + 1024)
@@ -166,3 +167,18 @@ def test_filesystem_rules_run_only_when_asked(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(None, preset="tiny-grpo", overrides=overrides, filesystem=True)
     assert info.value.paths == ("data.train_files[0]",)
+
+
+# ------------------------------------------------------------------------------------------------ the plan
+def test_validate_reports_what_only_the_plan_compiler_finds(tmp_path, capsys):
+    """A model folder without config.json passes the rules (they cannot read it) but not the plan, which
+    the run compiles first: validate compiles it too."""
+    model = tmp_path / "model"
+    model.mkdir()
+    f = tmp_path / "run.yaml"
+    f.write_text(f"preset: tiny-grpo\nmodel:\n  path: {model}\n")
+    assert rlconf_main(["validate", str(f)]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}: invalid config" in err and "] model.path:" in err and "config.json" in err
+    assert rltrain_main(["tiny-grpo", "--config", str(f), "--dry-run"]) == 2
+    assert "] model.path:" in capsys.readouterr().err
