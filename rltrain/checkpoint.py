@@ -347,8 +347,8 @@ def _manifest_shape_problem(manifest: Any) -> str | None:
     if manifest.get("format") != FORMAT:
         return f"format {manifest.get('format')!r}, expected {FORMAT!r}"
     files = manifest.get("files")
-    if not isinstance(files, dict):
-        return "no files table"
+    if not isinstance(files, dict) or not files:
+        return "no files table" if not isinstance(files, dict) else "it lists no files"  # meta.json, at least
     block = None
     if any(isinstance(e, dict) and _DIGEST in e for e in files.values()):
         digest = manifest.get("digest")
@@ -1200,7 +1200,7 @@ def _fmt_layout(layout: Mapping[str, int]) -> str:
 
 def _check_arch(meta: Mapping[str, Any], engine: MegatronEngine, role: str, folder: Path) -> None:
     saved = meta["arch"]
-    now = asdict(engine.arch)
+    now = json.loads(json.dumps(asdict(engine.arch)))  # as meta.json holds it: tuples are lists there
     diff = [f"{k}: {saved[k]} -> {now[k]}" for k in now if k in saved and saved[k] != now[k]]
     if diff or bool(meta["value_head"]) != _is_value_model(engine):
         what = ", ".join(diff) if diff else "value head"

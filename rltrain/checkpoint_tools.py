@@ -531,15 +531,19 @@ def _check_out_is_no_run(out: Path, step_dir: Path) -> None:
         f"; export-hf never writes there, with or without --overwrite: choose a new folder outside the run, "
         f"e.g. {run_dir.parent / f'{run_dir.name}-hf-{real_step.name}'}"
     )
-    if real_step.is_relative_to(real_out):
-        raise CheckpointError(f"{out} holds the checkpoint being exported ({step_dir}){fix}")
+    why = _run_marker(real_out, with_config=True) if real_out.is_dir() else None
+    if why is not None:
+        raise CheckpointError(f"{out} is a run folder or checkpoint ({why}){fix}")
     if real_out.is_relative_to(real_step):
         raise CheckpointError(f"{out} is inside the checkpoint being exported ({step_dir}){fix}")
-    for folder in (real_out, *real_out.parents):
-        why = _run_marker(folder, with_config=folder == real_out) if folder.is_dir() else None
+    for folder in real_out.parents:
+        why = _run_marker(folder, with_config=False)
         if why is not None:
-            where = "is" if folder == real_out else f"is inside {folder}, which is"
-            raise CheckpointError(f"{out} {where} a run folder or checkpoint ({why}){fix}")
+            raise CheckpointError(
+                f"{out} is inside {folder}, which is a run folder or checkpoint ({why}){fix}"
+            )
+    if real_step.is_relative_to(real_out):
+        raise CheckpointError(f"{out} holds the checkpoint being exported ({step_dir}){fix}")
     if not real_out.is_dir():
         return
     seen = 0
@@ -659,13 +663,20 @@ def _export_dist(
     with warnings.catch_warnings():
         # megatron's notes about missing Apex / Transformer Engine: the CPU fallbacks are intended here.
         warnings.simplefilter("ignore")
+        import dacite
+
         from rlconf.config import MegatronConfig, ModelArch, ModelConfig
         from rltrain.checkpoint import load_engine
         from rltrain.device import device_context
         from rltrain.megatron.engine import MegatronEngine
         from rltrain.megatron.hf_weights import export_hf_weights
 
-        arch = ModelArch(**meta["arch"])
+        try:  # nested sections (rope_scaling) and tuples come back from JSON as dicts and lists
+            arch = dacite.from_dict(ModelArch, meta["arch"], config=dacite.Config(cast=[tuple]))
+        except (dacite.DaciteError, TypeError, ValueError) as exc:
+            raise CheckpointError(
+                f"{role_dir / META}: its arch cannot be read ({exc}); export another checkpoint"
+            ) from exc
         # sdpa: megatron's local layer spec, the parameter names every CPU and non-TE run saves.
         model_cfg = ModelConfig(
             path=None, arch=arch, params_dtype=meta["params_dtype"], attention_backend="sdpa"

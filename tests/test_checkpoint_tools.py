@@ -218,6 +218,103 @@ def test_resume_picks_the_last_commit_even_when_the_latest_file_lags(tmp_path, r
         assert reg.resolve_resume(plan).step == 3
 
 
+# ============================================================================================ malformed files
+# Each: (what, file under checkpoints/ relative to global_step_2 or the root, bytes written there).
+_MALFORMED_LATEST = {
+    "5000 digits": b"9" * 5000,
+    "arabic-indic digit": "\u0663".encode(),
+    "superscript two": "\u00b2\n".encode(),
+    "not utf-8": b"\xff\xfe2",
+    "negative": b"-2",
+    "zero": b"0\n",
+    "empty": b"",
+}
+_MALFORMED_MARKER = {
+    "truncated json": b'{"step": 2, "roles": ["act',
+    "a list": b"[]",
+    "5000-digit step": b'{"step": ' + b"9" * 5000 + b', "roles": ["actor"]}',
+    "step of another folder": b'{"step": 7, "roles": ["actor"]}',
+    "step is text": b'{"step": "2", "roles": ["actor"]}',
+    "roles is a string": b'{"step": 2, "roles": "actor"}',
+    "role outside the folder": b'{"step": 2, "roles": ["../../.."]}',
+    "nested brackets": b"[" * 100_000,
+    "not utf-8": b'{"step": 2, "roles": ["\xff"]}',
+}
+_MALFORMED_MANIFEST = {
+    "truncated json": b'{"format": "rlplan',
+    "files is a list": b'{"format": "rlplan-megatron-checkpoint/1", "files": []}',
+    "entry without size": b'{"format": "rlplan-megatron-checkpoint/1", "files": {"meta.json": {"crc32": [1]}}}',
+    "path outside the folder": b'{"format": "rlplan-megatron-checkpoint/1", "digest": {"algorithm": "crc32", '
+    b'"block_bytes": 67108864}, "files": {"../../../COMPLETE": {"size": 1, "crc32": [1]}}}',
+    "absolute path": b'{"format": "rlplan-megatron-checkpoint/1", "digest": {"algorithm": "crc32", '
+    b'"block_bytes": 67108864}, "files": {"/etc/hostname": {"size": 1, "crc32": [1]}}}',
+    "crc list too short": b'{"format": "rlplan-megatron-checkpoint/1", "digest": {"algorithm": "crc32", '
+    b'"block_bytes": 1}, "files": {"meta.json": {"size": 5, "crc32": [1]}}}',
+    "empty files table": b'{"format": "rlplan-megatron-checkpoint/1", "files": {}}',
+    "nested brackets": b"[" * 100_000,
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "case"),
+    [("latest", c) for c in _MALFORMED_LATEST]
+    + [("marker", c) for c in _MALFORMED_MARKER]
+    + [("manifest", c) for c in _MALFORMED_MANIFEST],
+)
+def test_malformed_latest_marker_or_manifest_falls_back_and_inspect_says_why(
+    tmp_path, capsys, reg: CheckpointRegistry, kind, case
+):
+    _save(reg, 1)
+    step2 = _save(reg, 2)
+    if kind == "latest":
+        bad, data = reg.latest_file, _MALFORMED_LATEST[case]
+    elif kind == "marker":
+        bad, data = step2 / "COMPLETE", _MALFORMED_MARKER[case]
+    else:
+        bad, data = step2 / "actor" / "manifest.json", _MALFORMED_MANIFEST[case]
+    bad.write_bytes(data)
+
+    # resume_mode auto: the newest intact checkpoint, with a warning naming the file.
+    expected = 2 if kind == "latest" else 1
+    with pytest.warns(UserWarning, match="resuming from the newest complete one") as record:
+        assert reg.resolve_resume(_plan(tmp_path / "run")).step == expected
+    assert str(bad) in str(record[0].message), str(record[0].message)
+    # Start-up clean-up never touches global_step_N folders, whatever their markers say.
+    assert reg.cleanup_incomplete() == [] and step2.is_dir() and (step2 / "actor" / "dist_ckpt").is_dir()
+
+    # inspect: one line naming the file, exit 2 (for the checkpoint, or the checkpoints folder when the latest
+    # file is the broken part), never a traceback.
+    code, out, err = _inspect(capsys, str(reg.root if kind == "latest" else step2))
+    assert code == 2 and err.count("\n") == 1 and str(bad) in err, (code, err)
+    if kind == "latest":
+        assert "does not hold a step number" in err and "echo 2 >" in err
+    else:
+        assert "INCOMPLETE" in out or "FAILED" in out
+        code, out, _ = _inspect(capsys, str(step2), "--json")
+        assert code == 2 and not json.loads(out)["ok"]
+        # export-hf refuses it too (before any model is built).
+        code = tools.main(["export-hf", str(step2), str(tmp_path / "hf")])
+        err = capsys.readouterr().err
+        assert code == 2 and str(bad) in err and not (tmp_path / "hf").exists()
+    # The listing of the run works either way.
+    code, out, _ = _inspect(capsys, str(reg.root.parent))
+    assert code == (2 if kind == "latest" else 0) and "global_step" not in out.splitlines()[0]
+
+
+def test_deleting_only_complete_keeps_the_weights(tmp_path, capsys, reg: CheckpointRegistry):
+    _save(reg, 1)
+    step2 = _save(reg, 2)
+    (step2 / "COMPLETE").unlink()
+    assert reg.cleanup_incomplete() == []
+    with pytest.warns(UserWarning, match="has no COMPLETE marker, though its files match their manifests"):
+        assert reg.resolve_resume(_plan(tmp_path / "run")).step == 1
+    assert (step2 / "actor" / "dist_ckpt" / "__0_0.distcp").stat().st_size == BIG
+    code, out, err = _inspect(capsys, str(reg.root))
+    assert code == 0 and "unmarked" in out
+    code, out, err = _inspect(capsys, str(step2))
+    assert code == 2 and "kept" in out and "has no COMPLETE marker" in err
+
+
 # ============================================================================================ inspect
 def _inspect(capsys, *args: str) -> tuple[int, str, str]:
     code = tools.main(["inspect", *args])
@@ -289,6 +386,42 @@ def test_cli_dispatch_no_traceback(tmp_path):
     assert f"{tmp_path / 'nope'} does not exist" in result.stderr
 
 
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+@pytest.mark.parametrize("overwrite", [False, True], ids=["plain", "overwrite"])
+def test_export_hf_never_writes_into_or_over_a_run(tmp_path, capsys, reg: CheckpointRegistry, overwrite):
+    """`export-hf CKPT RUN --overwrite` deleted the run; every OUT that is, holds or lies inside a run folder or
+    checkpoint is refused (exit 2, one line with the fix), before any model is built, and nothing changes."""
+    step = _save(reg, 1)
+    run = reg.root.parent
+    for name in ("config.yaml", "metrics.jsonl", "plan.json"):
+        (run / name).write_text("{}\n")
+    (tmp_path / "link_to_run").symlink_to(run)
+    lookalike = tmp_path / "other_run"
+    lookalike.mkdir()
+    (lookalike / "config.yaml").write_text("model: {}\n")
+    before = _tree(tmp_path)
+    outs = {
+        run: "is a run folder or checkpoint (it holds metrics.jsonl)",
+        reg.root: "is a run folder or checkpoint (it holds latest_checkpointed_iteration.txt)",
+        step: "is a run folder or checkpoint (it is named global_step_1)",
+        step / "actor" / "hf": "is inside the checkpoint being exported",
+        tmp_path: "holds the checkpoint being exported",
+        run / "hf": f"is inside {run}, which is a run folder or checkpoint",
+        tmp_path / "link_to_run": "is a run folder or checkpoint",
+        lookalike: "is a run folder or checkpoint (it holds config.yaml)",
+    }
+    for out, why in outs.items():
+        code = tools.main(["export-hf", str(step), str(out), *(["--overwrite"] if overwrite else [])])
+        err = capsys.readouterr().err
+        assert code == 2 and err.count("\n") == 1, (out, err)
+        assert err.startswith(f"error: {out} {why}"), (out, err)
+        assert "never writes there, with or without --overwrite: choose a new folder outside the run" in err
+    assert _tree(tmp_path) == before
+
+
 # ============================================================================================ export (megatron)
 
 
@@ -341,6 +474,62 @@ def test_export_hf_from_a_checkpoint_without_hf_model(tmp_path):
     with pytest.raises(CheckpointError, match=r"rank_00000\.pt: content differs .* is damaged"):
         tools.export_hf(step_dir, tmp_path / "hf2")
     assert not (tmp_path / "hf2").exists()
+
+
+@pytest.mark.usefixtures("world")
+@pytest.mark.slow
+def test_export_hf_of_a_tiny_model_ships_the_builtin_tokenizer_and_normal_modes(tmp_path):
+    """A tiny run (built-in character tokenizer): the export's tokenizer files load in transformers with the
+    ids of CharTokenizer, the model generates text through them, and the files have the modes of a plain write
+    (umask 022). transformers 5 makes AutoTokenizer build its own Qwen2Tokenizer for every model_type qwen2
+    folder (byte-level BPE, whatever tokenizer.json holds): the class the files name is loaded directly."""
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    from rltrain.megatron.actor import MegatronActor
+    from rltrain.tokenizer import CharTokenizer
+
+    from .megatron._common import actor_cfg, tiny_model_cfg
+
+    old_mask = os.umask(0o022)
+    try:
+        actor = MegatronActor(tiny_model_cfg(), actor_cfg(), "cpu", total_steps=2)
+        # No config.yaml next to checkpoints/: the tokenizer kind comes from meta.json.
+        reg = CheckpointRegistry(tmp_path / "run" / "checkpoints", ["actor"])
+        ck.save_engine(actor, reg.begin(1)["actor"], ("model", "extra", "hf_model"), {"step": 1})
+        step_dir = reg.commit(1)
+        assert ck.read_role_meta(step_dir / "actor")["tokenizer"] == {"kind": "char", "vocab_size": 32}
+        assert tools.main(["export-hf", str(step_dir), str(tmp_path / "hf")]) == 0
+    finally:
+        os.umask(old_mask)
+    builtin = CharTokenizer()
+    for folder in (tmp_path / "hf", step_dir / "actor" / "huggingface"):  # export-hf, and the in-run hf_model
+        modes = {p.name: p.stat().st_mode & 0o777 for p in folder.iterdir()}
+        assert set(modes) >= {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"}
+        assert set(modes.values()) == {0o644}, modes
+        assert (
+            json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"]
+            == "PreTrainedTokenizerFast"
+        )
+        tok = PreTrainedTokenizerFast.from_pretrained(folder)
+        assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+        for text in [
+            "12+7=19",
+            "#### 42",
+            "<answer>5</answer>",
+            "a b\nc",
+            "héllo, wörld",
+            "<eos> stays text",
+            "",
+        ]:
+            assert tok.encode(text, add_special_tokens=False) == builtin.encode(text), text
+            assert tok.encode(text) == builtin.encode_prompt(text), text
+            ids = [*builtin.encode_prompt(text), builtin.eos_token_id, builtin.pad_token_id]
+            assert tok.decode(ids, skip_special_tokens=True) == builtin.decode(ids), text
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    prompt = tok("12+7=", return_tensors="pt")
+    out = model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    new_ids = out[0, prompt["input_ids"].shape[1] :].tolist()
+    assert len(new_ids) > 0 and tok.decode(new_ids, skip_special_tokens=True) == builtin.decode(new_ids)
 
 
 @pytest.mark.usefixtures("world")
