@@ -492,6 +492,19 @@ def family_issues(arch: ModelArch, prefix: str) -> list[tuple[str, str, str]]:
     return out
 
 
+def engine_gaps(arch: ModelArch) -> list[tuple[str, str]]:
+    """(ModelArch field, message) for each feature of `arch` that the plan accepts but the megatron engine
+    does not build yet; rlconf.validate's engine-support rule turns them into errors before a run starts."""
+    gaps = []
+    if arch.num_moe_experts is not None:
+        gaps.append(("num_moe_experts", f"{arch.family} is a mixture-of-experts model ({arch.num_moe_experts} "
+                     f"experts, {arch.moe_router_topk} per token): MoE training is not built in the megatron "
+                     "engine yet, and rlplan does not run it as a dense model"))  # fmt: skip
+    if arch.rope_scaling.type == "yarn":
+        gaps.append(("rope_scaling.type", "YaRN rope scaling is not built in the megatron engine yet"))
+    return gaps
+
+
 # ============================================================================================ counting
 def head_dim(arch: ModelArch) -> int:
     """Per-head width (kv_channels, else hidden_size / num_attention_heads)."""

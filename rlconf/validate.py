@@ -30,8 +30,9 @@ from rlconf.config import (
     Optim,
     RLConfig,
 )
-from rlconf.errors import Issue, error, warning
+from rlconf.errors import ConfigError, Issue, error, warning
 from rlconf.fields import get_path, iter_leaves
+from rlconf.model_spec import engine_gaps, read_model_arch
 from rlconf.plan import MAX_DEVICES, MAX_INT, MAX_TOTAL_STEPS
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
@@ -752,6 +753,28 @@ def data_files_exist(c: RLConfig) -> Iterator[Issue]:
                 what = "is a folder" if os.path.isdir(f) else "does not exist"
                 yield error(f"data.{name}[{i}]", f"prompt file {f!r} {what}",
                             f"fix the path (relative to {os.getcwd()})", "data-files-exist")  # fmt: skip
+
+
+@rule("model-engine-support", "model.path", "model.arch.*", "critic.model_path", "reward.reward_model.path",
+      filesystem=True)  # fmt: skip
+def model_engine_support(c: RLConfig) -> Iterator[Issue]:
+    """Models the plan accepts but the megatron engine does not build yet (mixture-of-experts layers, YaRN
+    rope scaling): `rlconf plan` sizes them, a run refuses them before its workers start."""
+    sources = [("model.path", c.model.path, "model.arch")]
+    sources += [("critic.model_path", c.critic.model_path, None)] if c.critic.enable else []
+    rm = c.reward.reward_model
+    sources += [("reward.reward_model.path", rm.path, None)] if rm.enable else []
+    for path, folder, builtin in sources:
+        if folder is None and builtin is None:
+            continue
+        try:
+            arch = c.model.arch if folder is None else read_model_arch(folder, path)
+        except ConfigError:
+            continue  # the plan reports a config.json it cannot read
+        for field, gap in engine_gaps(arch):
+            yield error(path if folder is not None else f"{builtin}.{field}", gap,
+                        "plan it with `rlconf plan` for sizing; to train, choose a dense model without it",
+                        "model-engine-support")  # fmt: skip
 
 
 SEED_FIELDS = ("trainer.seed", "data.seed", "actor.megatron.seed", "ref.megatron.seed", "critic.megatron.seed",

@@ -115,6 +115,8 @@ CASES = [
     (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/nonexistent/checkpoints/global_step_3"],
      "trainer.resume_from_path", "resume-path", "error"),
     (["trainer.output_dir=/dev/null"], "trainer.output_dir", "output-dir", "error"),
+    (["model.arch.family=qwen2_moe", "model.arch.num_moe_experts=4"], "model.arch.num_moe_experts",
+     "model-engine-support", "error"),
     (["trainer.output_dir=/dev/null/run"], "trainer.output_dir", "output-dir", "error"),
     (["profile.tool=torch", "profile.steps=[1]", "profile.save_path=/dev/null/prof"],
      "profile.save_path", "output-dir", "error"),
