@@ -823,6 +823,18 @@ CHECKPOINT_COMPLETE_MARKER = "COMPLETE"
 _STEP_FOLDER = re.compile(r"^global_step_\d+$")
 
 
+def _complete_steps(root: str) -> list[int]:
+    try:
+        names = os.listdir(root)
+    except OSError:
+        return []
+    return sorted(
+        int(n.rsplit("_", 1)[1])
+        for n in names
+        if _STEP_FOLDER.match(n) and os.path.isfile(os.path.join(root, n, CHECKPOINT_COMPLETE_MARKER))
+    )
+
+
 @rule("resume-path", "trainer.resume_mode", "trainer.resume_from_path", filesystem=True)
 def resume_path(c: RLConfig) -> Iterator[Issue]:
     """With resume_mode resume_path, resume_from_path is a complete checkpoints/global_step_N folder (or a
@@ -836,6 +848,11 @@ def resume_path(c: RLConfig) -> Iterator[Issue]:
     ):
         folder = os.path.dirname(folder)  # a role folder (global_step_N/actor) names its checkpoint
     fix = "point it at a checkpoints/global_step_N folder of an earlier run, or use resume_mode: auto"
+    # The user may have named the run folder, the checkpoints folder or a sibling step: show what is there.
+    for root in (os.path.dirname(folder), folder, os.path.join(folder, "checkpoints")):
+        if steps := _complete_steps(root):
+            fix += f" (complete checkpoints in {root}: steps {steps})"
+            break
     if not os.path.exists(folder):
         problem = f"{t.resume_from_path} does not exist"
     elif not os.path.isdir(folder):

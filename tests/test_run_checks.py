@@ -108,6 +108,9 @@ def test_resume_path_needs_a_finished_checkpoint(tmp_path, capsys):
     assert rltrain_main([*argv, "--trainer.resume_from_path", str(step), "--dry-run"]) == 2
     assert f"no {CHECKPOINT_COMPLETE_MARKER} marker" in capsys.readouterr().err
     (step / CHECKPOINT_COMPLETE_MARKER).write_text("{}")
+    # naming the run's checkpoints folder instead of a step: the fix lists the steps there
+    assert rltrain_main([*argv, "--trainer.resume_from_path", str(step.parent), "--dry-run"]) == 2
+    assert "not a global_step_N folder" in (err := capsys.readouterr().err) and "steps [5]" in err
     # a role folder names its checkpoint; the run re-checks the digests at start
     assert rltrain_main([*argv, "--trainer.resume_from_path", str(step / "actor"), "--dry-run"]) == 0
 
