@@ -79,7 +79,7 @@ class Trainer:
         start_ray(cfg.cluster.ray_address, num_cpus=max(int(need * cpus), 1), temp_dir=ray_temp_dir)
         if stop_signals is not None:
             stop_signals.install()  # ray.init replaced the SIGTERM handler
-        pools = {p.name: Pool.reserve(p.name, p.num_devices, device, cpus, sharing[p.name])
+        pools = {p.name: Pool.for_plan(p, plan.resources, cpus, sharing[p.name])
                  for p in plan.resources.pools if sharing[p.name]}  # fmt: skip
         self.pools = list(pools.values())
         self.groups: dict[str, WorkerGroup] = {}
