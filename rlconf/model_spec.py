@@ -58,8 +58,8 @@ _COMMON = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10000.0,
     "hidden_act": "silu",
-    "head_dim": None,  # None: hidden_size / num_attention_heads
 }
+_HEAD_DIM = {"head_dim": None}  # the class has the field; None: hidden_size / num_attention_heads
 _QWEN_MOE = {
     "decoder_sparse_step": 1,
     "mlp_only_layers": [],
@@ -69,9 +69,9 @@ _QWEN_MOE = {
 }
 FAMILIES: Mapping[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", False, False, False,
-                    {**_COMMON, "num_key_value_heads": None, "attention_bias": False, "mlp_bias": False}),
+                    {**_COMMON, **_HEAD_DIM, "num_key_value_heads": None, "attention_bias": False, "mlp_bias": False}),
     "mistral": Family("mistral", "MistralForCausalLM", False, False, False,
-                      {**_COMMON, "num_key_value_heads": 8, "sliding_window": 4096}),
+                      {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "sliding_window": 4096}),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", True, False, False,
                     {**_COMMON, "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096,
                      "max_window_layers": 28}),
@@ -88,7 +88,7 @@ FAMILIES: Mapping[str, Family] = {
                          "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
                          "sliding_window": 4096}),
     "mixtral": Family("mixtral", "MixtralForCausalLM", False, False, True,
-                      {**_COMMON, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
+                      {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                        "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
                        "router_jitter_noise": 0.0, "sliding_window": None}),
 }  # fmt: skip
@@ -425,7 +425,6 @@ def hf_config(arch: ModelArch, dtype: str, base: Mapping[str, Any] | None = None
         num_hidden_layers=arch.num_layers,
         num_attention_heads=arch.num_attention_heads,
         num_key_value_heads=arch.num_query_groups,
-        head_dim=head_dim,
         vocab_size=arch.vocab_size,
         max_position_embeddings=arch.max_position_embeddings,
         rms_norm_eps=arch.norm_epsilon,
@@ -434,6 +433,10 @@ def hf_config(arch: ModelArch, dtype: str, base: Mapping[str, Any] | None = None
         rope_theta=arch.rotary_base,
         dtype=dtype,
     )
+    if "head_dim" in family.defaults or arch.kv_channels is not None:
+        # Written where the config class has the field (Qwen3's default is 128, not hidden / heads) or the
+        # width is not hidden / heads; Qwen2's class derives it.
+        cfg["head_dim"] = head_dim
     if "attention_bias" in family.defaults:
         cfg["attention_bias"] = False
     if family.model_type == "llama":

@@ -1,11 +1,15 @@
-"""Hugging Face <-> megatron-core weights for Qwen2 / Qwen2.5 / Llama-3 style decoders.
+"""Hugging Face <-> megatron-core weights for the dense families of rlconf.model_spec (llama, mistral, qwen2,
+qwen3).
 
-Import: read config.json into a `ModelArch`, read safetensors, and fill this rank's megatron parameters
+Import: read config.json into a `ModelArch` (rlconf.model_spec, the one reader the plan uses too), read
+safetensors, and fill this rank's megatron parameters
 (its TP shard of its PP stage's layers): q/k/v fused into `linear_qkv` in megatron's per-query-group
 layout ([q heads of group g, k_g, v_g] for each g), gate/up fused into `linear_fc1` per TP shard
 ([gate_r; up_r] on rank r), vocabulary rows padded with zeros (they are masked in log-probs).
 Export: gather TP shards, each pipeline stage writes its own safetensors file (DP rank 0, TP rank 0), and
-global rank 0 writes the index and a config.json that `transformers.AutoModelForCausalLM` loads.
+global rank 0 writes the index and a config.json (the family's model_type and class, rlconf.model_spec.
+hf_config) that `transformers.AutoModelForCausalLM` loads. Qwen3's per-head QK-norm weights are
+`self_attn.q_norm` / `k_norm` in HF and `self_attention.q_layernorm` / `k_layernorm` in megatron.
 Layers are matched by megatron's global `layer_number`, so any PP / virtual-PP split maps correctly.
 """
 
@@ -24,84 +28,28 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rlconf.config import ModelArch
+from rlconf.model_spec import hf_config, read_model_arch
 from rltrain.megatron.model import unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# megatron layer-relative name -> HF layer-relative name of Qwen3's per-head QK-norm weights.
+_QK_NORMS = {
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
 
 
 # ------------------------------------------------------------------------------------ config.json
-def _read_config(path: str | os.PathLike) -> dict[str, Any]:
-    with open(Path(path) / "config.json") as f:
-        return json.load(f)
-
-
-def _opt(cfg: dict[str, Any], key: str, default: Any) -> Any:
-    # HF configs omit keys that equal the class default; those defaults are passed explicitly here.
-    return cfg[key] if key in cfg and cfg[key] is not None else default
-
-
 def arch_from_hf(path: str | os.PathLike) -> ModelArch:
-    """ModelArch of a local HF folder (Qwen2/Qwen2.5: qkv bias; Llama: attention_bias, usually false)."""
-    cfg = _read_config(path)
-    model_type = cfg["model_type"]
-    if model_type not in ("qwen2", "llama"):
-        raise ValueError(f"{path}: model_type {model_type!r} is not supported (qwen2, llama)")
-    rope = _opt(cfg, "rope_parameters", None) or _opt(cfg, "rope_scaling", None) or {}
-    rope_type = _opt(rope, "rope_type", _opt(rope, "type", "default"))
-    if rope_type != "default":
-        raise NotImplementedError(f"{path}: rope scaling {rope_type!r} is not supported yet")
-    rope_theta = _opt(rope, "rope_theta", _opt(cfg, "rope_theta", 10000.0))
-    heads = cfg["num_attention_heads"]
-    head_dim = _opt(cfg, "head_dim", cfg["hidden_size"] // heads)
-    qkv_bias = True if model_type == "qwen2" else bool(_opt(cfg, "attention_bias", False))
-    if model_type == "llama" and _opt(cfg, "mlp_bias", False):
-        raise NotImplementedError(f"{path}: mlp_bias is not supported")
-    return ModelArch(
-        num_layers=cfg["num_hidden_layers"],
-        hidden_size=cfg["hidden_size"],
-        ffn_hidden_size=cfg["intermediate_size"],
-        num_attention_heads=heads,
-        num_query_groups=_opt(cfg, "num_key_value_heads", heads),
-        vocab_size=cfg["vocab_size"],
-        max_position_embeddings=cfg["max_position_embeddings"],
-        kv_channels=None if head_dim * heads == cfg["hidden_size"] else head_dim,
-        rotary_base=float(rope_theta),
-        norm_epsilon=float(_opt(cfg, "rms_norm_eps", 1e-6)),
-        add_qkv_bias=qkv_bias,
-        share_embeddings_and_output_weights=bool(_opt(cfg, "tie_word_embeddings", False)),
-    )
+    """ModelArch of a local HF folder, read by rlconf.model_spec (raises ConfigError like the plan does)."""
+    return read_model_arch(os.fspath(path))
 
 
 def hf_config_from_arch(
     arch: ModelArch, dtype: torch.dtype, base: dict[str, Any] | None = None
 ) -> dict[str, Any]:
-    """config.json for `arch` (Qwen2ForCausalLM with qkv bias, else LlamaForCausalLM), over `base` if given."""
-    head_dim = arch.kv_channels or arch.hidden_size // arch.num_attention_heads
-    cfg: dict[str, Any] = dict(base) if base is not None else {}
-    qwen = arch.add_qkv_bias
-    if base is None:
-        cfg["architectures"] = ["Qwen2ForCausalLM" if qwen else "LlamaForCausalLM"]
-        cfg["model_type"] = "qwen2" if qwen else "llama"
-        if not qwen:
-            cfg["attention_bias"] = False
-            cfg["mlp_bias"] = False
-    cfg.update(
-        hidden_act="silu",
-        hidden_size=arch.hidden_size,
-        intermediate_size=arch.ffn_hidden_size,
-        num_hidden_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_query_groups,
-        head_dim=head_dim,
-        vocab_size=arch.vocab_size,
-        max_position_embeddings=arch.max_position_embeddings,
-        rms_norm_eps=arch.norm_epsilon,
-        tie_word_embeddings=arch.share_embeddings_and_output_weights,
-        dtype=str(dtype).removeprefix("torch."),
-    )
-    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": arch.rotary_base}
-    cfg["rope_theta"] = arch.rotary_base
-    return cfg
+    """config.json for `arch` (its family's model_type and transformers class), over `base` if given."""
+    return hf_config(arch, str(dtype).removeprefix("torch."), base)
 
 
 # ------------------------------------------------------------------------------------ fused layouts
@@ -200,6 +148,8 @@ def _hf_full_tensor(name: str, reader: _HFReader, arch: ModelArch, tp: int, voca
         return fuse_qkv(*(reader.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"), arch)
     if rest == "self_attention.linear_proj.weight":
         return reader.get(p + "self_attn.o_proj.weight")
+    if rest in _QK_NORMS:
+        return reader.get(p + _QK_NORMS[rest])
     if rest == "mlp.linear_fc1.weight":
         return fuse_gate_up(reader.get(p + "mlp.gate_proj.weight"), reader.get(p + "mlp.up_proj.weight"), tp)
     if rest == "mlp.linear_fc2.weight":
@@ -292,6 +242,8 @@ def _to_hf(name: str, full: torch.Tensor, arch: ModelArch, tp: int) -> dict[str,
         }
     if rest == "self_attention.linear_proj.weight":
         return {p + "self_attn.o_proj.weight": full}
+    if rest in _QK_NORMS:
+        return {p + _QK_NORMS[rest]: full}
     if rest == "mlp.linear_fc1.weight":
         gate, up = split_gate_up(full, tp)
         return {p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up}

@@ -1,7 +1,8 @@
 """Model construction for the megatron engine: TransformerConfig, GPTModel chunks, DDP, optimizer, lr schedule.
 
-Builds a Qwen2/Llama-style decoder (RMSNorm, SwiGLU, RoPE, GQA, optional qkv bias, tied embeddings) from
-`ModelArch` with megatron-core's own modules. Core attention is chosen by `model.attention_backend`:
+Builds the dense decoder families of rlconf.model_spec (llama, mistral, qwen2, qwen3: RMSNorm, SwiGLU, RoPE
+with optional linear / llama3 scaling, GQA, optional qkv bias, optional per-head QK-norm, tied embeddings)
+from `ModelArch` with megatron-core's own modules; MoE and YaRN models are refused (`EngineSupportError`). Core attention is chosen by `model.attention_backend`:
 `SdpaAttention` (below: torch `scaled_dot_product_attention`, fused kernels; 34k vs 21k tok/s for megatron's
 unfused local attention on H200), megatron's local `DotProductAttention`, or the Transformer Engine spec.
 Pipeline stages (and virtual stages) become a list of model chunks, each wrapped in megatron DDP; the
@@ -12,6 +13,7 @@ A critic is the same trunk with `ValueHead` replacing the vocabulary projection.
 from __future__ import annotations
 
 import importlib.util
+import math
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -117,22 +119,61 @@ class TorchRMSNorm:
         return norm
 
 
-def layer_spec(backend: str) -> ModuleSpec:
-    """Transformer layer spec for `model.attention_backend` (auto: te when installed, else sdpa)."""
+def layer_spec(backend: str, qk_layernorm: bool = False) -> ModuleSpec:
+    """Transformer layer spec for `model.attention_backend` (auto: te when installed, else sdpa), with an
+    RMSNorm over each query / key head when `qk_layernorm` (Qwen3)."""
     if backend == "te" or (backend == "auto" and te_available()):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
     with warnings.catch_warnings():
         # "Apex is not installed. Falling back to Torch Norm": expected, torch RMSNorm is what we want.
         warnings.simplefilter("ignore")
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+    attention = spec.submodules.self_attention.submodules
     if backend in ("sdpa", "auto"):
         # get_gpt_layer_local_spec builds fresh spec objects per call, so editing in place is safe.
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+        attention.core_attention = SdpaAttention
+    if qk_layernorm:
+        attention.q_layernorm = TorchRMSNorm
+        attention.k_layernorm = TorchRMSNorm
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     return spec
+
+
+class EngineSupportError(RuntimeError):
+    """An architecture the plan accepts but this engine does not build yet (rlconf.validate's
+    engine-support rule reports the same before a run starts)."""
+
+
+def rope_inv_freq(arch: ModelArch, device: torch.device | str = "cpu") -> torch.Tensor:
+    """RoPE inverse frequencies with the architecture's scaling, computed as transformers does.
+
+    megatron-core 0.16's RotaryEmbedding implements llama3 scaling with low_freq_factor, high_freq_factor and
+    the original context hard-coded (1, 4, 8192) and linear scaling by rescaling positions (a different
+    rounding); overwriting `inv_freq` with transformers' formula keeps log-probs equal to HF's for every
+    config.json value.
+    """
+    dim = arch.kv_channels or arch.hidden_size // arch.num_attention_heads
+    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    inv_freq = 1.0 / (arch.rotary_base**exponent)
+    rs = arch.rope_scaling
+    if rs.type == "linear":
+        return inv_freq / rs.factor
+    if rs.type == "llama3":
+        old_context = rs.original_max_position_embeddings or arch.max_position_embeddings
+        low_wavelen = old_context / rs.low_freq_factor
+        high_wavelen = old_context / rs.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / rs.factor, inv_freq)
+        smooth = (old_context / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+        smoothed = (1 - smooth) * scaled / rs.factor + smooth * scaled
+        medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    if rs.type != "none":
+        raise EngineSupportError(f"rope scaling {rs.type!r} is not built in the megatron engine yet")
+    return inv_freq
 
 
 def block_spec(
@@ -174,6 +215,7 @@ def transformer_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=arch.add_qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
         attention_dropout=ov.attention_dropout,
         hidden_dropout=ov.hidden_dropout,
         init_method_std=model_cfg.init_method_std,
@@ -259,8 +301,14 @@ def build_model_chunks(
     is `unwrap(chunk)`. A critic (`value_head=True`) has no tied output layer: its last stage ends in
     `ValueHead`.
     """
+    if arch.num_moe_experts is not None:
+        raise EngineSupportError(
+            f"{arch.family} is a mixture-of-experts model ({arch.num_moe_experts} experts): MoE training is not "
+            "built in the megatron engine yet"
+        )
+    inv_freq = rope_inv_freq(arch)  # before building anything: refuses scalings it cannot compute
     config = transformer_config(arch, model_cfg, mcfg, device)
-    spec = layer_spec(model_cfg.attention_backend)
+    spec = layer_spec(model_cfg.attention_backend, arch.qk_layernorm)
     vpp = mcfg.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(arch.vocab_size, mcfg.tensor_model_parallel_size)
     chunks: list[torch.nn.Module] = []
@@ -281,6 +329,8 @@ def build_model_chunks(
             rotary_base=arch.rotary_base,
             vp_stage=vp_stage,
         )
+        # The rotary module caches its table per length on first use; set HF's frequencies before that.
+        model.rotary_pos_emb.inv_freq = inv_freq.clone()
         if value_head and post:
             model.output_layer = ValueHead(config)
         if devices.is_accelerator(device):
