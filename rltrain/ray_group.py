@@ -59,7 +59,8 @@ def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -
     kwargs: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": True}
     if temp_dir:
         kwargs["_temp_dir"] = temp_dir
-    ray.init(**kwargs)
+    # address="local": a new cluster even when `ray start` left one on this machine (ray.init() would join it).
+    ray.init(address="local", **kwargs)
     _start_reaper()
 
 
