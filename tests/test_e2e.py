@@ -90,31 +90,80 @@ def test_reward_rises_on_the_tiny_task(tmp_path):
     assert last > 2 * first and last > first + 0.1, (first, last)
 
 
-def test_resume_continues_exactly_and_exports_hf(tmp_path):
-    """Stop after step 4 (checkpoints every 2, keep 1), rerun to step 6: the run resumes from step 4 and
-    steps 5-6 match an uninterrupted 6-step run exactly; the HF export loads in transformers."""
-    common = ["--trainer.save_freq", "2", "--trainer.val_before_train", "false", "--trainer.test_freq", "0"]
+# Wall-clock measurements; every other metric of a step is a function of (seed, step) on one machine.
+NOT_REPRODUCIBLE = ("timing/", "perf/")
+
+
+def comparable(row: dict) -> dict:
+    return {k: v for k, v in row.items() if not k.startswith(NOT_REPRODUCIBLE)}
+
+
+def test_resume_with_validation_continues_exactly_and_exports_hf(tmp_path):
+    """tiny-grpo with validation on (before training and every 2 steps) and dropout on, checkpoints every 2
+    steps (keep 1): stopped after step 2 and again after step 4, then run to step 6. Every metric of every
+    step equals the uninterrupted 6-step run's bit for bit (CPU, fp32, one process layout: the same
+    operations on the same numbers), although each resumed segment validates once more than the
+    uninterrupted run; the HF export loads in transformers."""
+    common = ["--trainer.save_freq", "2", "--trainer.test_freq", "2", "--trainer.val_before_train", "true",
+              "--trainer.max_ckpt_to_keep", "1",
+              "--actor.checkpoint.save_contents", "[model, optimizer, extra, hf_model]",
+              "--actor.megatron.override_transformer_config.hidden_dropout", "0.1",
+              "--actor.megatron.override_transformer_config.attention_dropout", "0.1"]  # fmt: skip
     out, ref = tmp_path / "resumed", tmp_path / "straight"
-    first = rltrain("tiny-grpo", "--trainer.total_steps", "4", "--trainer.output_dir", str(out),
-                    "--trainer.max_ckpt_to_keep", "1",
-                    "--actor.checkpoint.save_contents", "[model, optimizer, extra, hf_model]", *common)  # fmt: skip
+    first = rltrain("tiny-grpo", "--trainer.total_steps", "2", "--trainer.output_dir", str(out), *common)
     assert first.returncode == 0, first.stderr[-3000:]
     ckpts = out / "checkpoints"
-    assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
-    assert sorted(p.name for p in ckpts.glob("global_step_*")) == ["global_step_4"]  # retention kept 1
-    assert (ckpts / "global_step_4" / "COMPLETE").exists()
+    assert (ckpts / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    assert (ckpts / "global_step_2" / "COMPLETE").exists()
 
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(ckpts / "global_step_4" / "actor" / "huggingface")
+    model = AutoModelForCausalLM.from_pretrained(ckpts / "global_step_2" / "actor" / "huggingface")
     assert model.config.num_hidden_layers == 2
 
-    second = rltrain("tiny-grpo", "--trainer.total_steps", "6", "--trainer.output_dir", str(out), *common)
-    assert second.returncode == 0, second.stderr[-3000:]
-    assert "resumed from" in second.stdout
+    for stop, resumed_from in ((4, 2), (6, 4)):
+        again = rltrain(
+            "tiny-grpo", "--trainer.total_steps", str(stop), "--trainer.output_dir", str(out), *common
+        )
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"(step {resumed_from})" in again.stdout and "resumed from" in again.stdout
+    assert sorted(p.name for p in ckpts.glob("global_step_*")) == ["global_step_6"]  # retention kept 1
     straight = rltrain("tiny-grpo", "--trainer.total_steps", "6", "--trainer.output_dir", str(ref), *common)
     assert straight.returncode == 0, straight.stderr[-3000:]
+
     resumed_rows, straight_rows = metrics(out), metrics(ref)
-    assert [r["step"] for r in resumed_rows] == [1, 2, 3, 4, 5, 6]
-    for key in ("reward/mean", "actor/loss", "actor/grad_norm"):
-        assert [r[key] for r in resumed_rows] == [r[key] for r in straight_rows], key
+    assert [r["step"] for r in resumed_rows] == [r["step"] for r in straight_rows] == [1, 2, 3, 4, 5, 6]
+    for got, want in zip(resumed_rows, straight_rows, strict=True):
+        got, want = comparable(got), comparable(want)
+        step = want["step"]
+        extra = {k: got.pop(k) for k in list(got) if k not in want}
+        if step in (3, 5):
+            # A resumed segment validates its starting weights: the same pass, with the same sampling
+            # stream, as the uninterrupted run's validation after the step before.
+            previous = comparable(straight_rows[step - 2])
+            assert extra == {f"val_before/{k.removeprefix('val/')}": v for k, v in previous.items()
+                             if k.startswith("val/")}, step  # fmt: skip
+            assert extra
+        else:
+            assert not extra, (step, extra)
+        assert got == want, step
+    assert "val_before/reward/mean" in straight_rows[0] and "val/reward/mean" in straight_rows[5]
+
+
+def test_trainer_seed_seeds_the_run(tmp_path):
+    """The same trainer.seed reproduces a run exactly; another seed changes samples, rewards and losses."""
+    flags = ["--trainer.total_steps", "2", "--trainer.val_before_train", "false", "--trainer.test_freq", "0",
+             "--trainer.save_freq", "0"]  # fmt: skip
+    runs = {}
+    for name, seed in (("a", "7"), ("again", "7"), ("other", "8")):
+        out = tmp_path / name
+        result = rltrain("tiny-grpo", "--trainer.seed", seed, "--trainer.output_dir", str(out), *flags)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = [comparable(r) for r in metrics(out)]
+    assert runs["a"] == runs["again"]
+    for mine, other in zip(runs["a"], runs["other"], strict=True):
+        for key in ("reward/mean", "actor/loss", "actor/grad_norm", "sample/response"):
+            assert mine[key] != other[key], (mine["step"], key)
+    # The seeds left unset resolve to trainer.seed once, in the plan the workers read.
+    plan = json.loads((tmp_path / "other" / "plan.json").read_text())
+    assert plan["config"]["actor"]["megatron"]["seed"] == plan["config"]["data"]["seed"] == 8
