@@ -19,19 +19,23 @@ Two halves, one per process kind:
 * Controller side: `CheckpointRegistry` owns `checkpoints/`. `begin(step)` hands out staging folders
   (`global_step_N.tmp-<id>/ROLE`), `commit(step)` verifies every role's manifest, writes the
   `COMPLETE` marker, renames the staging folder to `global_step_N` (one atomic rename) and only then
-  rewrites `latest_checkpointed_iteration.txt` (temp file + os.replace). A folder without the marker is never
-  loaded; `cleanup_incomplete` removes leftovers of crashed saves; `apply_retention` deletes old complete
+  rewrites `latest_checkpointed_iteration.txt` (temp file + os.replace). A folder without a well-formed marker
+  is never loaded by resume_mode auto; `cleanup_incomplete` removes only what is provably a half-written save
+  (staging folders, interrupted deletes), never a global_step_N folder; `apply_retention` deletes old complete
   checkpoints only; `resolve_resume` implements trainer.resume_mode.
 
 So a crash at any point leaves the previous checkpoint and the latest file untouched. The checkpoint folder
 must be on a filesystem that every rank and the controller see (one node, or a shared filesystem).
 Megatron is imported lazily: the controller uses the registry without paying for `import megatron.core`.
 
-Manifests: every file's size; small files (<= 1 MiB) also a sha256; large ones (tensor shards, safetensors) a
-sampled digest (sha256 over the size and 16 blocks of 64 KiB spread over the file). Hashing whole tensor files
-would cost a minute per save of a 7B model; the sampled digest costs a few reads per file and still catches
-truncation, zero-filled pages (what a power loss leaves of unflushed data) and damage at either end, though
-not every flipped bit in between. Commit, resume and `load_engine` verify against it; a mismatch names the file.
+Manifests: every file's size and a CRC-32 of every byte, one per 64 MiB block, hashed by a pool of threads
+(docs/checkpoints.md has the cost against the save). Commit, resume, `load_engine`, `rltrain inspect` and
+`export-hf` verify against it; a mismatch names the file and the damaged byte range. Manifests of older
+versions (sha256 of small files, sampled digests of large ones) are still verified as they were written.
+
+Malformed input never crashes: a latest file that holds no step number (too long, non-ASCII digits, ...),
+a COMPLETE marker or manifest that is not well formed each make the checkpoint "not complete", and
+resolution falls back to the newest intact checkpoint with a warning naming the file.
 
 Resume (`trainer.resume_mode: auto`): the checkpoint committed last (COMPLETE marker mtime, step as the
 tie-break), i.e. the latest file's step unless a newer commit happened after the latest file was written (a

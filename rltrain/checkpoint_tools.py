@@ -4,17 +4,20 @@
         CHECKPOINT: checkpoints/global_step_N (or a role folder in it), or a run's checkpoints/ or output
         folder for one line per step. Shows the step, roles, contents, the layout it was saved with
         (TP / PP / VPP / CP / EP / DP), files and sizes, whether it is complete, the manifest verification
-        (every size, sha256 of small files, sampled digests of large ones) and when it was committed.
+        (every size, CRC-32 of every byte) and when it was committed.
     rltrain export-hf CHECKPOINT OUT [--role actor] [--overwrite]
         Writes OUT/{model.safetensors, config.json, tokenizer files} loadable by
         `transformers.AutoModelForCausalLM.from_pretrained`, from the dist checkpoint (no hf_model needed in
         save_contents). The model is built on the CPU in this process (TP = PP = 1, a gloo world of one) and
         the checkpoint is loaded resharded from whatever layout it was saved with. The architecture and dtype
         come from the role's meta.json; the base config.json and the tokenizer files from the run's model
-        folder named in output_dir/config.yaml (or plan.json) next to checkpoints/, when it still exists.
+        folder named in output_dir/config.yaml (or plan.json) next to checkpoints/, when it still exists; a run
+        on the built-in character tokenizer gets it as Hugging Face files (tokenizer.json, ...). OUT must not
+        be, hold or lie inside a run folder or checkpoint (with or without --overwrite, which only ever
+        replaces an export folder). Files get the modes of a plain write (0666 less the umask).
 
-Errors (no such folder, an incomplete or damaged checkpoint, a non-empty OUT) are one line naming the file
-and the fix, exit code 2; `inspect` of an incomplete or damaged checkpoint prints its report and then the
+Errors (no such folder, an incomplete or damaged checkpoint, a malformed marker, manifest or latest file, a
+non-empty OUT, an OUT in a run) are one line naming the file and the fix, exit code 2; `inspect` of an incomplete or damaged checkpoint prints its report and then the
 error. Only `export-hf` imports megatron (~10 s); `inspect` reads JSON and hashes files.
 """
 
