@@ -14,14 +14,14 @@ config history, and a clean stop on SIGINT / SIGTERM.
   4. finished: a run whose steps are all done says so and exits 0 (nothing is written, Ray never starts).
 
 Fields that are not changes of the run (recorded in the history, never refused), see `free_reason`:
-  logging.*, profile.*            what is observed, not what is trained
-  trainer.output_dir, project_name, experiment_name        names
-  trainer.resume_mode, resume_from_path, accept_config_changes        how this start resumes
-  trainer.save_freq, max_ckpt_to_keep, *.checkpoint.async_save        how and when saves are written
-  trainer.test_freq, val_before_train                      validation
-  cluster.ray_address, cpus_per_worker, device_memory_gib  where it runs, not the layout
-  trainer.total_steps              when the steps still to run keep their learning rates (an extension);
-                                   a schedule that follows total_steps (decay or warmup ratio) is a change
+  logging.*, profile.*                                    what is observed, not what is trained
+  trainer.output_dir, project_name, experiment_name       names
+  trainer.resume_mode, resume_from_path, accept_config_changes    how this start resumes
+  trainer.save_freq, max_ckpt_to_keep, *.checkpoint.save_contents, *.checkpoint.async_save    saving
+  trainer.test_freq, val_before_train                     validation
+  cluster.ray_address, cpus_per_worker, device_memory_gib where it runs, not the layout
+  trainer.total_steps     when the steps still to run keep their learning rates (an extension); with a
+                          schedule that follows total_steps (decay span or warmup ratio) it is a change
 A fresh start at step 1 (no checkpoint to resume, or trainer.resume_mode disable) may change anything; its
 changes are recorded as a restart.
 
@@ -86,7 +86,7 @@ def free_reason(path: str) -> str | None:
     """Why a changed field is not a change of the run (None when it is one); total_steps is judged apart."""
     if path in _FREE_PATHS:
         return _FREE_PATHS[path]
-    if path.endswith(".checkpoint.async_save"):
+    if path.endswith((".checkpoint.async_save", ".checkpoint.save_contents")):
         return "saving"
     return next((why for prefix, why in _FREE_PREFIXES.items() if path.startswith(prefix)), None)
 
