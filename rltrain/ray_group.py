@@ -50,9 +50,11 @@ class WorkerError(RuntimeError):
 def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -> None:
     """Join `address` (or RAY_ADDRESS) when given, else start a local cluster sized for this run whose
     processes all end with this one (ray.shutdown, exit, or kill -9)."""
+    global _local_cluster
     if ray.is_initialized():
         return
     address = address or os.environ.get("RAY_ADDRESS")
+    _local_cluster = not address
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
         return
@@ -63,6 +65,9 @@ def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -
     ray.init(address="local", **kwargs)
     _start_reaper()
 
+
+# Whether start_ray started the cluster here (one node), rather than joining one.
+_local_cluster = False
 
 # The reaper of the local cluster and the pipe to it: the pipe closes when this process dies, however it
 # dies, which tells the reaper to kill the cluster's processes. Kept here so the pipe stays open.
@@ -95,6 +100,9 @@ def _start_reaper() -> None:
             *(str(p.pid) for p in roots),
         ],
         stdin=subprocess.PIPE,
+        # Not our stdout / stderr: a caller reading them to EOF (subprocess.run) would wait for the reaper.
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
         # Its own session: Ctrl-C or a kill of this process group leaves it alive to clean up after us.
         start_new_session=True,
     )
@@ -117,6 +125,20 @@ class Pool:
         cls, pool: PlanPool, resources: Resources, cpus_per_worker: float, roles_sharing: int
     ) -> Pool:
         """Reserve a plan pool with its devices node by node, as the plan numbers them."""
+        if resources.nnodes > 1 and _local_cluster:
+            # Ray would wait 600 s for nodes that a one-node local instance never gets.
+            raise ConfigError(
+                [
+                    error(
+                        "cluster.nnodes",
+                        f"cluster.nnodes = {resources.nnodes} but there is no Ray cluster to join: rltrain "
+                        "started a one-node Ray instance on this machine",
+                        "start a Ray cluster and pass its address (--cluster.ray_address HEAD:6379 or "
+                        "RAY_ADDRESS; docs/multi-node.md), or set cluster.nnodes: 1",
+                        "ray-resources",
+                    )
+                ]
+            )
         return cls.reserve(pool.name, pool.num_devices, resources.device, cpus_per_worker, roles_sharing,
                            devices_per_node(pool, resources.gpus_per_node))  # fmt: skip
 
