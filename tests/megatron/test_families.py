@@ -42,12 +42,13 @@ KEPT_KEYS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layer
              "tie_word_embeddings", "rope_parameters")  # fmt: skip
 
 
-def make_tiny_family(path: Path, family: str, seed: int = 0) -> Path:
-    """A random tiny model of `family` saved by transformers (weights scaled up so logits are not flat)."""
+def make_tiny_family(path: Path, family: str, seed: int = 0, **sizes: int) -> Path:
+    """A random tiny model of `family` (TINY with `sizes` changed) saved by transformers (weights scaled up
+    so logits are not flat)."""
     import transformers
 
     config_cls, model_cls, extra = FAMILY_CONFIGS[family]
-    base = {k: v for k, v in TINY.items() if k != "rope_theta"}
+    base = {k: v for k, v in TINY.items() if k != "rope_theta"} | sizes
     torch.manual_seed(seed)
     cfg = getattr(transformers, config_cls)(**base, **extra)
     model = getattr(transformers, model_cls)(cfg)
@@ -108,3 +109,36 @@ def test_moe_models_are_refused_by_name_not_built_dense(mp_world):
     arch = ModelArch(family="qwen3_moe", add_qkv_bias=False, qk_layernorm=True, num_moe_experts=4)
     with pytest.raises(EngineSupportError, match="mixture-of-experts"):
         build_model_chunks(arch, ModelConfig(arch=arch), actor_cfg().megatron, "cpu")
+
+
+# ------------------------------------------------------------------------------------ end to end
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize("family", ["qwen3", "llama3"])
+def test_tiny_grpo_on_a_family_folder_trains_and_exports(tmp_path, family):
+    """`rltrain tiny-grpo --model.path DIR` on a random Qwen3 / Llama-3 (llama3 rope scaling) folder with the
+    built-in tokenizer beside it (about 30-40 s each here), then `rltrain export-hf` of its checkpoint loads in
+    transformers as the same model_type with the same config values."""
+    import transformers
+
+    from rltrain.tokenizer import CharTokenizer
+
+    from ..test_e2e import rltrain
+
+    # vocab_size 32: the built-in tokenizer's ids; 256 positions: tiny-grpo's prompt + response fit.
+    src = make_tiny_family(
+        tmp_path / "hf", family, vocab_size=32, num_hidden_layers=2, max_position_embeddings=256
+    )
+    CharTokenizer().save_pretrained(src)
+    out = tmp_path / "run"
+    result = rltrain("tiny-grpo", "--model.path", str(src), "--trainer.total_steps", "3", "--trainer.save_freq",
+                     "3", "--trainer.output_dir", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    exported = tmp_path / "exported"
+    result = rltrain("export-hf", str(out / "checkpoints" / "global_step_3"), str(exported))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    before = transformers.AutoConfig.from_pretrained(str(src)).to_dict()
+    after = transformers.AutoConfig.from_pretrained(str(exported)).to_dict()
+    assert {k: after.get(k) for k in KEPT_KEYS} == {k: before.get(k) for k in KEPT_KEYS}
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32)
+    assert type(model).__name__ == FAMILY_CONFIGS[family][1]
