@@ -14,7 +14,10 @@ from typing import Literal
 # Names shared by validation, the plan and the workers. Kept here so that the whole vocabulary of the
 # config lives in one module.
 Device = Literal["cpu", "cuda", "npu"]
-AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus"]
+AdvEstimator = Literal[
+    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_passk", "gpg"
+]
+PolicyLossMode = Literal["vanilla", "gspo", "gpg", "clip-cov", "kl-cov", "cispo", "sapo"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
 ProfileTool = Literal["none", "torch", "nsys", "npu"]
@@ -314,6 +317,33 @@ class Checkpoint:
 
 # ------------------------------------------------------------------------------------------- roles
 @dataclass(frozen=True)
+class PolicyLossConfig:
+    """Which policy-gradient loss the actor minimises, and the options of the modes that have some."""
+
+    loss_mode: PolicyLossMode = "vanilla"
+    """vanilla: PPO clip (clip_ratio_low / high) with dual clip; gspo: sequence-level importance ratio
+    (GSPO; verl recipes clip it at about 3e-4 / 4e-4 and aggregate seq-mean-token-mean); gpg: -A x logp,
+    no ratio (GPG); clip-cov / kl-cov: PPO clip that detaches / KL-penalises high-covariance tokens (Cui et
+    al. 2025); cispo: clipped, stop-gradient IS weight x A x logp (MiniMax-M1); sapo: a sigmoid soft gate
+    on the ratio instead of a hard clip (SAPO, tau_pos / tau_neg)."""
+    clip_cov_ratio: float = 0.0002
+    """clip-cov: fraction of valid tokens whose gradient is detached (drawn among those in the covariance
+    band)."""
+    clip_cov_lb: float = 1.0
+    """clip-cov: lower bound of the covariance band of candidate tokens."""
+    clip_cov_ub: float = 5.0
+    """clip-cov: upper bound of the covariance band of candidate tokens."""
+    kl_cov_ratio: float = 0.0002
+    """kl-cov: fraction of valid tokens (the highest covariance) that get the |log-ratio| penalty."""
+    ppo_kl_coef: float = 0.1
+    """kl-cov: weight of the |log-ratio| penalty on the selected tokens."""
+    tau_pos: float = 1.0
+    """sapo: temperature of the soft gate for positive advantages (larger: closer to a hard clip)."""
+    tau_neg: float = 1.05
+    """sapo: temperature of the soft gate for negative advantages."""
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """The policy being trained (PPO/GRPO actor) on the Megatron engine."""
 
@@ -348,6 +378,8 @@ class ActorConfig:
     """Upper clip epsilon (asymmetric clipping, DAPO); None means clip_ratio."""
     clip_ratio_c: float = 3.0
     """Dual-clip bound for negative advantages (must be > 1)."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    """The policy loss (loss_mode) and its options."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
@@ -471,6 +503,19 @@ class RewardModelConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBuffer:
+    """DAPO overlong reward shaping: a linear penalty over the last `len` tokens before the length limit."""
+
+    enable: bool = False
+    """Add min(0, (L_max - len - L) / len) x penalty_factor to the reward of a response of L tokens, where
+    L_max is rollout.max_response_length (training rollouts only; validation reports the task reward)."""
+    len: int = 0
+    """Buffer length in tokens (0 < len <= rollout.max_response_length when enabled)."""
+    penalty_factor: float = 1.0
+    """Penalty of a response that reaches the limit (it grows linearly over the buffer)."""
+
+
+@dataclass(frozen=True)
 class RewardConfig:
     """How responses are scored."""
 
@@ -481,6 +526,8 @@ class RewardConfig:
     prompt); `rlconf validate` and `rltrain --dry-run` never import it, they check only the path's form."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Optional learned reward model."""
+    overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)
+    """DAPO's soft penalty on responses that run into the length limit."""
 
 
 @dataclass(frozen=True)
@@ -498,11 +545,46 @@ class KLControl:
 
 
 @dataclass(frozen=True)
+class FilterGroups:
+    """DAPO dynamic sampling: drop prompt groups whose responses all score alike, generate more prompts."""
+
+    enable: bool = False
+    """Drop every prompt group whose `metric` has zero spread (no learning signal) and generate further
+    batches of data.train_batch_size prompts until data.train_batch_size groups are kept."""
+    metric: Literal["score", "seq_reward"] = "score"
+    """score: the reward function's score (verl's `acc` when that score is correctness); seq_reward: the
+    score after the overlong penalty (reward.overlong_buffer)."""
+    max_num_gen_batches: int = 0
+    """Most generation batches per step before the step fails with an error; 0: unbounded (as in verl)."""
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """Correct for the gap between the rollout engine's log-probs and the trainer's (verl's names)."""
+
+    rollout_is: Literal["token", "sequence"] | None = None
+    """Importance weights pi_train / pi_rollout on the policy loss, truncated at rollout_is_threshold:
+    token: per token; sequence: the product over the response; None: off."""
+    rollout_is_threshold: float = 2.0
+    """Upper truncation of the importance weights."""
+    rollout_rs: Literal["token", "sequence"] | None = None
+    """Rejection sampling: drop tokens (token) or whole responses (sequence) whose ratio pi_train /
+    pi_rollout is outside [1 / rollout_rs_threshold, rollout_rs_threshold]; None: off."""
+    rollout_rs_threshold: float = 2.0
+    """Bound of the rejection-sampling ratio (its inverse is the lower bound)."""
+    bypass_mode: bool = False
+    """Use the rollout's log-probs as the old log-probs (skips the old log-prob pass)."""
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
     """Advantage estimation and the KL penalty."""
 
     adv_estimator: AdvEstimator = "grpo"
-    """gae (needs a critic), grpo, rloo or reinforce_plus_plus."""
+    """gae (needs a critic), grpo (norm_adv_by_std_in_grpo false: Dr. GRPO), rloo, reinforce_plus_plus,
+    reinforce_plus_plus_baseline (group-mean baseline, then whitened over the batch), grpo_passk (only the
+    best response of each group learns: r_max - r_second) or gpg (group-mean baseline scaled by the share of
+    non-zero scores, GPG)."""
     gamma: float = 1.0
     """Discount factor."""
     lam: float = 1.0
@@ -515,6 +597,10 @@ class AlgorithmConfig:
     """KL estimator used in the reward."""
     kl_ctrl: KLControl = field(default_factory=KLControl)
     """KL coefficient controller."""
+    filter_groups: FilterGroups = field(default_factory=FilterGroups)
+    """DAPO dynamic sampling."""
+    rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
+    """Importance weighting and rejection sampling against the rollout engine's log-probs."""
 
 
 # ----------------------------------------------------------------------------------- run and cluster
@@ -523,7 +609,12 @@ class TrainerConfig:
     """The run: length, outputs, saving and resuming."""
 
     total_steps: int = 100
-    """Optimizer steps of the whole run (steps count from 1, across resumes)."""
+    """Optimizer steps of the whole run (steps count from 1, across resumes); replaced by the step count
+    derived from total_epochs when that is set."""
+    total_epochs: int | None = None
+    """Passes over the training prompts; when set the run has total_epochs x ceil(prompts /
+    data.train_batch_size) steps (shown by `rlconf plan`). Needs data.train_files (the synthetic task has
+    no size)."""
     output_dir: str = "outputs/rlplan"
     """Folder of config.yaml, plan.json, metrics.jsonl, checkpoints/ and plots."""
     project_name: str = "rlplan"

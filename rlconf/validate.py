@@ -488,9 +488,10 @@ def batch_layout(c: RLConfig) -> Iterator[Issue]:
 
 @rule("estimator-needs", "algorithm.adv_estimator", "rollout.n", "critic.enable")
 def estimator_needs(c: RLConfig) -> Iterator[Issue]:
-    """grpo and rloo need rollout.n >= 2; gae needs a critic; a critic without gae is unused."""
+    """grpo, rloo, grpo_passk and gpg need rollout.n >= 2; gae needs a critic; a critic without gae is
+    unused."""
     est = c.algorithm.adv_estimator
-    if est in ("grpo", "rloo") and c.rollout.n < 2:
+    if est in ("grpo", "rloo", "grpo_passk", "gpg") and c.rollout.n < 2:
         yield error(
             "rollout.n",
             f"{est} compares responses to the same prompt, but rollout.n = {c.rollout.n}",
@@ -731,6 +732,83 @@ def reward_function(c: RLConfig) -> Iterator[Issue]:
 
 PROMPT_FILE_TYPES = (".parquet", ".jsonl")
 """Suffixes the data loader reads (rltrain.data; case-insensitive)."""
+
+
+@rule("policy-loss", "actor.policy_loss.*")
+def policy_loss_options(c: RLConfig) -> Iterator[Issue]:
+    """The options of actor.policy_loss are in range: ratios in (0, 1], clip_cov_lb < clip_cov_ub,
+    ppo_kl_coef >= 0, SAPO temperatures > 0."""
+    pl = c.actor.policy_loss
+    for name in ("clip_cov_ratio", "kl_cov_ratio"):
+        v = getattr(pl, name)
+        if not 0 < v <= 1:
+            yield error(f"actor.policy_loss.{name}", f"a fraction of tokens must be in (0, 1], got {v}",
+                        "use e.g. 0.0002 (the paper's value)", "policy-loss")  # fmt: skip
+    if pl.clip_cov_lb >= pl.clip_cov_ub:
+        yield error("actor.policy_loss.clip_cov_lb",
+                    f"the covariance band ({pl.clip_cov_lb}, {pl.clip_cov_ub}) is empty",
+                    "set clip_cov_lb < clip_cov_ub (the paper uses 1 and 5)", "policy-loss")  # fmt: skip
+    if pl.ppo_kl_coef < 0:
+        yield error("actor.policy_loss.ppo_kl_coef", f"must be >= 0, got {pl.ppo_kl_coef}", "use e.g. 0.1",
+                    "policy-loss")  # fmt: skip
+    for name in ("tau_pos", "tau_neg"):
+        if getattr(pl, name) <= 0:
+            yield error(f"actor.policy_loss.{name}", f"a gate temperature must be > 0, got {getattr(pl, name)}",
+                        "use the SAPO paper's tau_pos 1.0, tau_neg 1.05", "policy-loss")  # fmt: skip
+
+
+@rule("filter-groups", "algorithm.filter_groups.*", "rollout.n")
+def filter_groups(c: RLConfig) -> Iterator[Issue]:
+    """DAPO dynamic sampling: max_num_gen_batches >= 0, and groups of >= 2 responses to compare."""
+    fg = c.algorithm.filter_groups
+    if fg.max_num_gen_batches < 0:
+        yield error("algorithm.filter_groups.max_num_gen_batches", f"must be >= 0, got {fg.max_num_gen_batches}",
+                    "use 0 for no bound, or e.g. 10", "filter-groups")  # fmt: skip
+    if fg.enable and c.rollout.n < 2:
+        yield warning("algorithm.filter_groups.enable",
+                      "with rollout.n = 1 every group has one response and is kept: the filter does nothing",
+                      "set rollout.n >= 2, or algorithm.filter_groups.enable: false", "filter-groups")  # fmt: skip
+
+
+@rule("overlong-buffer", "reward.overlong_buffer.*", "rollout.max_response_length")
+def overlong_buffer(c: RLConfig) -> Iterator[Issue]:
+    """The overlong buffer fits in the response length and its penalty factor is >= 0."""
+    ob = c.reward.overlong_buffer
+    if ob.enable and not 0 < ob.len <= c.rollout.max_response_length:
+        yield error("reward.overlong_buffer.len",
+                    f"the buffer must be 1..rollout.max_response_length = {c.rollout.max_response_length} tokens, "
+                    f"got {ob.len}",
+                    f"set reward.overlong_buffer.len to e.g. {max(c.rollout.max_response_length // 4, 1)} "
+                    "(DAPO: 4096 of 20480)", "overlong-buffer")  # fmt: skip
+    if ob.penalty_factor < 0:
+        yield error("reward.overlong_buffer.penalty_factor", f"must be >= 0, got {ob.penalty_factor}",
+                    "use 1.0 (DAPO)", "overlong-buffer")  # fmt: skip
+
+
+@rule("rollout-correction", "algorithm.rollout_correction.*")
+def rollout_correction(c: RLConfig) -> Iterator[Issue]:
+    """Truncation and rejection thresholds of rollout correction are > 1."""
+    rc = c.algorithm.rollout_correction
+    for name in ("rollout_is_threshold", "rollout_rs_threshold"):
+        v = getattr(rc, name)
+        if v <= 1:
+            yield error(f"algorithm.rollout_correction.{name}", f"a ratio bound must be > 1, got {v}",
+                        "use e.g. 2.0", "rollout-correction")  # fmt: skip
+
+
+@rule("total-epochs", "trainer.total_epochs", "data.train_files")
+def total_epochs(c: RLConfig) -> Iterator[Issue]:
+    """trainer.total_epochs is >= 1 and counts passes over prompt files (the synthetic task has no size)."""
+    epochs = c.trainer.total_epochs
+    if epochs is None:
+        return
+    if epochs < 1:
+        yield error("trainer.total_epochs", f"must be >= 1, got {epochs}",
+                    "set trainer.total_epochs >= 1, or null to use trainer.total_steps", "total-epochs")  # fmt: skip
+    elif not c.data.train_files:
+        yield error("trainer.total_epochs", "the synthetic task has no size, so epochs cannot be counted",
+                    "set trainer.total_steps (and trainer.total_epochs: null), or give data.train_files",
+                    "total-epochs")  # fmt: skip
 
 
 @rule("data-files", "data.train_files", "data.val_files")

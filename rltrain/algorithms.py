@@ -1,4 +1,6 @@
-"""The pure math of PPO/GRPO: advantage estimators, KL penalties and controllers, policy and value losses.
+"""The pure math of PPO/GRPO and their variants: advantage estimators and policy losses (each a registry of
+name -> function, so `algorithm.adv_estimator` and `actor.policy_loss.loss_mode` pick one by name), KL
+penalties and controllers, value loss, DAPO's overlong penalty and group filter, rollout correction.
 
 Every function here is a small torch function on (batch, response_length) tensors with no state beyond its
 arguments (the KL controllers hold one float), so that the Megatron engine and the controller share one
@@ -10,15 +12,17 @@ each docstring.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from rlconf.config import KLControl
+from rlconf.config import AdvEstimator, KLControl, PolicyLossConfig, PolicyLossMode
 
-ADV_ESTIMATORS: tuple[str, ...] = ("gae", "grpo", "rloo", "reinforce_plus_plus")
+ADV_ESTIMATORS: tuple[str, ...] = AdvEstimator.__args__
+POLICY_LOSS_MODES: tuple[str, ...] = PolicyLossMode.__args__
 KL_KINDS: tuple[str, ...] = ("kl", "abs", "mse", "low_var_kl")
 LOSS_AGG_MODES: tuple[str, ...] = (
     "token-mean",
@@ -228,6 +232,170 @@ def compute_reinforce_plus_plus_outcome_advantage(
     return advantages, returns
 
 
+def compute_reinforce_plus_plus_baseline_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor | Sequence[Any],
+) -> tuple[Tensor, Tensor]:
+    """REINFORCE++ with a group baseline (Hu 2025, verl's reinforce_plus_plus_baseline).
+
+        s_i = sum_t r_{i,t};  b_i = s_i - mean_g(s)     (a group of one has mean 0: b_i = s_i)
+        A   = whiten(b broadcast over the valid tokens) over all valid tokens of the batch
+    Returns (advantages, returns), both A, (B, T).
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    with torch.no_grad():
+        scores, ids, counts = _group_scores(token_level_rewards, mask, group_index)
+        mean = torch.zeros_like(counts).index_add_(0, ids, scores) / counts
+        mean = torch.where(counts > 1, mean, torch.zeros_like(mean))
+        centred = (scores - mean[ids]).unsqueeze(-1) * mask
+        adv = masked_whiten(centred, mask) * mask
+    return adv, adv
+
+
+def compute_grpo_passk_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor | Sequence[Any],
+    norm_adv_by_std_in_grpo: bool = True,
+    epsilon: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """Pass@k GRPO (verl's grpo_passk, after Chen et al. 2025 "Pass@k training"): only the best response of
+    each group learns, by how much it beats the runner-up.
+
+        A_best = (s_max - s_second) / (std_g(s) + epsilon)   (no division without norm_adv_by_std_in_grpo)
+        A_i    = 0 for every other response, and for a group of one
+    Ties for the best go to the first response. Returns (advantages, returns), (B, T).
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    with torch.no_grad():
+        scores, ids, counts = _group_scores(token_level_rewards, mask, group_index)
+        adv = torch.zeros_like(scores)
+        for g in range(counts.shape[0]):
+            rows = torch.nonzero(ids == g).squeeze(-1)
+            if rows.numel() < 2:
+                continue
+            top, where = torch.topk(scores[rows], 2)
+            gain = top[0] - top[1]
+            if norm_adv_by_std_in_grpo and gain > 0:  # a tie is 0, never 0 / 0
+                gain = gain / (scores[rows].std() + epsilon)
+            adv[rows[where[0]]] = gain
+        adv = adv.unsqueeze(-1) * mask
+    return adv, adv
+
+
+def compute_gpg_outcome_advantage(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    group_index: Tensor | Sequence[Any],
+) -> tuple[Tensor, Tensor]:
+    """GPG (Chu et al. 2025, "GPG: a simple and strong RL baseline"): group-mean baseline, no std, scaled up
+    by the share of responses that carry a non-zero score.
+
+        alpha = B / max(#{i : s_i != 0}, 1);   A_i = alpha * (s_i - mean_g(s))   (a group of one: mean 0)
+    Returns (advantages, returns), (B, T).
+    """
+    mask = response_mask.to(token_level_rewards.dtype)
+    with torch.no_grad():
+        scores, ids, counts = _group_scores(token_level_rewards, mask, group_index)
+        mean = torch.zeros_like(counts).index_add_(0, ids, scores) / counts
+        mean = torch.where(counts > 1, mean, torch.zeros_like(mean))
+        alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
+        adv = (alpha * (scores - mean[ids])).unsqueeze(-1) * mask
+    return adv, adv
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """Everything an estimator may read; each estimator says which of the optional parts it needs."""
+
+    token_level_rewards: Tensor
+    response_mask: Tensor
+    values: Tensor | None = None
+    group_index: Tensor | Sequence[Any] | None = None
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std_in_grpo: bool = True
+    epsilon: float = 1e-6
+
+
+AdvantageFn = Callable[[AdvantageInputs], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class AdvantageEstimator:
+    """A registered estimator: its function and the optional inputs (`values`, `group_index`) it needs."""
+
+    fn: AdvantageFn
+    needs: tuple[str, ...]
+
+
+ADV_ESTIMATOR_REGISTRY: dict[str, AdvantageEstimator] = {}
+
+
+def register_adv_estimator(name: str, needs: tuple[str, ...] = ()) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register `fn(AdvantageInputs) -> (advantages, returns)` under `algorithm.adv_estimator = name`."""
+
+    def wrap(fn: AdvantageFn) -> AdvantageFn:
+        ADV_ESTIMATOR_REGISTRY[name] = AdvantageEstimator(fn, needs)
+        return fn
+
+    return wrap
+
+
+@register_adv_estimator("gae", needs=("values",))
+def _gae(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    assert x.values is not None
+    return compute_gae_advantage_return(x.token_level_rewards, x.values, x.response_mask, x.gamma, x.lam)
+
+
+@register_adv_estimator("grpo", needs=("group_index",))
+def _grpo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    assert x.group_index is not None
+    return compute_grpo_outcome_advantage(
+        x.token_level_rewards, x.response_mask, x.group_index, x.norm_adv_by_std_in_grpo, x.epsilon
+    )
+
+
+@register_adv_estimator("rloo", needs=("group_index",))
+def _rloo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    assert x.group_index is not None
+    return compute_rloo_outcome_advantage(x.token_level_rewards, x.response_mask, x.group_index)
+
+
+@register_adv_estimator("reinforce_plus_plus")
+def _reinforce_pp(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    return compute_reinforce_plus_plus_outcome_advantage(x.token_level_rewards, x.response_mask, x.gamma)
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline", needs=("group_index",))
+def _reinforce_pp_baseline(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    assert x.group_index is not None
+    return compute_reinforce_plus_plus_baseline_outcome_advantage(
+        x.token_level_rewards, x.response_mask, x.group_index
+    )
+
+
+@register_adv_estimator("grpo_passk", needs=("group_index",))
+def _grpo_passk(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    assert x.group_index is not None
+    return compute_grpo_passk_outcome_advantage(
+        x.token_level_rewards, x.response_mask, x.group_index, x.norm_adv_by_std_in_grpo, x.epsilon
+    )
+
+
+@register_adv_estimator("gpg", needs=("group_index",))
+def _gpg(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
+    assert x.group_index is not None
+    return compute_gpg_outcome_advantage(x.token_level_rewards, x.response_mask, x.group_index)
+
+
+_NEEDS_HELP = {
+    "values": "the critic's values (enable critic.enable)",
+    "group_index": "group_index (the prompt of each response)",
+}
+
+
 def compute_advantage(
     estimator: str,
     *,
@@ -240,30 +408,23 @@ def compute_advantage(
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
-    """Dispatch on `algorithm.adv_estimator` (gae | grpo | rloo | reinforce_plus_plus).
+    """The estimator registered as `algorithm.adv_estimator` (ADV_ESTIMATOR_REGISTRY).
 
-    gae needs `values` (the critic); grpo and rloo need `group_index` (the prompt of each response).
+    gae needs `values` (the critic); the group estimators need `group_index` (the prompt of each response).
     Returns (advantages, returns), each (B, T).
     """
-    if estimator == "gae":
-        if values is None:
-            raise ValueError("algorithm.adv_estimator=gae needs the critic's values (enable critic.enable)")
-        return compute_gae_advantage_return(token_level_rewards, values, response_mask, gamma, lam)
-    if estimator in ("grpo", "rloo"):
-        if group_index is None:
-            raise ValueError(
-                f"algorithm.adv_estimator={estimator} needs group_index (the prompt of each response)"
-            )
-        if estimator == "grpo":
-            return compute_grpo_outcome_advantage(
-                token_level_rewards, response_mask, group_index, norm_adv_by_std_in_grpo, epsilon
-            )
-        return compute_rloo_outcome_advantage(token_level_rewards, response_mask, group_index)
-    if estimator == "reinforce_plus_plus":
-        return compute_reinforce_plus_plus_outcome_advantage(token_level_rewards, response_mask, gamma)
-    raise ValueError(
-        f"unknown algorithm.adv_estimator {estimator!r}; choose one of {', '.join(ADV_ESTIMATORS)}"
+    entry = ADV_ESTIMATOR_REGISTRY.get(estimator)
+    if entry is None:
+        raise ValueError(
+            f"unknown algorithm.adv_estimator {estimator!r}; choose one of {', '.join(ADV_ESTIMATORS)}"
+        )
+    inputs = AdvantageInputs(
+        token_level_rewards, response_mask, values, group_index, gamma, lam, norm_adv_by_std_in_grpo, epsilon
     )
+    for need in entry.needs:
+        if getattr(inputs, need) is None:
+            raise ValueError(f"algorithm.adv_estimator={estimator} needs {_NEEDS_HELP[need]}")
+    return entry.fn(inputs)
 
 
 # ----------------------------------------------------------------------------------------------- KL
@@ -390,6 +551,203 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
     )
 
 
+@dataclass(frozen=True)
+class PolicyLossInputs:
+    """What every policy loss reads: (B, T) tensors, a float response mask, the clip ranges and the
+    options of `actor.policy_loss`."""
+
+    old_log_prob: Tensor
+    log_prob: Tensor
+    advantages: Tensor
+    mask: Tensor
+    clip_ratio_low: float
+    clip_ratio_high: float
+    clip_ratio_c: float
+    options: PolicyLossConfig
+
+
+PolicyLossFn = Callable[[PolicyLossInputs], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    """A registered loss: `fn(inputs) -> (per-token loss (B, T), metrics)`; `loss_agg_mode` overrides the
+    configured aggregation when the method defines its own (GSPO: seq-mean-token-mean, as verl)."""
+
+    fn: PolicyLossFn
+    loss_agg_mode: str | None = None
+
+
+POLICY_LOSS_REGISTRY: dict[str, PolicyLoss] = {}
+
+
+def register_policy_loss(
+    name: str, loss_agg_mode: str | None = None
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Register a per-token policy loss under `actor.policy_loss.loss_mode = name`."""
+
+    def wrap(fn: PolicyLossFn) -> PolicyLossFn:
+        POLICY_LOSS_REGISTRY[name] = PolicyLoss(fn, loss_agg_mode)
+        return fn
+
+    return wrap
+
+
+def policy_loss_agg_mode(loss_mode: str, loss_agg_mode: str) -> str:
+    """The aggregation the loss of `loss_mode` uses (the configured one unless the method fixes its own);
+    the engine weights micro-batches with it."""
+    entry = POLICY_LOSS_REGISTRY.get(loss_mode)
+    return entry.loss_agg_mode if entry is not None and entry.loss_agg_mode else loss_agg_mode
+
+
+def _log_ratio(x: PolicyLossInputs) -> Tensor:
+    # Clamped against overflow of exp on a stale or corrupt old log-prob.
+    return torch.clamp(x.log_prob - x.old_log_prob, min=-20.0, max=20.0)
+
+
+@register_policy_loss("vanilla")
+def _vanilla_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clip (Schulman et al. 2017) with dual clip (Ye et al. 2020); see compute_policy_loss."""
+    if x.clip_ratio_c <= 1.0:
+        raise ValueError(f"actor.clip_ratio_c must be > 1 for dual clip, got {x.clip_ratio_c}")
+    log_ratio = _log_ratio(x)
+    ratio = torch.exp(log_ratio)
+    adv, mask = x.advantages, x.mask
+    losses1 = -adv * ratio
+    losses2 = -adv * torch.clamp(ratio, 1.0 - x.clip_ratio_low, 1.0 + x.clip_ratio_high)
+    clipped = torch.maximum(losses1, losses2)
+    losses3 = -adv * x.clip_ratio_c
+    negative = adv < 0
+    pg_losses = torch.where(negative, torch.minimum(losses3, clipped), clipped)
+    return pg_losses, {
+        "pg_clipfrac": masked_mean(torch.gt(losses2, losses1).to(mask.dtype), mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
+        "pg_clipfrac_lower": masked_mean((torch.gt(clipped, losses3) & negative).to(mask.dtype), mask),
+    }
+
+
+@register_policy_loss("gspo", loss_agg_mode="seq-mean-token-mean")
+def _gspo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """GSPO (Zheng et al. 2025): one importance ratio per sequence, the geometric mean of its token ratios,
+
+        s_i = exp(mean_t (log_prob - old_log_prob))      (length-normalised sequence ratio)
+        L_it = max(-A * s_it, -A * clip(s_it, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    in the token-level form of the paper (GSPO-token): s_it = sg(s_i) * pi_t / sg(pi_t) has the value s_i
+    and the gradient s_i * grad log pi_t, so each token's gradient is weighted by its sequence's ratio.
+    Aggregated seq-mean-token-mean (the paper's objective; verl does the same whatever loss_agg_mode says).
+    """
+    log_ratio = x.log_prob - x.old_log_prob
+    seq_log_ratio = masked_mean(log_ratio, x.mask, dim=-1)
+    log_s = x.log_prob - x.log_prob.detach() + seq_log_ratio.detach().unsqueeze(-1)
+    s = torch.exp(torch.clamp(log_s, max=10.0))
+    losses1 = -x.advantages * s
+    losses2 = -x.advantages * torch.clamp(s, 1.0 - x.clip_ratio_low, 1.0 + x.clip_ratio_high)
+    return torch.maximum(losses1, losses2), {
+        "pg_clipfrac": masked_mean(torch.gt(losses2, losses1).to(x.mask.dtype), x.mask),
+        "ppo_kl": masked_mean(-log_ratio, x.mask),
+    }
+
+
+@register_policy_loss("gpg")
+def _gpg_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """GPG (Chu et al. 2025): the plain policy gradient L_t = -A_t * log pi_t, no ratio and no clip (pair
+    it with algorithm.adv_estimator = gpg)."""
+    return -x.advantages * x.log_prob, {"ppo_kl": masked_mean(x.old_log_prob - x.log_prob, x.mask)}
+
+
+def _covariance(x: PolicyLossInputs) -> Tensor:
+    """Per-token (A - mean A) * (log pi - mean log pi) over the valid tokens (detached): the centred
+    covariance term of Cui et al. 2025, large where a confident token gets a large advantage."""
+    logp = x.log_prob.detach()
+    return (x.advantages - masked_mean(x.advantages, x.mask)) * (logp - masked_mean(logp, x.mask))
+
+
+@register_policy_loss("clip-cov")
+def _clip_cov_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"): PPO clip, and among the
+    valid tokens that PPO did not clip and whose covariance lies in (clip_cov_lb, clip_cov_ub), a random
+    max(1, int(clip_cov_ratio x valid tokens)) have their loss (and so their gradient) set to 0.
+    pg_clipfrac is the fraction of tokens detached that way."""
+    log_ratio = _log_ratio(x)
+    ratio = torch.exp(log_ratio)
+    opts, mask = x.options, x.mask
+    losses1 = -x.advantages * ratio
+    losses2 = -x.advantages * torch.clamp(ratio, 1.0 - x.clip_ratio_low, 1.0 + x.clip_ratio_high)
+    with torch.no_grad():
+        valid = mask > 0
+        cov = _covariance(x)
+        candidates = valid & ~(losses2 > losses1) & (cov > opts.clip_cov_lb) & (cov < opts.clip_cov_ub)
+        picked = torch.nonzero(candidates)
+        n_clip = max(int(opts.clip_cov_ratio * float(mask.sum())), 1)
+        picked = picked[torch.randperm(picked.shape[0], device=picked.device)[:n_clip]]
+        keep = torch.ones_like(mask)
+        keep[picked[:, 0], picked[:, 1]] = 0.0
+    return torch.maximum(losses1, losses2) * keep, {
+        "pg_clipfrac": masked_mean((keep == 0).to(mask.dtype), mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
+    }
+
+
+@register_policy_loss("kl-cov")
+def _kl_cov_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """KL-Cov (Cui et al. 2025): no clip; the max(1, int(kl_cov_ratio x valid tokens)) valid tokens of
+    highest covariance get a penalty ppo_kl_coef x |log pi - log pi_old| added to -A * ratio.
+    pg_clipfrac is the fraction of tokens penalised."""
+    log_ratio = _log_ratio(x)
+    ratio = torch.exp(log_ratio)
+    opts, mask = x.options, x.mask
+    with torch.no_grad():
+        valid = (mask > 0).reshape(-1)
+        cov = _covariance(x).reshape(-1)
+        n_valid = int(valid.sum())
+        penalised = torch.zeros_like(cov)
+        if n_valid:
+            k = max(1, int(n_valid * opts.kl_cov_ratio))
+            top = torch.topk(torch.where(valid, cov, torch.full_like(cov, -math.inf)), k).indices
+            penalised[top] = 1.0
+        penalised = penalised.reshape(mask.shape)
+    pg_losses = -x.advantages * ratio + penalised * opts.ppo_kl_coef * log_ratio.abs()
+    return pg_losses, {
+        "pg_clipfrac": masked_mean(penalised, mask),
+        "ppo_kl": masked_mean(-log_ratio, mask),
+    }
+
+
+@register_policy_loss("cispo")
+def _cispo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """CISPO (MiniMax-M1, 2025): clip the importance weight, not the update, and keep every token's gradient:
+
+        L_t = -sg(clip(ratio_t, 1 - clip_ratio_low, 1 + clip_ratio_high)) * A_t * log pi_t
+    (MiniMax set no lower bound: clip_ratio_low = 1). pg_clipfrac: tokens whose weight was clipped."""
+    log_ratio = _log_ratio(x)
+    ratio = torch.exp(log_ratio)
+    weight = torch.clamp(ratio, 1.0 - x.clip_ratio_low, 1.0 + x.clip_ratio_high).detach()
+    clipped = (ratio.detach() != weight).to(x.mask.dtype)
+    return -weight * x.advantages * x.log_prob, {
+        "pg_clipfrac": masked_mean(clipped, x.mask),
+        "ppo_kl": masked_mean(-log_ratio, x.mask),
+    }
+
+
+@register_policy_loss("sapo")
+def _sapo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
+    """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a smooth gate instead of a hard clip,
+
+        f(r) = sigmoid(tau * (r - 1)) * 4 / tau,   tau = tau_pos if A > 0 else tau_neg
+        L_t  = -f(ratio_t) * A_t
+    f'(1) = 1, so on-policy the gradient is the plain -A * grad log pi; far from r = 1 the gradient fades
+    smoothly (faster for larger tau). No token is clipped (pg_clipfrac 0)."""
+    log_ratio = _log_ratio(x)
+    ratio = torch.exp(log_ratio)
+    tau = torch.where(
+        x.advantages > 0,
+        torch.full_like(ratio, x.options.tau_pos),
+        torch.full_like(ratio, x.options.tau_neg),
+    )
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau
+    return -gate * x.advantages, {"ppo_kl": masked_mean(-log_ratio, x.mask)}
+
+
 def compute_policy_loss(
     old_log_prob: Tensor,
     log_prob: Tensor,
@@ -399,41 +757,45 @@ def compute_policy_loss(
     clip_ratio_high: float,
     clip_ratio_c: float,
     loss_agg_mode: str,
+    loss_mode: str = "vanilla",
+    options: PolicyLossConfig | None = None,
+    rollout_is_weights: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate with dual clip (Ye et al. 2020) for negative advantages.
+    """The policy loss registered as `loss_mode` (POLICY_LOSS_REGISTRY), aggregated into a scalar.
 
+    vanilla is the PPO clipped surrogate with dual clip (Ye et al. 2020) for negative advantages:
         ratio = exp(log_prob - old_log_prob)          (log-ratio clamped to [-20, 20])
         L1 = -A * ratio;  L2 = -A * clip(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high)
         L  = max(L1, L2)                              (the pessimistic PPO bound)
         if A < 0: L = min(L, -A * clip_ratio_c)       (dual clip: bound the loss of a huge ratio)
-        loss = agg_loss(L, response_mask, loss_agg_mode)
-    Metrics (detached scalars): pg_clipfrac = mean[L2 > L1], ppo_kl = mean[old_log_prob - log_prob],
-    pg_clipfrac_lower = mean[A < 0 and max(L1, L2) > -A * clip_ratio_c], all over valid tokens.
+    The other modes are documented on their functions. With `rollout_is_weights` (rollout correction,
+    detached, 0 on rejected tokens) every token's loss is multiplied by its weight. Then
+        loss = agg_loss(L, response_mask, policy_loss_agg_mode(loss_mode, loss_agg_mode))
+    Metrics (detached scalars over valid tokens): pg_clipfrac (the mode's clip / detach / penalty
+    fraction), ppo_kl = mean[old_log_prob - log_prob], pg_clipfrac_lower (dual clip; 0 for other modes).
     """
-    if clip_ratio_c <= 1.0:
-        raise ValueError(f"actor.clip_ratio_c must be > 1 for dual clip, got {clip_ratio_c}")
+    entry = POLICY_LOSS_REGISTRY.get(loss_mode)
+    if entry is None:
+        raise ValueError(
+            f"unknown actor.policy_loss.loss_mode {loss_mode!r}; choose one of {', '.join(POLICY_LOSS_MODES)}"
+        )
     mask = response_mask.to(log_prob.dtype)
-    log_ratio = torch.clamp(log_prob - old_log_prob, min=-20.0, max=20.0)
-    ratio = torch.exp(log_ratio)
-    ppo_kl = masked_mean(-log_ratio, mask)
-
-    losses1 = -advantages * ratio
-    losses2 = -advantages * torch.clamp(ratio, 1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    clipped = torch.maximum(losses1, losses2)
-    pg_clipfrac = masked_mean(torch.gt(losses2, losses1).to(mask.dtype), mask)
-
-    losses3 = -advantages * clip_ratio_c
-    dual = torch.minimum(losses3, clipped)
-    negative = advantages < 0
-    pg_clipfrac_lower = masked_mean((torch.gt(clipped, losses3) & negative).to(mask.dtype), mask)
-    pg_losses = torch.where(negative, dual, clipped)
-
-    loss = agg_loss(pg_losses, mask, loss_agg_mode)
-    metrics = {
-        "pg_clipfrac": pg_clipfrac.detach(),
-        "ppo_kl": ppo_kl.detach(),
-        "pg_clipfrac_lower": pg_clipfrac_lower.detach(),
-    }
+    inputs = PolicyLossInputs(
+        old_log_prob,
+        log_prob,
+        advantages,
+        mask,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        options if options is not None else PolicyLossConfig(),
+    )
+    pg_losses, mode_metrics = entry.fn(inputs)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    loss = agg_loss(pg_losses, mask, entry.loss_agg_mode or loss_agg_mode)
+    zero = torch.zeros((), dtype=mask.dtype, device=mask.device)
+    metrics = {k: mode_metrics.get(k, zero).detach() for k in ("pg_clipfrac", "ppo_kl", "pg_clipfrac_lower")}
     return loss, metrics
 
 

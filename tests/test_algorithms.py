@@ -9,8 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlconf.config import KLControl
+from rlconf.config import AdvEstimator, KLControl, PolicyLossConfig, PolicyLossMode
 from rltrain.algorithms import (
+    ADV_ESTIMATOR_REGISTRY,
+    POLICY_LOSS_REGISTRY,
     AdaptiveKLController,
     FixedKLController,
     agg_loss,
@@ -18,8 +20,11 @@ from rltrain.algorithms import (
     build_kl_controller,
     compute_advantage,
     compute_gae_advantage_return,
+    compute_gpg_outcome_advantage,
     compute_grpo_outcome_advantage,
+    compute_grpo_passk_outcome_advantage,
     compute_policy_loss,
+    compute_reinforce_plus_plus_baseline_outcome_advantage,
     compute_reinforce_plus_plus_outcome_advantage,
     compute_rloo_outcome_advantage,
     compute_value_loss,
@@ -346,3 +351,211 @@ def test_explained_variance():
     assert explained_variance(returns, returns, mask) == pytest.approx(1.0)
     assert explained_variance(torch.zeros(1, 3), returns, mask) == pytest.approx(0.0)
     assert math.isnan(explained_variance(returns, torch.ones(1, 3), mask))
+
+
+# ----------------------------------------------------------------------------- registries (issue 23)
+def test_every_configurable_name_is_registered():
+    # A name the config accepts but no function implements would fail only at the first update of a run.
+    assert set(POLICY_LOSS_REGISTRY) == set(PolicyLossMode.__args__)
+    assert set(ADV_ESTIMATOR_REGISTRY) == set(AdvEstimator.__args__)
+    with pytest.raises(ValueError, match=r"actor\.policy_loss\.loss_mode"):
+        compute_policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1),
+                            0.2, 0.2, 3.0, "token-mean", "ppo2")  # fmt: skip
+
+
+def _loss(mode: str, old, logp, adv, mask, low=0.2, high=0.2, agg="token-mean", **options):
+    return compute_policy_loss(old, logp, adv, mask, low, high, 3.0, agg, mode, PolicyLossConfig(**options))
+
+
+# ------------------------------------------------------------------------------------ loss modes
+def test_gspo_hand_computed():
+    # Sequence 0: token log-ratios [0.1, 0.3] -> s0 = exp(0.2) = 1.2214 (inside [0.8, 1.3]), A = 1:
+    # each token's loss is -s0. Sequence 1: one token, ratio 0.5, A = -1: max(0.5, 0.8) = 0.8 (clipped).
+    # seq-mean-token-mean (GSPO's own aggregation, whatever is configured): (-s0 + 0.8) / 2.
+    old = torch.zeros(2, 2)
+    logp = T([[0.1, 0.3], [math.log(0.5), 0.0]]).requires_grad_()
+    adv = T([[1.0, 1.0], [-1.0, -1.0]])
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    s0 = math.exp(0.2)
+    loss, metrics = _loss("gspo", old, logp, adv, mask, high=0.3, agg="token-mean")
+    close(loss, (-s0 + 0.8) / 2)
+    close(metrics["pg_clipfrac"], 1 / 3)
+    # Gradient of each token of sequence 0: (1/2 sequences) x (1/2 tokens) x (-A x s0); sequence 1 clipped.
+    loss.backward()
+    close(logp.grad, [[-s0 / 4, -s0 / 4], [0.0, 0.0]])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    log_ratios=st.lists(st.floats(-0.15, 0.15, allow_nan=False), min_size=1, max_size=6),
+    advs=st.lists(st.floats(-3, 3, allow_nan=False), min_size=6, max_size=6),
+)
+def test_gspo_equals_vanilla_for_one_token_sequences(log_ratios, advs):
+    # With one valid token per sequence the sequence ratio is the token ratio; inside the clip range both
+    # losses and their gradients agree (padding columns must not change that).
+    n = len(log_ratios)
+    old = torch.full((n, 3), -1.0)
+    mask = torch.zeros(n, 3)
+    mask[:, 0] = 1.0
+    adv = T(advs[:n]).unsqueeze(-1).expand(n, 3).contiguous()
+    results = []
+    for mode in ("vanilla", "gspo"):
+        logp = (old + T(log_ratios).unsqueeze(-1)).requires_grad_()
+        loss, _ = _loss(mode, old, logp, adv, mask)
+        loss.backward()
+        results.append((loss.detach(), logp.grad))
+    close(results[1][0], results[0][0], atol=1e-6)
+    close(results[1][1], results[0][1], atol=1e-6)
+
+
+def test_gpg_hand_computed():
+    # L = -A * logp, token mean; the old log-probs play no part.
+    logp = T([[math.log(0.5), math.log(0.25)]]).requires_grad_()
+    adv = T([[2.0, 1.0]])
+    loss, metrics = _loss("gpg", torch.full((1, 2), -7.0), logp, adv, torch.ones(1, 2))
+    close(loss, -(2 * math.log(0.5) + math.log(0.25)) / 2)
+    close(metrics["pg_clipfrac"], 0.0)
+    loss.backward()
+    close(logp.grad, [[-1.0, -0.5]])
+
+
+def test_clip_cov_hand_computed():
+    # On-policy (ratio 1, no PPO clip). logp [-1, -3, -2, -2] (mean -2), A [3, 1, 0, 0] (mean 1):
+    # covariance (A - 1)(logp + 2) = [2, 0, 0, 0]; only token 0 is in the band (1, 5) -> detached.
+    logp = T([[-1.0, -3.0, -2.0, -2.0]])
+    adv = T([[3.0, 1.0, 0.0, 0.0]])
+    mask = torch.ones(1, 4)
+    x = logp.clone().requires_grad_()
+    loss, metrics = _loss("clip-cov", logp.clone(), x, adv, mask, clip_cov_ratio=0.25)
+    close(loss, (0.0 - 1.0 + 0.0 + 0.0) / 4)
+    close(metrics["pg_clipfrac"], 0.25)
+    loss.backward()
+    close(x.grad, [[0.0, -0.25, 0.0, 0.0]])
+    # A band no token falls in: nothing is detached and the loss is PPO's -mean(A).
+    loss, metrics = _loss(
+        "clip-cov", logp.clone(), logp.clone(), adv, mask, clip_cov_lb=10.0, clip_cov_ub=20.0
+    )
+    close(loss, -1.0)
+    close(metrics["pg_clipfrac"], 0.0)
+
+
+def test_kl_cov_hand_computed():
+    # Same covariance [2, 0, 0, 0] (it uses the current log-probs); token 0 moved by log-ratio 0.5.
+    # k = max(1, int(4 x 0.0002)) = 1 -> token 0 gets + 0.1 x |0.5|; no clipping at all.
+    logp = T([[-1.0, -3.0, -2.0, -2.0]]).requires_grad_()
+    old = T([[-1.5, -3.0, -2.0, -2.0]])
+    adv = T([[3.0, 1.0, 0.0, 0.0]])
+    loss, metrics = _loss("kl-cov", old, logp, adv, torch.ones(1, 4), ppo_kl_coef=0.1)
+    r0 = math.exp(0.5)
+    close(loss, (-3 * r0 + 0.1 * 0.5 - 1.0) / 4)
+    close(metrics["pg_clipfrac"], 0.25)
+    loss.backward()
+    close(logp.grad, [[(-3 * r0 + 0.1) / 4, -0.25, 0.0, 0.0]])
+
+
+def test_cispo_hand_computed():
+    # ratios [1.5, 0.5], A [1, -1], clip [0.8, 1.2] -> weights [1.2, 0.8] (both clipped, stop-gradient).
+    # L = -w * A * logp = [-1.2 ln 1.5, 0.8 ln 0.5]; the gradient -w * A / 2 reaches every token.
+    logp = torch.log(T([[1.5, 0.5]])).requires_grad_()
+    adv = T([[1.0, -1.0]])
+    loss, metrics = _loss("cispo", torch.zeros(1, 2), logp, adv, torch.ones(1, 2))
+    close(loss, (-1.2 * math.log(1.5) + 0.8 * math.log(0.5)) / 2)
+    close(metrics["pg_clipfrac"], 1.0)
+    loss.backward()
+    close(logp.grad, [[-0.6, 0.4]])
+
+
+def test_sapo_hand_computed():
+    # ratio 1 with A = 1: gate sigmoid(0) x 4 / 1 = 2 -> L = -2, gradient -4 x 1/4 x r = -1 (per token).
+    # ratio 2 with A = -1 (tau_neg 1.05): gate sigmoid(1.05) x 4 / 1.05 -> L = +gate; gradient
+    # 4 x sigma (1 - sigma) x r with sigma = sigmoid(1.05). Token mean over 2.
+    logp = torch.log(T([[1.0, 2.0]])).requires_grad_()
+    adv = T([[1.0, -1.0]])
+    loss, metrics = _loss("sapo", torch.zeros(1, 2), logp, adv, torch.ones(1, 2), tau_pos=1.0, tau_neg=1.05)
+    sig = 1 / (1 + math.exp(-1.05))
+    close(loss, (-2.0 + sig * 4 / 1.05) / 2)
+    close(metrics["pg_clipfrac"], 0.0)
+    loss.backward()
+    close(logp.grad, [[-0.5, 4 * sig * (1 - sig) * 2 / 2]])
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    logps=st.lists(st.floats(-8, -0.1, allow_nan=False), min_size=2, max_size=6),
+    advs=st.lists(st.floats(-3, 3, allow_nan=False), min_size=6, max_size=6),
+    mode=st.sampled_from(["vanilla", "gpg", "cispo", "sapo", "kl-cov"]),
+)
+def test_on_policy_gradient_is_plain_policy_gradient(logps, advs, mode):
+    # At ratio 1 every token-level method reduces to REINFORCE: d loss / d logp_t = -A_t / N (token mean).
+    old = T([logps])
+    adv = T([advs[: len(logps)]])
+    logp = old.clone().requires_grad_()
+    loss, _ = _loss(mode, old, logp, adv, torch.ones_like(old))
+    loss.backward()
+    close(logp.grad, -adv / len(logps), atol=1e-5)
+
+
+def test_rollout_is_weights_scale_each_token():
+    # Weights [2, 0] on the on-policy loss -A: token 1 (rejected) carries nothing, token 0 twice its loss.
+    logp = T([[-1.0, -2.0]])
+    adv = T([[1.0, 3.0]])
+    loss, _ = compute_policy_loss(logp, logp, adv, torch.ones(1, 2), 0.2, 0.2, 3.0, "token-mean",
+                                  rollout_is_weights=T([[2.0, 0.0]]))  # fmt: skip
+    close(loss, -2.0 / 2)
+
+
+# ---------------------------------------------------------------------------- more estimators
+def test_reinforce_plus_plus_baseline_hand_computed():
+    # Group [3, 1, 2] -> minus its mean 2 -> [1, -1, 0]; the lone [4] keeps 4 (no baseline).
+    # Valid tokens 1, 1, -1, -1, 0, 4, 4: mean 8/7; whitened with the unbiased std over those 7.
+    scores = T([3.0, 1.0, 2.0, 4.0])
+    mask = T([[1, 1], [1, 1], [1, 0], [1, 1]])
+    adv, ret = compute_reinforce_plus_plus_baseline_outcome_advantage(
+        outcome_to_token_level(scores, mask), mask, [0, 0, 0, 1]
+    )
+    tokens = [1.0, 1.0, -1.0, -1.0, 0.0, 4.0, 4.0]
+    mean = sum(tokens) / 7
+    std = math.sqrt(sum((t - mean) ** 2 for t in tokens) / 6)
+    w = [(v - mean) / std for v in (1.0, -1.0, 0.0, 4.0)]
+    close(adv, [[w[0], w[0]], [w[1], w[1]], [w[2], 0.0], [w[3], w[3]]])
+    close(ret, adv)
+
+
+def test_grpo_passk_hand_computed():
+    # Group [3, 1, 2]: only the best (3) learns, by 3 - 2 = 1, over the group's std 1.
+    # Group [1, 1]: a tie, gain 0. The lone [5]: 0.
+    scores = T([3.0, 1.0, 2.0, 1.0, 1.0, 5.0])
+    mask = torch.ones(6, 2)
+    group = [0, 0, 0, 1, 1, 2]
+    adv, _ = compute_grpo_passk_outcome_advantage(
+        outcome_to_token_level(scores, mask), mask, group, True, 0.0
+    )
+    close(adv[:, 0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0])
+    # Without the std: group [0, 4, 1] -> the second response gets 4 - 1 = 3.
+    scores = T([0.0, 4.0, 1.0])
+    adv, _ = compute_grpo_passk_outcome_advantage(
+        outcome_to_token_level(scores, torch.ones(3, 2)), torch.ones(3, 2), [7, 7, 7], False
+    )
+    close(adv, [[0.0, 0.0], [3.0, 3.0], [0.0, 0.0]])
+
+
+def test_gpg_advantage_hand_computed():
+    # Scores [1, 0 | 3]: 2 of 3 non-zero -> alpha = 3/2. Group 0 mean 0.5 -> 1.5 x [0.5, -0.5];
+    # the lone 3 has no baseline -> 1.5 x 3.
+    scores = T([1.0, 0.0, 3.0])
+    mask = T([[1, 1], [1, 1], [1, 0]])
+    adv, _ = compute_gpg_outcome_advantage(outcome_to_token_level(scores, mask), mask, [0, 0, 1])
+    close(adv, [[0.75, 0.75], [-0.75, -0.75], [4.5, 0.0]])
+
+
+def test_dr_grpo_is_unnormalised_grpo_with_constant_length_norm():
+    # Dr. GRPO = norm_adv_by_std_in_grpo false + seq-mean-token-sum-norm: a longer response does not get a
+    # smaller per-token weight. Scores [1, 0] -> A [0.5, -0.5]; lengths 1 and 3 of T = 4; on-policy loss
+    # per token -A -> sums [-0.5, 1.5] -> mean 0.5 / 4.
+    mask = T([[1, 0, 0, 0], [1, 1, 1, 0]])
+    rewards = outcome_to_token_level(T([1.0, 0.0]), mask)
+    adv, _ = compute_advantage("grpo", token_level_rewards=rewards, response_mask=mask, group_index=[0, 0],
+                               norm_adv_by_std_in_grpo=False)  # fmt: skip
+    logp = torch.full((2, 4), -1.0)
+    loss, _ = compute_policy_loss(logp, logp, adv, mask, 0.2, 0.2, 3.0, "seq-mean-token-sum-norm")
+    close(loss, 0.5 / 4)

@@ -212,6 +212,9 @@ class MegatronActor(MegatronEngine):
             clip_high,
             cfg.clip_ratio_c,
             cfg.loss_agg_mode,
+            cfg.policy_loss.loss_mode,
+            cfg.policy_loss,
+            d.get("rollout_is_weights"),
         )
         entropy = algorithms.agg_loss(ent if need_entropy_grad else ent.detach(), mask, cfg.loss_agg_mode)
         loss = pg_loss - cfg.entropy_coeff * entropy if need_entropy_grad else pg_loss
@@ -227,7 +230,9 @@ class MegatronActor(MegatronEngine):
             loss = loss + cfg.kl_loss_coef * kl_loss
             extra["actor/kl_loss"] = kl_loss.detach()
         extra["actor/loss"] = loss.detach()
-        return loss * self.micro_batch_weight(d["response_mask"], cfg.loss_agg_mode, totals), extra
+        # The loss mode may fix its own aggregation (GSPO); micro-batches are weighted by the one it uses.
+        agg_mode = algorithms.policy_loss_agg_mode(cfg.policy_loss.loss_mode, cfg.loss_agg_mode)
+        return loss * self.micro_batch_weight(d["response_mask"], agg_mode, totals), extra
 
     # --------------------------------------------------------------------------------- sampling
     @torch.no_grad()
