@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -157,3 +158,50 @@ def test_several_nodes_without_a_cluster_is_a_config_error(tmp_path):
         -3000:
     ]
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_driver_frees_the_joined_cluster(two_nodes, tmp_path):
+    """A joined cluster outlives the run; what the run took does not: after kill -9 of rltrain its actor
+    processes end, its placement groups are removed and every CPU is free again for the next job."""
+    import ray
+    from ray.util import placement_group_table
+
+    raylets = _raylets()
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    cmd = [sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--cluster.ray_address", two_nodes.address,
+           "--trainer.total_steps", "1000", "--trainer.output_dir", str(out), *RUN_FLAGS]  # fmt: skip
+    with open(tmp_path / "run.log", "w") as sink:
+        driver = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + 180
+        while not (out / "metrics.jsonl").exists() and driver.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert driver.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
+        workers = [psutil.Process(pid) for pid in _policy_workers(raylets)]
+        assert len(workers) == 2
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        _, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"actor processes outlived the driver: {alive}"
+    finally:
+        driver.kill()
+        driver.wait()
+    with pytest.MonkeyPatch.context() as env_patch:
+        env_patch.setenv("RAY_AUTH_MODE", "disabled")
+        ray.init(address=two_nodes.address)
+        try:
+            deadline = time.monotonic() + 30
+            while True:
+                states = {pg["name"]: pg["state"] for pg in placement_group_table().values()}
+                free = ray.available_resources().get("CPU", 0)
+                if (all(s == "REMOVED" for s in states.values()) and free == 2 * CPUS_PER_NODE) or (
+                    time.monotonic() > deadline
+                ):
+                    break
+                time.sleep(0.5)
+        finally:
+            ray.shutdown()
+    assert states and all(s == "REMOVED" for s in states.values()), states
+    assert free == 2 * CPUS_PER_NODE
