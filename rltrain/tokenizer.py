@@ -166,12 +166,27 @@ class CharTokenizer:
             "padding": None,
             "added_tokens": [added(t) for t in (PAD, BOS, EOS)],
             "normalizer": None,
-            # Every character is a word (newlines included), looked up in the vocabulary.
+            # Every character is a word (newlines included), written in the byte-level alphabet (a space is
+            # "Ġ", a newline "Ċ") and looked up in the vocabulary. Byte-level keys matter: for model_type
+            # qwen2, transformers 5 ignores tokenizer_class and builds its byte-level Qwen2Tokenizer from this
+            # file's vocabulary, which then gives the same ids for every character of the vocabulary
+            # (characters outside it it drops, where this file gives <unk>).
             "pre_tokenizer": {
-                "type": "Split",
-                "pattern": {"Regex": "[\\s\\S]"},
-                "behavior": "Isolated",
-                "invert": False,
+                "type": "Sequence",
+                "pretokenizers": [
+                    {
+                        "type": "Split",
+                        "pattern": {"Regex": "[\\s\\S]"},
+                        "behavior": "Isolated",
+                        "invert": False,
+                    },
+                    {
+                        "type": "ByteLevel",
+                        "add_prefix_space": False,
+                        "trim_offsets": False,
+                        "use_regex": False,
+                    },
+                ],
             },
             "post_processor": {
                 "type": "TemplateProcessing",
@@ -186,15 +201,43 @@ class CharTokenizer:
             "decoder": {
                 "type": "Sequence",
                 "decoders": [
+                    {
+                        "type": "ByteLevel",
+                        "add_prefix_space": False,
+                        "trim_offsets": False,
+                        "use_regex": False,
+                    },
                     {"type": "Replace", "pattern": {"String": UNK}, "content": UNK_CHAR},
-                    {"type": "Fuse"},
                 ],
             },
-            "model": {"type": "WordLevel", "vocab": dict(self._ids), "unk_token": UNK},
+            "model": {
+                "type": "WordLevel",
+                "vocab": {
+                    t if t in (PAD, BOS, EOS, UNK) else _byte_level(t): i for t, i in self._ids.items()
+                },
+                "unk_token": UNK,
+            },
         }
 
     def __repr__(self) -> str:
         return f"CharTokenizer(vocab_size={self.vocab_size})"
+
+
+def _byte_level(text: str) -> str:
+    """`text` in the byte-level alphabet of GPT-2 style tokenizers: each UTF-8 byte is one printable
+    character (printable Latin-1 bytes stand for themselves, the others are shifted past 255)."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    table, shift = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b], shift = chr(256 + shift), shift + 1
+    return "".join(table[b] for b in text.encode("utf-8"))
 
 
 class HFTokenizer:

@@ -481,9 +481,10 @@ def test_export_hf_from_a_checkpoint_without_hf_model(tmp_path):
 def test_export_hf_of_a_tiny_model_ships_the_builtin_tokenizer_and_normal_modes(tmp_path):
     """A tiny run (built-in character tokenizer): the export's tokenizer files load in transformers with the
     ids of CharTokenizer, the model generates text through them, and the files have the modes of a plain write
-    (umask 022). transformers 5 makes AutoTokenizer build its own Qwen2Tokenizer for every model_type qwen2
-    folder (byte-level BPE, whatever tokenizer.json holds): the class the files name is loaded directly."""
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+    (umask 022). The class the files name reproduces CharTokenizer exactly (unknown characters too);
+    AutoTokenizer, which transformers 5 turns into its byte-level Qwen2Tokenizer for every model_type qwen2
+    folder, gives the same ids for text over the vocabulary, and the model generates through it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
     from rltrain.megatron.actor import MegatronActor
     from rltrain.tokenizer import CharTokenizer
@@ -525,7 +526,12 @@ def test_export_hf_of_a_tiny_model_ships_the_builtin_tokenizer_and_normal_modes(
             assert tok.encode(text) == builtin.encode_prompt(text), text
             ids = [*builtin.encode_prompt(text), builtin.eos_token_id, builtin.pad_token_id]
             assert tok.decode(ids, skip_special_tokens=True) == builtin.decode(ids), text
+        auto = AutoTokenizer.from_pretrained(folder)
+        for text in ["12+7=19", "#### 42", "<answer>5</answer>", " 3 \n 4 ", "answer 1, 2. 3*4/5-6", ""]:
+            assert auto.encode(text) == builtin.encode_prompt(text), text
+            assert auto.decode(builtin.encode_prompt(text), skip_special_tokens=True) == text, text
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf")
     prompt = tok("12+7=", return_tensors="pt")
     out = model.generate(**prompt, max_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
     new_ids = out[0, prompt["input_ids"].shape[1] :].tolist()
