@@ -25,9 +25,9 @@ FLAGS = ("--trainer.save_freq", "2", "--trainer.val_before_train", "false", "--t
          "--logging.plot_reward", "false", "--trainer.max_ckpt_to_keep", "None")  # fmt: skip
 
 
-def command(out: Path, total_steps: int) -> list[str]:
+def command(out: Path, total_steps: int, *flags: str) -> list[str]:
     return [sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--trainer.output_dir", str(out),
-            "--trainer.total_steps", str(total_steps), *FLAGS]  # fmt: skip
+            "--trainer.total_steps", str(total_steps), *FLAGS, *flags]  # fmt: skip
 
 
 def logged_steps(out: Path) -> list[int]:
@@ -60,10 +60,15 @@ def kill_session(sid: int) -> None:
     ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
 )
 def test_signal_stops_the_run_cleanly_and_the_same_command_resumes(tmp_path, signum, code):
+    """SIGINT's run saves in the background: a save still being written when the signal comes is committed
+    (its step's metrics line is written) or removed, never left half-done."""
     out = tmp_path / "run"
+    flags = ("--actor.checkpoint.async_save", "true") if signum == signal.SIGINT else ()
     err_path = tmp_path / "stderr.txt"
     with open(tmp_path / "stdout.txt", "w") as so, open(err_path, "w") as se:
-        proc = subprocess.Popen(command(out, 300), stdout=so, stderr=se, env=ENV, start_new_session=True)
+        proc = subprocess.Popen(
+            command(out, 300, *flags), stdout=so, stderr=se, env=ENV, start_new_session=True
+        )
     try:
         deadline = time.monotonic() + 300
         while len(logged_steps(out)) < 5:
@@ -72,7 +77,9 @@ def test_signal_stops_the_run_cleanly_and_the_same_command_resumes(tmp_path, sig
             time.sleep(0.2)
 
         if signum == signal.SIGTERM:  # once: a second run on the folder of a running one
-            second = subprocess.run(command(out, 300), capture_output=True, text=True, env=ENV, timeout=300)
+            second = subprocess.run(
+                command(out, 300, *flags), capture_output=True, text=True, env=ENV, timeout=300
+            )
             assert second.returncode == 2, second.stderr[-3000:]
             assert "run-folder-locked" in second.stderr and f"PID {proc.pid} on host" in second.stderr
 
@@ -104,7 +111,7 @@ def test_signal_stops_the_run_cleanly_and_the_same_command_resumes(tmp_path, sig
     assert steps == list(range(1, len(steps) + 1)) and len(steps) >= resume_step >= 4
 
     rerun = subprocess.run(
-        command(out, resume_step + 2), capture_output=True, text=True, env=ENV, timeout=300
+        command(out, resume_step + 2, *flags), capture_output=True, text=True, env=ENV, timeout=300
     )
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"(step {resume_step})" in rerun.stdout and "resumed from" in rerun.stdout
