@@ -31,6 +31,11 @@ _ALL = (
         "CPU, the tiny-grpo model and task with PPO: GAE, a critic, KL in the reward",
         tiny.tiny_ppo,
     ),
+    Preset(
+        "tiny-dapo",
+        "CPU, the tiny-grpo model and task with DAPO: clip-higher, dynamic sampling, overlong penalty",
+        tiny.tiny_dapo,
+    ),
     Preset("qwen2.5-0.5b-grpo", "1 GPU, Qwen2.5-0.5B shape, GRPO with KL loss, bf16", gpu.qwen25_05b_grpo),
     Preset("qwen2.5-1.5b-grpo", "1 GPU, Qwen2.5-1.5B shape, GRPO with KL loss, bf16", gpu.qwen25_15b_grpo),
     Preset(

@@ -55,3 +55,25 @@ def tiny_ppo() -> RLConfig:
             "trainer.experiment_name": "tiny-ppo",
         },
     )
+
+
+def tiny_dapo() -> RLConfig:
+    """DAPO (Yu et al. 2025) on the tiny-grpo model and task: clip-higher (0.2 / 0.28), token-mean loss,
+    dynamic sampling (groups whose score does not vary are dropped and more prompts generated) and the soft
+    overlong penalty over the last 4 of 16 response tokens; no KL, as in the DAPO recipe."""
+    return replace_paths(
+        tiny_grpo(),
+        {
+            "actor.clip_ratio_low": 0.2,
+            "actor.clip_ratio_high": 0.28,
+            "actor.loss_agg_mode": "token-mean",
+            "algorithm.filter_groups.enable": True,
+            "algorithm.filter_groups.metric": "score",
+            "algorithm.filter_groups.max_num_gen_batches": 10,
+            "reward.overlong_buffer.enable": True,
+            "reward.overlong_buffer.len": 4,
+            "reward.overlong_buffer.penalty_factor": 0.5,
+            "trainer.output_dir": "outputs/tiny-dapo",
+            "trainer.experiment_name": "tiny-dapo",
+        },
+    )

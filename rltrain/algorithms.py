@@ -828,3 +828,124 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> float:
     if float(var_r) == 0.0:
         return math.nan
     return float(1.0 - masked_var(returns - values, mask) / var_r)
+
+
+# ------------------------------------------------------------------------------- DAPO: rewards, groups
+def overlong_penalty(
+    response_lengths: Tensor, max_response_length: int, buffer_len: int, penalty_factor: float
+) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025) per response of L tokens:
+
+        penalty = min(0, (L_max - L_buffer - L) / L_buffer) * penalty_factor
+    0 up to L_max - L_buffer tokens, then falling linearly to -penalty_factor at L_max."""
+    lengths = response_lengths.to(torch.float32)
+    return torch.clamp((max_response_length - buffer_len - lengths) / buffer_len, max=0.0) * penalty_factor
+
+
+def groups_with_spread(metric: Tensor, group_index: Tensor | Sequence[Any]) -> Tensor:
+    """DAPO dynamic sampling: a bool per response, true where its prompt group's `metric` is not constant
+    (those groups carry a learning signal; all-correct or all-wrong groups have advantage 0). A group of one
+    response is kept, as in verl."""
+    ids = _group_ids(group_index, metric.shape[0], metric.device)
+    n = int(ids.max()) + 1 if ids.numel() else 0
+    lo = torch.full((n,), math.inf, dtype=metric.dtype, device=metric.device).scatter_reduce(
+        0, ids, metric, "amin"
+    )
+    hi = torch.full((n,), -math.inf, dtype=metric.dtype, device=metric.device).scatter_reduce(
+        0, ids, metric, "amax"
+    )
+    counts = torch.zeros(n, dtype=torch.long, device=metric.device).index_add_(0, ids, torch.ones_like(ids))
+    return ((hi > lo) | (counts == 1))[ids]
+
+
+# Row-aligned keys of the rollout layout (rltrain.rollout.batch): [B, P + N] sequences split into a
+# left-padded prompt and a right-padded response, and [B, N] response tensors.
+_SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
+
+
+def concat_batches(batches: Sequence[dict[str, Tensor]], pad_token_id: int) -> dict[str, Tensor]:
+    """Concatenate rollout batches row-wise whatever their prompt (P) and response (N) widths: prompts are
+    left-padded to the widest P, responses right-padded to the widest N (pad_token_id in ids, 0 in masks
+    and log-probs), position_ids recomputed from the attention mask as the rollout builds them. A
+    `group_index` is offset per batch so that groups of different batches stay distinct. Other keys are
+    concatenated along rows (1-D) or right-padded with 0 (2-D, [B, N])."""
+    if not batches:
+        raise ValueError("concat_batches needs at least one batch")
+    resp_width = max(b["responses"].shape[1] for b in batches)
+    prompt_width = max(b["input_ids"].shape[1] - b["responses"].shape[1] for b in batches)
+    out: dict[str, list[Tensor]] = {k: [] for k in batches[0]}
+    offset = 0
+    for b in batches:
+        n = b["responses"].shape[1]
+        p = b["input_ids"].shape[1] - n
+        for key, value in b.items():
+            if key == "position_ids":
+                continue
+            if key == "group_index":
+                out[key].append(value + offset)
+            elif key in _SEQUENCE_KEYS:
+                pad = pad_token_id if key == "input_ids" else 0
+                prompt = torch.nn.functional.pad(value[:, :p], (prompt_width - p, 0), value=pad)
+                resp = torch.nn.functional.pad(value[:, p:], (0, resp_width - n), value=pad)
+                out[key].append(torch.cat([prompt, resp], 1))
+            elif value.dim() == 2:
+                pad = pad_token_id if key == "responses" else 0
+                out[key].append(torch.nn.functional.pad(value, (0, resp_width - value.shape[1]), value=pad))
+            else:
+                out[key].append(value)
+        if "group_index" in b and b["group_index"].numel():
+            offset += int(b["group_index"].max()) + 1
+    merged = {k: torch.cat(v, 0) for k, v in out.items() if v}
+    if "position_ids" in batches[0]:
+        merged["position_ids"] = (merged["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    return merged
+
+
+def select_rows(batch: dict[str, Tensor], rows: Tensor | slice) -> dict[str, Tensor]:
+    """The rows `rows` (bool mask, indices or a slice) of every tensor of a row-aligned batch."""
+    return {k: v[rows] for k, v in batch.items()}
+
+
+# ------------------------------------------------------------------------------------ rollout correction
+def rollout_correction_weights(
+    log_prob: Tensor,
+    rollout_log_prob: Tensor,
+    response_mask: Tensor,
+    rollout_is: str | None,
+    is_threshold: float,
+    rollout_rs: str | None,
+    rs_threshold: float,
+) -> tuple[Tensor, dict[str, float]]:
+    """Per-token weights (B, T) that correct the policy loss for sampling with the rollout engine's policy
+    (log-probs `rollout_log_prob`) instead of the trainer's (`log_prob`, the old log-probs of the step);
+    truncated importance sampling (Espeholt et al. 2018; verl's algorithm.rollout_correction).
+
+        rho_t = pi_train / pi_rollout per token;  rho_seq = prod_t rho_t over the response
+        IS  (rollout_is):  w = min(rho_t, is_threshold) (token) or min(rho_seq, is_threshold) (sequence)
+        RS  (rollout_rs):  w = 0 where rho_t (token) or rho_seq (sequence) is outside [1/rs_threshold,
+                           rs_threshold]
+    Weights are 1 where neither applies and 0 on padding. Metrics: the weights' mean / max, the rejected
+    fraction, and the gap: KL(rollout || train) ~ mean(rollout_log_prob - log_prob) and mean |difference|.
+    """
+    mask = response_mask.to(torch.float32)
+    with torch.no_grad():
+        log_rho = torch.clamp(log_prob.float() - rollout_log_prob.float(), -20.0, 20.0) * mask
+        log_rho_seq = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
+        weights = mask.clone()
+        bound = math.log(rs_threshold)
+        if rollout_rs is not None:
+            per = log_rho if rollout_rs == "token" else log_rho_seq
+            weights = weights * (per.abs() <= bound).to(weights.dtype)
+        kept = weights.clone()
+        if rollout_is is not None:
+            per = log_rho if rollout_is == "token" else log_rho_seq
+            weights = weights * torch.exp(torch.clamp(per, max=math.log(is_threshold)))
+        n = float(mask.sum())
+        metrics = {
+            "rollout_corr/is_weight_mean": float(masked_mean(weights, kept)),
+            "rollout_corr/is_weight_max": float((weights * kept).max()) if n else 0.0,
+            "rollout_corr/rejected_fraction": float(1.0 - kept.sum() / max(n, 1.0)),
+            "rollout_corr/kl": float(masked_mean(-log_rho, mask)),
+            "rollout_corr/logprob_abs_diff_mean": float(masked_mean(log_rho.abs(), mask)),
+        }
+    return weights, metrics

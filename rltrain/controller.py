@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from rlconf.config import RLConfig
+from rlconf.errors import ConfigError, error
 from rlconf.plan import TrainerPlan
 from rlconf.seeding import ROLLOUT, VALIDATE, derive_seed
 from rltrain import algorithms
@@ -29,6 +30,9 @@ from rltrain.metrics import REWARD_PLOT, MetricsLogger, plot_reward_curve
 from rltrain.profiling import Profiler, nsys_command, write_summary
 from rltrain.ray_group import Pool, WorkerError, WorkerGroup, nsight_runtime_env, start_ray
 from rltrain.runfolder import RunFolder, StopSignals
+
+# Batch keys the controller keeps to itself (rewards, grouping, the rollout's log-probs); the rest go to workers.
+_CONTROLLER_KEYS = ("scores", "group_index", "rollout_log_probs", "overlong_penalty")
 
 
 class Trainer:
@@ -202,13 +206,25 @@ class Trainer:
             rule_mean = float(sum(scores) / len(scores))
         batch["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
         lengths = batch["response_mask"].sum(-1).float()
+        overlong = self.cfg.reward.overlong_buffer
+        if overlong.enable and not validate:  # DAPO reward shaping: training rewards only
+            batch["overlong_penalty"] = algorithms.overlong_penalty(
+                lengths, self.cfg.rollout.max_response_length, overlong.len, overlong.penalty_factor
+            )
+            task_mean = batch["scores"].mean().item()
+            batch["scores"] = batch["scores"] + batch["overlong_penalty"]
         metrics: dict[str, Any] = {
             "reward/mean": batch["scores"].mean().item(),
             "reward/max": batch["scores"].max().item(),
             "reward/min": batch["scores"].min().item(),
             "response/length_mean": lengths.mean().item(),
+            # Responses cut at the length limit (no EOS): what the overlong buffer penalises.
+            "response/clip_ratio": (lengths >= self.cfg.rollout.max_response_length).float().mean().item(),
             "timing/reward_s": time.perf_counter() - t0,
         }
+        if "overlong_penalty" in batch:
+            metrics["reward/score_mean"] = task_mean
+            metrics["reward/overlong_penalty_mean"] = batch["overlong_penalty"].mean().item()
         if self.reward_model is not None:
             metrics["reward/rule_mean"], metrics["reward/model_mean"] = rule_mean, rm_scores.mean().item()
         if not validate:
@@ -232,19 +248,33 @@ class Trainer:
         # Each random stream of the step is keyed by (seed, step, purpose), never by what ran before (a
         # validation pass, a restart): a resumed run repeats the uninterrupted one exactly.
         seed = derive_seed(cfg.trainer.seed, step, ROLLOUT)
-        batch, metrics = timed("generate", self.rollout, prompts, cfg.rollout.n, seed)
-        model_batch = {
-            k: v for k, v in batch.items() if k not in ("scores", "group_index", "rollout_log_probs")
-        }
-        old = timed("old_log_prob", self._dispatch_cat, self.policy, "actor", "compute_log_prob", model_batch)
-        model_batch["old_log_probs"] = old["log_probs"]
-        # The rollout sampled with the weights being trained (colocated, no copy): its log-probs must agree
-        # with the recomputation; a gap here means stale weights or a numerics problem in the sampler.
-        gap = (batch["rollout_log_probs"] - old["log_probs"]).abs()
-        metrics["rollout/logprob_diff_max"] = (gap * model_batch["response_mask"]).max().item()
-        metrics["actor/entropy_rollout"] = algorithms.masked_mean(
-            old["entropy"], model_batch["response_mask"]
-        ).item()
+        if cfg.algorithm.filter_groups.enable:
+            batch, metrics = timed("generate", self.dynamic_sampling, step, prompts)
+        else:
+            batch, metrics = timed("generate", self.rollout, prompts, cfg.rollout.n, seed)
+        model_batch = {k: v for k, v in batch.items() if k not in _CONTROLLER_KEYS}
+        rc = cfg.algorithm.rollout_correction
+        if rc.bypass_mode:  # the rollout's own log-probs are the old policy: no recomputation pass
+            model_batch["old_log_probs"] = batch["rollout_log_probs"]
+        else:
+            old = timed(
+                "old_log_prob", self._dispatch_cat, self.policy, "actor", "compute_log_prob", model_batch
+            )
+            model_batch["old_log_probs"] = old["log_probs"]
+            # The rollout sampled with the weights being trained (colocated, no copy): its log-probs must agree
+            # with the recomputation; a gap here means stale weights or a numerics problem in the sampler.
+            gap = (batch["rollout_log_probs"] - old["log_probs"]).abs()
+            metrics["rollout/logprob_diff_max"] = (gap * model_batch["response_mask"]).max().item()
+            metrics["actor/entropy_rollout"] = algorithms.masked_mean(
+                old["entropy"], model_batch["response_mask"]
+            ).item()
+            if rc.rollout_is is not None or rc.rollout_rs is not None:
+                weights, rc_metrics = algorithms.rollout_correction_weights(
+                    old["log_probs"], batch["rollout_log_probs"], model_batch["response_mask"], rc.rollout_is,
+                    rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold,
+                )  # fmt: skip
+                model_batch["rollout_is_weights"] = weights
+                metrics.update(rc_metrics)
         if "ref" in self.plan.roles:
             ref = timed("ref", self._dispatch_cat, self.policy, "actor", "compute_ref_log_prob", model_batch)
             model_batch["ref_log_prob"] = ref["log_probs"]
@@ -285,6 +315,69 @@ class Trainer:
             metrics.update(actor_metrics[0])
         metrics.update(timing)
         return metrics
+
+    def dynamic_sampling(
+        self, step: int, prompts: PromptBatch
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """DAPO dynamic sampling (algorithm.filter_groups): generate batches of prompts, keep the groups whose
+        metric has spread (`algorithms.groups_with_spread`), until data.train_batch_size groups are kept;
+        the batch is their first train_batch_size groups. Generation batch i > 1 samples from
+        (seed, step, "rollout/i"). Reward and length metrics cover every generated response (the policy's
+        quality, not the filter's selection); filter/* count the groups and batches."""
+        cfg, fg = self.cfg, self.cfg.algorithm.filter_groups
+        n, want = cfg.rollout.n, cfg.data.train_batch_size
+        kept: list[dict[str, torch.Tensor]] = []
+        generated: list[dict[str, torch.Tensor]] = []
+        n_kept = 0
+        metrics: dict[str, Any] = {}
+        while True:
+            if generated:
+                prompts = next(self.train_data)
+            seed = derive_seed(
+                cfg.trainer.seed, step, ROLLOUT if not generated else f"{ROLLOUT}/{len(generated) + 1}"
+            )
+            batch, batch_metrics = self.rollout(prompts, n, seed)
+            if not generated:
+                metrics = batch_metrics
+            else:
+                metrics["perf/total_num_tokens"] += batch_metrics["perf/total_num_tokens"]
+                metrics["timing/reward_s"] += batch_metrics["timing/reward_s"]
+            generated.append(batch)
+            score = batch["scores"] - batch.get("overlong_penalty", 0.0)
+            metric = batch["scores"] if fg.metric == "seq_reward" else score
+            rows = algorithms.groups_with_spread(metric, batch["group_index"])
+            kept.append(algorithms.select_rows(batch, rows))
+            n_kept += int(rows.sum()) // n
+            if n_kept >= want:
+                break
+            if fg.max_num_gen_batches and len(generated) >= fg.max_num_gen_batches:
+                raise ConfigError([error(
+                    "algorithm.filter_groups.max_num_gen_batches",
+                    f"step {step}: {len(generated)} generation batches gave {n_kept} prompt groups whose "
+                    f"{fg.metric} varies, fewer than data.train_batch_size = {want}",
+                    "raise max_num_gen_batches (0: no bound), use easier prompts, or raise rollout.n",
+                    "filter-groups")])  # fmt: skip
+        pad = self.tokenizer.pad_token_id
+        batch = algorithms.select_rows(algorithms.concat_batches(kept, pad), slice(0, want * n))
+        everything = algorithms.concat_batches(generated, pad)
+        lengths = everything["response_mask"].sum(-1).float()
+        metrics.update({
+            "reward/mean": everything["scores"].mean().item(),
+            "reward/max": everything["scores"].max().item(),
+            "reward/min": everything["scores"].min().item(),
+            "response/length_mean": lengths.mean().item(),
+            "response/clip_ratio": (lengths >= cfg.rollout.max_response_length).float().mean().item(),
+            "filter/kept_groups": n_kept,
+            "filter/gen_batches": len(generated),
+            "filter/kept_ratio": n_kept / (len(generated) * want),
+            "filter/kept_reward_mean": batch["scores"].mean().item(),
+        })  # fmt: skip
+        if "overlong_penalty" in everything:
+            metrics["reward/score_mean"] = (
+                (everything["scores"] - everything["overlong_penalty"]).mean().item()
+            )
+            metrics["reward/overlong_penalty_mean"] = everything["overlong_penalty"].mean().item()
+        return batch, metrics
 
     def validate(self, step: int) -> dict[str, Any]:
         """Mean reward of the validation prompts (one pass, validation sampling) with the weights after

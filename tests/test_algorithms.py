@@ -28,15 +28,21 @@ from rltrain.algorithms import (
     compute_reinforce_plus_plus_outcome_advantage,
     compute_rloo_outcome_advantage,
     compute_value_loss,
+    concat_batches,
     entropy_from_logits,
     explained_variance,
+    groups_with_spread,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
     masked_var,
     masked_whiten,
     outcome_to_token_level,
+    overlong_penalty,
+    rollout_correction_weights,
+    select_rows,
 )
+from rltrain.rollout.batch import rollout_batch
 
 T = torch.tensor
 
@@ -559,3 +565,55 @@ def test_dr_grpo_is_unnormalised_grpo_with_constant_length_norm():
     logp = torch.full((2, 4), -1.0)
     loss, _ = compute_policy_loss(logp, logp, adv, mask, 0.2, 0.2, 3.0, "seq-mean-token-sum-norm")
     close(loss, 0.5 / 4)
+
+
+# ------------------------------------------------------------------------------ DAPO mechanisms
+def test_overlong_penalty_hand_computed():
+    # L_max 20, buffer 4, factor 0.5: free up to 16 tokens, then -(L - 16) / 4 x 0.5 down to -0.5 at 20.
+    close(overlong_penalty(T([10, 16, 17, 18, 20]), 20, 4, 0.5), [0.0, 0.0, -0.125, -0.25, -0.5])
+
+
+def test_groups_with_spread_keeps_mixed_groups_and_singletons():
+    # Group a: [1, 1] constant -> dropped; b: [0, 1] -> kept; c: [0.5] alone -> kept (as verl).
+    keep = groups_with_spread(T([1.0, 1.0, 0.0, 1.0, 0.5]), ["a", "a", "b", "b", "c"])
+    assert keep.tolist() == [False, False, True, True, True]
+
+
+def test_concat_batches_repads_prompts_and_responses():
+    # Batch 1: prompt width 2, responses 3; batch 2: prompt width 3, responses 1. Concatenated: prompts
+    # left-padded to 3, responses right-padded to 3, groups renumbered, positions count real tokens.
+    b1 = rollout_batch(T([[5, 6]]), T([[1, 1]]), T([[7, 8, 9]]), T([[1, 1, 0]]), T([[-0.1, -0.2, 0.0]]))
+    b1 |= {"scores": T([1.0]), "group_index": T([0])}
+    b2 = rollout_batch(T([[0, 3, 4]]), T([[0, 1, 1]]), T([[2]]), T([[1]]), T([[-0.3]]))
+    b2 |= {"scores": T([0.0]), "group_index": T([0])}
+    out = concat_batches([b1, b2], pad_token_id=0)
+    assert out["input_ids"].tolist() == [[0, 5, 6, 7, 8, 9], [0, 3, 4, 2, 0, 0]]
+    assert out["attention_mask"].tolist() == [[0, 1, 1, 1, 1, 0], [0, 1, 1, 1, 0, 0]]
+    assert out["position_ids"].tolist() == [[0, 0, 1, 2, 3, 3], [0, 0, 1, 2, 2, 2]]
+    assert out["responses"].tolist() == [[7, 8, 9], [2, 0, 0]]
+    assert out["response_mask"].tolist() == [[1, 1, 0], [1, 0, 0]]
+    close(out["rollout_log_probs"], [[-0.1, -0.2, 0.0], [-0.3, 0.0, 0.0]])
+    assert out["group_index"].tolist() == [0, 1]
+    assert select_rows(out, slice(1, 2))["scores"].tolist() == [0.0]
+
+
+def test_rollout_correction_weights_hand_computed():
+    # Token log-ratios (train - rollout) [ln 3, ln 0.5 | ln 1.5, pad]; threshold 2.
+    train = torch.log(T([[3.0, 0.5], [1.5, 1.0]]))
+    rollout = torch.zeros(2, 2)
+    mask = T([[1.0, 1.0], [1.0, 0.0]])
+    # token IS: min(rho, 2) = [2, 0.5 | 1.5, 0]
+    w, m = rollout_correction_weights(train, rollout, mask, "token", 2.0, None, 2.0)
+    close(w, [[2.0, 0.5], [1.5, 0.0]])
+    assert m["rollout_corr/rejected_fraction"] == 0.0
+    assert m["rollout_corr/kl"] == pytest.approx(-math.log(3 * 0.5 * 1.5) / 3, abs=1e-6)
+    # sequence IS: rho_seq = 1.5 and 1.5 -> 1.5 on every valid token.
+    w, _ = rollout_correction_weights(train, rollout, mask, "sequence", 2.0, None, 2.0)
+    close(w, [[1.5, 1.5], [1.5, 0.0]])
+    # token RS: ratio 3 is outside [0.5, 2] -> rejected (0); the rest weigh 1.
+    w, m = rollout_correction_weights(train, rollout, mask, None, 2.0, "token", 2.0)
+    close(w, [[0.0, 1.0], [1.0, 0.0]])
+    assert m["rollout_corr/rejected_fraction"] == pytest.approx(1 / 3)
+    # sequence RS at bound 1.4: both sequences (1.5) are rejected.
+    w, _ = rollout_correction_weights(train, rollout, mask, None, 2.0, "sequence", 1.4)
+    close(w, torch.zeros(2, 2))
