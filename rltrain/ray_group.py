@@ -47,6 +47,14 @@ class WorkerError(RuntimeError):
         super().__init__(f"{role} worker rank {rank} {what}: {message}")
 
 
+# Whether start_ray started the cluster here (one node), rather than joining one.
+_local_cluster = False
+
+# The reaper of the local cluster and the pipe to it: the pipe closes when this process dies, however it
+# dies, which tells the reaper to kill the cluster's processes. Kept here so the pipe stays open.
+_reaper: subprocess.Popen | None = None
+
+
 def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -> None:
     """Join `address` (or RAY_ADDRESS) when given, else start a local cluster sized for this run whose
     processes all end with this one (ray.shutdown, exit, or kill -9)."""
@@ -64,14 +72,6 @@ def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -
     # address="local": a new cluster even when `ray start` left one on this machine (ray.init() would join it).
     ray.init(address="local", **kwargs)
     _start_reaper()
-
-
-# Whether start_ray started the cluster here (one node), rather than joining one.
-_local_cluster = False
-
-# The reaper of the local cluster and the pipe to it: the pipe closes when this process dies, however it
-# dies, which tells the reaper to kill the cluster's processes. Kept here so the pipe stays open.
-_reaper: subprocess.Popen | None = None
 
 
 def _start_reaper() -> None:
