@@ -2,11 +2,16 @@
 gloo world of 1): log-probs equal transformers' on tiny random models of llama (with Llama 3.1 rope scaling),
 mistral, qwen2 and qwen3 (QK-norm, a head_dim that is not hidden / heads), and HF -> megatron -> HF export is
 bit-identical with the same model_type and config values. MoE models are refused by name, never built dense.
+The same holds in a gloo world of 2 processes at TP=2 (kv heads split over ranks, Qwen3's per-head QK-norm
+replicated), TP=2 with sequence parallel and PP=2, where greedy generation also equals TP=1's (and TP=1's
+equals transformers' `generate`).
 """
 
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +19,16 @@ import torch
 
 from rlconf.config import ModelConfig
 
-from ._common import TINY, actor_cfg, assert_tiny_close, hf_logits, make_batch, reference_log_probs
+from ._common import (
+    TINY,
+    actor_cfg,
+    assert_tiny_close,
+    free_port,
+    hf_logits,
+    make_batch,
+    reference_log_probs,
+    run_spawned,
+)
 from .test_parity import assert_same_safetensors
 
 pytestmark = [
@@ -142,3 +156,119 @@ def test_tiny_grpo_on_a_family_folder_trains_and_exports(tmp_path, family):
     assert {k: after.get(k) for k in KEPT_KEYS} == {k: before.get(k) for k in KEPT_KEYS}
     model = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32)
     assert type(model).__name__ == FAMILY_CONFIGS[family][1]
+
+
+# ------------------------------------------------------------------------------------ TP=2, PP=2
+# (name, tensor parallel, pipeline parallel, sequence parallel) run by the 2-process test, in this order.
+PARALLEL_LAYOUTS = [("tp2", 2, 1, False), ("tp2_sp", 2, 1, True), ("pp2", 1, 2, False)]
+# Layouts whose export is compared with the source folder (sequence parallel does not change the weights).
+EXPORTED_LAYOUTS = ("tp2", "pp2")
+# Greedy generation: the second batch's 40-column left-padded prompts and 8 new tokens reach positions up to
+# 47, past the llama3 original context of 32.
+GEN_PROMPT_LEN, GEN_NEW_TOKENS = 40, 8
+
+
+def _parity_batches() -> list[dict[str, torch.Tensor]]:
+    """The TP=1 test's batches: short sequences, and positions up to 60 (llama3 scaling regimes)."""
+    return [make_batch(b=4), make_batch(b=4, p=40, r=20, seed=1)]
+
+
+def _hf_greedy(path: Path, prompts: torch.Tensor) -> torch.Tensor:
+    """transformers' greedy continuation [B, GEN_NEW_TOKENS] of left-padded `prompts` (pad id 0, no EOS)."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    mask = (prompts != 0).long()
+    out = model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=GEN_NEW_TOKENS, min_new_tokens=GEN_NEW_TOKENS,
+                         do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    return out[:, prompts.shape[1] :]
+
+
+def _family_reference(family: str, path: Path) -> dict:
+    """transformers' log-probs of the parity batches and the TP=1 engine's greedy tokens (this process)."""
+    batches = _parity_batches()
+    log_probs = [
+        reference_log_probs(hf_logits(path, b["input_ids"], b["attention_mask"]), b) for b in batches
+    ]
+    prompts = batches[1]["input_ids"][:, :GEN_PROMPT_LEN]
+    gen = _actor(path).generate(prompts, GEN_NEW_TOKENS, temperature=0.0, pad_id=0)["responses"]
+    return {"family": family, "path": str(path), "batches": batches, "log_probs": log_probs,
+            "prompts": prompts, "gen": gen}  # fmt: skip
+
+
+def _layouts_worker(rank: int, world: int, port: int, refs: list[dict], out_dir: str) -> None:
+    run_spawned(_run_family_layouts, rank, world, port, refs, out_dir)
+
+
+def _run_family_layouts(rank: int, world: int, port: int, refs: list[dict], out_dir: str) -> None:
+    """Every family in every PARALLEL_LAYOUTS layout: log-probs vs transformers, greedy tokens vs TP=1, and
+    an export of EXPORTED_LAYOUTS into out_dir/FAMILY_LAYOUT; rank 0 writes the largest log-prob
+    differences to out_dir/diffs.json."""
+    from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.hf_weights import export_hf_weights
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    diffs: dict[str, float] = {}
+    for name, tp, pp, sequence_parallel in PARALLEL_LAYOUTS:
+        cfg = actor_cfg(tp, pp)
+        cfg = replace(cfg, megatron=replace(cfg.megatron, sequence_parallel=sequence_parallel))
+        init_parallel(cfg.megatron, "cpu")
+        for ref in refs:
+            where = f"{ref['family']} {name}"
+            actor = MegatronActor(ModelConfig(path=ref["path"], attention_backend="sdpa"), cfg, "cpu",
+                                  trainable=False)  # fmt: skip
+            for i, (batch, expected) in enumerate(zip(ref["batches"], ref["log_probs"], strict=True)):
+                got = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+                diffs[f"{where} batch{i}"] = float((got - expected).abs().max())
+                assert_tiny_close(got, expected, msg=where)
+            gen = actor.generate(ref["prompts"], GEN_NEW_TOKENS, temperature=0.0, pad_id=0)["responses"]
+            assert torch.equal(gen, ref["gen"]), f"{where}: greedy tokens differ from TP=1"
+            if name in EXPORTED_LAYOUTS:
+                export_hf_weights(actor.chunks, actor.arch, os.path.join(out_dir, f"{ref['family']}_{name}"))
+            del actor
+    if rank == 0:
+        with open(os.path.join(out_dir, "diffs.json"), "w") as f:
+            json.dump(diffs, f, indent=1)
+    destroy_parallel()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_families_at_tp2_and_pp2_match_transformers_and_round_trip(mp_world, tmp_path):
+    """Two gloo processes run every family at TP=2, TP=2 + sequence parallel and PP=2 (one spawn: each
+    process pays ~8 s of imports): log-probs equal transformers', greedy tokens equal TP=1's (which equal
+    transformers' generate), and the TP=2 / PP=2 exports are bit-identical to the source folder, with the
+    same config values, and load in transformers as the family's class with the source's logits."""
+    import transformers
+
+    from .test_parity import assert_same_safetensors
+
+    folders = {f: make_tiny_family(tmp_path / f, f) for f in FAMILY_CONFIGS}
+    refs = [_family_reference(f, path) for f, path in folders.items()]
+    for ref in refs:
+        assert torch.equal(ref["gen"], _hf_greedy(Path(ref["path"]), ref["prompts"])), ref["family"]
+    out_dir = tmp_path / "exports"
+    out_dir.mkdir()
+    torch.multiprocessing.spawn(
+        _layouts_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True
+    )
+
+    batch = _parity_batches()[1]
+    for family, src in folders.items():
+        before = transformers.AutoConfig.from_pretrained(str(src)).to_dict()
+        src_logits = hf_logits(src, batch["input_ids"], batch["attention_mask"])
+        for name in EXPORTED_LAYOUTS:
+            exported = out_dir / f"{family}_{name}"
+            where = f"{family} {name}"
+            assert_same_safetensors(src, exported)
+            after = transformers.AutoConfig.from_pretrained(str(exported)).to_dict()
+            assert {k: after.get(k) for k in KEPT_KEYS} == {k: before.get(k) for k in KEPT_KEYS}, where
+            loaded = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32)
+            assert type(loaded).__name__ == FAMILY_CONFIGS[family][1], where
+            # transformers reads the export (PP=2: one file per stage through the index) as the source.
+            assert torch.equal(
+                hf_logits(exported, batch["input_ids"], batch["attention_mask"]), src_logits
+            ), where
+        assert (out_dir / f"{family}_pp2" / "model.safetensors.index.json").exists()
+    print(json.dumps(json.loads((out_dir / "diffs.json").read_text()), indent=1))
