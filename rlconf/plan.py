@@ -42,6 +42,7 @@ from rlconf.config import (
     ROLES,
     MegatronConfig,
     ModelArch,
+    ModelConfig,
     NpuProfileOptions,
     NsysProfileOptions,
     Optim,
@@ -112,6 +113,9 @@ class ModelSpec:
     layer; equal to params_total for dense models."""
     used_by: tuple[str, ...]
     """Worker roles built from this model."""
+    weights: str | None
+    """Hugging Face folder its weights load from (model.path, critic.model_path, reward.reward_model.path; a
+    value model without a folder of its own starts from the policy's weights); None: random initialisation."""
 
 
 @dataclass(frozen=True)
@@ -521,8 +525,86 @@ class TrainerPlan:
                 return m
         raise KeyError(name)
 
+    def engine(self, role: str) -> EnginePlan:
+        """What the megatron engine of `role` (actor, ref, critic, reward_model) is built from."""
+        return _engine_plan(self, role)
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Everything one megatron role's engine is built from (rltrain.megatron.engine): the plan's own model,
+    layout, batch schedule and lr table of that role, gathered by `TrainerPlan.engine(role)`. The engine
+    builds TransformerConfig, GPTModel, DDP, optimizer, lr and batch iteration from it and nothing else."""
+
+    role: str
+    """actor, ref, critic or reward_model."""
+    model: ModelSpec
+    """Architecture, head (lm / value) and the folder the weights load from."""
+    settings: ModelConfig
+    """The effective model section, for what the plan does not derive (params_dtype, attention_backend,
+    init_method_std); its path and arch are the policy's: use `model` for this role's."""
+    layout: RoleLayout
+    megatron: MegatronConfig
+    """The role's effective megatron section (sequence_parallel, expert tp and seed resolved)."""
+    device: str
+    batch: BatchPlan | None
+    """The update's batch schedule (trained roles: actor, critic)."""
+    optim: OptimPlan | None
+    """Optimizer settings and the lr of every training step (trained roles)."""
+    forward_micro_batch_size: int
+    """Rows per forward micro-batch of log-prob / value / reward passes (the sampler's too)."""
+    forward_use_dynamic_bsz: bool
+    forward_max_token_len: int | None
+    """With forward_use_dynamic_bsz: the token budget of a forward micro-batch."""
+
+    @property
+    def trainable(self) -> bool:
+        return self.optim is not None
+
+    def frozen(self, role: str) -> EnginePlan:
+        """The same engine without optimizer and update (a reference policy built on this layout)."""
+        return replace(self, role=role, batch=None, optim=None)
+
 
 _T = TypeVar("_T")
+
+ENGINE_ROLES: tuple[str, ...] = ("actor", "ref", "critic", "reward_model")
+"""Roles with a megatron engine of their own."""
+
+
+def _engine_plan(plan: TrainerPlan, role: str) -> EnginePlan:
+    if role not in ENGINE_ROLES or role not in plan.roles:
+        raise KeyError(f"role {role!r} has no engine in this plan (roles: {', '.join(plan.roles)})")
+    c = plan.config
+    # Forward passes: the actor and ref cut by the actor's token budget when use_dynamic_bsz (verl).
+    if role == "actor":
+        micro, dynamic, budget = (
+            c.actor.log_prob_micro_batch_size_per_gpu, c.actor.use_dynamic_bsz, c.actor.ppo_max_token_len_per_gpu
+        )  # fmt: skip
+    elif role == "ref":
+        micro, dynamic, budget = (
+            c.ref.log_prob_micro_batch_size_per_gpu, c.actor.use_dynamic_bsz, c.actor.ppo_max_token_len_per_gpu
+        )  # fmt: skip
+    elif role == "critic":
+        micro, dynamic, budget = (
+            c.critic.ppo_micro_batch_size_per_gpu, c.critic.use_dynamic_bsz, c.critic.ppo_max_token_len_per_gpu
+        )  # fmt: skip
+    else:
+        micro, dynamic, budget = c.reward.reward_model.micro_batch_size_per_gpu, False, None
+    trained = role in ("actor", "critic")
+    return EnginePlan(
+        role=role,
+        model=next(m for m in plan.models if role in m.used_by),
+        settings=c.model,
+        layout=plan.layout(role),
+        megatron=_megatron_of(c, role)[1],
+        device=plan.resources.device,
+        batch=plan.batch_plan(role) if trained else None,
+        optim=plan.optim_plan(role) if trained else None,
+        forward_micro_batch_size=micro,
+        forward_use_dynamic_bsz=bool(dynamic),
+        forward_max_token_len=budget if dynamic else None,
+    )
 
 
 def _by_role(items: tuple[_T, ...], role: str) -> _T:
@@ -848,9 +930,11 @@ def _kv_channels(arch: ModelArch) -> int:
     return head_dim(arch)
 
 
-def _model_spec(name: str, source: str, arch: ModelArch, head: str, used_by: tuple[str, ...]) -> ModelSpec:
+def _model_spec(
+    name: str, source: str, arch: ModelArch, head: str, used_by: tuple[str, ...], weights: str | None
+) -> ModelSpec:
     total, active = count_parameters(arch, head)
-    return ModelSpec(name, source, arch, head, total, active, used_by)
+    return ModelSpec(name, source, arch, head, total, active, used_by, weights)
 
 
 @dataclass(frozen=True)
@@ -911,7 +995,7 @@ def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
             _check_sequence_fits(c, arch, src, path_name)
         else:
             arch, src = policy_arch, source  # the policy's architecture with a value head
-        return _model_spec(name, src, arch, "value", (name,))
+        return _model_spec(name, src, arch, "value", (name,), path if path is not None else c.model.path)
 
     critic = value_model("critic", c.critic.model_path, "critic.model_path") if "critic" in roles else None
     rm_cfg = c.reward.reward_model
@@ -920,7 +1004,7 @@ def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
         if "reward_model" in roles
         else None
     )
-    policy = _model_spec("policy", source, policy_arch, "lm", policy_users)
+    policy = _model_spec("policy", source, policy_arch, "lm", policy_users, c.model.path)
     return _Models(policy, critic, rm)
 
 

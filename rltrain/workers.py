@@ -5,13 +5,14 @@ weight sync) and, when the run uses one, the frozen reference policy in the same
 process groups are per process, so the ref shares the actor's layout; validation enforces it).
 `CriticWorker` holds the value model in its own process and process group.
 
-Workers read the plan (its effective config), never raw user input. Each public method is one role's work
+Workers read the plan (its effective config), never raw user input: each engine is built from its role of
+the plan (`TrainerPlan.engine(role)`: model, layout, batch schedule, lr table), the reward model from the
+plan's reward_model role. Each public method is one role's work
 and is wrapped by the profiler (`profiled(ROLE)`), a no-op unless the plan profiles that role and step.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import warnings
 from typing import Any
@@ -33,6 +34,19 @@ def load_initial_weights(engine: Any, megatron_cfg: Any, prefix: str) -> None:
     from rltrain.checkpoint import load_engine
 
     load_engine(engine, megatron_cfg.dist_checkpointing_path, ("model",), role=prefix)
+
+
+def check_rows_match_plan(plan: TrainerPlan, role: str, batch: dict[str, torch.Tensor]) -> None:
+    """An update's rows on this rank must be the plan's: its mini-batches x their rows per rank. Anything
+    else means the controller and the plan disagree, and the update would run another schedule."""
+    b = plan.batch_plan(role)
+    expected = b.mini_batches_per_step * b.responses_per_mini_batch_per_rank
+    rows = int(batch["input_ids"].shape[0])
+    if rows != expected:
+        raise ValueError(
+            f"{role} update got {rows} rows on this rank; the plan's batch schedule is {b.mini_batches_per_step} "
+            f"mini-batches x {b.responses_per_mini_batch_per_rank} rows per rank"
+        )
 
 
 class MegatronWorker:
@@ -124,23 +138,13 @@ class PolicyWorker(MegatronWorker):
     def init_model(self) -> dict[str, Any]:
         from rltrain.megatron.actor import MegatronActor
 
-        cfg = self.cfg
-        total = self.plan.optim_plan("actor").decay_steps if self.plan.optim else cfg.trainer.total_steps
-        self.actor = MegatronActor(
-            cfg.model, cfg.actor, cfg.cluster.device, total_steps=max(total, cfg.trainer.total_steps),
-            rollout_n=cfg.rollout.n,
-        )  # fmt: skip
-        load_initial_weights(self.actor, cfg.actor.megatron, "actor")
+        self.actor = MegatronActor.from_plan(self.plan, "actor")
+        load_initial_weights(self.actor, self.cfg.actor.megatron, "actor")
         self.ref = None
         if "ref" in self.plan.roles:
-            ref_micro = cfg.ref.log_prob_micro_batch_size_per_gpu
-            ref_cfg = dataclasses.replace(cfg.actor, log_prob_micro_batch_size_per_gpu=ref_micro)
             # The reference policy is the actor's starting point: its weights are copied from the actor
             # (parameters only, no optimizer or gradient buffers).
-            self.ref = MegatronActor(
-                cfg.model, ref_cfg, cfg.cluster.device, megatron_cfg=cfg.ref.megatron, trainable=False,
-                rollout_n=cfg.rollout.n, init_from=self.actor,
-            )  # fmt: skip
+            self.ref = MegatronActor.from_plan(self.plan, "ref", init_from=self.actor)
             self.ref.offload_for_other_roles()
         return {"vocab_size": self.actor.vocab_size, "dp_size": self.actor.dp_size}
 
@@ -182,6 +186,7 @@ class PolicyWorker(MegatronWorker):
             )
 
     def update_actor(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        check_rows_match_plan(self.plan, "actor", batch)
         with self.profiler.profiled("actor_update"):
             # Old log-probs were computed at the rollout temperature: the PPO ratio must use the same.
             metrics = self.actor.update_policy(batch, temperature=self.cfg.rollout.temperature, step=step)
@@ -206,12 +211,8 @@ class CriticWorker(MegatronWorker):
     def init_model(self) -> dict[str, Any]:
         from rltrain.megatron.critic import MegatronCritic
 
-        cfg = self.cfg
-        self.critic = MegatronCritic(
-            cfg.model, cfg.critic, cfg.cluster.device, total_steps=cfg.trainer.total_steps,
-            rollout_n=cfg.rollout.n, loss_agg_mode=cfg.actor.loss_agg_mode,
-        )  # fmt: skip
-        load_initial_weights(self.critic, cfg.critic.megatron, "critic")
+        self.critic = MegatronCritic.from_plan(self.plan, "critic")
+        load_initial_weights(self.critic, self.cfg.critic.megatron, "critic")
         return {"dp_size": self.critic.dp_size}
 
     def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -221,6 +222,7 @@ class CriticWorker(MegatronWorker):
             return values
 
     def update_critic(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
+        check_rows_match_plan(self.plan, "critic", batch)
         with self.profiler.profiled("critic_update"):
             metrics = self.critic.update_critic(batch, step=step)
             self.critic.offload_for_other_roles()
@@ -234,17 +236,10 @@ class RewardModelWorker(MegatronWorker):
     """A learned reward model: the critic's value-head model read at each response's last token."""
 
     def init_model(self) -> dict[str, Any]:
-        from rlconf.config import CriticConfig
         from rltrain.megatron.critic import MegatronCritic
 
-        rm = self.cfg.reward.reward_model
-        as_critic = CriticConfig(
-            enable=True,
-            model_path=rm.path,
-            megatron=rm.megatron,
-            ppo_micro_batch_size_per_gpu=rm.micro_batch_size_per_gpu,
-        )
-        self.model = MegatronCritic(self.cfg.model, as_critic, self.cfg.cluster.device, total_steps=1)
+        # The plan's reward_model role: its model (reward.reward_model.path), layout and micro-batch size.
+        self.model = MegatronCritic.from_plan(self.plan, "reward_model")
         return {"dp_size": self.model.dp_size}
 
     def compute_rm_score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

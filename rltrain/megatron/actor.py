@@ -1,6 +1,7 @@
 """The policy on megatron-core: log-probs, PPO/GRPO updates and a simple sampler on the actor's own weights.
 
-`MegatronActor` is built from the config sections (ModelConfig, ActorConfig, device) and works on one
+`MegatronActor` is built from the plan (`from_plan`: the role's model, layout, batch schedule and lr table;
+tests and benchmarks may pass config sections, compiled into a plan first) and works on one
 data-parallel rank's share of a batch (layout: rltrain/megatron/engine.py). Every method runs through
 megatron's pipeline schedules (`get_forward_backward_func`), so TP, PP and virtual PP behave alike, and
 returns its results on every rank. The losses come from rltrain.algorithms (one tested definition shared
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -20,10 +23,13 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
 from rlconf.seeding import GENERATE, derive_seed
 from rltrain import algorithms
-from rltrain.megatron.engine import MegatronEngine, MicroBatch
+from rltrain.megatron.engine import MegatronEngine, MicroBatch, sections_plan
 from rltrain.megatron.inference import sample_tokens
 from rltrain.megatron.logprob import token_log_probs_and_entropy
 from rltrain.rollout.batch import rollout_batch
+
+if TYPE_CHECKING:
+    from rlconf.plan import EnginePlan, TrainerPlan
 
 
 class MegatronActor(MegatronEngine):
@@ -42,19 +48,31 @@ class MegatronActor(MegatronEngine):
         arch: ModelArch | None = None,
         init_from: MegatronEngine | None = None,
     ) -> None:
-        self.cfg = actor_cfg
-        self.rollout_n = rollout_n
-        self.trainable = trainable
-        super().__init__(
-            model_cfg,
-            megatron_cfg if megatron_cfg is not None else actor_cfg.megatron,
-            (optim if optim is not None else actor_cfg.optim) if trainable else None,
-            device,
-            total_steps,
-            value_head=False,
-            arch=arch,
-            init_from=init_from,
-        )
+        """Convenience for tests and benchmarks: the actor of a plan compiled from these sections
+        (`sections_plan`: one mini-batch of `actor_cfg.ppo_mini_batch_size` x `rollout_n` rows per step,
+        `total_steps` steps); `megatron_cfg` / `optim` replace the actor's own. Runs use `from_plan`."""
+        if megatron_cfg is not None:
+            actor_cfg = replace(actor_cfg, megatron=megatron_cfg)
+        if optim is not None:
+            actor_cfg = replace(actor_cfg, optim=optim)
+        plan = sections_plan(model_cfg, device, total_steps, arch=arch, actor=actor_cfg, rollout_n=rollout_n)
+        spec = plan.engine("actor")
+        self._build_actor(spec if trainable else spec.frozen("ref"), plan.config.actor, init_from)
+
+    @classmethod
+    def from_plan(
+        cls, plan: TrainerPlan, role: str = "actor", init_from: MegatronEngine | None = None
+    ) -> MegatronActor:
+        """The actor (role "actor") or the frozen reference policy (role "ref") of a compiled plan. The loss
+        settings the plan does not derive come from its effective config (`plan.config.actor`)."""
+        actor = cls.__new__(cls)
+        actor._build_actor(plan.engine(role), plan.config.actor, init_from)
+        return actor
+
+    def _build_actor(self, spec: EnginePlan, loss_cfg: ActorConfig, init_from: MegatronEngine | None) -> None:
+        # Loss settings only (clip ratios, loss mode, KL, entropy, shuffle): sizes come from `spec`.
+        self.cfg = loss_cfg
+        self._build(spec, init_from)
         self.vocab_size = self.arch.vocab_size
         self._sample_calls = 0
         # Response tokens per chunk of the log-prob / entropy computation; None: a fixed fp32 working-set
@@ -92,18 +110,12 @@ class MegatronActor(MegatronEngine):
     ) -> dict[str, torch.Tensor]:
         """Per-token log-probs ([B, R], 0 on padding) of `responses` and, optionally, the entropy.
 
-        Micro-batches hold `log_prob_micro_batch_size_per_gpu` rows, or with `use_dynamic_bsz` at most
-        `ppo_max_token_len_per_gpu` padded tokens; outputs are in the batch's row order either way.
+        Micro-batches are the plan's (`EnginePlan.forward_micro_batch_size` rows, or with dynamic batch size
+        at most `forward_max_token_len` padded tokens); outputs are in the batch's row order either way.
         """
-        cfg = self.cfg
         with self._ctx():
             self.eval()
-            mbs = self.micro_batches(
-                batch,
-                cfg.log_prob_micro_batch_size_per_gpu,
-                cfg.use_dynamic_bsz,
-                cfg.ppo_max_token_len_per_gpu,
-            )
+            mbs = self.forward_micro_batches(batch)
 
             def loss_fn(mb: MicroBatch, logits: torch.Tensor):
                 logp, ent = self._token_log_probs(mb, logits, temperature, with_entropy)
@@ -122,16 +134,16 @@ class MegatronActor(MegatronEngine):
         self, batch: dict[str, torch.Tensor], temperature: float = 1.0, step: int | None = None
     ) -> dict[str, float]:
         """PPO/GRPO update on this rank's batch: ppo_epochs x mini-batches x micro-batches, one optimizer
-        step per mini-batch. Returns mean metrics (actor/loss, actor/pg_clipfrac, actor/ppo_kl,
-        actor/entropy, actor/grad_norm, actor/lr, ...). The lr scheduler advances once per call (a trainer
-        step).
+        step per mini-batch, as the plan's BatchPlan schedules them, at the lr of the plan's table for
+        training step `step`. Returns mean metrics (actor/loss, actor/pg_clipfrac, actor/ppo_kl,
+        actor/entropy, actor/grad_norm, actor/lr, ...).
 
         `temperature` must be the one `old_log_probs` were computed with (rollout.temperature), so that the
         PPO ratio compares like with like. Each mini-batch's loss is aggregated over the whole mini-batch
         across all DP ranks (`loss_agg_mode`; see `MegatronEngine.micro_batch_weight`): the update does
         not depend on how rows fall into micro-batches or onto DP ranks. Every DP rank must hold the same
-        number of rows. `step` (the training step) keys the update's dropout and shuffle streams
-        (`seed_update`; None outside a run).
+        number of rows. `step` (the training step) picks the lr row and keys the update's dropout and
+        shuffle streams (`seed_update`; None outside a run: the engine's next update).
         """
         assert self.trainable, "update_policy on a frozen (reference) actor"
         cfg = self.cfg
@@ -145,25 +157,14 @@ class MegatronActor(MegatronEngine):
         sums: dict[str, float] = dict.fromkeys(names, 0.0)
         count = 0
         grad_norms: list[float] = []
-        lr = self.current_lr()
         tokens = 0
         start = time.perf_counter()
         with self._ctx():
             self.reload()
             self.check_equal_rows(n)
             self.train()
-            step = self.seed_update(step)
-            for mini_batch, mbs, totals in self.iter_mini_batches(
-                batch,
-                cfg.ppo_mini_batch_size,
-                self.rollout_n,
-                cfg.ppo_epochs,
-                cfg.shuffle,
-                cfg.ppo_micro_batch_size_per_gpu,
-                cfg.use_dynamic_bsz,
-                cfg.ppo_max_token_len_per_gpu,
-                step,
-            ):
+            step, lr = self.begin_update(step)
+            for mini_batch, mbs, totals in self.iter_mini_batches(batch, cfg.shuffle, step):
                 tokens += int(mini_batch["attention_mask"].sum())
                 self.zero_grad()
                 loss_fn = functools.partial(
@@ -338,7 +339,7 @@ class MegatronActor(MegatronEngine):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Next token for every row from the logits at its last valid position; same result on all ranks."""
         b = batch["input_ids"].shape[0]
-        mbs = self.micro_batches(batch, self.cfg.log_prob_micro_batch_size_per_gpu)
+        mbs = self.micro_batches(batch, self.spec.forward_micro_batch_size)
 
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             last = mb.data["attention_mask"].sum(-1) - 1

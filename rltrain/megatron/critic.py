@@ -1,6 +1,7 @@
 """The value model on megatron-core: the policy's GPT trunk with a scalar `ValueHead` (PPO with GAE).
 
-`MegatronCritic` shares the engine of the actor (batch layout, micro-batching, schedules; see engine.py).
+`MegatronCritic` is built from the plan (`from_plan`; the reward model is the same class built from the
+plan's reward_model role) and shares the engine of the actor (batch layout, micro-batching, schedules; see engine.py).
 The value of response token j is read at the position that predicts it (the state before the token), as in
 verl. Losses come from rltrain.algorithms.compute_value_loss.
 """
@@ -8,12 +9,16 @@ verl. Losses come from rltrain.algorithms.compute_value_loss.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlconf.config import CriticConfig, ModelArch, ModelConfig
 from rltrain import algorithms
-from rltrain.megatron.engine import MegatronEngine, MicroBatch
+from rltrain.megatron.engine import MegatronEngine, MicroBatch, sections_plan
+
+if TYPE_CHECKING:
+    from rlconf.plan import EnginePlan, TrainerPlan
 
 
 class MegatronCritic(MegatronEngine):
@@ -29,30 +34,38 @@ class MegatronCritic(MegatronEngine):
         loss_agg_mode: str = "token-mean",
         arch: ModelArch | None = None,
     ) -> None:
-        self.cfg = critic_cfg
-        self.rollout_n = rollout_n
-        self.loss_agg_mode = loss_agg_mode
-        if critic_cfg.model_path is not None:
-            from dataclasses import replace
-
-            model_cfg = replace(model_cfg, path=critic_cfg.model_path)
-        super().__init__(
-            model_cfg, critic_cfg.megatron, critic_cfg.optim, device, total_steps, value_head=True, arch=arch
+        """Convenience for tests and benchmarks: the critic of a plan compiled from these sections
+        (`sections_plan`: one mini-batch of `critic_cfg.ppo_mini_batch_size` x `rollout_n` rows per step,
+        `total_steps` steps). Runs use `from_plan`."""
+        plan = sections_plan(
+            model_cfg, device, total_steps, arch=arch, critic=critic_cfg, rollout_n=rollout_n
         )
+        self._build_critic(plan.engine("critic"), critic_cfg.cliprange_value, loss_agg_mode)
+
+    @classmethod
+    def from_plan(cls, plan: TrainerPlan, role: str = "critic", init_from: None = None) -> MegatronCritic:
+        """The critic (role "critic") or the reward model (role "reward_model": forward only) of a compiled
+        plan; the value loss settings come from its effective config."""
+        critic = cls.__new__(cls)
+        cfg = plan.config
+        critic._build_critic(plan.engine(role), cfg.critic.cliprange_value, cfg.actor.loss_agg_mode)
+        return critic
+
+    def _build_critic(self, spec: EnginePlan, cliprange_value: float, loss_agg_mode: str) -> None:
+        self.cliprange_value = cliprange_value
+        self.loss_agg_mode = loss_agg_mode
+        self._build(spec, None)
 
     def _values(self, mb: MicroBatch, out: torch.Tensor) -> torch.Tensor:
         # out [b, L, 1] -> values at the positions predicting each response token [b, R].
         return torch.gather(out.squeeze(-1).float(), 1, mb.gather_index)
 
     def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Values [B, R] of the response positions (0 on padding), in the batch's row order (micro-batches
-        of `ppo_micro_batch_size_per_gpu` rows, or by token budget with `use_dynamic_bsz`)."""
-        cfg = self.cfg
+        """Values [B, R] of the response positions (0 on padding), in the batch's row order (the plan's
+        forward micro-batches: rows, or a token budget)."""
         with self._ctx():
             self.eval()
-            mbs = self.micro_batches(
-                batch, cfg.ppo_micro_batch_size_per_gpu, cfg.use_dynamic_bsz, cfg.ppo_max_token_len_per_gpu
-            )
+            mbs = self.forward_micro_batches(batch)
 
             def loss_fn(mb: MicroBatch, out: torch.Tensor):
                 values = self._values(mb, out) * mb.data["response_mask"].float()
@@ -64,37 +77,25 @@ class MegatronCritic(MegatronEngine):
     def update_critic(self, batch: dict[str, torch.Tensor], step: int | None = None) -> dict[str, float]:
         """Clipped value regression on `returns` (needs `values` from compute_values and `returns` [B, R]).
 
-        ppo_epochs x mini-batches x micro-batches, one optimizer step per mini-batch; the lr scheduler
-        advances once per call. The loss is aggregated over each whole mini-batch across DP ranks, as in
+        ppo_epochs x mini-batches x micro-batches as the plan's BatchPlan schedules them, one optimizer step
+        per mini-batch, at the lr of the plan's table for training step `step`. The loss is aggregated over each whole mini-batch across DP ranks, as in
         `MegatronActor.update_policy`. Returns critic/vf_loss, critic/vf_clipfrac, critic/vpred_mean,
         critic/grad_norm, critic/lr. `step` (the training step) keys the update's dropout and shuffle
         streams (`seed_update`; None outside a run).
         """
-        cfg = self.cfg
         n = batch["input_ids"].shape[0]
         names = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"]
         sums = dict.fromkeys(names, 0.0)
         count = 0
         grad_norms: list[float] = []
-        lr = self.current_lr()
         start = time.perf_counter()
         with self._ctx():
             self.reload()
             self.check_equal_rows(n)
             self.train()
-            step = self.seed_update(step)
+            step, lr = self.begin_update(step)
             # The critic always shuffles (CriticConfig has no shuffle switch).
-            for _, mbs, totals in self.iter_mini_batches(
-                batch,
-                cfg.ppo_mini_batch_size,
-                self.rollout_n,
-                cfg.ppo_epochs,
-                True,
-                cfg.ppo_micro_batch_size_per_gpu,
-                cfg.use_dynamic_bsz,
-                cfg.ppo_max_token_len_per_gpu,
-                step,
-            ):
+            for _, mbs, totals in self.iter_mini_batches(batch, True, step):
 
                 def loss_fn(mb: MicroBatch, out: torch.Tensor, totals: tuple[float, float] = totals):
                     d = mb.data
@@ -105,7 +106,7 @@ class MegatronCritic(MegatronEngine):
                         d["values"].float(),
                         d["returns"].float(),
                         mask,
-                        cfg.cliprange_value,
+                        self.cliprange_value,
                         self.loss_agg_mode,
                     )
                     extra = {

@@ -21,21 +21,24 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from rlconf.config import MegatronConfig, ModelArch, ModelConfig, Optim
-from rlconf.seeding import DROPOUT, SHUFFLE, derive_seed, run_seed
+from rlconf.config import ActorConfig, CriticConfig, MegatronConfig, ModelArch, ModelConfig, Optim
+from rlconf.seeding import DROPOUT, SHUFFLE, derive_seed
 from rltrain.device import device_context, torch_device
 from rltrain.megatron import model as mmodel
-from rltrain.megatron.hf_weights import arch_from_hf, load_hf_weights
+from rltrain.megatron.hf_weights import load_hf_weights
 from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, unique_storages
 from rltrain.megatron.parallel import init_parallel, seed_parallel_rng
+
+if TYPE_CHECKING:
+    from rlconf.plan import EnginePlan, TrainerPlan
 
 OFFLOAD_GROUPS = ("params", "grads", "optimizer")
 
@@ -113,6 +116,82 @@ def split_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
+def sections_plan(
+    model_cfg: ModelConfig,
+    device: str,
+    total_steps: int = 1,
+    megatron_cfg: MegatronConfig | None = None,
+    optim: Optim | None = None,
+    arch: ModelArch | None = None,
+    actor: ActorConfig | None = None,
+    critic: CriticConfig | bool = False,
+    rollout_n: int = 1,
+) -> TrainerPlan:
+    """A plan compiled from config sections, for engines built outside a run (tests, benchmarks, tools).
+
+    One training step of one mini-batch (data.train_batch_size = the trained role's ppo_mini_batch_size)
+    over `total_steps` steps, on as many devices as torch.distributed has ranks; `megatron_cfg` / `optim`
+    replace the role's own sections, `arch` replaces the model's (weights still load from model_cfg.path);
+    `critic` (a section, or True for the defaults) plans the value model on the same devices. Raises
+    rlconf.errors.ConfigError like any plan.
+    """
+    from rlconf.config import ClusterConfig, DataConfig, RLConfig, RolloutConfig, TrainerConfig
+    from rlconf.plan import compile_plan
+
+    actor = actor if actor is not None else ActorConfig()
+    critic_cfg = None
+    if critic is not False:
+        critic_cfg = critic if isinstance(critic, CriticConfig) else CriticConfig()
+        critic_cfg = replace(critic_cfg, enable=True)
+        if megatron_cfg is not None:
+            critic_cfg = replace(critic_cfg, megatron=megatron_cfg)
+        if optim is not None:
+            critic_cfg = replace(critic_cfg, optim=optim)
+    else:
+        if megatron_cfg is not None:
+            actor = replace(actor, megatron=megatron_cfg)
+        if optim is not None:
+            actor = replace(actor, optim=optim)
+    mini = critic_cfg.ppo_mini_batch_size if critic_cfg is not None else actor.ppo_mini_batch_size
+    # The policy's batch must plan too when only the critic is wanted: give it the same mini-batch.
+    actor = replace(actor, ppo_mini_batch_size=mini)
+    weights = model_cfg.path
+    if arch is not None:
+        model_cfg = replace(model_cfg, arch=arch, path=None)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    config = RLConfig(
+        model=model_cfg,
+        data=DataConfig(train_batch_size=mini),
+        actor=actor,
+        critic=critic_cfg if critic_cfg is not None else CriticConfig(),
+        rollout=RolloutConfig(n=rollout_n),
+        trainer=TrainerConfig(total_steps=max(int(total_steps), 1)),
+        cluster=ClusterConfig(device=device, gpus_per_node=world),
+    )
+    plan = compile_plan(config)
+    if arch is not None and weights is not None:
+        models = tuple(replace(m, weights=weights) for m in plan.models)
+        plan = replace(plan, models=models)
+    return plan
+
+
+def _check_world_matches_layout(spec: EnginePlan) -> None:
+    """The process groups must be the layout the plan decided; a mismatch is a plan the workers cannot run."""
+    lay = spec.layout
+    actual = {
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+        "cp": parallel_state.get_context_parallel_world_size(),
+        "dp": parallel_state.get_data_parallel_world_size(),
+    }
+    planned = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp}
+    if actual != planned:
+        raise RuntimeError(
+            f"{spec.role}: the process groups are {actual} but the plan's layout is {planned}; "
+            "initialise megatron's parallel state from this role's plan (rltrain.megatron.parallel.init_parallel)"
+        )
+
+
 class MegatronEngine:
     """One role's megatron model chunks, optimizer and schedule runner on this rank.
 
@@ -132,42 +211,64 @@ class MegatronEngine:
         arch: ModelArch | None = None,
         init_from: MegatronEngine | None = None,
     ) -> None:
-        self.model_cfg = model_cfg
-        self.megatron_cfg = megatron_cfg
-        # The base of this engine's per-step dropout and shuffle streams (rlconf.seeding).
-        self.seed = run_seed(megatron_cfg.seed)
-        self.device = device
+        """Convenience for tools, tests and benchmarks: the engine of a one-role plan compiled from these
+        sections (`sections_plan`). Runs build engines with `from_plan` from the run's own plan."""
+        plan = sections_plan(
+            model_cfg, device, total_steps, megatron_cfg=megatron_cfg, optim=optim, arch=arch,
+            critic=value_head,
+        )  # fmt: skip
+        spec = plan.engine("critic" if value_head else "actor")
+        self._build(spec if optim is not None else spec.frozen(spec.role), init_from)
+
+    @classmethod
+    def from_plan(
+        cls, plan: TrainerPlan, role: str, init_from: MegatronEngine | None = None
+    ) -> MegatronEngine:
+        """The engine of one role of a compiled plan (`TrainerPlan.engine(role)`)."""
+        engine = cls.__new__(cls)
+        engine._build(plan.engine(role), init_from)
+        return engine
+
+    def _build(self, spec: EnginePlan, init_from: MegatronEngine | None) -> None:
+        """Build everything from the plan: TransformerConfig and GPTModel chunks from the role's ModelSpec
+        and layout, DDP and the optimizer from its megatron section and OptimPlan, the lr of each training
+        step from the OptimPlan's table, batch iteration from its BatchPlan."""
+        self.spec = spec
+        self.megatron_cfg = spec.megatron
+        # The base of this engine's per-step dropout and shuffle streams (rlconf.seeding; the plan resolved it).
+        self.seed = spec.megatron.seed
+        self.device = spec.device
         if not parallel_state.model_parallel_is_initialized():
-            init_parallel(megatron_cfg, device)
-        self.torch_device = _device_of(device)
-        if arch is None:
-            if init_from is not None:
-                arch = init_from.arch
-            else:
-                arch = arch_from_hf(model_cfg.path) if model_cfg.path is not None else model_cfg.arch
-        self.arch = arch
+            init_parallel(spec.megatron, spec.device)
+        self.torch_device = _device_of(spec.device)
+        self.arch = spec.model.arch
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         self.dp_size = parallel_state.get_data_parallel_world_size()
-        self.trainable = optim is not None
+        _check_world_matches_layout(spec)
+        self.trainable = spec.trainable
+        value_head = spec.model.head == "value"
         self._offloader = HostOffloader(self.torch_device)
         with self._ctx():
             # A frozen engine needs no DDP: megatron's DDP allocates a gradient buffer as large as the model.
             self._chunks = mmodel.build_model_chunks(
-                arch, model_cfg, megatron_cfg, device, value_head=value_head, wrap_ddp=self.trainable
-            )
+                self.arch, spec.settings, spec.megatron, spec.device, value_head=value_head,
+                wrap_ddp=self.trainable,
+            )  # fmt: skip
             # Weights go in before the optimizer is built: it copies fp32 main params from them.
             if init_from is not None:
                 self.copy_weights_from(init_from)
-            elif model_cfg.path is not None:
-                load_hf_weights(self._chunks, model_cfg.path, value_head=value_head)
+            elif spec.model.weights is not None:
+                load_hf_weights(self._chunks, spec.model.weights, value_head=value_head)
             if not self.trainable:
                 for chunk in self._chunks:
                     chunk.requires_grad_(False)
             self._optimizer = None
             self.lr_scheduler = None
-            if optim is not None:
-                self._optimizer = mmodel.build_optimizer(self._chunks, optim, model_cfg, megatron_cfg)
-                self.lr_scheduler = mmodel.build_lr_scheduler(self._optimizer, optim, total_steps)
+            if spec.optim is not None:
+                self._optimizer = mmodel.build_optimizer(
+                    self._chunks, spec.optim, spec.settings.params_dtype, spec.megatron
+                )
+                self.lr_scheduler = mmodel.PlanLrSchedule(self._optimizer, spec.optim)
         self.config = mmodel.unwrap(self._chunks[0]).config
         self.config.finalize_model_grads_func = finalize_model_grads
         if self.trainable:
@@ -516,38 +617,54 @@ class MegatronEngine:
         """Start the random streams of the update of training step `step` and return the step: dropout
         (torch's generator and megatron's model-parallel tracker) is reseeded from (seed, step, "dropout"),
         so a resumed run draws what the uninterrupted run drew whatever ran before it in this process.
-        None (engines outside a run): the engine's next update, counted by its lr scheduler."""
+        None (engines outside a run): the engine's next update (`PlanLrSchedule.next_update_step`)."""
         if step is None:
-            step = int(self.lr_scheduler.num_steps) + 1
+            step = self.lr_scheduler.next_update_step()
         seed_parallel_rng(derive_seed(self.seed, step, DROPOUT))
         return step
 
     def iter_mini_batches(
-        self,
-        batch: dict[str, torch.Tensor],
-        mini_batch_prompts: int,
-        rollout_n: int,
-        epochs: int,
-        shuffle: bool,
-        micro_batch_size: int,
-        use_dynamic_bsz: bool,
-        max_token_len: int,
-        step: int,
+        self, batch: dict[str, torch.Tensor], shuffle: bool, step: int
     ) -> Iterator[tuple[dict[str, torch.Tensor], list[MicroBatch], tuple[float, float]]]:
-        """The mini-batches of one update on this rank: `epochs` passes over the rows (a permutation per
-        pass when `shuffle`, from the stream (seed, step, "shuffle")), each mini-batch of
-        `mini_batch_prompts` x `rollout_n` / dp rows. Yields (mini-batch rows, its micro-batches, its
-        DP-wide loss totals for `micro_batch_weight`)."""
+        """The mini-batches of one update on this rank, as the plan's BatchPlan schedules them: ppo_epochs
+        passes over the rows (a permutation per pass when `shuffle`, from the stream (seed, step,
+        "shuffle")), each mini-batch `responses_per_mini_batch_per_rank` rows, cut into micro-batches of
+        `micro_batch_size_per_rank` rows or by the `max_token_len_per_micro_batch` budget. Yields
+        (mini-batch rows, its micro-batches, its DP-wide loss totals for `micro_batch_weight`)."""
+        plan = self.spec.batch
+        assert plan is not None, f"{self.spec.role}: an update needs the plan's batch schedule"
         n = batch["input_ids"].shape[0]
-        mini = max(1, mini_batch_prompts * rollout_n // self.dp_size)
+        mini = plan.responses_per_mini_batch_per_rank
         gen = torch.Generator().manual_seed(derive_seed(self.seed, step, SHUFFLE))
-        for _ in range(epochs):
+        for _ in range(plan.ppo_epochs):
             order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
             for m0 in range(0, n, mini):
                 rows = order[m0 : m0 + mini]
                 mini_batch = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-                mbs = self.micro_batches(mini_batch, micro_batch_size, use_dynamic_bsz, max_token_len)
+                mbs = self.micro_batches(
+                    mini_batch,
+                    plan.micro_batch_size_per_rank or 0,
+                    plan.use_dynamic_bsz,
+                    plan.max_token_len_per_micro_batch or 0,
+                )
                 yield mini_batch, mbs, self.global_loss_totals(mini_batch)
+
+    def forward_micro_batches(self, batch: dict[str, torch.Tensor]) -> list[MicroBatch]:
+        """Micro-batches of a forward-only pass (log-probs, values, reward scores), as the plan sizes them."""
+        s = self.spec
+        return self.micro_batches(
+            batch, s.forward_micro_batch_size, s.forward_use_dynamic_bsz, s.forward_max_token_len or 0
+        )
+
+    def begin_update(self, step: int | None) -> tuple[int, float]:
+        """Start the update of training step `step` (None outside a run: the engine's next update): seed its
+        random streams (`seed_update`) and set the plan's lr of that step on the optimizer. Returns (step,
+        lr)."""
+        assert self.lr_scheduler is not None, f"{self.spec.role}: this engine was built without an optimizer"
+        if step is None:
+            step = self.lr_scheduler.next_update_step()
+        self.seed_update(step)
+        return step, self.lr_scheduler.apply(step)
 
     def optimizer_step_on(
         self,

@@ -6,7 +6,7 @@ from `ModelArch` with megatron-core's own modules; MoE and YaRN models are refus
 `SdpaAttention` (below: torch `scaled_dot_product_attention`, fused kernels; 34k vs 21k tok/s for megatron's
 unfused local attention on H200), megatron's local `DotProductAttention`, or the Transformer Engine spec.
 Pipeline stages (and virtual stages) become a list of model chunks, each wrapped in megatron DDP; the
-optimizer is megatron's (`get_megatron_optimizer`), the lr schedule megatron's `OptimizerParamScheduler`.
+optimizer is megatron's (`get_megatron_optimizer`); the lr of each step is the plan's (`PlanLrSchedule`).
 A critic is the same trunk with `ValueHead` replacing the vocabulary projection.
 """
 
@@ -25,14 +25,14 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig, get_megatron_optimizer
-from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from rlconf.config import MegatronConfig, ModelArch, ModelConfig, Optim
+from rlconf.config import MegatronConfig, ModelArch, ModelConfig
+from rlconf.plan import LrRow, OptimPlan
 from rltrain import device as devices
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -369,10 +369,12 @@ def unwrap(chunk: torch.nn.Module) -> GPTModel:
 
 # ------------------------------------------------------------------------------------ optimizer
 def build_optimizer(
-    chunks: Sequence[torch.nn.Module], optim: Optim, model_cfg: ModelConfig, mcfg: MegatronConfig
+    chunks: Sequence[torch.nn.Module], optim: OptimPlan, params_dtype: str, mcfg: MegatronConfig
 ) -> MegatronOptimizer:
-    """megatron optimizer (AdamW or SGD, fp32 master weights for 16-bit params, global grad clip)."""
-    dtype = _DTYPES[model_cfg.params_dtype]
+    """megatron optimizer (AdamW or SGD, fp32 master weights for 16-bit params, global grad clip) with the
+    plan's settings. `lr` / `min_lr` here only seed megatron's param groups: `PlanLrSchedule` sets each
+    training step's lr from the plan's table before the step runs."""
+    dtype = _DTYPES[params_dtype]
     cfg = OptimizerConfig(
         optimizer=optim.optimizer,
         lr=optim.lr,
@@ -417,34 +419,71 @@ def use_fused_torch_adam(optimizer: MegatronOptimizer) -> int:
     return switched
 
 
-def build_lr_scheduler(
-    optimizer: MegatronOptimizer, optim: Optim, total_steps: int
-) -> OptimizerParamScheduler:
-    """megatron OptimizerParamScheduler; the engine calls `.step(1)` after every optimizer step."""
-    total_steps = max(int(total_steps), 1)
-    warmup = optim.lr_warmup_steps
-    if warmup is None:
-        warmup = int(optim.lr_warmup_steps_ratio * total_steps)
-    decay = optim.lr_decay_steps if optim.lr_decay_steps is not None else total_steps
-    # megatron asserts warmup < decay; a schedule shorter than its warmup just ends at the peak.
-    decay = max(decay, warmup + 1)
-    wsd = None
-    if optim.lr_decay_style == "WSD":
-        wsd = optim.lr_wsd_decay_steps if optim.lr_wsd_decay_steps is not None else max(1, decay // 10)
-    return OptimizerParamScheduler(
-        optimizer,
-        init_lr=optim.lr_warmup_init,
-        max_lr=optim.lr,
-        min_lr=optim.min_lr,
-        lr_warmup_steps=warmup,
-        lr_decay_steps=decay,
-        lr_decay_style=optim.lr_decay_style,
-        start_wd=optim.weight_decay,
-        end_wd=optim.weight_decay,
-        wd_incr_steps=1,
-        wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=False,
-        override_opt_param_scheduler=True,
-        wsd_decay_steps=wsd,
-        lr_wsd_decay_style=optim.lr_wsd_decay_style if wsd is not None else None,
-    )
+class PlanLrSchedule:
+    """The plan's lr table (`OptimPlan.table`, computed by rlconf.plan.lr_at) applied to the optimizer: the
+    only lr schedule in rlplan.
+
+    Why not megatron's OptimizerParamScheduler: the plan must print and diff the lr of every step before a
+    run, so it computes the schedule anyway; driving megatron's scheduler with the same numbers would keep
+    two implementations that a change to either could split. Here the worker looks up the row of the
+    training step and writes it into the param groups, as megatron's scheduler does (`lr`, and
+    `weight_decay` x the group's `wd_mult`: megatron's groups without weight decay keep none). The lr
+    therefore depends on the step alone: a resumed run needs no scheduler state to get it right.
+    `num_steps` counts the updates done (megatron's name, kept in checkpoints) and gives the next step of
+    an engine used outside a run.
+    """
+
+    def __init__(self, optimizer: MegatronOptimizer, optim: OptimPlan) -> None:
+        self.optimizer = optimizer
+        self.plan = optim
+        self.num_steps = 0
+        first = next((row for row in optim.table if row.update), None)
+        if first is not None:
+            self._set(first)  # the optimizer holds the first update's lr from the start
+
+    def row(self, step: int) -> LrRow:
+        """The plan's row of training step `step`; an error when the plan has no update there."""
+        table = self.plan.table
+        if not 1 <= step <= len(table):
+            raise ValueError(
+                f"{self.plan.role}: training step {step} is outside the plan's lr table (steps 1..{len(table)}, "
+                "trainer.total_steps)"
+            )
+        row = table[step - 1]
+        if not row.update:
+            raise ValueError(
+                f"{self.plan.role}: the plan has no update at training step {step} (trainer.critic_warmup)"
+            )
+        return row
+
+    def next_update_step(self) -> int:
+        """The training step of this engine's next update when nobody says (engines outside a run)."""
+        updates = [row.step for row in self.plan.table if row.update]
+        if self.num_steps >= len(updates):
+            raise ValueError(
+                f"{self.plan.role}: all {len(updates)} updates of the plan's lr table are done "
+                "(build the engine with a larger total_steps)"
+            )
+        return updates[self.num_steps]
+
+    def apply(self, step: int) -> float:
+        """Set training step `step`'s lr and weight decay on every param group; returns the lr."""
+        row = self.row(step)
+        self._set(row)
+        return row.lr
+
+    def _set(self, row: LrRow) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = row.lr
+            group["weight_decay"] = row.weight_decay * group.get("wd_mult", 1.0)
+
+    def step(self, increment: int = 1) -> None:
+        """Count finished updates (called once after each training step's update)."""
+        self.num_steps += increment
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # Checkpoints of megatron's scheduler hold more keys; only the count carries over.
+        self.num_steps = int(state["num_steps"])
