@@ -168,7 +168,7 @@ def _run(argv: Sequence[str]) -> int:
     from rltrain.device import configure_process_env
 
     if argv and argv[0] in ("inspect", "export-hf"):  # checkpoint tools: `rltrain inspect --help`
-        from rltrain.checkpoint_tools import main as checkpoint_tool
+        from rltrain.checkpoint.tools import main as checkpoint_tool
 
         configure_process_env("cpu")  # the tools build models on the CPU
 

@@ -18,7 +18,7 @@ from rlconf.config import RLConfig, TrainerConfig
 from rlconf.errors import ConfigError
 from rlconf.plan import compile_plan
 from rltrain import checkpoint as ck
-from rltrain.checkpoint import CheckpointError, CheckpointRegistry
+from rltrain.checkpoint import CheckpointError, CheckpointRegistry, engine_io
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -374,7 +374,7 @@ def test_crashes_mid_save_leave_previous_checkpoint(tmp_path, monkeypatch):
     def boom(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ck, "_export_hf", boom)
+    monkeypatch.setattr(engine_io, "_export_hf", boom)
     staged = reg.begin(2)["actor"]
     with pytest.raises(OSError, match="disk full"):
         ck.save_engine(a, staged, ("model", "optimizer", "extra", "hf_model"), {"step": 2})

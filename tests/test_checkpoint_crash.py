@@ -2,8 +2,8 @@
 
 The job is `python -m rltrain.cli tiny-grpo ...` in a session of its own (Ray's daemons and workers, and the
 background writer of an async save, are in that session too). `RLPLAN_CHECKPOINT_FAULT=POINT@STEP` (the
-test-only hook of rltrain/checkpoint.py) makes the process that reaches POINT SIGKILL the whole job there, so
-each point is hit exactly, not by timing luck. After every run the test SIGKILLs whatever is left of the
+test-only hook of rltrain/checkpoint/faults.py) makes the process that reaches POINT SIGKILL the whole job
+there, so each point is hit exactly, not by timing luck. After every run the test SIGKILLs whatever is left of the
 session and checks that nothing survives.
 
 One output folder, one run per fault: each run resumes from what the previous crash left, so it also checks

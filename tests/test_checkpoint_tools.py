@@ -24,8 +24,7 @@ from rlconf.config import ModelConfig, RLConfig, TrainerConfig
 from rlconf.load import config_to_dict, dump_yaml
 from rlconf.plan import compile_plan
 from rltrain import checkpoint as ck
-from rltrain import checkpoint_tools as tools
-from rltrain.checkpoint import CheckpointError, CheckpointRegistry
+from rltrain.checkpoint import CheckpointError, CheckpointRegistry, faults, manifest, tools
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -116,7 +115,7 @@ def test_manifest_digests_cover_every_byte(reg: CheckpointRegistry):
 
 
 def test_blocks_locate_the_damage(reg: CheckpointRegistry, monkeypatch):
-    monkeypatch.setattr(ck, "_DIGEST_BLOCK", 1 << 20)  # 3 blocks of 1 MiB, hashed by the thread pool
+    monkeypatch.setattr(manifest, "_DIGEST_BLOCK", 1 << 20)  # 3 blocks of 1 MiB, hashed by the thread pool
     folder = _save(reg, 1) / "actor"
     tensor = folder / "dist_ckpt" / "__0_0.distcp"
     assert (
@@ -616,7 +615,7 @@ def test_export_hf_cli_reshards_a_tp2_run(tmp_path):
 def test_unknown_fault_point_is_an_error(monkeypatch):
     monkeypatch.setenv(ck.FAULT_ENV, "before_lunch@3")
     with pytest.raises(CheckpointError, match="expected POINT"):
-        ck._fault("before_manifest", 3)
+        faults.fault_point("before_manifest", 3)
     monkeypatch.setenv(ck.FAULT_ENV, "before_manifest@3")
-    ck._fault("before_manifest", 2)  # another step: no-op
-    ck._fault("before_rename", 3)  # another point: no-op
+    faults.fault_point("before_manifest", 2)  # another step: no-op
+    faults.fault_point("before_rename", 3)  # another point: no-op

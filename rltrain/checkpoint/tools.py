@@ -37,14 +37,14 @@ from pathlib import Path
 from typing import Any
 
 from rltrain.checkpoint import (
-    _STEP_DIR,
-    _WORK_DIR,
     COMPLETE,
     DIST_DIR,
     HF_DIR,
     LATEST_FILE,
     MANIFEST,
     META,
+    STEP_DIR,
+    WORK_DIR,
     CheckpointError,
     CheckpointRegistry,
     copy_tokenizer_files,
@@ -88,7 +88,7 @@ def _nearby_hint(path: Path) -> str:
 
 
 def _is_step_name(name: str) -> bool:
-    return bool(_STEP_DIR.match(name) or (_WORK_DIR.match(name) and ".tmp-" in name))
+    return bool(STEP_DIR.match(name) or (WORK_DIR.match(name) and ".tmp-" in name))
 
 
 def locate(path: str | os.PathLike) -> Located:
@@ -196,7 +196,7 @@ def _role_report(folder: Path) -> dict[str, Any]:
 def inspect_step(folder: Path, only_role: str | None = None) -> dict[str, Any]:
     """The report of one checkpoint folder (JSON-serialisable); `problems` is empty when it is loadable."""
     marker, marker_error = read_marker(folder)
-    m = _STEP_DIR.match(folder.name) or _WORK_DIR.match(folder.name)
+    m = STEP_DIR.match(folder.name) or WORK_DIR.match(folder.name)
     report: dict[str, Any] = {
         "kind": "checkpoint",
         "path": str(folder),
@@ -226,7 +226,7 @@ def inspect_step(folder: Path, only_role: str | None = None) -> dict[str, Any]:
     named, report["latest_file_problem"] = parse_latest_file(folder.parent / LATEST_FILE)
     report["latest_file_step"] = named
     report["is_latest"] = (
-        named is not None and named == report["step"] and _STEP_DIR.match(folder.name) is not None
+        named is not None and named == report["step"] and STEP_DIR.match(folder.name) is not None
     )
     report["bytes"] = sum(r.get("bytes", 0) for r in report["roles"].values())
     # complete: the save finished and was published (marker); verified: every file matches its manifest.
@@ -259,7 +259,7 @@ def inspect_root(root: Path) -> dict[str, Any]:
             "roles": list(marker["roles"]) if marker is not None else [],
             "bytes": sum(f["bytes"] for f in _files(folder)),
         })  # fmt: skip
-    leftovers = sorted(c.name for c in root.iterdir() if _WORK_DIR.match(c.name))
+    leftovers = sorted(c.name for c in root.iterdir() if WORK_DIR.match(c.name))
     named, latest_problem = parse_latest_file(reg.latest_file)
     problems = []
     # A missing latest file is normal before the first commit; one that exists must hold a step number.
@@ -506,7 +506,7 @@ _SCAN_LIMIT = 10_000
 
 def _run_marker(folder: Path, with_config: bool) -> str | None:
     """What makes `folder` a run folder or (part of) a checkpoint, or None."""
-    if _STEP_DIR.match(folder.name) or _WORK_DIR.match(folder.name):
+    if STEP_DIR.match(folder.name) or WORK_DIR.match(folder.name):
         return f"it is named {folder.name}"
     for name in (*_RUN_FILES, "config.yaml") if with_config else _RUN_FILES:
         if (folder / name).is_file():
