@@ -358,13 +358,13 @@ class RunFolder:
             ckpt.cleanup_incomplete()
             resume = ckpt.resolve_resume(plan) if plan.checkpoint.roles else None
             folder = cls(path, lock, ckpt, resume)
-            folder._check(config, plan)
+            folder._check(config)
         except BaseException:
             lock.release()
             raise
         return folder
 
-    def _check(self, config: RLConfig, plan: TrainerPlan) -> None:
+    def _check(self, config: RLConfig) -> None:
         recorded = recorded_config(self.path)
         self.new = recorded is None
         done = self.resume.step if self.resume is not None else 0
@@ -406,7 +406,7 @@ class RunFolder:
         where = f"checkpoint {self.resume.folder}" if self.resume is not None else f"{METRICS_FILE}"
         further = f"--trainer.total_steps N (N > {total})"
         if self.resume is None:
-            further += " --trainer.resume_mode disable (no checkpoint to continue from: it starts over)"
+            further += " (there is no checkpoint to continue from: it trains again from step 1)"
         return (
             f"nothing to do: the run in {self.path} is finished (step {done} of trainer.total_steps {total} "
             f"is done; {where}).\n"

@@ -167,6 +167,7 @@ def test_run_without_checkpoints_is_finished_when_its_metrics_are(tmp_path):
     folder = RunFolder.open(config, plan)
     folder.close()
     assert folder.finished is not None and "step 4 of trainer.total_steps 4" in folder.finished
+    assert "no checkpoint to continue from: it trains again from step 1" in folder.finished
 
 
 # ============================================================================================ history
