@@ -609,12 +609,7 @@ class TrainerConfig:
     """The run: length, outputs, saving and resuming."""
 
     total_steps: int = 100
-    """Optimizer steps of the whole run (steps count from 1, across resumes); replaced by the step count
-    derived from total_epochs when that is set."""
-    total_epochs: int | None = None
-    """Passes over the training prompts; when set the run has total_epochs x ceil(prompts /
-    data.train_batch_size) steps (shown by `rlconf plan`). Needs data.train_files (the synthetic task has
-    no size)."""
+    """Optimizer steps of the whole run (steps count from 1, across resumes)."""
     output_dir: str = "outputs/rlplan"
     """Folder of config.yaml, plan.json, metrics.jsonl, checkpoints/ and plots."""
     project_name: str = "rlplan"

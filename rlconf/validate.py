@@ -796,21 +796,6 @@ def rollout_correction(c: RLConfig) -> Iterator[Issue]:
                         "use e.g. 2.0", "rollout-correction")  # fmt: skip
 
 
-@rule("total-epochs", "trainer.total_epochs", "data.train_files")
-def total_epochs(c: RLConfig) -> Iterator[Issue]:
-    """trainer.total_epochs is >= 1 and counts passes over prompt files (the synthetic task has no size)."""
-    epochs = c.trainer.total_epochs
-    if epochs is None:
-        return
-    if epochs < 1:
-        yield error("trainer.total_epochs", f"must be >= 1, got {epochs}",
-                    "set trainer.total_epochs >= 1, or null to use trainer.total_steps", "total-epochs")  # fmt: skip
-    elif not c.data.train_files:
-        yield error("trainer.total_epochs", "the synthetic task has no size, so epochs cannot be counted",
-                    "set trainer.total_steps (and trainer.total_epochs: null), or give data.train_files",
-                    "total-epochs")  # fmt: skip
-
-
 @rule("data-files", "data.train_files", "data.val_files")
 def data_files(c: RLConfig) -> Iterator[Issue]:
     """Prompt files are .parquet or .jsonl (the types the data loader reads)."""

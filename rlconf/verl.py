@@ -199,6 +199,18 @@ def _rm_devices(value: Any, values: Mapping[str, Any]) -> Any:
     return value
 
 
+def _filter_metric(value: Any, _: Mapping[str, Any]) -> Any:
+    # rlplan's reward functions return one number: verl's `acc` (the correctness flag) is that score.
+    if value in ("acc", "score"):
+        return "score"
+    if value == "seq_reward" or value is None:
+        return "seq_reward" if value else SKIP
+    raise VerlValueError(
+        f"filter_groups.metric {value!r} has no rlplan equivalent",
+        "use acc / score (the reward function's value) or seq_reward (with the overlong penalty)",
+    )
+
+
 def _min_lr_ratio(lr_key: str, lr_default: float) -> Converter:
     def convert(value: Any, values: Mapping[str, Any]) -> Any:
         if value is None:
@@ -410,6 +422,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("data.val_files", "data.val_files", "", _files),
     _m("data.prompt_key", "data.prompt_key", "text or a list of chat messages"),
     _m("data.train_batch_size", "data.train_batch_size", "prompts per step, as in verl", verl_default=1024),
+    _u("data.gen_batch_size", "not-needed", "with algorithm.filter_groups rlplan generates batches of "
+       "data.train_batch_size prompts until data.train_batch_size groups are kept"),
     _m("data.val_batch_size", "data.val_batch_size", ""),
     _m("data.max_prompt_length", "data.max_prompt_length", "", verl_default=512),
     _m("data.max_response_length", "rollout.max_response_length", "moved to rollout", verl_default=512),
@@ -493,8 +507,19 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("actor_rollout_ref.actor.kl_loss_type", "actor.kl_loss_type", "k1 -> kl, k2 -> mse, k3 -> low_var_kl",
        _kl_type),
     _m("actor_rollout_ref.actor.grad_clip", "actor.optim.clip_grad", "verl's FSDP name"),
-    _u("actor_rollout_ref.actor.policy_loss.*", "unsupported", "rlplan implements the vanilla PPO clip loss "
-       "(with dual clip and asymmetric clip ratios)"),
+    _m("actor_rollout_ref.actor.policy_loss.loss_mode", "actor.policy_loss.loss_mode",
+       "vanilla, gspo, gpg, clip-cov, kl-cov, cispo, sapo (gspo aggregates seq-mean-token-mean, as verl)"),
+    _m("actor_rollout_ref.actor.policy_loss.clip_cov_ratio", "actor.policy_loss.clip_cov_ratio", ""),
+    _m("actor_rollout_ref.actor.policy_loss.clip_cov_lb", "actor.policy_loss.clip_cov_lb", ""),
+    _m("actor_rollout_ref.actor.policy_loss.clip_cov_ub", "actor.policy_loss.clip_cov_ub", ""),
+    _m("actor_rollout_ref.actor.policy_loss.kl_cov_ratio", "actor.policy_loss.kl_cov_ratio", ""),
+    _m("actor_rollout_ref.actor.policy_loss.ppo_kl_coef", "actor.policy_loss.ppo_kl_coef", ""),
+    _m("actor_rollout_ref.actor.policy_loss.tau_pos", "actor.policy_loss.tau_pos", ""),
+    _m("actor_rollout_ref.actor.policy_loss.tau_neg", "actor.policy_loss.tau_neg", ""),
+    _m("actor_rollout_ref.actor.tau_pos", "actor.policy_loss.tau_pos", "SAPO's gate temperature"),
+    _m("actor_rollout_ref.actor.tau_neg", "actor.policy_loss.tau_neg", "SAPO's gate temperature"),
+    _u("actor_rollout_ref.actor.policy_loss.*", "unsupported", "rlplan has the loss modes and options listed "
+       "under actor.policy_loss"),
     _u("actor_rollout_ref.actor.use_torch_compile", "not-needed", "rlplan compiles nothing by default"),
     _u("actor_rollout_ref.actor.data_loader_seed", "not-needed", "mini-batch shuffling is seeded by "
        "trainer.seed"),
@@ -643,7 +668,21 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("reward_model.max_length", "not-needed", "prompt + response lengths bound it"),
     _u("reward_model.use_dynamic_bsz", "unsupported", "reward passes use fixed micro-batches"),
     _u("reward_model.forward_max_token_len_per_gpu", "unsupported", "reward passes use fixed micro-batches"),
-    _u("reward_model.reward_manager", "not-needed", "reward.function scores every response"),
+    _u("reward_model.reward_manager", "not-needed", "reward.function scores every response; DAPO's overlong "
+       "penalty is reward.overlong_buffer"),
+    _m("reward_model.overlong_buffer.enable", "reward.overlong_buffer.enable", "DAPO overlong reward shaping "
+       "(the dapo reward manager)"),
+    _m("reward_model.overlong_buffer.len", "reward.overlong_buffer.len", ""),
+    _m("reward_model.overlong_buffer.penalty_factor", "reward.overlong_buffer.penalty_factor", ""),
+    _u("reward_model.overlong_buffer.log", "not-needed", "reward/overlong_penalty_mean is always logged"),
+    _m("reward_model.reward_kwargs.overlong_buffer_cfg.enable", "reward.overlong_buffer.enable",
+       "newer verl's place for the DAPO overlong buffer"),
+    _m("reward_model.reward_kwargs.overlong_buffer_cfg.len", "reward.overlong_buffer.len", ""),
+    _m("reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor", "reward.overlong_buffer.penalty_factor",
+       ""),
+    _u("reward_model.reward_kwargs.overlong_buffer_cfg.log", "not-needed",
+       "reward/overlong_penalty_mean is always logged"),
+    _u("reward_model.reward_kwargs.max_resp_len", "not-needed", "the buffer ends at rollout.max_response_length"),
     _u("reward_model.launch_reward_fn_async", "not-needed", "rule rewards are cheap and run in the controller"),
     _u("reward_model.sandbox_fusion.*", "unsupported", "no code-execution sandbox"),
     _u("reward_model.nccl_timeout", "not-needed", "rlplan uses torch's default timeout"),
@@ -667,11 +706,24 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("algorithm.kl_ctrl.horizon", "algorithm.kl_ctrl.horizon", ""),
     _u("algorithm.use_pf_ppo", "unsupported", "no preference-feedback PPO reweighting"),
     _u("algorithm.pf_ppo.*", "unsupported", "no preference-feedback PPO reweighting"),
-    _u("algorithm.filter_groups.*", "unsupported", "no dynamic sampling (DAPO group filtering)"),
-    _u("algorithm.rollout_correction.*", "not-needed", "rollouts come from the actor's own weights, so there "
-       "is no rollout / training mismatch to correct"),
-    _u("algorithm.rollout_is", "not-needed", "rollouts come from the actor's own weights"),
-    _u("algorithm.rollout_is_threshold", "not-needed", "rollouts come from the actor's own weights"),
+    _m("algorithm.filter_groups.enable", "algorithm.filter_groups.enable", "DAPO dynamic sampling"),
+    _m("algorithm.filter_groups.metric", "algorithm.filter_groups.metric", "acc / score -> score (the reward "
+       "function's value), seq_reward -> seq_reward", _filter_metric),
+    _m("algorithm.filter_groups.max_num_gen_batches", "algorithm.filter_groups.max_num_gen_batches",
+       "0 = unbounded, as in verl"),
+    _m("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is",
+       "the embedded rollout samples with the actor's own weights, so the weights stay near 1"),
+    _m("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.rollout_is_threshold",
+       ""),
+    _m("algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs", "token / sequence "
+       "(rejected tokens get weight 0)"),
+    _m("algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold",
+       "the lower bound is its inverse"),
+    _m("algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.bypass_mode", ""),
+    _u("algorithm.rollout_correction.*", "unsupported", "rlplan has rollout_is, rollout_is_threshold, "
+       "rollout_rs, rollout_rs_threshold and bypass_mode"),
+    _m("algorithm.rollout_is", "algorithm.rollout_correction.rollout_is", "older verl name"),
+    _m("algorithm.rollout_is_threshold", "algorithm.rollout_correction.rollout_is_threshold", "older verl name"),
     # --------------------------------------------------------------------------------------- trainer
     _m("trainer.total_training_steps", "trainer.total_steps", "steps count from 1 across resumes"),
     _u("trainer.total_epochs", "unsupported", "rlplan counts steps: set trainer.total_steps (epochs x prompts / "

@@ -441,3 +441,74 @@ def test_cli_file_input_json_and_stdout(tmp_path: Path) -> None:
 def test_cli_bad_input_exits_2_without_traceback(args: tuple[str, ...], message: str) -> None:
     result = rlconf("import-verl", *args)
     assert result.returncode == 2 and message in result.stderr and "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------------- DAPO / GSPO (issue 23)
+def test_dapo_overrides_map_to_rlplan_fields(qwen7b: Path) -> None:
+    dapo = {
+        "actor_rollout_ref.actor.clip_ratio_low": "0.2",
+        "actor_rollout_ref.actor.clip_ratio_high": "0.28",
+        "actor_rollout_ref.actor.loss_agg_mode": "token-mean",
+        "algorithm.filter_groups.enable": "True",
+        "algorithm.filter_groups.metric": "acc",
+        "algorithm.filter_groups.max_num_gen_batches": "10",
+        "reward_model.reward_manager": "dapo",
+        "reward_model.overlong_buffer.enable": "True",
+        "reward_model.overlong_buffer.len": "256",
+        "reward_model.overlong_buffer.penalty_factor": "1.0",
+        "data.gen_batch_size": "96",
+    }
+    overrides = grpo_overrides(qwen7b, **dapo)
+    tr = translate(None, overrides)
+    assert tr.valid, format_report(tr)
+    c = tr.config
+    assert (c.actor.clip_ratio_low, c.actor.clip_ratio_high, c.actor.loss_agg_mode) == (
+        0.2,
+        0.28,
+        "token-mean",
+    )
+    assert (c.algorithm.filter_groups.enable, c.algorithm.filter_groups.metric) == (True, "score")
+    assert c.algorithm.filter_groups.max_num_gen_batches == 10
+    ob = c.reward.overlong_buffer
+    assert (ob.enable, ob.len, ob.penalty_factor) == (True, 256, 1.0)
+    unsupported = {u.verl for u in tr.unmapped if u.reason == "unsupported"}
+    assert not unsupported & set(dapo), unsupported
+    assert accounted(tr) == keys_of(overrides)
+
+
+def test_dapo_overlong_buffer_longer_than_the_response_fails_validation(qwen7b: Path) -> None:
+    # data.max_response_length 1024: a 4096-token buffer cannot fit (the rule names the rlplan path).
+    tr = translate(None, grpo_overrides(qwen7b, **{"reward_model.overlong_buffer.enable": "True",
+                                                   "reward_model.overlong_buffer.len": "4096"}))  # fmt: skip
+    assert not tr.valid
+    assert "reward.overlong_buffer.len" in {i.path for i in tr.errors}
+
+
+def test_gspo_and_newer_overlong_keys_map(qwen7b: Path) -> None:
+    changes = {
+        "actor_rollout_ref.actor.policy_loss.loss_mode": "gspo",
+        "actor_rollout_ref.actor.clip_ratio_low": "3e-4",
+        "actor_rollout_ref.actor.clip_ratio_high": "4e-4",
+        "actor_rollout_ref.actor.loss_agg_mode": "seq-mean-token-mean",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.enable": "True",
+        "+reward_model.reward_kwargs.overlong_buffer_cfg.len": "128",
+        "+reward_model.reward_kwargs.max_resp_len": "1024",
+        "algorithm.rollout_correction.rollout_is": "token",
+    }
+    tr = translate(None, grpo_overrides(qwen7b, **changes))
+    assert tr.valid, format_report(tr)
+    c = tr.config
+    assert (c.actor.policy_loss.loss_mode, c.actor.clip_ratio_low, c.actor.clip_ratio_high) == (
+        "gspo",
+        3e-4,
+        4e-4,
+    )
+    assert (c.reward.overlong_buffer.enable, c.reward.overlong_buffer.len) == (True, 128)
+    assert c.algorithm.rollout_correction.rollout_is == "token"
+    assert not {u.verl for u in tr.unmapped if u.reason == "unsupported"} - {"trainer.total_epochs"}
+
+
+def test_filter_metric_without_rlplan_equivalent_is_reported(qwen7b: Path) -> None:
+    tr = translate(None, grpo_overrides(qwen7b, **{"algorithm.filter_groups.metric": "seq_final_reward"}))
+    assert not tr.valid
+    assert "seq_final_reward" in format_report(tr)

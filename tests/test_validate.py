@@ -53,7 +53,7 @@ CASES = [
     (["algorithm.adv_estimator=gae"], "critic.enable", "estimator-needs", "error"),
     (["critic.enable=true"], "critic.enable", "estimator-needs", "warning"),
     (["algorithm.adv_estimator=grpo_passk", "rollout.n=1"], "rollout.n", "estimator-needs", "error"),
-    # issue 23: loss modes, DAPO, rollout correction, epochs
+    # issue 23: loss modes, DAPO, rollout correction
     (["actor.policy_loss.tau_neg=0"], "actor.policy_loss.tau_neg", "policy-loss", "error"),
     (["actor.policy_loss.clip_cov_lb=6"], "actor.policy_loss.clip_cov_lb", "policy-loss", "error"),
     (["algorithm.filter_groups.max_num_gen_batches=-1"], "algorithm.filter_groups.max_num_gen_batches",
@@ -65,7 +65,6 @@ CASES = [
      "overlong-buffer", "error"),
     (["algorithm.rollout_correction.rollout_is_threshold=0.5"],
      "algorithm.rollout_correction.rollout_is_threshold", "rollout-correction", "error"),
-    (["trainer.total_epochs=2"], "trainer.total_epochs", "total-epochs", "error"),
     # optimizer
     (["actor.optim.lr=0"], "actor.optim.lr", "optim", "error"),
     (["actor.optim.min_lr=0.1"], "actor.optim.min_lr", "optim", "error"),
