@@ -319,10 +319,11 @@ def _set_rng_state(engine: MegatronEngine, state: dict[str, Any]) -> None:
 
 # ------------------------------------------------------------------------------------ HF export
 def _hf_source(engine: MegatronEngine) -> tuple[Path | None, Path | None]:
-    """(model folder, tokenizer folder) the engine was built from, when they exist."""
-    cfg = engine.model_cfg
-    model = Path(cfg.path) if cfg.path is not None else None
-    tok_path = cfg.tokenizer_path if cfg.tokenizer_path is not None else cfg.path
+    """(model folder, tokenizer folder) the engine was built from, when they exist: the role's weights folder
+    from its plan, and the run's tokenizer (every role reads the policy's)."""
+    weights, settings = engine.spec.model.weights, engine.spec.settings
+    model = Path(weights) if weights is not None else None
+    tok_path = settings.tokenizer_path if settings.tokenizer_path is not None else settings.path
     return model, Path(tok_path) if tok_path is not None else None
 
 
@@ -552,7 +553,7 @@ def save_engine(
                 if "optimizer" in contents
                 else None
             ),
-            "params_dtype": engine.model_cfg.params_dtype,
+            "params_dtype": engine.spec.settings.params_dtype,
             "arch": asdict(engine.arch),
             "value_head": _is_value_model(engine),
             "versions": _versions(),
