@@ -130,3 +130,27 @@ def qwen25_7b_grpo_tp4pp2() -> RLConfig:
             "trainer.experiment_name": "qwen2.5-7b-grpo-tp4pp2",
         },
     )
+
+
+def qwen25_05b_dapo() -> RLConfig:
+    """DAPO on the qwen2.5-0.5b-grpo setup: clip-higher (0.2 / 0.28), token-mean loss, dynamic sampling on
+    the score (at most 10 generation batches per step), the overlong penalty over the last 256 of 1024
+    response tokens, and no KL (the DAPO recipe drops it)."""
+    return replace_paths(
+        qwen25_05b_grpo(),
+        {
+            "actor.use_kl_loss": False,
+            "actor.clip_ratio_low": 0.2,
+            "actor.clip_ratio_high": 0.28,
+            "actor.clip_ratio_c": 10.0,
+            "actor.loss_agg_mode": "token-mean",
+            "algorithm.filter_groups.enable": True,
+            "algorithm.filter_groups.metric": "score",
+            "algorithm.filter_groups.max_num_gen_batches": 10,
+            "reward.overlong_buffer.enable": True,
+            "reward.overlong_buffer.len": 256,
+            "reward.overlong_buffer.penalty_factor": 1.0,
+            "trainer.output_dir": "outputs/qwen2.5-0.5b-dapo",
+            "trainer.experiment_name": "qwen2.5-0.5b-dapo",
+        },
+    )
