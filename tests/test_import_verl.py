@@ -397,14 +397,20 @@ def rlconf(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[s
 
 def test_cli_writes_a_config_that_validates_and_plans_the_layout(qwen7b: Path, tmp_path: Path) -> None:
     out = tmp_path / "rlplan.yaml"
-    result = rlconf("import-verl", *grpo_overrides(qwen7b), "-o", str(out))
+    # rlconf validate checks that prompt files exist, as the run does: point the import at real files.
+    files = [tmp_path / "train.parquet", tmp_path / "test.parquet"]
+    for f in files:
+        f.write_bytes(b"")
+    data = {"data.train_files": f"['{files[0]}']", "data.val_files": f"['{files[1]}']"}
+    result = rlconf("import-verl", *grpo_overrides(qwen7b, **data), "-o", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"wrote {out}" in result.stdout and "trainer.total_epochs = 15" in result.stdout
     text = out.read_text()
     assert (
         "tensor_model_parallel_size: 4  # actor_rollout_ref.actor.megatron.tensor_model_parallel_size" in text
     )
-    assert rlconf("validate", str(out)).returncode == 0
+    check = rlconf("validate", str(out))
+    assert check.returncode == 0, check.stderr
     plan = rlconf("plan", str(out))
     assert plan.returncode == 0, plan.stderr
     assert re.search(r"^\s+actor\s+actor_pool\s+8\s+4\s+2\s+-\s+1\s+1\s+4\s+1\s", plan.stdout, re.M), (
