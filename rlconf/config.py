@@ -469,8 +469,13 @@ class RolloutConfig:
     """Drop tokens whose probability is below min_p x the top probability; 0 disables."""
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end a response (EOS always does)."""
-    tensor_model_parallel_size: int = 1
-    """Tensor parallel size of the rollout engine (weights are resharded from the actor's layout)."""
+    tensor_model_parallel_size: int | None = None
+    """Tensor parallel size of the rollout engine; null follows the actor's layout (its tp and pp: the
+    embedded engine generates on the actor's own weights, no copy). When set, the rollout runs at this tp
+    without pipeline parallel and rollout dp = actor devices / tp; unless the actor's layout is already
+    this tp with pp 1, the actor's weights are resharded into it before every generation (gathered or
+    split inside tp groups, stages gathered across pp) and freed after it. Must divide or be a multiple
+    of the actor's tp."""
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory the rollout engine may use for weights and KV cache."""
     max_num_seqs: int = 256

@@ -490,6 +490,28 @@ class MemoryPlan:
 
 
 @dataclass(frozen=True)
+class RolloutRefit:
+    """How the rollout engine gets the actor's weights before each generation (rltrain/rollout/reshard.py)."""
+
+    mode: str
+    """zero-copy: the embedded engine generates on the actor's own weights (same layout); reshard: the
+    actor's weights are gathered / split into the rollout layout on the same devices; vllm: loaded into
+    the vLLM engine (HF names, in buckets)."""
+    actor_tp: int
+    actor_pp: int
+    rollout_tp: int
+    rollout_dp: int
+    bucket_mib: int
+    """Largest all-gather / broadcast of one refit bucket (bounds the transient memory)."""
+    extra_gib: float
+    """Per device, held from the refit to the end of generation: the rollout-layout weights plus one bucket
+    (0 for zero-copy)."""
+    estimated_s: float
+    """Estimated refit time per step (bytes moved / a conservative bandwidth of cluster.device; an order of
+    magnitude, not a measurement)."""
+
+
+@dataclass(frozen=True)
 class TrainerPlan:
     """Everything a run will do, derived from one config. Workers read this, never the raw config."""
 
@@ -506,6 +528,8 @@ class TrainerPlan:
     memory: MemoryPlan
     config: RLConfig
     """The effective config (see the module docstring): settings the plan does not derive."""
+    refit: RolloutRefit | None = None
+    """How the rollout gets the actor's weights (always set by compile_plan)."""
 
     def layout(self, role: str) -> RoleLayout:
         return _by_role(self.layouts, role)
@@ -764,6 +788,24 @@ def _megatron_of(c: RLConfig, role: str) -> tuple[str, MegatronConfig]:
     return "reward.reward_model.megatron", c.reward.reward_model.megatron
 
 
+def rollout_tp(c: RLConfig) -> int:
+    """The rollout's tensor parallel size: rollout.tensor_model_parallel_size, or the actor's when null."""
+    tp = c.rollout.tensor_model_parallel_size
+    return c.actor.megatron.tensor_model_parallel_size if tp is None else tp
+
+
+def rollout_resharded(c: RLConfig) -> bool:
+    """Whether the rollout runs in a layout of its own (tp = rollout_tp, pp 1): always for vLLM; for the
+    embedded engine when rollout.tensor_model_parallel_size is set and the actor's layout is not already
+    that tp with pp 1. Otherwise it generates on the actor's weights in the actor's layout (zero copy)."""
+    if c.rollout.engine != "embedded":
+        return True
+    a = c.actor.megatron
+    if c.rollout.tensor_model_parallel_size is None:
+        return False
+    return not (rollout_tp(c) == a.tensor_model_parallel_size and a.pipeline_model_parallel_size == 1)
+
+
 def _present_roles(c: RLConfig) -> tuple[str, ...]:
     present = {"actor", "rollout"}
     if _uses_ref(c):
@@ -810,7 +852,7 @@ def _check_basics(c: RLConfig) -> None:
     ck.integer("data.max_prompt_length", c.data.max_prompt_length, 0)
     ck.integer("rollout.n", c.rollout.n, 1)
     ck.integer("rollout.max_response_length", c.rollout.max_response_length, 1)
-    ck.integer("rollout.tensor_model_parallel_size", c.rollout.tensor_model_parallel_size, 1)
+    ck.integer("rollout.tensor_model_parallel_size", c.rollout.tensor_model_parallel_size, 1, optional=True)
     ck.choice("model.params_dtype", c.model.params_dtype, tuple(DTYPE_BYTES), "model-source")
 
     roles = _present_roles(c)
@@ -1105,11 +1147,11 @@ def _layouts(
         world = place.world_size
         spec = models.for_role(role)
         arch = spec.arch
-        if role == "rollout" and c.rollout.engine != "embedded":
-            tp, pp, vpp, cp, ep, etp, sp = c.rollout.tensor_model_parallel_size, 1, None, 1, 1, None, False
+        if role == "rollout" and rollout_resharded(c):
+            tp, pp, vpp, cp, ep, etp, sp = rollout_tp(c), 1, None, 1, 1, None, False
             tp_path = "rollout.tensor_model_parallel_size"
         else:
-            # The embedded engine generates with the actor's own weights, so it has the actor's layout.
+            # Zero-copy: the embedded engine generates with the actor's own weights in the actor's layout.
             prefix, m = _megatron_of(c, "actor" if role == "rollout" else role)
             tp, pp, vpp = (
                 m.tensor_model_parallel_size,
@@ -1514,6 +1556,8 @@ class _StageMem:
     tokens: int
     rollout_kv: float = 0.0
     """Embedded rollout's KV cache during generate_sequences (actor only; 0 for other roles)."""
+    rollout_weights: float = 0.0
+    """The resharded rollout's own weights + one refit bucket during generate_sequences (actor only)."""
 
 
 @dataclass(frozen=True)
@@ -1632,6 +1676,40 @@ def _rollout_kv_bytes(c: RLConfig, lay: RoleLayout, arch: ModelArch, num_layers:
     )
 
 
+REFIT_BUCKET_MIB = 256
+"""Largest gathered bucket of one refit collective (rltrain/rollout/reshard.py reads it from the plan)."""
+REFIT_BYTES_PER_S: Mapping[str, float] = {"cuda": 100e9, "npu": 50e9, "cpu": 1e9}
+"""Conservative all-gather + copy bandwidths for the refit time estimate (H200 NVLink moves ~3x more)."""
+
+
+def _refit_extra_bytes(c: RLConfig, spec: ModelSpec, r_tp: int) -> float:
+    """Per device while generating: the rollout replica's weights (every layer, 1/r_tp of the tp-split
+    matrices; norms are negligible) plus one gathered bucket and its local part in flight."""
+    full = spec.params_total * DTYPE_BYTES[c.model.params_dtype]
+    return full / r_tp + 2 * min(REFIT_BUCKET_MIB * 2**20, full)
+
+
+def _rollout_refit(c: RLConfig, layouts: tuple[RoleLayout, ...], models: _Models) -> RolloutRefit:
+    actor, rollout = _by_role(layouts, "actor"), _by_role(layouts, "rollout")
+    spec = models.for_role("actor")
+    mode = (
+        "zero-copy" if not rollout_resharded(c) else ("reshard" if c.rollout.engine == "embedded" else "vllm")
+    )
+    extra = 0.0 if mode == "zero-copy" else _refit_extra_bytes(c, spec, rollout.tp)
+    full = spec.params_total * DTYPE_BYTES[c.model.params_dtype]
+    seconds = 0.0 if mode == "zero-copy" else full / REFIT_BYTES_PER_S.get(c.cluster.device, 1e9)
+    return RolloutRefit(
+        mode=mode,
+        actor_tp=actor.tp,
+        actor_pp=actor.pp,
+        rollout_tp=rollout.tp,
+        rollout_dp=rollout.dp,
+        bucket_mib=REFIT_BUCKET_MIB,
+        extra_gib=_gib(extra),
+        estimated_s=round(seconds, 4),
+    )
+
+
 def _role_mem_model(
     c: RLConfig, role: str, lay: RoleLayout, spec: ModelSpec, batch: BatchPlan | None
 ) -> _RoleMemModel:
@@ -1686,9 +1764,17 @@ def _role_mem_model(
                 logits_train = tokens * out_width * 4.0
         logits_infer = infer_tokens * out_width * 4.0 if st.output_layer else 0.0
         kv = _rollout_kv_bytes(c, lay, spec.arch, st.num_layers) if role == "actor" else 0.0
-        stages.append(
-            _StageMem(params, pbytes, grads, optim, acts, logits_train, logits_infer, in_flight, tokens, kv)
+        refit = 0.0
+        if role == "actor" and rollout_resharded(c) and c.rollout.engine == "embedded":
+            # The rollout replica holds every layer at its own tp and generates rows / rollout dp.
+            r_tp = rollout_tp(c)
+            r_lay = replace(lay, tp=r_tp, pp=1, cp=1, dp=max(lay.world_size // r_tp, 1))
+            kv = _rollout_kv_bytes(c, r_lay, spec.arch, spec.arch.num_layers)
+            refit = _refit_extra_bytes(c, spec, r_tp)
+        mem = _StageMem(
+            params, pbytes, grads, optim, acts, logits_train, logits_infer, in_flight, tokens, kv, refit
         )
+        stages.append(mem)
     offload = (bool(m.param_offload), bool(m.grad_offload) and trained, bool(m.optimizer_offload) and trained)
     return _RoleMemModel(role, trained, offload, tuple(stages), infer_phase)
 
@@ -1731,6 +1817,7 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
             # run) briefly holds the old cache and the new one of at most half its rows.
             gen = [
                 *infer[:-1],
+                ("rollout weights (resharded)", s.rollout_weights),
                 ("rollout kv cache", s.rollout_kv),
                 ("rollout kv compaction", s.rollout_kv / 2),
             ]
@@ -1844,6 +1931,12 @@ def _memory(
         "activations: Korthikanti et al. per layer without the attention s^2 term (flash/SDPA attention), "
         "for the micro-batches in flight under 1F1B, reduced by recompute; plus one fp32 logits slice",
     ]
+    if rollout_resharded(c) and c.rollout.engine == "embedded":
+        notes.append(
+            "rollout in its own layout: generate_sequences also holds the rollout replica's weights (params x "
+            "dtype bytes / rollout tp) and one refit bucket, from the refit to the end of generation; its KV "
+            "cache uses the rollout's tp and dp"
+        )
     offloaded = [f"{r.role}: {', '.join(r.offloaded)}" for r in role_mems if r.offloaded]
     if offloaded:
         notes.append(
@@ -1919,6 +2012,7 @@ def _compile(config: RLConfig) -> TrainerPlan:
         checkpoint=_checkpoint(config, roles),
         memory=_memory(config, resources, layouts, models, batches),
         config=_effective_config(config, models, roles),
+        refit=_rollout_refit(config, layouts, models),
     )
 
 
@@ -2167,6 +2261,21 @@ def _vocab_lines(plan: TrainerPlan) -> list[str]:
     return lines
 
 
+def _refit_lines(plan: TrainerPlan) -> list[str]:
+    """How the rollout gets the actor's weights each step, with the refit's extra memory and time."""
+    r = plan.refit
+    if r is None:
+        return []
+    if r.mode == "zero-copy":
+        return ["  rollout refit: zero-copy (generates on the actor's own weights, actor layout)"]
+    how = "resharded on the actor's devices" if r.mode == "reshard" else "loaded into vLLM"
+    return [
+        f"  rollout refit: {how}, actor tp {r.actor_tp} x pp {r.actor_pp} -> rollout tp {r.rollout_tp} x dp "
+        f"{r.rollout_dp}; +{r.extra_gib:.2f} GiB per device while generating (buckets of {r.bucket_mib} MiB), "
+        f"~{r.estimated_s:.2g} s per step (estimate)"
+    ]
+
+
 def format_plan(plan: TrainerPlan) -> str:
     """A compact, readable rendering of the plan (what `rlconf plan FILE` prints)."""
     out: list[str] = [f"rlplan trainer plan (v{plan.version}): roles {', '.join(plan.roles)}", ""]
@@ -2218,6 +2327,7 @@ def format_plan(plan: TrainerPlan) -> str:
         cp_note = ", cp groups split by |" if lay.cp > 1 else ""
         out.append(f"  {lay.role} grid (ranks by tp{cp_note}):")
         out += _grid_lines(lay)
+    out += _refit_lines(plan)
 
     if plan.batch:
         out += ["", "batch schedule (per training step; mini-batches count prompts)"]

@@ -16,6 +16,7 @@ Nothing here imports user code: `reward.function` is only checked for its form.
 from __future__ import annotations
 
 import fnmatch
+import importlib.util
 import os
 import re
 from collections.abc import Callable, Iterator
@@ -33,7 +34,7 @@ from rlconf.config import (
 from rlconf.errors import ConfigError, Issue, error, warning
 from rlconf.fields import get_path, iter_leaves
 from rlconf.model_spec import engine_gaps, read_model_arch
-from rlconf.plan import MAX_DEVICES, MAX_INT, MAX_TOTAL_STEPS
+from rlconf.plan import MAX_DEVICES, MAX_INT, MAX_TOTAL_STEPS, rollout_tp
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
 
@@ -243,23 +244,35 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
     "actor.megatron.tensor_model_parallel_size",
 )
 def rollout_engine(c: RLConfig) -> Iterator[Issue]:
-    """The embedded rollout generates with the actor's weights in the actor's layout; vLLM is not bundled."""
+    """A rollout tp of its own must divide or be a multiple of the actor's tp (the refit gathers or splits
+    inside tp groups); rollout.engine: vllm needs CUDA and an importable vLLM (an optional extra)."""
     r, tp = c.rollout, c.actor.megatron.tensor_model_parallel_size
-    if r.engine == "embedded" and r.tensor_model_parallel_size != tp:
+    rtp = r.tensor_model_parallel_size
+    if isinstance(rtp, int) and isinstance(tp, int) and rtp >= 1 and tp >= 1 and max(rtp, tp) % min(rtp, tp):
+        choices = sorted({d for d in range(1, tp + 1) if tp % d == 0} | {tp * 2, tp * 4})
         yield error(
             "rollout.tensor_model_parallel_size",
-            f"the embedded rollout runs on the actor's weights and layout (tp = {tp}), "
-            f"but rollout.tensor_model_parallel_size = {r.tensor_model_parallel_size}",
-            f"set rollout.tensor_model_parallel_size = {tp}",
+            f"rollout tp = {rtp} neither divides nor is a multiple of the actor's tp = {tp}, so the actor's "
+            "tensor-parallel shards cannot be regrouped into the rollout's",
+            f"use one of {', '.join(map(str, choices))} (or null: the actor's layout, no weight copy)",
             "rollout-engine",
         )
     if r.engine == "vllm":
-        yield error(
-            "rollout.engine",
-            "the vLLM adapter is not available in this version of rlplan",
-            "use rollout.engine: embedded",
-            "rollout-engine",
-        )
+        if c.cluster.device != "cuda":
+            yield error(
+                "rollout.engine",
+                f"vLLM runs on CUDA devices only, but cluster.device = {c.cluster.device}",
+                "use rollout.engine: embedded (rlplan's own engine, any device)",
+                "rollout-engine",
+            )
+        elif importlib.util.find_spec("vllm") is None:
+            yield error(
+                "rollout.engine",
+                "rollout.engine is vllm, but vLLM is not installed here (it is an optional extra: a CUDA-only "
+                "wheel that needs its own torch version)",
+                "pip install 'rlplan[vllm]' on a CUDA host, or use rollout.engine: embedded",
+                "rollout-engine",
+            )
 
 
 @rule(
@@ -326,7 +339,7 @@ def heads_divisible(c: RLConfig) -> Iterator[Issue]:
         return  # the architecture comes from config.json; the plan checks it
     a = c.model.arch
     layouts = [(p, m.tensor_model_parallel_size) for p, m, _ in _megatron_roles(c)]
-    layouts.append(("rollout", c.rollout.tensor_model_parallel_size))
+    layouts.append(("rollout", rollout_tp(c)))
     for prefix, tp in layouts:
         field = f"{prefix}.tensor_model_parallel_size" if prefix == "rollout" else (
             f"{prefix}.megatron.tensor_model_parallel_size")  # fmt: skip
@@ -1048,7 +1061,7 @@ def cluster(c: RLConfig) -> Iterator[Issue]:
     if c.cluster.cpus_per_worker <= 0:
         yield error("cluster.cpus_per_worker", "must be > 0", "use 1", "cluster")
     aw = actor_world(c)
-    tp = c.rollout.tensor_model_parallel_size
+    tp = rollout_tp(c)
     if aw >= 1 and tp >= 1 and aw % tp:
         yield error("rollout.tensor_model_parallel_size", f"the actor pool of {aw} devices is not divisible by {tp}",
                     "use a rollout tp that divides the actor pool", "cluster")  # fmt: skip
