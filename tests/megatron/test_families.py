@@ -3,7 +3,7 @@ gloo world of 1): log-probs equal transformers' on tiny random models of llama (
 mistral, qwen2 and qwen3 (QK-norm, a head_dim that is not hidden / heads), and HF -> megatron -> HF export is
 bit-identical with the same model_type and config values. MoE models are refused by name, never built dense.
 The same holds in a gloo world of 2 processes at TP=2 (kv heads split over ranks, Qwen3's per-head QK-norm
-replicated), TP=2 with sequence parallel and PP=2, where greedy generation also equals TP=1's (and TP=1's
+replicated), TP=2 with sequence parallel, PP=2 and PP=2 x virtual PP=2, where greedy generation also equals TP=1's (and TP=1's
 equals transformers' `generate`).
 """
 
@@ -159,14 +159,19 @@ def test_tiny_grpo_on_a_family_folder_trains_and_exports(tmp_path, family):
 
 
 # ------------------------------------------------------------------------------------ TP=2, PP=2
-# (name, tensor parallel, pipeline parallel, sequence parallel) run by the 2-process test, in this order.
-PARALLEL_LAYOUTS = [("tp2", 2, 1, False), ("tp2_sp", 2, 1, True), ("pp2", 1, 2, False)]
+# (name, tensor parallel, pipeline parallel, virtual pipeline, sequence parallel) run by the 2-process test.
+PARALLEL_LAYOUTS = [
+    ("tp2", 2, 1, None, False),
+    ("tp2_sp", 2, 1, None, True),
+    ("pp2", 1, 2, None, False),
+    ("pp2_vpp2", 1, 2, 2, False),  # one layer per model chunk: export finds layers by global number
+]
 # Sizes changed from TINY per family in the 2-process test: TINY's 2 kv heads put one query group on each TP
 # rank; mistral gets 4 kv heads of 2 query heads each, so a rank holds two groups (their order inside the
 # fused linear_qkv shard matters too).
 PARALLEL_SIZES = {"mistral": {"num_attention_heads": 8, "num_key_value_heads": 4}}
 # Layouts whose export is compared with the source folder (sequence parallel does not change the weights).
-EXPORTED_LAYOUTS = ("tp2", "pp2")
+EXPORTED_LAYOUTS = ("tp2", "pp2", "pp2_vpp2")
 # Greedy generation: the second batch's 40-column left-padded prompts and 8 new tokens reach positions up to
 # 47, past the llama3 original context of 32. The smallest top-2 logit gap of these greedy steps is 2.5e-3
 # (qwen3), a thousand times the log-prob differences between layouts: no near-tie can flip a token.
@@ -219,8 +224,8 @@ def _run_family_layouts(rank: int, world: int, port: int, refs: list[dict], out_
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
     diffs: dict[str, float] = {}
-    for name, tp, pp, sequence_parallel in PARALLEL_LAYOUTS:
-        cfg = actor_cfg(tp, pp)
+    for name, tp, pp, vpp, sequence_parallel in PARALLEL_LAYOUTS:
+        cfg = actor_cfg(tp, pp, vpp)
         cfg = replace(cfg, megatron=replace(cfg.megatron, sequence_parallel=sequence_parallel))
         init_parallel(cfg.megatron, "cpu")
         for ref in refs:
@@ -248,10 +253,11 @@ def _run_family_layouts(rank: int, world: int, port: int, refs: list[dict], out_
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_families_at_tp2_and_pp2_match_transformers_and_round_trip(mp_world, tmp_path):
-    """Two gloo processes run every family at TP=2, TP=2 + sequence parallel and PP=2 (one spawn: each
-    process pays ~8 s of imports): log-probs equal transformers', greedy tokens equal TP=1's (which equal
-    transformers' generate), and the TP=2 / PP=2 exports are bit-identical to the source folder, with the
-    same config values, and load in transformers as the family's class with the source's logits."""
+    """Two gloo processes run every family at TP=2, TP=2 + sequence parallel, PP=2 and PP=2 x VPP=2 (one
+    spawn: each process pays ~8 s of imports): log-probs equal transformers', greedy tokens equal TP=1's
+    (which equal transformers' generate), and the TP=2 / PP=2 / VPP exports are bit-identical to the source
+    folder, with the same config values, and load in transformers as the family's class with the source's
+    logits."""
     import transformers
 
     from .test_parity import assert_same_safetensors
@@ -285,5 +291,6 @@ def test_families_at_tp2_and_pp2_match_transformers_and_round_trip(mp_world, tmp
             assert torch.equal(
                 hf_logits(exported, batch["input_ids"], batch["attention_mask"]), src_logits
             ), where
-        assert (out_dir / f"{family}_pp2" / "model.safetensors.index.json").exists()
+        for name in ("pp2", "pp2_vpp2"):
+            assert (out_dir / f"{family}_{name}" / "model.safetensors.index.json").exists()
     print(json.dumps(json.loads((out_dir / "diffs.json").read_text()), indent=1))
