@@ -158,6 +158,18 @@ class PolicyWorker(MegatronWorker):
         prompt_ids, prompt_mask = prompts["prompt_ids"], prompts["prompt_mask"]
         tok = self._tokenizer()
         shard_seed = derive_seed(seed, parallel_state.get_data_parallel_rank(), DP_SHARD)
+        if self.plan.refit is not None and self.plan.refit.mode == "reshard":
+            # The rollout's own layout (rltrain/rollout/reshard.py): refit, split over rollout DP, regather.
+            with self.profiler.profiled("generate_sequences"):
+                return self._rollout_replica().generate(
+                    prompt_ids, prompt_mask, seed=seed, actor_dp_rank=parallel_state.get_data_parallel_rank(),
+                    max_new_tokens=r.max_response_length,
+                    temperature=r.val.temperature if validate else r.temperature,
+                    top_p=r.val.top_p if validate else r.top_p, top_k=-1 if validate else r.top_k,
+                    min_p=0.0 if validate else r.min_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                    stop_token_ids=r.stop_token_ids,
+                    static_decode=r.cuda_graph and devices.graphs_supported(self.cfg.cluster.device),
+                )  # fmt: skip
         with self.profiler.profiled("generate_sequences"):
             return self.actor.generate(
                 prompt_ids,
@@ -173,6 +185,15 @@ class PolicyWorker(MegatronWorker):
                 cuda_graph=r.cuda_graph and devices.graphs_supported(self.cfg.cluster.device),
                 seed=shard_seed,
             )
+
+    def _rollout_replica(self) -> Any:
+        """The rollout-layout replica of the actor (built at the first generation, kept between steps)."""
+        if not hasattr(self, "_replica"):
+            from rltrain.rollout.reshard import RolloutReplica
+
+            refit = self.plan.refit
+            self._replica = RolloutReplica(self.actor, refit.rollout_tp, refit.bucket_mib * 2**20)
+        return self._replica
 
     def compute_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with self.profiler.profiled("actor_compute_log_prob"):
