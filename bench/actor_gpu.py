@@ -218,13 +218,15 @@ def our_cases(cases: Cases, arch, dense: dict, grpo: dict, args) -> None:
         g["fused"], g["foreach"] = True, False
 
     # GRPO-shaped: dynamic batching by token budget, one optimizer step per update
-    actor.cfg = ActorConfig(
-        megatron=cfg.megatron,
-        optim=cfg.optim,
-        ppo_mini_batch_size=rows,
-        use_dynamic_bsz=True,
-        ppo_max_token_len_per_gpu=args.budget,
-        shuffle=False,
+    actor.use_batch_settings(
+        ActorConfig(
+            megatron=cfg.megatron,
+            optim=cfg.optim,
+            ppo_mini_batch_size=rows,
+            use_dynamic_bsz=True,
+            ppo_max_token_len_per_gpu=args.budget,
+            shuffle=False,
+        )
     )
     real = int(grpo["attention_mask"].sum())
     rl = rl_batch(grpo)
@@ -353,7 +355,7 @@ def layout_worker(rank: int, world: int, port: int, shape: str, tp: int, args, q
             dict(ppo_mini_batch_size=args.rows, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.budget),
         ),
     ):
-        actor.cfg = replace(cfg, **kw)
+        actor.use_batch_settings(replace(cfg, **kw))
         mine = {k: v[dp_rank::dp] for k, v in batch.items()}
         old = actor.compute_log_prob(mine, with_entropy=False)["log_probs"]
         adv = torch.randn(old.shape[0], 1).expand_as(old).contiguous() * mine["response_mask"]

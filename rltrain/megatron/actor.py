@@ -79,6 +79,23 @@ class MegatronActor(MegatronEngine):
         # budget (rltrain.megatron.logprob.DEFAULT_CHUNK_ELEMENTS / (V / tp)).
         self.logprob_chunk_tokens: int | None = None
 
+    def use_batch_settings(self, actor_cfg: ActorConfig, rollout_n: int = 1) -> None:
+        """Benchmarks that vary batching on one engine: later calls use the batch schedule and forward
+        sizes of a plan compiled from `actor_cfg` (`sections_plan`) and its loss settings; the weights,
+        optimizer and lr table stay."""
+        planned = sections_plan(
+            replace(self.spec.settings, arch=self.arch, path=None), self.device, actor=actor_cfg,
+            rollout_n=rollout_n,
+        ).engine("actor")  # fmt: skip
+        self.cfg = actor_cfg
+        self.spec = replace(
+            self.spec,
+            batch=planned.batch,
+            forward_micro_batch_size=planned.forward_micro_batch_size,
+            forward_use_dynamic_bsz=planned.forward_use_dynamic_bsz,
+            forward_max_token_len=planned.forward_max_token_len,
+        )
+
     # --------------------------------------------------------------------------------- log-probs
     def _token_log_probs(
         self, mb: MicroBatch, logits: torch.Tensor, temperature: float, with_entropy: bool

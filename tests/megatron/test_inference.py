@@ -370,5 +370,5 @@ def test_tp_and_pp_layouts_match_single_process(actor):
         "sampled": sampled["responses"],
         "sampled_lp": sampled["rollout_log_probs"],
     }
-    hf_path = actor.model_cfg.path
+    hf_path = actor.spec.model.weights
     torch.multiprocessing.spawn(_layout_worker, args=(2, free_port(), hf_path, ref), nprocs=2, join=True)
