@@ -103,7 +103,7 @@ def test_second_run_on_a_held_folder_exits_2_naming_the_holder_and_keeps_its_sav
     result = rltrain("--trainer.output_dir", str(out))
     assert result.returncode == 2, result.stderr[-2000:]
     assert "run-folder-locked" in result.stderr and f"PID {holder.pid}" in result.stderr
-    assert "Traceback" not in result.stderr and "Ray" not in result.stderr
+    assert "Traceback" not in result.stderr and "Started a local Ray instance" not in result.stderr
     assert staged.is_dir(), "the second run deleted the first run's save in progress"
     assert not (out / "config.yaml").exists()
 
@@ -132,12 +132,18 @@ def test_finished_run_exits_0_before_ray_and_says_how_to_extend(tmp_path):
     assert "finished (step 4 of trainer.total_steps 4" in folder.finished
     assert "--trainer.total_steps N (N > 4)" in folder.finished
 
+    written = {p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file() and p.name != LOCK_FILE}
     result = rltrain(
         "--trainer.output_dir", str(out), "--trainer.save_freq", "2", "--trainer.total_steps", "4"
     )
     assert result.returncode == 0, result.stderr[-2000:]
     assert "nothing to do: the run in" in result.stdout
-    assert "Ray" not in result.stderr + result.stdout, "Ray started for a finished run"
+    assert {
+        p.name: p.stat().st_mtime_ns for p in out.iterdir() if p.is_file() and p.name != LOCK_FILE
+    } == written
+    assert "Started a local Ray instance" not in result.stderr + result.stdout, (
+        "Ray started for a finished run"
+    )
 
     # A larger total_steps extends it (tiny-grpo's lr is constant: no step changes its lr).
     config, plan = tiny(out, trainer__total_steps=6)
