@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from presets import PRESETS
 from rlconf.load import load_config
 from rlconf.plan import compile_plan
 from rltrain.profiling import Profiler
@@ -24,6 +25,7 @@ def main() -> None:
     cfg = load_config(
         None,
         preset="tiny-grpo",
+        presets=PRESETS,
         overrides=[
             "cluster.device=cuda",
             "profile.tool=torch",

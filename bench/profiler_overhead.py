@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from presets import PRESETS
 from rlconf.load import load_config
 from rlconf.plan import ProfilePlan, compile_plan
 from rltrain.profiling import Profiler, profiled
@@ -27,7 +28,9 @@ LIMIT_NS = 1000.0
 
 
 def plan_of(out: str, *overrides: str) -> ProfilePlan:
-    cfg = load_config(None, preset="tiny-grpo", overrides=[f"trainer.output_dir={out}", *overrides])
+    cfg = load_config(
+        None, preset="tiny-grpo", overrides=[f"trainer.output_dir={out}", *overrides], presets=PRESETS
+    )
     return compile_plan(cfg).profile
 
 

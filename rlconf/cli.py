@@ -1,5 +1,8 @@
 """The `rlconf` tool: validate, show, diff, plan and schema for rlplan configs, without touching a GPU.
 
+A command layer: it resolves presets (the `presets` package) and hands them to the loader, the schema and the
+docs generator, so that the rest of rlconf never imports presets.
+
 Exit codes: 0 ok, 2 invalid config (the message names the config path and the fix), 1 crash.
 Errors never print a Python traceback (set RLPLAN_DEBUG=1 to see one for a crash).
 """
@@ -47,7 +50,9 @@ def _load(
         raise ConfigError(
             [Issue("", "no config given", "pass a FILE, preset:NAME or --preset NAME", "usage")], "rlconf"
         )
-    config = load_config(source, preset=preset, overrides=overrides, filesystem=filesystem)
+    from presets import PRESETS
+
+    config = load_config(source, preset=preset, overrides=overrides, filesystem=filesystem, presets=PRESETS)
     warnings = tuple(i for i in check_config(config, filesystem=filesystem) if i.severity == "warning")
     return config, warnings
 
@@ -229,9 +234,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_schema(args: argparse.Namespace) -> int:
+    from presets import PRESETS
     from rlconf.schema import config_schema
 
-    text = json.dumps(config_schema(), indent=2) + "\n"
+    text = json.dumps(config_schema(list(PRESETS)), indent=2) + "\n"
     if args.output:
         _write_output(args.output, text, "--output")
     else:
@@ -240,10 +246,11 @@ def cmd_schema(args: argparse.Namespace) -> int:
 
 
 def cmd_docs(args: argparse.Namespace) -> int:
+    from presets import PRESETS
     from rlconf.docs import write_reference
 
     try:
-        written = write_reference(args.outdir)
+        written = write_reference(args.outdir, PRESETS)
     except OSError as exc:
         raise _unwritable(args.outdir, "OUTDIR", exc) from None
     for path in written:

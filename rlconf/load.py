@@ -1,5 +1,9 @@
 """Loading configs from dicts, YAML/JSON files, presets and dotted overrides.
 
+Presets are not imported here: the command layer (rlconf.cli, rltrain.cli) hands the loader a catalogue
+(`presets=presets.PRESETS`, any mapping of name -> object with `build() -> RLConfig`), which resolves both
+`preset=NAME` and a file's `preset: NAME` key. rlconf's core stays free of the presets package.
+
 The loader first walks the input against the dataclass types and collects *every* structural problem
 (unknown keys with a did-you-mean, wrong types, values outside a Literal) with its dotted path, including
 list indices. Only a clean input reaches dacite (strict mode), which builds the frozen tree. Cross-field
@@ -21,7 +25,8 @@ import re
 import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Protocol
 
 import dacite
 import yaml
@@ -39,6 +44,17 @@ from rlconf.fields import (
 )
 
 PRESET_KEY = "preset"
+
+
+class PresetSource(Protocol):
+    """What the loader needs of a preset (presets.Preset is one): the config it starts from."""
+
+    def build(self) -> RLConfig: ...
+
+
+PresetCatalog = Mapping[str, PresetSource]
+"""Preset name -> preset, given by the command layer (`presets.PRESETS`)."""
+NO_PRESETS: PresetCatalog = MappingProxyType({})
 
 # Bounds on one config file. Real configs (ours, verl's with every default spelled out) are tens of KB,
 # about 8 levels deep and a few thousand nodes; the bounds are far above that, and far below what makes a
@@ -674,18 +690,24 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     return dict(data)
 
 
-def _preset_base(name: Any, source: str | None) -> RLConfig:
-    from presets import PRESETS, get_preset
-
-    if not isinstance(name, str) or name not in PRESETS:
-        hint = _did_you_mean(str(name), list(PRESETS))
-        fix = (f"did you mean `{hint}`? " if hint else "") + "presets: " + ", ".join(PRESETS)
+def _preset_base(name: Any, source: str | None, presets: PresetCatalog) -> RLConfig:
+    if not isinstance(name, str) or name not in presets:
+        if not presets:
+            # A library caller that names a preset without handing over the catalogue.
+            fix = "pass the preset catalogue to the loader: presets=presets.PRESETS (rltrain and rlconf do)"
+        else:
+            hint = _did_you_mean(str(name), list(presets))
+            fix = (f"did you mean `{hint}`? " if hint else "") + "presets: " + ", ".join(presets)
         raise ConfigError([error(PRESET_KEY, f"unknown preset {name!r}", fix, "unknown-preset")], source)
-    return get_preset(name)
+    return presets[name].build()
 
 
 def _gather(
-    source: str | Path | Mapping[str, Any] | None, *, preset: str | None, overrides: Sequence[str]
+    source: str | Path | Mapping[str, Any] | None,
+    *,
+    preset: str | None,
+    overrides: Sequence[str],
+    presets: PresetCatalog,
 ) -> tuple[dict[str, Any], RLConfig | None, str | None]:
     """The input dict (overrides applied), the preset base and the source name."""
     src_name = None if source is None or isinstance(source, Mapping) else str(source)
@@ -709,7 +731,7 @@ def _gather(
             src_name,
         )
     chosen = preset if preset is not None else file_preset
-    base = _preset_base(chosen, src_name) if chosen is not None else None
+    base = _preset_base(chosen, src_name, presets) if chosen is not None else None
     if overrides:
         data = apply_overrides(data, overrides)
     return data, base, src_name
@@ -720,9 +742,11 @@ def resolve_config(
     *,
     preset: str | None = None,
     overrides: Sequence[str] = (),
+    presets: PresetCatalog = NO_PRESETS,
 ) -> RLConfig:
-    """Structural load with precedence overrides > file > preset > defaults (no cross-field rules)."""
-    data, base, src_name = _gather(source, preset=preset, overrides=overrides)
+    """Structural load with precedence overrides > file > preset > defaults (no cross-field rules).
+    `presets` resolves `preset` and a file's `preset:` key (see the module docstring)."""
+    data, base, src_name = _gather(source, preset=preset, overrides=overrides, presets=presets)
     return config_from_dict(data, base=base, source=src_name)
 
 
@@ -731,11 +755,12 @@ def build_from_sources(
     *,
     preset: str | None = None,
     overrides: Sequence[str] = (),
+    presets: PresetCatalog = NO_PRESETS,
 ) -> tuple[RLConfig, tuple[Issue, ...], str | None]:
     """Best-effort config from a file / dict, preset and overrides, its structural issues and the source
     name. Unreadable files, unknown presets and bad override syntax still raise ConfigError (there is
     nothing to build); bad values are reported and left at the preset's or default value."""
-    data, base, src_name = _gather(source, preset=preset, overrides=overrides)
+    data, base, src_name = _gather(source, preset=preset, overrides=overrides, presets=presets)
     config, structural = build_config(data, base=base, source=src_name)
     return config, structural, src_name
 
@@ -746,6 +771,7 @@ def load_config(
     preset: str | None = None,
     overrides: Sequence[str] = (),
     filesystem: bool = False,
+    presets: PresetCatalog = NO_PRESETS,
 ) -> RLConfig:
     """Load and fully validate a config; raises ConfigError with every error (and the warnings).
 
@@ -753,7 +779,9 @@ def load_config(
     """
     from rlconf.validate import check_config
 
-    config, structural, src_name = build_from_sources(source, preset=preset, overrides=overrides)
+    config, structural, src_name = build_from_sources(
+        source, preset=preset, overrides=overrides, presets=presets
+    )
     issues = structural + check_config(config, filesystem=filesystem)
     if any(i.severity == "error" for i in issues):
         raise ConfigError(issues, src_name)

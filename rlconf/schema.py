@@ -7,6 +7,7 @@ dataclass defaults, enums the Literal values. A YAML file may also carry the top
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 from rlconf.config import RLConfig
@@ -68,14 +69,14 @@ def _section_schema(cls: type, defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def config_schema() -> dict[str, Any]:
-    """The JSON Schema of an rlplan config file."""
+def config_schema(preset_names: Sequence[str] = ()) -> dict[str, Any]:
+    """The JSON Schema of an rlplan config file; `preset_names` (from the command layer, which knows the
+    presets) become the allowed values of the top-level `preset` key (any string when none are given)."""
     defs: dict[str, Any] = {}
     root = _section_schema(RLConfig, defs)
-    from presets import PRESETS
-
+    preset: dict[str, Any] = {"enum": list(preset_names)} if preset_names else {"type": "string"}
     root["properties"] = {
-        "preset": {"enum": list(PRESETS), "description": "Preset whose values this file overlays."},
+        "preset": {**preset, "description": "Preset whose values this file overlays."},
         **root["properties"],
     }
     return {

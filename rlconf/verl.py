@@ -549,8 +549,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.ref.ulysses_sequence_parallel_size", "unsupported", "FSDP only"),
     # --------------------------------------------------------------------------------------- rollout
     _m("actor_rollout_ref.rollout.name", "rollout.engine",
-       "vllm, sglang, hf and trtllm -> embedded: rlplan's generator on the actor's own megatron weights (no "
-       "extra install, no weight resharding); rollout.engine: vllm is the optional adapter", _rollout_engine),
+       "vllm, sglang, hf and trtllm -> embedded: rlplan's generator on megatron weights (no extra install; in "
+       "the rollout's own tp when it differs, resharded each step); rollout.engine: vllm is the optional "
+       "adapter", _rollout_engine),
     _m("actor_rollout_ref.rollout.n", "rollout.n", "responses per prompt; verl's default is 1 (rlplan's: 8)",
        verl_default=1),
     _m("actor_rollout_ref.rollout.temperature", "rollout.temperature", ""),
@@ -559,8 +560,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("actor_rollout_ref.rollout.response_length", "rollout.max_response_length",
        "verl interpolates it from data.max_response_length"),
     _m("actor_rollout_ref.rollout.tensor_model_parallel_size", "rollout.tensor_model_parallel_size",
-       "the embedded engine runs in the actor's layout, so it must equal the actor's tp (rule rollout-engine); "
-       "when unset, the actor's tp is used"),
+       "the rollout generates at this tp without pipeline parallel (dp = actor devices / tp), the actor's weights "
+       "resharded into it before each generation; it must divide or be a multiple of the actor's tp (rule "
+       "rollout-engine); unset: null, the actor's layout (no weight copy)"),
     _m("actor_rollout_ref.rollout.gpu_memory_utilization", "rollout.gpu_memory_utilization", ""),
     _m("actor_rollout_ref.rollout.free_cache_engine", "rollout.free_cache_engine", ""),
     _m("actor_rollout_ref.rollout.max_num_seqs", "rollout.max_num_seqs", "verl's default is 1024 (rlplan's: 256)",
@@ -1227,15 +1229,6 @@ def _derive_rlplan_rules(
         actor_path, ref_path = f"actor.megatron.{name}", f"ref.megatron.{name}"
         if actor_path in settings and ref_path not in settings:
             derive(ref_path, settings[actor_path], _IN_ACTOR)
-    tp_path = "actor.megatron.tensor_model_parallel_size"
-    engine = _current(settings, "rollout.engine")
-    if (
-        tp_path in settings
-        and engine == "embedded"
-        and "actor_rollout_ref.rollout.tensor_model_parallel_size" not in values
-    ):
-        derive("rollout.tensor_model_parallel_size", settings[tp_path],
-               "the embedded rollout runs in the actor's layout")  # fmt: skip
     for verl_prefix, ours in _MEGATRON_ROLES:
         tp_key = f"{ours}.tensor_model_parallel_size"
         tp = _current(settings, tp_key)
@@ -1288,7 +1281,8 @@ for _sub, _parent in (
 ):
     _LATE_IN_VERL[_sub] = _LATE_IN_VERL[_parent]  # fmt: skip
 RLPLAN_ONLY_RULES: dict[str, str] = {
-    "rollout-engine": "rlplan's embedded rollout generates on the actor's weights in the actor's layout",
+    "rollout-engine": "rlplan regroups tensor-parallel shards (rollout tp divides or is a multiple of the actor's) "
+    "and runs vLLM only where it is installed",
     "ref-layout-matches-actor": _IN_ACTOR,
     "engine-support": "rlplan's megatron engine does not run this layout yet",
     "verl-import": "the verl value has no rlplan translation",
@@ -1589,8 +1583,9 @@ _PAGE_DIFFERENCES = """\
   (`mini-batch-divides-batch`, `batch-divisible-by-dp-micro`, `mini-batch-covers-micro`), and
   `rlconf plan` prints the per-rank numbers.
 - **The rollout runs on the actor's weights.** `rollout.engine: embedded` generates with the actor's
-  megatron model in the actor's layout, so `rollout.tensor_model_parallel_size` equals the actor's tp
-  (see [GPUs](gpus.md#gpu-presets)); verl's vllm / sglang settings translate to it.
+  megatron weights: in the actor's layout when `rollout.tensor_model_parallel_size` is unset (no copy),
+  otherwise at that tp without pipeline parallel, resharded from the actor's layout before each
+  generation (see [GPUs](gpus.md#gpu-presets)); verl's vllm / sglang settings translate to it.
 - **The reference policy** shares the actor's processes, so `ref.megatron` must match `actor.megatron`
   (verl gives the ref its own worker group and layout).
 - **The lr schedule advances once per training step**, as in verl. It does not advance once per optimizer

@@ -125,6 +125,7 @@ def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
     left at the preset's so the rest can still be checked), then every rule on the result with the flags
     applied, the filesystem rules included (the run reads and writes those paths).
     """
+    from presets import PRESETS
     from rlconf.load import build_config, build_from_sources, config_to_dict
     from rlconf.validate import check_config
 
@@ -151,7 +152,7 @@ def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
     if issues := _flag_issues(flags):
         raise ConfigError(issues, "command line")
     flags = _normalize_bools(flags)
-    base, file_issues, _ = build_from_sources(config_file, preset=preset)
+    base, file_issues, _ = build_from_sources(config_file, preset=preset, presets=PRESETS)
     config = _tyro_cli(base, flags, prog=f"rltrain {preset} [--config FILE.yaml] [--dry-run]")
     # tyro checked each value's type; the same structural walk as files (finite floats, ...) and the
     # cross-field rules run on the result, so flags and files are held to one standard.

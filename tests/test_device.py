@@ -470,11 +470,12 @@ class Recorder(importlib.abc.MetaPathFinder):
         return None
 
 sys.meta_path.insert(0, Recorder())
+from presets import PRESETS
 from rlconf.load import load_config
 from rlconf.plan import compile_plan
 from rltrain.workers import PolicyWorker
 
-cfg = load_config(None, preset="tiny-grpo", overrides=[
+cfg = load_config(None, preset="tiny-grpo", presets=PRESETS, overrides=[
     "cluster.device=npu", "trainer.output_dir=OUT",
     "actor.megatron.override_transformer_config.recompute_granularity=full",
     "actor.megatron.override_transformer_config.recompute_method=uniform",

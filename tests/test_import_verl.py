@@ -18,6 +18,7 @@ import yaml
 from hypothesis import given
 from hypothesis import strategies as st
 
+from presets import PRESETS
 from rlconf.config import RLConfig
 from rlconf.docs import write_reference
 from rlconf.errors import ConfigError
@@ -384,7 +385,7 @@ def test_committed_migration_page_is_generated_from_the_table(tmp_path: Path) ->
     for row in VERL_KEYS:
         key = row.verl.partition(f".{row.family}.")[2] if row.family else row.verl
         assert f"`{key}`" in page, row.verl
-    written = write_reference(tmp_path / "reference")
+    written = write_reference(tmp_path / "reference", PRESETS)
     assert (tmp_path / "migrating-from-verl.md") in written
 
 

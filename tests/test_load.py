@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from presets import get_preset
+from presets import PRESETS, get_preset
 from rlconf.config import RLConfig
 from rlconf.errors import ConfigError
 from rlconf.load import (
@@ -131,14 +131,14 @@ def test_missing_file():
 def test_json_file(tmp_path):
     f = tmp_path / "run.json"
     f.write_text(json.dumps({"preset": "tiny-grpo", "actor": {"optim": {"lr": 2e-3}}}))
-    cfg = load_config(f)
+    cfg = load_config(f, presets=PRESETS)
     assert cfg.actor.optim.lr == 2e-3 and cfg.trainer.output_dir == "outputs/tiny-grpo"
 
 
 def test_file_preset_overlays_preset(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("preset: tiny-ppo\ncritic:\n  optim:\n    lr: 5e-4\n")
-    cfg = load_config(f)
+    cfg = load_config(f, presets=PRESETS)
     base = get_preset("tiny-ppo")
     assert cfg.critic.optim.lr == 5e-4
     assert cfg.critic.enable and cfg.algorithm == base.algorithm  # everything else from the preset
@@ -148,7 +148,7 @@ def test_unknown_preset_suggests(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("preset: tiny-grp\n")
     with pytest.raises(ConfigError) as exc:
-        load_config(f)
+        load_config(f, presets=PRESETS)
     assert exc.value.path == "preset" and "tiny-grpo" in exc.value.errors[0].fix
 
 
@@ -163,7 +163,7 @@ def test_preset_conflict_between_file_and_command(tmp_path):
 def test_precedence_overrides_over_file_over_preset(tmp_path):
     f = tmp_path / "run.yaml"
     f.write_text("actor:\n  optim:\n    lr: 5e-4\n    min_lr: 1e-5\n")
-    cfg = load_config(f, preset="tiny-grpo", overrides=["actor.optim.lr=2e-4"])
+    cfg = load_config(f, preset="tiny-grpo", overrides=["actor.optim.lr=2e-4"], presets=PRESETS)
     assert cfg.actor.optim.lr == 2e-4  # override beats file
     assert cfg.actor.optim.min_lr == 1e-5  # file beats preset
     assert cfg.trainer.output_dir == "outputs/tiny-grpo"  # preset beats defaults
@@ -180,7 +180,7 @@ def test_override_parsing():
 
 def test_override_through_a_value_is_an_error():
     with pytest.raises(ConfigError) as exc:
-        load_config(None, preset="tiny-grpo", overrides=["actor.ppo_epochs.x=1"])
+        load_config(None, preset="tiny-grpo", overrides=["actor.ppo_epochs.x=1"], presets=PRESETS)
     assert exc.value.path == "actor.ppo_epochs"
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 import torch
 
+from presets import PRESETS
 from rlconf.load import load_config
 from rlconf.plan import ProfilePlan, compile_plan
 from rltrain import npu, profiling
@@ -36,7 +37,9 @@ TWO_RANKS = (
 
 
 def make_plan(tmp_path: Path, *overrides: str, preset: str = "tiny-grpo") -> ProfilePlan:
-    cfg = load_config(None, preset=preset, overrides=[f"trainer.output_dir={tmp_path}", *overrides])
+    cfg = load_config(
+        None, preset=preset, overrides=[f"trainer.output_dir={tmp_path}", *overrides], presets=PRESETS
+    )
     return compile_plan(cfg).profile
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from presets import PRESETS
 from rlconf.config import RLConfig
 from rlconf.errors import ConfigError
 from rlconf.fields import leaf_paths, section_paths
@@ -76,8 +77,8 @@ def _parses(text: str) -> bool:
 def test_random_overrides_only_raise_config_error(items):
     """(b) random dotted overrides either apply or raise ConfigError naming the override's path."""
     try:
-        resolve_config(None, preset="tiny-grpo", overrides=items)
-        load_config(None, preset="tiny-grpo", overrides=items)
+        resolve_config(None, preset="tiny-grpo", overrides=items, presets=PRESETS)
+        load_config(None, preset="tiny-grpo", overrides=items, presets=PRESETS)
     except ConfigError as exc:
         given_paths = {i.partition("=")[0].strip().removeprefix("--") for i in items} | {i for i in items}
         prefixes = {".".join(p.split(".")[: n + 1]) for p in given_paths for n in range(len(p.split(".")))}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from presets import PRESETS
 from rlconf.cli import main as rlconf_main
 from rlconf.config import DataConfig
 from rlconf.errors import ConfigError
@@ -85,7 +86,9 @@ def test_step_count_the_plan_cannot_build_is_rejected_by_validate(tmp_path, caps
     # validate reports it under the same path the plan compiler does (the rule mirrors the plan's limit)
     from rlconf.load import build_from_sources
 
-    config, _, _ = build_from_sources(None, preset="tiny-grpo", overrides=["trainer.total_steps=100001"])
+    config, _, _ = build_from_sources(
+        None, preset="tiny-grpo", overrides=["trainer.total_steps=100001"], presets=PRESETS
+    )
     with pytest.raises(ConfigError) as info:
         compile_plan(config)
     assert "trainer.total_steps" in info.value.paths
@@ -166,9 +169,10 @@ def test_reward_function_doc_states_the_trust_model():
 # ------------------------------------------------------------------------------------- load_config API
 def test_filesystem_rules_run_only_when_asked(tmp_path):
     overrides = [f"data.train_files=[{tmp_path / 'absent.jsonl'}]"]
-    load_config(None, preset="tiny-grpo", overrides=overrides)  # a config checked away from its files
+    # a config checked away from its files
+    load_config(None, preset="tiny-grpo", overrides=overrides, presets=PRESETS)
     with pytest.raises(ConfigError) as info:
-        load_config(None, preset="tiny-grpo", overrides=overrides, filesystem=True)
+        load_config(None, preset="tiny-grpo", overrides=overrides, filesystem=True, presets=PRESETS)
     assert info.value.paths == ("data.train_files[0]",)
 
 

@@ -163,7 +163,7 @@ def test_rule_reports_its_path(overrides, path, rule_name, severity):
 
 def _issues(overrides):
     try:
-        cfg = load_config(None, preset="tiny-grpo", overrides=overrides, filesystem=True)
+        cfg = load_config(None, preset="tiny-grpo", overrides=overrides, filesystem=True, presets=PRESETS)
     except ConfigError as exc:
         return exc.issues
     return check_config(cfg, filesystem=True)
@@ -184,6 +184,9 @@ def test_presets_are_clean():
 def test_three_independent_mistakes_are_all_reported():
     with pytest.raises(ConfigError) as exc:
         load_config(
-            None, preset="tiny-grpo", overrides=["actor.optim.lr=0", "rollout.n=1", "profile.ranks=[3]"]
+            None,
+            preset="tiny-grpo",
+            overrides=["actor.optim.lr=0", "rollout.n=1", "profile.ranks=[3]"],
+            presets=PRESETS,
         )
     assert {"actor.optim.lr", "rollout.n", "profile.ranks[0]"} <= set(exc.value.paths)
