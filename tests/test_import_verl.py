@@ -156,14 +156,23 @@ def test_rollout_name_vllm_becomes_the_embedded_engine_with_a_note(qwen7b: Path)
     assert "rollout.engine = embedded" in format_report(tr)
 
 
-def test_rollout_tp_that_differs_from_the_actor_fails_now_as_an_rlplan_rule(qwen7b: Path) -> None:
+def test_rollout_tp_that_differs_from_the_actor_maps_onto_a_rollout_layout_of_its_own(qwen7b: Path) -> None:
     tr = translate(
         None, grpo_overrides(qwen7b, **{"actor_rollout_ref.rollout.tensor_model_parallel_size": "2"})
     )
+    assert tr.valid, format_report(tr)
+    assert tr.config.rollout.tensor_model_parallel_size == 2
+    assert tr.config.actor.megatron.tensor_model_parallel_size == 4
+
+
+def test_rollout_tp_that_cannot_regroup_the_actors_shards_fails_now_as_an_rlplan_rule(qwen7b: Path) -> None:
+    tr = translate(
+        None, grpo_overrides(qwen7b, **{"actor_rollout_ref.rollout.tensor_model_parallel_size": "3"})
+    )
     assert not tr.valid
-    (err,) = tr.errors
-    assert (err.rule, err.path) == ("rollout-engine", "rollout.tensor_model_parallel_size")
-    assert err.fix == "set rollout.tensor_model_parallel_size = 4"
+    err = next(e for e in tr.errors if e.rule == "rollout-engine")
+    assert err.path == "rollout.tensor_model_parallel_size"
+    assert err.fix.startswith("use one of 1, 2, 4, 8, 16")
     report = format_report(tr)
     assert "rlplan's own rules (verl runs this; rlplan does not)" in report
     assert "(from actor_rollout_ref.rollout.tensor_model_parallel_size)" in report
@@ -421,7 +430,7 @@ def test_cli_writes_a_config_that_validates_and_plans_the_layout(qwen7b: Path, t
 
 def test_cli_invalid_translation_exits_2_and_still_writes_the_file(qwen7b: Path, tmp_path: Path) -> None:
     out = tmp_path / "bad.yaml"
-    overrides = grpo_overrides(qwen7b, **{"actor_rollout_ref.rollout.tensor_model_parallel_size": "2"})
+    overrides = grpo_overrides(qwen7b, **{"actor_rollout_ref.rollout.tensor_model_parallel_size": "3"})
     result = rlconf("import-verl", *overrides, "-o", str(out))
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "(invalid: fix the errors above" in result.stdout and out.read_text().count("# INVALID") == 1

@@ -25,7 +25,7 @@ CASES = [
     (["model.arch.num_query_groups=3"], "model.arch.num_query_groups", "heads-divisible-by-tp", "error"),
     (["cluster.gpus_per_node=2", "rollout.tensor_model_parallel_size=2", "model.arch.num_query_groups=1"],
      "rollout.tensor_model_parallel_size", "heads-divisible-by-tp", "error"),
-    (["cluster.gpus_per_node=2", "rollout.tensor_model_parallel_size=2"],
+    (["cluster.gpus_per_node=4", "actor.megatron.tensor_model_parallel_size=2", "rollout.tensor_model_parallel_size=3"],
      "rollout.tensor_model_parallel_size", "rollout-engine", "error"),
     # layers divisible by pp (x vpp); vpp needs pp > 1
     (["model.arch.num_layers=3", "cluster.gpus_per_node=2", "actor.megatron.pipeline_model_parallel_size=2"],
