@@ -21,8 +21,6 @@ import torch
 from ._common import actor_cfg, free_port, make_tiny_qwen2, run_spawned, tiny_model_cfg
 
 pytestmark = [
-    pytest.mark.multiproc,
-    pytest.mark.slow,
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
 ]
@@ -103,6 +101,8 @@ def _assert_same_tensors(
         assert torch.equal(actual[name], t), (label, name)
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_reshard_to_another_tp_gives_the_actors_weights(tmp_path):
     untied = make_tiny_qwen2(tmp_path / "untied", tie=False, seed=1)
     tied = make_tiny_qwen2(tmp_path / "tied", tie=True, seed=2)
@@ -128,6 +128,8 @@ def test_reshard_to_another_tp_gives_the_actors_weights(tmp_path):
     assert r0["logprob_diff_max"] < 1e-5 and r1["logprob_diff_max"] < 1e-5
 
 
+@pytest.mark.multiproc
+@pytest.mark.slow
 def test_cli_run_generates_at_tp1_while_training_at_tp2(tmp_path):
     """The issue's done-when command on CPU: exits 0, and the sampler's log-probs equal the actor's."""
     out = tmp_path / "run"
@@ -142,3 +144,77 @@ def test_cli_run_generates_at_tp1_while_training_at_tp2(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-5, r
+
+
+# ------------------------------------------------------------------------------------------- config and plan
+def _load(*overrides: str):
+    from presets import PRESETS
+    from rlconf.load import load_config
+
+    return load_config(None, preset="tiny-grpo", overrides=list(overrides), presets=PRESETS)
+
+
+def test_setting_only_the_actors_tp_validates_and_the_rollout_follows_it():
+    from rlconf.plan import compile_plan
+
+    cfg = _load("cluster.gpus_per_node=8", "actor.megatron.tensor_model_parallel_size=2",
+                "actor.ppo_micro_batch_size_per_gpu=8")  # fmt: skip
+    assert cfg.rollout.tensor_model_parallel_size is None
+    plan = compile_plan(cfg)
+    rollout = plan.layout("rollout")
+    assert (rollout.tp, rollout.pp, rollout.dp) == (2, 1, 4)
+    assert plan.refit.mode == "zero-copy" and plan.refit.extra_gib == 0.0
+
+
+def test_plan_shows_the_rollout_grid_and_the_refits_memory_and_time():
+    from rlconf.plan import compile_plan, format_plan, plan_to_dict
+
+    cfg = _load("cluster.gpus_per_node=4", "actor.megatron.tensor_model_parallel_size=2",
+                "actor.megatron.pipeline_model_parallel_size=2", "rollout.tensor_model_parallel_size=1",
+                "actor.ppo_micro_batch_size_per_gpu=8")  # fmt: skip
+    plan = compile_plan(cfg)
+    rollout = plan.layout("rollout")
+    assert (rollout.tp, rollout.pp, rollout.dp) == (1, 1, 4)
+    refit = plan_to_dict(plan)["refit"]
+    assert (refit["mode"], refit["actor_tp"], refit["actor_pp"], refit["rollout_dp"]) == ("reshard", 2, 2, 4)
+    # The replica holds the whole model at tp 1 plus one bucket (capped by the model's size).
+    full_gib = plan.model("policy").params_total * 4 / 2**30
+    assert refit["extra_gib"] == pytest.approx(3 * full_gib, rel=1e-3)
+    assert refit["estimated_s"] > 0
+    text = format_plan(plan)
+    assert "rollout grid (ranks by tp):" in text and "    pp=0 dp=3: 3" in text
+    assert "rollout refit: resharded on the actor's devices, actor tp 2 x pp 2 -> rollout tp 1 x dp 4" in text
+    gen = next(p for pool in plan.memory.pools for p in pool.phases if p.phase == "generate_sequences")
+    assert "rollout weights (resharded)" in {part.label for part in gen.parts}
+
+
+def test_a_rollout_tp_that_cannot_regroup_the_actors_shards_is_a_named_error():
+    from rlconf.errors import ConfigError
+    from rlconf.validate import check_config
+
+    try:
+        issues = check_config(_load("cluster.gpus_per_node=6", "actor.megatron.tensor_model_parallel_size=2",
+                                    "rollout.tensor_model_parallel_size=3"))  # fmt: skip
+    except ConfigError as exc:
+        issues = exc.issues
+    (err,) = [i for i in issues if i.rule == "rollout-engine"]
+    assert err.path == "rollout.tensor_model_parallel_size" and "use one of 1, 2, 4, 8" in err.fix
+
+
+def test_vllm_that_is_not_installed_is_said_plainly(monkeypatch):
+    import importlib.util
+
+    from rlconf.errors import ConfigError
+    from rlconf.validate import check_config
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real(name, *a)
+    )
+    try:
+        issues = check_config(_load("rollout.engine=vllm", "cluster.device=cuda"))
+    except ConfigError as exc:
+        issues = exc.issues
+    (err,) = [i for i in issues if i.rule == "rollout-engine"]
+    assert err.path == "rollout.engine" and "vLLM is not installed here" in err.message
+    assert "pip install 'rlplan[vllm]'" in err.fix
