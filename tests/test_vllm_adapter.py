@@ -195,3 +195,21 @@ def test_sleep_wake_and_weight_streaming(fake_vllm):
     # The adapter is itself a weight_sync `load_weights` callback.
     rollout(weights[:1])
     assert len(llm.workers[0].loaded) == 3
+
+
+def test_bucketed_weight_load_and_rollout_tp_from_the_plan(fake_vllm):
+    """Refit in buckets: one collective_rpc per bucket, every tensor once; vLLM's TP is the plan's rollout
+    TP when given, else the config's (null: 1 here, the plan resolves it to the actor's in a run)."""
+    from rltrain.rollout.vllm_adapter import VLLMRollout
+
+    rollout = VLLMRollout("/m", RolloutConfig(), tensor_parallel_size=2)
+    assert _LLM.instances[-1].kwargs["tensor_parallel_size"] == 2
+    VLLMRollout("/m", RolloutConfig())
+    assert _LLM.instances[-1].kwargs["tensor_parallel_size"] == 1
+    weights = [(f"model.layers.{i}.mlp.down_proj.weight", torch.full((4, 4), float(i))) for i in range(5)]
+    stats = rollout.update_weights_bucketed(iter(weights), bucket_bytes=2 * 4 * 4 * 4)  # two fp32 tensors
+    rpcs = [c for c in rollout.llm.calls if c[0] == "collective_rpc"]
+    assert (stats.buckets, stats.tensors, len(rpcs)) == (3, 5, 3)
+    loaded = rollout.llm.workers[0].loaded
+    assert [n for n, _ in loaded] == [n for n, _ in weights]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(loaded, weights, strict=True))

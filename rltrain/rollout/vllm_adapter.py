@@ -11,6 +11,11 @@ updated through `LLM.collective_rpc(fn, args=...)`, which runs `fn(worker, ...)`
 `fn` calls `worker.model_runner.model.load_weights(weights)` (the HF-named iterable every vLLM model
 implements). With a multi-process executor vLLM pickles `fn` (set VLLM_ALLOW_INSECURE_SERIALIZATION=1) and
 the tensors; across processes prefer rltrain/rollout/weight_sync.py (a broadcast into `load_weights`).
+Layout and refit (issue 20): vLLM runs at the plan's rollout TP (`plan.refit`, mode "vllm"; null = the
+actor's TP) and is refit before each generation from the actor's weights in buckets
+(`refit_from_actor`: the TP gather of weight_sync.iter_hf_weights -> bucketed `load_weights`), waking
+from sleep first; after generation `sleep()` hands the device back to training (colocation). Validation
+(rule rollout-engine) says plainly when vLLM is not importable or the device is not CUDA.
 This adapter was unit-tested only against a stand-in `vllm` module (tests/test_vllm_adapter.py): vLLM
 cannot be installed on the development machines (CUDA-only wheel, torch 2.14). Check it on a GPU host.
 
@@ -24,6 +29,7 @@ temperature-scaled distribution before top-k/top-p filtering by default, the qua
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,6 +39,7 @@ import torch
 from rlconf.config import RolloutConfig
 from rlconf.errors import ConfigError, Issue
 from rltrain.rollout.batch import rollout_batch
+from rltrain.rollout.weight_sync import SyncStats
 
 INSTALL_HINT = "pip install 'rlplan[vllm]'"
 
@@ -119,14 +126,21 @@ class VLLMRollout:
         rollout: RolloutConfig,
         dtype: str = "bfloat16",
         seed: int = 0,
+        tensor_parallel_size: int | None = None,
         **llm_kwargs: Any,
     ) -> None:
-        """Start vLLM on a local HF folder (config.json + safetensors; the actor's export works)."""
+        """Start vLLM on a local HF folder (config.json + safetensors; the actor's export works).
+
+        `tensor_parallel_size`: vLLM's own TP, the plan's rollout layout (`plan.refit.rollout_tp`, which
+        resolves rollout.tensor_model_parallel_size: null to the actor's); default: the config's, else 1.
+        """
         self.vllm = import_vllm()
         self.rollout = rollout
+        if tensor_parallel_size is None:
+            tensor_parallel_size = rollout.tensor_model_parallel_size or 1
         kwargs: dict[str, Any] = dict(
             model=str(model_path),
-            tensor_parallel_size=rollout.tensor_model_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
             gpu_memory_utilization=rollout.gpu_memory_utilization,
             max_num_seqs=rollout.max_num_seqs,
             enforce_eager=not rollout.cuda_graph,
@@ -177,6 +191,32 @@ class VLLMRollout:
         return len(weights)
 
     __call__ = update_weights  # so the adapter itself is a weight_sync `load_weights` callback
+
+    def update_weights_bucketed(
+        self, named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+    ) -> SyncStats:
+        """Load HF-named tensors in buckets of at most `bucket_bytes` (one `collective_rpc` each), so the
+        extra memory of a refit is one bucket, not a model copy: the same bucketing as weight_sync."""
+        from rltrain.rollout.weight_sync import _buckets
+
+        stats = SyncStats()
+        t0 = time.perf_counter()
+        for bucket in _buckets(named_tensors, bucket_bytes):
+            self.update_weights(bucket)
+            stats.tensors += len(bucket)
+            stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
+            stats.buckets += 1
+        stats.seconds = time.perf_counter() - t0
+        return stats
+
+    def refit_from_actor(self, actor: Any, bucket_bytes: int) -> SyncStats:
+        """Colocated refit before a generation: wake vLLM, then stream the actor's weights (TP shards
+        gathered, HF names: `weight_sync.iter_hf_weights`). The gather is collective over the actor's TP
+        group: actor ranks that host no vLLM engine call `take_part_in_refit(actor)` at the same time."""
+        from rltrain.rollout.weight_sync import iter_hf_weights
+
+        self.wake_up()
+        return self.update_weights_bucketed(iter_hf_weights(actor.chunks, actor.arch), bucket_bytes)
 
     # --------------------------------------------------------------------------------- generate
     def generate(
@@ -254,4 +294,20 @@ def to_batch(
     return rollout_batch(left, left_mask, resp, resp_mask, logps)
 
 
-__all__ = ["INSTALL_HINT", "Sampling", "VLLMRollout", "import_vllm", "sampling_params", "to_batch"]
+def take_part_in_refit(actor: Any) -> None:
+    """The TP gather of a refit on an actor rank that hosts no vLLM engine (the tensors are dropped)."""
+    from rltrain.rollout.weight_sync import iter_hf_weights
+
+    for _ in iter_hf_weights(actor.chunks, actor.arch):
+        pass
+
+
+__all__ = [
+    "INSTALL_HINT",
+    "Sampling",
+    "VLLMRollout",
+    "import_vllm",
+    "sampling_params",
+    "take_part_in_refit",
+    "to_batch",
+]
