@@ -80,17 +80,12 @@ def _raylets() -> set[int]:
 
 
 def _policy_workers(raylets: set[int]) -> dict[int, int]:
-    """pid -> raylet pid of the actor processes on this cluster (Ray renames them `ray::PolicyWorker...`)."""
+    """pid -> raylet pid of the actor processes on this cluster (Ray renames them `ray::PolicyWorker...`).
+    Helpers they fork (dist_checkpointing's save process) share the name; the raylet is the actor's parent."""
     found = {}
-    for proc in psutil.process_iter(["name"]):
-        if not (proc.info["name"] or "").startswith("ray::PolicyWorker"):
-            continue
-        try:
-            raylet = int(proc.environ().get("RAY_RAYLET_PID", "0"))
-        except psutil.Error:
-            continue
-        if raylet in raylets:
-            found[proc.pid] = raylet
+    for proc in psutil.process_iter(["name", "ppid"]):
+        if (proc.info["name"] or "").startswith("ray::PolicyWorker") and proc.info["ppid"] in raylets:
+            found[proc.pid] = proc.info["ppid"]
     return found
 
 
