@@ -470,12 +470,11 @@ class RolloutConfig:
     stop_token_ids: tuple[int, ...] = ()
     """Extra token ids that end a response (EOS always does)."""
     tensor_model_parallel_size: int | None = None
-    """Tensor parallel size of the rollout engine; null follows the actor's layout (its tp and pp: the
-    embedded engine generates on the actor's own weights, no copy). When set, the rollout runs at this tp
-    without pipeline parallel and rollout dp = actor devices / tp; unless the actor's layout is already
-    this tp with pp 1, the actor's weights are resharded into it before every generation (gathered or
-    split inside tp groups, stages gathered across pp) and freed after it. Must divide or be a multiple
-    of the actor's tp."""
+    """Tensor parallel size of the rollout engine; null (or the actor's tp) follows the actor's layout,
+    pipeline stages included: the embedded engine generates on the actor's own weights, no copy. Another
+    value must divide or be a multiple of the actor's tp: the rollout then runs at this tp without
+    pipeline parallel (rollout dp = actor devices / tp), on the actor's weights resharded into it before
+    every generation (gathered or split inside tp groups, stages gathered across pp) and freed after it."""
     gpu_memory_utilization: float = 0.5
     """Fraction of device memory the rollout engine may use for weights and KV cache."""
     max_num_seqs: int = 256
@@ -615,6 +614,12 @@ class TrainerConfig:
 
     total_steps: int = 100
     """Optimizer steps of the whole run (steps count from 1, across resumes)."""
+    total_epochs: int | None = None
+    """Passes over data.train_files instead of total_steps (leave total_steps at its default): steps =
+    total_epochs x (prompts in the files // data.train_batch_size), derived once by the plan, which shows
+    the count. Prompts are the files' rows (.jsonl: non-empty lines); rows that data.truncation = filter
+    drops and the extra generation batches of algorithm.filter_groups make the run read more than
+    total_epochs passes. Needs prompt files (a synthetic task has no epochs)."""
     output_dir: str = "outputs/rlplan"
     """Folder of config.yaml, plan.json, metrics.jsonl, checkpoints/ and plots."""
     project_name: str = "rlplan"

@@ -16,7 +16,8 @@ Design choices
   `sequence_parallel` is off at tp = 1 (megatron switches it off), `expert_tensor_parallel_size` is the
   tp size when None, `model.arch` holds the architecture read from config.json when `model.path` is set,
   each `optim` has `lr_warmup_steps`, `lr_decay_steps` and `lr_wsd_decay_steps` resolved to numbers, and
-  `data.seed` and every `megatron.seed` left None hold `trainer.seed` (rlconf.seeding). Everything else
+  `data.seed` and every `megatron.seed` left None hold `trainer.seed` (rlconf.seeding), and with
+  `trainer.total_epochs` `trainer.total_steps` holds the steps it derives (rlconf.run_length). Everything else
   equals the input. (The user's own config is saved separately as config.yaml.)
 - Conventions: ranks are 0-based within a role's world (= the process index inside its device pool);
   layers are 0-based; steps are 1-based training steps (step N is the N-th step of the run, across
@@ -61,6 +62,7 @@ from rlconf.model_spec import (
     layer_params,
     read_model_arch,
 )
+from rlconf.run_length import RunLength, run_length, with_run_length
 from rlconf.seeding import resolve_seed
 
 PLAN_VERSION = 1
@@ -530,6 +532,9 @@ class TrainerPlan:
     """The effective config (see the module docstring): settings the plan does not derive."""
     refit: RolloutRefit | None = None
     """How the rollout gets the actor's weights (always set by compile_plan)."""
+    length: RunLength | None = None
+    """The run's training steps and their source: trainer.total_steps, or trainer.total_epochs x batches
+    per epoch (always set by compile_plan; config.trainer.total_steps holds the same number)."""
 
     def layout(self, role: str) -> RoleLayout:
         return _by_role(self.layouts, role)
@@ -796,14 +801,12 @@ def rollout_tp(c: RLConfig) -> int:
 
 def rollout_resharded(c: RLConfig) -> bool:
     """Whether the rollout runs in a layout of its own (tp = rollout_tp, pp 1): always for vLLM; for the
-    embedded engine when rollout.tensor_model_parallel_size is set and the actor's layout is not already
-    that tp with pp 1. Otherwise it generates on the actor's weights in the actor's layout (zero copy)."""
+    embedded engine when its tp differs from the actor's. Otherwise it generates on the actor's weights in
+    the actor's layout, pipeline stages included (zero copy), as configs that set the actor's tp here
+    always have."""
     if c.rollout.engine != "embedded":
         return True
-    a = c.actor.megatron
-    if c.rollout.tensor_model_parallel_size is None:
-        return False
-    return not (rollout_tp(c) == a.tensor_model_parallel_size and a.pipeline_model_parallel_size == 1)
+    return rollout_tp(c) != c.actor.megatron.tensor_model_parallel_size
 
 
 def _present_roles(c: RLConfig) -> tuple[str, ...]:
@@ -1994,6 +1997,9 @@ def _compile(config: RLConfig) -> TrainerPlan:
         raise ConfigError(
             [error("", f"expected an RLConfig, got {type(config).__name__}", "load the config first", "plan")]
         )
+    # trainer.total_epochs becomes a step count here, once: every table below and the workers read it.
+    length = run_length(config)
+    config = with_run_length(config, length)
     _check_basics(config)
     roles = _present_roles(config)
     models = _resolve_models(config, roles)
@@ -2013,6 +2019,7 @@ def _compile(config: RLConfig) -> TrainerPlan:
         memory=_memory(config, resources, layouts, models, batches),
         config=_effective_config(config, models, roles),
         refit=_rollout_refit(config, layouts, models),
+        length=length,
     )
 
 
@@ -2329,6 +2336,8 @@ def format_plan(plan: TrainerPlan) -> str:
         out += _grid_lines(lay)
     out += _refit_lines(plan)
 
+    if plan.length is not None:
+        out += ["", f"run: {plan.length.describe()}"]
     if plan.batch:
         out += ["", "batch schedule (per training step; mini-batches count prompts)"]
         rows = []

@@ -20,7 +20,7 @@ import importlib.util
 import os
 import re
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rlconf.config import (
     BUILTIN_REWARDS,
@@ -35,6 +35,8 @@ from rlconf.errors import ConfigError, Issue, error, warning
 from rlconf.fields import get_path, iter_leaves
 from rlconf.model_spec import engine_gaps, read_model_arch
 from rlconf.plan import MAX_DEVICES, MAX_INT, MAX_TOTAL_STEPS, rollout_tp
+from rlconf.run_length import RULE as RUN_LENGTH_RULE
+from rlconf.run_length import resolved_or_same, run_length, setting_issues
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
 
@@ -80,9 +82,12 @@ def check_config(config: RLConfig, *, filesystem: bool = False) -> tuple[Issue, 
     check before a run starts.
     """
     issues: list[Issue] = []
+    # The total_epochs rules judge the config as given; the others see the step count it derives (warmup,
+    # profile steps and critic warmup are checked against the run's real length).
+    counted = resolved_or_same(config)
     for r in RULES.values():
         if filesystem or not r.filesystem:
-            issues.extend(r.fn(config))
+            issues.extend(r.fn(config if r.name.startswith(RUN_LENGTH_RULE) else counted))
     return tuple(issues)
 
 
@@ -818,6 +823,35 @@ def data_files(c: RLConfig) -> Iterator[Issue]:
                 hint = " (JSON lines: rename it to .jsonl)" if f.lower().endswith(".json") else ""
                 yield error(f"data.{name}[{i}]", f"{f!r} is not a .parquet or .jsonl file{hint}",
                             "convert it to parquet or jsonl (one JSON object per line)", "data-files")  # fmt: skip
+
+
+@rule(RUN_LENGTH_RULE, "trainer.total_epochs", "trainer.total_steps", "data.train_files")
+def total_epochs(c: RLConfig) -> Iterator[Issue]:
+    """trainer.total_epochs is >= 1, replaces trainer.total_steps (which stays at its default: setting both
+    is an error naming both) and needs data.train_files (a synthetic task is an unbounded stream)."""
+    yield from setting_issues(c)
+
+
+@rule(f"{RUN_LENGTH_RULE}-prompts", "trainer.total_epochs", "data.train_files", "data.train_batch_size",
+      filesystem=True)  # fmt: skip
+def total_epochs_prompts(c: RLConfig) -> Iterator[Issue]:
+    """With trainer.total_epochs, data.train_files can be counted and hold at least one full batch of
+    data.train_batch_size prompts, and the steps they give stay within the plan's limit."""
+    files = c.data.train_files
+    if c.trainer.total_epochs is None or setting_issues(c) or not _sizes_ok(c):
+        return
+    if not all(os.path.isfile(f) and f.lower().endswith(PROMPT_FILE_TYPES) for f in files):
+        return  # data-files and data-files-exist report these
+    name = f"{RUN_LENGTH_RULE}-prompts"
+    try:
+        length = run_length(c)
+    except ConfigError as exc:
+        yield from (replace(i, rule=name) for i in exc.issues)
+        return
+    if length.total_steps > MAX_TOTAL_STEPS:
+        yield error("trainer.total_epochs", f"{length.describe()} is more than a plan supports "
+                    f"({MAX_TOTAL_STEPS:,} steps)", "use fewer epochs (a longer run resumes from its checkpoint "
+                    "with more epochs)", name)  # fmt: skip
 
 
 @rule("data-files-exist", "data.train_files", "data.val_files", filesystem=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from rlconf.config import LAYOUT_FIELDS, RLConfig
-from rlconf.errors import ConfigError, Issue, IssueSet, error
+from rlconf.errors import ConfigError, Issue, IssueSet, error, warning
 from rlconf.fields import field_types, leaf_paths, strip_optional
 
 Reason = Literal["unsupported", "ignored-by-verl", "not-needed", "deprecated-in-verl"]
@@ -209,6 +209,11 @@ def _filter_metric(value: Any, _: Mapping[str, Any]) -> Any:
         f"filter_groups.metric {value!r} has no rlplan equivalent",
         "use acc / score (the reward function's value) or seq_reward (with the overlong penalty)",
     )
+
+
+def _total_epochs(value: Any, values: Mapping[str, Any]) -> Any:
+    # verl's trainer runs total_training_steps when it is set, whatever total_epochs says.
+    return SKIP if value is None or _ctx(values, "trainer.total_training_steps", None) is not None else value
 
 
 def _min_lr_ratio(lr_key: str, lr_default: float) -> Converter:
@@ -728,8 +733,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("algorithm.rollout_is_threshold", "algorithm.rollout_correction.rollout_is_threshold", "older verl name"),
     # --------------------------------------------------------------------------------------- trainer
     _m("trainer.total_training_steps", "trainer.total_steps", "steps count from 1 across resumes"),
-    _u("trainer.total_epochs", "unsupported", "rlplan counts steps: set trainer.total_steps (epochs x prompts / "
-       "data.train_batch_size); the prompt loader cycles"),
+    _m("trainer.total_epochs", "trainer.total_epochs", "the plan counts steps = epochs x (rows of "
+       "data.train_files // data.train_batch_size); kept out when trainer.total_training_steps is set (verl "
+       "then runs that many steps)", _total_epochs),
     _m("trainer.nnodes", "cluster.nnodes", ""),
     _m("trainer.n_gpus_per_node", "cluster.gpus_per_node", "verl's default is 8 (rlplan's: 1)", verl_default=8),
     _m("trainer.device", "cluster.device", "verl's default is cuda (rlplan's: cpu)", verl_default="cuda"),
@@ -1248,8 +1254,20 @@ def _check(settings: Mapping[str, Any], check_plan: bool) -> tuple[RLConfig, lis
     if check_plan and not any(i.severity == "error" for i in issues):
         from rlconf.plan import compile_plan
 
+        planned = config
+        missing = [f for f in config.data.train_files if not os.path.isfile(f)]
+        if config.trainer.total_epochs is not None and missing:
+            # The prompt files live where the run starts (a verl script's /data/...): plan the rest and say so.
+            planned = dataclasses.replace(
+                config, trainer=dataclasses.replace(config.trainer, total_epochs=None)
+            )
+            issues.append(warning(
+                "trainer.total_epochs", f"{missing[0]} is not on this machine, so the steps of "
+                f"{config.trainer.total_epochs} epochs are not counted here (the plan checked uses "
+                f"trainer.total_steps = {config.trainer.total_steps})",
+                "run `rlconf plan` where data.train_files are: it counts them and shows the steps", "total-epochs"))  # fmt: skip
         try:
-            compile_plan(config)
+            compile_plan(planned)
         except ConfigError as exc:
             issues += exc.issues
     return config, issues
@@ -1590,8 +1608,8 @@ _PAGE_DIFFERENCES = """\
   (verl gives the ref its own worker group and layout).
 - **The lr schedule advances once per training step**, as in verl. It does not advance once per optimizer
   step. With warmup, step 1 trains at `lr_warmup_init` (0 by default). The plan's lr table shows every step.
-- **Steps count from 1 across resumes.** `trainer.total_steps` is the whole run; verl's `total_epochs`
-  has no equivalent.
+- **Steps count from 1 across resumes.** `trainer.total_steps` is the whole run. `trainer.total_epochs`
+  works as in verl: the plan derives the steps from the rows of `data.train_files` and shows them.
 - **Reward functions** have the signature `(response: str, ground_truth: str, prompt: str) -> float`.
     verl's is `compute_score(data_source, solution_str, ground_truth, extra_info)`. Wrap an existing verl
     function in a small module:

@@ -31,6 +31,7 @@ import torch
 
 from rlconf.config import DataConfig
 from rlconf.errors import ConfigError, error
+from rlconf.run_length import batches_per_epoch
 from rlconf.seeding import run_seed
 from rltrain.tokenizer import Prompt, Tokenizer, messages_to_text
 
@@ -379,7 +380,8 @@ class PromptDataloader:
 
     Training (`repeat=True`): an endless iterator. A finite source is walked epoch by epoch in an order
     that is a permutation seeded by (seed, epoch) when `shuffle`, with the incomplete last batch of each
-    epoch dropped so every step has `batch_size` prompts; an unlimited synthetic stream is read in index
+    epoch dropped so every step has `batch_size` prompts (`rlconf.run_length.batches_per_epoch`, the rule
+    the plan counts trainer.total_epochs by); an unlimited synthetic stream is read in index
     order (it is random already). `state_dict()` records (epoch, cursor); loading it makes the next batch
     the one an uninterrupted run would have produced.
 
@@ -454,7 +456,7 @@ class PromptDataloader:
         if self.source.size is None:
             raise TypeError("an unlimited prompt stream has no length")
         if self.repeat:
-            return self.source.size // self.batch_size
+            return batches_per_epoch(self.source.size, self.batch_size)
         return -(-self.source.size // self.batch_size)
 
     def __next__(self) -> PromptBatch:
@@ -462,7 +464,8 @@ class PromptDataloader:
             raise TypeError("iterate a validation loader with iter() / for")
         if self.source.size is None:
             return self._next_from_stream()
-        if self.cursor + self.batch_size > self.source.size:
+        # An epoch ends where the plan's step count (trainer.total_epochs) says it ends: one shared rule.
+        if self.cursor // self.batch_size >= batches_per_epoch(self.source.size, self.batch_size):
             self.epoch += 1
             self.cursor = 0
         order = self._order_for(self.epoch)

@@ -358,24 +358,24 @@ class RunFolder:
             ckpt.cleanup_incomplete()
             resume = ckpt.resolve_resume(plan) if plan.checkpoint.roles else None
             folder = cls(path, lock, ckpt, resume)
-            folder._check(config)
+            folder._check(config, plan.config.trainer.total_steps)
         except BaseException:
             lock.release()
             raise
         return folder
 
-    def _check(self, config: RLConfig) -> None:
+    def _check(self, config: RLConfig, total: int) -> None:
+        """`total`: the run's steps as the plan counts them (trainer.total_epochs derives them)."""
         recorded = recorded_config(self.path)
         self.new = recorded is None
         done = self.resume.step if self.resume is not None else 0
-        total = config.trainer.total_steps
         self.changes = [] if recorded is None else config_changes(recorded, config, done)
         real = [c for c in self.changes if c.free is None]
         if config.trainer.resume_mode == "disable":
             return  # a fresh start: anything may change, it is recorded as a restart
         logged = last_logged_step(self.path)
         if done >= total or (not self.ckpt.step_folders() and not real and 0 < total <= logged):
-            self.finished = self._finished_message(config, done if done >= total else logged)
+            self.finished = self._finished_message(config, done if done >= total else logged, total)
             return
         if done and real and not config.trainer.accept_config_changes:
             self._refuse(real, done)
@@ -401,10 +401,11 @@ class RunFolder:
         )
         raise ConfigError(issues, str(self.path))
 
-    def _finished_message(self, config: RLConfig, done: int) -> str:
-        total = config.trainer.total_steps
+    def _finished_message(self, config: RLConfig, done: int, total: int) -> str:
         where = f"checkpoint {self.resume.folder}" if self.resume is not None else f"{METRICS_FILE}"
-        further = f"--trainer.total_steps N (N > {total})"
+        epochs = config.trainer.total_epochs
+        further = f"--trainer.total_steps N (N > {total})" if epochs is None else (
+            f"--trainer.total_epochs N (N > {epochs}) --trainer.accept_config_changes true")  # fmt: skip
         if self.resume is None:
             further += " (there is no checkpoint to continue from: it trains again from step 1)"
         return (

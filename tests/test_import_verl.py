@@ -7,12 +7,15 @@ is all the plan reads.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import yaml
 from hypothesis import given
@@ -131,7 +134,11 @@ def test_qwen25_grpo_megatron_overrides_translate_to_the_plan_layout(qwen7b: Pat
     assert (c.ref.megatron.tensor_model_parallel_size, c.ref.megatron.pipeline_model_parallel_size) == (4, 2)
     assert {d.rlplan for d in tr.derived} >= {"ref.megatron.tensor_model_parallel_size", "cluster.device"}
 
-    plan = compile_plan(c)
+    # The prompt files are the script's /data/...: the plan cannot count total_epochs here and says where.
+    with pytest.raises(ConfigError) as exc:
+        compile_plan(c)
+    assert exc.value.paths == ("data.train_files[0]",)
+    plan = compile_plan(dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, total_epochs=None)))
     actor = plan.layout("actor")
     assert (actor.world_size, actor.tp, actor.pp, actor.dp) == (8, 4, 2, 1)
     assert plan.batch_plan("actor").responses_per_step == 32 * 5
@@ -139,10 +146,11 @@ def test_qwen25_grpo_megatron_overrides_translate_to_the_plan_layout(qwen7b: Pat
     # Every key is accounted for; the unmapped ones with their reasons.
     assert accounted(tr) == keys_of(overrides)
     reasons = {u.verl: u.reason for u in tr.unmapped}
-    assert reasons == {
-        "trainer.total_epochs": "unsupported",
-        "actor_rollout_ref.model.use_remove_padding": "not-needed",
-    }
+    assert reasons == {"actor_rollout_ref.model.use_remove_padding": "not-needed"}
+    # total_epochs maps one to one; the prompt files are not on this machine, so the import says the steps
+    # are counted where they are (and plans the rest).
+    assert c.trainer.total_epochs == 15
+    assert [w.path for w in tr.warnings if w.rule == "total-epochs"] == ["trainer.total_epochs"]
     report = format_report(tr)
     for u in tr.unmapped:
         assert u.note and f"{u.verl} = " in report and u.note in report
@@ -409,8 +417,8 @@ def test_cli_writes_a_config_that_validates_and_plans_the_layout(qwen7b: Path, t
     out = tmp_path / "rlplan.yaml"
     # rlconf validate checks that prompt files exist, as the run does: point the import at real files.
     files = [tmp_path / "train.parquet", tmp_path / "test.parquet"]
-    for f in files:
-        f.write_bytes(b"")
+    for f in files:  # 70 prompts: 2 batches of 32 per epoch (verl's total_epochs = 15 gives 30 steps)
+        pq.write_table(pa.table({"prompt": ["1 + 1 ="] * 70, "answer": ["2"] * 70}), f)
     data = {"data.train_files": f"['{files[0]}']", "data.val_files": f"['{files[1]}']"}
     result = rlconf("import-verl", *grpo_overrides(qwen7b, **data), "-o", str(out))
     assert result.returncode == 0, result.stdout + result.stderr
@@ -423,6 +431,7 @@ def test_cli_writes_a_config_that_validates_and_plans_the_layout(qwen7b: Path, t
     assert check.returncode == 0, check.stderr
     plan = rlconf("plan", str(out))
     assert plan.returncode == 0, plan.stderr
+    assert "run: total_steps 30 = 15 epochs x 2 batches of 32 prompts" in plan.stdout, plan.stdout
     assert re.search(r"^\s+actor\s+actor_pool\s+8\s+4\s+2\s+-\s+1\s+1\s+4\s+1\s", plan.stdout, re.M), (
         plan.stdout
     )

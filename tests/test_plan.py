@@ -72,9 +72,13 @@ def test_valid_configs_compile_and_layouts_are_exact_grids(config: RLConfig) -> 
             for i in range(ch.first_layer, ch.first_layer + ch.num_layers)
         )
         assert covered == list(range(lay.num_layers))  # chunks tile the layers
-        # The embedded rollout runs in the actor's processes, so it has the actor's layout.
+        # The embedded rollout runs in the actor's processes: the actor's layout, or (rollout tp set) a
+        # layout of its own without sequence parallel (one decode token cannot be split over tp ranks).
         owner = "actor" if lay.role == "rollout" else lay.role
-        assert lay.sequence_parallel == (lay.tp > 1 and _megatron(config, owner).sequence_parallel)
+        if lay.role == "rollout" and plan.refit.mode != "zero-copy":
+            assert not lay.sequence_parallel and lay.pp == 1
+        else:
+            assert lay.sequence_parallel == (lay.tp > 1 and _megatron(config, owner).sequence_parallel)
         assert (
             lay.padded_vocab_size % (128 * lay.tp) == 0
             and lay.padded_vocab_size >= plan.model(lay.model).arch.vocab_size
@@ -145,7 +149,7 @@ def test_plan_dict_is_json_and_stable(config: RLConfig) -> None:
     assert diff_plans(plan, plan) == []
     assert set(d) == {
         "version", "roles", "models", "resources", "layouts", "batch", "optim", "profile", "checkpoint",
-        "memory", "config",
+        "memory", "config", "refit", "length",
     }  # fmt: skip
 
 

@@ -138,6 +138,10 @@ CASES = [
     (["trainer.seed=100000000000000000000000000000"], "trainer.seed", "seed-range", "error"),
     (["actor.megatron.seed=4611686018427387904"], "actor.megatron.seed", "seed-range", "error"),  # 2**62
     (["trainer.total_steps=100001"], "trainer.total_steps", "plan-limits", "error"),
+    # trainer.total_epochs: instead of total_steps, over prompt files (total-epochs-prompts: test_run_length.py)
+    (["trainer.total_epochs=2", "trainer.total_steps=30"], "trainer.total_steps", "total-epochs", "error"),
+    (["trainer.total_epochs=2"], "trainer.total_epochs", "total-epochs", "error"),  # synthetic: no epochs
+    (["trainer.total_epochs=0"], "trainer.total_epochs", "total-epochs", "error"),
     (["cluster.nnodes=1024", "cluster.gpus_per_node=1024"], "cluster.nnodes", "plan-limits", "error"),
     (["trainer.save_freq=100000000000000000000000000000"], "trainer.save_freq", "plan-limits", "error"),
     (["model.attention_backend=te"], "model.attention_backend", "model-source", "error"),
@@ -172,6 +176,7 @@ def _issues(overrides):
 def test_every_rule_has_an_example():
     covered = {c[2] for c in CASES}
     covered |= {"batch-layout"}  # batch-layout reports under the specific names used above
+    covered |= {"total-epochs-prompts"}  # needs prompt files: tests/test_run_length.py
     assert set(RULES) - covered == set()
 
 
