@@ -215,18 +215,20 @@ def compute_reinforce_plus_plus_outcome_advantage(
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the batch.
 
-        G_t = r_t + gamma * G_{t+1}   (the running return restarts after masked positions)
+        G_t = r_t + gamma * G_{t'}    over valid tokens t, t' the next valid token after t
         A_t = whiten(G) over valid tokens, 0 on masked positions
-    Returns (advantages, returns=G), (B, T).
+    Masked positions inside a response (a tool's observation tokens in a multi-turn rollout) are skipped:
+    the return carries through them undiscounted and unchanged, as GAE carries its advantage (verl fixed
+    the same restart as a bug). Returns (advantages, returns=G), (B, T).
     """
     mask = response_mask.to(token_level_rewards.dtype)
     with torch.no_grad():
         returns = torch.zeros_like(token_level_rewards)
         running = torch.zeros_like(token_level_rewards[:, 0])
         for t in reversed(range(token_level_rewards.shape[-1])):
-            running = token_level_rewards[:, t] + gamma * running
+            m = mask[:, t]
+            running = m * (token_level_rewards[:, t] + gamma * running) + (1 - m) * running
             returns[:, t] = running
-            running = running * mask[:, t]
         returns = returns * mask
         advantages = masked_whiten(returns, mask) * mask
     return advantages, returns
@@ -535,17 +537,23 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
     seq-mean-token-sum:      mean_i sum_t l_it m_it                       longer responses weigh more
     seq-mean-token-mean:     mean_i (sum_t l_it m_it / sum_t m_it)        every response weighs the same
     seq-mean-token-sum-norm: mean_i (sum_t l_it m_it) / T                 Dr. GRPO: constant T = max length
+    The seq-mean modes average over the rows i with at least one valid token: a row whose tokens are all
+    masked (e.g. a multi-turn row cut off before the model spoke) neither adds loss nor dilutes the mean.
+    The mask may have interior zeros (tool observations); only its ones count.
     """
     mask = loss_mask.to(loss_mat.dtype)
     if loss_agg_mode == "token-mean":
         return masked_mean(loss_mat, mask)
     seq_sums = (loss_mat * mask).sum(-1)
+    tokens = mask.sum(-1)
+    rows = (tokens > 0).to(loss_mat.dtype)
+    n_rows = rows.sum().clamp_min(1.0)
     if loss_agg_mode == "seq-mean-token-sum":
-        return seq_sums.mean()
+        return seq_sums.sum() / n_rows
     if loss_agg_mode == "seq-mean-token-mean":
-        return (seq_sums / mask.sum(-1).clamp_min(1e-8)).mean()
+        return (seq_sums / tokens.clamp_min(1.0) * rows).sum() / n_rows
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        return seq_sums.mean() / loss_mask.shape[-1]
+        return seq_sums.sum() / n_rows / loss_mask.shape[-1]
     raise ValueError(
         f"unknown actor.loss_agg_mode {loss_agg_mode!r}; choose one of {', '.join(LOSS_AGG_MODES)}"
     )

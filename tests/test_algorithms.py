@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from rlconf.config import AdvEstimator, KLControl, PolicyLossConfig, PolicyLossMode
 from rltrain.algorithms import (
     ADV_ESTIMATOR_REGISTRY,
+    LOSS_AGG_MODES,
     POLICY_LOSS_REGISTRY,
     AdaptiveKLController,
     FixedKLController,
@@ -617,3 +618,120 @@ def test_rollout_correction_weights_hand_computed():
     # sequence RS at bound 1.4: both sequences (1.5) are rejected.
     w, _ = rollout_correction_weights(train, rollout, mask, None, 2.0, "sequence", 1.4)
     close(w, torch.zeros(2, 2))
+
+
+# ------------------------------------------------------------------ masked spans (multi-turn observations)
+# A multi-turn response interleaves the model's tokens with a tool's observation tokens, which the
+# response_mask leaves out. Every estimator and loss must treat those interior positions as absent: the
+# result on the model's tokens equals the result on the response with the observation columns cut out.
+_INTERIOR_MASK = T(
+    [[1.0, 1.0, 0.0, 0.0, 1.0, 1.0], [1.0, 0.0, 1.0, 1.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0, 1.0, 0.0]]
+)
+
+
+def _compact(x: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's valid entries moved left (observation columns cut out), right-padded with 0."""
+    out = torch.zeros_like(x)
+    out_mask = torch.zeros_like(mask)
+    for i in range(x.shape[0]):
+        vals = x[i][mask[i].bool()]
+        out[i, : vals.numel()] = vals
+        out_mask[i, : vals.numel()] = 1
+    return out, out_mask
+
+
+def _observation_junk(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 5
+
+
+def test_reinforce_plus_plus_return_carries_through_observation_tokens():
+    # gamma 0.5, rewards [0, (obs), 1]: the return of token 0 is 0.5 * 1 (the next valid token's return),
+    # not 0 (the old restart after a masked position).
+    rewards = T([[0.0, 0.0, 1.0]])
+    mask = T([[1.0, 0.0, 1.0]])
+    _, ret = compute_reinforce_plus_plus_outcome_advantage(rewards, mask, gamma=0.5)
+    close(ret, [[0.5, 0.0, 1.0]])
+
+
+@pytest.mark.parametrize("estimator", sorted(ADV_ESTIMATOR_REGISTRY))
+def test_every_estimator_ignores_interior_masked_tokens(estimator):
+    mask = _INTERIOR_MASK
+    scores = T([1.0, 0.0, 0.5])
+    rewards = outcome_to_token_level(scores, mask)
+    # A per-token reward on the model's own tokens too (a KL penalty), so return-to-go estimators see
+    # more than one reward per row; observation columns carry junk that must not leak into anything.
+    rewards = rewards + 0.1 * mask * torch.arange(6.0)
+    values = _observation_junk(mask.shape, 0) * (1 - mask) + mask * torch.linspace(-1, 1, 6)
+    kwargs = dict(group_index=[0, 0, 0], gamma=0.7, lam=0.9)
+    adv, ret = compute_advantage(
+        estimator, token_level_rewards=rewards, response_mask=mask, values=values, **kwargs
+    )
+    c_rewards, c_mask = _compact(rewards, mask)
+    c_values, _ = _compact(values, mask)
+    c_adv, c_ret = compute_advantage(
+        estimator, token_level_rewards=c_rewards, response_mask=c_mask, values=c_values, **kwargs
+    )
+    close(_compact(adv, mask)[0], c_adv)
+    close(_compact(ret, mask)[0], c_ret)
+    close(adv * (1 - mask), torch.zeros_like(adv))
+
+
+@pytest.mark.parametrize("agg_mode", LOSS_AGG_MODES)
+def test_seq_mean_modes_leave_out_rows_without_valid_tokens(agg_mode):
+    loss = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    mask = T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    # The all-masked third row changes nothing: the same value as the batch of the first two rows.
+    close(agg_loss(loss, mask, agg_mode), agg_loss(loss[:2], mask[:2], agg_mode))
+    expected = {"token-mean": 7 / 3, "seq-mean-token-sum": 3.5, "seq-mean-token-mean": 2.75,
+                "seq-mean-token-sum-norm": 3.5 / 3}  # fmt: skip
+    close(agg_loss(loss, mask, agg_mode), expected[agg_mode])
+
+
+@pytest.mark.parametrize("agg_mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("loss_mode", sorted(POLICY_LOSS_REGISTRY))
+def test_every_policy_loss_gives_observation_tokens_no_gradient(loss_mode, agg_mode):
+    mask = _INTERIOR_MASK
+    old = -torch.rand(mask.shape, generator=torch.Generator().manual_seed(1)) - 0.1
+    logp = (old + 0.3 * _observation_junk(mask.shape, 2).tanh()).requires_grad_(True)
+    adv = _observation_junk(mask.shape, 3).tanh()
+    # Covariance bands wide enough that clip-cov / kl-cov select tokens at all.
+    options = PolicyLossConfig(loss_mode=loss_mode, clip_cov_ratio=0.3, clip_cov_lb=-10.0, clip_cov_ub=10.0,
+                               kl_cov_ratio=0.3)  # fmt: skip
+    torch.manual_seed(0)
+    loss, _ = compute_policy_loss(old, logp, adv, mask, 0.2, 0.28, 3.0, agg_mode, loss_mode, options)
+    loss.backward()
+    assert logp.grad is not None
+    assert torch.count_nonzero(logp.grad * mask) > 0  # the model's own tokens do learn
+    assert torch.count_nonzero(logp.grad * (1 - mask)) == 0  # observation tokens never do
+    # The same loss as on the response with the observation columns cut out (T kept: -sum-norm divides by it).
+    c_mask = _compact(mask, mask)[1]
+    c_logp = _compact(logp.detach(), mask)[0]
+    torch.manual_seed(0)
+    c_loss, _ = compute_policy_loss(
+        _compact(old, mask)[0],
+        c_logp,
+        _compact(adv, mask)[0],
+        c_mask,
+        0.2,
+        0.28,
+        3.0,
+        agg_mode,
+        loss_mode,
+        options,
+    )
+    close(loss.detach(), c_loss)
+
+
+@pytest.mark.parametrize("agg_mode", LOSS_AGG_MODES)
+def test_value_loss_ignores_observation_tokens(agg_mode):
+    mask = _INTERIOR_MASK
+    vpreds = _observation_junk(mask.shape, 4).requires_grad_(True)
+    old_values, returns = _observation_junk(mask.shape, 5), _observation_junk(mask.shape, 6)
+    loss, _ = compute_value_loss(vpreds, old_values, returns, mask, 0.5, agg_mode)
+    loss.backward()
+    assert torch.count_nonzero(vpreds.grad * (1 - mask)) == 0
+    c_loss, _ = compute_value_loss(
+        _compact(vpreds.detach(), mask)[0], _compact(old_values, mask)[0], _compact(returns, mask)[0],
+        _compact(mask, mask)[1], 0.5, agg_mode,
+    )  # fmt: skip
+    close(loss.detach(), c_loss)

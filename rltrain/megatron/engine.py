@@ -79,7 +79,10 @@ def align_batch(
     src = (start.unsqueeze(1) + cols.unsqueeze(0)).clamp(max=s - 1)
     tokens = torch.gather(input_ids, 1, src)
     tokens = torch.where(cols.unsqueeze(0) < valid_len.unsqueeze(1), tokens, torch.zeros_like(tokens))
-    resp_len = resp_mask.sum(-1)
+    # The response spans up to its last valid token: a multi-turn response has interior zeros (a tool's
+    # observation tokens, attended to but not trained on), so the span is not the count of ones.
+    cols_r = torch.arange(1, r + 1)
+    resp_len = (resp_mask.bool() * cols_r).max(-1).values if r else resp_mask.sum(-1)
     prompt_len = valid_len - resp_len
     gather_index = (prompt_len.unsqueeze(1) - 1 + torch.arange(r).unsqueeze(0)).clamp(min=0, max=length - 1)
     positions = cols.unsqueeze(0).expand(b, -1).contiguous()
@@ -500,7 +503,11 @@ class MegatronEngine:
     def global_loss_totals(self, mini_batch: dict[str, torch.Tensor]) -> tuple[float, float]:
         """(valid response tokens, rows) of a mini-batch summed over all data-parallel ranks."""
         t = torch.tensor(
-            [float(mini_batch["response_mask"].sum()), float(mini_batch["response_mask"].shape[0])],
+            # Rows without a valid token are left out of the seq-mean modes (algorithms.agg_loss).
+            [
+                float(mini_batch["response_mask"].sum()),
+                float((mini_batch["response_mask"].sum(-1) > 0).sum()),
+            ],
             dtype=torch.float64,
             device=self.torch_device,
         )
@@ -524,7 +531,7 @@ class MegatronEngine:
         if loss_agg_mode == "token-mean":
             share = float(response_mask.sum()) / tokens
         else:
-            share = response_mask.shape[0] / rows
+            share = float((response_mask.sum(-1) > 0).sum()) / rows
         return share * self.dp_size
 
     # --------------------------------------------------------------------------------- schedules
