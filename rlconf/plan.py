@@ -331,7 +331,8 @@ class OptimPlan:
     """One row per training step 1..trainer.total_steps (indexed by TRAINING step, not optimizer step):
     every optimizer step of training step N (mini-batches x ppo_epochs of them) uses row N's lr, which
     is megatron's OptimizerParamScheduler.get_lr() at num_steps = row.scheduler_step. Weight decay is
-    constant (start_wd = end_wd)."""
+    constant (start_wd = end_wd). The engines set each update's lr and weight decay from this table
+    (rltrain.megatron.model.PlanLrSchedule): it is the only implementation of the schedule."""
 
 
 @dataclass(frozen=True)
