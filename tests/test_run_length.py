@@ -133,3 +133,27 @@ def test_cli_plan_shows_the_derived_steps_and_rejects_synthetic_epochs(tmp_path,
     assert rlconf(["plan", "--preset", "tiny-grpo", "--set", "trainer.total_epochs=4"]) == 2
     err = capsys.readouterr().err
     assert "trainer.total_epochs" in err and "unbounded stream" in err and "set trainer.total_steps" in err
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_rltrain_runs_the_derived_steps(tmp_path):
+    """A real run with total_epochs: 20 prompts in batches of 8 give 2 steps per epoch, so 2 epochs run
+    steps 1..4 (the trainer loop reads the plan's count), and plan.json records where 4 came from."""
+    import os
+    import subprocess
+    import sys
+
+    f = write_jsonl(tmp_path / "train.jsonl", 20)
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    result = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--data.train_files", str(f), "--trainer.total_epochs",
+         "2", "--trainer.output_dir", str(out), "--trainer.val_before_train", "false", "--trainer.save_freq", "0"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    plan = json.loads((out / "plan.json").read_text())
+    assert plan["length"]["total_steps"] == 4 and plan["config"]["trainer"]["total_steps"] == 4
