@@ -499,13 +499,30 @@ def engine_gaps(arch: ModelArch) -> list[tuple[str, str]]:
     """(ModelArch field, message) for each feature of `arch` that the plan accepts but the megatron engine
     does not build yet; rlconf.validate's engine-support rule turns them into errors before a run starts."""
     gaps = []
-    if arch.num_moe_experts is not None:
-        gaps.append(("num_moe_experts", f"{arch.family} is a mixture-of-experts model ({arch.num_moe_experts} "
-                     f"experts, {arch.moe_router_topk} per token): MoE training is not built in the megatron "
-                     "engine yet, and rlplan does not run it as a dense model"))  # fmt: skip
     if arch.rope_scaling.type == "yarn":
         gaps.append(("rope_scaling.type", "YaRN rope scaling is not built in the megatron engine yet"))
     return gaps
+
+
+def expert_layout_issues(arch: ModelArch, source: str, ep: int, etp: int) -> list[tuple[str, str, str]]:
+    """(megatron field, message, fix) for each way expert parallel size `ep` and expert tensor parallel size
+    `etp` cannot split `arch`'s experts (`source` names where the architecture comes from)."""
+    if arch.num_moe_experts is None:
+        if ep > 1:
+            return [("expert_model_parallel_size", f"expert parallel needs mixture-of-experts layers, and "
+                     f"{source} is a dense {arch.family} model", "use expert_model_parallel_size: 1")]  # fmt: skip
+        return []
+    out = []
+    if arch.num_moe_experts % ep:
+        out.append(("expert_model_parallel_size", f"num_moe_experts = {arch.num_moe_experts} ({source}) is not "
+                    f"divisible by expert_model_parallel_size = {ep}",
+                    "choose an expert parallel size that divides the number of experts"))  # fmt: skip
+    width = arch.moe_ffn_hidden_size or arch.ffn_hidden_size
+    if width % etp:
+        out.append(("expert_tensor_parallel_size", f"the expert width {width} ({source}) is not divisible by "
+                    f"expert tensor parallel size {etp}",
+                    "choose an expert_tensor_parallel_size that divides it (1 keeps experts whole)"))  # fmt: skip
+    return out
 
 
 # ============================================================================================ counting

@@ -56,6 +56,7 @@ from rlconf.fields import get_path
 from rlconf.model_spec import (
     UNSUPPORTED_RULE,
     count_parameters,
+    expert_layout_issues,
     family_issues,
     head_dim,
     is_moe_layer,
@@ -1186,6 +1187,10 @@ def _layouts(
         if spec.source != "model.arch":
             # validate.py checks model.arch; an architecture read from config.json is checked here.
             _check_arch_layout(ck, spec, role, tp_path, tp, pp, vpp)
+            for field, message, fix in (
+                expert_layout_issues(arch, spec.source, ep, etp) if role != "rollout" else ()
+            ):
+                ck.add(tp_path.replace("tensor_model_parallel_size", field), message, fix, "engine-support")
         dp = world // mp
         stages, even = _split_layers(arch.num_layers, pp, vpp)
         layouts.append(

@@ -225,14 +225,21 @@ def test_family_defaults_are_transformers_class_defaults():
 
 
 # ============================================================================================ commands
-def test_rlconf_plan_works_and_validate_refuses_moe_training(tmp_path: Path):
+def test_rlconf_plan_and_validate_accept_moe_and_check_expert_parallel(tmp_path: Path):
     path = folder(tmp_path, "Qwen3-30B-A3B", QWEN3_30B_A3B)
     planned = rlconf("plan", "--preset", "tiny-grpo", "--set", f"model.path={path}", "--json")
     assert planned.returncode == 0, planned.stderr
     policy = json.loads(planned.stdout)["models"]["policy"]
     assert policy["params_total"] > 9 * policy["params_active"]
     checked = rlconf("validate", "--preset", "tiny-grpo", "--set", f"model.path={path}")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    # 6 experts do not split over 4 expert-parallel ranks: named, with the config.json it came from.
+    six = folder(tmp_path, "six-experts", QWEN3_30B_A3B | {"num_experts": 6, "num_experts_per_tok": 2})
+    checked = rlconf("validate", "--preset", "tiny-grpo", "--set", f"model.path={six}", "--set",
+                     "cluster.gpus_per_node=4", "--set", "actor.megatron.expert_model_parallel_size=4", "--set",
+                     "actor.ppo_micro_batch_size_per_gpu=8")  # fmt: skip
     assert checked.returncode == 2, checked.stdout + checked.stderr
-    assert "[model-engine-support] model.path" in checked.stderr and "mixture-of-experts" in checked.stderr
+    assert "[engine-support] actor.megatron.expert_model_parallel_size" in checked.stderr
+    assert "num_moe_experts = 6" in checked.stderr
     dense = folder(tmp_path, "Qwen3-8B", QWEN3_8B)
     assert rlconf("validate", "--preset", "tiny-grpo", "--set", f"model.path={dense}").returncode == 0

@@ -17,6 +17,9 @@ Two parts:
   - CUDA RNG state functions used by `megatron.core.tensor_parallel.random` (`torch.cuda.get_rng_state`,
     `torch.cuda.set_rng_state`, `torch.cuda.manual_seed`, and megatron's own `_get_cuda_rng_state` /
     `_set_cuda_rng_state`) -> the CPU default generator, so the model-parallel RNG tracker forks CPU state.
+  - CUDA streams of the MoE alltoall token dispatcher (`torch.cuda.Stream()` built once per process for its
+    device-to-host copies, `torch.cuda.current_stream()`, `torch.cuda.stream(s)`, `record_event()` and the
+    event's `synchronize()`) -> `CpuStream`, whose waits and events are no-ops: CPU ops are synchronous.
 * `cuda_to_cpu()` (per thread, re-entrant context manager) enters a `TorchFunctionMode` that rewrites
   what cannot be patched as a function: tensors created with a literal `device="cuda"` (schedules,
   optimizer, clip_grads, local multi-tensor l2 norm), `Tensor.cuda()` / `Tensor.to("cuda")`, and
@@ -92,6 +95,60 @@ def _cpu_manual_seed(seed: int) -> None:
     torch.default_generator.manual_seed(int(seed))
 
 
+class CpuEvent:
+    """Stand-in for torch.cuda.Event on a CPU run: everything before it has already happened."""
+
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class CpuStream:
+    """Stand-in for torch.cuda.Stream on a CPU run (megatron's MoE dispatcher copies its split sizes to the
+    host on a side stream). CPU work runs in order on the calling thread, so there is one stream and waiting
+    on it is a no-op."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **_: Any) -> None:
+        self.device = _CPU
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> CpuEvent:
+        return CpuEvent()
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, CpuStream)
+
+    def __hash__(self) -> int:
+        return 0
+
+
+_CPU_STREAM = CpuStream()
+
+
+def _current_stream(device: Any = None) -> CpuStream:
+    return _CPU_STREAM
+
+
+def _stream_context(stream: Any = None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext()
+
+
 class _RngForkWarningFilter(logging.Filter):
     """Drops megatron's 'CPU RNG state changed within GPU RNG context' warning.
 
@@ -117,6 +174,9 @@ def enable_cpu_compat() -> None:
 
         torch.cuda.current_device = _current_device
         torch.cuda.synchronize = _synchronize
+        torch.cuda.Stream = CpuStream  # type: ignore[misc]
+        torch.cuda.current_stream = _current_stream
+        torch.cuda.stream = _stream_context  # type: ignore[assignment]
         for module in (torch.cuda, cuda_random):
             module.get_rng_state = _cpu_get_rng_state
             module.set_rng_state = _cpu_set_rng_state

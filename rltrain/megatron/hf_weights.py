@@ -1,5 +1,5 @@
-"""Hugging Face <-> megatron-core weights for the dense families of rlconf.model_spec (llama, mistral, qwen2,
-qwen3).
+"""Hugging Face <-> megatron-core weights for the families of rlconf.model_spec (llama, mistral, qwen2, qwen3
+and the mixtures of experts qwen2_moe, qwen3_moe, mixtral).
 
 Import: read config.json into a `ModelArch` (rlconf.model_spec, the one reader the plan uses too), read
 safetensors, and fill this rank's megatron parameters
@@ -11,6 +11,14 @@ global rank 0 writes the index and a config.json (the family's model_type and cl
 hf_config) that `transformers.AutoModelForCausalLM` loads. Qwen3's per-head QK-norm weights are
 `self_attn.q_norm` / `k_norm` in HF and `self_attention.q_layernorm` / `k_layernorm` in megatron.
 Layers are matched by megatron's global `layer_number`, so any PP / virtual-PP split maps correctly.
+
+Mixture-of-experts layers: megatron's `mlp.router.weight` is HF's `mlp.gate.weight` (mixtral:
+`block_sparse_moe.gate.weight`); routed expert g (`mlp.experts.local_experts.j` on expert-parallel rank r,
+g = r x experts per rank + j) is HF's `mlp.experts.g.{gate,up,down}_proj` (mixtral: `w1`, `w3`, `w2`), its
+gate/up fused per expert-tensor-parallel shard; qwen2_moe's shared expert is `mlp.shared_experts.linear_fc1/2`
+(`mlp.shared_expert.*` in HF) and its sigmoid gate `mlp.shared_experts.gate_weight` (`mlp.shared_expert_gate`).
+Export gathers expert shards over the expert-TP group and the experts over the expert-parallel group, and
+writes them in the per-expert layout transformers itself saves.
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ from rlconf.model_spec import hf_config, read_model_arch
 from rltrain.megatron.model import unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 # megatron layer-relative name -> HF layer-relative name of Qwen3's per-head QK-norm weights.
 _QK_NORMS = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
@@ -125,8 +134,11 @@ class _HFReader:
             return f.get_tensor(name)
 
 
-def _hf_full_tensor(name: str, reader: _HFReader, arch: ModelArch, tp: int, vocab_rows: int) -> torch.Tensor:
-    """The full (all TP ranks) megatron tensor `name` (global layer numbering) from HF tensors."""
+def _hf_full_tensor(
+    name: str, reader: _HFReader, arch: ModelArch, tp: int, vocab_rows: int, etp: int | None = None
+) -> torch.Tensor:
+    """The full (all TP ranks) megatron tensor `name` (global layer and expert numbering) from HF tensors;
+    `etp` is the expert tensor-parallel size (None: tp)."""
     if name == "embedding.word_embeddings.weight":
         return _pad_vocab(reader.get("model.embed_tokens.weight"), vocab_rows)
     if name == "output_layer.weight":
@@ -154,26 +166,79 @@ def _hf_full_tensor(name: str, reader: _HFReader, arch: ModelArch, tp: int, voca
         return fuse_gate_up(reader.get(p + "mlp.gate_proj.weight"), reader.get(p + "mlp.up_proj.weight"), tp)
     if rest == "mlp.linear_fc2.weight":
         return reader.get(p + "mlp.down_proj.weight")
+    moe = _moe_names(rest, arch)
+    if moe is not None:
+        if len(moe) == 2:  # gate / up of an expert: fused per shard of its tensor-parallel group
+            shards = tp if rest.startswith("mlp.shared_experts.") else (etp or tp)
+            return fuse_gate_up(reader.get(p + moe[0]), reader.get(p + moe[1]), shards)
+        return reader.get(p + moe[0])
     raise KeyError(f"no Hugging Face source for megatron parameter {name}")
 
 
+def _moe_names(rest: str, arch: ModelArch) -> tuple[str, ...] | None:
+    """HF layer-relative names of a megatron MoE parameter (layer-relative, global expert number): one name,
+    or (gate, up) for a fused linear_fc1; None for a name that is not an MoE parameter."""
+    mixtral = arch.family == "mixtral"
+    block = "block_sparse_moe" if mixtral else "mlp"
+    if rest == "mlp.router.weight":
+        return (f"{block}.gate.weight",)
+    if rest == "mlp.shared_experts.gate_weight":
+        return ("mlp.shared_expert_gate.weight",)
+    if rest == "mlp.shared_experts.linear_fc1.weight":
+        return ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")
+    if rest == "mlp.shared_experts.linear_fc2.weight":
+        return ("mlp.shared_expert.down_proj.weight",)
+    m = _EXPERT.match(rest)
+    if m is None:
+        return None
+    e = f"{block}.experts.{m.group(1)}."
+    gate, up, down = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    if m.group(2) == "linear_fc1":
+        return (f"{e}{gate}.weight", f"{e}{up}.weight")
+    return (f"{e}{down}.weight",)
+
+
+def is_expert_param(param: torch.Tensor) -> bool:
+    """A routed expert's weight (megatron marks them `allreduce = False`: their gradients are reduced over the
+    expert-data-parallel group, and they are split over the expert-parallel and expert-TP groups)."""
+    return not getattr(param, "allreduce", True)
+
+
 def _global_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(name with global layer numbers, parameter) of one GPTModel chunk."""
+    """(name with global layer and expert numbers, parameter) of one GPTModel chunk."""
     offsets = {}
     if hasattr(module, "decoder"):
         for local, layer in enumerate(module.decoder.layers):
             offsets[local] = layer.layer_number - 1
+    experts_first = 0
+    if getattr(module.config, "num_moe_experts", None):
+        ep = parallel_state.get_expert_model_parallel_world_size()
+        experts_first = parallel_state.get_expert_model_parallel_rank() * (
+            module.config.num_moe_experts // ep
+        )
     for name, param in module.named_parameters():
         m = _LAYER.match(name)
         if m is not None:
-            name = f"decoder.layers.{offsets[int(m.group(1))]}.{m.group(2)}"
+            rest = m.group(2)
+            e = _EXPERT.match(rest)
+            if e is not None:
+                rest = f"mlp.experts.local_experts.{experts_first + int(e.group(1))}.{e.group(2)}.weight"
+            name = f"decoder.layers.{offsets[int(m.group(1))]}.{rest}"
         yield name, param
 
 
 def _shard(full: torch.Tensor, param: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """This rank's part of `full`; `tp` / `rank` are the expert-TP group's for a routed expert's weight."""
     if getattr(param, "tensor_model_parallel", False) and tp > 1:
         return full.chunk(tp, dim=param.partition_dim)[rank]
     return full
+
+
+def _expert_tp() -> tuple[int, int]:
+    return (
+        parallel_state.get_expert_tensor_parallel_world_size(),
+        parallel_state.get_expert_tensor_parallel_rank(),
+    )
 
 
 @torch.no_grad()
@@ -186,14 +251,18 @@ def load_hf_weights(
     arch = arch_from_hf(path)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
+    etp, etp_rank = _expert_tp()
     for chunk in chunks:
         module = unwrap(chunk)
         vocab_rows = module.vocab_size
         for name, param in _global_params(module):
             if value_head and name.startswith("output_layer."):
                 continue
-            full = _hf_full_tensor(name, reader, arch, tp, vocab_rows)
-            local = _shard(full, param, tp, rank)
+            full = _hf_full_tensor(name, reader, arch, tp, vocab_rows, etp)
+            if is_expert_param(param):
+                local = _shard(full, param, etp, etp_rank)
+            else:
+                local = _shard(full, param, tp, rank)
             if local.shape != param.shape:
                 raise ValueError(
                     f"{name}: HF gives {tuple(local.shape)}, megatron expects {tuple(param.shape)}"
@@ -205,18 +274,46 @@ def load_hf_weights(
 
 # ------------------------------------------------------------------------------------ export
 def _gather_tp(param: torch.Tensor) -> torch.Tensor:
-    tp = parallel_state.get_tensor_model_parallel_world_size()
+    """The full tensor of `param` over its TP group (the expert-TP group for a routed expert's weight)."""
+    expert = is_expert_param(param)
+    tp = _expert_tp()[0] if expert else parallel_state.get_tensor_model_parallel_world_size()
     data = param.detach()
     if tp == 1 or not getattr(param, "tensor_model_parallel", False):
         return data.cpu()
     parts = [torch.empty_like(data) for _ in range(tp)]
-    torch.distributed.all_gather(
-        parts, data.contiguous(), group=parallel_state.get_tensor_model_parallel_group()
+    group = (
+        parallel_state.get_expert_tensor_parallel_group()
+        if expert
+        else parallel_state.get_tensor_model_parallel_group()
     )
+    torch.distributed.all_gather(parts, data.contiguous(), group=group)
     return torch.cat(parts, dim=param.partition_dim).cpu()
 
 
-def _to_hf(name: str, full: torch.Tensor, arch: ModelArch, tp: int) -> dict[str, torch.Tensor]:
+def _gather_experts(name: str, full: torch.Tensor, num_experts: int) -> list[tuple[str, torch.Tensor]]:
+    """(global name, tensor) of routed expert `name` on every expert-parallel rank (collective over EP)."""
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    per_rank = num_experts // ep
+    if ep == 1:
+        return [(name, full)]
+    parts = [torch.empty_like(full) for _ in range(ep)]
+    torch.distributed.all_gather(
+        parts, full.contiguous(), group=parallel_state.get_expert_model_parallel_group()
+    )
+    layer, rest = _LAYER.match(name).groups()  # type: ignore[union-attr]
+    m = _EXPERT.match(rest)
+    assert m is not None, name
+    local = int(m.group(1)) - parallel_state.get_expert_model_parallel_rank() * per_rank
+    out = []
+    for r, part in enumerate(parts):
+        g = r * per_rank + local
+        out.append((f"decoder.layers.{layer}.mlp.experts.local_experts.{g}.{m.group(2)}.weight", part))
+    return out
+
+
+def _to_hf(
+    name: str, full: torch.Tensor, arch: ModelArch, tp: int, etp: int | None = None
+) -> dict[str, torch.Tensor]:
     if name == "embedding.word_embeddings.weight":
         return {"model.embed_tokens.weight": full[: arch.vocab_size]}
     if name == "output_layer.weight":
@@ -249,6 +346,12 @@ def _to_hf(name: str, full: torch.Tensor, arch: ModelArch, tp: int) -> dict[str,
         return {p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up}
     if rest == "mlp.linear_fc2.weight":
         return {p + "mlp.down_proj.weight": full}
+    moe = _moe_names(rest, arch)
+    if moe is not None:
+        if len(moe) == 2:
+            gate, up = split_gate_up(full, tp if rest.startswith("mlp.shared_experts.") else (etp or tp))
+            return {p + moe[0]: gate, p + moe[1]: up}
+        return {p + moe[0]: full}
     raise KeyError(f"no Hugging Face name for megatron parameter {name}")
 
 
@@ -261,6 +364,7 @@ def export_hf_weights(
 ) -> None:
     """Write this model as an HF folder (safetensors + config.json). Collective: every rank calls it."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    etp = _expert_tp()[0]
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     writer = (
@@ -275,6 +379,12 @@ def export_hf_weights(
             dtype = param.dtype
             if name == "output_layer.weight" and arch.share_embeddings_and_output_weights:
                 continue  # tied: HF reads the embedding
+            if is_expert_param(param):
+                assert arch.num_moe_experts is not None
+                # collective over EP: every EP rank takes part
+                for expert_name, expert in _gather_experts(name, full, arch.num_moe_experts):
+                    tensors.update(_to_hf(expert_name, expert, arch, tp, etp))
+                continue
             tensors.update(_to_hf(name, full, arch, tp))
     out = Path(out_dir)
     fname = "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"

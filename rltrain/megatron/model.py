@@ -30,8 +30,10 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from rlconf.config import MegatronConfig, ModelArch, ModelConfig
+from rlconf.model_spec import is_moe_layer
 from rlconf.plan import LrRow, OptimPlan
 from rltrain import device as devices
 
@@ -119,17 +121,26 @@ class TorchRMSNorm:
         return norm
 
 
-def layer_spec(backend: str, qk_layernorm: bool = False) -> ModuleSpec:
+def layer_spec(backend: str, qk_layernorm: bool = False, num_experts: int | None = None) -> ModuleSpec:
     """Transformer layer spec for `model.attention_backend` (auto: te when installed, else sdpa), with an
-    RMSNorm over each query / key head when `qk_layernorm` (Qwen3)."""
+    RMSNorm over each query / key head when `qk_layernorm` (Qwen3) and routed experts when `num_experts`.
+
+    MoE layers use megatron's SequentialMLP (one ColumnParallelLinear / RowParallelLinear pair per local
+    expert): its GroupedMLP needs the CUDA-only `grouped_gemm` package and TEGroupedMLP Transformer Engine,
+    neither of which installs here."""
     if backend == "te" or (backend == "auto" and te_available()):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=qk_layernorm)
     with warnings.catch_warnings():
         # "Apex is not installed. Falling back to Torch Norm": expected, torch RMSNorm is what we want.
         warnings.simplefilter("ignore")
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
+        spec = get_gpt_layer_local_spec(
+            num_experts=num_experts,
+            moe_grouped_gemm=False,
+            normalization="RMSNorm",
+            qk_layernorm=qk_layernorm,
+        )
     attention = spec.submodules.self_attention.submodules
     if backend in ("sdpa", "auto"):
         # get_gpt_layer_local_spec builds fresh spec objects per call, so editing in place is safe.
@@ -140,6 +151,15 @@ def layer_spec(backend: str, qk_layernorm: bool = False) -> ModuleSpec:
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     return spec
+
+
+def layer_specs(backend: str, arch: ModelArch) -> list[ModuleSpec]:
+    """One layer spec per global layer: routed experts where `is_moe_layer`, a dense MLP elsewhere."""
+    dense = layer_spec(backend, arch.qk_layernorm)
+    if arch.num_moe_experts is None:
+        return [dense] * arch.num_layers
+    moe = layer_spec(backend, arch.qk_layernorm, arch.num_moe_experts)
+    return [moe if is_moe_layer(arch, i) else dense for i in range(arch.num_layers)]
 
 
 class EngineSupportError(RuntimeError):
@@ -177,13 +197,18 @@ def rope_inv_freq(arch: ModelArch, device: torch.device | str = "cpu") -> torch.
 
 
 def block_spec(
-    layer: ModuleSpec, config: TransformerConfig, vp_stage: int | None
-) -> ModuleSpec | TransformerBlockSubmodules:
-    """The decoder block: this stage's layers plus the final norm (TorchRMSNorm unless TE builds it)."""
-    if layer.submodules.input_layernorm is not TorchRMSNorm:
-        return layer  # Transformer Engine spec: megatron picks its own fused norms
+    specs: Sequence[ModuleSpec], config: TransformerConfig, vp_stage: int | None
+) -> TransformerBlockSubmodules:
+    """The decoder block: this stage's layers (picked by global layer number, so dense and MoE layers land
+    where config.json puts them) plus the final norm (TorchRMSNorm, or TE's norm with the TE spec)."""
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TorchRMSNorm)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    mine = list(specs[offset : offset + num_layers])
+    if mine and mine[0].submodules.input_layernorm is not TorchRMSNorm:
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        return TransformerBlockSubmodules(layer_specs=mine, layer_norm=TENorm)
+    return TransformerBlockSubmodules(layer_specs=mine, layer_norm=TorchRMSNorm)
 
 
 # ------------------------------------------------------------------------------------ transformer config
@@ -203,6 +228,7 @@ def transformer_config(
         else:
             recompute["recompute_modules"] = list(ov.recompute_modules)
     return TransformerConfig(
+        **moe_config(arch, mcfg),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -241,8 +267,6 @@ def transformer_config(
         sequence_parallel=mcfg.sequence_parallel and tp > 1,
         # RL batches change length every step: let the pipeline exchange shapes per micro-batch.
         variable_seq_lengths=True,
-        # Only MoE layers read this; allgather (the default) refuses variable_seq_lengths.
-        moe_token_dispatcher_type="alltoall",
         # gloo matches point-to-point messages between two ranks in posting order. megatron's batched p2p
         # posts (send_prev, recv_prev, send_next, recv_next) on both ranks, so with PP=2 and interleaving
         # (traffic both ways between the same pair) activations and gradients arrive swapped. Its
@@ -250,6 +274,64 @@ def transformer_config(
         batch_p2p_comm=devices.dist_backend(device) != "gloo",
         **recompute,
     )
+
+
+def define_missing_te_names() -> None:
+    """Give megatron-core 0.16.1's moe_utils the `te_general_gemm = None` it expects without Transformer
+    Engine.
+
+    moe_utils imports `te_general_gemm` (and the fused permute / top-k kernels) only when TE imports, but its
+    router linear reads `te_general_gemm is not None` unconditionally, so every MoE forward without TE raises
+    NameError. With the name defined as None it takes its own torch.mm path; the fused kernels stay unused
+    because `moe_config` switches their flags off. Idempotent, and a no-op where TE is installed.
+    """
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def moe_config(arch: ModelArch, mcfg: MegatronConfig) -> dict[str, Any]:
+    """TransformerConfig's MoE fields for `arch` (none for a dense model).
+
+    Routing as transformers computes it for these families: softmax over all experts, the top k, then
+    renormalised over those k when `moe_norm_topk_prob` (mixtral always). megatron's softmax router does
+    exactly that with `moe_router_pre_softmax=False` (top k of the logits, softmax over the k: the same
+    numbers as a softmax renormalised over the k) and, with `pre_softmax=True`, keeps the unnormalised
+    probabilities. The load-balancing loss is megatron's `aux_loss` (switch-transformer form, as
+    transformers' load_balancing_loss_func) with config.json's router_aux_loss_coef unless
+    `override_transformer_config.moe_aux_loss_coeff` says otherwise; the z-loss is off unless set there.
+    The dispatcher is alltoall: megatron's allgather dispatcher refuses `variable_seq_lengths` (RL batches
+    change length every step), and gloo runs the uneven all_to_all_single it needs (measured: rank 0 sends
+    [2, 3] rows, rank 1 [4, 1], each receives its rows in order).
+    """
+    if arch.num_moe_experts is None:
+        return {}
+    ov = mcfg.override_transformer_config
+    aux = arch.moe_aux_loss_coeff if ov.moe_aux_loss_coeff is None else ov.moe_aux_loss_coeff
+    freq: int | list[int] = 1
+    if arch.moe_dense_layers:
+        # A list marks the layers non-homogeneous for dist checkpointing (sharded keys per layer type).
+        freq = [int(is_moe_layer(arch, i)) for i in range(arch.num_layers)]
+    return {
+        "num_moe_experts": arch.num_moe_experts,
+        "moe_router_topk": arch.moe_router_topk,
+        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+        "moe_shared_expert_intermediate_size": arch.moe_shared_expert_intermediate_size,
+        "moe_shared_expert_gate": arch.moe_shared_expert_gate,
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
+        "moe_router_load_balancing_type": "aux_loss",
+        "moe_aux_loss_coeff": aux,
+        "moe_z_loss_coeff": ov.moe_z_loss_coeff,
+        "moe_layer_freq": freq,
+        "moe_token_dispatcher_type": "alltoall",
+        "moe_grouped_gemm": False,
+        # No token is dropped: transformers' MoE blocks have no capacity limit either.
+        "moe_expert_capacity_factor": None,
+        "moe_permute_fusion": False,
+        "moe_router_fusion": False,
+    }
 
 
 # ------------------------------------------------------------------------------------ value head
@@ -301,14 +383,11 @@ def build_model_chunks(
     is `unwrap(chunk)`. A critic (`value_head=True`) has no tied output layer: its last stage ends in
     `ValueHead`.
     """
-    if arch.num_moe_experts is not None:
-        raise EngineSupportError(
-            f"{arch.family} is a mixture-of-experts model ({arch.num_moe_experts} experts): MoE training is not "
-            "built in the megatron engine yet"
-        )
     inv_freq = rope_inv_freq(arch)  # before building anything: refuses scalings it cannot compute
+    if arch.num_moe_experts is not None:
+        define_missing_te_names()
     config = transformer_config(arch, model_cfg, mcfg, device)
-    spec = layer_spec(model_cfg.attention_backend, arch.qk_layernorm)
+    specs = layer_specs(model_cfg.attention_backend, arch)
     vpp = mcfg.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(arch.vocab_size, mcfg.tensor_model_parallel_size)
     chunks: list[torch.nn.Module] = []
@@ -318,7 +397,7 @@ def build_model_chunks(
         post = parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=block_spec(spec, config, vp_stage),
+            transformer_layer_spec=block_spec(specs, config, vp_stage),
             vocab_size=vocab,
             max_sequence_length=arch.max_position_embeddings,
             pre_process=pre,

@@ -194,9 +194,7 @@ class RolloutReplica:
             )
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=mmodel.block_spec(
-                    mmodel.layer_spec(backend, self.arch.qk_layernorm), config, None
-                ),
+                transformer_layer_spec=mmodel.block_spec(mmodel.layer_specs(backend, self.arch), config, None),
                 vocab_size=mmodel.padded_vocab_size(self.arch.vocab_size, rollout_tp),
                 max_sequence_length=self.arch.max_position_embeddings,
                 pre_process=True,

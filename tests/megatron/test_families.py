@@ -1,7 +1,7 @@
 """Every dense family rlconf.model_spec reads runs in the megatron engine as transformers runs it (CPU, fp32,
 gloo world of 1): log-probs equal transformers' on tiny random models of llama (with Llama 3.1 rope scaling),
 mistral, qwen2 and qwen3 (QK-norm, a head_dim that is not hidden / heads), and HF -> megatron -> HF export is
-bit-identical with the same model_type and config values. MoE models are refused by name, never built dense.
+bit-identical with the same model_type and config values (mixtures of experts: tests/megatron/test_moe.py).
 The same holds in a gloo world of 2 processes at TP=2 (kv heads split over ranks, Qwen3's per-head QK-norm
 replicated), TP=2 with sequence parallel, PP=2 and PP=2 x virtual PP=2, where greedy generation also equals TP=1's (and TP=1's
 equals transformers' `generate`).
@@ -114,15 +114,6 @@ def test_hf_round_trip_keeps_weights_model_type_and_config(mp_world, family_fold
     assert {k: after.get(k) for k in KEPT_KEYS} == {k: before.get(k) for k in KEPT_KEYS}, family
     loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
     assert type(loaded).__name__ == FAMILY_CONFIGS[family][1]
-
-
-def test_moe_models_are_refused_by_name_not_built_dense(mp_world):
-    from rlconf.config import ModelArch
-    from rltrain.megatron.model import EngineSupportError, build_model_chunks
-
-    arch = ModelArch(family="qwen3_moe", add_qkv_bias=False, qk_layernorm=True, num_moe_experts=4)
-    with pytest.raises(EngineSupportError, match="mixture-of-experts"):
-        build_model_chunks(arch, ModelConfig(arch=arch), actor_cfg().megatron, "cpu")
 
 
 # ------------------------------------------------------------------------------------ end to end
