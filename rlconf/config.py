@@ -197,12 +197,6 @@ class OverrideTransformerConfig:
     hidden_dropout: float = 0.0
     """Dropout after attention and MLP (RL fine-tuning normally keeps this 0)."""
 
-    moe_aux_loss_coeff: float | None = None
-    """Mixture-of-experts load-balancing loss coefficient; None: the model's router_aux_loss_coef
-    (config.json, or model.arch.moe_aux_loss_coeff). No effect on dense models."""
-    moe_z_loss_coeff: float | None = None
-    """Mixture-of-experts router z-loss coefficient (mean squared logsumexp of the router logits); None: off,
-    as in transformers. No effect on dense models."""
 
 @dataclass(frozen=True)
 class DDPConfig:
@@ -353,10 +347,8 @@ class PolicyLossConfig:
 class ActorConfig:
     """The policy being trained (PPO/GRPO actor) on the Megatron engine."""
 
-    strategy: Literal["megatron"] = "megatron"
-    """Training engine (megatron-core is the one engine, CPU and GPU)."""
     megatron: MegatronConfig = field(default_factory=MegatronConfig)
-    """Parallel layout and engine options."""
+    """Parallel layout and engine options (megatron-core is the one training engine, CPU and GPU)."""
     optim: Optim = field(default_factory=Optim)
     """Optimizer and lr schedule."""
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
@@ -482,14 +474,17 @@ class RolloutConfig:
     pipeline parallel (rollout dp = actor devices / tp), on the actor's weights resharded into it before
     every generation (gathered or split inside tp groups, stages gathered across pp) and freed after it."""
     gpu_memory_utilization: float = 0.5
-    """Fraction of device memory the rollout engine may use for weights and KV cache."""
+    """vLLM only (rollout.engine: vllm): fraction of device memory vLLM may use for weights and KV cache. The
+    embedded engine's KV cache is sized by the plan (`rlconf plan` shows it in generate_sequences)."""
     max_num_seqs: int = 256
-    """Most sequences decoded at once."""
+    """vLLM only (rollout.engine: vllm): most sequences vLLM decodes at once. The embedded engine decodes
+    all rows of its data-parallel rank together."""
     cuda_graph: bool = True
     """Capture each embedded decode step (forward, logits, sampling) in CUDA graphs on cuda workers; no
     effect on cpu, npu or with pipeline parallel (they decode eagerly)."""
     free_cache_engine: bool = True
-    """Release the KV cache between rollouts (colocated training needs the memory back)."""
+    """vLLM only (rollout.engine: vllm): put vLLM to sleep between rollouts (colocated training needs the
+    memory back). The embedded engine always frees its KV cache after each generation."""
     val: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling for validation."""
 

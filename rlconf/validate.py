@@ -30,10 +30,11 @@ from rlconf.config import (
     MegatronConfig,
     Optim,
     RLConfig,
+    RolloutConfig,
 )
 from rlconf.errors import ConfigError, Issue, error, warning
 from rlconf.fields import get_path, iter_leaves
-from rlconf.model_spec import engine_gaps, expert_layout_issues, read_model_arch
+from rlconf.model_spec import engine_gaps, read_model_arch
 from rlconf.plan import MAX_DEVICES, MAX_INT, MAX_TOTAL_STEPS, rollout_tp
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
@@ -221,20 +222,10 @@ def world_divisible(c: RLConfig) -> Iterator[Issue]:
             )
 
 
-@rule(
-    "engine-support",
-    "*.megatron.context_parallel_size",
-    "*.megatron.expert_model_parallel_size",
-    "*.megatron.expert_tensor_parallel_size",
-    "model.arch.num_moe_experts",
-    "model.arch.moe_ffn_hidden_size",
-    "model.arch.ffn_hidden_size",
-)
+@rule("engine-support", "*.megatron.context_parallel_size", "*.megatron.expert_model_parallel_size")
 def engine_support(c: RLConfig) -> Iterator[Issue]:
     """Layouts the Megatron engine does not run yet: context parallel (the packed batch layout does not split
-    sequences). Expert parallel runs on mixture-of-experts models: for the built-in `model.arch` each
-    role's ep divides num_moe_experts and its expert tp the expert width (the plan checks a config.json's
-    architecture the same way), and a dense model takes no ep."""
+    sequences) and expert parallel (the built-in architectures have no MoE layers)."""
     for prefix, m, _ in _megatron_roles(c):
         if m.context_parallel_size > 1:
             yield error(
@@ -243,13 +234,13 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
                 "use context_parallel_size: 1 (raise tensor or pipeline parallel size instead)",
                 "engine-support",
             )
-        if c.model.path is not None or (prefix == "critic" and c.critic.model_path is not None):
-            continue  # the architecture comes from config.json: the plan checks it
-        for path, message, fix in expert_layout_issues(
-            c.model.arch, "model.arch", m.expert_model_parallel_size,
-            m.expert_tensor_parallel_size or m.tensor_model_parallel_size,
-        ):  # fmt: skip
-            yield error(f"{prefix}.megatron.{path}", message, fix, "engine-support")
+        if m.expert_model_parallel_size > 1:
+            yield error(
+                f"{prefix}.megatron.expert_model_parallel_size",
+                "expert parallel needs mixture-of-experts layers, which the built-in architectures do not have",
+                "use expert_model_parallel_size: 1",
+                "engine-support",
+            )
 
 
 @rule(
@@ -658,6 +649,10 @@ def trainer_rules(c: RLConfig) -> Iterator[Issue]:
                       "lower critic_warmup", "trainer")  # fmt: skip
 
 
+VLLM_ONLY_ROLLOUT_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "free_cache_engine")
+"""Rollout fields that only rollout.engine: vllm reads (rltrain/rollout/vllm_adapter.py)."""
+
+
 @rule("sampling", "rollout.*", "data.max_prompt_length", "model.arch.max_position_embeddings")
 def sampling(c: RLConfig) -> Iterator[Issue]:
     """Sampling parameters are in range; the rollout engine fits the device; sequences fit the model."""
@@ -678,6 +673,13 @@ def sampling(c: RLConfig) -> Iterator[Issue]:
         yield error("rollout.val.temperature", "must be >= 0", "use 0 for greedy", "sampling")
     if not 0 < r.val.top_p <= 1:
         yield error("rollout.val.top_p", f"must be in (0, 1], got {r.val.top_p}", "use 1.0", "sampling")
+    if r.engine == "embedded":
+        # Fields only the vLLM adapter reads: a changed value would silently do nothing.
+        for name in VLLM_ONLY_ROLLOUT_FIELDS:
+            if getattr(r, name) != getattr(RolloutConfig(), name):
+                yield warning(f"rollout.{name}", "applies to rollout.engine: vllm only; the embedded engine "
+                              "does not read it", f"remove rollout.{name}, or set rollout.engine: vllm",
+                              "sampling")  # fmt: skip
     if r.engine == "vllm" and c.cluster.device != "cuda":
         yield error("rollout.engine", f"vLLM runs on CUDA only, but cluster.device = {c.cluster.device}",
                     "use rollout.engine: embedded", "sampling")  # fmt: skip
@@ -878,8 +880,8 @@ def data_files_exist(c: RLConfig) -> Iterator[Issue]:
 @rule("model-engine-support", "model.path", "model.arch.*", "critic.model_path", "reward.reward_model.path",
       filesystem=True)  # fmt: skip
 def model_engine_support(c: RLConfig) -> Iterator[Issue]:
-    """Models the plan accepts but the megatron engine does not build yet (YaRN rope scaling): `rlconf plan`
-    sizes them, a run refuses them before its workers start."""
+    """Models the plan accepts but the megatron engine does not build yet (mixture-of-experts layers, YaRN
+    rope scaling): `rlconf plan` sizes them, a run refuses them before its workers start."""
     sources = [("model.path", c.model.path, "model.arch")]
     sources += [("critic.model_path", c.critic.model_path, None)] if c.critic.enable else []
     rm = c.reward.reward_model

@@ -488,7 +488,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.hybrid_engine", "not-needed", "actor, rollout and ref always share processes"),
     _u("actor_rollout_ref.nccl_timeout", "not-needed", "rlplan uses torch's default timeout"),
     # ----------------------------------------------------------------------------------------- actor
-    _m("actor_rollout_ref.actor.strategy", "actor.strategy", "megatron only"),
+    _u("actor_rollout_ref.actor.strategy", "not-needed", "rlplan always runs megatron"),
     _m("actor_rollout_ref.actor.ppo_mini_batch_size", "actor.ppo_mini_batch_size",
        "prompts per optimizer update, as in verl", verl_default=256),
     _u("actor_rollout_ref.actor.ppo_micro_batch_size", "deprecated-in-verl",
