@@ -197,6 +197,12 @@ class OverrideTransformerConfig:
     hidden_dropout: float = 0.0
     """Dropout after attention and MLP (RL fine-tuning normally keeps this 0)."""
 
+    moe_aux_loss_coeff: float | None = None
+    """Mixture-of-experts load-balancing loss coefficient; None: the model's router_aux_loss_coef
+    (config.json, or model.arch.moe_aux_loss_coeff). No effect on dense models."""
+    moe_z_loss_coeff: float | None = None
+    """Mixture-of-experts router z-loss coefficient (mean squared logsumexp of the router logits); None: off,
+    as in transformers. No effect on dense models."""
 
 @dataclass(frozen=True)
 class DDPConfig:

@@ -34,7 +34,7 @@ from rlconf.config import (
 )
 from rlconf.errors import ConfigError, Issue, error, warning
 from rlconf.fields import get_path, iter_leaves
-from rlconf.model_spec import engine_gaps, read_model_arch
+from rlconf.model_spec import engine_gaps, expert_layout_issues, read_model_arch
 from rlconf.plan import MAX_DEVICES, MAX_INT, MAX_TOTAL_STEPS, rollout_tp
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
@@ -222,10 +222,20 @@ def world_divisible(c: RLConfig) -> Iterator[Issue]:
             )
 
 
-@rule("engine-support", "*.megatron.context_parallel_size", "*.megatron.expert_model_parallel_size")
+@rule(
+    "engine-support",
+    "*.megatron.context_parallel_size",
+    "*.megatron.expert_model_parallel_size",
+    "*.megatron.expert_tensor_parallel_size",
+    "model.arch.num_moe_experts",
+    "model.arch.moe_ffn_hidden_size",
+    "model.arch.ffn_hidden_size",
+)
 def engine_support(c: RLConfig) -> Iterator[Issue]:
     """Layouts the Megatron engine does not run yet: context parallel (the packed batch layout does not split
-    sequences) and expert parallel (the built-in architectures have no MoE layers)."""
+    sequences). Expert parallel runs on mixture-of-experts models: for the built-in `model.arch` each
+    role's ep divides num_moe_experts and its expert tp the expert width (the plan checks a config.json's
+    architecture the same way), and a dense model takes no ep."""
     for prefix, m, _ in _megatron_roles(c):
         if m.context_parallel_size > 1:
             yield error(
@@ -234,13 +244,13 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
                 "use context_parallel_size: 1 (raise tensor or pipeline parallel size instead)",
                 "engine-support",
             )
-        if m.expert_model_parallel_size > 1:
-            yield error(
-                f"{prefix}.megatron.expert_model_parallel_size",
-                "expert parallel needs mixture-of-experts layers, which the built-in architectures do not have",
-                "use expert_model_parallel_size: 1",
-                "engine-support",
-            )
+        if c.model.path is not None or (prefix == "critic" and c.critic.model_path is not None):
+            continue  # the architecture comes from config.json: the plan checks it
+        for path, message, fix in expert_layout_issues(
+            c.model.arch, "model.arch", m.expert_model_parallel_size,
+            m.expert_tensor_parallel_size or m.tensor_model_parallel_size,
+        ):  # fmt: skip
+            yield error(f"{prefix}.megatron.{path}", message, fix, "engine-support")
 
 
 @rule(
@@ -880,8 +890,8 @@ def data_files_exist(c: RLConfig) -> Iterator[Issue]:
 @rule("model-engine-support", "model.path", "model.arch.*", "critic.model_path", "reward.reward_model.path",
       filesystem=True)  # fmt: skip
 def model_engine_support(c: RLConfig) -> Iterator[Issue]:
-    """Models the plan accepts but the megatron engine does not build yet (mixture-of-experts layers, YaRN
-    rope scaling): `rlconf plan` sizes them, a run refuses them before its workers start."""
+    """Models the plan accepts but the megatron engine does not build yet (YaRN rope scaling): `rlconf plan`
+    sizes them, a run refuses them before its workers start."""
     sources = [("model.path", c.model.path, "model.arch")]
     sources += [("critic.model_path", c.critic.model_path, None)] if c.critic.enable else []
     rm = c.reward.reward_model
