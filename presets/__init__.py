@@ -36,6 +36,11 @@ _ALL = (
         "CPU, the tiny-grpo model and task with DAPO: clip-higher, dynamic sampling, overlong penalty",
         tiny.tiny_dapo,
     ),
+    Preset(
+        "tiny-tool",
+        "CPU, the tiny model learns to call a calculator tool (multi-turn agent loop, masked observations)",
+        tiny.tiny_tool,
+    ),
     Preset("qwen2.5-0.5b-grpo", "1 GPU, Qwen2.5-0.5B shape, GRPO with KL loss, bf16", gpu.qwen25_05b_grpo),
     Preset(
         "qwen2.5-0.5b-dapo",

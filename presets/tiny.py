@@ -77,3 +77,26 @@ def tiny_dapo() -> RLConfig:
             "trainer.experiment_name": "tiny-dapo",
         },
     )
+
+
+def tiny_tool() -> RLConfig:
+    """Multi-turn tool use on CPU: the tiny model learns to call the calculator for a product it cannot
+    compute (synthetic task `mul`, "47*8=" -> "376"), with the exact answer as the reward (numeric_match on
+    the whole response, tool answers included). In the built-in tokenizer's call syntax
+    (rltrain.tokenizer.CHAR_TOOL_CALL_FORMAT) a bare `>` asks the calculator about the question; its answer
+    comes back as observation tokens `=376` and a newline, masked out of the loss, and the model should then
+    stop: 8 response tokens leave room for the call, the answer and two more tokens (a digit there changes
+    the last number, so stopping is part of what is learnt)."""
+    return replace_paths(
+        tiny_grpo(),
+        {
+            "data.synthetic_task": "mul",
+            "reward.function": "numeric_match",
+            "rollout.max_response_length": 8,
+            "rollout.multi_turn.enable": True,
+            "rollout.multi_turn.max_assistant_turns": 2,
+            "rollout.multi_turn.tools": ("calculator",),
+            "trainer.output_dir": "outputs/tiny-tool",
+            "trainer.experiment_name": "tiny-tool",
+        },
+    )

@@ -152,9 +152,10 @@ class DataConfig:
     the run starts). Empty: use the synthetic task."""
     val_files: tuple[str, ...] = ()
     """Validation prompt files. Empty: a held-out split of the synthetic task."""
-    synthetic_task: Literal["count", "copy", "add"] = "count"
+    synthetic_task: Literal["count", "copy", "add", "mul"] = "count"
     """Built-in task used when train_files is empty (no download): count -> continue a digit sequence,
-    copy -> repeat the prompt's digits, add -> sum two small numbers."""
+    copy -> repeat the prompt's digits, add -> sum two small numbers, mul -> a two-digit number times a
+    digit (for tool use: the tiny model cannot multiply)."""
     prompt_key: str = "prompt"
     """Column (parquet) or key (jsonl) holding the prompt text or chat messages."""
     answer_key: str = "answer"
@@ -196,13 +197,13 @@ class OverrideTransformerConfig:
     """Dropout on attention probabilities (RL fine-tuning normally keeps this 0)."""
     hidden_dropout: float = 0.0
     """Dropout after attention and MLP (RL fine-tuning normally keeps this 0)."""
-
     moe_aux_loss_coeff: float | None = None
     """Mixture-of-experts load-balancing loss coefficient; None: the model's router_aux_loss_coef
     (config.json, or model.arch.moe_aux_loss_coeff). No effect on dense models."""
     moe_z_loss_coeff: float | None = None
     """Mixture-of-experts router z-loss coefficient (mean squared logsumexp of the router logits); None: off,
     as in transformers. No effect on dense models."""
+
 
 @dataclass(frozen=True)
 class DDPConfig:
@@ -452,6 +453,42 @@ class SamplingConfig:
     """Nucleus sampling mass."""
 
 
+BUILTIN_TOOLS: tuple[str, ...] = ("calculator", "python")
+"""Tools rltrain ships (rltrain/tools/): `calculator` (arithmetic on numbers, no names) and `python` (code
+run in a sandboxed subprocess)."""
+
+
+@dataclass(frozen=True)
+class MultiTurnConfig:
+    """Multi-turn, tool-using rollouts (verl's rollout.multi_turn): the model writes a tool call, the tool's
+    output is appended as observation tokens (attended to, never trained on: response_mask 0), and the
+    model goes on, until it ends its answer, runs out of turns or of tokens."""
+
+    enable: bool = False
+    """Run the agent loop instead of one response per prompt."""
+    max_assistant_turns: int = 4
+    """Most model turns per response (a turn ends at a tool call or at EOS)."""
+    max_tool_response_length: int = 256
+    """Most characters of one tool output shown to the model (longer outputs are cut and marked)."""
+    max_total_tokens: int | None = None
+    """Most tokens of one response, the model's and the tools' together; null: rollout.max_response_length
+    (the plan sizes sequences by it, so a larger value is an error)."""
+    tools: tuple[str, ...] = ("calculator",)
+    """The tools the model may call: built-in names (calculator, python) or user tools as
+    package.module:function (a function with a `schema` attribute) or package.module:Class (with `name`,
+    `schema` and `__call__(arguments)`); imported like reward.function, never evaluated. With the built-in
+    character tokenizer the call syntax `<ARGS>` calls the first tool."""
+    tool_timeout_s: float = 5.0
+    """Wall-clock limit of one tool call; a call that runs longer is cut off and its row marked."""
+    tool_memory_mib: int = 256
+    """Address-space limit of the python sandbox's subprocess."""
+    max_parallel_tools: int = 8
+    """Tool calls run at once (threads; the python tool's work runs in subprocesses)."""
+    interaction: str | None = None
+    """Optional environment as package.module:Class giving feedback per turn and a final reward (see
+    rltrain/rollout/agent.py `Interaction`); null: tools only."""
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     """Response generation."""
@@ -493,6 +530,8 @@ class RolloutConfig:
     memory back). The embedded engine always frees its KV cache after each generation."""
     val: SamplingConfig = field(default_factory=SamplingConfig)
     """Sampling for validation."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Multi-turn, tool-using rollouts (the agent loop)."""
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,8 @@ only on (task, seed, split, i)):
     count  "1 2 3" -> "4 5 6"    continue a run of consecutive digits (start 1-4, three digits each side)
     copy   "3 9 1" -> "3 9 1"    repeat the prompt's digits
     add    "12+7=" -> "19"       sum a number below 100 and a digit
+    mul    "47*8=" -> "376"      a two-digit number times a digit (the tiny-tool preset: the tiny model
+                                 cannot multiply, the calculator tool can)
 `count` is deliberately narrow: with the default `digit_match` reward a random-init 2-layer model (hidden 64,
 vocab 32) trained by GRPO (8 prompts x 4 samples, lr 1e-3) raises its reward about threefold in 30 steps;
 with starts drawn from all ten digits the same run barely moves (the marginal answer distribution is then
@@ -37,7 +39,7 @@ from rltrain.tokenizer import Prompt, Tokenizer, messages_to_text
 
 logger = logging.getLogger(__name__)
 
-SYNTHETIC_TASKS: tuple[str, ...] = ("count", "copy", "add")
+SYNTHETIC_TASKS: tuple[str, ...] = ("count", "copy", "add", "mul")
 # Size of the synthetic validation split: large enough for a stable mean, small enough for CPU runs.
 SYNTHETIC_VAL_SIZE = 64
 # The synthetic prompt spaces are tiny (count has 4 distinct prompts), so "held out" means a separately
@@ -153,6 +155,9 @@ def synthetic_sample(task: str, seed: int, index: int, split: str = "train") -> 
     if task == "add":
         a, b = int(rng.integers(0, 100)), int(rng.integers(0, 10))
         return f"{a}+{b}=", str(a + b)
+    if task == "mul":
+        a, b = int(rng.integers(10, 100)), int(rng.integers(2, 10))
+        return f"{a}*{b}=", str(a * b)
     raise AssertionError(f"synthetic task {task!r} is listed but not implemented")
 
 

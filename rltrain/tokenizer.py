@@ -8,6 +8,13 @@ in `HFTokenizer` so that the data pipeline, the rollout and the reward code see 
     encode(text) -> list[int]        decode(ids) -> str           encode_prompt(prompt, chat) -> list[int]
     pad_token_id, eos_token_id, bos_token_id, vocab_size, apply_chat_template(messages, ...)
 
+Multi-turn rollouts (rltrain/rollout/agent.py) also ask a tokenizer how tool calls look in its chat format:
+`tool_call_stop_ids()` (tokens that end a model turn at a call), `parse_tool_call(turn_text, tools)` and
+`observation_text(result_text, error)` (what follows a call: the tool's answer and the next turn's opening).
+The built-in tokenizer's 32 characters cannot spell JSON, so it has a compact call syntax of its own,
+`<ARGS>` (CHAR_TOOL_CALL_FORMAT); Hugging Face tokenizers use JSON calls in the Qwen / Hermes convention,
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, and their own chat template for the answer.
+
 `CharTokenizer.save_pretrained` writes the built-in tokenizer as Hugging Face files (what `rltrain export-hf`
 and the hf_model checkpoint part ship next to a tiny model), so `AutoTokenizer` loads it with the same ids.
 """
@@ -42,6 +49,62 @@ CHAR_VOCAB: tuple[str, ...] = (
 )
 # Shown by decode() for ids that have no character (unknown characters encode to <unk>).
 UNK_CHAR = "\ufffd"
+
+CHAR_TOOL_CALL_FORMAT = """The built-in character tokenizer's tool-call format (its alphabet has no braces
+or quotes, so no JSON): the model writes `<ARGS>`; `>` ends its turn, and ARGS (the text after the turn's
+last `<`) becomes the first parameter of the first tool of rollout.multi_turn.tools (calculator: the
+expression). A bare `>` (no `<` in the turn) asks about the question just posed: ARGS is then the last line
+of the context before it, without a trailing `=`. The answer follows as observation tokens `=RESULT` and a
+newline (`=err` and a newline when the call failed), then the model's next turn begins. Example: prompt
+`12*34=`, response `>=408` + newline then EOS (or `<12*34>=408`...); `=408` and the newline are the
+observation."""
+HF_TOOL_CALL_OPEN, HF_TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+class ToolCallParseError(ValueError):
+    """A model turn ended at a tool call that cannot be read (the model is shown the message)."""
+
+
+def _bare_call(turn_text: str, tools: Sequence[Any], context_text: str) -> Any:
+    """CHAR_TOOL_CALL_FORMAT: the call of a turn ending in `>` (`context_text`: the prompt and response so
+    far, this turn included), None when the turn ended otherwise."""
+    from rltrain.tools import ToolCall, first_string_parameter
+
+    if not turn_text.endswith(">"):
+        return None
+    if not tools:
+        raise ToolCallParseError("no tools are configured")
+    start = turn_text.rfind("<")
+    # A bare `>` asks about the question on the line before it.
+    question = context_text[:-1].rsplit("\n", 1)[-1].removesuffix("=")
+    args = turn_text[start + 1 : -1] if start >= 0 else question
+    return ToolCall(tools[0].name, {first_string_parameter(tools[0].schema): args})
+
+
+def _json_call(turn_text: str) -> Any:
+    """A Hermes / Qwen JSON call at the end of a turn, None when the turn does not end with one."""
+    from rltrain.tools import ToolCall
+
+    text = turn_text.rstrip()
+    if not text.endswith(HF_TOOL_CALL_CLOSE):
+        return None
+    start = text.rfind(HF_TOOL_CALL_OPEN)
+    if start < 0:
+        raise ToolCallParseError(f"{HF_TOOL_CALL_CLOSE} without {HF_TOOL_CALL_OPEN}")
+    body = text[start + len(HF_TOOL_CALL_OPEN) : -len(HF_TOOL_CALL_CLOSE)].strip()
+    try:
+        call = json.loads(body)
+        arguments = call["arguments"]
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            arguments = json.loads(arguments)
+        name = call["name"]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ToolCallParseError(
+            f'cannot read the tool call {body[:80]!r}: expected {{"name": ..., "arguments": {{...}}}} ({exc})'
+        ) from exc
+    if not isinstance(name, str) or not isinstance(arguments, dict):
+        raise ToolCallParseError('"name" must be a string and "arguments" an object')
+    return ToolCall(name, arguments)
 
 
 @runtime_checkable
@@ -117,6 +180,24 @@ class CharTokenizer:
     def encode_prompt(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
         """`<bos>` + the characters of the prompt: the sequence the policy continues."""
         return [self._ids[BOS], *self.encode(messages_to_text(prompt))]
+
+    def encode_agent_prompt(self, prompt: Prompt, tool_schemas: Sequence[dict[str, Any]]) -> list[int]:
+        """The prompt of a multi-turn rollout: the same as `encode_prompt` (the call syntax is fixed,
+        CHAR_TOOL_CALL_FORMAT, so no tool description is added)."""
+        return self.encode_prompt(prompt)
+
+    def tool_call_stop_ids(self) -> tuple[int, ...]:
+        """`>` ends a model turn at a tool call (CHAR_TOOL_CALL_FORMAT)."""
+        return (self._ids[">"],)
+
+    def parse_tool_call(self, turn_text: str, tools: Sequence[Any], context_text: str = "") -> Any:
+        """The ToolCall a turn ends with (CHAR_TOOL_CALL_FORMAT); None when the turn ended otherwise
+        (EOS, length). `context_text`: the prompt and response so far, this turn included."""
+        return _bare_call(turn_text, tools, context_text or turn_text)
+
+    def observation_text(self, result_text: str, error: bool) -> str:
+        """`=RESULT` and a newline (`=err` for a failed call): what follows a call (CHAR_TOOL_CALL_FORMAT)."""
+        return "=" + ("err" if error else result_text.strip()) + "\n"
 
     def save_pretrained(self, folder: str | os.PathLike) -> list[str]:
         """Write this tokenizer as a Hugging Face fast tokenizer (tokenizer.json, tokenizer_config.json,
@@ -283,6 +364,43 @@ class HFTokenizer:
         if apply_chat_template and self.has_chat_template:
             return list(self.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True))
         return list(self.hf.encode(messages_to_text(prompt), add_special_tokens=True))
+
+    def encode_agent_prompt(self, prompt: Prompt, tool_schemas: Sequence[dict[str, Any]]) -> list[int]:
+        """The prompt of a multi-turn rollout: the chat template with the tools' JSON schemas (`tools=`, how
+        Qwen / Hermes templates list them in the system turn); without a chat template, `encode_prompt`."""
+        if not self.has_chat_template:
+            return self.encode_prompt(prompt, apply_chat_template=False)
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        out = self.hf.apply_chat_template(
+            messages, tools=list(tool_schemas) or None, add_generation_prompt=True, tokenize=True
+        )
+        return list(out if isinstance(out, list) else out["input_ids"])
+
+    def tool_call_stop_ids(self) -> tuple[int, ...]:
+        """The id of `</tool_call>` when the vocabulary has it as one token (Qwen2.5, Hermes); else none (a
+        turn then ends at EOS and its last call is read from the text)."""
+        ids = self.hf.encode(HF_TOOL_CALL_CLOSE, add_special_tokens=False)
+        return (int(ids[0]),) if len(ids) == 1 else ()
+
+    def parse_tool_call(self, turn_text: str, tools: Sequence[Any], context_text: str = "") -> Any:
+        """The ToolCall a turn ends with: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; None
+        when the turn ends otherwise; ToolCallParseError for a call that is not that JSON."""
+        return _json_call(turn_text)
+
+    def observation_text(self, result_text: str, error: bool) -> str:
+        """What the chat template puts between the model's call and its next turn: the end of the
+        assistant turn, a `tool` message holding the result, and the next assistant turn's opening (the
+        template's text after a sentinel assistant message; the bare result without a template)."""
+        if not self.has_chat_template:
+            return "\n" + result_text + "\n"
+        sentinel = "\u2063rlplan-call\u2063"
+        messages = [
+            {"role": "user", "content": "q"},
+            {"role": "assistant", "content": sentinel},
+            {"role": "tool", "content": result_text},
+        ]
+        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return text[text.index(sentinel) + len(sentinel) :]
 
     def __repr__(self) -> str:
         return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"

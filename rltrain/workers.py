@@ -148,13 +148,26 @@ class PolicyWorker(MegatronWorker):
             self.ref.offload_for_other_roles()
         return {"vocab_size": self.actor.vocab_size, "dp_size": self.actor.dp_size}
 
-    def generate_sequences(self, prompts: dict[str, torch.Tensor], seed: int, validate: bool = False) -> dict:
+    def generate_sequences(
+        self,
+        prompts: dict[str, torch.Tensor],
+        seed: int,
+        validate: bool = False,
+        max_new_tokens: int | None = None,
+        extra_stop_token_ids: tuple[int, ...] = (),
+    ) -> dict:
         """Sample responses for this data-parallel rank's prompts. `seed` is the controller's seed of this
         call (rlconf.seeding: (trainer.seed, step, "rollout" | "validate/i")); each DP rank samples from its
-        own stream derived from it, the TP / PP ranks of one DP rank from the same."""
+        own stream derived from it, the TP / PP ranks of one DP rank from the same. A multi-turn turn
+        (rltrain/rollout/agent.py) passes its token budget and its tool-call stop tokens."""
+        from dataclasses import replace
+
         from megatron.core import parallel_state
 
         r = self.cfg.rollout
+        if max_new_tokens is not None or extra_stop_token_ids:
+            r = replace(r, max_response_length=max_new_tokens or r.max_response_length,
+                        stop_token_ids=(*r.stop_token_ids, *extra_stop_token_ids))  # fmt: skip
         prompt_ids, prompt_mask = prompts["prompt_ids"], prompts["prompt_mask"]
         tok = self._tokenizer()
         shard_seed = derive_seed(seed, parallel_state.get_data_parallel_rank(), DP_SHARD)
