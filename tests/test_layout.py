@@ -108,3 +108,49 @@ def test_a_preset_name_without_the_catalogue_is_a_config_error(tmp_path):
         with pytest.raises(ConfigError) as exc:
             call()
         assert exc.value.path == "preset" and "presets=presets.PRESETS" in exc.value.errors[0].fix
+
+
+def _rlconf_graph() -> dict[str, set[str]]:
+    """{module: rlconf modules it imports}, deferred (in-function) imports included: a cycle through a
+    deferred import is still a cycle of responsibilities."""
+    modules = set(RLCONF_MODULES)
+    graph: dict[str, set[str]] = {}
+    for path in RLCONF.rglob("*.py"):
+        name = _module_name(path)
+        graph[name] = {m for m, _ in _imports(path) if m in modules and m != name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (as a path that returns to its start), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_rlconf_modules_import_each_other_without_a_cycle():
+    """docs imports the verl importer, never the reverse; no other module pair loops either."""
+    graph = _rlconf_graph()
+    assert "rlconf.verl" in graph["rlconf.docs"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None

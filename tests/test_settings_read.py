@@ -44,3 +44,22 @@ def test_verl_strategy_is_not_needed():
     tr = translate(None, ["actor_rollout_ref.actor.strategy=megatron"])
     (row,) = [u for u in tr.unmapped if u.verl == "actor_rollout_ref.actor.strategy"]
     assert row.reason == "not-needed" and "megatron" in row.note
+
+
+def test_verl_default_notes_state_rlplans_current_defaults():
+    """Every `(rlplan's: X)` in the verl table's notes is the dataclass default of the row's rlplan path
+    (generated, so a changed default cannot leave a stale note)."""
+    import re
+
+    from rlconf.config import RLConfig
+    from rlconf.fields import get_path
+    from rlconf.verl import VERL_KEYS
+    from rlconf.verl.table import _note_value
+
+    checked = 0
+    for row in VERL_KEYS:
+        for said in re.findall(r"\(rlplan's: ([^)]*)\)", row.note):
+            assert row.rlplan is not None, row.verl
+            assert said == _note_value(get_path(RLConfig(), row.rlplan)), row.verl
+            checked += 1
+    assert checked >= 10

@@ -1,0 +1,374 @@
+"""What an import says: the text report, its JSON form, the translated YAML, and the migration guide
+(docs/migrating-from-verl.md) generated from the key table."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from rlconf.config import RLConfig
+from rlconf.errors import Issue
+from rlconf.fields import leaf_paths
+from rlconf.verl.table import _IN_ACTOR, REASONS, VERL_KEYS, VerlKey
+from rlconf.verl.translate import Translation, _nest, _plain, _rlplan_default, _show
+
+# --------------------------------------------------------------------------------------------- report
+# What each rlplan rule means for a verl user: where verl would have failed (late), or that the rule is
+# rlplan's own (verl runs the setting, rlplan does not).
+_LATE_IN_VERL = {
+    "batch-layout": "verl's workers assert this when they split the batch, after Ray has started and the "
+    "model has loaded",
+    "world-divisible-by-model-parallel": "megatron fails when every worker initialises its process groups",
+    "heads-divisible-by-tp": "megatron fails while building the model on every worker",
+    "layers-divisible-by-pp": "megatron fails while building the model on every worker",
+    "model-config-json": "verl's workers fail when they load the model",
+    "memory-exceeds-device": "the run goes out of device memory",
+    "estimator-needs": "verl runs it, but the estimator cannot learn as configured (e.g. GRPO with n = 1 "
+    "gives every response a zero advantage)",
+    "positive-size": "verl fails or divides by zero once the workers run",
+    "optim": "megatron's scheduler fails or trains with a broken schedule",
+    "sampling": "the rollout engine rejects it at the first generation",
+    "checkpoint-contents": "the first resume fails",
+}
+for _sub, _parent in (
+    ("mini-batch-divides-batch", "batch-layout"),
+    ("batch-divisible-by-dp-micro", "batch-layout"),
+    ("mini-batch-covers-micro", "batch-layout"),
+    ("token-budget-fits-sequence", "batch-layout"),
+):
+    _LATE_IN_VERL[_sub] = _LATE_IN_VERL[_parent]  # fmt: skip
+RLPLAN_ONLY_RULES: dict[str, str] = {
+    "rollout-engine": "rlplan regroups tensor-parallel shards (rollout tp divides or is a multiple of the actor's) "
+    "and runs vLLM only where it is installed",
+    "ref-layout-matches-actor": _IN_ACTOR,
+    "engine-support": "rlplan's megatron engine does not run this layout yet",
+    "verl-import": "the verl value has no rlplan translation",
+    "unknown-key": "the value does not fit rlplan's field",
+    "type": "the value does not fit rlplan's field",
+    "invalid-choice": "rlplan does not offer this value",
+}
+
+
+def verl_context(rule: str) -> tuple[str, str]:
+    """('late-in-verl' | 'rlplan-rule' | 'checked-early', explanation) of an rlplan rule for a verl user."""
+    if rule in _LATE_IN_VERL:
+        return "late-in-verl", _LATE_IN_VERL[rule]
+    if rule in RLPLAN_ONLY_RULES:
+        return "rlplan-rule", RLPLAN_ONLY_RULES[rule]
+    return "checked-early", "rlplan checks it before anything starts"
+
+
+def issue_origin(tr: Translation, issue: Issue) -> str:
+    """The verl key (or derivation) that set the config path an issue names; '' for rlplan defaults."""
+    path = issue.path.split("[")[0]
+    return tr.origin.get(path, "")
+
+
+def format_report(tr: Translation) -> str:
+    """The text report of `rlconf import-verl`."""
+    applied = [m for m in tr.mapped if m.applied]
+    out = [
+        f"rlconf import-verl: {len(tr.mapped) + len(tr.unmapped)} verl keys: {len(applied)} mapped, "
+        f"{len(tr.mapped) - len(applied)} kept rlplan's default, {len(tr.unmapped)} not mapped",
+        "",
+        "mapped (verl = value -> rlplan = value)",
+    ]
+    for m in tr.mapped:
+        target = (
+            f"{m.rlplan} = {_show(m.value)}" if m.applied else f"{m.rlplan} (default {_show(m.value)} kept)"
+        )
+        out.append(f"  {m.verl} = {_show(m.verl_value)} -> {target}")
+        if m.note and (_show(m.verl_value) != _show(m.value) or not m.applied):
+            out.append(f"      {m.note}")
+    if tr.derived:
+        out += ["", "derived (verl defaults that differ from rlplan's, and what rlplan's design needs)"]
+        out += [f"  {d.rlplan} = {_show(d.value)}: {d.note}" for d in tr.derived]
+    out += ["", f"not mapped ({len(tr.unmapped)})"]
+    if not tr.unmapped:
+        out.append("  (none)")
+    for reason in (
+        "unknown",
+        "unresolved",
+        "unsupported",
+        "ignored-by-verl",
+        "deprecated-in-verl",
+        "not-needed",
+    ):
+        group = [u for u in tr.unmapped if u.reason == reason]
+        if group:
+            out.append(f"  {reason} ({REASONS[reason]}):")
+            out += [f"    {u.verl} = {_show(u.verl_value)}: {u.note}" for u in group]
+    if tr.notes:
+        out += ["", "notes"] + [f"  {n}" for n in tr.notes]
+    out.append("")
+    n_err, n_warn = len(tr.errors), len(tr.warnings)
+    checked = "rlplan's rules" + (" and plan" if tr.plan_checked else "")
+    if not tr.issues:
+        out.append(f"validation: ok ({checked})")
+    else:
+        verdict = "invalid" if n_err else "ok"
+        out.append(f"validation: {verdict} ({checked}): {n_err} error(s), {n_warn} warning(s)")
+    groups = (
+        ("late-in-verl", "fail now, would have failed late (or silently) in verl"),
+        ("checked-early", "checked before anything starts"),
+        ("rlplan-rule", "rlplan's own rules (verl runs this; rlplan does not)"),
+    )
+    for kind, title in groups:
+        items = [i for i in tr.issues if verl_context(i.rule)[0] == kind]
+        if not items:
+            continue
+        out.append(f"  {title}:")
+        for issue in items:
+            src = issue_origin(tr, issue)
+            frm = f" (from {src})" if src and not src.startswith("derived") else (f" ({src})" if src else "")
+            out.append(f"    {issue.severity} [{issue.rule}] {issue.path}{frm}: {issue.message}")
+            out.append(f"        fix: {issue.fix}")
+            out.append(f"        verl: {verl_context(issue.rule)[1]}")
+    return "\n".join(out) + "\n"
+
+
+def translation_to_dict(tr: Translation) -> dict[str, Any]:
+    """The report as JSON-ready data (`rlconf import-verl --json`)."""
+
+    def issue(i: Issue) -> dict[str, Any]:
+        kind, why = verl_context(i.rule)
+        return {
+            **dataclasses.asdict(i),
+            "verl_key": issue_origin(tr, i),
+            "verl_context": kind,
+            "in_verl": why,
+        }
+
+    return {
+        "valid": tr.valid,
+        "settings": {k: _plain(v) for k, v in tr.settings.items()},
+        "mapped": [dataclasses.asdict(m) for m in tr.mapped],
+        "unmapped": [dataclasses.asdict(u) for u in tr.unmapped],
+        "derived": [dataclasses.asdict(d) for d in tr.derived],
+        "notes": list(tr.notes),
+        "issues": [issue(i) for i in tr.issues],
+        "yaml": to_yaml(tr),
+    }
+
+
+def to_yaml(tr: Translation) -> str:
+    """The rlplan config: every imported setting that differs from rlplan's default, each with the verl key
+    it came from as a comment."""
+    changed = {p: v for p, v in tr.settings.items() if _plain(v) != _plain(_rlplan_default(p))}
+    order = {p: i for i, p in enumerate(leaf_paths(RLConfig))}
+    ordered = dict(sorted(changed.items(), key=lambda kv: order[kv[0]] if kv[0] in order else len(order)))
+    head = [
+        "# rlplan config imported from verl by `rlconf import-verl`"
+        + (f" ({', '.join(tr.sources)})" if tr.sources else ""),
+        f"# {sum(m.applied for m in tr.mapped)} verl keys mapped, {len(tr.derived)} settings derived, "
+        f"{len(tr.unmapped)} keys not mapped (see the report). Check it: rlconf validate / rlconf plan.",
+    ]
+    if not tr.valid:
+        head.append(f"# INVALID: {len(tr.errors)} error(s) to fix (rlconf validate lists them).")
+    lines: list[str] = []
+
+    def walk(node: Mapping[str, Any], prefix: str, indent: int) -> None:
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            pad = "  " * indent
+            if isinstance(value, dict) and path not in ordered:
+                lines.append(f"{pad}{key}:")
+                walk(value, path + ".", indent + 1)
+                continue
+            src = tr.origin.get(path, "")
+            comment = f"  # {src}" if src else ""
+            lines.append(f"{pad}{key}: {_show(value)}{comment}")
+
+    walk(_nest(ordered), "", 0)
+    return "\n".join(head + lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------- docs
+# The page's own generated-file mark (rlconf.docs imports this package, so it cannot borrow docs' HEADER).
+PAGE_HEADER = "<!-- generated by `rlconf docs` from `rlconf/verl/table.py`; do not edit by hand -->\n\n"
+_FAMILY_TITLES = {
+    "megatron": ("Megatron engine (per role)", "The same keys under each role's `megatron` section."),
+    "optim": ("Optimizer (actor and critic)", "The same keys under `actor_rollout_ref.actor.optim` and "
+              "`critic.optim`."),
+    "checkpoint": ("Checkpoint contents (actor and critic)", ""),
+    "profiler": ("Per-role profiler", "verl has a profiler section per role; rlplan has one `profile` "
+                 "section with `profile.roles`. See [Profiling](profiling.md)."),
+}  # fmt: skip
+_SECTION_TITLES = (
+    ("data.", "data"),
+    ("actor_rollout_ref.model.", "actor_rollout_ref.model"),
+    ("actor_rollout_ref.actor.", "actor_rollout_ref.actor"),
+    ("actor_rollout_ref.ref.", "actor_rollout_ref.ref"),
+    ("actor_rollout_ref.rollout.", "actor_rollout_ref.rollout"),
+    ("actor_rollout_ref.", "actor_rollout_ref"),
+    ("critic.", "critic"),
+    ("reward_model.", "reward_model and custom_reward_function"),
+    ("custom_reward_function.", "reward_model and custom_reward_function"),
+    ("algorithm.", "algorithm"),
+    ("trainer.", "trainer"),
+    ("global_profiler.", "global_profiler"),
+    ("", "Ray, Hydra and the rest"),
+)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _target_cell(row: VerlKey) -> str:
+    if row.rlplan is not None:
+        return f"`{row.rlplan}`"
+    return f"— ({row.reason})"
+
+
+def _default_cell(row: VerlKey) -> str:
+    """What the docs say about a row's verl default (appended to its note)."""
+    if not row.has_default:
+        return ""
+    if "verl's default" in row.note:
+        return "; applied when unset"
+    return f"{'; ' if row.note else ''}verl's default `{_show(row.verl_default)}` applied when unset"
+
+
+def migration_page() -> str:
+    """docs/migrating-from-verl.md, generated from VERL_KEYS (written by `rlconf docs`)."""
+    out = [PAGE_HEADER, _PAGE_INTRO]
+    sections: dict[str, list[VerlKey]] = {}
+    for row in VERL_KEYS:
+        if row.family:
+            continue
+        title = next(t for prefix, t in _SECTION_TITLES if row.verl.startswith(prefix))
+        sections.setdefault(title, []).append(row)
+    out.append("## Key by key\n\n")
+    out.append(
+        "Every verl key `rlconf import-verl` knows, generated from its table (`rlconf/verl/table.py`). "
+        '"—" marks a key with no rlplan setting; the reason is one of: '
+        + "; ".join(f"**{k}**: {v}" for k, v in REASONS.items() if k not in ("unknown", "unresolved"))
+        + ". A key that ends in `.*` covers every key under it. Keys that are not listed are reported as "
+        "unknown.\n\n"
+    )
+    for title, rows in sections.items():
+        out.append(f"### {title}\n\n| verl | rlplan | note |\n|---|---|---|\n")
+        for row in rows:
+            note = _cell(row.note + _default_cell(row))
+            out.append(f"| `{row.verl}` | {_target_cell(row)} | {note} |\n")
+        out.append("\n")
+    for family, (title, intro) in _FAMILY_TITLES.items():
+        rows = [r for r in VERL_KEYS if r.family == family]
+        roles: list[str] = []
+        table: dict[str, dict[str, VerlKey]] = {}
+        for r in rows:
+            role, _, suffix = r.verl.partition(f".{family}.")
+            if role not in roles:
+                roles.append(role)
+            table.setdefault(suffix, {})[role] = r
+        out.append(f"### {title}\n\n" + (f"{intro}\n\n" if intro else ""))
+        out.append(f"| key | {' | '.join(f'`{r}.{family}.`' for r in roles)} | note |\n")
+        out.append("|---" * (len(roles) + 2) + "|\n")
+        for suffix, by_role in table.items():
+            cells = [_target_cell(by_role[r]) if r in by_role else "" for r in roles]
+            by_note: dict[str, list[str]] = {}
+            for role, r in by_role.items():
+                if r.note or r.has_default:
+                    by_note.setdefault(r.note + _default_cell(r), []).append(role.rsplit(".", 1)[-1])
+            notes = [
+                text if len(who) == len(by_role) else f"{', '.join(who)}: {text}"
+                for text, who in by_note.items()
+            ]
+            out.append(f"| `{suffix}` | {' | '.join(cells)} | {_cell(' / '.join(notes))} |\n")
+        out.append("\n")
+    out.append(_PAGE_DIFFERENCES)
+    return "".join(out)
+
+
+_PAGE_INTRO = """\
+# Migrating from verl
+
+rlplan follows verl's and Megatron's field names wherever the concept is the same, so most keys move over
+by dropping the `actor_rollout_ref.` prefix. `rlconf import-verl` does the translation for you: it reads a
+verl trainer config (the `ppo_megatron_trainer.yaml` layout) and/or the Hydra overrides of a run script,
+maps every key it knows, lists every key it cannot map with the reason, and validates the result with
+rlplan's rules and plan, so that settings which would fail late in verl (after Ray has started and the
+model has loaded) fail now.
+
+```text
+$ rlconf import-verl \\
+    algorithm.adv_estimator=grpo data.train_batch_size=32 data.max_prompt_length=1024 \\
+    data.max_response_length=1024 actor_rollout_ref.model.path=/models/Qwen2.5-7B-Instruct \\
+    actor_rollout_ref.actor.optim.lr=1e-6 actor_rollout_ref.actor.ppo_mini_batch_size=8 \\
+    actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4 \\
+    actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4 \\
+    actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2 \\
+    actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.n=5 \\
+    trainer.n_gpus_per_node=8 trainer.nnodes=1 trainer.total_epochs=15 -o rlplan.yaml
+$ rlconf plan rlplan.yaml
+```
+
+The report has four parts: **mapped** keys (verl key and value -> rlplan path and value, with a note where
+the meaning differs), **derived** settings (verl defaults that differ from rlplan's, such as
+`trainer.device: cuda`, and what rlplan's design needs, such as the reference policy in the actor's
+layout), keys **not mapped** with the reason (unknown keys get a did-you-mean), and the **validation**
+result: each error names the rlplan path, the verl key it came from, the fix, and what verl would have
+done. The exit code is 0 when the translation validates and 2 when it does not (the file is still
+written, marked invalid, so you can fix it); `--json` prints the report as JSON.
+
+Input: a file may hold a resolved config (`python -m verl.trainer.main_ppo --cfg job --resolve ...`
+prints one) or a partial one; a `defaults:` list is not resolved (the report says so). Interpolations
+`${key}`, `${.sibling}` and `${oc.select:key,default}` are resolved against the other keys. Overrides use
+Hydra's syntax: `key=value` and `+key=value` set, `++key=value` forces, `~key` deletes; values are YAML
+(`[console,wandb]`, `null`, `1e-6`), quotes keep a string.
+
+Once moved, rlplan's own override syntax is `--actor.optim.lr 1e-6` on `rltrain`, `--set
+actor.optim.lr=1e-6` on `rlconf`, or the same nesting in a YAML file. A key rlplan does not have is an
+error (`unknown-key`) with a suggestion, never silently ignored.
+
+"""
+
+_PAGE_DIFFERENCES = """\
+## Differences that change numbers
+
+- **Batch sizes count like verl.** `data.train_batch_size` and `ppo_mini_batch_size` count prompts, and
+  `ppo_micro_batch_size_per_gpu` counts responses on one data-parallel rank. One mini-batch is
+  `ppo_mini_batch_size x rollout.n` responses, split over dp ranks. verl normalises these numbers
+  internally. rlplan checks them and shows them: a batch that does not divide evenly is an error
+  (`mini-batch-divides-batch`, `batch-divisible-by-dp-micro`, `mini-batch-covers-micro`), and
+  `rlconf plan` prints the per-rank numbers.
+- **The rollout runs on the actor's weights.** `rollout.engine: embedded` generates with the actor's
+  megatron weights: in the actor's layout when `rollout.tensor_model_parallel_size` is unset (no copy),
+  otherwise at that tp without pipeline parallel, resharded from the actor's layout before each
+  generation (see [GPUs](gpus.md#gpu-presets)); verl's vllm / sglang settings translate to it.
+- **The reference policy** shares the actor's processes, so `ref.megatron` must match `actor.megatron`
+  (verl gives the ref its own worker group and layout).
+- **The lr schedule advances once per training step**, as in verl. It does not advance once per optimizer
+  step. With warmup, step 1 trains at `lr_warmup_init` (0 by default). The plan's lr table shows every step.
+- **Steps count from 1 across resumes.** `trainer.total_steps` is the whole run. `trainer.total_epochs`
+  works as in verl: the plan derives the steps from the rows of `data.train_files` and shows them.
+- **Reward functions** have the signature `(response: str, ground_truth: str, prompt: str) -> float`.
+    verl's is `compute_score(data_source, solution_str, ground_truth, extra_info)`. Wrap an existing verl
+    function in a small module:
+
+    ```python
+    # my_rewards.py (importable: on PYTHONPATH or installed)
+    from my_verl_scores import compute_score
+
+
+    def gsm8k(response: str, ground_truth: str, prompt: str) -> float:
+        return float(compute_score("openai/gsm8k", response, ground_truth, None))
+    ```
+
+    ```yaml
+    reward:
+      function: my_rewards:gsm8k
+    ```
+
+    The built-ins are `exact_match`, `numeric_match` (last number, GSM8K style), `format` and `digit_match`.
+
+- **Ground truth** lives in verl's `reward_model.ground_truth` column; rlplan reads it through
+  `data.answer_key: reward_model.ground_truth` (dotted keys look into nested columns), which
+  `rlconf import-verl` sets when the config names data files.
+- **Defaults differ** in places: `actor.optim.lr` is 1e-3 (tuned for the tiny CPU model; the GPU presets
+  use 1e-6), `actor.shuffle` is true, `cluster.device` is cpu and `val_before_train` is false.
+  `rlconf import-verl` applies verl's defaults where they differ; otherwise start from a preset and check
+  with `rlconf show`, which marks every value that differs from the defaults.
+"""
