@@ -143,6 +143,12 @@ class ToolRunner:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, max_parallel))
 
     def _call(self, call: ToolCall) -> ToolResult:
+        """Run one call in a pool thread; `seconds` is its own run time (not the wait for others)."""
+        t0 = time.perf_counter()
+        res = self._call_untimed(call)
+        return ToolResult(res.text, res.error, res.truncated, time.perf_counter() - t0)
+
+    def _call_untimed(self, call: ToolCall) -> ToolResult:
         tool = self.tools.get(call.name)
         if tool is None:
             return ToolResult(
@@ -157,20 +163,20 @@ class ToolRunner:
 
     def run_many(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run `calls` at once; results in the same order."""
-        starts = [time.perf_counter()] * len(calls)
         futures = [self._pool.submit(self._call, c) for c in calls]
+        # One deadline for the batch: the calls run at once, so each has timeout_s from the start.
         deadline = time.perf_counter() + self.timeout_s
         results = []
-        for fut, t0 in zip(futures, starts, strict=True):
+        for fut in futures:
             try:
                 res = fut.result(timeout=max(deadline - time.perf_counter(), 0.0) + 0.5)
             except concurrent.futures.TimeoutError:
                 fut.cancel()
-                res = ToolResult(f"error: timed out after {self.timeout_s:g} s", error=True)
+                res = ToolResult(f"error: timed out after {self.timeout_s:g} s", True, False, self.timeout_s)
             text, truncated = res.text, False
             if len(text) > self.max_chars:
                 text, truncated = text[: self.max_chars] + "...", True
-            results.append(ToolResult(text, res.error, truncated or res.truncated, time.perf_counter() - t0))
+            results.append(ToolResult(text, res.error, truncated or res.truncated, res.seconds))
         return results
 
     def close(self) -> None:

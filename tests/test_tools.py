@@ -1,0 +1,127 @@
+"""Tools of multi-turn rollouts: the calculator, the python sandbox's limits (a call that hangs, crashes,
+allocates, prints megabytes or opens a socket is cut off with an error and the caller goes on), the
+concurrent runner and user tool plugins."""
+
+from __future__ import annotations
+
+import textwrap
+import time
+
+import pytest
+
+from rlconf.config import MultiTurnConfig
+from rlconf.errors import ConfigError
+from rltrain.tools import ToolCall, ToolRunner, load_tool
+from rltrain.tools.calculator import Calculator, CalculatorError, evaluate
+from rltrain.tools.python_sandbox import PythonSandbox, run_python
+
+
+def test_calculator_is_exact_and_refuses_everything_else():
+    assert evaluate("47*8") == "376"
+    assert evaluate("(2+3)**2 - 7//2") == "22"
+    assert evaluate("1/4") == "0.25"
+    assert evaluate("6/3") == "2"  # an integral float without ".0"
+    for bad in ("__import__('os')", "x+1", "9**9**9", "1/0", "", "2*"):
+        with pytest.raises(CalculatorError):
+            evaluate(bad)
+    assert Calculator()({"expression": "12*34"}) == "408"
+
+
+def test_python_sandbox_runs_code_in_a_fresh_temporary_folder():
+    out = run_python("import os\nprint(6 * 7)\nprint(os.getcwd())\nopen('x.txt', 'w').write('kept?')")
+    assert not out.error
+    value, cwd = out.text.split()
+    assert value == "42"
+    assert "rlplan-tool-" in cwd
+    from pathlib import Path
+
+    assert not Path(cwd).exists()  # removed after the call
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        ("while True: pass", "timed out"),  # hangs (CPU)
+        ("import time; time.sleep(60)", "timed out"),  # hangs (sleep: only the wall clock stops it)
+        ("import ctypes; ctypes.string_at(0)", "killed by SIGSEGV"),  # crashes
+        ("import os; os._exit(3)", "exited with code 3"),
+        ("print('x' * 10_000_000)", "printed more than"),  # megabytes of output
+        ("a = bytearray(2 ** 31)", "out of memory"),
+        ("import socket; socket.create_connection(('127.0.0.1', 9))", "not allowed"),  # no network
+        ("import subprocess; subprocess.run(['true'])", "not allowed"),
+    ],
+)
+def test_python_sandbox_cuts_off_bad_code_with_an_error(code, reason):
+    t0 = time.perf_counter()
+    out = run_python(code, timeout_s=1.5, memory_mib=256, max_output_bytes=4096)
+    assert out.error
+    assert reason in out.text
+    assert len(out.text) < 4096 + 200
+    assert time.perf_counter() - t0 < 10
+
+
+def test_runner_cuts_off_a_hanging_tool_without_holding_up_the_others(tmp_path, monkeypatch):
+    (tmp_path / "my_tools.py").write_text(
+        textwrap.dedent("""
+        import time
+
+        def slow(seconds):
+            time.sleep(float(seconds))
+            return "woke"
+
+        slow.schema = {"type": "function", "function": {"name": "slow", "parameters": {"type": "object",
+                       "properties": {"seconds": {"type": "number"}}, "required": ["seconds"]}}}
+
+        def crash(expression):
+            raise RuntimeError("tool bug")
+
+        crash.schema = {"type": "function", "function": {"name": "crash", "parameters": {"type": "object",
+                        "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+
+        def loud(expression):
+            return "y" * 5_000_000
+
+        loud.schema = {"type": "function", "function": {"name": "loud", "parameters": {"type": "object",
+                       "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}
+    """)
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = MultiTurnConfig(tools=("my_tools:slow", "my_tools:crash", "my_tools:loud", "calculator"))
+    tools = [load_tool(spec, cfg) for spec in cfg.tools]
+    runner = ToolRunner(tools, timeout_s=1.0, max_chars=64, max_parallel=4)
+    t0 = time.perf_counter()
+    hang, crash, loud, ok, unknown = runner.run_many([
+        ToolCall("slow", {"seconds": 30}), ToolCall("crash", {"expression": "1"}),
+        ToolCall("loud", {"expression": "1"}), ToolCall("calculator", {"expression": "47*8"}),
+        ToolCall("nope", {}),
+    ])  # fmt: skip
+    elapsed = time.perf_counter() - t0
+    runner.close()
+    assert elapsed < 5  # the hanging call is abandoned at its deadline
+    assert hang.error and "timed out" in hang.text
+    assert crash.error and "RuntimeError: tool bug" in crash.text
+    assert loud.truncated and not loud.error and len(loud.text) <= 64 + 3
+    assert (ok.text, ok.error) == ("376", False)
+    assert ok.seconds < 1.0  # not held up by the hanging call
+    assert unknown.error and "unknown tool" in unknown.text
+
+
+def test_user_tool_without_schema_is_a_config_error(tmp_path, monkeypatch):
+    (tmp_path / "bare_tools.py").write_text("def f(x):\n    return x\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError) as exc:
+        load_tool("bare_tools:f", MultiTurnConfig())
+    assert exc.value.issues[0].path == "rollout.multi_turn.tools"
+    with pytest.raises(ConfigError):
+        load_tool("not_a_module_xyz:f", MultiTurnConfig())
+    with pytest.raises(ConfigError):
+        load_tool("calc", MultiTurnConfig())
+
+
+def test_python_tool_through_the_runner():
+    runner = ToolRunner([PythonSandbox(timeout_s=1.0)], timeout_s=3.0, max_chars=256, max_parallel=2)
+    good, bad = runner.run_many([ToolCall("python", {"code": "print(sum(range(10)))"}),
+                                 ToolCall("python", {"code": "while True: pass"})])  # fmt: skip
+    runner.close()
+    assert (good.text.strip(), good.error) == ("45", False)
+    assert bad.error and "timed out" in bad.text
