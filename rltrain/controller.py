@@ -495,16 +495,18 @@ class Trainer:
         except (WorkerError, CheckpointError) as exc:
             print(f"stopping: the checkpoint could not be finished ({exc}); it is removed", file=sys.stderr)
 
-    def shutdown(self, stopping: bool = False) -> None:
+    def shutdown(self, stopping: bool = False, failed: bool = False) -> None:
         """End the workers and give their devices back. `stopping` (SIGINT / SIGTERM): the step in flight is
         abandoned, a save is committed or removed (`_settle_saves`), and workers are not asked to flush
-        profiles (that call would wait behind the abandoned one)."""
-        if stopping:
+        profiles (that call would wait behind the abandoned one). `failed` (a worker failed or died): no call
+        reaches the workers at all, since the ranks that did not fail may wait in a collective for the one
+        that did, and a call queued behind that wait would hang until the collective's timeout."""
+        if stopping and not failed:
             self._settle_saves()
         if self.agent is not None:
             self.agent.close()
         for group in self.groups.values():
-            if not stopping:
+            if not (stopping or failed):
                 with contextlib.suppress(WorkerError):
                     group.call("finish")
             group.shutdown()
@@ -534,6 +536,7 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
     stop.install()
     folder = trainer = None
     code = 0
+    failed = False
     try:
         try:
             folder = RunFolder.open(config, plan)
@@ -548,12 +551,13 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
             if stop.signum is not None:  # a worker ended by the same signal (Ctrl-C reaches the whole group)
                 code = stop.exit_code()
             else:
+                failed = True
                 print(f"error: {exc}\n    fix: see the worker's log above; rerun the same command to resume from "
                       "the last complete checkpoint (trainer.resume_mode: auto)", file=sys.stderr)  # fmt: skip
                 return 1
         finally:
             if trainer is not None:
-                trainer.shutdown(stopping=code != 0)
+                trainer.shutdown(stopping=code != 0, failed=failed)
             import ray
 
             if ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):

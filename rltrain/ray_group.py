@@ -303,16 +303,24 @@ class WorkerGroup:
         return self.wait(refs)
 
     def wait(self, refs: list[Any]) -> list[Any]:
-        results = []
-        for rank, ref in enumerate(refs):
-            try:
-                results.append(ray.get(ref))
-            except ray.exceptions.RayActorError as exc:
-                raise WorkerError(self.role, rank, _first_line(exc), died=True) from None
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-                raise WorkerError(self.role, rank, f"{type(cause).__name__}: {cause}", died=False) from None
-        return results
+        """The results of `refs` (one per rank) in rank order. The first rank to fail or die raises at once:
+        the others may be waiting for it in a collective, and would answer only at its timeout."""
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            for ref in done:
+                self._result(ref, rank_of[ref])
+        return [self._result(ref, rank) for rank, ref in enumerate(refs)]
+
+    def _result(self, ref: Any, rank: int) -> Any:
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as exc:
+            raise WorkerError(self.role, rank, _first_line(exc), died=True) from None
+        except ray.exceptions.RayTaskError as exc:
+            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            raise WorkerError(self.role, rank, f"{type(cause).__name__}: {cause}", died=False) from None
 
     def shutdown(self) -> None:
         for w in self.workers:

@@ -36,6 +36,12 @@ class EchoWorker:
         if self.rank == 1:
             os._exit(3)
 
+    def fail_while_rank0_waits(self) -> None:
+        """Rank 0 waits as it would in a collective whose peer failed (gloo's default timeout is 30 min)."""
+        if self.rank == 1:
+            raise ValueError("rank 1 failed before the all-reduce")
+        time.sleep(600)
+
 
 @pytest.fixture(scope="module")
 def ray_cluster():
@@ -61,6 +67,11 @@ def test_group_passes_rank_args_and_names_failures(ray_cluster):
             group.call("die")
         assert (exc.value.role, exc.value.rank, exc.value.died) == ("critic", 1, True)
         assert "critic worker rank 1 died" in str(exc.value)
+        # A failure is reported when it happens, not after the ranks still waiting for the failed one.
+        t0 = time.monotonic()
+        with pytest.raises(WorkerError) as exc:
+            group.call("fail_while_rank0_waits")
+        assert exc.value.rank == 1 and time.monotonic() - t0 < 60
     finally:
         group.shutdown()
         pool.release()
