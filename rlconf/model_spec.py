@@ -504,9 +504,12 @@ def engine_gaps(arch: ModelArch) -> list[tuple[str, str]]:
     return gaps
 
 
-def expert_layout_issues(arch: ModelArch, source: str, ep: int, etp: int) -> list[tuple[str, str, str]]:
+def expert_layout_issues(
+    arch: ModelArch, source: str, ep: int, etp: int, tp: int = 1, sequence_parallel: bool = True
+) -> list[tuple[str, str, str]]:
     """(megatron field, message, fix) for each way expert parallel size `ep` and expert tensor parallel size
-    `etp` cannot split `arch`'s experts (`source` names where the architecture comes from)."""
+    `etp` cannot split `arch`'s experts (`source` names where the architecture comes from), and for MoE
+    training at tensor parallel size `tp` > 1 without sequence parallel (megatron-core refuses it)."""
     if arch.num_moe_experts is None:
         if ep > 1:
             return [("expert_model_parallel_size", f"expert parallel needs mixture-of-experts layers, and "
@@ -522,6 +525,10 @@ def expert_layout_issues(arch: ModelArch, source: str, ep: int, etp: int) -> lis
         out.append(("expert_tensor_parallel_size", f"the expert width {width} ({source}) is not divisible by "
                     f"expert tensor parallel size {etp}",
                     "choose an expert_tensor_parallel_size that divides it (1 keeps experts whole)"))  # fmt: skip
+    if tp > 1 and not sequence_parallel:
+        out.append(("sequence_parallel", f"{source} is a mixture of experts and tensor parallel size is {tp}: "
+                    "megatron-core trains MoE layers with tensor parallel only with sequence parallel",
+                    "set sequence_parallel: true"))  # fmt: skip
     return out
 
 

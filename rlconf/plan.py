@@ -1188,7 +1188,7 @@ def _layouts(
             # validate.py checks model.arch; an architecture read from config.json is checked here.
             _check_arch_layout(ck, spec, role, tp_path, tp, pp, vpp)
             for field, message, fix in (
-                expert_layout_issues(arch, spec.source, ep, etp) if role != "rollout" else ()
+                expert_layout_issues(arch, spec.source, ep, etp, tp, sp) if role != "rollout" else ()
             ):
                 ck.add(tp_path.replace("tensor_model_parallel_size", field), message, fix, "engine-support")
         dp = world // mp

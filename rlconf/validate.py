@@ -227,6 +227,7 @@ def world_divisible(c: RLConfig) -> Iterator[Issue]:
     "*.megatron.context_parallel_size",
     "*.megatron.expert_model_parallel_size",
     "*.megatron.expert_tensor_parallel_size",
+    "*.megatron.sequence_parallel",
     "model.arch.num_moe_experts",
     "model.arch.moe_ffn_hidden_size",
     "model.arch.ffn_hidden_size",
@@ -248,7 +249,8 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
             continue  # the architecture comes from config.json: the plan checks it
         for path, message, fix in expert_layout_issues(
             c.model.arch, "model.arch", m.expert_model_parallel_size,
-            m.expert_tensor_parallel_size or m.tensor_model_parallel_size,
+            m.expert_tensor_parallel_size or m.tensor_model_parallel_size, m.tensor_model_parallel_size,
+            m.sequence_parallel,
         ):  # fmt: skip
             yield error(f"{prefix}.megatron.{path}", message, fix, "engine-support")
 

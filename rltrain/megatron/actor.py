@@ -26,6 +26,7 @@ from rltrain import algorithms
 from rltrain.megatron.engine import MegatronEngine, MicroBatch, sections_plan
 from rltrain.megatron.inference import sample_tokens
 from rltrain.megatron.logprob import token_log_probs_and_entropy
+from rltrain.megatron.model import MoeRoutingStats
 from rltrain.rollout.batch import rollout_batch
 
 if TYPE_CHECKING:
@@ -181,24 +182,27 @@ class MegatronActor(MegatronEngine):
             self.check_equal_rows(n)
             self.train()
             step, lr = self.begin_update(step)
-            for mini_batch, mbs, totals in self.iter_mini_batches(batch, cfg.shuffle, step):
-                tokens += int(mini_batch["attention_mask"].sum())
-                self.zero_grad()
-                loss_fn = functools.partial(
-                    self._policy_loss,
-                    clip_low=clip_low,
-                    clip_high=clip_high,
-                    use_kl=use_kl,
-                    totals=totals,
-                    temperature=temperature,
-                )
-                grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
-                grad_norms.append(grad_norm)
-                count += counted
+            routing = MoeRoutingStats(self.chunks, self.torch_device)  # MoE metrics; none for a dense model
+            with routing:
+                for mini_batch, mbs, totals in self.iter_mini_batches(batch, cfg.shuffle, step):
+                    tokens += int(mini_batch["attention_mask"].sum())
+                    self.zero_grad()
+                    loss_fn = functools.partial(
+                        self._policy_loss,
+                        clip_low=clip_low,
+                        clip_high=clip_high,
+                        use_kl=use_kl,
+                        totals=totals,
+                        temperature=temperature,
+                    )
+                    grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
+                    grad_norms.append(grad_norm)
+                    count += counted
             self.lr_scheduler.step(1)
         metrics = self.reduce_metrics(sums, count, names)
         metrics["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics["actor/lr"] = lr
+        metrics.update(routing.metrics)
         elapsed = time.perf_counter() - start
         # Tokens (prompt + response) processed by forward+backward per second on this rank.
         metrics["perf/actor_update_tokens_per_s"] = tokens / max(elapsed, 1e-9)

@@ -20,6 +20,9 @@ Two parts:
   - CUDA streams of the MoE alltoall token dispatcher (`torch.cuda.Stream()` built once per process for its
     device-to-host copies, `torch.cuda.current_stream()`, `torch.cuda.stream(s)`, `record_event()` and the
     event's `synchronize()`) -> `CpuStream`, whose waits and events are no-ops: CPU ops are synchronous.
+  - the dispatcher's `maybe_move_tensor_to_cpu` -> also converts CPU tensors when asked for numpy: megatron's
+    converts only CUDA tensors, so on a CPU run the alltoall split sizes stayed tensors, which
+    `all_to_all_single` refuses (it takes sequences of ints).
 * `cuda_to_cpu()` (per thread, re-entrant context manager) enters a `TorchFunctionMode` that rewrites
   what cannot be patched as a function: tensors created with a literal `device="cuda"` (schedules,
   optimizer, clip_grads, local multi-tensor l2 norm), `Tensor.cuda()` / `Tensor.to("cuda")`, and
@@ -149,6 +152,14 @@ def _stream_context(stream: Any = None) -> contextlib.AbstractContextManager[Non
     return contextlib.nullcontext()
 
 
+def _move_tensor_to_cpu(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    # megatron's version skips non-CUDA tensors entirely, numpy conversion included.
+    if torch.is_tensor(tensor):
+        tensor = tensor.cpu()
+        return tensor.numpy() if as_numpy else tensor
+    return tensor
+
+
 class _RngForkWarningFilter(logging.Filter):
     """Drops megatron's 'CPU RNG state changed within GPU RNG context' warning.
 
@@ -177,6 +188,9 @@ def enable_cpu_compat() -> None:
         torch.cuda.Stream = CpuStream  # type: ignore[misc]
         torch.cuda.current_stream = _current_stream
         torch.cuda.stream = _stream_context  # type: ignore[assignment]
+        import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+        token_dispatcher.maybe_move_tensor_to_cpu = _move_tensor_to_cpu
         for module in (torch.cuda, cuda_random):
             module.get_rng_state = _cpu_get_rng_state
             module.set_rng_state = _cpu_set_rng_state

@@ -557,8 +557,12 @@ class MegatronEngine:
         # upcasts chunk by chunk instead.
         extra: dict[str, Any] = {"fp32_output": False} if self.config.bf16 or self.config.fp16 else {}
 
+        moe_padding = mmodel.moe_padding_mask_supported(self.config)
+
         def forward_step(data_iter: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iter)
+            if moe_padding:  # MoE routing statistics (load-balancing loss) without the padding columns
+                extra["padding_mask"] = mmodel.moe_padding_mask(mb.tokens, mb.data["attention_mask"])
             output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, **extra)
 
             def loss_func(out: torch.Tensor):

@@ -272,6 +272,8 @@ def transformer_config(
         # (traffic both ways between the same pair) activations and gradients arrive swapped. Its
         # unbatched path orders even/odd ranks to match; use it on cpu, keep megatron's default on GPU.
         batch_p2p_comm=devices.dist_backend(device) != "gloo",
+        # megatron checks it on dense models too: allgather (its default) refuses variable_seq_lengths.
+        moe_token_dispatcher_type="alltoall",
         **recompute,
     )
 
@@ -325,13 +327,113 @@ def moe_config(arch: ModelArch, mcfg: MegatronConfig) -> dict[str, Any]:
         "moe_aux_loss_coeff": aux,
         "moe_z_loss_coeff": ov.moe_z_loss_coeff,
         "moe_layer_freq": freq,
-        "moe_token_dispatcher_type": "alltoall",
         "moe_grouped_gemm": False,
         # No token is dropped: transformers' MoE blocks have no capacity limit either.
         "moe_expert_capacity_factor": None,
         "moe_permute_fusion": False,
         "moe_router_fusion": False,
     }
+
+
+# ------------------------------------------------------------------------------------ MoE metrics
+def moe_padding_mask_supported(config: TransformerConfig) -> bool:
+    """Whether the engine passes GPTModel a padding mask for MoE routing: a MoE model, except with sequence
+    parallel across pipeline stages (megatron 0.16.1 splits the mask over the sequence-parallel ranks on the
+    first stage only; later stages would get the whole mask). Without it, padding columns take part in the
+    load-balancing loss as tokens."""
+    return config.num_moe_experts is not None and not (
+        config.sequence_parallel and config.pipeline_model_parallel_size > 1
+    )
+
+
+def moe_padding_mask(tokens: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """[b, L] True on the padding columns of left-aligned `tokens` (rltrain.megatron.engine.align_batch puts
+    each row's attention_mask.sum() valid tokens first): megatron's router leaves them out of the
+    load-balancing loss and its token counts, as transformers' load_balancing_loss_func does with the
+    attention mask."""
+    valid = attention_mask.sum(-1).to(tokens.device)
+    return torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0) >= valid.unsqueeze(1)
+
+
+class MoeRoutingStats:
+    """Routing metrics of one update of a mixture-of-experts model (context manager around the update).
+
+    `actor/moe_aux_loss`: megatron's load-balancing loss (switch-transformer form, before its coefficient) as
+    its router records it, averaged over MoE layers, micro-batches and ranks; megatron computes it only while
+    training with a coefficient > 0, so it is absent with `moe_aux_loss_coeff: 0`.
+    `actor/moe_expert_load_max`: the busiest expert's share of the routed tokens over the mean share
+    (tokens routed to each expert over the whole update, summed over ranks), averaged over MoE layers: 1.0
+    is perfect balance, num_experts / topk means every token went to the same experts.
+    Collective on exit: every rank of the engine calls it. A dense model yields no metrics.
+    """
+
+    def __init__(self, chunks: Sequence[torch.nn.Module], device: torch.device) -> None:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self.device = device
+        self.routers = [m for c in chunks for m in unwrap(c).modules() if isinstance(m, TopKRouter)]
+        self.counts: dict[int, torch.Tensor] = {}
+        self.calls = 0
+        self.handles: list[Any] = []
+        self.metrics: dict[str, float] = {}
+
+    def __enter__(self) -> MoeRoutingStats:
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        if not self.routers:
+            return self
+        clear_aux_losses_tracker()
+        for router in self.routers:
+            self.handles.append(router.register_forward_hook(self._record))
+        return self
+
+    def _record(
+        self, router: torch.nn.Module, inputs: Any, output: tuple[torch.Tensor, torch.Tensor]
+    ) -> None:
+        routing_map = output[1]  # [tokens, experts] bool: which experts each token goes to
+        tokens = routing_map.sum(0, dtype=torch.float64).detach().cpu()
+        layer = router.layer_number
+        self.counts[layer] = self.counts[layer] + tokens if layer in self.counts else tokens
+        # megatron's per-rank load-balancing loss is a part of the TP x CP group's (their values add up):
+        # count each group's router calls once.
+        if (
+            parallel_state.get_tensor_model_parallel_rank() == 0
+            and parallel_state.get_context_parallel_rank() == 0
+        ):
+            self.calls += 1
+
+    def __exit__(self, *exc: object) -> None:
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
+
+        for handle in self.handles:
+            handle.remove()
+        if not self.routers or exc[0] is not None:
+            return
+        config = self.routers[0].config
+        experts = config.num_moe_experts
+        # [layer, expert] token counts, [aux loss sum, router calls]: summed over every rank (pipeline stages
+        # hold different layers; DP / EP ranks route their own tokens; TP ranks that route the same tokens
+        # scale a layer's counts alike, which the ratio below cancels).
+        counts = torch.zeros(config.num_layers, experts, dtype=torch.float64)
+        for layer, c in self.counts.items():
+            counts[layer - 1] = c
+        tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        aux = float(tracker["values"].sum()) if tracker is not None else 0.0
+        sums = torch.tensor([aux, float(self.calls), float(tracker is not None)], dtype=torch.float64)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            packed = torch.cat([counts.flatten(), sums]).to(self.device)
+            torch.distributed.all_reduce(packed)
+            counts, sums = packed[: counts.numel()].cpu().view_as(counts), packed[counts.numel() :].cpu()
+        clear_aux_losses_tracker()
+        routed = counts[counts.sum(1) > 0]
+        if len(routed):
+            load = routed.max(1).values / routed.mean(1)
+            self.metrics["actor/moe_expert_load_max"] = float(load.mean())
+        if sums[2] > 0 and sums[1] > 0:
+            self.metrics["actor/moe_aux_loss"] = float(sums[0] / sums[1])
 
 
 # ------------------------------------------------------------------------------------ value head

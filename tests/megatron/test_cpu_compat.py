@@ -152,3 +152,45 @@ def test_cpu_config_uses_unbatched_p2p(mp_world):
 
     mc = tiny_model_cfg()
     assert transformer_config(mc.arch, mc, MegatronConfig(), "cpu").batch_p2p_comm is False
+
+
+def test_cuda_streams_are_cpu_stand_ins(compat):
+    # megatron MoE alltoall dispatcher: torch.cuda.Stream() once per process for its device-to-host copies,
+    # current_stream() compared with it, torch.cuda.stream(s) around the copies, record_event().synchronize().
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    side = torch.cuda.Stream()
+    assert torch.cuda.current_stream() == side  # one CPU stream: no side stream to wait for
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x = torch.ones(2) * 3
+    side.record_event().synchronize()
+    assert x.tolist() == [3.0, 3.0]
+    assert MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None or isinstance(
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream, compat.CpuStream
+    )
+
+
+def test_dispatcher_split_sizes_become_numpy(compat):
+    # megatron MoE alltoall dispatcher: maybe_move_tensor_to_cpu(splits, as_numpy=True) converts only CUDA
+    # tensors; all_to_all_single refuses tensor split sizes.
+    import numpy as np
+    from megatron.core.transformer.moe import token_dispatcher
+
+    splits = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([2, 3]), as_numpy=True)
+    assert isinstance(splits, np.ndarray) and splits.tolist() == [2, 3]
+    counts = token_dispatcher.maybe_move_tensor_to_cpu(torch.tensor([4, 1]))
+    assert torch.is_tensor(counts) and counts.tolist() == [4, 1]
+    assert token_dispatcher.maybe_move_tensor_to_cpu(None) is None
+
+
+def test_moe_router_runs_without_transformer_engine(mp_world):
+    # megatron-core 0.16.1 moe_utils reads te_general_gemm even when Transformer Engine is absent (NameError);
+    # rltrain.megatron.model.define_missing_te_names gives it None, so the router takes its torch.mm path.
+    from megatron.core.transformer.moe import moe_utils
+
+    from rltrain.megatron.model import define_missing_te_names
+
+    define_missing_te_names()
+    x, w = torch.randn(5, 8), torch.randn(4, 8)
+    assert torch.allclose(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.t())

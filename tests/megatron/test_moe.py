@@ -1,0 +1,263 @@
+"""Mixture-of-experts models in the megatron engine (CPU, fp32, gloo), checked against transformers.
+
+Tiny random Qwen3-MoE (norm_topk_prob, a dense layer from mlp_only_layers), Qwen2-MoE (gated shared expert,
+unnormalised top-k, a dense first layer) and Mixtral (w1/w2/w3 experts) folders saved by transformers: at
+EP=1 the engine's log-probs equal transformers' and HF -> megatron -> HF is bit-identical; in a gloo world of
+two processes the same holds at EP=2 (experts split over ranks, tokens exchanged by the alltoall dispatcher)
+and TP=2 x EP=2 (expert TP 1), and one PPO update gives the EP=1 result. The rlconf side: the plan puts EP
+in the grid and rejects an expert count EP does not divide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlconf.config import ModelConfig, Optim
+
+from ..tolerance import rel_tolerance
+from ._common import (
+    UPDATE_DEPTH,
+    actor_cfg,
+    assert_tiny_close,
+    batch_from_lengths,
+    free_port,
+    hf_logits,
+    reference_log_probs,
+    run_spawned,
+)
+from .test_parity import assert_same_safetensors
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
+]
+
+# Small enough for 2 CPU cores; 4 experts (2 per EP rank), top-2, three layers of which one is dense.
+MOE_BASE = dict(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+MOE_CONFIGS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2, "head_dim": 16,
+                   "norm_topk_prob": True, "mlp_only_layers": [1]}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {"moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                   "shared_expert_intermediate_size": 48, "mlp_only_layers": [0]}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+}  # fmt: skip
+# The widest sum a log-prob passes through (vocabulary padded to 128) and the reductions in sequence.
+MOE_REDUCTION = 128
+MOE_DEPTH = 2 * MOE_BASE["num_hidden_layers"] + 2
+
+
+def make_tiny_moe(path: Path, family: str, seed: int = 0) -> Path:
+    """A random tiny MoE model of `family` saved by transformers (weights scaled up so that logits and router
+    scores are not flat)."""
+    import transformers
+
+    config_cls, model_cls, extra = MOE_CONFIGS[family]
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**MOE_BASE, **extra))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.1)
+            else:
+                p.add_(torch.randn_like(p) * 0.05)
+    model.save_pretrained(str(path))
+    return path
+
+
+def _close(actual: torch.Tensor, expected: torch.Tensor, msg: str, depth: int = MOE_DEPTH) -> None:
+    assert_tiny_close(actual, expected, msg=msg, depth=depth)
+
+
+def _batch() -> dict[str, torch.Tensor]:
+    """8 rows of uneven prompt / response lengths (DP=2 ranks get 4 each)."""
+    lens = [(12, 16), (10, 14), (12, 11), (9, 16), (3, 2), (2, 4), (4, 1), (3, 3)]
+    return batch_from_lengths(lens, 12, 16, seed=0)
+
+
+def _layout_cfg(tp: int = 1, ep: int = 1, etp: int | None = None, aux: float | None = None):
+    """Actor config of one layout; `aux` overrides the config.json load-balancing coefficient."""
+    # lr 1e-4 as in test_multiproc: Adam's first step is lr x sign(grad), a small lr keeps it below rounding.
+    cfg = actor_cfg(tp, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=2, shuffle=False,
+                    loss_agg_mode="token-mean", optim=Optim(lr=1e-4, clip_grad=1.0))  # fmt: skip
+    ov = replace(cfg.megatron.override_transformer_config, moe_aux_loss_coeff=aux)
+    # megatron trains MoE layers at TP > 1 only with sequence parallel (the plan says so too).
+    mcfg = replace(cfg.megatron, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+                   sequence_parallel=tp > 1, override_transformer_config=ov)  # fmt: skip
+    return replace(cfg, megatron=mcfg)
+
+
+def _actor(path: Path | str, cfg=None, trainable: bool = False):
+    from rltrain.megatron.actor import MegatronActor
+
+    return MegatronActor(ModelConfig(path=str(path), attention_backend="sdpa"), cfg or _layout_cfg(), "cpu",
+                         trainable=trainable, total_steps=4)  # fmt: skip
+
+
+def _update(path: str, cfg, rl: dict) -> dict:
+    actor = _actor(path, cfg, trainable=True)
+    metrics = actor.update_policy(rl)
+    after = actor.compute_log_prob(rl, with_entropy=False)["log_probs"]
+    return {"metrics": metrics, "after": after}
+
+
+@pytest.fixture(scope="module", params=list(MOE_CONFIGS))
+def moe_folder(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, make_tiny_moe(tmp_path_factory.mktemp(request.param) / "hf", request.param)
+
+
+# ------------------------------------------------------------------------------------ EP = 1
+def test_moe_log_probs_match_transformers(mp_world, moe_folder):
+    from rltrain.megatron.model import unwrap
+
+    family, path = moe_folder
+    actor = _actor(path)
+    model = unwrap(actor.chunks[0])
+    kinds = [type(layer.mlp).__name__ for layer in model.decoder.layers]
+    dense = {"qwen3_moe": 1, "qwen2_moe": 0}.get(family)
+    assert kinds == ["MLP" if i == dense else "MoELayer" for i in range(3)], family
+    if family == "qwen2_moe":
+        assert model.decoder.layers[1].mlp.shared_experts.use_shared_expert_gate
+    batch = _batch()
+    logits = hf_logits(path, batch["input_ids"], batch["attention_mask"])
+    got = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+    _close(got, reference_log_probs(logits, batch), family)
+
+
+def test_moe_hf_round_trip_is_bit_identical(mp_world, moe_folder, tmp_path):
+    import transformers
+
+    from rltrain.megatron.hf_weights import export_hf_weights
+
+    family, src = moe_folder
+    actor = _actor(src)
+    export_hf_weights(actor.chunks, actor.arch, tmp_path)
+    assert_same_safetensors(src, tmp_path)
+    before = transformers.AutoConfig.from_pretrained(str(src)).to_dict()
+    after = transformers.AutoConfig.from_pretrained(str(tmp_path)).to_dict()
+    for key in ("model_type", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+                "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "router_aux_loss_coef"):  # fmt: skip
+        assert after.get(key) == before.get(key), (family, key)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert type(loaded).__name__ == MOE_CONFIGS[family][1]
+
+
+# ------------------------------------------------------------------------------------ EP = 2, TP = 2 x EP = 2
+# (name, tp, ep, expert tp); both run in a world of two processes (EP=2 is DP=2 for the dense layers).
+EP_LAYOUTS = [("ep2", 1, 2, None), ("tp2_ep2", 2, 2, 1)]
+UPDATE_FAMILY = "qwen3_moe"
+
+
+def _rl_batch(batch: dict, old: torch.Tensor) -> dict:
+    n = batch["input_ids"].shape[0]
+    sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(n)]).unsqueeze(1)
+    return {**batch, "old_log_probs": old, "advantages": sign * batch["response_mask"]}
+
+
+def _ep_worker(rank: int, world: int, port: int, refs: dict, out_dir: str) -> None:
+    run_spawned(_run_ep_layouts, rank, world, port, refs, out_dir)
+
+
+def _run_ep_layouts(rank: int, world: int, port: int, refs: dict, out_dir: str) -> None:
+    """Every family at every EP_LAYOUTS layout: log-probs vs transformers, an export per family and layout,
+    and a PPO update of UPDATE_FAMILY vs EP=1; rank 0 writes the largest differences to out_dir/diffs.json."""
+    from megatron.core import parallel_state
+
+    from rltrain.megatron.hf_weights import export_hf_weights
+    from rltrain.megatron.model import unwrap
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    batch = refs["batch"]
+    diffs: dict[str, float] = {}
+    for name, tp, ep, etp in EP_LAYOUTS:
+        cfg = _layout_cfg(tp, ep, etp)
+        init_parallel(cfg.megatron, "cpu")
+        assert parallel_state.get_expert_model_parallel_world_size() == ep
+        dp = parallel_state.get_data_parallel_world_size()
+        rows = slice(
+            parallel_state.get_data_parallel_rank() * 8 // dp,
+            (parallel_state.get_data_parallel_rank() + 1) * 8 // dp,
+        )
+        local = {k: v[rows] for k, v in batch.items()}
+        for family, path in refs["paths"].items():
+            where = f"{family} {name}"
+            actor = _actor(path, cfg)
+            experts = unwrap(actor.chunks[0]).decoder.layers[-1].mlp.experts.local_experts
+            assert len(experts) == 4 // ep, where  # each EP rank holds its share of the experts
+            got = actor.compute_log_prob(local, with_entropy=False)["log_probs"]
+            expected = refs["log_probs"][family][rows]
+            diffs[f"{where} log_probs"] = float((got - expected).abs().max())
+            _close(got, expected, where)
+            export_hf_weights(actor.chunks, actor.arch, os.path.join(out_dir, f"{family}_{name}"))
+            del actor
+        # One PPO update (token-mean over the whole mini-batch) equals EP=1's. The load-balancing loss is
+        # computed per micro-batch on each rank's own tokens, so it matches EP=1 only where the ranks see the
+        # same tokens (TP=2 x EP=2 is DP=1); at EP=2 (DP=2) the update is compared without it.
+        path = refs["paths"][UPDATE_FAMILY]
+        rl = {k: v[rows] for k, v in refs["rl"].items()}
+        for aux in (0.0, None) if dp == 1 else (0.0,):
+            res = _update(path, _layout_cfg(tp, ep, etp, aux), rl)
+            expected = refs["updates"][str(aux)]
+            where = f"{name} update aux={aux}"
+            diffs[f"{where} after"] = float((res["after"] - expected["after"][rows]).abs().max())
+            rel = rel_tolerance(torch.float32, MOE_REDUCTION, UPDATE_DEPTH)
+            assert res["metrics"]["actor/grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel), where
+            _close(res["after"], expected["after"][rows], where, depth=UPDATE_DEPTH)
+            if aux is None:
+                assert res["metrics"]["actor/moe_aux_loss"] == pytest.approx(expected["aux_loss"], rel=rel), (
+                    where,
+                    res["metrics"]["actor/moe_aux_loss"],
+                    expected["aux_loss"],
+                )
+    if rank == 0:
+        with open(os.path.join(out_dir, "diffs.json"), "w") as f:
+            json.dump(diffs, f, indent=1)
+    destroy_parallel()
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_moe_at_ep2_and_tp2_ep2_match_transformers_and_ep1(mp_world, tmp_path):
+    """Two gloo processes run the three families at EP=2 and TP=2 x EP=2 (one spawn): log-probs equal
+    transformers', exports are bit-identical to the source folder, and a PPO update of Qwen3-MoE equals the
+    EP=1 update in this process (grad norm, log-probs after the step, the load-balancing loss)."""
+    folders = {f: make_tiny_moe(tmp_path / f, f) for f in MOE_CONFIGS}
+    batch = _batch()
+    log_probs = {
+        f: reference_log_probs(hf_logits(p, batch["input_ids"], batch["attention_mask"]), batch)
+        for f, p in folders.items()
+    }
+    rl = _rl_batch(batch, log_probs[UPDATE_FAMILY])
+    updates = {}
+    for aux in (0.0, None):
+        res = _update(str(folders[UPDATE_FAMILY]), _layout_cfg(aux=aux), rl)
+        updates[str(aux)] = {"grad_norm": res["metrics"]["actor/grad_norm"], "after": res["after"],
+                             "aux_loss": res["metrics"].get("actor/moe_aux_loss")}  # fmt: skip
+        if aux is None:
+            assert res["metrics"]["actor/moe_aux_loss"] > 0
+    assert not torch.equal(updates["0.0"]["after"], updates["None"]["after"])  # the aux loss moves weights
+    refs = {"paths": {f: str(p) for f, p in folders.items()}, "batch": batch, "log_probs": log_probs, "rl": rl,
+            "updates": updates}  # fmt: skip
+    out_dir = tmp_path / "exports"
+    out_dir.mkdir()
+    torch.multiprocessing.spawn(_ep_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True)
+    for family, src in folders.items():
+        for name, *_ in EP_LAYOUTS:
+            assert_same_safetensors(src, out_dir / f"{family}_{name}")
+    print(json.dumps(json.loads((out_dir / "diffs.json").read_text()), indent=1))
