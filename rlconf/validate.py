@@ -24,10 +24,12 @@ from dataclasses import dataclass, replace
 
 from rlconf.config import (
     BUILTIN_REWARDS,
+    BUILTIN_TOOLS,
     CHECKPOINT_CONTENTS,
     LAYOUT_FIELDS,
     ROLES,
     MegatronConfig,
+    MultiTurnConfig,
     Optim,
     RLConfig,
     RolloutConfig,
@@ -770,6 +772,38 @@ def reward_function(c: RLConfig) -> Iterator[Issue]:
         (f"did you mean `{hint[0]}`? " if hint else "") + f"built-ins: {', '.join(BUILTIN_REWARDS)}",
         "reward-function",
     )
+
+
+@rule("multi-turn", "rollout.multi_turn.*", "rollout.max_response_length")
+def multi_turn(c: RLConfig) -> Iterator[Issue]:
+    """rollout.multi_turn: turns, lengths and tool limits are positive, max_total_tokens fits in
+    rollout.max_response_length (the plan sizes sequences by it), tools are built-in names or
+    `module:function` paths and there is at least one when the agent loop is on."""
+    mt, path = c.rollout.multi_turn, "rollout.multi_turn"
+    for name in ("max_assistant_turns", "max_tool_response_length", "tool_memory_mib", "max_parallel_tools"):
+        if getattr(mt, name) < 1:
+            yield error(f"{path}.{name}", f"must be >= 1, got {getattr(mt, name)}",
+                        f"use the default {getattr(MultiTurnConfig(), name)}", "multi-turn")  # fmt: skip
+    if mt.tool_timeout_s <= 0:
+        yield error(f"{path}.tool_timeout_s", f"must be > 0, got {mt.tool_timeout_s}", "use e.g. 5.0",
+                    "multi-turn")  # fmt: skip
+    limit = c.rollout.max_response_length
+    if mt.max_total_tokens is not None and not 1 <= mt.max_total_tokens <= limit:
+        yield error(f"{path}.max_total_tokens",
+                    f"must be 1..rollout.max_response_length = {limit} (the plan sizes sequences by it), got "
+                    f"{mt.max_total_tokens}",
+                    "raise rollout.max_response_length, or leave max_total_tokens null to use it", "multi-turn")  # fmt: skip
+    if mt.enable and not mt.tools and mt.interaction is None:
+        yield error(f"{path}.tools", "the agent loop is on but has no tool and no interaction",
+                    "list tools, e.g. [calculator], or set rollout.multi_turn.enable: false", "multi-turn")  # fmt: skip
+    for i, spec in enumerate(mt.tools):
+        if spec not in BUILTIN_TOOLS and not _USER_FN.match(spec):
+            yield error(f"{path}.tools[{i}]", f"{spec!r} is neither a built-in tool nor a `module:function` path",
+                        f"built-ins: {', '.join(BUILTIN_TOOLS)}; user tools: package.module:function",
+                        "multi-turn")  # fmt: skip
+    if mt.interaction is not None and not _USER_FN.match(mt.interaction):
+        yield error(f"{path}.interaction", f"{mt.interaction!r} is not a `module:Class` path",
+                    "name an importable class, e.g. my_envs.math:Checker", "multi-turn")  # fmt: skip
 
 
 PROMPT_FILE_TYPES = (".parquet", ".jsonl")

@@ -121,6 +121,12 @@ CASES = [
     (["actor.use_kl_loss=true", "algorithm.use_kl_in_reward=true"], "actor.use_kl_loss", "ppo-loss", "warning"),
     (["algorithm.gamma=1.5"], "algorithm.gamma", "ppo-loss", "error"),
     (["reward.function=exact_matc"], "reward.function", "reward-function", "error"),
+    # multi-turn tool use (issue 25)
+    (["rollout.multi_turn.max_total_tokens=17"], "rollout.multi_turn.max_total_tokens", "multi-turn", "error"),
+    (["rollout.multi_turn.tools=[calc]"], "rollout.multi_turn.tools[0]", "multi-turn", "error"),
+    (["rollout.multi_turn.enable=true", "rollout.multi_turn.tools=[]"], "rollout.multi_turn.tools", "multi-turn",
+     "error"),
+    (["rollout.multi_turn.max_assistant_turns=0"], "rollout.multi_turn.max_assistant_turns", "multi-turn", "error"),
     (["data.train_files=[prompts.csv]"], "data.train_files[0]", "data-files", "error"),
     (["data.val_files=[prompts.json]"], "data.val_files[0]", "data-files", "error"),  # the loader reads no .json
     # what a run reads and writes before its workers start (filesystem rules)
