@@ -37,6 +37,11 @@ _ALL = (
         tiny.tiny_dapo,
     ),
     Preset(
+        "tiny-grpo-moe",
+        "CPU, tiny-grpo with a tiny Qwen3-MoE-shaped model (4 experts, top-2) over two workers, EP=2",
+        tiny.tiny_grpo_moe,
+    ),
+    Preset(
         "tiny-tool",
         "CPU, the tiny model learns to call a calculator tool (multi-turn agent loop, masked observations)",
         tiny.tiny_tool,

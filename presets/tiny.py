@@ -100,3 +100,29 @@ def tiny_tool() -> RLConfig:
             "trainer.experiment_name": "tiny-tool",
         },
     )
+
+
+def tiny_grpo_moe() -> RLConfig:
+    """GRPO on the counting task with a tiny Qwen3-MoE-shaped model (QK-norm, 4 experts of width 64, top-2
+    with renormalised routing) split over two CPU workers by expert parallel (EP=2: two experts per worker,
+    tokens exchanged by megatron's alltoall dispatcher; the dense layers are data parallel over the two)."""
+    return replace_paths(
+        tiny_grpo(),
+        {
+            "cluster.gpus_per_node": 2,
+            "model.arch.family": "qwen3_moe",
+            "model.arch.add_qkv_bias": False,
+            "model.arch.qk_layernorm": True,
+            "model.arch.num_moe_experts": 4,
+            "model.arch.moe_router_topk": 2,
+            "model.arch.moe_ffn_hidden_size": 64,
+            "model.arch.moe_norm_topk_prob": True,
+            "model.arch.moe_aux_loss_coeff": 0.001,
+            "actor.megatron.expert_model_parallel_size": 2,
+            # Each of the two data-parallel ranks gets 16 of a mini-batch's 32 responses: one micro-batch.
+            "actor.ppo_micro_batch_size_per_gpu": 16,
+            "actor.log_prob_micro_batch_size_per_gpu": 32,
+            "trainer.output_dir": "outputs/tiny-grpo-moe",
+            "trainer.experiment_name": "tiny-grpo-moe",
+        },
+    )
