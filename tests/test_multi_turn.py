@@ -143,3 +143,32 @@ def test_a_hanging_tool_marks_the_row_and_the_rollout_goes_on(actor, tmp_path, m
     assert torch.equal(b["multi_turn_tool_errors"], b["multi_turn_tool_calls"])  # every call marked
     assert result.metrics["multi_turn/tool_errors"] == float(b["multi_turn_tool_calls"].sum())
     assert result.metrics["multi_turn/tool_time_s"] < 3 * 1.0 + 3  # cut at the 1 s limit per turn
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_tiny_tool_learns_to_call_the_calculator(tmp_path):
+    """The issue's done-when: `rltrain tiny-tool` as shipped doubles its reward (last 10 steps vs first 10)
+    and its tool calls per row rise."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    result = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "tiny-tool", "--trainer.output_dir", str(out),
+         "--trainer.save_freq", "0"],
+        capture_output=True, text=True, timeout=900, env=env,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    def first_last(key: str) -> tuple[float, float]:
+        return sum(r[key] for r in rows[:10]) / 10, sum(r[key] for r in rows[-10:]) / 10
+
+    reward0, reward1 = first_last("reward/mean")
+    calls0, calls1 = first_last("multi_turn/tool_calls_mean")
+    assert reward1 >= 2 * reward0 and reward1 > 0.5, (reward0, reward1)
+    assert calls1 > calls0, (calls0, calls1)
