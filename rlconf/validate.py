@@ -262,10 +262,13 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
     "rollout.engine",
     "rollout.tensor_model_parallel_size",
     "actor.megatron.tensor_model_parallel_size",
+    "actor.megatron.pipeline_model_parallel_size",
+    "actor.megatron.expert_model_parallel_size",
 )
 def rollout_engine(c: RLConfig) -> Iterator[Issue]:
     """A rollout tp of its own must divide or be a multiple of the actor's tp (the refit gathers or splits
-    inside tp groups); rollout.engine: vllm needs CUDA and an importable vLLM (an optional extra)."""
+    inside tp groups); rollout.engine: vllm needs CUDA and an importable vLLM (an optional extra), and its
+    refit streams the weights of an actor without pipeline or expert parallel."""
     r, tp = c.rollout, c.actor.megatron.tensor_model_parallel_size
     rtp = r.tensor_model_parallel_size
     if isinstance(rtp, int) and isinstance(tp, int) and rtp >= 1 and tp >= 1 and max(rtp, tp) % min(rtp, tp):
@@ -278,14 +281,16 @@ def rollout_engine(c: RLConfig) -> Iterator[Issue]:
             "rollout-engine",
         )
     if r.engine == "vllm":
+        installed = importlib.util.find_spec("vllm") is not None
         if c.cluster.device != "cuda":
+            missing = "" if installed else " (and vLLM, an optional extra, is not installed here)"
             yield error(
                 "rollout.engine",
-                f"vLLM runs on CUDA devices only, but cluster.device = {c.cluster.device}",
+                f"vLLM runs on CUDA devices only, but cluster.device = {c.cluster.device}{missing}",
                 "use rollout.engine: embedded (rlplan's own engine, any device)",
                 "rollout-engine",
             )
-        elif importlib.util.find_spec("vllm") is None:
+        elif not installed:
             yield error(
                 "rollout.engine",
                 "rollout.engine is vllm, but vLLM is not installed here (it is an optional extra: a CUDA-only "
@@ -293,6 +298,19 @@ def rollout_engine(c: RLConfig) -> Iterator[Issue]:
                 "pip install 'rlplan[vllm]' on a CUDA host, or use rollout.engine: embedded",
                 "rollout-engine",
             )
+        m = c.actor.megatron
+        # weight_sync.iter_hf_weights gathers tp shards only: the refit cannot stream pp stages or experts.
+        for name, size in (("pipeline_model_parallel_size", m.pipeline_model_parallel_size),
+                           ("expert_model_parallel_size", m.expert_model_parallel_size)):  # fmt: skip
+            if isinstance(size, int) and size > 1:
+                yield error(
+                    f"actor.megatron.{name}",
+                    f"rollout.engine: vllm refits from an actor without {name.split('_model')[0]} parallel; "
+                    f"{name} = {size}",
+                    f"use actor.megatron.{name}: 1 (raise tensor_model_parallel_size instead), or "
+                    "rollout.engine: embedded (it reshards any actor layout)",
+                    "rollout-engine",
+                )
 
 
 @rule(
@@ -669,7 +687,7 @@ VLLM_ONLY_ROLLOUT_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "free_cach
 
 @rule("sampling", "rollout.*", "data.max_prompt_length", "model.arch.max_position_embeddings")
 def sampling(c: RLConfig) -> Iterator[Issue]:
-    """Sampling parameters are in range; the rollout engine fits the device; sequences fit the model."""
+    """Sampling parameters are in range; sequences fit the model."""
     r = c.rollout
     if r.temperature <= 0:
         yield error("rollout.temperature", f"training rollouts must sample: temperature = {r.temperature}",
@@ -694,9 +712,6 @@ def sampling(c: RLConfig) -> Iterator[Issue]:
                 yield warning(f"rollout.{name}", "applies to rollout.engine: vllm only; the embedded engine "
                               "does not read it", f"remove rollout.{name}, or set rollout.engine: vllm",
                               "sampling")  # fmt: skip
-    if r.engine == "vllm" and c.cluster.device != "cuda":
-        yield error("rollout.engine", f"vLLM runs on CUDA only, but cluster.device = {c.cluster.device}",
-                    "use rollout.engine: embedded", "sampling")  # fmt: skip
     if c.model.path is None:
         need = c.data.max_prompt_length + r.max_response_length
         if need > c.model.arch.max_position_embeddings:

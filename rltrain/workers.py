@@ -146,6 +146,13 @@ class PolicyWorker(MegatronWorker):
             # (parameters only, no optimizer or gradient buffers).
             self.ref = MegatronActor.from_plan(self.plan, "ref", init_from=self.actor)
             self.ref.offload_for_other_roles()
+        # rollout.engine: vllm: the plan's rollout layout decides which ranks host a vLLM engine; every rank
+        # takes part in its refits and row exchanges (rltrain/rollout/vllm_adapter.py).
+        self.vllm = None
+        if self.plan.refit is not None and self.plan.refit.mode == "vllm":
+            from rltrain.rollout.vllm_adapter import ColocatedVLLM
+
+            self.vllm = ColocatedVLLM(self.actor, self.plan, self.rank)
         return {"vocab_size": self.actor.vocab_size, "dp_size": self.actor.dp_size}
 
     def generate_sequences(
@@ -171,6 +178,14 @@ class PolicyWorker(MegatronWorker):
         prompt_ids, prompt_mask = prompts["prompt_ids"], prompts["prompt_mask"]
         tok = self._tokenizer()
         shard_seed = derive_seed(seed, parallel_state.get_data_parallel_rank(), DP_SHARD)
+        if self.vllm is not None:
+            # vLLM refit from the actor (bucketed), generation on the hosts, sleep until the next refit.
+            from rltrain.rollout.vllm_adapter import Sampling
+
+            sampling = Sampling.from_rollout(r, tok.eos_token_id, validate=validate, seed=seed)
+            with self.profiler.profiled("generate_sequences"):
+                return self.vllm.generate(prompt_ids, prompt_mask, sampling, tok.pad_token_id,
+                                          parallel_state.get_data_parallel_rank())  # fmt: skip
         if self.plan.refit is not None and self.plan.refit.mode == "reshard":
             # The rollout's own layout (rltrain/rollout/reshard.py): refit, split over rollout DP, regather.
             with self.profiler.profiled("generate_sequences"):

@@ -112,7 +112,7 @@ CASES = [
     (["actor.megatron.tensor_model_parallel_size=0"], "actor.megatron.tensor_model_parallel_size", "positive-size", "error"),
     (["rollout.temperature=0"], "rollout.temperature", "sampling", "error"),
     (["rollout.top_k=0"], "rollout.top_k", "sampling", "error"),
-    (["rollout.engine=vllm"], "rollout.engine", "sampling", "error"),
+    (["rollout.engine=vllm"], "rollout.engine", "rollout-engine", "error"),
     (["rollout.engine=vllm", "cluster.device=cuda"], "rollout.engine", "rollout-engine", "error"),
     (["rollout.max_response_length=1000"], "rollout.max_response_length", "sampling", "error"),
     (["trainer.resume_mode=resume_path"], "trainer.resume_from_path", "trainer", "error"),

@@ -127,9 +127,12 @@ def test_sampling_param_mapping(fake_vllm):
     )
     kw = sampling_params(fake_vllm, replace(Sampling.from_rollout(r, eos_id=2, seed=5), n=4)).kwargs
     assert kw == dict(
-        n=4, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_tokens=12, stop_token_ids=[7, 8],
+        n=4, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_tokens=12, stop_token_ids=[7, 8, 2],
         ignore_eos=False, logprobs=0, seed=5, detokenize=False,
     )  # fmt: skip
+    # EOS is a stop token (included in the response, as in the embedded engine), listed once.
+    kw = sampling_params(fake_vllm, Sampling(max_new_tokens=3, stop_token_ids=(2,), eos_id=2)).kwargs
+    assert kw["stop_token_ids"] == [2]
     # Disabled top-k (-1 in rlplan) is 0 in vLLM; no EOS id: generate the full length.
     kw = sampling_params(fake_vllm, Sampling(max_new_tokens=3, top_k=-1)).kwargs
     assert kw["top_k"] == 0 and kw["ignore_eos"] is True

@@ -1,47 +1,73 @@
-"""`VLLMRollout`: a thin adapter from rlplan's rollout interface to vLLM's offline `LLM` (rollout.engine: vllm).
+"""`VLLMRollout`: a thin adapter from rlplan's rollout interface to vLLM's offline `LLM` (rollout.engine: vllm),
+and `ColocatedVLLM`, what PolicyWorker runs it through on every actor rank.
 
 Targeted API: vLLM 0.33 offline inference (the `vllm.LLM` / `vllm.SamplingParams` surface that has been
 stable since the V1 engine): `LLM(model=..., tensor_parallel_size=..., gpu_memory_utilization=...,
-max_num_seqs=..., enforce_eager=..., enable_sleep_mode=True, dtype=..., seed=...)`,
-`LLM.generate(prompts=[{"prompt_token_ids": [...]}, ...], sampling_params=..., use_tqdm=False)` returning
-one `RequestOutput` per prompt with `.outputs[i].token_ids` and `.outputs[i].logprobs` (a list, per token,
-of {token_id: Logprob(logprob=...)}; `SamplingParams(logprobs=0)` returns just the sampled token's), and
-`LLM.sleep(level=1)` / `LLM.wake_up()` (level 1: weights to host memory, KV cache dropped). Weights are
-updated through `LLM.collective_rpc(fn, args=...)`, which runs `fn(worker, ...)` on every worker;
-`fn` calls `worker.model_runner.model.load_weights(weights)` (the HF-named iterable every vLLM model
-implements). With a multi-process executor vLLM pickles `fn` (set VLLM_ALLOW_INSECURE_SERIALIZATION=1) and
-the tensors; across processes prefer rltrain/rollout/weight_sync.py (a broadcast into `load_weights`).
-Layout and refit (issue 20): vLLM runs at the plan's rollout TP (`plan.refit`, mode "vllm"; null = the
-actor's TP) and is refit before each generation from the actor's weights in buckets
-(`refit_from_actor`: the TP gather of weight_sync.iter_hf_weights -> bucketed `load_weights`), waking
-from sleep first; after generation `sleep()` hands the device back to training (colocation). Validation
-(rule rollout-engine) says plainly when vLLM is not importable or the device is not CUDA.
-This adapter was unit-tested only against a stand-in `vllm` module (tests/test_vllm_adapter.py): vLLM
-cannot be installed on the development machines (CUDA-only wheel, torch 2.14). Check it on a GPU host.
+max_num_seqs=..., enforce_eager=..., enable_sleep_mode=True, dtype=..., seed=..., load_format="dummy",
+logprobs_mode="processed_logprobs", generation_config="vllm")`,
+`LLM.generate(prompts=[{"prompt_token_ids": [...]}, ...], sampling_params=[one per prompt], use_tqdm=False)`
+returning one `RequestOutput` per prompt with `.outputs[i].token_ids` and `.outputs[i].logprobs` (a list,
+per token, of {token_id: Logprob(logprob=...)}; `SamplingParams(logprobs=0)` returns just the sampled
+token's), and `LLM.sleep(level=1)` / `LLM.wake_up()` (level 1: weights to host memory, KV cache dropped).
+Weights are updated through `LLM.collective_rpc(fn, args=...)`, which runs `fn(worker, ...)` on every
+worker; `fn` calls `worker.model_runner.model.load_weights(weights)` (the HF-named iterable every vLLM
+model implements). With a multi-process executor vLLM pickles `fn` (set VLLM_ALLOW_INSECURE_SERIALIZATION=1)
+and the tensors; across processes prefer rltrain/rollout/weight_sync.py (a broadcast into `load_weights`).
+
+In a run (PolicyWorker, `plan.refit.mode == "vllm"`), colocated on the actor's devices (`ColocatedVLLM`):
+- Layout: the plan's rollout layout decides which ranks host an engine: the rank at rollout tp 0 of each
+  rollout DP group (`plan.layout("rollout").grid`) starts vLLM at the plan's rollout TP
+  (`plan.refit.rollout_tp`; null resolves to the actor's). vLLM starts from a folder holding only the
+  model's config.json (`load_format="dummy"`: no weight files are written or read), because every
+  generation is preceded by a full refit. `generation_config="vllm"` keeps a model folder's
+  generation_config.json (e.g. a repetition penalty) out of the sampling: only rollout.* settings apply.
+- Refit before each generation: the host wakes vLLM and streams the actor's weights in buckets of
+  `plan.refit.bucket_mib` (`refit_from_actor`: the TP gather of weight_sync.iter_hf_weights -> bucketed
+  `load_weights`); the other ranks take part in the TP gather (`take_part_in_refit`).
+- Rows: the controller dispatches rows by the actor's DP layout (the n samples of a prompt are already
+  separate rows: vLLM is asked for n = 1 per row). The ranks exchange their prompts (token ids), rollout DP
+  rank d generates its contiguous share of all rows, the results are exchanged back and every rank returns
+  its actor DP shard's rows in order, as rltrain/rollout/reshard.py does for the embedded engine. Row i of
+  the whole call samples with its own seed `derive_seed(call seed, i, "vllm-row")`, so the samples do not
+  depend on the rollout layout, and the n copies of a prompt do not share a seed.
+- Colocation: with rollout.free_cache_engine the host puts vLLM to sleep after each generation (training
+  gets the device memory back) and the next refit wakes it.
+Validation (rule rollout-engine) says plainly when vLLM is not importable or the device is not CUDA.
+This module was tested only against a stand-in `vllm` module (tests/test_vllm_adapter.py,
+tests/test_vllm_worker.py): vLLM cannot be installed on the development machines (CUDA-only wheel, torch
+2.14). Check it on a GPU host. On CUDA, a rollout TP > 1 needs vLLM's TP workers to see the devices of
+their rollout TP group.
 
 vLLM is imported lazily (only when the adapter is built) and a missing install is a ConfigError naming
-`rollout.engine`. `generate` returns the batch layout of `MegatronActor.generate` (prompts left-padded,
-responses right-padded, `rollout_log_probs` the sampled tokens' log-probs; vLLM reports them under its
-temperature-scaled distribution before top-k/top-p filtering by default, the quantity
-`compute_log_prob` recomputes, as the embedded engine does).
+`rollout.engine`. `generate` returns the batch layout of `MegatronActor.generate` (rltrain/rollout/batch.py:
+prompts left-padded, responses right-padded, `rollout_log_probs` the sampled tokens' log-probs, with
+`logprobs_mode="processed_logprobs"`: after temperature, the quantity `compute_log_prob` recomputes when
+top-k / top-p / min-p are off; with them on, vLLM renormalises over the kept tokens, unlike the embedded
+engine, which reports the distribution before filtering).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from rlconf.config import RolloutConfig
 from rlconf.errors import ConfigError, Issue
+from rlconf.seeding import derive_seed
 from rltrain.rollout.batch import rollout_batch
 from rltrain.rollout.weight_sync import SyncStats
 
 INSTALL_HINT = "pip install 'rlplan[vllm]'"
+ROW_SEED = "vllm-row"
+"""Purpose of a row's sampling seed: `derive_seed(call seed, row of the whole call, ROW_SEED)`."""
 
 
 def import_vllm() -> Any:
@@ -94,7 +120,11 @@ class Sampling:
 
 
 def sampling_params(vllm: Any, s: Sampling) -> Any:
-    """vllm.SamplingParams for `s`: one log-prob per token (the sampled one), token ids only."""
+    """vllm.SamplingParams for `s`: one log-prob per token (the sampled one), token ids only. The EOS id
+    is a stop token like the embedded engine's (vLLM started without a tokenizer knows no EOS of its own)."""
+    stops = list(s.stop_token_ids)
+    if s.eos_id is not None and s.eos_id not in stops:
+        stops.append(s.eos_id)
     return vllm.SamplingParams(
         n=s.n,
         temperature=s.temperature,
@@ -103,7 +133,7 @@ def sampling_params(vllm: Any, s: Sampling) -> Any:
         top_k=s.top_k if s.top_k > 0 else 0,
         min_p=s.min_p,
         max_tokens=s.max_new_tokens,
-        stop_token_ids=list(s.stop_token_ids),
+        stop_token_ids=stops,
         # No EOS given: generate the full length (as the embedded engine with eos_id=None).
         ignore_eos=s.eos_id is None,
         logprobs=0,
@@ -129,7 +159,7 @@ class VLLMRollout:
         tensor_parallel_size: int | None = None,
         **llm_kwargs: Any,
     ) -> None:
-        """Start vLLM on a local HF folder (config.json + safetensors; the actor's export works).
+        """Start vLLM on a local HF folder (config.json, and safetensors unless load_format="dummy").
 
         `tensor_parallel_size`: vLLM's own TP, the plan's rollout layout (`plan.refit.rollout_tp`, which
         resolves rollout.tensor_model_parallel_size: null to the actor's); default: the config's, else 1.
@@ -149,23 +179,39 @@ class VLLMRollout:
             dtype=dtype,
             seed=seed,
             skip_tokenizer_init=True,  # token ids in, token ids out
+            # Log-probs after temperature, as compute_log_prob recomputes them (vLLM's default is the raw
+            # distribution, temperature 1).
+            logprobs_mode="processed_logprobs",
+            # Sampling is rollout.*'s alone: a model folder's generation_config.json does not apply.
+            generation_config="vllm",
         )
         kwargs.update(llm_kwargs)
         self.llm = self.vllm.LLM(**kwargs)
         self.asleep = False
 
     @classmethod
-    def from_actor(
-        cls, actor: Any, out_dir: str | os.PathLike, rollout: RolloutConfig, **kw: Any
-    ) -> VLLMRollout | None:
-        """Export the actor's weights as an HF folder (collective over the actor's ranks), then start vLLM
-        from it (on the ranks that host the engine; pass `start=False` on the others to only export)."""
-        from rltrain.megatron.hf_weights import export_hf_weights
+    def for_actor(
+        cls,
+        actor: Any,
+        rollout: RolloutConfig,
+        folder: str | os.PathLike,
+        tensor_parallel_size: int,
+        seed: int,
+        base_config: dict[str, Any] | None = None,
+        **llm_kwargs: Any,
+    ) -> VLLMRollout:
+        """Start vLLM for the actor's model without writing its weights: `folder` gets the actor's
+        config.json only (over `base_config`, a model folder's own config.json, when given) and vLLM
+        initialises dummy weights, which the refit before every generation overwrites. dtype: the actor's."""
+        from rltrain.megatron.hf_weights import hf_config_from_arch
 
-        start = kw.pop("start", True)
-        export_hf_weights(actor.chunks, actor.arch, out_dir)
-        dtype = str(next(iter(actor.chunks[0].parameters())).dtype).removeprefix("torch.")
-        return cls(out_dir, rollout, dtype=dtype, **kw) if start else None
+        dtype = next(iter(actor.chunks[0].parameters())).dtype
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(hf_config_from_arch(actor.arch, dtype, base_config)))
+        llm_kwargs.setdefault("load_format", "dummy")
+        return cls(folder, rollout, dtype=str(dtype).removeprefix("torch."), seed=seed,
+                   tensor_parallel_size=tensor_parallel_size, **llm_kwargs)  # fmt: skip
 
     # --------------------------------------------------------------------------------- colocation
     def sleep(self, level: int = 1) -> None:
@@ -225,10 +271,14 @@ class VLLMRollout:
         sampling: Sampling,
         pad_id: int = 0,
         prompt_mask: torch.Tensor | None = None,
+        first_row: int = 0,
     ) -> dict[str, torch.Tensor]:
         """Sample responses: the batch layout of `MegatronActor.generate` ([B * n] rows; the n samples of
         prompt i are rows i*n .. i*n+n-1, like `repeat_interleave`). Responses end at the stop token
-        (included, as in the embedded engine); the rest is `pad_id` with mask 0 and log-prob 0."""
+        (included, as in the embedded engine); the rest is `pad_id` with mask 0 and log-prob 0.
+
+        With `sampling.seed` set, prompt i samples with seed `derive_seed(sampling.seed, first_row + i,
+        ROW_SEED)` (`first_row`: this call's offset in a larger batch split over engines)."""
         if self.asleep:
             raise RuntimeError("VLLMRollout.generate while asleep: call wake_up() first")
         if prompt_mask is None:
@@ -237,9 +287,16 @@ class VLLMRollout:
             {"prompt_token_ids": row[m.bool()].tolist()}
             for row, m in zip(prompt_ids, prompt_mask, strict=True)
         ]
-        outputs = self.llm.generate(
-            prompts=prompts, sampling_params=sampling_params(self.vllm, sampling), use_tqdm=False
-        )
+        if sampling.seed is None:
+            params: Any = sampling_params(self.vllm, sampling)
+        else:
+            params = [
+                sampling_params(
+                    self.vllm, replace(sampling, seed=derive_seed(sampling.seed, first_row + i, ROW_SEED))
+                )
+                for i in range(len(prompts))
+            ]
+        outputs = self.llm.generate(prompts=prompts, sampling_params=params, use_tqdm=False)
         completions = []
         for out in outputs:
             if len(out.outputs) != sampling.n:
@@ -302,8 +359,85 @@ def take_part_in_refit(actor: Any) -> None:
         pass
 
 
+class ColocatedVLLM:
+    """rollout.engine: vllm on the actor's own ranks, laid out by the plan (see the module docstring): the
+    rank at rollout tp 0 of each rollout DP group hosts a `VLLMRollout`; every rank takes part in the
+    refit (the actor's TP gather) and in the exchange of prompts and results. Built by PolicyWorker."""
+
+    def __init__(self, actor: Any, plan: Any, rank: int) -> None:
+        refit, layout = plan.refit, plan.layout("rollout")
+        if refit is None or refit.mode != "vllm":
+            raise ValueError(f"the plan's rollout refit is {refit and refit.mode!r}, not 'vllm'")
+        coord = layout.grid[rank]
+        self.actor = actor
+        self.rollout_dp_rank, self.rollout_dp_size = coord.dp, layout.dp
+        self.bucket_bytes = refit.bucket_mib * 2**20
+        self.free_cache_engine = plan.config.rollout.free_cache_engine
+        self.last_refit = SyncStats()
+        self.engine: VLLMRollout | None = None
+        if coord.tp == 0:
+            weights = plan.model("policy").weights
+            base = json.loads((Path(weights) / "config.json").read_text()) if weights else None
+            # config.json only (vLLM loads dummy weights): local to this process, removed with it.
+            self._folder = tempfile.TemporaryDirectory(prefix=f"rlplan-vllm-rank{rank}-")
+            self.engine = VLLMRollout.for_actor(
+                actor, plan.config.rollout, self._folder.name, tensor_parallel_size=refit.rollout_tp,
+                seed=derive_seed(plan.config.trainer.seed, coord.dp, "vllm-engine"), base_config=base,
+            )  # fmt: skip
+
+    @torch.no_grad()
+    def generate(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        sampling: Sampling,
+        pad_id: int,
+        actor_dp_rank: int,
+    ) -> dict[str, torch.Tensor]:
+        """Refit, generate this rollout DP rank's share of every actor DP shard's rows on its host, put
+        vLLM to sleep (rollout.free_cache_engine), and return this actor DP shard's rows in order.
+        Collective over the actor's world: every rank calls it with its own shard."""
+        if self.engine is not None:
+            self.last_refit = self.engine.refit_from_actor(self.actor, self.bucket_bytes)
+        else:
+            take_part_in_refit(self.actor)
+        shards = _all_gather((actor_dp_rank, prompt_ids.cpu(), prompt_mask.cpu()))
+        by_dp: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for d, ids, mask in shards:
+            by_dp.setdefault(d, (ids, mask))  # the TP / PP ranks of one actor DP rank hold the same rows
+        order = sorted(by_dp)
+        counts = [by_dp[d][0].shape[0] for d in order]
+        all_ids = torch.cat([by_dp[d][0] for d in order])
+        all_mask = torch.cat([by_dp[d][1] for d in order])
+        rows = torch.tensor_split(torch.arange(all_ids.shape[0]), self.rollout_dp_size)[self.rollout_dp_rank]
+        out = None
+        if self.engine is not None:
+            try:
+                if len(rows):
+                    out = self.engine.generate(all_ids[rows], sampling, pad_id, all_mask[rows],
+                                               first_row=int(rows[0]))  # fmt: skip
+            finally:
+                if self.free_cache_engine:
+                    self.engine.sleep()  # colocated: training gets the device memory back
+        parts = {d: o for d, o in _all_gather((self.rollout_dp_rank, out)) if o is not None}
+        full = {k: torch.cat([parts[d][k] for d in sorted(parts)]) for k in next(iter(parts.values()))}
+        i = order.index(actor_dp_rank)
+        start = sum(counts[:i])
+        return {k: v[start : start + counts[i]] for k, v in full.items()}
+
+
+def _all_gather(obj: Any) -> list[Any]:
+    """`obj` of every rank of the world, in rank order (no collective in a world of one)."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out
+
+
 __all__ = [
     "INSTALL_HINT",
+    "ColocatedVLLM",
     "Sampling",
     "VLLMRollout",
     "import_vllm",
