@@ -537,3 +537,30 @@ def test_filter_metric_without_rlplan_equivalent_is_reported(qwen7b: Path) -> No
     tr = translate(None, grpo_overrides(qwen7b, **{"algorithm.filter_groups.metric": "seq_final_reward"}))
     assert not tr.valid
     assert "seq_final_reward" in format_report(tr)
+
+
+def test_multi_turn_keys_map_and_tool_configs_are_reported(qwen7b: Path) -> None:
+    changes = {
+        "actor_rollout_ref.rollout.multi_turn.enable": "True",
+        "actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "3",
+        "actor_rollout_ref.rollout.multi_turn.max_tool_response_length": "64",
+        "actor_rollout_ref.rollout.multi_turn.max_parallel_calls": "4",
+        "actor_rollout_ref.rollout.multi_turn.format": "hermes",
+        "actor_rollout_ref.rollout.multi_turn.tool_config_path": "tools.yaml",
+    }
+    tr = translate(None, grpo_overrides(qwen7b, **changes))
+    mt = tr.config.rollout.multi_turn
+    assert (mt.enable, mt.max_assistant_turns, mt.max_tool_response_length, mt.max_parallel_tools) == (
+        True,
+        3,
+        64,
+        4,
+    )
+    reasons = {u.verl: u.reason for u in tr.unmapped}
+    assert reasons["actor_rollout_ref.rollout.multi_turn.tool_config_path"] == "unsupported"
+    assert reasons["actor_rollout_ref.rollout.multi_turn.format"] == "not-needed"
+    # verl's null turn bound keeps rlplan's default instead of failing the int field.
+    tr = translate(
+        None, grpo_overrides(qwen7b, **{"actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "null"})
+    )
+    assert tr.config.rollout.multi_turn.max_assistant_turns == 4

@@ -214,6 +214,10 @@ def _min_lr_ratio(lr_key: str, lr_default: float) -> Converter:
     return convert
 
 
+def _skip_none(value: Any, _: Mapping[str, Any]) -> Any:
+    return SKIP if value is None else value
+
+
 # ---------------------------------------------------------------------------------------------- table
 def _m(verl: str, rlplan: str, note: str = "", convert: Converter | None = None, **kw: Any) -> VerlKey:
     if "verl_default" in kw:
@@ -613,7 +617,26 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.rollout.over_sample_rate", "unsupported", "every response of a step is kept"),
     _u("actor_rollout_ref.rollout.multi_stage_wake_up", "not-needed", "nothing to wake: weights are shared"),
     _u("actor_rollout_ref.rollout.engine_kwargs.*", "unsupported", _ROLLOUT_UNSUPPORTED),
-    _u("actor_rollout_ref.rollout.multi_turn.*", "unsupported", "single-turn rollouts only"),
+    _m("actor_rollout_ref.rollout.multi_turn.enable", "rollout.multi_turn.enable",
+       "tool calls parsed from the model's output, tool output appended as observation tokens (never trained on)",
+       verl_default=False),
+    _m("actor_rollout_ref.rollout.multi_turn.max_assistant_turns", "rollout.multi_turn.max_assistant_turns",
+       "verl's null (no bound) keeps rlplan's default", _skip_none),
+    _m("actor_rollout_ref.rollout.multi_turn.max_tool_response_length",
+       "rollout.multi_turn.max_tool_response_length", "", verl_default=256),
+    _m("actor_rollout_ref.rollout.multi_turn.max_parallel_calls", "rollout.multi_turn.max_parallel_tools",
+       "tool calls run at once (across rows)", verl_default=1),
+    _u("actor_rollout_ref.rollout.multi_turn.tool_config_path", "unsupported",
+       "verl's tool YAML (class_name + OpenAI schema) is not read: list the tools in rollout.multi_turn.tools "
+       "as built-in names (calculator, python) or module:function / module:Class"),
+    _u("actor_rollout_ref.rollout.multi_turn.interaction_config_path", "unsupported",
+       "verl's interaction YAML is not read: set rollout.multi_turn.interaction to module:Class"),
+    _u("actor_rollout_ref.rollout.multi_turn.format", "not-needed",
+       "Hugging Face tokenizers use the Hermes / Qwen JSON <tool_call> format (verl's hermes)"),
+    _u("actor_rollout_ref.rollout.multi_turn.max_user_turns", "unsupported",
+       "user turns come from an interaction plugin, bounded by max_assistant_turns"),
+    _u("actor_rollout_ref.rollout.multi_turn.*", "unsupported",
+       "no rlplan equivalent for this multi-turn option"),
     _u("actor_rollout_ref.rollout.agent.*", "unsupported", "no agent loop"),
     _u("actor_rollout_ref.rollout.calculate_log_probs", "not-needed", "old log-probs are recomputed by the "
        "actor"),
