@@ -52,6 +52,11 @@ _ALL = (
         "1 GPU, Qwen2.5-0.5B shape, DAPO: clip-higher, dynamic sampling, overlong penalty, bf16",
         gpu.qwen25_05b_dapo,
     ),
+    Preset(
+        "qwen2.5-0.5b-tool",
+        "1 GPU, Qwen2.5-0.5B shape, multi-turn GRPO with the calculator tool (mul task)",
+        gpu.qwen25_05b_tool,
+    ),
     Preset("qwen2.5-1.5b-grpo", "1 GPU, Qwen2.5-1.5B shape, GRPO with KL loss, bf16", gpu.qwen25_15b_grpo),
     Preset(
         "qwen2.5-1.5b-ppo-tp2", "2 GPUs, Qwen2.5-1.5B shape, PPO with a critic, TP=2", gpu.qwen25_15b_ppo_tp2

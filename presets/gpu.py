@@ -154,3 +154,23 @@ def qwen25_05b_dapo() -> RLConfig:
             "trainer.experiment_name": "qwen2.5-0.5b-dapo",
         },
     )
+
+
+def qwen25_05b_tool() -> RLConfig:
+    """Multi-turn tool use on the qwen2.5-0.5b-grpo setup: the calculator on the `mul` task, up to 4
+    assistant turns in 1024 response tokens (tool output included, never trained on), no KL. With a real
+    model.path the model's own chat template and the Hermes / Qwen JSON `<tool_call>` format are used; on the
+    built-in random-init shape the character tokenizer's call syntax is."""
+    return replace_paths(
+        qwen25_05b_grpo(),
+        {
+            "data.synthetic_task": "mul",
+            "actor.use_kl_loss": False,
+            "rollout.multi_turn.enable": True,
+            "rollout.multi_turn.max_assistant_turns": 4,
+            "rollout.multi_turn.max_tool_response_length": 64,
+            "rollout.multi_turn.tools": ("calculator",),
+            "trainer.output_dir": "outputs/qwen2.5-0.5b-tool",
+            "trainer.experiment_name": "qwen2.5-0.5b-tool",
+        },
+    )
