@@ -494,6 +494,28 @@ class MemoryPlan:
 
 
 @dataclass(frozen=True)
+class StepPasses:
+    """The forward-only passes a training step runs between generation and the updates, decided here once
+    (rltrain.controller.train_step executes them; `format_plan` shows them with the reason)."""
+
+    actor_on_policy: bool
+    """The actor makes one optimizer step per training step (one mini-batch, one epoch): the policy it
+    updates is the one whose log-probs a separate pass would compute, so the update's own forward, detached,
+    is the old log-prob (PPO ratio exactly 1, nothing clipped)."""
+    old_log_prob: str
+    """Where the PPO ratio's old log-probs come from. recompute: a forward pass of the actor over the batch
+    before the update; rollout: the sampler's own (algorithm.rollout_correction.bypass_mode); update: the
+    update's own forward (actor_on_policy, and nothing reads them before the update)."""
+    ref_log_prob: bool
+    """A forward pass of the reference policy (only with actor.use_kl_loss or algorithm.use_kl_in_reward)."""
+    fused: bool
+    """The old and the ref log-probs are computed in one worker call (one scatter of the batch, one round
+    trip) when the step needs both."""
+    reason: str
+    """Why, in words."""
+
+
+@dataclass(frozen=True)
 class RolloutRefit:
     """How the rollout engine gets the actor's weights before each generation (rltrain/rollout/reshard.py)."""
 
@@ -537,6 +559,8 @@ class TrainerPlan:
     length: RunLength | None = None
     """The run's training steps and their source: trainer.total_steps, or trainer.total_epochs x batches
     per epoch (always set by compile_plan; config.trainer.total_steps holds the same number)."""
+    passes: StepPasses | None = None
+    """The log-prob passes of each training step (always set by compile_plan)."""
 
     def layout(self, role: str) -> RoleLayout:
         return _by_role(self.layouts, role)
@@ -1317,6 +1341,37 @@ def _batch_plans(
     return tuple(plans)
 
 
+def _step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, ...]) -> StepPasses:
+    actor = _by_role(batches, "actor")
+    on_policy = actor.mini_batches_per_step == 1 and actor.ppo_epochs == 1
+    rc = c.algorithm.rollout_correction
+    ref = "ref" in roles
+    old = "recompute"
+    if rc.bypass_mode:
+        old = "rollout"
+        reason = "algorithm.rollout_correction.bypass_mode: the sampler's log-probs are the old ones"
+    elif not on_policy:
+        reason = (
+            f"{actor.optimizer_steps_per_training_step} actor optimizer steps per training step "
+            f"({actor.mini_batches_per_step} mini-batches x {actor.ppo_epochs} epochs) compare with the "
+            "weights before the first"
+        )
+    elif c.algorithm.use_kl_in_reward:
+        reason = "on-policy, but algorithm.use_kl_in_reward reads them before the update"
+    elif rc.rollout_is is not None or rc.rollout_rs is not None:
+        reason = "on-policy, but algorithm.rollout_correction (rollout_is / rollout_rs) weighs the loss"
+    else:
+        old = "update"
+        reason = "on-policy (one mini-batch, one epoch): the update's own forward (ratio exactly 1)"
+    return StepPasses(
+        actor_on_policy=on_policy,
+        old_log_prob=old,
+        ref_log_prob=ref,
+        fused=ref and old == "recompute",
+        reason=reason,
+    )
+
+
 # ============================================================================================ lr schedule
 def _warmup_steps(o: Optim, total_steps: int) -> int:
     if o.lr_warmup_steps is not None:
@@ -2026,6 +2081,7 @@ def _compile(config: RLConfig) -> TrainerPlan:
         config=_effective_config(config, models, roles),
         refit=_rollout_refit(config, layouts, models),
         length=length,
+        passes=_step_passes(config, roles, batches),
     )
 
 
@@ -2364,6 +2420,17 @@ def format_plan(plan: TrainerPlan) -> str:
              "max seq", "epochs", "opt steps/step", "opt steps", ""),
             rows,
         )  # fmt: skip
+
+    if plan.passes is not None:
+        sp = plan.passes
+        old = {"recompute": "an actor forward pass", "rollout": "the rollout's", "update": "no pass"}
+        ref = "none (no KL term)"
+        if sp.ref_log_prob:
+            ref = "a ref forward pass" + (", in one call with the old log-probs" if sp.fused else "")
+        out += [
+            "",
+            f"log-prob passes per step: old log-probs {old[sp.old_log_prob]} ({sp.reason}); ref log-probs {ref}",
+        ]
 
     for o in plan.optim:
         wsd = (

@@ -24,6 +24,7 @@ from rlconf.plan import TrainerPlan
 from rlconf.seeding import ROLLOUT, VALIDATE, derive_seed
 from rltrain import algorithms
 from rltrain import device as devices
+from rltrain import metrics as metrics_lib
 from rltrain.checkpoint import CheckpointError, Resume
 from rltrain.data import PromptBatch, left_pad
 from rltrain.metrics import REWARD_PLOT, MetricsLogger, plot_reward_curve
@@ -110,6 +111,8 @@ class Trainer:
         pending = [(g, [w.init_model.remote() for w in g.workers]) for g in self.groups.values()]
         for group, refs in pending:
             group.wait(refs)
+        # MFU's denominator: the device's dense peak (None on cpu or an unlisted device: no MFU is logged).
+        self.peak_flops = self.policy.call("device_peak_flops")[0]
         self.start_step = 1
         if self.resume is not None:
             self._load(self.resume)
@@ -294,12 +297,28 @@ class Trainer:
             batch, metrics = timed("generate", self.rollout, prompts, cfg.rollout.n, seed)
         model_batch = {k: v for k, v in batch.items() if k not in _CONTROLLER_KEYS}
         rc = cfg.algorithm.rollout_correction
-        if rc.bypass_mode:  # the rollout's own log-probs are the old policy: no recomputation pass
+        passes = self.plan.passes
+        assert passes is not None
+        old = None
+        if passes.old_log_prob == "rollout":  # bypass mode: the rollout's own log-probs are the old policy
             model_batch["old_log_probs"] = batch["rollout_log_probs"]
+        elif passes.old_log_prob == "update":
+            # On-policy (the plan): the update's own forward gives the old log-probs; it also reports the
+            # sampler gap and rollout entropy from the rollout's log-probs.
+            model_batch["rollout_log_probs"] = batch["rollout_log_probs"]
+        elif passes.fused:  # old and ref log-probs on one scatter of the batch, in one worker call
+            t0 = time.perf_counter()
+            both = self._dispatch_cat(self.policy, "actor", "compute_old_and_ref_log_prob", model_batch)
+            ref_s = float(both.pop("ref_seconds").max())
+            timing["timing/old_log_prob_s"] = time.perf_counter() - t0 - ref_s
+            timing["timing/ref_s"] = ref_s
+            model_batch["ref_log_prob"] = both.pop("ref_log_probs")
+            old = both
         else:
             old = timed(
                 "old_log_prob", self._dispatch_cat, self.policy, "actor", "compute_log_prob", model_batch
             )
+        if old is not None:
             model_batch["old_log_probs"] = old["log_probs"]
             # The rollout sampled with the weights being trained (colocated, no copy): its log-probs must agree
             # with the recomputation; a gap here means stale weights or a numerics problem in the sampler.
@@ -315,7 +334,7 @@ class Trainer:
                 )  # fmt: skip
                 model_batch["rollout_is_weights"] = weights
                 metrics.update(rc_metrics)
-        if "ref" in self.plan.roles:
+        if passes.ref_log_prob and "ref_log_prob" not in model_batch:
             ref = timed("ref", self._dispatch_cat, self.policy, "actor", "compute_ref_log_prob", model_batch)
             model_batch["ref_log_prob"] = ref["log_probs"]
         if self.critic is not None:
@@ -354,7 +373,42 @@ class Trainer:
             )
             metrics.update(actor_metrics[0])
         metrics.update(timing)
+        metrics.update(self._step_perf(model_batch, metrics))
         return metrics
+
+    def _step_perf(self, model_batch: dict[str, torch.Tensor], metrics: dict[str, Any]) -> dict[str, Any]:
+        """perf/mfu/actor_update and perf/mfu/log_prob (model FLOPs of the policy over the actor's devices'
+        peak; only where the peak is known), perf/rollout_tokens_per_s (response tokens over the generation
+        time, all rollout devices together) and the step's peak device memory per role call."""
+        out: dict[str, Any] = {}
+        spec, lay = self.plan.model("policy"), self.plan.layout("actor")
+        a = spec.arch
+        tokens = float(model_batch["attention_mask"].sum())
+        mean_len = tokens / max(int(model_batch["attention_mask"].shape[0]), 1)
+        gen_s = metrics.get("timing/generate_s", 0.0) - metrics.get("timing/reward_s", 0.0)
+        if not self.cfg.algorithm.filter_groups.enable and self.agent is None and gen_s > 0:
+            # (Dynamic sampling and multi-turn generate more than the batch holds, or wait on tools.)
+            out["perf/rollout_tokens_per_s"] = float(model_batch["response_mask"].sum()) / gen_s
+        per_token = {train: metrics_lib.flops_per_token(spec.params_active, a.num_layers, a.hidden_size, mean_len,
+                                                        train) for train in (True, False)}  # fmt: skip
+        update_s = metrics.get("timing/update_actor_s", 0.0)
+        epochs = self.plan.batch_plan("actor").ppo_epochs
+        mfu = metrics_lib.model_flops_utilization(
+            tokens * per_token[True] * epochs, update_s, self.peak_flops, lay.world_size
+        )
+        if mfu is not None:
+            out["perf/mfu/actor_update"] = mfu
+        passes = [k for k in ("old_log_prob", "ref") if f"timing/{k}_s" in metrics]
+        log_prob_s = sum(metrics[f"timing/{k}_s"] for k in passes)
+        mfu = metrics_lib.model_flops_utilization(
+            tokens * per_token[False] * len(passes), log_prob_s, self.peak_flops, lay.world_size
+        )
+        if mfu is not None:
+            out["perf/mfu/log_prob"] = mfu
+        if devices.is_accelerator(self.cfg.cluster.device):
+            ranks = [m for g in self.groups.values() for m in g.call("step_memory")]
+            out.update(metrics_lib.memory_metrics(ranks))
+        return out
 
     def dynamic_sampling(
         self, step: int, prompts: PromptBatch
@@ -462,6 +516,7 @@ class Trainer:
             # tokens per second per device over the whole step (generation, log-probs, updates, saves)
             tokens_per_s = metrics["perf/total_num_tokens"] / metrics["timing/step_s"]
             metrics["perf/throughput"] = tokens_per_s / self.plan.resources.total_devices
+            metrics.update(metrics_lib.phase_shares(metrics))
             self.logger.log(step, metrics)
             self._logged_step = step
             # Commit only after the step's metrics line is written: a crash in between redoes the step, a

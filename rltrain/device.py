@@ -177,6 +177,46 @@ def reset_peak_memory_stats(device: str) -> None:
         mod.reset_peak_memory_stats()
 
 
+# Dense (no sparsity) 16-bit tensor-core peak of each device model, FLOP/s, from the vendors' data sheets
+# (SXM / OAM parts). MFU divides by these; a device not listed gets no MFU rather than a guessed one.
+PEAK_BF16_FLOPS: dict[str, float] = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "H800": 989e12,
+    "H20": 148e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "B200": 2250e12,
+    "L40S": 362e12,
+    "Ascend910B": 313e12,
+}
+
+
+def device_name(device: str) -> str | None:
+    """The model name of this process's device (`NVIDIA H200`, ...); None on cpu."""
+    mod = accelerator_module(device)
+    if mod is None:
+        return None
+    name = mod.get_device_name() if device == "cuda" else mod.get_device_name(mod.current_device())
+    return str(name)
+
+
+def peak_flops(device: str, dtype: str) -> float | None:
+    """Dense peak FLOP/s of this process's device for matmuls in `dtype` (model.params_dtype), or None: on
+    cpu, for float32 (the peak depends on TF32 settings) and for a device model not in PEAK_BF16_FLOPS."""
+    if dtype not in ("bfloat16", "float16"):
+        return None
+    name = device_name(device)
+    if name is None:
+        return None
+    compact = name.replace(" ", "")
+    # Longest key first: "H200" must not be read as "H20".
+    for key in sorted(PEAK_BF16_FLOPS, key=len, reverse=True):
+        if key in compact:
+            return PEAK_BF16_FLOPS[key]
+    return None
+
+
 def memory_stats(device: str) -> dict[str, Any]:
     """The caching allocator's statistics (empty on cpu)."""
     mod = accelerator_module(device)

@@ -26,6 +26,63 @@ THROUGHPUT_KEY = "perf/total_num_tokens"
 """Tokens (prompts + responses, padding excluded) of a step; the console line turns it into tokens/s."""
 
 
+SHARE_PHASES = (
+    "generate",
+    "old_log_prob",
+    "ref",
+    "values",
+    "update_critic",
+    "update_actor",
+    "save_checkpoint",
+)
+"""Phases of a step (timing/<phase>_s) whose share of timing/step_s is logged as perf/share/<phase>; the
+reward is scored inside `generate` (timing/reward_s is part of it) and is not a share of its own."""
+MEMORY_KEY = "perf/max_memory_allocated_gib"
+"""Peak device memory of the step over all roles and ranks; `MEMORY_KEY/<profile role>` per role call."""
+
+
+def flops_per_token(params_active: int, num_layers: int, hidden_size: int, mean_seq_len: float,
+                    training: bool) -> float:  # fmt: skip
+    """Model FLOPs per token: 6 x active params + 6·L·h·s (attention scores and values over a sequence of
+    mean length s) for forward + backward, a third of that for a forward pass (bench/actor_gpu.py's count)."""
+    train = 6.0 * params_active + 6.0 * num_layers * hidden_size * mean_seq_len
+    return train if training else train / 3.0
+
+
+def model_flops_utilization(
+    flops: float, seconds: float, peak_flops: float | None, devices: int
+) -> float | None:
+    """Model FLOPs over what `devices` devices at `peak_flops` could do in `seconds`; None without a peak
+    (cpu, an unlisted device) or a time."""
+    if not peak_flops or seconds <= 0 or devices <= 0:
+        return None
+    return flops / (seconds * peak_flops * devices)
+
+
+def phase_shares(metrics: Mapping[str, Any]) -> dict[str, float]:
+    """perf/share/<phase> = timing/<phase>_s / timing/step_s for the step's phases (SHARE_PHASES), and
+    perf/share/other for the rest of the step (dispatch, reward outside generation, logging)."""
+    step_s = metrics.get("timing/step_s")
+    if not step_s:
+        return {}
+    shares = {f"perf/share/{p}": metrics[f"timing/{p}_s"] / step_s for p in SHARE_PHASES
+              if f"timing/{p}_s" in metrics}  # fmt: skip
+    shares["perf/share/other"] = max(0.0, 1.0 - sum(shares.values()))
+    return shares
+
+
+def memory_metrics(per_rank: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The step's peak device memory per role call (max over ranks) and over all of them (MEMORY_KEY);
+    empty when nothing was measured (cpu)."""
+    peaks: dict[str, float] = {}
+    for rank in per_rank:
+        for phase, gib in rank.items():
+            peaks[phase] = max(peaks.get(phase, 0.0), gib)
+    if not peaks:
+        return {}
+    return {MEMORY_KEY: max(peaks.values()), **{f"{MEMORY_KEY}/{p}": v for p, v in sorted(peaks.items())}}
+
+
 def format_eta(seconds: float) -> str:
     """`42s`, `3m05s`, `1h02m`: short enough for a progress line."""
     s = max(0, round(seconds))

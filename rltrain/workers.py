@@ -13,8 +13,11 @@ and is wrapped by the profiler (`profiled(ROLE)`), a no-op unless the plan profi
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -79,6 +82,7 @@ class MegatronWorker:
         # this only makes anything that draws outside those streams reproducible too.
         torch.manual_seed(derive_seed(self.cfg.trainer.seed, rank, "process"))
         self.profiler = Profiler(plan.profile, worker=role, rank=rank, device=self.cfg.cluster.device)
+        self._memory_peaks: dict[str, float] = {}
         self.step = 0
 
     def _megatron_cfg(self) -> Any:
@@ -88,6 +92,30 @@ class MegatronWorker:
         if self.role == "reward_model":
             return self.cfg.reward.reward_model.megatron
         return self.cfg.actor.megatron
+
+    @contextlib.contextmanager
+    def measured(self, phase: str) -> Iterator[None]:
+        """One role call: profiled (a no-op unless the plan profiles it) and, on an accelerator, its peak
+        device memory recorded for `step_memory` (the allocator's peak is reset when the call starts)."""
+        device = self.cfg.cluster.device
+        track = devices.is_accelerator(device)
+        if track:
+            devices.reset_peak_memory_stats(device)
+        with self.profiler.profiled(phase):
+            yield
+        if track:
+            peak = devices.max_memory_allocated(device) / 2**30
+            self._memory_peaks[phase] = max(self._memory_peaks.get(phase, 0.0), peak)
+
+    def step_memory(self) -> dict[str, float]:
+        """Peak device memory (GiB, `max_memory_allocated`) of each role call since the last call of this
+        method, by profile role name (generate_sequences, actor_update, ...); empty on cpu."""
+        peaks, self._memory_peaks = self._memory_peaks, {}
+        return peaks
+
+    def device_peak_flops(self) -> float | None:
+        """Dense peak FLOP/s of this process's device at the model's dtype (rltrain.device.peak_flops)."""
+        return devices.peak_flops(self.cfg.cluster.device, self.cfg.model.params_dtype)
 
     def set_step(self, step: int) -> None:
         """The training step the next calls belong to (profiling folders and schedules use it)."""
@@ -183,12 +211,12 @@ class PolicyWorker(MegatronWorker):
             from rltrain.rollout.vllm_adapter import Sampling
 
             sampling = Sampling.from_rollout(r, tok.eos_token_id, validate=validate, seed=seed)
-            with self.profiler.profiled("generate_sequences"):
+            with self.measured("generate_sequences"):
                 return self.vllm.generate(prompt_ids, prompt_mask, sampling, tok.pad_token_id,
                                           parallel_state.get_data_parallel_rank())  # fmt: skip
         if self.plan.refit is not None and self.plan.refit.mode == "reshard":
             # The rollout's own layout (rltrain/rollout/reshard.py): refit, split over rollout DP, regather.
-            with self.profiler.profiled("generate_sequences"):
+            with self.measured("generate_sequences"):
                 return self._rollout_replica().generate(
                     prompt_ids, prompt_mask, seed=seed, actor_dp_rank=parallel_state.get_data_parallel_rank(),
                     max_new_tokens=r.max_response_length,
@@ -198,7 +226,7 @@ class PolicyWorker(MegatronWorker):
                     stop_token_ids=r.stop_token_ids,
                     static_decode=r.cuda_graph and devices.graphs_supported(self.cfg.cluster.device),
                 )  # fmt: skip
-        with self.profiler.profiled("generate_sequences"):
+        with self.measured("generate_sequences"):
             return self.actor.generate(
                 prompt_ids,
                 max_new_tokens=r.max_response_length,
@@ -224,21 +252,37 @@ class PolicyWorker(MegatronWorker):
         return self._replica
 
     def compute_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        with self.profiler.profiled("actor_compute_log_prob"):
+        with self.measured("actor_compute_log_prob"):
             return self.actor.compute_log_prob(batch, temperature=self.cfg.rollout.temperature)
 
     def compute_ref_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         assert self.ref is not None, "this run has no reference policy"
-        with self.profiler.profiled("ref_compute_log_prob"):
+        with self.measured("ref_compute_log_prob"):
             return self.ref.compute_log_prob(
                 batch, temperature=self.cfg.rollout.temperature, with_entropy=False
             )
 
+    def compute_old_and_ref_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Both passes on one scatter of the batch (the plan's `StepPasses.fused`): the actor's log-probs and
+        entropy, the ref's log-probs as `ref_log_probs`, and the ref pass's seconds as `ref_seconds` [1, 1]."""
+        assert self.ref is not None, "this run has no reference policy"
+        temperature = self.cfg.rollout.temperature
+        with self.measured("actor_compute_log_prob"):
+            old = self.actor.compute_log_prob(batch, temperature=temperature)
+        t_ref = time.perf_counter()
+        with self.measured("ref_compute_log_prob"):
+            ref = self.ref.compute_log_prob(batch, temperature=temperature, with_entropy=False)
+        seconds = torch.tensor([[time.perf_counter() - t_ref]], dtype=torch.float64)
+        return {**old, "ref_log_probs": ref["log_probs"], "ref_seconds": seconds}
+
     def update_actor(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
         check_rows_match_plan(self.plan, "actor", batch)
-        with self.profiler.profiled("actor_update"):
+        passes = self.plan.passes
+        assert passes is not None
+        with self.measured("actor_update"):
             # Old log-probs were computed at the rollout temperature: the PPO ratio must use the same.
-            metrics = self.actor.update_policy(batch, temperature=self.cfg.rollout.temperature, step=step)
+            metrics = self.actor.update_policy(batch, temperature=self.cfg.rollout.temperature, step=step,
+                                               on_policy=passes.old_log_prob == "update")  # fmt: skip
             # Grads and optimizer state may leave the device; the weights stay for the next rollout.
             self.actor.offload_for_other_roles(keep_params=True)
             return metrics
@@ -265,14 +309,14 @@ class CriticWorker(MegatronWorker):
         return {"dp_size": self.critic.dp_size}
 
     def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        with self.profiler.profiled("critic_compute_values"):
+        with self.measured("critic_compute_values"):
             values = self.critic.compute_values(batch)
             self.critic.offload_for_other_roles()
             return values
 
     def update_critic(self, batch: dict[str, torch.Tensor], step: int) -> dict[str, float]:
         check_rows_match_plan(self.plan, "critic", batch)
-        with self.profiler.profiled("critic_update"):
+        with self.measured("critic_update"):
             metrics = self.critic.update_critic(batch, step=step)
             self.critic.offload_for_other_roles()
             return metrics
@@ -293,7 +337,7 @@ class RewardModelWorker(MegatronWorker):
 
     def compute_rm_score(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """One score per row: the value head at the last response token (after reading all of it)."""
-        with self.profiler.profiled("reward_compute"):
+        with self.measured("reward_compute"):
             # The value model reads position t to value token t+1; appending one token per row makes the
             # position of the last real token the one that "predicts" the appended token.
             rows = batch["responses"].shape[0]

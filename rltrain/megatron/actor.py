@@ -149,7 +149,11 @@ class MegatronActor(MegatronEngine):
 
     # --------------------------------------------------------------------------------- update
     def update_policy(
-        self, batch: dict[str, torch.Tensor], temperature: float = 1.0, step: int | None = None
+        self,
+        batch: dict[str, torch.Tensor],
+        temperature: float = 1.0,
+        step: int | None = None,
+        on_policy: bool = False,
     ) -> dict[str, float]:
         """PPO/GRPO update on this rank's batch: ppo_epochs x mini-batches x micro-batches, one optimizer
         step per mini-batch, as the plan's BatchPlan schedules them, at the lr of the plan's table for
@@ -162,8 +166,18 @@ class MegatronActor(MegatronEngine):
         not depend on how rows fall into micro-batches or onto DP ranks. Every DP rank must hold the same
         number of rows. `step` (the training step) picks the lr row and keys the update's dropout and
         shuffle streams (`seed_update`; None outside a run: the engine's next update).
+
+        `on_policy` (the plan's `StepPasses.old_log_prob == "update"`: one mini-batch, one epoch): the batch
+        has no `old_log_probs`; the update's own log-probs, detached, stand in for them (the ratio is
+        exactly 1), so no separate pass is needed. With `rollout_log_probs` in the batch it also reports
+        what that pass would have: rollout/logprob_diff_max and actor/entropy_rollout.
         """
         assert self.trainable, "update_policy on a frozen (reference) actor"
+        if on_policy:
+            assert "old_log_probs" not in batch, "on-policy update: the old log-probs are the update's own"
+            assert self.spec.batch is not None and self.spec.batch.optimizer_steps_per_training_step == 1, (
+                "on-policy update with more than one optimizer step per training step"
+            )
         cfg = self.cfg
         clip_low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
         clip_high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
@@ -176,6 +190,8 @@ class MegatronActor(MegatronEngine):
         count = 0
         grad_norms: list[float] = []
         tokens = 0
+        # On-policy: [largest |rollout - update log-prob|, entropy sum, response tokens] of this rank.
+        rollout_stats = [0.0, 0.0, 0.0] if on_policy and "rollout_log_probs" in batch else None
         start = time.perf_counter()
         with self._ctx():
             self.reload()
@@ -194,6 +210,8 @@ class MegatronActor(MegatronEngine):
                         use_kl=use_kl,
                         totals=totals,
                         temperature=temperature,
+                        on_policy=on_policy,
+                        rollout_stats=rollout_stats,
                     )
                     grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
                     grad_norms.append(grad_norm)
@@ -203,6 +221,8 @@ class MegatronActor(MegatronEngine):
         metrics["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
         metrics["actor/lr"] = lr
         metrics.update(routing.metrics)
+        if rollout_stats is not None:
+            metrics.update(self._reduce_rollout_stats(rollout_stats))
         elapsed = time.perf_counter() - start
         # Tokens (prompt + response) processed by forward+backward per second on this rank.
         metrics["perf/actor_update_tokens_per_s"] = tokens / max(elapsed, 1e-9)
@@ -217,6 +237,8 @@ class MegatronActor(MegatronEngine):
         use_kl: bool,
         totals: tuple[float, float],
         temperature: float,
+        on_policy: bool = False,
+        rollout_stats: list[float] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         cfg = self.cfg
         d = mb.data
@@ -225,8 +247,16 @@ class MegatronActor(MegatronEngine):
         # The entropy is always computed (a metric); it adds to the gradient only with an entropy bonus.
         logp, ent = self._token_log_probs(mb, logits, temperature, with_entropy=True)
         assert ent is not None
+        # On-policy the weights being updated are the old policy: their own log-probs are the old ones.
+        old_log_probs = logp.detach() if on_policy else d["old_log_probs"].float()
+        if rollout_stats is not None:
+            with torch.no_grad():
+                gap = (d["rollout_log_probs"].to(logp.device).float() - logp).abs() * mask
+                rollout_stats[0] = max(rollout_stats[0], float(gap.max()))
+                rollout_stats[1] += float((ent * mask).sum())
+                rollout_stats[2] += float(mask.sum())
         pg_loss, pg_metrics = algorithms.compute_policy_loss(
-            d["old_log_probs"].float(),
+            old_log_probs,
             logp,
             d["advantages"].float(),
             mask,
@@ -255,6 +285,36 @@ class MegatronActor(MegatronEngine):
         # The loss mode may fix its own aggregation (GSPO); micro-batches are weighted by the one it uses.
         agg_mode = algorithms.policy_loss_agg_mode(cfg.policy_loss.loss_mode, cfg.loss_agg_mode)
         return loss * self.micro_batch_weight(d["response_mask"], agg_mode, totals), extra
+
+    def _reduce_rollout_stats(self, stats: list[float]) -> dict[str, float]:
+        """The on-policy update's rollout metrics over all ranks (the loss ran on the last pipeline stage):
+        the largest sampler / trainer log-prob gap and the token-mean entropy of the batch."""
+        from megatron.core import parallel_state
+
+        vals = torch.tensor(stats, dtype=torch.float64)
+        vals = self.broadcast_from_last_stage(vals if self.is_last_stage else None, (3,), torch.float64).cpu()
+        if self.dp_size > 1:
+            group = parallel_state.get_data_parallel_group()
+            gap = vals[:1].to(self.torch_device)
+            sums = vals[1:].to(self.torch_device)
+            torch.distributed.all_reduce(gap, op=torch.distributed.ReduceOp.MAX, group=group)
+            torch.distributed.all_reduce(sums, group=group)
+            vals = torch.cat([gap.cpu(), sums.cpu()])
+        return {
+            "rollout/logprob_diff_max": vals[0].item(),
+            "actor/entropy_rollout": vals[1].item() / max(vals[2].item(), 1.0),
+        }
+
+    def compute_log_probs_with_ref(
+        self, batch: dict[str, torch.Tensor], ref: MegatronActor, temperature: float = 1.0
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, float]]:
+        """The old log-probs (and entropy) of this actor and the log-probs of `ref` over one batch, in one
+        call: (actor outputs, ref outputs, seconds of each pass as `actor` / `ref`)."""
+        t0 = time.perf_counter()
+        old = self.compute_log_prob(batch, temperature=temperature)
+        t1 = time.perf_counter()
+        ref_out = ref.compute_log_prob(batch, temperature=temperature, with_entropy=False)
+        return old, ref_out, {"actor": t1 - t0, "ref": time.perf_counter() - t1}
 
     # --------------------------------------------------------------------------------- sampling
     @torch.no_grad()
