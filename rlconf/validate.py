@@ -235,18 +235,30 @@ def world_divisible(c: RLConfig) -> Iterator[Issue]:
     "model.arch.ffn_hidden_size",
 )
 def engine_support(c: RLConfig) -> Iterator[Issue]:
-    """Layouts the Megatron engine does not run yet: context parallel (the packed batch layout does not split
-    sequences). Expert parallel runs on mixture-of-experts models: for the built-in `model.arch` each
+    """Layouts the Megatron engine does not run yet. Context parallel runs through the engine's own SDPA
+    attention (rltrain/megatron/context_parallel.py): not with megatron's `local` or Transformer Engine
+    attention, pipeline parallel or mixture-of-experts layers (not built or tested there yet). Expert parallel runs on mixture-of-experts models: for the built-in `model.arch` each
     role's ep divides num_moe_experts and its expert tp the expert width (the plan checks a config.json's
     architecture the same way), and a dense model takes no ep."""
     for prefix, m, _ in _megatron_roles(c):
         if m.context_parallel_size > 1:
-            yield error(
-                f"{prefix}.megatron.context_parallel_size",
-                "context parallel is not supported by the rlplan Megatron engine yet",
-                "use context_parallel_size: 1 (raise tensor or pipeline parallel size instead)",
-                "engine-support",
-            )
+            cp_path = f"{prefix}.megatron.context_parallel_size"
+            unsupported = [
+                (c.model.attention_backend in ("local", "te"),
+                 f"with model.attention_backend: {c.model.attention_backend}", "model.attention_backend: sdpa"),
+                (m.pipeline_model_parallel_size > 1, "with pipeline parallel",
+                 f"{prefix}.megatron.pipeline_model_parallel_size: 1"),
+                (c.model.arch.num_moe_experts is not None, "with mixture-of-experts layers",
+                 "expert or tensor parallel"),
+            ]  # fmt: skip
+            for bad, what, instead in unsupported:
+                if bad:
+                    yield error(
+                        cp_path,
+                        f"context parallel is not supported by the rlplan Megatron engine {what} yet",
+                        f"use context_parallel_size: 1 or {instead}",
+                        "engine-support",
+                    )
         if c.model.path is not None or (prefix == "critic" and c.critic.model_path is not None):
             continue  # the architecture comes from config.json: the plan checks it
         for path, message, fix in expert_layout_issues(

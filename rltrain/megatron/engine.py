@@ -35,6 +35,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from rlconf.config import ActorConfig, CriticConfig, MegatronConfig, ModelArch, ModelConfig, Optim
 from rlconf.seeding import DROPOUT, SHUFFLE, derive_seed
 from rltrain.device import device_context, torch_device
+from rltrain.megatron import context_parallel as cp
 from rltrain.megatron import model as mmodel
 from rltrain.megatron.hf_weights import load_hf_weights
 from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, unique_storages
@@ -284,6 +285,10 @@ class MegatronEngine:
             self.config.grad_scale_func = self._optimizer.scale_loss
         # Sequence parallel splits the sequence over TP ranks: lengths must divide evenly.
         self.seq_multiple = self.tp_size if self.config.sequence_parallel else 1
+        # Context parallel cuts each sequence into 2 x CP equal chunks (rltrain/megatron/context_parallel.py).
+        self.cp_size = cp.cp_world_size()
+        if self.cp_size > 1:
+            self.seq_multiple *= 2 * self.cp_size
 
     # --------------------------------------------------------------------------------- helpers
     def _ctx(self) -> contextlib.AbstractContextManager[None]:
@@ -563,16 +568,20 @@ class MegatronEngine:
             mb = next(data_iter)
             if moe_padding:  # MoE routing statistics (load-balancing loss) without the padding columns
                 extra["padding_mask"] = mmodel.moe_padding_mask(mb.tokens, mb.data["attention_mask"])
-            output = model(input_ids=mb.tokens, position_ids=mb.position_ids, attention_mask=None, **extra)
+            tokens, positions = cp.split_sequence(mb.tokens), cp.split_sequence(mb.position_ids)
+            if "padding_mask" in extra:
+                extra["padding_mask"] = cp.split_sequence(extra["padding_mask"])
+            output = model(input_ids=tokens, position_ids=positions, attention_mask=None, **extra)
 
             def loss_func(out: torch.Tensor):
-                loss, extra = loss_fn(mb, out)
+                # Context parallel: the loss sees the whole sequence, gathered from every CP rank.
+                loss, extra = loss_fn(mb, cp.gather_sequence(out))
                 return loss * num_mb, extra
 
             return output, loss_func
 
         fb = get_forward_backward_func()
-        max_len = max(mb.tokens.shape[1] for mb in micro_batches)
+        max_len = max(mb.tokens.shape[1] for mb in micro_batches) // self.cp_size
         iters: Any = [iter(micro_batches) for _ in chunks]
         if len(chunks) == 1:
             iters = iters[0]

@@ -12,6 +12,7 @@ A critic is the same trunk with `ValueHead` replacing the vocabulary projection.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import warnings
@@ -36,6 +37,7 @@ from rlconf.config import MegatronConfig, ModelArch, ModelConfig
 from rlconf.model_spec import is_moe_layer
 from rlconf.plan import LrRow, OptimPlan
 from rltrain import device as devices
+from rltrain.megatron import context_parallel as cp
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -61,7 +63,15 @@ class SdpaAttention(DotProductAttention):
     megatron's convention (True = masked out); without one the attention is causal, aligned bottom-right
     when the query is shorter than the keys (KV-cache decode: the queries are the *last* positions), and
     absent when megatron's inference path says `no_mask` (decode of one token sees every cached key).
+    With context parallel (CP group > 1) the queries are this rank's chunks of the sequence and attention
+    runs through `context_parallel.cp_attention`.
     """
+
+    def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
+        # megatron's DotProductAttention refuses CP > 1 (its math cannot split sequences); ours can, and
+        # nothing else its constructor builds depends on the CP size.
+        super().__init__(dataclasses.replace(config, context_parallel_size=1), *args, **kwargs)
+        self.config = config
 
     def forward(
         self,
@@ -81,6 +91,14 @@ class SdpaAttention(DotProductAttention):
         k = key.permute(1, 2, 0, 3)
         v = value.permute(1, 2, 0, 3)
         dropout_p = self.config.attention_dropout if self.training else 0.0
+        if cp.cp_world_size() > 1:
+            # Context parallel: the queries are this rank's two chunks; keys come from every CP rank.
+            assert attention_mask is None, "context parallel attention takes no attention mask"
+            ctx = cp.cp_attention(
+                q, k, v, self.softmax_scale,
+                self.num_attention_heads_per_partition != self.num_query_groups_per_partition, dropout_p,
+            )  # fmt: skip
+            return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
         mask = None if attention_mask is None else ~attention_mask
         causal = mask is None and getattr(attn_mask_type, "name", "causal") != "no_mask"
         if causal and sq != sk:
@@ -489,6 +507,8 @@ def build_model_chunks(
     if arch.num_moe_experts is not None:
         define_missing_te_names()
     config = transformer_config(arch, model_cfg, mcfg, device)
+    if mcfg.context_parallel_size > 1:
+        cp.use_portable_rope_split()
     specs = layer_specs(model_cfg.attention_backend, arch)
     vpp = mcfg.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(arch.vocab_size, mcfg.tensor_model_parallel_size)
