@@ -767,7 +767,7 @@ def test_memory_counts_embedded_rollout_kv_cache() -> None:
     x PP=2 (DP=1), 64 prompts x n=8 = 512 rows, 1024 + 3072 tokens, bf16, 14 layers per stage:
     2 x 14 x (4 kv heads / 4) x 128 x 4096 x 512 x 2 B = 15_032_385_536 B = 14.0 GiB, plus half of it
     while the cache is compacted (old cache + the new one of at most half the rows)."""
-    from rlconf.plan import _rollout_kv_bytes
+    from rlconf.plan.memory import _rollout_kv_bytes
 
     config = qwen7b_config()
     plan = compile_plan(config)

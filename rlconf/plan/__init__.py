@@ -1,0 +1,161 @@
+"""The trainer plan: the single, inspectable answer to "what will this run do".
+
+`compile_plan(config)` turns a validated `RLConfig` into a `TrainerPlan`, a tree of frozen dataclasses:
+which devices each role gets, every rank's place in its parallel grid, the batch schedule, the learning
+rate of every training step, the profiler's output folders, the checkpoint steps and paths, and an
+estimate of the memory each device needs. Workers read the plan, never the raw config: the controller
+compiles it once, writes `plan.json` (`plan_to_dict`) and hands the plan to every worker.
+
+Design choices
+- Pure: standard library only (`rlconf` never imports torch, ray or megatron). The only input besides the
+  config is `config.json` of `model.path` (and of `critic.model_path` / `reward.reward_model.path` when
+  set), read to learn the architecture.
+- Settings the plan does not derive (seeds, DDP and TransformerConfig overrides, sampling parameters,
+  loss coefficients, ...) travel in `plan.config`: the *effective* config. It is the input config with
+  the derived values resolved so that a worker reading it cannot disagree with the plan:
+  `sequence_parallel` is off at tp = 1 (megatron switches it off), `expert_tensor_parallel_size` is the
+  tp size when None, `model.arch` holds the architecture read from config.json when `model.path` is set,
+  each `optim` has `lr_warmup_steps`, `lr_decay_steps` and `lr_wsd_decay_steps` resolved to numbers, and
+  `data.seed` and every `megatron.seed` left None hold `trainer.seed` (rlconf.seeding), and with
+  `trainer.total_epochs` `trainer.total_steps` holds the steps it derives (rlconf.run_length). Everything else
+  equals the input. (The user's own config is saved separately as config.yaml.)
+- Conventions: ranks are 0-based within a role's world (= the process index inside its device pool);
+  layers are 0-based; steps are 1-based training steps (step N is the N-th step of the run, across
+  resumes); memory is in GiB (2**30 bytes).
+- Failure: the plan assumes `rlconf.validate` passed. It still never raises anything but `ConfigError`:
+  sizes it divides by are checked first, and the rules validate.py leaves to the plan (heads, query
+  groups and layers against tp / pp when the architecture comes from config.json) are checked here
+  with the same rule names. Batch sizes that do not divide evenly are planned with the largest share a
+  rank gets (`BatchPlan.even` is false) rather than rejected. The memory estimate exceeding
+  `cluster.device_memory_gib` is an error (rule `memory-exceeds-device`) whose fix lists concrete
+  changes with the estimate each would give.
+
+Modules: `types` (the plan's dataclasses and limits), `compile` (checks, models, pools, grids, batches,
+lr table, profile, checkpoints), `memory` (the estimate), `assemble` (parts + memory -> TrainerPlan),
+`advice` (the memory check and its fixes, re-compiling variants), `render` (text), `diff` (JSON and
+plan diffs). `compile_plan` (here) is assemble + memory check.
+"""
+
+from __future__ import annotations
+
+from rlconf.config import RLConfig
+from rlconf.plan.advice import _check_memory
+from rlconf.plan.assemble import _compile
+from rlconf.plan.compile import (
+    lr_at,
+    rollout_resharded,
+    rollout_tp,
+)
+from rlconf.plan.diff import (
+    MISSING,
+    diff_plans,
+    plan_to_dict,
+)
+from rlconf.plan.memory import (
+    REFIT_BUCKET_MIB,
+    REFIT_BYTES_PER_S,
+)
+from rlconf.plan.render import (
+    format_plan,
+)
+from rlconf.plan.types import (
+    CONTROLLER,
+    DTYPE_BYTES,
+    ENGINE_ROLES,
+    GIB,
+    MAX_DEVICES,
+    MAX_INT,
+    MAX_TOTAL_STEPS,
+    MEGATRON_ORDER,
+    PLAN_VERSION,
+    PROFILE_ROLE_WORKER,
+    VOCAB_DIVISIBLE_BY,
+    WORKER_ROLES,
+    BatchPlan,
+    CheckpointPlan,
+    CheckpointSave,
+    EnginePlan,
+    LayerChunk,
+    LrRow,
+    MemoryPart,
+    MemoryPlan,
+    ModelSpec,
+    OptimPlan,
+    PhaseMemory,
+    Placement,
+    Pool,
+    PoolMemory,
+    ProfilePlan,
+    ProfileTarget,
+    RankCoord,
+    Resources,
+    RoleCheckpoint,
+    RoleLayout,
+    RoleMemory,
+    RolePath,
+    RolloutRefit,
+    StageLayers,
+    StepPasses,
+    TrainerPlan,
+)
+
+
+# ========================================================================================= entry points
+def compile_plan(config: RLConfig) -> TrainerPlan:
+    """Derive the trainer plan of a (validated) config; raises ConfigError, and nothing else, when it
+    cannot be planned or its memory estimate exceeds cluster.device_memory_gib."""
+    plan = _compile(config)
+    _check_memory(config, plan)
+    return plan
+
+
+__all__ = [
+    "CONTROLLER",
+    "DTYPE_BYTES",
+    "ENGINE_ROLES",
+    "GIB",
+    "MAX_DEVICES",
+    "MAX_INT",
+    "MAX_TOTAL_STEPS",
+    "MEGATRON_ORDER",
+    "MISSING",
+    "PLAN_VERSION",
+    "PROFILE_ROLE_WORKER",
+    "REFIT_BUCKET_MIB",
+    "REFIT_BYTES_PER_S",
+    "VOCAB_DIVISIBLE_BY",
+    "WORKER_ROLES",
+    "BatchPlan",
+    "CheckpointPlan",
+    "CheckpointSave",
+    "EnginePlan",
+    "LayerChunk",
+    "LrRow",
+    "MemoryPart",
+    "MemoryPlan",
+    "ModelSpec",
+    "OptimPlan",
+    "PhaseMemory",
+    "Placement",
+    "Pool",
+    "PoolMemory",
+    "ProfilePlan",
+    "ProfileTarget",
+    "RankCoord",
+    "Resources",
+    "RoleCheckpoint",
+    "RoleLayout",
+    "RoleMemory",
+    "RolePath",
+    "RolloutRefit",
+    "StageLayers",
+    "StepPasses",
+    "TrainerPlan",
+    "compile_plan",
+    "diff_plans",
+    "format_plan",
+    "lr_at",
+    "plan_to_dict",
+    "rollout_resharded",
+    "rollout_tp",
+]

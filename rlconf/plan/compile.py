@@ -1,0 +1,903 @@
+"""Compiling a config into the plan's parts: checks of the basics, models, device pools, rank grids and
+layer splits, batch schedules, the lr table, profile targets and checkpoint steps.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, replace
+
+from rlconf.config import (
+    ROLES,
+    ModelArch,
+    NpuProfileOptions,
+    NsysProfileOptions,
+    Optim,
+    RLConfig,
+    TorchProfileOptions,
+)
+from rlconf.errors import ConfigError, Issue, error
+from rlconf.model_spec import (
+    UNSUPPORTED_RULE,
+    count_parameters,
+    expert_layout_issues,
+    family_issues,
+    head_dim,
+    read_model_arch,
+)
+from rlconf.plan.types import (
+    CONTROLLER,
+    DTYPE_BYTES,
+    MAX_DEVICES,
+    MAX_INT,
+    MAX_TOTAL_STEPS,
+    MEGATRON_ORDER,
+    PROFILE_ROLE_WORKER,
+    VOCAB_DIVISIBLE_BY,
+    WORKER_ROLES,
+    BatchPlan,
+    CheckpointPlan,
+    CheckpointSave,
+    LayerChunk,
+    LrRow,
+    ModelSpec,
+    OptimPlan,
+    Placement,
+    Pool,
+    ProfilePlan,
+    ProfileTarget,
+    RankCoord,
+    Resources,
+    RoleCheckpoint,
+    RoleLayout,
+    RolePath,
+    StageLayers,
+    StepPasses,
+    _by_role,
+    _megatron_of,
+)
+
+
+# ========================================================================================= preconditions
+class _Checks:
+    """Collects the problems that would stop the plan's arithmetic (reported all at once)."""
+
+    def __init__(self) -> None:
+        self.issues: list[Issue] = []
+
+    def add(self, path: str, message: str, fix: str, rule: str) -> None:
+        self.issues.append(error(path, message, fix, rule))
+
+    def integer(
+        self, path: str, value: object, minimum: int, *, optional: bool = False, rule: str = "positive-size"
+    ) -> bool:
+        if optional and value is None:
+            return True
+        if isinstance(value, bool) or not isinstance(value, int):
+            self.add(path, f"must be an integer, got {value!r}", f"use an integer >= {minimum}", rule)
+            return False
+        if value < minimum:
+            self.add(path, f"must be >= {minimum}, got {value}", f"use an integer >= {minimum}", rule)
+            return False
+        if value > MAX_INT:
+            self.add(path, f"{value} is too large to plan", f"use a value <= {MAX_INT}", rule)
+            return False
+        return True
+
+    def number(self, path: str, value: object, minimum: float | None = None, *, rule: str = "optim") -> bool:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            self.add(path, f"must be a finite number, got {value!r}", "use a finite number", rule)
+            return False
+        if minimum is not None and value < minimum:
+            self.add(path, f"must be >= {minimum}, got {value}", f"use a number >= {minimum}", rule)
+            return False
+        return True
+
+    def choice(self, path: str, value: object, allowed: tuple[str, ...], rule: str) -> bool:
+        if value not in allowed:
+            self.add(
+                path,
+                f"{value!r} is not one of {', '.join(allowed)}",
+                f"use one of {', '.join(allowed)}",
+                rule,
+            )
+            return False
+        return True
+
+    def raise_if_any(self) -> None:
+        if self.issues:
+            raise ConfigError(self.issues)
+
+
+_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+_WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
+
+
+def _uses_ref(c: RLConfig) -> bool:
+    return bool(c.actor.use_kl_loss or c.algorithm.use_kl_in_reward)
+
+
+def rollout_tp(c: RLConfig) -> int:
+    """The rollout's tensor parallel size: rollout.tensor_model_parallel_size, or the actor's when null."""
+    tp = c.rollout.tensor_model_parallel_size
+    return c.actor.megatron.tensor_model_parallel_size if tp is None else tp
+
+
+def rollout_resharded(c: RLConfig) -> bool:
+    """Whether the rollout runs in a layout of its own (tp = rollout_tp, pp 1): always for vLLM; for the
+    embedded engine when its tp differs from the actor's. Otherwise it generates on the actor's weights in
+    the actor's layout, pipeline stages included (zero copy), as configs that set the actor's tp here
+    always have."""
+    if c.rollout.engine != "embedded":
+        return True
+    return rollout_tp(c) != c.actor.megatron.tensor_model_parallel_size
+
+
+def _present_roles(c: RLConfig) -> tuple[str, ...]:
+    present = {"actor", "rollout"}
+    if _uses_ref(c):
+        present.add("ref")
+    if c.critic.enable:
+        present.add("critic")
+    if c.reward.reward_model.enable:
+        present.add("reward_model")
+    return tuple(r for r in WORKER_ROLES if r in present)
+
+
+def _check_basics(c: RLConfig) -> None:
+    ck = _Checks()
+    cl = c.cluster
+    ok_nodes = ck.integer("cluster.nnodes", cl.nnodes, 1)
+    ok_gpus = ck.integer("cluster.gpus_per_node", cl.gpus_per_node, 1)
+    if ok_nodes and ok_gpus and cl.nnodes * cl.gpus_per_node > MAX_DEVICES:
+        ck.add(
+            "cluster.nnodes",
+            f"{cl.nnodes} x {cl.gpus_per_node} devices is more than the plan supports ({MAX_DEVICES})",
+            "check cluster.nnodes and cluster.gpus_per_node",
+            "positive-size",
+        )
+    mem = cl.device_memory_gib
+    if mem is not None and ck.number("cluster.device_memory_gib", mem, rule="cluster") and mem <= 0:
+        ck.add(
+            "cluster.device_memory_gib", "must be > 0", "give the device memory in GiB, or null", "cluster"
+        )
+    t = c.trainer
+    if ck.integer("trainer.total_steps", t.total_steps, 1) and t.total_steps > MAX_TOTAL_STEPS:
+        ck.add(
+            "trainer.total_steps",
+            f"{t.total_steps} steps is more than the plan supports",
+            "shorten the run",
+            "trainer",
+        )
+    ck.integer("trainer.save_freq", t.save_freq, 0)
+    ck.integer("trainer.critic_warmup", t.critic_warmup, 0)
+    ck.integer("trainer.max_ckpt_to_keep", t.max_ckpt_to_keep, 1, optional=True)
+    for path, value in (("trainer.output_dir", t.output_dir), ("profile.save_path", c.profile.save_path)):
+        if not isinstance(value, str):
+            ck.add(path, f"must be a path, got {value!r}", "use a string path", "trainer")
+    ck.integer("data.train_batch_size", c.data.train_batch_size, 1)
+    ck.integer("data.max_prompt_length", c.data.max_prompt_length, 0)
+    ck.integer("rollout.n", c.rollout.n, 1)
+    ck.integer("rollout.max_response_length", c.rollout.max_response_length, 1)
+    ck.integer("rollout.tensor_model_parallel_size", c.rollout.tensor_model_parallel_size, 1, optional=True)
+    ck.choice("model.params_dtype", c.model.params_dtype, tuple(DTYPE_BYTES), "model-source")
+
+    roles = _present_roles(c)
+    for role in roles:
+        if role == "rollout":
+            continue
+        prefix, m = _megatron_of(c, role)
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+        ):
+            ck.integer(f"{prefix}.{name}", getattr(m, name), 1)
+        ck.integer(
+            f"{prefix}.virtual_pipeline_model_parallel_size",
+            m.virtual_pipeline_model_parallel_size,
+            1,
+            optional=True,
+        )
+        ck.integer(f"{prefix}.expert_tensor_parallel_size", m.expert_tensor_parallel_size, 1, optional=True)
+        ov = m.override_transformer_config
+        ck.integer(
+            f"{prefix}.override_transformer_config.recompute_num_layers",
+            ov.recompute_num_layers,
+            1,
+            optional=True,
+        )
+        ck.number(
+            f"{prefix}.override_transformer_config.hidden_dropout",
+            ov.hidden_dropout,
+            0.0,
+            rule="model-source",
+        )
+    for prefix, role_cfg in (("actor", c.actor), ("critic", c.critic)):
+        if prefix == "critic" and not c.critic.enable:
+            continue
+        ck.integer(f"{prefix}.ppo_mini_batch_size", role_cfg.ppo_mini_batch_size, 1)
+        ck.integer(f"{prefix}.ppo_epochs", role_cfg.ppo_epochs, 1)
+        if role_cfg.use_dynamic_bsz:
+            ck.integer(f"{prefix}.ppo_max_token_len_per_gpu", role_cfg.ppo_max_token_len_per_gpu, 1)
+        else:
+            ck.integer(f"{prefix}.ppo_micro_batch_size_per_gpu", role_cfg.ppo_micro_batch_size_per_gpu, 1)
+        o = role_cfg.optim
+        p = f"{prefix}.optim"
+        ck.choice(f"{p}.optimizer", o.optimizer, ("adam", "sgd"), "optim")
+        for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay"):
+            ck.number(f"{p}.{name}", getattr(o, name))
+        ck.number(f"{p}.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, 0.0)
+        ck.integer(f"{p}.lr_warmup_steps", o.lr_warmup_steps, 0, optional=True)
+        ck.integer(f"{p}.lr_decay_steps", o.lr_decay_steps, 1, optional=True)
+        ck.integer(f"{p}.lr_wsd_decay_steps", o.lr_wsd_decay_steps, 1, optional=True)
+        ck.choice(f"{p}.lr_decay_style", o.lr_decay_style, _DECAY_STYLES, "optim")
+        ck.choice(f"{p}.lr_wsd_decay_style", o.lr_wsd_decay_style, _WSD_STYLES, "optim")
+    ck.integer("actor.log_prob_micro_batch_size_per_gpu", c.actor.log_prob_micro_batch_size_per_gpu, 1)
+    if "ref" in roles:
+        ck.integer("ref.log_prob_micro_batch_size_per_gpu", c.ref.log_prob_micro_batch_size_per_gpu, 1)
+    rm = c.reward.reward_model
+    if rm.enable:
+        ck.integer("reward.reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu, 1)
+    for prefix, enabled, placement, n in (
+        ("critic", c.critic.enable, c.critic.placement, c.critic.num_devices),
+        ("reward.reward_model", rm.enable, rm.placement, rm.num_devices),
+    ):
+        if enabled and placement == "separate":
+            ck.integer(f"{prefix}.num_devices", n, 1, rule="device-pools")
+    for i, r in enumerate(c.profile.ranks):
+        ck.integer(f"profile.ranks[{i}]", r, 0)
+    for i, s in enumerate(c.profile.steps):
+        if isinstance(s, bool) or not isinstance(s, int):
+            ck.add(
+                f"profile.steps[{i}]", f"must be an integer step, got {s!r}", "steps count from 1", "profile"
+            )
+    ck.raise_if_any()
+
+
+# ============================================================================================ model
+def _check_arch(arch: ModelArch, prefix: str) -> None:
+    ck = _Checks()
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "ffn_hidden_size",
+        "num_attention_heads",
+        "num_query_groups",
+        "vocab_size",
+        "max_position_embeddings",
+    ):
+        ck.integer(f"{prefix}.{name}", getattr(arch, name), 1)
+    ck.integer(f"{prefix}.kv_channels", arch.kv_channels, 1, optional=True)
+    ck.integer(f"{prefix}.num_moe_experts", arch.num_moe_experts, 1, optional=True)
+    ck.integer(f"{prefix}.moe_ffn_hidden_size", arch.moe_ffn_hidden_size, 1, optional=True)
+    ck.integer(f"{prefix}.moe_shared_expert_intermediate_size", arch.moe_shared_expert_intermediate_size, 1,
+               optional=True)  # fmt: skip
+    ck.integer(f"{prefix}.sliding_window", arch.sliding_window, 1, optional=True)
+    ck.raise_if_any()
+    for path, message, fix in family_issues(arch, prefix):
+        ck.add(path, message, fix, UNSUPPORTED_RULE)
+    ck.raise_if_any()
+
+
+def _check_sequence_fits(c: RLConfig, arch: ModelArch, source: str, path: str) -> None:
+    """A sliding attention window shorter than the run's sequences is a feature the engine does not build
+    (within the window, windowed and full causal attention are the same computation)."""
+    seq = c.data.max_prompt_length + c.rollout.max_response_length
+    if arch.sliding_window is not None and seq > arch.sliding_window:
+        raise ConfigError([error(
+            path,
+            f"{source}: family {arch.family} attends within a sliding window of {arch.sliding_window} tokens, "
+            f"shorter than prompt + response = {seq}; rlplan builds full causal attention only",
+            f"keep data.max_prompt_length + rollout.max_response_length <= {arch.sliding_window}",
+            UNSUPPORTED_RULE,
+        )])  # fmt: skip
+
+
+def _kv_channels(arch: ModelArch) -> int:
+    return head_dim(arch)
+
+
+def _model_spec(
+    name: str, source: str, arch: ModelArch, head: str, used_by: tuple[str, ...], weights: str | None
+) -> ModelSpec:
+    total, active = count_parameters(arch, head)
+    return ModelSpec(name, source, arch, head, total, active, used_by, weights)
+
+
+@dataclass(frozen=True)
+class _Models:
+    policy: ModelSpec
+    critic: ModelSpec | None
+    reward_model: ModelSpec | None
+
+    def for_role(self, role: str) -> ModelSpec:
+        if role == "critic" and self.critic is not None:
+            return self.critic
+        if role == "reward_model" and self.reward_model is not None:
+            return self.reward_model
+        return self.policy
+
+    def all(self) -> tuple[ModelSpec, ...]:
+        return tuple(m for m in (self.policy, self.critic, self.reward_model) if m is not None)
+
+
+def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
+    if c.model.path is not None:
+        if not isinstance(c.model.path, str):
+            raise ConfigError(
+                [
+                    error(
+                        "model.path",
+                        f"must be a folder path, got {c.model.path!r}",
+                        "use a string",
+                        "model-config-json",
+                    )
+                ]
+            )
+        policy_arch, source = (
+            read_model_arch(c.model.path, "model.path"),
+            os.path.join(c.model.path, "config.json"),
+        )
+        _check_sequence_fits(c, policy_arch, source, "model.path")
+    else:
+        policy_arch, source = c.model.arch, "model.arch"
+        _check_arch(policy_arch, "model.arch")
+        _check_sequence_fits(c, policy_arch, source, "model.arch.sliding_window")
+    policy_users = tuple(r for r in ("actor", "rollout", "ref") if r in roles)
+
+    def value_model(name: str, path: str | None, path_name: str) -> ModelSpec:
+        if path is not None:
+            if not isinstance(path, str):
+                raise ConfigError(
+                    [
+                        error(
+                            path_name,
+                            f"must be a folder path, got {path!r}",
+                            "use a string",
+                            "model-config-json",
+                        )
+                    ]
+                )
+            arch, src = read_model_arch(path, path_name), os.path.join(path, "config.json")
+            _check_sequence_fits(c, arch, src, path_name)
+        else:
+            arch, src = policy_arch, source  # the policy's architecture with a value head
+        return _model_spec(name, src, arch, "value", (name,), path if path is not None else c.model.path)
+
+    critic = value_model("critic", c.critic.model_path, "critic.model_path") if "critic" in roles else None
+    rm_cfg = c.reward.reward_model
+    rm = (
+        value_model("reward_model", rm_cfg.path, "reward.reward_model.path")
+        if "reward_model" in roles
+        else None
+    )
+    policy = _model_spec("policy", source, policy_arch, "lm", policy_users, c.model.path)
+    return _Models(policy, critic, rm)
+
+
+# ============================================================================================ resources
+def _pool_sizes(c: RLConfig, roles: tuple[str, ...]) -> list[tuple[str, int, tuple[str, ...]]]:
+    total = c.cluster.nnodes * c.cluster.gpus_per_node
+    separate: list[tuple[str, int, tuple[str, ...]]] = []
+    actor_roles = [r for r in roles if r in ("actor", "rollout", "ref")]
+    if "critic" in roles:
+        if c.critic.placement == "separate":
+            separate.append(("critic_pool", c.critic.num_devices, ("critic",)))
+        else:
+            actor_roles.append("critic")
+    if "reward_model" in roles:
+        if c.reward.reward_model.placement == "separate":
+            separate.append(("reward_model_pool", c.reward.reward_model.num_devices, ("reward_model",)))
+        else:
+            actor_roles.append("reward_model")
+    actor_devices = total - sum(n for _, n, _ in separate)
+    if actor_devices < 1:
+        raise ConfigError(
+            [
+                error(
+                    "cluster.gpus_per_node",
+                    f"separate pools use {total - actor_devices} of {total} devices, none is left for the actor",
+                    "add devices or shrink critic.num_devices / reward.reward_model.num_devices",
+                    "device-pools",
+                )
+            ]
+        )
+    return [("actor_pool", actor_devices, tuple(actor_roles)), *separate]
+
+
+def _resources(c: RLConfig, roles: tuple[str, ...]) -> Resources:
+    gpn = c.cluster.gpus_per_node
+    pools: list[Pool] = []
+    first = 0
+    for name, n, members in _pool_sizes(c, roles):
+        nodes = tuple(range(first // gpn, (first + n - 1) // gpn + 1))
+        pools.append(Pool(name, first, n, nodes, members))
+        first += n
+    placements: list[Placement] = []
+    for role in roles:
+        pool = next(p for p in pools if role in p.roles)
+        others = tuple(r for r in pool.roles if r != role)
+        placements.append(
+            Placement(role, pool.name, pool.num_devices, pool.num_devices, c.cluster.device, others)
+        )
+    return Resources(
+        device=c.cluster.device,
+        nnodes=c.cluster.nnodes,
+        gpus_per_node=gpn,
+        total_devices=c.cluster.nnodes * gpn,
+        pools=tuple(pools),
+        placements=tuple(placements),
+    )
+
+
+# ============================================================================================ layouts
+def _split_layers(num_layers: int, pp: int, vpp: int | None) -> tuple[tuple[StageLayers, ...], bool]:
+    """Layers of each stage. Model order of the chunks is (virtual stage, stage): chunk v of stage p holds
+    the (v * pp + p)-th block of layers, as megatron's interleaved schedule lays them out. Uneven counts
+    (only possible without validation) give the earlier chunks one layer more."""
+    v = vpp or 1
+    n_chunks = pp * v
+    base, extra = divmod(num_layers, n_chunks)
+    sizes = [base + (1 if i < extra else 0) for i in range(n_chunks)]
+    starts = [sum(sizes[:i]) for i in range(n_chunks)]
+    stages = []
+    for p in range(pp):
+        chunks = tuple(LayerChunk(k, starts[k * pp + p], sizes[k * pp + p]) for k in range(v))
+        stages.append(StageLayers(p, sum(ch.num_layers for ch in chunks), chunks, p == 0, p == pp - 1))
+    return tuple(stages), extra == 0
+
+
+def _grid(world: int, tp: int, cp: int, dp: int) -> tuple[RankCoord, ...]:
+    coords = []
+    for rank in range(world):
+        rest, t = divmod(rank, tp)
+        rest, c_ = divmod(rest, cp)
+        pp_, d = divmod(rest, dp)
+        coords.append(RankCoord(rank, pp_, t, c_, d))
+    return tuple(coords)
+
+
+def _padded_vocab(vocab: int, tp: int) -> int:
+    multiple = VOCAB_DIVISIBLE_BY * tp
+    return -(-vocab // multiple) * multiple
+
+
+def _layouts(
+    c: RLConfig, roles: tuple[str, ...], resources: Resources, models: _Models
+) -> tuple[RoleLayout, ...]:
+    ck = _Checks()
+    layouts: list[RoleLayout] = []
+    for role in roles:
+        place = next(p for p in resources.placements if p.role == role)
+        world = place.world_size
+        spec = models.for_role(role)
+        arch = spec.arch
+        if role == "rollout" and rollout_resharded(c):
+            tp, pp, vpp, cp, ep, etp, sp = rollout_tp(c), 1, None, 1, 1, None, False
+            tp_path = "rollout.tensor_model_parallel_size"
+        else:
+            # Zero-copy: the embedded engine generates with the actor's own weights in the actor's layout.
+            prefix, m = _megatron_of(c, "actor" if role == "rollout" else role)
+            tp, pp, vpp = (
+                m.tensor_model_parallel_size,
+                m.pipeline_model_parallel_size,
+                m.virtual_pipeline_model_parallel_size,
+            )
+            cp, ep, etp = m.context_parallel_size, m.expert_model_parallel_size, m.expert_tensor_parallel_size
+            sp = bool(m.sequence_parallel) and tp > 1
+            tp_path = f"{prefix}.tensor_model_parallel_size"
+        etp = etp or tp
+        mp = tp * pp * cp
+        if world % mp:
+            ck.add(
+                tp_path,
+                f"{role} world size {world} is not divisible by tp x pp x cp = {tp} x {pp} x {cp} = {mp}",
+                f"choose tp, pp and cp whose product divides {world}",
+                "world-divisible-by-model-parallel",
+            )
+            continue
+        if world % (etp * ep * pp):
+            ck.add(
+                tp_path.replace("tensor_model_parallel_size", "expert_model_parallel_size"),
+                f"{role} world size {world} is not divisible by expert tp x ep x pp = {etp * ep * pp}",
+                "choose expert_model_parallel_size and expert_tensor_parallel_size that divide the world / pp",
+                "world-divisible-by-model-parallel",
+            )
+            continue
+        if spec.source != "model.arch":
+            # validate.py checks model.arch; an architecture read from config.json is checked here.
+            _check_arch_layout(ck, spec, role, tp_path, tp, pp, vpp)
+            for field, message, fix in (
+                expert_layout_issues(arch, spec.source, ep, etp, tp, sp) if role != "rollout" else ()
+            ):
+                ck.add(tp_path.replace("tensor_model_parallel_size", field), message, fix, "engine-support")
+        dp = world // mp
+        stages, even = _split_layers(arch.num_layers, pp, vpp)
+        layouts.append(
+            RoleLayout(
+                role=role,
+                model=spec.name,
+                pool=place.pool,
+                world_size=world,
+                tp=tp,
+                pp=pp,
+                vpp=vpp,
+                cp=cp,
+                ep=ep,
+                etp=etp,
+                dp=dp,
+                expert_dp=world // (etp * ep * pp),
+                sequence_parallel=sp,
+                order=MEGATRON_ORDER,
+                padded_vocab_size=_padded_vocab(arch.vocab_size, tp),
+                num_layers=arch.num_layers,
+                layers_per_stage=tuple(s.num_layers for s in stages),
+                even_layers=even,
+                stages=stages,
+                grid=_grid(world, tp, cp, dp),
+            )
+        )
+    ck.raise_if_any()
+    return tuple(layouts)
+
+
+def _check_arch_layout(
+    ck: _Checks, spec: ModelSpec, role: str, tp_path: str, tp: int, pp: int, vpp: int | None
+) -> None:
+    a = spec.arch
+    for name, value in (
+        ("num_attention_heads", a.num_attention_heads),
+        ("num_query_groups", a.num_query_groups),
+    ):
+        if value % tp:
+            ck.add(
+                tp_path,
+                f"{name} = {value} ({spec.source}) is not divisible by {role} tp = {tp}",
+                f"use a tensor parallel size that divides {value}",
+                "heads-divisible-by-tp",
+            )
+    chunks = pp * (vpp or 1)
+    if role != "rollout" and a.num_layers % chunks:
+        ck.add(
+            tp_path.replace("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+            f"num_layers = {a.num_layers} ({spec.source}) is not divisible by pp x vpp = {chunks}",
+            "choose pp (and vpp) whose product divides the number of layers",
+            "layers-divisible-by-pp",
+        )
+
+
+# ============================================================================================ batches
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _batch_plans(
+    c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...]
+) -> tuple[BatchPlan, ...]:
+    plans = []
+    max_seq = c.data.max_prompt_length + c.rollout.max_response_length
+    for role in ("actor", "critic"):
+        if role not in roles:
+            continue
+        rc = c.actor if role == "actor" else c.critic
+        lay = _by_role(layouts, role)
+        prompts, n = c.data.train_batch_size, c.rollout.n
+        mini = rc.ppo_mini_batch_size
+        mini_batches = prompts // mini
+        per_mini = mini * n
+        per_rank = _cdiv(per_mini, lay.dp)
+        even = prompts % mini == 0 and per_mini % lay.dp == 0
+        if rc.use_dynamic_bsz:
+            budget = rc.ppo_max_token_len_per_gpu
+            # verl packs sequences (before the cp split) up to budget x cp tokens; each cp rank then holds
+            # about `budget` tokens. Worst case: every sequence has full length.
+            seqs_per_micro = max(1, budget * lay.cp // max_seq)
+            micro, micro_batches, max_micro_batches = None, None, _cdiv(per_rank, seqs_per_micro)
+            tokens = budget
+            log_prob_micro = None
+        else:
+            micro = rc.ppo_micro_batch_size_per_gpu
+            micro_batches = _cdiv(per_rank, micro)
+            max_micro_batches = micro_batches
+            even = even and per_rank % micro == 0
+            tokens = _cdiv(micro * max_seq, lay.cp)
+            log_prob_micro = c.actor.log_prob_micro_batch_size_per_gpu if role == "actor" else micro
+        steps_per = mini_batches * rc.ppo_epochs
+        first_update = 1
+        if role == "actor" and "critic" in roles:
+            first_update = c.trainer.critic_warmup + 1
+        update_steps = max(0, c.trainer.total_steps - first_update + 1)
+        plans.append(
+            BatchPlan(
+                role=role,
+                prompts_per_step=prompts,
+                responses_per_prompt=n,
+                responses_per_step=prompts * n,
+                mini_batch_prompts=mini,
+                mini_batches_per_step=mini_batches,
+                responses_per_mini_batch=per_mini,
+                dp=lay.dp,
+                responses_per_mini_batch_per_rank=per_rank,
+                use_dynamic_bsz=bool(rc.use_dynamic_bsz),
+                micro_batch_size_per_rank=micro,
+                micro_batches_per_mini_batch=micro_batches,
+                max_token_len_per_micro_batch=rc.ppo_max_token_len_per_gpu if rc.use_dynamic_bsz else None,
+                max_micro_batches_per_mini_batch=max_micro_batches,
+                max_seq_len=max_seq,
+                tokens_per_micro_batch_per_rank=tokens,
+                ppo_epochs=rc.ppo_epochs,
+                optimizer_steps_per_training_step=steps_per,
+                update_steps=update_steps,
+                first_update_step=first_update,
+                optimizer_steps_total=steps_per * update_steps,
+                log_prob_micro_batch_size_per_rank=log_prob_micro,
+                even=even,
+            )
+        )
+    return tuple(plans)
+
+
+def _step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, ...]) -> StepPasses:
+    actor = _by_role(batches, "actor")
+    on_policy = actor.mini_batches_per_step == 1 and actor.ppo_epochs == 1
+    rc = c.algorithm.rollout_correction
+    ref = "ref" in roles
+    old = "recompute"
+    if rc.bypass_mode:
+        old = "rollout"
+        reason = "algorithm.rollout_correction.bypass_mode: the sampler's log-probs are the old ones"
+    elif not on_policy:
+        reason = (
+            f"{actor.optimizer_steps_per_training_step} actor optimizer steps per training step "
+            f"({actor.mini_batches_per_step} mini-batches x {actor.ppo_epochs} epochs) compare with the "
+            "weights before the first"
+        )
+    elif c.algorithm.use_kl_in_reward:
+        reason = "on-policy, but algorithm.use_kl_in_reward reads them before the update"
+    elif rc.rollout_is is not None or rc.rollout_rs is not None:
+        reason = "on-policy, but algorithm.rollout_correction (rollout_is / rollout_rs) weighs the loss"
+    else:
+        old = "update"
+        reason = "on-policy (one mini-batch, one epoch): the update's own forward (ratio exactly 1)"
+    return StepPasses(
+        actor_on_policy=on_policy,
+        old_log_prob=old,
+        ref_log_prob=ref,
+        fused=ref and old == "recompute",
+        reason=reason,
+    )
+
+
+# ============================================================================================ lr schedule
+def _warmup_steps(o: Optim, total_steps: int) -> int:
+    if o.lr_warmup_steps is not None:
+        return o.lr_warmup_steps
+    return round(o.lr_warmup_steps_ratio * total_steps)
+
+
+def _resolved_optim(o: Optim, total_steps: int) -> Optim:
+    decay = o.lr_decay_steps if o.lr_decay_steps is not None else total_steps
+    wsd = o.lr_wsd_decay_steps if o.lr_wsd_decay_steps is not None else max(1, round(0.1 * decay))
+    return replace(
+        o, lr_warmup_steps=_warmup_steps(o, total_steps), lr_decay_steps=decay, lr_wsd_decay_steps=wsd
+    )
+
+
+def lr_at(o: Optim, num_steps: int, total_steps: int) -> float:
+    """megatron-core OptimizerParamScheduler.get_lr() at `num_steps` for a resolved optimizer config.
+
+    Follows megatron exactly, plus two guards where megatron asserts instead: a decay span of zero
+    steps (warmup >= decay steps) gives min_lr after warmup, and the result is clamped to >= min_lr.
+    """
+    r = _resolved_optim(o, total_steps)
+    warmup, decay, wsd = r.lr_warmup_steps or 0, r.lr_decay_steps or 0, r.lr_wsd_decay_steps or 0
+    max_lr, min_lr, init = float(o.lr), float(o.min_lr), float(o.lr_warmup_init)
+    if warmup > 0 and num_steps <= warmup:
+        return init + (max_lr - init) * num_steps / warmup
+    if o.lr_decay_style == "constant":
+        return max_lr
+    if num_steps > decay:
+        return min_lr
+    if o.lr_decay_style == "inverse-square-root":
+        lr = max_lr * max(warmup, 1) ** 0.5 / max(num_steps, 1) ** 0.5
+        return max(min_lr, lr)
+    span = decay - warmup
+    if span <= 0:
+        return min_lr
+    ratio = min(max((num_steps - warmup) / span, 0.0), 1.0)
+    if o.lr_decay_style == "linear":
+        coeff = 1.0 - ratio
+    elif o.lr_decay_style == "cosine":
+        coeff = 0.5 * (math.cos(math.pi * ratio) + 1.0)
+    else:  # WSD: stable at max_lr, then the last `wsd` steps of the decay span anneal
+        anneal_start = decay - wsd
+        if num_steps <= anneal_start or wsd <= 0:
+            coeff = 1.0
+        else:
+            w = min((num_steps - anneal_start) / wsd, 1.0)
+            if o.lr_wsd_decay_style == "linear":
+                coeff = 1.0 - w
+            elif o.lr_wsd_decay_style == "cosine":
+                coeff = 0.5 * (math.cos(math.pi * w) + 1.0)
+            elif o.lr_wsd_decay_style == "exponential":
+                coeff = 2.0 * 0.5**w - 1.0
+            else:  # minus_sqrt
+                coeff = 1.0 - math.sqrt(w)
+    return max(min_lr, min_lr + coeff * (max_lr - min_lr))
+
+
+def _optim_plans(c: RLConfig, batches: tuple[BatchPlan, ...]) -> tuple[OptimPlan, ...]:
+    plans = []
+    total = c.trainer.total_steps
+    for b in batches:
+        o = c.actor.optim if b.role == "actor" else c.critic.optim
+        r = _resolved_optim(o, total)
+        rows = []
+        for step in range(1, total + 1):
+            updates = step >= b.first_update_step
+            sched = max(0, step - b.first_update_step)
+            rows.append(LrRow(step, sched, updates, lr_at(o, sched, total), float(o.weight_decay)))
+        wsd = o.lr_decay_style == "WSD"
+        plans.append(
+            OptimPlan(
+                role=b.role,
+                optimizer=o.optimizer,
+                lr=float(o.lr),
+                min_lr=float(o.min_lr),
+                lr_warmup_init=float(o.lr_warmup_init),
+                warmup_steps=r.lr_warmup_steps or 0,
+                decay_steps=r.lr_decay_steps or 0,
+                decay_style=o.lr_decay_style,
+                wsd_decay_steps=r.lr_wsd_decay_steps if wsd else None,
+                wsd_decay_style=o.lr_wsd_decay_style if wsd else None,
+                weight_decay=float(o.weight_decay),
+                betas=(float(o.betas[0]), float(o.betas[1])),
+                eps=float(o.eps),
+                clip_grad=float(o.clip_grad),
+                granularity="training_step",
+                table=tuple(rows),
+            )
+        )
+    return tuple(plans)
+
+
+# ============================================================================================ profile
+def _join(base: str, path: str) -> str:
+    return os.path.normpath(os.path.join(base, path))
+
+
+def _profile(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...]) -> ProfilePlan:
+    p = c.profile
+    save_path = _join(c.trainer.output_dir, p.save_path)
+    mode = "discrete" if p.discrete else "continuous"
+    options: TorchProfileOptions | NpuProfileOptions | NsysProfileOptions | None = None
+    if p.tool == "torch":
+        options = p.torch
+    elif p.tool == "npu":
+        options = p.npu
+    elif p.tool == "nsys":
+        options = p.nsys
+    notes: list[str] = []
+    steps = tuple(sorted({s for s in p.steps if 1 <= s <= c.trainer.total_steps}))
+    dropped = sorted({s for s in p.steps if s not in steps})
+    if dropped:
+        notes.append(f"steps {dropped} are outside the run's steps 1..{c.trainer.total_steps}; not profiled")
+    present = tuple(r for r in ROLES if PROFILE_ROLE_WORKER[r] in roles or r == "reward_compute")
+    wanted = tuple(dict.fromkeys(p.roles)) or present
+    missing = [r for r in wanted if r not in present]
+    if missing:
+        notes.append(f"roles {missing} do not run in this config; not profiled")
+    profiled = tuple(r for r in ROLES if r in wanted and r in present)
+
+    def ranks_of(world: int, label: str) -> tuple[int, ...]:
+        if p.all_ranks:
+            return tuple(range(world))
+        kept = tuple(sorted({r for r in p.ranks if r < world}))
+        outside = sorted({r for r in p.ranks if r >= world})
+        if outside:
+            notes.append(f"{label}: ranks {outside} are outside its world of {world}; skipped there")
+        return kept
+
+    targets: list[ProfileTarget] = []
+    if mode == "discrete":
+        for role in profiled:
+            worker = PROFILE_ROLE_WORKER[role]
+            if worker not in roles:  # reward_compute without a reward model runs in the controller
+                targets.append(ProfileTarget(role, CONTROLLER, (0,)))
+            else:
+                targets.append(
+                    ProfileTarget(role, worker, ranks_of(_by_role(layouts, worker).world_size, role))
+                )
+    else:
+        # One trace per step over the actor pool's processes (they run actor, rollout and ref).
+        targets.append(ProfileTarget("e2e", "actor", ranks_of(_by_role(layouts, "actor").world_size, "e2e")))
+        if any(lay.pool != "actor_pool" for lay in layouts):
+            notes.append("continuous mode records the actor pool's processes; separate pools are not traced")
+    enabled = p.tool != "none" and bool(steps)
+    if p.tool != "none" and not steps:
+        notes.append("no step of the run is listed in profile.steps: nothing is profiled")
+    folders = (
+        tuple(f"{save_path}/step_{s}/{t.role}/rank_{r}" for s in steps for t in targets for r in t.ranks)
+        if enabled
+        else ()
+    )
+    return ProfilePlan(
+        enabled=enabled,
+        tool=p.tool,
+        mode=mode,
+        save_path=save_path,
+        steps=steps if enabled else (),
+        roles=profiled if enabled else (),
+        targets=tuple(targets) if enabled else (),
+        folders=folders,
+        options=options if enabled else None,
+        notes=tuple(notes) if p.tool != "none" else (),
+    )
+
+
+# ============================================================================================ checkpoint
+def _checkpoint(c: RLConfig, roles: tuple[str, ...]) -> CheckpointPlan:
+    t = c.trainer
+    root = _join(t.output_dir, "checkpoints")
+    if t.save_freq > 0:
+        steps = sorted({s for s in range(t.save_freq, t.total_steps + 1, t.save_freq)} | {t.total_steps})
+    else:
+        steps = []
+    role_cks = []
+    for role in ("actor", "critic"):
+        if role not in roles:
+            continue
+        ck = c.actor.checkpoint if role == "actor" else c.critic.checkpoint
+        hf = "hf_model" in ck.save_contents
+        tmpl = f"{root}/global_step_{{step}}/{role}"
+        role_cks.append(
+            RoleCheckpoint(
+                role=role,
+                save_contents=tuple(ck.save_contents),
+                load_contents=tuple(ck.load_contents),
+                async_save=bool(ck.async_save),
+                path_template=tmpl,
+                hf_path_template=f"{tmpl}/huggingface" if hf else None,
+            )
+        )
+    saves = []
+    for s in steps:
+        step_dir = f"{root}/global_step_{s}"
+        rps = tuple(
+            RolePath(
+                rc.role,
+                rc.path_template.format(step=s),
+                rc.hf_path_template.format(step=s) if rc.hf_path_template else None,
+            )
+            for rc in role_cks
+        )
+        saves.append(CheckpointSave(s, step_dir, rps))
+    keep = t.max_ckpt_to_keep
+    retained = tuple(steps[-keep:]) if keep is not None else tuple(steps)
+    latest = f"{root}/latest_checkpointed_iteration.txt"
+    resume_from = None
+    if t.resume_mode == "auto":
+        resume = f"resume from the step named in {latest} when it exists, else start at step 1"
+    elif t.resume_mode == "resume_path":
+        resume_from = t.resume_from_path
+        resume = f"resume from {resume_from}"
+    else:
+        resume = "start at step 1 (existing checkpoints are ignored)"
+    return CheckpointPlan(
+        enabled=bool(steps),
+        save_freq=t.save_freq,
+        save_steps=tuple(steps),
+        root=root,
+        latest_file=latest,
+        max_ckpt_to_keep=keep,
+        retained_steps=retained,
+        async_save=any(rc.async_save for rc in role_cks),
+        roles=tuple(role_cks),
+        saves=tuple(saves),
+        resume_mode=t.resume_mode,
+        resume_from=resume_from,
+        resume=resume,
+    )

@@ -1,0 +1,286 @@
+"""The plan as text (`rlconf plan`, `rltrain --dry-run`)."""
+
+from __future__ import annotations
+
+from rlconf.plan.types import VOCAB_DIVISIBLE_BY, ModelSpec, RoleLayout, TrainerPlan
+
+
+# ============================================================================================ text
+def _table(headers: tuple[str, ...], rows: list[tuple[object, ...]], indent: str = "  ") -> list[str]:
+    cells = [tuple(str(x) for x in headers)] + [tuple("-" if x is None else str(x) for x in r) for r in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return [indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in cells]
+
+
+def _elide(lines: list[str], head: int, tail: int, indent: str = "    ") -> list[str]:
+    if len(lines) <= head + tail + 1:
+        return lines
+    return [*lines[:head], f"{indent}... ({len(lines) - head - tail} more)", *lines[-tail:]]
+
+
+def _fmt_count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f}{unit}"
+    return str(n)
+
+
+def _ranks_text(ranks: tuple[int, ...] | list[int]) -> str:
+    if not ranks:
+        return "none"
+    rs = sorted(ranks)
+    if rs == list(range(rs[0], rs[-1] + 1)) and len(rs) > 2:
+        return f"{rs[0]}-{rs[-1]}"
+    text = ",".join(str(r) for r in rs[:12])
+    return text + (f",... ({len(rs)})" if len(rs) > 12 else "")
+
+
+def _layers_text(lay: RoleLayout) -> str:
+    if lay.vpp is None:
+        return ", ".join(str(n) for n in lay.layers_per_stage)
+    return " | ".join(
+        "+".join(f"{ch.first_layer}-{ch.first_layer + ch.num_layers - 1}" for ch in st.chunks)
+        for st in lay.stages
+    )
+
+
+def _grid_lines(lay: RoleLayout) -> list[str]:
+    """One line per (pp, dp) block: its tp x cp ranks are contiguous."""
+    block = lay.tp * lay.cp
+    lines = []
+    for pp in range(lay.pp):
+        for dp in range(lay.dp):
+            start = lay.rank_of(pp, 0, 0, dp)
+            if block <= 16:
+                groups = [
+                    " ".join(str(lay.rank_of(pp, t, c, dp)) for t in range(lay.tp)) for c in range(lay.cp)
+                ]
+                ranks = " | ".join(groups)
+            else:
+                ranks = f"{start}-{start + block - 1}"
+            lines.append(f"    pp={pp} dp={dp}: {ranks}")
+    return _elide(lines, 8, 2, "    ")
+
+
+def _model_of_role(plan: TrainerPlan, role: str) -> ModelSpec | None:
+    return next((m for m in plan.models if role in m.used_by), None)
+
+
+def _vocab_padding_note(plan: TrainerPlan, model: str, vocab: int) -> str:
+    """' (padded to N in layouts)' when a layout of this model pads its vocabulary, else ''."""
+    padded = sorted({lay.padded_vocab_size for lay in plan.layouts
+                     if (spec := _model_of_role(plan, lay.role)) is not None and spec.name == model})  # fmt: skip
+    padded = [p for p in padded if p != vocab]
+    return f" (padded to {' / '.join(map(str, padded))} in layouts)" if padded else ""
+
+
+def _vocab_lines(plan: TrainerPlan) -> list[str]:
+    """Why a layout's vocab differs from the model's: megatron pads the embedding and output layer to a
+    multiple of VOCAB_DIVISIBLE_BY x tp so every tp rank holds an equal slice; logits past the real
+    vocabulary are cut off before sampling and log-probs."""
+    seen: set[tuple[int, int, int]] = set()
+    lines = []
+    for lay in plan.layouts:
+        spec = _model_of_role(plan, lay.role)
+        if spec is None or (spec.arch.vocab_size, lay.tp, lay.padded_vocab_size) in seen:
+            continue
+        seen.add((spec.arch.vocab_size, lay.tp, lay.padded_vocab_size))
+        if lay.padded_vocab_size != spec.arch.vocab_size:
+            lines.append(
+                f"  vocab {lay.padded_vocab_size} = {spec.arch.vocab_size} padded to a multiple of "
+                f"{VOCAB_DIVISIBLE_BY} x tp {lay.tp} (megatron's make_vocab_size_divisible_by: equal slices per "
+                f"tp rank; the padded rows are never sampled or scored)"
+            )
+    return lines
+
+
+def _refit_lines(plan: TrainerPlan) -> list[str]:
+    """How the rollout gets the actor's weights each step, with the refit's extra memory and time."""
+    r = plan.refit
+    if r is None:
+        return []
+    if r.mode == "zero-copy":
+        return ["  rollout refit: zero-copy (generates on the actor's own weights, actor layout)"]
+    how = "resharded on the actor's devices" if r.mode == "reshard" else "loaded into vLLM"
+    return [
+        f"  rollout refit: {how}, actor tp {r.actor_tp} x pp {r.actor_pp} -> rollout tp {r.rollout_tp} x dp "
+        f"{r.rollout_dp}; +{r.extra_gib:.2f} GiB per device while generating (buckets of {r.bucket_mib} MiB), "
+        f"~{r.estimated_s:.2g} s per step (estimate)"
+    ]
+
+
+def format_plan(plan: TrainerPlan) -> str:
+    """A compact, readable rendering of the plan (what `rlconf plan FILE` prints)."""
+    out: list[str] = [f"rlplan trainer plan (v{plan.version}): roles {', '.join(plan.roles)}", ""]
+
+    out.append("models")
+    for m in plan.models:
+        a = m.arch
+        out.append(
+            f"  {m.name}: {_fmt_count(m.params_total)} params"
+            + (
+                f" ({_fmt_count(m.params_active)} active: {a.num_moe_experts} experts, {a.moe_router_topk} per token)"
+                if a.num_moe_experts is not None
+                else ""
+            )
+            + f", {a.family}, {a.num_layers} layers, hidden {a.hidden_size}, "
+            f"ffn {a.ffn_hidden_size}, heads {a.num_attention_heads}/{a.num_query_groups} groups, vocab "
+            f"{a.vocab_size}{_vocab_padding_note(plan, m.name, a.vocab_size)}, {m.head} head{', tied embeddings' if a.share_embeddings_and_output_weights and m.head == 'lm' else ''}"
+            f" [{m.source}]"
+        )
+    r = plan.resources
+    out += ["", f"resources: {r.total_devices} x {r.device} ({r.nnodes} node(s) x {r.gpus_per_node})"]
+    out += _table(
+        ("pool", "devices", "nodes", "roles"),
+        [
+            (p.name, f"{_ranks_text(list(range(p.first_device, p.first_device + p.num_devices)))} ({p.num_devices})",
+             _ranks_text(p.nodes), ", ".join(p.roles))
+            for p in r.pools
+        ],
+    )  # fmt: skip
+
+    out += ["", "layouts (rank = tp + TP*(cp + CP*(dp + DP*pp)), megatron order tp-cp-ep-dp-pp)"]
+    out += _table(
+        ("role", "pool", "world", "tp", "pp", "vpp", "cp", "ep", "etp", "dp", "sp", "vocab", "layers/stage"),
+        [
+            (lay.role, lay.pool, lay.world_size, lay.tp, lay.pp, lay.vpp, lay.cp, lay.ep, lay.etp, lay.dp,
+             "on" if lay.sequence_parallel else "off", lay.padded_vocab_size,
+             _layers_text(lay) + ("" if lay.even_layers else " (uneven)"))
+            for lay in plan.layouts
+        ],
+    )  # fmt: skip
+    out += _vocab_lines(plan)
+    seen: dict[tuple[int, int, int, int], str] = {}
+    for lay in plan.layouts:
+        key = (lay.world_size, lay.tp, lay.pp, lay.cp)
+        if key in seen:
+            out.append(f"  {lay.role} grid: same as {seen[key]}")
+            continue
+        seen[key] = lay.role
+        cp_note = ", cp groups split by |" if lay.cp > 1 else ""
+        out.append(f"  {lay.role} grid (ranks by tp{cp_note}):")
+        out += _grid_lines(lay)
+    out += _refit_lines(plan)
+
+    if plan.length is not None:
+        out += ["", f"run: {plan.length.describe()}"]
+    if plan.batch:
+        out += ["", "batch schedule (per training step; mini-batches count prompts)"]
+        rows = []
+        for b in plan.batch:
+            micro = (
+                f"budget {b.max_token_len_per_micro_batch} tok, <= {b.max_micro_batches_per_mini_batch} micro"
+                if b.use_dynamic_bsz
+                else f"{b.micro_batch_size_per_rank} x {b.micro_batches_per_mini_batch}"
+            )
+            rows.append(
+                (b.role, b.prompts_per_step, b.responses_per_step, f"{b.mini_batches_per_step} x {b.mini_batch_prompts}",
+                 b.responses_per_mini_batch, b.dp, b.responses_per_mini_batch_per_rank, micro, b.max_seq_len,
+                 b.ppo_epochs, b.optimizer_steps_per_training_step, b.optimizer_steps_total,
+                 "" if b.even else "uneven!")
+            )  # fmt: skip
+        out += _table(
+            ("role", "prompts", "responses", "mini-batches", "resp/mini", "dp", "resp/rank", "micro x accum",
+             "max seq", "epochs", "opt steps/step", "opt steps", ""),
+            rows,
+        )  # fmt: skip
+
+    if plan.passes is not None:
+        sp = plan.passes
+        old = {"recompute": "an actor forward pass", "rollout": "the rollout's", "update": "no pass"}
+        ref = "none (no KL term)"
+        if sp.ref_log_prob:
+            ref = "a ref forward pass" + (", in one call with the old log-probs" if sp.fused else "")
+        out += [
+            "",
+            f"log-prob passes per step: old log-probs {old[sp.old_log_prob]} ({sp.reason}); ref log-probs {ref}",
+        ]
+
+    for o in plan.optim:
+        wsd = (
+            f", WSD tail {o.wsd_decay_steps} steps {o.wsd_decay_style}"
+            if o.wsd_decay_steps is not None
+            else ""
+        )
+        out += [
+            "",
+            f"lr schedule {o.role}: {o.optimizer}, lr {o.lr:g} -> min {o.min_lr:g}, warmup {o.warmup_steps} steps "
+            f"from {o.lr_warmup_init:g}, {o.decay_style} decay over {o.decay_steps} steps{wsd}; "
+            f"weight decay {o.weight_decay:g}; one lr per training step",
+        ]
+        rows = [
+            (row.step, row.scheduler_step, f"{row.lr:.6g}", "" if row.update else "no update")
+            for row in o.table
+        ]
+        keep: set[int] = {0, 1, 2, len(rows) - 3, len(rows) - 2, len(rows) - 1}
+        first_update = next((i for i, row in enumerate(o.table) if row.update), 0)
+        for offset in (o.warmup_steps - 1, o.warmup_steps):
+            keep.add(first_update + offset)
+        if o.wsd_decay_steps is not None:
+            keep.add(first_update + o.decay_steps - o.wsd_decay_steps)
+        lines = _table(("step", "sched", "lr", ""), rows, "    ")
+        shown = [lines[0]]
+        last = -1
+        for i in sorted(k for k in keep if 0 <= k < len(rows)):
+            if i > last + 1:
+                shown.append(f"    ... ({i - last - 1} rows)")
+            shown.append(lines[i + 1])
+            last = i
+        if last < len(rows) - 1:
+            shown.append(f"    ... ({len(rows) - 1 - last} rows)")
+        out += shown
+
+    p = plan.profile
+    out += [
+        "",
+        f"profile: tool {p.tool}"
+        + (f", {p.mode}, steps {list(p.steps)} -> {p.save_path}" if p.enabled else " (off)"),
+    ]
+    if p.enabled:
+        out += _table(
+            ("role", "worker", "ranks"), [(t.role, t.worker, _ranks_text(t.ranks)) for t in p.targets]
+        )
+        out += _elide([f"    {f}" for f in p.folders], 6, 2)
+    out += [f"  note: {n}" for n in p.notes]
+
+    ck = plan.checkpoint
+    out += [""]
+    if ck.enabled:
+        out.append(
+            f"checkpoints: steps {_ranks_text(ck.save_steps) if len(ck.save_steps) > 12 else list(ck.save_steps)} "
+            f"(every {ck.save_freq} and the last), keep "
+            f"{'all' if ck.max_ckpt_to_keep is None else ck.max_ckpt_to_keep}{', async' if ck.async_save else ''}"
+        )
+        for rc in ck.roles:
+            hf = f" + {rc.hf_path_template}" if rc.hf_path_template else ""
+            out.append(
+                f"  {rc.role}: save {', '.join(rc.save_contents)}; load {', '.join(rc.load_contents)} -> {rc.path_template}{hf}"
+            )
+        out.append(f"  latest: {ck.latest_file}")
+    else:
+        out.append("checkpoints: none (trainer.save_freq = 0)")
+    out.append(f"  resume ({ck.resume_mode}): {ck.resume}")
+
+    mem = plan.memory
+    dev = (
+        "not checked (cluster.device_memory_gib: null)"
+        if mem.device_memory_gib is None
+        else f"{mem.device_memory_gib:g} GiB"
+    )
+    out += ["", f"memory estimate per device (GiB; device {dev})"]
+    out += _table(
+        ("role", "pool", "stage", "params", "weights", "grads", "optimizer", "activations", "logits", "total", "offloaded"),
+        [
+            (m.role, m.pool, m.stage, _fmt_count(m.params_per_device), f"{m.params_gib:.2f}", f"{m.grads_gib:.2f}",
+             f"{m.optimizer_gib:.2f}", f"{m.activations_gib:.2f}", f"{m.logits_gib:.2f}", f"{m.total_gib:.2f}",
+             ", ".join(m.offloaded) or "-")
+            for m in mem.roles
+        ],
+    )  # fmt: skip
+    for pm in mem.pools:
+        verdict = "" if pm.fits is None else (" fits" if pm.fits else " DOES NOT FIT")
+        out.append(
+            f"  {pm.pool}: peak {pm.peak_gib:.2f} GiB during {pm.peak_phase} (rank {pm.rank}){verdict}"
+        )
+    out += [f"  note: {n}" for n in mem.notes]
+    return "\n".join(out) + "\n"
