@@ -1,0 +1,266 @@
+"""Whole GRPO steps: `rltrain` on a preset's workloads and TRL's GRPOTrainer on the same workload, each in
+a process of its own; one JSON report (issue 22 item 4; the numbers go to docs/benchmarks.md).
+
+Workloads (`--workloads`, comma-separated):
+- preset: the preset as it is. qwen2.5-1.5b-grpo: 64 prompts x 8 responses x up to 1,024 tokens, 4
+  mini-batches per step (the old log-prob pass runs), KL loss with the ref: the issue's 37 s step.
+- onestep: 16 prompts x 8 responses x up to 512 tokens (`--onestep-response-length`; capped at the
+  preset's own), one mini-batch (one optimizer step per rollout: the plan skips the old log-prob pass),
+  KL loss coefficient 0.001. TRL runs this one (`--trl`, when `trl` is importable).
+
+rlplan: `python -m rltrain.cli PRESET --trainer.total_steps N --trainer.test_freq 0
+--trainer.val_before_train false --trainer.save_freq 0` (plus `--cluster.cpus_per_worker 4` on cuda, as the
+issue's command, and any `--set PATH=VALUE`). From its metrics.jsonl: every step's timing/*, perf/* and the
+summary over steps 2..N (median, min, max; step 1 warms up); from its plan.json: the log-prob passes and the
+memory estimate of every phase of the policy pool next to the measured peak of that role call
+(`perf/max_memory_allocated_gib/<phase>`, max over steps; accelerators only), with measured / estimate and
+whether it is within +-15%.
+
+TRL: `GRPOTrainer` on a random-init HF Qwen2 of the preset's shape (bf16 on cuda), the same synthetic
+prompts, a character-level tokenizer over rlplan's built-in vocabulary (what a preset without model.path
+uses), `num_generations` = rollout.n, one optimizer step per generation of prompts x n completions
+(`--trl-micro-batch` rows per forward/backward, gradient accumulation over the rest), `beta` = the KL
+coefficient, no gradient checkpointing. Seconds per step = the median gap between optimizer-step ends over
+steps 3.. (a callback timestamps them).
+
+On the GPU machine (bench/device_setup.sh first; trl carried as a wheel for the TRL column):
+    python3 bench/grpo_step_gpu.py --preset qwen2.5-1.5b-grpo --steps 4 --trl --out $OUT
+CPU smoke test (tiny model; TRL is skipped when not installed):
+    .venv/bin/python bench/grpo_step_gpu.py --preset tiny-grpo --steps 3 --out /tmp/grpo_step
+Writes grpo_step.json to --out and prints one summary line per workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import itertools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+WITHIN = 0.15
+"""The issue's goal: the plan's memory estimate within +-15% of the measured peak."""
+PHASES = ("generate", "old_log_prob", "ref", "update_actor")
+
+
+def preset_config(name: str) -> Any:
+    from presets import PRESETS
+
+    return PRESETS[name].build()
+
+
+def workload_flags(name: str, cfg: Any, response_length: int) -> list[str]:
+    if name == "preset":
+        return []
+    if name == "onestep":
+        length = min(response_length, cfg.rollout.max_response_length)
+        return ["--data.train_batch_size", "16", "--actor.ppo_mini_batch_size", "16", "--rollout.max_response_length",
+                str(length), "--actor.use_kl_loss", "true", "--actor.kl_loss_coef", "0.001"]  # fmt: skip
+    raise SystemExit(f"unknown workload {name!r}: expected preset or onestep")
+
+
+def spread(values: list[float]) -> dict[str, float] | None:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+
+
+def memory_table(plan: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The policy pool's phase estimates (GiB per device) next to the measured peak of each role call."""
+    pool = next(p for p in plan["memory"]["pools"] if "actor" in p["roles"])
+    out = []
+    for phase in pool["phases"]:
+        key = f"perf/max_memory_allocated_gib/{phase['phase']}"
+        measured = [r[key] for r in rows if r.get(key) is not None]
+        peak = max(measured) if measured else None
+        ratio = peak / phase["total_gib"] if peak is not None and phase["total_gib"] else None
+        out.append({
+            "phase": phase["phase"],
+            "estimate_gib": phase["total_gib"],
+            "measured_gib": peak,
+            "measured_over_estimate": ratio,
+            "within_15pct": None if ratio is None else abs(ratio - 1.0) <= WITHIN,
+        })  # fmt: skip
+    return out
+
+
+def run_rlplan(preset: str, workload: str, flags: list[str], steps: int, out: Path) -> dict[str, Any]:
+    folder = out / f"rlplan_{workload}"
+    cmd = [sys.executable, "-m", "rltrain.cli", preset, "--trainer.total_steps", str(steps), "--trainer.test_freq",
+           "0", "--trainer.val_before_train", "false", "--trainer.save_freq", "0", "--trainer.output_dir",
+           str(folder), *flags]  # fmt: skip
+    t0 = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - t0
+    (out / f"rlplan_{workload}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        return {"command": " ".join(cmd[2:]), "failed": done.returncode, "stderr_tail": done.stderr[-3000:]}
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    plan = json.loads((folder / "plan.json").read_text())
+    timed = rows[1:] or rows  # step 1 warms up (allocator, CUDA graphs, lazy imports)
+    keep = ("timing/", "perf/", "rollout/logprob_diff_max", "response/length_mean")
+    summary = {k: spread([r[k] for r in timed if isinstance(r.get(k), int | float)])
+               for k in sorted({k for r in timed for k in r}) if k.startswith(keep)}  # fmt: skip
+    return {
+        "command": "rltrain " + " ".join(cmd[3:]),
+        "wall_s_incl_startup": wall,
+        "passes": plan["passes"],
+        "steps": [{k: v for k, v in r.items() if k == "step" or k.startswith(keep)} for r in rows],
+        "summary_steps_2_n": summary,
+        "memory": memory_table(plan, rows),
+        "memory_estimate_roles": [{"role": r["role"], "estimate_gib": r["total_gib"]} for r in plan["memory"]["roles"]],
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------ TRL
+def trl_child(args: argparse.Namespace) -> int:
+    """The TRL side, in its own process: writes trl.json into --out."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bench.trl_cpu import char_tokenizer
+    from rltrain.data import synthetic_sample
+    from rltrain.megatron.hf_weights import hf_config_from_arch
+    from rltrain.rewards import load_reward_function
+
+    cfg = preset_config(args.preset)
+    w = json.loads(args.trl_workload)
+    cuda = torch.cuda.is_available()
+    dtype = torch.bfloat16 if cuda and cfg.model.params_dtype == "bfloat16" else torch.float32
+    out = Path(args.out)
+    tok = char_tokenizer(out / "trl_tokenizer")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config_from_arch(cfg.model.arch, dtype)))
+    model.to(dtype)
+    task = cfg.data.synthetic_task
+    prompts = [synthetic_sample(task, cfg.trainer.seed, i) for i in range((args.steps + 1) * w["prompts"])]
+    data = Dataset.from_list([{"prompt": p, "answer": a} for p, a in prompts])
+    score = load_reward_function(cfg.reward.function)
+
+    def reward(completions, answer, prompts, **_):
+        return [float(score(c, a, p)) for c, a, p in zip(completions, answer, prompts, strict=True)]
+
+    rows = w["prompts"] * w["n"]
+    micro = min(args.trl_micro_batch, rows)
+    accum = rows // micro
+    trl_args = GRPOConfig(
+        output_dir=str(out / "trl_out"), use_cpu=not cuda, bf16=dtype == torch.bfloat16, max_steps=args.steps,
+        learning_rate=cfg.actor.optim.lr, num_generations=w["n"], per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accum, steps_per_generation=accum, max_completion_length=w["response_length"],
+        temperature=cfg.rollout.temperature, beta=w["kl_coef"], gradient_checkpointing=False, logging_steps=1,
+        report_to=[], save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, seed=cfg.trainer.seed,
+    )  # fmt: skip
+    ends: list[float] = []
+
+    class StepTimes(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            if cuda:
+                torch.cuda.synchronize()
+            ends.append(time.perf_counter())
+
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=trl_args, train_dataset=data,
+                          processing_class=tok, callbacks=[StepTimes()])  # fmt: skip
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    trainer.train()
+    gaps = [b - a for a, b in itertools.pairwise(ends)][1:]  # steps 3..
+    import trl
+
+    report = {
+        "trl": trl.__version__,
+        "workload": w,
+        "micro_batch": micro,
+        "grad_accum": accum,
+        "dtype": str(dtype),
+        "s_per_step": spread(gaps),
+        "wall_s": time.perf_counter() - t0,
+        "max_memory_allocated_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+        "log_history": trainer.state.log_history,
+    }
+    (out / "trl.json").write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def run_trl(args: argparse.Namespace, cfg: Any, out: Path) -> dict[str, Any]:
+    if importlib.util.find_spec("trl") is None:
+        return {"skipped": "trl is not importable in this environment"}
+    w = {"prompts": 16, "n": cfg.rollout.n, "kl_coef": 0.001,
+         "response_length": min(args.onestep_response_length, cfg.rollout.max_response_length)}  # fmt: skip
+    cmd = [sys.executable, __file__, "--trl-child", "--preset", args.preset, "--steps", str(args.steps + 2),
+           "--trl-workload", json.dumps(w), "--trl-micro-batch", str(args.trl_micro_batch), "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    (out / "trl.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        return {"failed": done.returncode, "stderr_tail": done.stderr[-3000:]}
+    report = json.loads((out / "trl.json").read_text())
+    report.pop("log_history", None)  # kept in trl.json
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="qwen2.5-1.5b-grpo")
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--workloads", default="preset,onestep")
+    parser.add_argument("--onestep-response-length", type=int, default=512)
+    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="extra rltrain flag")
+    parser.add_argument(
+        "--trl", action="store_true", help="also run TRL's GRPOTrainer on the onestep workload"
+    )
+    parser.add_argument("--trl-micro-batch", type=int, default=16)
+    parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/grpo_step"))
+    parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--trl-workload", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.trl_child:
+        return trl_child(args)
+    cfg = preset_config(args.preset)
+    extra = [f for kv in args.set for f in (f"--{kv.split('=', 1)[0]}", kv.split("=", 1)[1])]
+    if cfg.cluster.device == "cuda":
+        extra = ["--cluster.cpus_per_worker", "4", *extra]
+    report: dict[str, Any] = {"preset": args.preset, "steps": args.steps, "device": cfg.cluster.device}
+    try:
+        import torch
+
+        report["torch"] = torch.__version__
+        report["device_name"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    for workload in args.workloads.split(","):
+        flags = workload_flags(workload, cfg, args.onestep_response_length) + extra
+        result = run_rlplan(args.preset, workload, flags, args.steps, out)
+        report[f"rlplan_{workload}"] = result
+        s = result.get("summary_steps_2_n", {})
+        if s:
+            phases = ", ".join(
+                f"{p} {s[f'timing/{p}_s']['median']:.3g}" for p in PHASES if s.get(f"timing/{p}_s")
+            )
+            print(f"{workload}: {s['timing/step_s']['median']:.3g} s/step, {s['perf/throughput']['median']:.4g} "
+                  f"tokens/s per device; {phases}", flush=True)  # fmt: skip
+        else:
+            print(f"{workload}: failed (see rlplan_{workload}.log)", flush=True)
+    if args.trl:
+        report["trl"] = run_trl(args, cfg, out)
+        ours = report.get("rlplan_onestep", {}).get("summary_steps_2_n", {}).get("timing/step_s")
+        theirs = report["trl"].get("s_per_step")
+        if ours and theirs:
+            report["trl_over_rlplan"] = theirs["median"] / ours["median"]
+            print(f"onestep: TRL {theirs['median']:.3g} s/step -> rlplan is {report['trl_over_rlplan']:.2f}x")
+    (out / "grpo_step.json").write_text(json.dumps(report, indent=2))
+    print(f"wrote {out / 'grpo_step.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
