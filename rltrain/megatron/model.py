@@ -534,6 +534,7 @@ def build_model_chunks(
         model.rotary_pos_emb.inv_freq = inv_freq.clone()
         if value_head and post:
             model.output_layer = ValueHead(config)
+        mark_expert_params(model)
         if devices.is_accelerator(device):
             model.to(devices.torch_device(device))
         if config.bf16 or config.fp16:
@@ -546,6 +547,21 @@ def build_model_chunks(
             for i, m in enumerate(chunks)
         ]
     return chunks
+
+
+def mark_expert_params(model: torch.nn.Module) -> None:
+    """Mark routed experts' weights `allreduce = False` at every expert parallel size, as megatron does only at
+    EP > 1.
+
+    The mark sends a weight to DDP's expert buffers (gradients reduced over the expert-data-parallel group,
+    which at EP = 1 is the data-parallel group: the same reduction) and to a second, expert optimizer in
+    megatron's ChainedOptimizer. With it the optimizer has the same two parts at EP = 1 as at EP > 1, so an
+    optimizer checkpoint saved at one expert parallel size loads at another (a checkpoint's common state
+    is nested per chained optimizer).
+    """
+    for name, param in model.named_parameters():
+        if ".mlp.experts.local_experts." in name:
+            param.allreduce = False
 
 
 def ddp_config(mcfg: MegatronConfig) -> DistributedDataParallelConfig:
