@@ -484,7 +484,13 @@ def generate_with_kv_cache(
     responses = torch.full((b, n_new), pad_id, dtype=torch.long)
     resp_mask = torch.zeros((b, n_new), dtype=torch.long)
     logps = torch.zeros((b, n_new), dtype=torch.float32)
-    static = static_decode and parallel_state.get_pipeline_model_parallel_world_size() == 1
+    # MoE layers size their expert batches from the routing (token counts copied to the host, alltoall
+    # splits): shapes a captured graph cannot replay, so MoE models decode on the dynamic path.
+    static = (
+        static_decode
+        and parallel_state.get_pipeline_model_parallel_world_size() == 1
+        and actor.config.num_moe_experts is None
+    )
     if n_new > 0 and b > 0:
         # Training's positions: 0 at each row's first real token (pads clamp to 0; they are masked).
         cols = torch.arange(p + n_new)

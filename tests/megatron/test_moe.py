@@ -60,6 +60,7 @@ MOE_CONFIGS = {
 # The widest sum a log-prob passes through (vocabulary padded to 128) and the reductions in sequence.
 MOE_REDUCTION = 128
 MOE_DEPTH = 2 * MOE_BASE["num_hidden_layers"] + 2
+GEN_TOKENS = 6
 
 
 def make_tiny_moe(path: Path, family: str, seed: int = 0) -> Path:
@@ -139,6 +140,21 @@ def test_moe_log_probs_match_transformers(mp_world, moe_folder):
     _close(got, reference_log_probs(logits, batch), family)
 
 
+def test_moe_greedy_generation_matches_transformers(mp_world, moe_folder):
+    """The embedded rollout engine (KV cache) generates with MoE layers: greedy tokens equal transformers'
+    generate (no EOS)."""
+    import transformers
+
+    family, path = moe_folder
+    prompts = _batch()["input_ids"][:, :12]
+    got = _actor(path).generate(prompts, GEN_TOKENS, temperature=0.0, pad_id=0)["responses"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    expected = model.generate(input_ids=prompts, attention_mask=(prompts != 0).long(), max_new_tokens=GEN_TOKENS,
+                              do_sample=False, pad_token_id=0)[:, prompts.shape[1] :]  # fmt: skip
+    assert torch.equal(got, expected), family
+
+
 def test_moe_hf_round_trip_is_bit_identical(mp_world, moe_folder, tmp_path):
     import transformers
 
@@ -204,6 +220,9 @@ def _run_ep_layouts(rank: int, world: int, port: int, refs: dict, out_dir: str) 
             expected = refs["log_probs"][family][rows]
             diffs[f"{where} log_probs"] = float((got - expected).abs().max())
             _close(got, expected, where)
+            # Generation exchanges tokens between the EP ranks at every decode step, as training does.
+            gen = actor.generate(local["input_ids"][:, :12], GEN_TOKENS, temperature=0.0, pad_id=0)
+            assert torch.equal(gen["responses"], refs["gen"][family][rows]), f"{where}: greedy tokens"
             export_hf_weights(actor.chunks, actor.arch, os.path.join(out_dir, f"{family}_{name}"))
             del actor
         # One PPO update (token-mean over the whole mini-batch) equals EP=1's. The load-balancing loss is
@@ -235,8 +254,9 @@ def _run_ep_layouts(rank: int, world: int, port: int, refs: dict, out_dir: str) 
 @pytest.mark.multiproc
 def test_moe_at_ep2_and_tp2_ep2_match_transformers_and_ep1(mp_world, tmp_path):
     """Two gloo processes run the three families at EP=2 and TP=2 x EP=2 (one spawn): log-probs equal
-    transformers', exports are bit-identical to the source folder, and a PPO update of Qwen3-MoE equals the
-    EP=1 update in this process (grad norm, log-probs after the step, the load-balancing loss)."""
+    transformers', greedy generation equals EP=1's, exports are bit-identical to the source folder, and a
+    PPO update of Qwen3-MoE equals the EP=1 update in this process (grad norm, log-probs after the step, the
+    load-balancing loss)."""
     folders = {f: make_tiny_moe(tmp_path / f, f) for f in MOE_CONFIGS}
     batch = _batch()
     log_probs = {
@@ -244,6 +264,10 @@ def test_moe_at_ep2_and_tp2_ep2_match_transformers_and_ep1(mp_world, tmp_path):
         for f, p in folders.items()
     }
     rl = _rl_batch(batch, log_probs[UPDATE_FAMILY])
+    gen = {
+        f: _actor(p).generate(batch["input_ids"][:, :12], GEN_TOKENS, temperature=0.0, pad_id=0)["responses"]
+        for f, p in folders.items()
+    }
     updates = {}
     for aux in (0.0, None):
         res = _update(str(folders[UPDATE_FAMILY]), _layout_cfg(aux=aux), rl)
@@ -253,7 +277,7 @@ def test_moe_at_ep2_and_tp2_ep2_match_transformers_and_ep1(mp_world, tmp_path):
             assert res["metrics"]["actor/moe_aux_loss"] > 0
     assert not torch.equal(updates["0.0"]["after"], updates["None"]["after"])  # the aux loss moves weights
     refs = {"paths": {f: str(p) for f, p in folders.items()}, "batch": batch, "log_probs": log_probs, "rl": rl,
-            "updates": updates}  # fmt: skip
+            "updates": updates, "gen": gen}  # fmt: skip
     out_dir = tmp_path / "exports"
     out_dir.mkdir()
     torch.multiprocessing.spawn(_ep_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True)
