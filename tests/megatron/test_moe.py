@@ -398,3 +398,33 @@ def test_moe_checkpoints_reshard_across_expert_parallel(mp_world, tmp_path):
     got = _load_and_continue(path, cfg, rl, tmp_path / "ep2" / "actor")
     _close(got["loaded"], ep2["saved"], "EP=2 checkpoint loaded at EP=1", depth=UPDATE_DEPTH)
     _close(got["cont"], ep2["cont"], "update after the EP=2 -> EP=1 load", depth=2 * UPDATE_DEPTH)
+
+
+# ------------------------------------------------------------------------------------ offload
+def test_moe_offload_releases_expert_weights_grads_and_optimizer_state(mp_world, moe_folder):
+    """param / grad / optimizer offload takes the routed experts too: their weights, their gradient buffer
+    (megatron DDP's expert buffers) and the expert optimizer's Adam state leave the device and come back
+    bit-identical."""
+    from rltrain.megatron.model import unwrap
+
+    family, path = moe_folder
+    cfg = _layout_cfg(aux=0.0)
+    mcfg = replace(cfg.megatron, param_offload=True, grad_offload=True, optimizer_offload=True)
+    actor = _actor(path, replace(cfg, megatron=mcfg), trainable=True)
+    batch = _batch()
+    actor.update_policy(_rl_batch(batch, actor.compute_log_prob(batch, with_entropy=False)["log_probs"]))
+    experts = [p for name, p in unwrap(actor.chunks[0]).named_parameters() if ".local_experts." in name]
+    assert experts
+    chunk = actor._chunks[0]
+    expert_grads = [b.grad_data for b in chunk.expert_parallel_buffers]
+    assert expert_grads  # the experts' gradients live in DDP's expert buffers
+    expert_opt = actor._sub_optimizers()[-1]  # megatron chains the experts' optimizer last
+    adam = [v for st in expert_opt.optimizer.state.values() for k, v in st.items() if k != "step"]
+    assert adam
+    before = [t.clone() for t in experts + expert_grads + adam]
+    actor.offload(params=True, grads=True, optimizer=True)
+    assert actor.device_memory() == {"params": 0, "grads": 0, "optimizer": 0}
+    assert all(t.untyped_storage().nbytes() == 0 for t in experts + expert_grads + adam), family
+    actor.reload()
+    after = experts + expert_grads + adam
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), family
