@@ -50,6 +50,11 @@ class ConfigError(IssueSet, Exception):
             raise ValueError("ConfigError needs at least one error issue")
         super().__init__(self.format())
 
+    def __reduce__(self) -> tuple[type, tuple[tuple[Issue, ...], str | None]]:
+        # Pickled with its issues (a worker process raises it; the driver reports it): Exception's own
+        # reduce would rebuild it from the formatted text.
+        return (type(self), (self.issues, self.source))
+
     @property
     def path(self) -> str:
         """Path of the first error."""

@@ -602,6 +602,9 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
             trainer.fit()
         except KeyboardInterrupt:
             code = stop.exit_code()
+        except ConfigError:
+            failed = trainer is not None  # raised by a worker: the other ranks may wait for it
+            raise
         except WorkerError as exc:
             if stop.signum is not None:  # a worker ended by the same signal (Ctrl-C reaches the whole group)
                 code = stop.exit_code()

@@ -320,6 +320,10 @@ class WorkerGroup:
             raise WorkerError(self.role, rank, _first_line(exc), died=True) from None
         except ray.exceptions.RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+            if isinstance(cause, ConfigError):
+                # A setting the worker found it cannot run: the config error itself (exit 2, its path and
+                # fix), not a worker failure that rerunning would resume from.
+                raise cause from None
             raise WorkerError(self.role, rank, f"{type(cause).__name__}: {cause}", died=False) from None
 
     def shutdown(self) -> None:

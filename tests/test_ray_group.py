@@ -16,6 +16,7 @@ import psutil
 import pytest
 import ray
 
+from rlconf.errors import ConfigError
 from rltrain.ray_group import Pool, WorkerError, WorkerGroup, start_ray
 
 pytestmark = [pytest.mark.multiproc]
@@ -35,6 +36,13 @@ class EchoWorker:
     def die(self) -> None:
         if self.rank == 1:
             os._exit(3)
+
+    def reject_setting(self) -> None:
+        from rlconf.errors import ConfigError, error
+
+        raise ConfigError(
+            [error("actor.megatron.seed", "not runnable here", "use another seed", "seed-range")]
+        )
 
     def fail_while_rank0_waits(self) -> None:
         """Rank 0 waits as it would in a collective whose peer failed (gloo's default timeout is 30 min)."""
@@ -63,15 +71,19 @@ def test_group_passes_rank_args_and_names_failures(ray_cluster):
             group.call("fail")
         assert (exc.value.role, exc.value.rank, exc.value.died) == ("critic", 1, False)
         assert "critic worker rank 1 failed: ValueError: bad batch on rank 1" in str(exc.value)
-        with pytest.raises(WorkerError) as exc:
-            group.call("die")
-        assert (exc.value.role, exc.value.rank, exc.value.died) == ("critic", 1, True)
-        assert "critic worker rank 1 died" in str(exc.value)
+        # A config error a worker finds is the config error (exit 2, path and fix), not a worker failure.
+        with pytest.raises(ConfigError) as cfg_exc:
+            group.call("reject_setting")
+        assert cfg_exc.value.issues[0].path == "actor.megatron.seed"
         # A failure is reported when it happens, not after the ranks still waiting for the failed one.
         t0 = time.monotonic()
         with pytest.raises(WorkerError) as exc:
             group.call("fail_while_rank0_waits")
         assert exc.value.rank == 1 and time.monotonic() - t0 < 60
+        with pytest.raises(WorkerError) as exc:
+            group.call("die")
+        assert (exc.value.role, exc.value.rank, exc.value.died) == ("critic", 1, True)
+        assert "critic worker rank 1 died" in str(exc.value)
     finally:
         group.shutdown()
         pool.release()
