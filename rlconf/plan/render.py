@@ -62,6 +62,25 @@ def _grid_lines(lay: RoleLayout) -> list[str]:
     return _elide(lines, 8, 2, "    ")
 
 
+def _expert_grid_lines(lay: RoleLayout) -> list[str]:
+    """One line per (pp, expert dp) block of the expert layers' grid, megatron's order etp-ep-edp-pp: each
+    expert-parallel rank's etp ranks (they hold num_moe_experts / ep experts)."""
+    block = lay.etp * lay.ep
+    lines = []
+    for pp in range(lay.pp):
+        for edp in range(lay.expert_dp):
+            start = lay.etp * lay.ep * (edp + lay.expert_dp * pp)
+            if block <= 16:
+                ranks = " | ".join(
+                    f"ep{e}: " + " ".join(str(start + e * lay.etp + t) for t in range(lay.etp))
+                    for e in range(lay.ep)
+                )
+            else:
+                ranks = f"{start}-{start + block - 1}"
+            lines.append(f"    pp={pp} edp={edp}: {ranks}")
+    return _elide(lines, 8, 2, "    ")
+
+
 def _model_of_role(plan: TrainerPlan, role: str) -> ModelSpec | None:
     return next((m for m in plan.models if role in m.used_by), None)
 
@@ -160,6 +179,9 @@ def format_plan(plan: TrainerPlan) -> str:
         cp_note = ", cp groups split by |" if lay.cp > 1 else ""
         out.append(f"  {lay.role} grid (ranks by tp{cp_note}):")
         out += _grid_lines(lay)
+        if lay.ep > 1:
+            out.append(f"  {lay.role} expert grid (ranks by expert tp, per expert-parallel rank):")
+            out += _expert_grid_lines(lay)
     out += _refit_lines(plan)
 
     if plan.length is not None:

@@ -428,3 +428,36 @@ def test_moe_offload_releases_expert_weights_grads_and_optimizer_state(mp_world,
     actor.reload()
     after = experts + expert_grads + adam
     assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True)), family
+
+
+# ------------------------------------------------------------------------------------ the plan
+def test_plan_puts_expert_parallel_in_the_grid_and_checks_the_expert_count():
+    """`rlconf plan` shows ep / etp in the layout and the expert grid (megatron's etp-ep-edp-pp order); an ep
+    that does not divide the experts, and MoE at TP > 1 without sequence parallel, are named errors."""
+    from presets import PRESETS
+    from rlconf.errors import ConfigError
+    from rlconf.load import load_config
+    from rlconf.plan import compile_plan, format_plan
+
+    def plan(*overrides: str):
+        return compile_plan(
+            load_config(None, preset="tiny-grpo-moe", overrides=list(overrides), presets=PRESETS)
+        )
+
+    text = format_plan(plan())
+    assert "actor expert grid (ranks by expert tp, per expert-parallel rank):" in text
+    assert "pp=0 edp=0: ep0: 0 | ep1: 1" in text
+    wide = plan("cluster.gpus_per_node=8", "actor.megatron.expert_model_parallel_size=4",
+                "actor.megatron.tensor_model_parallel_size=2", "actor.megatron.sequence_parallel=true",
+                "actor.megatron.expert_tensor_parallel_size=1", "actor.ppo_micro_batch_size_per_gpu=8")  # fmt: skip
+    actor = next(lay for lay in wide.layouts if lay.role == "actor")
+    assert (actor.tp, actor.ep, actor.etp, actor.dp, actor.expert_dp) == (2, 4, 1, 4, 2)
+    assert "pp=0 edp=1: ep0: 4 | ep1: 5 | ep2: 6 | ep3: 7" in format_plan(wide)
+    with pytest.raises(ConfigError) as exc:
+        plan("model.arch.num_moe_experts=6", "cluster.gpus_per_node=4", "actor.megatron.expert_model_parallel_size=4",
+             "actor.ppo_micro_batch_size_per_gpu=8")  # fmt: skip
+    assert "actor.megatron.expert_model_parallel_size" in exc.value.paths
+    with pytest.raises(ConfigError) as exc:
+        plan("actor.megatron.tensor_model_parallel_size=2", "actor.megatron.expert_model_parallel_size=1",
+             "actor.ppo_micro_batch_size_per_gpu=32")  # fmt: skip
+    assert "actor.megatron.sequence_parallel" in exc.value.paths
