@@ -63,6 +63,15 @@ class _RoleMemModel:
     infer_phase: str
 
 
+def _stage_expert_params(arch: ModelArch, lay: RoleLayout, stage: StageLayers) -> int:
+    """The routed experts' share of `_stage_params` (num_moe_experts / ep experts per rank, sharded by etp):
+    the distributed optimizer shards their state over the expert-data-parallel group, not dp x cp."""
+    moe_layers = sum(
+        is_moe_layer(arch, layer) for ch in stage.chunks for layer in range(ch.first_layer, ch.first_layer + ch.num_layers)
+    )  # fmt: skip
+    return moe_layers * _cdiv(layer_params(arch, True).experts, lay.ep * lay.etp)
+
+
 def _stage_params(arch: ModelArch, lay: RoleLayout, stage: StageLayers, head: str) -> int:
     """Parameters one rank of `stage` holds: tp shards of attention and dense MLPs, routed experts split
     over ep x etp ranks (num_moe_experts / ep experts, each sharded by etp), replicated norms and router."""
@@ -249,8 +258,13 @@ def _role_mem_model(
             grads = float(params * (4 if ddp.grad_reduce_in_fp32 else elem))
             o = c.actor.optim if role == "actor" else c.critic.optim
             per_param = (4 if elem != 4 else 0) + (8 if o.optimizer == "adam" else 4)
-            shards = lay.dp * lay.cp if m.use_distributed_optimizer else 1
-            optim = params * per_param / shards
+            experts = _stage_expert_params(spec.arch, lay, st)
+            if m.use_distributed_optimizer:
+                # megatron's distributed optimizer: dense state over dp x cp, experts' over expert dp.
+                dense_shards = lay.dp * lay.cp
+                optim = (params - experts) * per_param / dense_shards + experts * per_param / lay.expert_dp
+            else:
+                optim = params * per_param
             tokens = batch.tokens_per_micro_batch_per_rank
             in_flight, held = _in_flight(lay, st.stage, batch.max_micro_batches_per_mini_batch)
             acts = _stage_activation_bytes(spec.arch, lay, st, ov, elem, tokens, held)

@@ -461,3 +461,26 @@ def test_plan_puts_expert_parallel_in_the_grid_and_checks_the_expert_count():
         plan("actor.megatron.tensor_model_parallel_size=2", "actor.megatron.expert_model_parallel_size=1",
              "actor.ppo_micro_batch_size_per_gpu=32")  # fmt: skip
     assert "actor.megatron.sequence_parallel" in exc.value.paths
+
+
+def test_memory_estimate_shards_expert_optimizer_state_over_expert_data_parallel():
+    """With the distributed optimizer, megatron shards the routed experts' optimizer state over the expert
+    data-parallel group (world / (etp x ep x pp)), the rest over dp x cp. On 8 devices a rank holds all
+    experts at EP=1 (state sharded 8 ways) or 1/8 of them at EP=8 (state not sharded): the same expert
+    state per device, while the weights shrink by 7/8 of the experts."""
+    from presets import PRESETS
+    from rlconf.load import load_config
+    from rlconf.model_spec import layer_params
+    from rlconf.plan import compile_plan
+
+    def actor_memory(ep: int):
+        c = load_config(None, preset="tiny-grpo-moe", overrides=[
+            "cluster.gpus_per_node=8", f"actor.megatron.expert_model_parallel_size={ep}",
+            "model.arch.num_moe_experts=8", "actor.ppo_micro_batch_size_per_gpu=4"], presets=PRESETS)  # fmt: skip
+        return next(r for r in compile_plan(c).memory.roles if r.role == "actor"), c.model.arch
+
+    one, arch = actor_memory(1)
+    eight, _ = actor_memory(8)
+    experts = arch.num_layers * layer_params(arch, True).experts
+    assert one.params_per_device - eight.params_per_device == experts * 7 // 8
+    assert eight.optimizer_gib == pytest.approx(one.optimizer_gib, rel=1e-9)
