@@ -605,7 +605,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.rollout.cudagraph_capture_sizes", "not-needed", "rollout.cuda_graph captures the "
        "sizes it needs"),
     _u("actor_rollout_ref.rollout.data_parallel_size", "not-needed", "the rollout's dp is the actor pool / tp"),
-    _u("actor_rollout_ref.rollout.expert_parallel_size", "unsupported", "no mixture-of-experts models"),
+    _u("actor_rollout_ref.rollout.expert_parallel_size", "unsupported", "the embedded rollout runs the experts "
+       "in the actor's expert layout (actor.megatron.expert_model_parallel_size); a rollout EP of its own is "
+       "not built"),
     _u("actor_rollout_ref.rollout.pipeline_model_parallel_size", "unsupported", _ROLLOUT_UNSUPPORTED),
     _u("actor_rollout_ref.rollout.max_num_batched_tokens", "not-needed", "the embedded engine batches by "
        "rollout.max_num_seqs"),
