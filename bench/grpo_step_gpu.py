@@ -40,6 +40,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -139,7 +140,10 @@ def trl_child(args: argparse.Namespace) -> int:
     tok = char_tokenizer(out / "trl_tokenizer")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(Qwen2Config(**hf_config_from_arch(cfg.model.arch, dtype)))
-    model.to(dtype)
+    # From a folder: with beta > 0 TRL builds its reference model from the policy's name_or_path.
+    folder = Path(tempfile.mkdtemp(prefix="trl_model"))
+    model.save_pretrained(str(folder))
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=dtype)
     task = cfg.data.synthetic_task
     prompts = [synthetic_sample(task, cfg.trainer.seed, i) for i in range((args.steps + 1) * w["prompts"])]
     data = Dataset.from_list([{"prompt": p, "answer": a} for p, a in prompts])
