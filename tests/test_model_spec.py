@@ -178,7 +178,9 @@ def test_sliding_window_shorter_than_the_sequences_is_refused(tmp_path: Path):
     mistral = {**LLAMA_31_8B, "model_type": "mistral", "sliding_window": 8, "rope_scaling": None}
     path = folder(tmp_path, "m", mistral)
     with pytest.raises(ConfigError) as info:
-        compile_plan(RLConfig(model=ModelConfig(path=path)))  # the defaults run longer sequences than 8 tokens
+        compile_plan(
+            RLConfig(model=ModelConfig(path=path))
+        )  # the defaults run longer sequences than 8 tokens
     assert (
         info.value.errors[0].rule == "model-unsupported"
         and "sliding window of 8" in info.value.errors[0].message

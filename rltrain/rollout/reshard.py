@@ -49,6 +49,7 @@ from megatron.core import parallel_state
 
 from rlconf.seeding import DP_SHARD, derive_seed
 from rltrain import device as devices
+from rltrain.rollout.weight_sync import SyncStats
 
 _STATE_NAME = re.compile(r"^_[A-Z][A-Z0-9_]*$")
 
@@ -136,16 +137,6 @@ class _Entry:
         return tuple(s)
 
 
-@dataclass
-class RefitStats:
-    """One refit on this rank: tensors loaded, bytes gathered, buckets (collective rounds), seconds."""
-
-    tensors: int = 0
-    bytes: int = 0
-    buckets: int = 0
-    seconds: float = 0.0
-
-
 # ------------------------------------------------------------------------------------ the replica
 class RolloutReplica:
     """The rollout-layout model of one actor rank, its refit from the actor and its generation.
@@ -194,7 +185,9 @@ class RolloutReplica:
             )
             model = GPTModel(
                 config=config,
-                transformer_layer_spec=mmodel.block_spec(mmodel.layer_specs(backend, self.arch), config, None),
+                transformer_layer_spec=mmodel.block_spec(
+                    mmodel.layer_specs(backend, self.arch), config, None
+                ),
                 vocab_size=mmodel.padded_vocab_size(self.arch.vocab_size, rollout_tp),
                 max_sequence_length=self.arch.max_position_embeddings,
                 pre_process=True,
@@ -287,10 +280,10 @@ class RolloutReplica:
             yield bucket
 
     @torch.no_grad()
-    def refit(self) -> RefitStats:
+    def refit(self) -> SyncStats:
         """Write the actor's current weights into the replica (collective over the actor's TP and PP
         groups; every actor rank calls it). Allocates the replica's storage freed by `release`."""
-        stats = RefitStats()
+        stats = SyncStats()
         t0 = time.perf_counter()
         dev = self.torch_device
         for name, p in self.params.items():
@@ -414,4 +407,4 @@ class RolloutReplica:
         return {k: v[start : start + n] for k, v in full.items()}
 
 
-__all__ = ["ParallelStateSwap", "RefitStats", "RolloutReplica", "to_rollout_full"]
+__all__ = ["ParallelStateSwap", "RolloutReplica", "to_rollout_full"]

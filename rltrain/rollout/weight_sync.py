@@ -48,7 +48,7 @@ _ALIGN = 16  # byte alignment of each tensor in a bucket, so that `.view(dtype)`
 
 @dataclass
 class SyncStats:
-    """What one sync moved: tensors, bytes, buckets (= broadcast pairs) and wall seconds on this rank."""
+    """What one sync or refit moved on this rank: tensors, bytes, buckets (collective rounds), wall seconds."""
 
     tensors: int = 0
     bytes: int = 0
