@@ -172,3 +172,53 @@ def test_tiny_tool_learns_to_call_the_calculator(tmp_path):
     calls0, calls1 = first_last("multi_turn/tool_calls_mean")
     assert reward1 >= 2 * reward0 and reward1 > 0.5, (reward0, reward1)
     assert calls1 > calls0, (calls0, calls1)
+
+
+class _Tutor:
+    """An interaction: a wrong answer gets the feedback "answer" (reward 0) and another turn, a right one ends
+    the row with reward 1; the final reward adds 0.25 for every row that needed no feedback."""
+
+    def start(self, prompt, ground_truth):
+        return {"truth": ground_truth, "feedback": 0}
+
+    def respond(self, state, assistant_text):
+        if assistant_text.strip() == state["truth"]:
+            return None, 1.0
+        state["feedback"] += 1
+        return "answer", 0.0
+
+    def final_reward(self, state):
+        return 0.25 if state["feedback"] == 0 else 0.0
+
+
+def test_interaction_feedback_is_an_observation_and_its_rewards_reach_the_row():
+    """A scripted model (each row answers "4" first, then "5": the right answer for row 1 only at turn 2)
+    against the `_Tutor` interaction: feedback text is appended as masked observation tokens, the next turn
+    continues after it, per-turn and final rewards are summed into multi_turn_reward, and a right first answer
+    ends its row at once."""
+    tok = CharTokenizer()
+    mt = MultiTurnConfig(enable=True, tools=("calculator",), max_assistant_turns=3)
+    loop = AgentLoop(tok, mt, load_tools(mt), max_total_tokens=24, interaction=_Tutor())
+    answers = ["4", "5", "5"]
+    seen_contexts = []
+
+    def generate(contexts, max_new_tokens, stop_ids, turn_seed):
+        seen_contexts.append([tok.decode(c) for c in contexts])
+        turn = len(seen_contexts) - 1
+        return [(tok.encode(answers[turn]) + [tok.eos_token_id], [-0.5] * 2) for _ in contexts]
+
+    try:
+        prompts, truths = ["2+2=", "2+3="], ["4", "5"]
+        out = loop.run(generate, loop.prompt_ids(prompts), seed=0, prompts=prompts, ground_truths=truths)
+    finally:
+        loop.close()
+    b = out.batch
+    # Row 0 was right at once: one turn, reward 1 + 0.25. Row 1: wrong, feedback, right: 2 turns, reward 1.
+    assert b["multi_turn_turns"].tolist() == [1.0, 2.0]
+    assert b["multi_turn_reward"].tolist() == [1.25, 1.0]
+    assert len(seen_contexts[1]) == 1 and seen_contexts[1][0].endswith("4=answer\n")  # the feedback was read
+    n = b["responses"].shape[1]
+    present = b["attention_mask"][1, -n:].bool()
+    observation = present & ~b["response_mask"][1].bool()
+    assert tok.decode(b["responses"][1][observation].tolist()) == "=answer\n"  # masked out of the loss
+    assert torch.all(b["rollout_log_probs"][1][observation] == 0)
