@@ -205,7 +205,7 @@ def test_interaction_feedback_is_an_observation_and_its_rewards_reach_the_row():
     def generate(contexts, max_new_tokens, stop_ids, turn_seed):
         seen_contexts.append([tok.decode(c) for c in contexts])
         turn = len(seen_contexts) - 1
-        return [(tok.encode(answers[turn]) + [tok.eos_token_id], [-0.5] * 2) for _ in contexts]
+        return [([*tok.encode(answers[turn]), tok.eos_token_id], [-0.5] * 2) for _ in contexts]
 
     try:
         prompts, truths = ["2+2=", "2+3="], ["4", "5"]
