@@ -31,6 +31,7 @@ from rlconf.plan.types import (
     StageLayers,
     _by_role,
     _megatron_of,
+    forward_batching,
 )
 
 
@@ -213,6 +214,15 @@ def _rollout_refit(c: RLConfig, layouts: tuple[RoleLayout, ...], models: _Models
     )
 
 
+# The phase of each megatron role's forward-only pass (as the workers' profiled calls name it).
+_INFER_PHASE = {
+    "actor": "actor_compute_log_prob",
+    "critic": "critic_compute_values",
+    "ref": "ref_compute_log_prob",
+    "reward_model": "reward_compute",
+}
+
+
 def _role_mem_model(
     c: RLConfig, role: str, lay: RoleLayout, spec: ModelSpec, batch: BatchPlan | None
 ) -> _RoleMemModel:
@@ -222,30 +232,8 @@ def _role_mem_model(
     max_seq = c.data.max_prompt_length + c.rollout.max_response_length
     ov = m.override_transformer_config
     ddp = m.override_ddp_config
-    if role == "actor":
-        infer_micro, dynamic, budget = (
-            c.actor.log_prob_micro_batch_size_per_gpu,
-            c.actor.use_dynamic_bsz,
-            c.actor.ppo_max_token_len_per_gpu,
-        )
-        infer_phase = "actor_compute_log_prob"
-    elif role == "critic":
-        infer_micro, dynamic, budget = (
-            c.critic.ppo_micro_batch_size_per_gpu,
-            c.critic.use_dynamic_bsz,
-            c.critic.ppo_max_token_len_per_gpu,
-        )
-        infer_phase = "critic_compute_values"
-    elif role == "ref":
-        infer_micro, dynamic, budget = (
-            c.ref.log_prob_micro_batch_size_per_gpu,
-            c.actor.use_dynamic_bsz,
-            c.actor.ppo_max_token_len_per_gpu,
-        )
-        infer_phase = "ref_compute_log_prob"
-    else:
-        infer_micro, dynamic, budget = c.reward.reward_model.micro_batch_size_per_gpu, False, 0
-        infer_phase = "reward_compute"
+    infer_micro, dynamic, budget = forward_batching(c, role)
+    infer_phase = _INFER_PHASE[role]
     infer_tokens = budget if dynamic else _cdiv(infer_micro * max_seq, lay.cp)
     out_width = lay.padded_vocab_size / lay.tp if spec.head == "lm" else 1.0
     stages = []

@@ -581,29 +581,14 @@ ENGINE_ROLES: tuple[str, ...] = ("actor", "ref", "critic", "reward_model")
 def _engine_plan(plan: TrainerPlan, role: str) -> EnginePlan:
     if role not in ENGINE_ROLES or role not in plan.roles:
         raise KeyError(f"role {role!r} has no engine in this plan (roles: {', '.join(plan.roles)})")
-    c = plan.config
-    # Forward passes: the actor and ref cut by the actor's token budget when use_dynamic_bsz (verl).
-    if role == "actor":
-        micro, dynamic, budget = (
-            c.actor.log_prob_micro_batch_size_per_gpu, c.actor.use_dynamic_bsz, c.actor.ppo_max_token_len_per_gpu
-        )  # fmt: skip
-    elif role == "ref":
-        micro, dynamic, budget = (
-            c.ref.log_prob_micro_batch_size_per_gpu, c.actor.use_dynamic_bsz, c.actor.ppo_max_token_len_per_gpu
-        )  # fmt: skip
-    elif role == "critic":
-        micro, dynamic, budget = (
-            c.critic.ppo_micro_batch_size_per_gpu, c.critic.use_dynamic_bsz, c.critic.ppo_max_token_len_per_gpu
-        )  # fmt: skip
-    else:
-        micro, dynamic, budget = c.reward.reward_model.micro_batch_size_per_gpu, False, None
+    micro, dynamic, budget = forward_batching(plan.config, role)
     trained = role in ("actor", "critic")
     return EnginePlan(
         role=role,
         model=next(m for m in plan.models if role in m.used_by),
-        settings=c.model,
+        settings=plan.config.model,
         layout=plan.layout(role),
-        megatron=_megatron_of(c, role)[1],
+        megatron=_megatron_of(plan.config, role)[1],
         device=plan.resources.device,
         batch=plan.batch_plan(role) if trained else None,
         optim=plan.optim_plan(role) if trained else None,
@@ -611,6 +596,31 @@ def _engine_plan(plan: TrainerPlan, role: str) -> EnginePlan:
         forward_use_dynamic_bsz=bool(dynamic),
         forward_max_token_len=budget if dynamic else None,
     )
+
+
+def forward_batching(c: RLConfig, role: str) -> tuple[int, bool, int | None]:
+    """(rows per forward micro-batch, token-budget batching on, the token budget) of a megatron role's
+    log-prob / value / reward passes: what its engine runs and what the memory estimate sizes. The actor and
+    the ref cut by the actor's token budget when use_dynamic_bsz (verl)."""
+    if role == "actor":
+        return (
+            c.actor.log_prob_micro_batch_size_per_gpu,
+            c.actor.use_dynamic_bsz,
+            c.actor.ppo_max_token_len_per_gpu,
+        )
+    if role == "ref":
+        return (
+            c.ref.log_prob_micro_batch_size_per_gpu,
+            c.actor.use_dynamic_bsz,
+            c.actor.ppo_max_token_len_per_gpu,
+        )
+    if role == "critic":
+        return (
+            c.critic.ppo_micro_batch_size_per_gpu,
+            c.critic.use_dynamic_bsz,
+            c.critic.ppo_max_token_len_per_gpu,
+        )
+    return c.reward.reward_model.micro_batch_size_per_gpu, False, None
 
 
 def _by_role(items: tuple[_T, ...], role: str) -> _T:
