@@ -102,6 +102,27 @@ def assert_tiny_close(
     assert_close(actual, expected, reduction=TINY_REDUCTION, depth=depth, msg=msg)
 
 
+def assert_export_round_trips(
+    actor, src: str | os.PathLike, out: str | os.PathLike, config_keys, hf_class: str, msg: str = ""
+) -> None:
+    """`actor`'s export of the weights it loaded from the HF folder `src`: every tensor bit-identical to the
+    source, the config values under `config_keys` unchanged, and transformers loads it as `hf_class`."""
+    import transformers
+
+    from rltrain.megatron.hf_weights import export_hf_weights
+
+    from .test_parity import assert_same_safetensors
+
+    export_hf_weights(actor.chunks, actor.arch, out)
+    assert_same_safetensors(src, out)
+    before = transformers.AutoConfig.from_pretrained(str(src)).to_dict()
+    after = transformers.AutoConfig.from_pretrained(str(out)).to_dict()
+    for key in config_keys:
+        assert after.get(key) == before.get(key), (msg, key)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
+    assert type(loaded).__name__ == hf_class, msg
+
+
 def run_spawned(fn: Callable[..., None], *args: object) -> None:
     """Body of a torch.multiprocessing.spawn child on CPU: one thread, and the child's traceback printed
     (mp.spawn reports only the exception type of a child otherwise)."""

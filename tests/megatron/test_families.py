@@ -22,6 +22,7 @@ from rlconf.config import ModelConfig
 from ._common import (
     TINY,
     actor_cfg,
+    assert_export_round_trips,
     assert_tiny_close,
     free_port,
     hf_logits,
@@ -101,19 +102,8 @@ def test_log_probs_match_transformers(mp_world, family_folder):
 
 
 def test_hf_round_trip_keeps_weights_model_type_and_config(mp_world, family_folder, tmp_path):
-    import transformers
-
-    from rltrain.megatron.hf_weights import export_hf_weights
-
     family, src = family_folder
-    actor = _actor(src)
-    export_hf_weights(actor.chunks, actor.arch, tmp_path)
-    assert_same_safetensors(src, tmp_path)
-    before = transformers.AutoConfig.from_pretrained(str(src)).to_dict()
-    after = transformers.AutoConfig.from_pretrained(str(tmp_path)).to_dict()
-    assert {k: after.get(k) for k in KEPT_KEYS} == {k: before.get(k) for k in KEPT_KEYS}, family
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-    assert type(loaded).__name__ == FAMILY_CONFIGS[family][1]
+    assert_export_round_trips(_actor(src), src, tmp_path, KEPT_KEYS, FAMILY_CONFIGS[family][1], family)
 
 
 # ------------------------------------------------------------------------------------ end to end
@@ -250,8 +240,6 @@ def test_families_at_tp2_and_pp2_match_transformers_and_round_trip(mp_world, tmp
     folder, with the same config values, and load in transformers as the family's class with the source's
     logits."""
     import transformers
-
-    from .test_parity import assert_same_safetensors
 
     folders = {f: make_tiny_family(tmp_path / f, f, **PARALLEL_SIZES.get(f, {})) for f in FAMILY_CONFIGS}
     refs = [_family_reference(f, path) for f, path in folders.items()]

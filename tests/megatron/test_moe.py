@@ -24,6 +24,7 @@ from ..tolerance import rel_tolerance
 from ._common import (
     UPDATE_DEPTH,
     actor_cfg,
+    assert_export_round_trips,
     assert_tiny_close,
     batch_from_lengths,
     free_port,
@@ -156,21 +157,10 @@ def test_moe_greedy_generation_matches_transformers(mp_world, moe_folder):
 
 
 def test_moe_hf_round_trip_is_bit_identical(mp_world, moe_folder, tmp_path):
-    import transformers
-
-    from rltrain.megatron.hf_weights import export_hf_weights
-
     family, src = moe_folder
-    actor = _actor(src)
-    export_hf_weights(actor.chunks, actor.arch, tmp_path)
-    assert_same_safetensors(src, tmp_path)
-    before = transformers.AutoConfig.from_pretrained(str(src)).to_dict()
-    after = transformers.AutoConfig.from_pretrained(str(tmp_path)).to_dict()
-    for key in ("model_type", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-                "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "router_aux_loss_coef"):  # fmt: skip
-        assert after.get(key) == before.get(key), (family, key)
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-    assert type(loaded).__name__ == MOE_CONFIGS[family][1]
+    keys = ("model_type", "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+            "shared_expert_intermediate_size", "norm_topk_prob", "mlp_only_layers", "router_aux_loss_coef")  # fmt: skip
+    assert_export_round_trips(_actor(src), src, tmp_path, keys, MOE_CONFIGS[family][1], family)
 
 
 # ------------------------------------------------------------------------------------ EP = 2, TP = 2 x EP = 2
