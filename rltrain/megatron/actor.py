@@ -12,6 +12,7 @@ Log-probs and entropy are computed from the vocabulary-parallel logits in token 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from dataclasses import replace
@@ -142,7 +143,8 @@ class MegatronActor(MegatronEngine):
                     out["entropy"] = ent
                 return logp.new_zeros(()), out
 
-            outputs = self.run_schedule(mbs, loss_fn, forward_only=True)
+            with self._routing_replay(mbs):
+                outputs = self.run_schedule(mbs, loss_fn, forward_only=True)
             r = batch["responses"].shape[1]
             keys = ["log_probs", "entropy"] if with_entropy else ["log_probs"]
             return {k: self.rows_in_order(mbs, outputs, k, (r,)) for k in keys}
@@ -213,7 +215,8 @@ class MegatronActor(MegatronEngine):
                         on_policy=on_policy,
                         rollout_stats=rollout_stats,
                     )
-                    grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
+                    with self._routing_replay(mbs):
+                        grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
                     grad_norms.append(grad_norm)
                     count += counted
             self.lr_scheduler.step(1)
@@ -285,6 +288,16 @@ class MegatronActor(MegatronEngine):
         # The loss mode may fix its own aggregation (GSPO); micro-batches are weighted by the one it uses.
         agg_mode = algorithms.policy_loss_agg_mode(cfg.policy_loss.loss_mode, cfg.loss_agg_mode)
         return loss * self.micro_batch_weight(d["response_mask"], agg_mode, totals), extra
+
+    def _routing_replay(self, mbs: list[MicroBatch]) -> contextlib.AbstractContextManager[object]:
+        """With `actor.router_replay`, the policy's forward passes over `mbs` route each token to the experts
+        the rollout recorded (rltrain/megatron/moe_replay.py); the reference model routes on its own (its
+        weights are not the ones that generated)."""
+        if not (self.trainable and self.cfg.router_replay):
+            return contextlib.nullcontext()
+        from rltrain.megatron.moe_replay import replay_routing
+
+        return replay_routing(self.chunks, mbs, self.arch, self.config)
 
     def _reduce_rollout_stats(self, stats: list[float]) -> dict[str, float]:
         """The on-policy update's rollout metrics over all ranks (the loss ran on the last pipeline stage):
