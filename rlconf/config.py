@@ -397,6 +397,11 @@ class ActorConfig:
     """Weight of the KL loss."""
     kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
     """KL estimator used in the loss."""
+    router_replay: bool = False
+    """Mixture-of-experts models only: record the experts each token was routed to during rollout generation
+    (embedded engine) and route every token to them again in the policy's old log-prob and update passes
+    (verl's R3, megatron's RouterReplay); the router's probabilities still come from the current weights,
+    so it keeps learning. Removes the rollout / training mismatch that near-tied router scores cause."""
 
 
 @dataclass(frozen=True)

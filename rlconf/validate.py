@@ -269,6 +269,29 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
             yield error(f"{prefix}.megatron.{path}", message, fix, "engine-support")
 
 
+@rule("moe", "actor.router_replay", "model.arch.num_moe_experts", "rollout.engine",
+      "rollout.tensor_model_parallel_size")  # fmt: skip
+def moe_options(c: RLConfig) -> Iterator[Issue]:
+    """Mixture-of-experts options need a MoE model: actor.router_replay on the built-in `model.arch` needs
+    num_moe_experts (a config.json model is checked when the run builds it), and the routing is recorded by
+    the embedded rollout engine in the actor's own layout (not vLLM, not a rollout tensor parallel size of
+    its own)."""
+    if not c.actor.router_replay:
+        return
+    if c.model.path is None and c.model.arch.num_moe_experts is None:
+        yield error("actor.router_replay", "router replay needs a mixture-of-experts model; model.arch is dense "
+                    "(num_moe_experts: null)", "set actor.router_replay: false, or a MoE model "
+                    "(model.arch.num_moe_experts, or model.path to a MoE checkpoint)", "moe")  # fmt: skip
+    if c.rollout.engine != "embedded":
+        yield error("actor.router_replay", f"router replay records the routing of the embedded rollout engine, "
+                    f"not rollout.engine: {c.rollout.engine}", "use rollout.engine: embedded or "
+                    "actor.router_replay: false", "moe")  # fmt: skip
+    if c.rollout.tensor_model_parallel_size is not None:
+        yield error("actor.router_replay", "router replay records the routing of the rollout in the actor's "
+                    "layout; a rollout tensor parallel size of its own is not recorded yet",
+                    "use rollout.tensor_model_parallel_size: null or actor.router_replay: false", "moe")  # fmt: skip
+
+
 @rule(
     "rollout-engine",
     "rollout.engine",
