@@ -8,9 +8,14 @@ A tool is anything with a `name`, a `schema` (the OpenAI / Hugging Face function
 the function's) or `package.module:Class` (instantiated once with no arguments); they are imported like
 `reward.function`, never evaluated, and trusted like it: they run in the rollout's process.
 
-`ToolRunner.run_many` executes one turn's calls concurrently in a thread pool, each under a wall-clock
-limit; a call that raises, times out or prints more than the output limit gives a `ToolResult` with
-`error` set (the model sees a short error text, the row is marked in the metrics) and the rollout goes on.
+`ToolRunner` runs calls in a thread pool, each under its own wall-clock limit counted from its submission:
+`submit` starts a call and returns at once, `poll` gives the result of a call that finished (or ran past its
+limit), `wait` blocks until some call of a set is back. The agent loop submits every call of a turn at once
+and lets rows whose tools are back take their next turn while slower tools still run; `run_many` is the
+all-at-once form. A call that raises, times out or prints more than the output limit gives a `ToolResult`
+with `error` set (the model sees a short error text, the row is marked in the metrics) and the rollout goes
+on; a timed-out Python call cannot be killed, only abandoned (its thread stays busy until it returns; the
+python tool's own limits kill its subprocess).
 """
 
 from __future__ import annotations
@@ -131,6 +136,15 @@ def load_tools(cfg: MultiTurnConfig) -> list[Tool]:
     return [load_tool(spec, cfg) for spec in cfg.tools]
 
 
+@dataclass(frozen=True)
+class PendingCall:
+    """A submitted call: its future and the time (perf_counter) it is cut off at."""
+
+    call: ToolCall
+    future: concurrent.futures.Future
+    deadline: float
+
+
 class ToolRunner:
     """Runs tool calls concurrently under a wall-clock limit and an output limit."""
 
@@ -161,23 +175,47 @@ class ToolRunner:
         failed = getattr(text, "error", False)  # a ToolResult-like answer (the python sandbox) says itself
         return ToolResult(str(text), error=bool(failed))
 
+    def submit(self, call: ToolCall) -> PendingCall:
+        """Start `call` in the pool; its time limit runs from now."""
+        # A grace of 0.5 s past the limit: a tool that enforces the limit itself (the python sandbox) reports
+        # its own timeout, with its output, rather than this runner's bare one.
+        return PendingCall(
+            call, self._pool.submit(self._call, call), time.perf_counter() + self.timeout_s + 0.5
+        )
+
+    def poll(self, pending: PendingCall) -> ToolResult | None:
+        """The call's result when it is back or past its limit (then a timeout error); None while it runs."""
+        if pending.future.done():
+            res = pending.future.result()
+        elif time.perf_counter() >= pending.deadline:
+            pending.future.cancel()  # not started yet (a full pool): never runs; running: abandoned
+            res = ToolResult(f"error: timed out after {self.timeout_s:g} s", True, False, self.timeout_s)
+        else:
+            return None
+        text, truncated = res.text, False
+        if len(text) > self.max_chars:
+            text, truncated = text[: self.max_chars] + "...", True
+        return ToolResult(text, res.error, truncated or res.truncated, res.seconds)
+
+    def wait(self, pending: Sequence[PendingCall], timeout: float | None = None) -> None:
+        """Block until one of `pending` is back, the earliest limit among them passes, or `timeout` (s)."""
+        if not pending:
+            return
+        limit = min(p.deadline for p in pending) - time.perf_counter()
+        limit = max(limit if timeout is None else min(limit, timeout), 0.0)
+        concurrent.futures.wait([p.future for p in pending], limit, concurrent.futures.FIRST_COMPLETED)
+
     def run_many(self, calls: Sequence[ToolCall]) -> list[ToolResult]:
         """Run `calls` at once; results in the same order."""
-        futures = [self._pool.submit(self._call, c) for c in calls]
-        # One deadline for the batch: the calls run at once, so each has timeout_s from the start.
-        deadline = time.perf_counter() + self.timeout_s
-        results = []
-        for fut in futures:
-            try:
-                res = fut.result(timeout=max(deadline - time.perf_counter(), 0.0) + 0.5)
-            except concurrent.futures.TimeoutError:
-                fut.cancel()
-                res = ToolResult(f"error: timed out after {self.timeout_s:g} s", True, False, self.timeout_s)
-            text, truncated = res.text, False
-            if len(text) > self.max_chars:
-                text, truncated = text[: self.max_chars] + "...", True
-            results.append(ToolResult(text, res.error, truncated or res.truncated, res.seconds))
-        return results
+        pending = [self.submit(c) for c in calls]
+        results: list[ToolResult | None] = [None] * len(pending)
+        while any(r is None for r in results):
+            waiting = [p for p, r in zip(pending, results, strict=True) if r is None]
+            self.wait(waiting)
+            for i, p in enumerate(pending):
+                if results[i] is None:
+                    results[i] = self.poll(p)
+        return [r for r in results if r is not None]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
