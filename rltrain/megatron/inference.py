@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -157,6 +158,17 @@ def prefill_mask(valid: torch.Tensor) -> torch.Tensor | None:
     idx = torch.arange(p, device=valid.device)
     future = idx.view(1, p) > idx.view(p, 1)  # [q, k]
     pad_key = ~valid[:, None, :] & (idx.view(1, p, 1) != idx.view(1, 1, p))  # [b, q, k]
+    return (future.unsqueeze(0) | pad_key).unsqueeze(1)
+
+
+def block_mask(valid: torch.Tensor, start: int) -> torch.Tensor:
+    """megatron-convention mask (True = masked) [b, 1, P - start, P] of a prefill of columns start.. over
+    cached columns: causal, pad keys hidden (`valid` [b, P]), each pad query sees itself (cf. prefill_mask)."""
+    p = valid.shape[1]
+    q = torch.arange(start, p, device=valid.device)
+    k = torch.arange(p, device=valid.device)
+    future = k.view(1, p) > q.view(-1, 1)  # [q, k]
+    pad_key = ~valid[:, None, :] & (q.view(1, -1, 1) != k.view(1, 1, p))  # [b, q, k]
     return (future.unsqueeze(0) | pad_key).unsqueeze(1)
 
 
@@ -445,6 +457,135 @@ class StaticDecodeStep:
         return tok, lp
 
 
+# ------------------------------------------------------------------------------------ sessions
+@dataclass
+class _Held:
+    """Where one row's cached keys/values live: row `index` of block `block`, columns `start` onwards, one
+    per token of `tokens` (the row's context positions 0.., contiguous)."""
+
+    block: int
+    index: int
+    start: int
+    tokens: list[int]
+
+
+@dataclass
+class _Block:
+    """The cache tensors one turn call left behind (per chunk, per layer: keys, values [C, R, groups,
+    head_dim]) and how many of its rows the session still holds (freed at 0)."""
+
+    kv: list[list[tuple[torch.Tensor, torch.Tensor]]]
+    live: int
+
+
+class KVSession:
+    """The KV cache of one multi-turn rollout's rows on this rank, kept between its turn calls.
+
+    Rows are keyed by the caller's row ids (stable over the rollout). A turn call passes each row's whole
+    context; the session finds how much of it is cached (the longest common prefix with the tokens it
+    holds, at most all but the last token, whose logits are needed), so a row whose context the caller
+    changed (cut to a budget, or a different row under the same id) is still correct: only the matching
+    prefix is reused. What a call generated is held for the next call: the context and every sampled token
+    but the last (its keys/values are never computed; the next call prefills it with the observation).
+    `drop` forgets rows that ended; the owner drops the whole session at the end of the rollout.
+
+    Rows of one call live in one block (tensors in the engine's layout); a row that moves on to a later
+    call leaves its old block, which is freed once none of its rows is held (rows waiting on a slow tool
+    keep theirs alive meanwhile).
+    """
+
+    def __init__(self) -> None:
+        self.rows: dict[int, _Held] = {}
+        self.blocks: dict[int, _Block] = {}
+        self._next = 0
+        # Context tokens taken from the cache / run through the model, over the session (for the metrics).
+        self.reused_tokens = 0
+        self.prefilled_tokens = 0
+
+    def drop(self, row_ids: Sequence[int]) -> None:
+        """Forget these rows (ended); unknown ids are ignored."""
+        for row in row_ids:
+            held = self.rows.pop(int(row), None)
+            if held is not None:
+                self._release(held.block)
+
+    def _release(self, block: int) -> None:
+        blk = self.blocks[block]
+        blk.live -= 1
+        if blk.live == 0:
+            del self.blocks[block]
+
+    def reusable(self, row_id: int, context: list[int]) -> int:
+        """How many leading tokens of `context` this session holds keys/values for (never all of it)."""
+        held = self.rows.get(row_id)
+        if held is None:
+            return 0
+        n = min(len(held.tokens), len(context) - 1)
+        if held.tokens[:n] == context[:n]:
+            return max(n, 0)
+        i = 0
+        while i < n and held.tokens[i] == context[i]:
+            i += 1
+        return i
+
+    def load(
+        self, engine: KVCacheGenerator, row_ids: list[int], lengths: list[int], width: int, cols: int
+    ) -> None:
+        """Fill the engine's (zeroed) cache columns [0, cols) of a call whose contexts are right-aligned at
+        `width` (row i at columns width - lengths[i] ..) from the held rows: column j of row i is its
+        context token j - (width - lengths[i])."""
+        if cols <= 0:
+            return
+        dev = engine.device
+        by_block: dict[int, list[int]] = {}
+        for i, row in enumerate(row_ids):
+            if width - lengths[i] < cols:  # some of its columns precede the prefill
+                by_block.setdefault(self.rows[row].block, []).append(i)
+        col = torch.arange(cols, device=dev).unsqueeze(1)  # [cols, 1]
+        for b, dst in by_block.items():
+            held = [self.rows[row_ids[i]] for i in dst]
+            first = torch.tensor([width - lengths[i] for i in dst], device=dev)  # first real column
+            offset = torch.tensor([h.start for h in held], device=dev) - first
+            src_rows = torch.tensor([h.index for h in held], device=dev)
+            dst_rows = torch.tensor(dst, device=dev)
+            valid = (col >= first).unsqueeze(-1).unsqueeze(-1)  # [cols, n, 1, 1]
+            for chunk, src_chunk in zip(engine.cache, self.blocks[b].kv, strict=True):
+                for (k, v), (sk, sv) in zip(chunk, src_chunk, strict=True):
+                    src_col = (col + offset).clamp(0, sk.shape[0] - 1)  # [cols, n]
+                    for dst_t, src_t in ((k, sk), (v, sv)):
+                        part = src_t[src_col, src_rows.unsqueeze(0)]  # [cols, n, groups, head_dim]
+                        dst_t[:cols].index_copy_(1, dst_rows, torch.where(valid, part, 0).to(dst_t.dtype))
+
+    def store(
+        self,
+        parts: list[tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]],
+        row_ids: list[int],
+        contexts: list[list[int]],
+        width: int,
+        generated: list[list[int]],
+    ) -> None:
+        """Hold what a call computed: `parts` (batch rows, their cache rows) as `_decode` harvested them;
+        row i's context right-aligned at `width`, then its generated tokens (all but the last cached)."""
+        order = torch.cat([rows.cpu() for rows, _ in parts]).tolist()
+        kv = [
+            [
+                (
+                    torch.cat([p[c][layer][0] for _, p in parts], 1),
+                    torch.cat([p[c][layer][1] for _, p in parts], 1),
+                )
+                for layer in range(len(parts[0][1][c]))
+            ]
+            for c in range(len(parts[0][1]))
+        ]
+        block = self._next
+        self._next += 1
+        self.drop([row_ids[i] for i in order])  # their old holdings (already loaded into this call)
+        self.blocks[block] = _Block(kv, len(order))
+        for j, i in enumerate(order):
+            tokens = contexts[i] + generated[i][:-1]
+            self.rows[row_ids[i]] = _Held(block, j, width - len(contexts[i]), tokens)
+
+
 @torch.no_grad()
 def generate_with_kv_cache(
     actor,
@@ -460,6 +601,9 @@ def generate_with_kv_cache(
     stop_token_ids: Sequence[int] = (),
     seed: int = 0,
     static_decode: bool = False,
+    session: KVSession | None = None,
+    row_ids: Sequence[int] | None = None,
+    row_seeds: Sequence[int] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Sample up to `max_new_tokens` per row with a KV cache; the batch layout of `MegatronActor.generate`.
 
@@ -470,6 +614,15 @@ def generate_with_kv_cache(
     `static_decode`: decode through `StaticDecodeStep`, captured in CUDA graphs on a CUDA device (eager
     elsewhere); without pipeline parallel only (with it the dynamic path runs). Same tokens as the dynamic
     path up to the rounding of a different attention kernel.
+
+    `row_seeds` (one per row): row i draws its uniforms from its own stream seeded with row_seeds[i]
+    instead of column i of the call's stream `seed`, so its tokens do not depend on which other rows share
+    the call (multi-turn rows join and leave calls as their tools finish).
+    `session` with `row_ids` (a multi-turn rollout, rltrain/rollout/agent.py): the rows' cached
+    keys/values of earlier calls are reused: each context is taken from the session as far as it holds it
+    and only the rest is prefilled (`KVSession`), and what this call computed is held for the next call.
+    The layout is the same as without a session (contexts right-aligned, the same positions), so the
+    result equals a call without one up to rounding (the cached prefix was computed in other batch shapes).
     """
     reason = kv_cache_unsupported(actor)
     if reason is not None:
@@ -494,16 +647,41 @@ def generate_with_kv_cache(
     if n_new > 0 and b > 0:
         # Training's positions: 0 at each row's first real token (pads clamp to 0; they are masked).
         cols = torch.arange(p + n_new)
-        positions = (cols.unsqueeze(0) - (p - left_mask.sum(-1)).unsqueeze(1)).clamp(min=0)
-        # One uniform per batch row per step, drawn up front (the same numbers as one draw per step).
-        uniform = torch.rand((n_new, b), generator=torch.Generator().manual_seed(seed))
+        lengths = left_mask.sum(-1)
+        positions = (cols.unsqueeze(0) - (p - lengths).unsqueeze(1)).clamp(min=0)
+        if row_seeds is not None:
+            uniform = torch.stack(
+                [torch.rand(n_new, generator=torch.Generator().manual_seed(int(s))) for s in row_seeds], 1
+            )
+        else:
+            # One uniform per batch row per step, drawn up front (the same numbers as one draw per step).
+            uniform = torch.rand((n_new, b), generator=torch.Generator().manual_seed(seed))
+        reuse = None
+        if session is not None:
+            assert row_ids is not None and len(row_ids) == b
+            ids = [int(r) for r in row_ids]
+            contexts = [left[i, p - int(lengths[i]) :].tolist() for i in range(b)]
+            new_tokens = [len(c) - session.reusable(r, c) for r, c in zip(ids, contexts, strict=True)]
+            # One prefill block for every row: the last `s` columns (a row with less new context recomputes
+            # some cached columns in it); the columns before it come from the session.
+            s = max(new_tokens)
+            session.reused_tokens += sum(max(len(c) - s, 0) for c in contexts)
+            session.prefilled_tokens += sum(min(len(c), s) for c in contexts)
+            reuse = (session, ids, contexts, p - s)
         with actor._ctx(), sequence_parallel_off(actor.modules()):
             actor.eval()
-            engine = KVCacheGenerator(actor, positions.to(actor.torch_device), zero_cache=static)
-            _decode(
+            engine = KVCacheGenerator(
+                actor, positions.to(actor.torch_device), zero_cache=static or session is not None
+            )
+            harvest = _decode(
                 engine, left, left_mask, responses, resp_mask, logps, stops, uniform,
-                (temperature, top_p, top_k, min_p), static,
+                (temperature, top_p, top_k, min_p), static, reuse,
             )  # fmt: skip
+            if reuse is not None:
+                generated = [responses[i][resp_mask[i].bool()].tolist() for i in range(b)]
+                reuse[0].store(harvest, reuse[1], reuse[2], p, generated)
+    elif session is not None and row_ids is not None:
+        session.drop(list(row_ids))  # nothing generated: nothing to hold (the next call prefills them)
     return rollout_batch(left, left_mask, responses, resp_mask, logps)
 
 
@@ -518,8 +696,13 @@ def _decode(
     uniform: torch.Tensor,
     sampling: tuple[float, float, int, float],
     static: bool,
-) -> None:
-    """The generation loop; fills responses / resp_mask / logps (CPU, [B, N]) in place."""
+    reuse: tuple[KVSession, list[int], list[list[int]], int] | None = None,
+) -> list[tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]]:
+    """The generation loop; fills responses / resp_mask / logps (CPU, [B, N]) in place.
+
+    `reuse` (session, row ids, contexts, first prefill column): load columns before it from the session
+    and prefill from there. Returns, with `reuse`, the cache rows of every batch row, harvested before
+    compaction drops them and at the end: [(batch rows, per chunk and layer (keys, values))]."""
     dev = engine.device
     b, p = left.shape
     n_new = responses.shape[1]
@@ -527,13 +710,22 @@ def _decode(
     valid = left_mask.bool().to(dev)
     padded = not bool(valid.all())
     uniform = uniform.to(dev)
-    # Prefill each distinct prompt once; duplicate rows (rollout.n samples) copy its cache rows.
-    uniq, inverse = unique_rows(left, left_mask)
-    uniq, inverse = uniq.to(dev), inverse.to(dev)
-    logits = engine.forward(left.to(dev)[uniq], 0, uniq, prefill_mask(valid[uniq]))
-    if uniq.numel() != b:
-        engine.select_rows(inverse)
-        logits = logits[inverse] if logits is not None else None
+    harvest: list[tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]] = []
+    c0 = reuse[3] if reuse is not None else 0
+    if c0 > 0:
+        assert reuse is not None
+        engine._allocate(b)
+        lengths = [len(c) for c in reuse[2]]
+        reuse[0].load(engine, reuse[1], lengths, p, c0)
+        logits = engine.forward(left[:, c0:].to(dev), c0, torch.arange(b, device=dev), block_mask(valid, c0))
+    else:
+        # Prefill each distinct prompt once; duplicate rows (rollout.n samples) copy its cache rows.
+        uniq, inverse = unique_rows(left, left_mask)
+        uniq, inverse = uniq.to(dev), inverse.to(dev)
+        logits = engine.forward(left.to(dev)[uniq], 0, uniq, prefill_mask(valid[uniq]))
+        if uniq.numel() != b:
+            engine.select_rows(inverse)
+            logits = logits[inverse] if logits is not None else None
     active = torch.arange(b, device=dev)  # the batch row of each cache row
     tok, lp = engine.sample(logits, b, uniform[0], *sampling)
     step = None
@@ -566,6 +758,10 @@ def _decode(
             if n_live * 2 <= active.numel():
                 # Drop finished rows from the cache (a copy of it; at most log2(B) times per call).
                 keep = still.nonzero().squeeze(1)
+                if reuse is not None:  # the session holds the leaving rows' keys/values
+                    gone = (~still).nonzero().squeeze(1)
+                    harvest.append((active[gone], [[(k.index_select(1, gone), v.index_select(1, gone))
+                                                    for k, v in c] for c in engine.cache]))  # fmt: skip
                 engine.select_rows(keep)
                 active = active[keep]
                 if step is not None:
@@ -587,11 +783,16 @@ def _decode(
     responses.copy_(torch.where(filled, resp_dev.cpu(), responses))
     resp_mask.copy_(filled.long())
     logps.copy_(torch.where(filled, lp_dev.cpu(), logps))
+    if reuse is not None:
+        harvest.append((active, engine.cache))
+    return harvest
 
 
 __all__ = [
     "KVCacheGenerator",
+    "KVSession",
     "StaticDecodeStep",
+    "block_mask",
     "generate_with_kv_cache",
     "kv_cache_unsupported",
     "left_pad",
