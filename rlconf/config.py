@@ -140,6 +140,10 @@ class ModelConfig:
     Engine), auto (te when installed, else sdpa)."""
     init_method_std: float = 0.02
     """Std of the random init when no weights are loaded."""
+    moe_grouped_gemm: bool = False
+    """Mixture-of-experts models: compute each layer's local experts with grouped GEMM (torch._grouped_mm
+    on CUDA with bf16, the same math expert by expert elsewhere) instead of one pair of linears per expert.
+    Same parameters and checkpoints either way. No effect on dense models."""
 
 
 # ---------------------------------------------------------------------------------------------- data

@@ -139,13 +139,16 @@ class TorchRMSNorm:
         return norm
 
 
-def layer_spec(backend: str, qk_layernorm: bool = False, num_experts: int | None = None) -> ModuleSpec:
+def layer_spec(
+    backend: str, qk_layernorm: bool = False, num_experts: int | None = None, grouped_gemm: bool = False
+) -> ModuleSpec:
     """Transformer layer spec for `model.attention_backend` (auto: te when installed, else sdpa), with an
     RMSNorm over each query / key head when `qk_layernorm` (Qwen3) and routed experts when `num_experts`.
 
     MoE layers use megatron's SequentialMLP (one ColumnParallelLinear / RowParallelLinear pair per local
     expert): its GroupedMLP needs the CUDA-only `grouped_gemm` package and TEGroupedMLP Transformer Engine,
-    neither of which installs here."""
+    neither of which installs here; with `grouped_gemm` (`model.moe_grouped_gemm`) its subclass
+    `moe_experts.GroupedGemmExperts` computes them with torch's grouped GEMM instead."""
     if backend == "te" or (backend == "auto" and te_available()):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -168,15 +171,19 @@ def layer_spec(backend: str, qk_layernorm: bool = False, num_experts: int | None
         attention.k_layernorm = TorchRMSNorm
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+    if num_experts is not None and grouped_gemm:
+        from rltrain.megatron.moe_experts import GroupedGemmExperts
+
+        spec.submodules.mlp.submodules.experts.module = GroupedGemmExperts
     return spec
 
 
-def layer_specs(backend: str, arch: ModelArch) -> list[ModuleSpec]:
+def layer_specs(backend: str, arch: ModelArch, grouped_gemm: bool = False) -> list[ModuleSpec]:
     """One layer spec per global layer: routed experts where `is_moe_layer`, a dense MLP elsewhere."""
     dense = layer_spec(backend, arch.qk_layernorm)
     if arch.num_moe_experts is None:
         return [dense] * arch.num_layers
-    moe = layer_spec(backend, arch.qk_layernorm, arch.num_moe_experts)
+    moe = layer_spec(backend, arch.qk_layernorm, arch.num_moe_experts, grouped_gemm)
     return [moe if is_moe_layer(arch, i) else dense for i in range(arch.num_layers)]
 
 
@@ -509,7 +516,7 @@ def build_model_chunks(
     config = transformer_config(arch, model_cfg, mcfg, device)
     if mcfg.context_parallel_size > 1:
         cp.use_portable_rope_split()
-    specs = layer_specs(model_cfg.attention_backend, arch)
+    specs = layer_specs(model_cfg.attention_backend, arch, model_cfg.moe_grouped_gemm)
     vpp = mcfg.virtual_pipeline_model_parallel_size
     vocab = padded_vocab_size(arch.vocab_size, mcfg.tensor_model_parallel_size)
     chunks: list[torch.nn.Module] = []
