@@ -16,9 +16,20 @@ observation tokens are in `responses` and attended to (`attention_mask` 1) but a
 (rltrain.algorithms treats interior zeros as absent). A response never ends with an observation: an answer
 there would not be read by the model, so a call made without turns or tokens left ends the row instead.
 
-Each turn re-runs the prefill of the whole context (prompt and the turns so far) through the engine's
-`generate`: the KV cache is not kept across turns, which costs one prefill per turn and keeps the engines
-unchanged. Tools run between turns (concurrently across rows, not overlapped with decoding).
+The loop talks to the engine through a `RolloutClient` (`WorkerRolloutClient` for the Ray workers, or a
+plain `GenerateFn` callable wrapped in `CallbackClient`). Each call passes every row's whole context; a
+client whose `keeps_kv_cache` is true has its workers keep each row's KV cache between the calls of one
+rollout (a session, `rltrain.megatron.inference.KVSession`), so a turn prefills only what is new (the
+last sampled token and the observation) on top of the cached context, rows that ended are dropped from it
+and `close` frees it. A client that cannot keep a cache (vLLM, a rollout resharded to another TP; see
+`RolloutServer.kv_session_unsupported`) says so and every call prefills the whole context: same tokens,
+more work. Each row samples turn k from its own stream (seed, row, k), so what a row generates does not
+depend on which other rows share its call.
+
+Tools run asynchronously (`ToolRunner.submit`): every call of a turn starts at once in the runner's
+threads, each under its own limits, and rows whose tools are back take their next turn while slower tools
+still run; a late row joins a later call. A tool that comes back within STRAGGLER_WAIT_S of the others of
+its wave rides the same call (calls stay large); one that misses that window is not waited for again.
 
 An optional `Interaction` (rollout.multi_turn.interaction, package.module:Class) is an environment: after
 each turn that ends without a tool call it may answer with feedback (appended like a tool answer, the model
@@ -42,12 +53,15 @@ from rlconf.config import MultiTurnConfig
 from rlconf.errors import ConfigError, error
 from rlconf.seeding import derive_seed
 from rltrain.tokenizer import ToolCallParseError
-from rltrain.tools import Tool, ToolCall, ToolResult, ToolRunner
+from rltrain.tools import PendingCall, Tool, ToolResult, ToolRunner
 
 # (contexts, max_new_tokens, stop_token_ids, seed) -> per context (new token ids, their log-probs), each
 # ending at EOS, a stop token or max_new_tokens.
 GenerateFn = Callable[[list[list[int]], int, tuple[int, ...], int], list[tuple[list[int], list[float]]]]
-TURN = "multi-turn"  # the seed purpose of turn t: (rollout seed, t, TURN)
+Generated = list[tuple[list[int], list[float]]]
+TURN = "multi-turn"  # seed purposes: call c of a rollout (seed, c, TURN); row i's turn k (seed, i, TURN/k)
+# How long a generation call waits for the rest of a wave of tool calls once one of them is back (s).
+STRAGGLER_WAIT_S = 0.1
 # Per-row statistics the batch carries next to the tensors of a single-turn rollout (the controller keeps
 # them to itself: metrics and interaction rewards).
 STAT_KEYS = ("multi_turn_turns", "multi_turn_tool_calls", "multi_turn_tool_errors", "multi_turn_reward")
@@ -88,6 +102,139 @@ def load_interaction(spec: str) -> Interaction:
         raise ConfigError([error(path, f"{spec!r} lacks start / respond / final_reward",
                                  "implement rltrain.rollout.agent.Interaction", rule="multi-turn")])  # fmt: skip
     return obj
+
+
+@dataclass(frozen=True)
+class TurnRequest:
+    """One generation call of the agent loop: the rows ready for their next model turn."""
+
+    row_ids: tuple[int, ...]
+    """The rows' indices in the rollout (stable over its turns)."""
+    contexts: list[list[int]]
+    """Each row's whole context: prompt and response so far (observations included)."""
+    row_seeds: tuple[int, ...]
+    """Each row's sampling stream of this turn: (rollout seed, row, TURN/its turn)."""
+    call_seed: int
+    """One stream for the whole call, for engines that sample per call: (rollout seed, call, TURN)."""
+    max_new_tokens: int
+    stop_ids: tuple[int, ...]
+    finished: tuple[int, ...]
+    """Rows that ended since the last call: a kept cache can drop them."""
+
+
+@runtime_checkable
+class RolloutClient(Protocol):
+    """How the agent loop reaches an engine over one rollout (open, calls, close)."""
+
+    keeps_kv_cache: bool
+    """True: the engine keeps each row's KV cache between calls (a call prefills only what is new)."""
+
+    def open(self, n_rows: int) -> None: ...
+
+    def generate(self, request: TurnRequest) -> Generated:
+        """Per row of the request, in order: (new token ids, their log-probs)."""
+        ...
+
+    def close(self) -> dict[str, float]:
+        """End the rollout (free a kept cache); counts to log as multi_turn/* metrics (may be empty)."""
+        ...
+
+
+class CallbackClient:
+    """A `GenerateFn` as a client: no cache kept, one sampling stream per call (tests, scripted models)."""
+
+    keeps_kv_cache = False
+
+    def __init__(self, generate: GenerateFn) -> None:
+        self.fn = generate
+
+    def open(self, n_rows: int) -> None:
+        pass
+
+    def generate(self, request: TurnRequest) -> Generated:
+        return self.fn(request.contexts, request.max_new_tokens, request.stop_ids, request.call_seed)
+
+    def close(self) -> dict[str, float]:
+        return {}
+
+
+class WorkerRolloutClient:
+    """The rollout workers (`RolloutServer.generate_turn`) as a client, built per rollout by the controller.
+
+    `dispatch(batch, *extra)` sends a batch's DP shards (equal, contiguous blocks of rows, as the
+    controller's `_dispatch_cat`) to the rollout workers and concatenates what they return; `call_all(
+    method, *args)` calls a method on every worker. Each row stays on one DP rank for the whole rollout (its
+    cache lives there): rank d owns rows [n * d / dp, n * (d + 1) / dp) (the blocks of the first call, so
+    the n samples of a prompt share one prefill) and every call sends each rank its own ready rows, padded
+    with filler rows (id -1, not generated) to the same count. The cache is kept where every worker can
+    keep it (`kv_session_unsupported`), else `keeps_kv_cache` is false and `why_no_cache` says why.
+    """
+
+    def __init__(
+        self, dispatch: Callable[..., dict[str, torch.Tensor]], call_all: Callable[..., list[Any]], dp: int,
+        pad_id: int, validate: bool = False,
+    ) -> None:  # fmt: skip
+        self.dispatch, self.call_all, self.dp, self.pad_id, self.validate = (
+            dispatch,
+            call_all,
+            dp,
+            pad_id,
+            validate,
+        )
+        reasons = [r for r in call_all("kv_session_unsupported") if r is not None]
+        self.why_no_cache = reasons[0] if reasons else None
+        self.keeps_kv_cache = self.why_no_cache is None
+        self.session: str | None = None
+        self.n_rows = 0
+
+    def open(self, n_rows: int) -> None:
+        import uuid
+
+        self.n_rows = n_rows
+        self.session = uuid.uuid4().hex if self.keeps_kv_cache else None
+
+    def owner(self, row: int) -> int:
+        """The DP rank that generates `row` for the whole rollout."""
+        return next(d for d in range(self.dp) if row < self.n_rows * (d + 1) // self.dp)
+
+    def generate(self, request: TurnRequest) -> Generated:
+        from rltrain.data import left_pad
+
+        per_rank: list[list[int]] = [[] for _ in range(self.dp)]
+        for k, row in enumerate(request.row_ids):
+            per_rank[self.owner(row)].append(k)
+        width = max(len(p) for p in per_rank)
+        order = [k for p in per_rank for k in p + [-1] * (width - len(p))]  # -1: a filler row
+        ids, mask = left_pad([request.contexts[k] if k >= 0 else [self.pad_id] for k in order], self.pad_id)
+        batch = {
+            "prompt_ids": ids,
+            "prompt_mask": mask,
+            "row_ids": torch.tensor([request.row_ids[k] if k >= 0 else -1 for k in order], dtype=torch.long),
+            "row_seeds": torch.tensor(
+                [request.row_seeds[k] if k >= 0 else 0 for k in order], dtype=torch.long
+            ),
+        }
+        out = self.dispatch(batch, self.validate, request.max_new_tokens, request.stop_ids, self.session,
+                            request.finished)  # fmt: skip
+        rows = rows_from_rollout(out)
+        result: list[tuple[list[int], list[float]]] = [([], [])] * len(request.row_ids)
+        for j, k in enumerate(order):
+            if k >= 0:
+                result[k] = rows[j]
+        return result
+
+    def close(self) -> dict[str, float]:
+        if self.session is None:
+            return {}
+        counts = self.call_all("end_kv_session", self.session)
+        self.session = None
+        # Every TP / PP rank of a DP group counts the same rows: count each DP group once (the first rank's
+        # numbers are per DP rank; summing all ranks and dividing by ranks per DP group gives the total).
+        per_group = max(len(counts) // self.dp, 1)
+        return {
+            "multi_turn/kv_reused_tokens": sum(c["reused_tokens"] for c in counts) / per_group,
+            "multi_turn/prefill_tokens": sum(c["prefilled_tokens"] for c in counts) / per_group,
+        }
 
 
 @dataclass
@@ -158,74 +305,43 @@ class AgentLoop:
 
     def run(
         self,
-        generate: GenerateFn,
+        client: RolloutClient | GenerateFn,
         prompt_ids: Sequence[Sequence[int]],
         seed: int,
         prompts: Sequence[str] | None = None,
         ground_truths: Sequence[str] | None = None,
     ) -> AgentRollout:
-        """Roll out every prompt (already repeated n times) to the end; the sampling of turn t draws from
-        (seed, t, TURN)."""
-        eos = self.tok.eos_token_id
+        """Roll out every prompt (already repeated n times) to the end through `client` (or a plain
+        `GenerateFn`); row i samples its turn k from (seed, i, TURN/k)."""
+        if not isinstance(client, RolloutClient):
+            client = CallbackClient(client)
         rows = [_Row(list(p), len(p), self.max_total_tokens) for p in prompt_ids]
         if self.interaction is not None:
             assert prompts is not None and ground_truths is not None
             for row, prompt, truth in zip(rows, prompts, ground_truths, strict=True):
                 row.state = self.interaction.start(prompt, truth)
-        tool_seconds, call_seconds, t_gen = 0.0, [], 0.0
-        max_turns = self.cfg.max_assistant_turns
-        for turn in range(max_turns):
-            active = [r for r in rows if not r.done and r.budget > 0]
-            if not active:
-                break
-            t0 = time.perf_counter()
-            outs = generate([r.context for r in active], max(r.budget for r in active), self.stop_ids,
-                            derive_seed(seed, turn, TURN))  # fmt: skip
-            t_gen += time.perf_counter() - t0
-            calls: list[tuple[_Row, ToolCall | None, str]] = []
-            for row, (ids, lps) in zip(active, outs, strict=True):
-                ids, lps = list(ids)[: row.budget], list(lps)[: row.budget]
-                row.append(ids, lps)
-                row.turns += 1
-                turns_left = turn + 1 < max_turns
-                # A turn ends at a call at the stop token; a tokenizer without one (stop_ids empty) may end
-                # a turn that calls at EOS: its text is read for a call then.
-                may_call = bool(ids) and (ids[-1] in self.stop_ids or not self.stop_ids)
-                if may_call and not turns_left:  # its answer could never be read: the row ends, nothing runs
-                    row.done = True
-                    continue
-                try:
-                    call = (
-                        self.tok.parse_tool_call(
-                            self.tok.decode(ids), self.tools, self.tok.decode(row.context)
-                        )
-                        if may_call
-                        else None
-                    )
-                except ToolCallParseError as exc:
-                    calls.append((row, None, f"error: {exc}"))
-                    continue
-                if call is None:
-                    # EOS or the budget: the answer is done, unless an environment has more to say.
-                    if self.interaction is not None and ids and ids[-1] == eos:
-                        feedback, reward = self.interaction.respond(row.state, self.tok.decode(ids))
-                        row.reward += float(reward)
-                        if feedback is not None:
-                            self._observe(row, self.tok.observation_text(feedback, False), turns_left)
-                            continue
-                    row.done = True
-                    continue
-                calls.append((row, call, ""))
-            runnable = [(row, c) for row, c, _ in calls if c is not None]
-            t0 = time.perf_counter()
-            results = iter(self.runner.run_many([c for _, c in runnable]))
-            tool_seconds += time.perf_counter() - t0 if runnable else 0.0
-            for row, call, message in calls:
-                result = next(results) if call is not None else ToolResult(message, error=True)
-                row.tool_calls += 1
-                row.tool_errors += int(result.error)
-                call_seconds.append(result.seconds)
-                self._observe(row, self.tok.observation_text(result.text, result.error), turn + 1 < max_turns)
+        self._stats = {"tool_wait": 0.0, "gen": 0.0, "calls": 0}
+        self._call_seconds: list[float] = []
+        ready = list(range(len(rows)))  # rows whose next model turn can start
+        waiting: dict[int, PendingCall] = {}  # rows whose tool call runs
+        self._waiting = waiting
+        stragglers: set[int] = set()  # rows whose call missed its wave's window: no call waits for them
+        finished: list[int] = []  # rows that ended since the last call
+        client.open(len(rows))
+        try:
+            while ready or waiting:
+                talk = sorted(i for i in ready if not rows[i].done and rows[i].budget > 0)
+                finished += [i for i in ready if i not in talk]
+                ready = []
+                if talk:
+                    ready, ended = self._turn(client, rows, talk, seed, tuple(finished))
+                    finished = ended
+                if waiting:
+                    back = self._collect(rows, waiting, stragglers, block=not ready)
+                    ready += [i for i in back if not rows[i].done]
+                    finished += [i for i in back if rows[i].done]
+        finally:
+            counts = client.close()
         if self.interaction is not None:
             for row in rows:
                 row.reward += float(self.interaction.final_reward(row.state))
@@ -235,12 +351,112 @@ class AgentLoop:
             "multi_turn/turns_mean": sum(r.turns for r in rows) / n,
             "multi_turn/tool_calls_mean": sum(r.tool_calls for r in rows) / n,
             "multi_turn/tool_errors": float(sum(r.tool_errors for r in rows)),
-            "multi_turn/tool_time_s": tool_seconds,
-            "multi_turn/tool_call_time_mean_s": sum(call_seconds) / max(len(call_seconds), 1),
-            "multi_turn/generate_s": t_gen,
+            "multi_turn/tool_time_s": self._stats["tool_wait"],
+            "multi_turn/tool_call_time_mean_s": sum(self._call_seconds) / max(len(self._call_seconds), 1),
+            "multi_turn/generate_s": self._stats["gen"],
+            "multi_turn/generate_calls": float(self._stats["calls"]),
             "multi_turn/observation_tokens_mean": sum(len(r.tokens) - sum(r.loss_mask) for r in rows) / n,
+            **counts,
         }
         return AgentRollout(batch, metrics)
+
+    def _turn(
+        self, client: RolloutClient, rows: list[_Row], talk: list[int], seed: int, finished: tuple[int, ...]
+    ) -> tuple[list[int], list[int]]:
+        """One generation call for rows `talk`; their tool calls are submitted. Returns (rows ready for
+        another turn at once: an observation that needs no tool, rows that ended)."""
+        eos = self.tok.eos_token_id
+        max_turns = self.cfg.max_assistant_turns
+        request = TurnRequest(
+            row_ids=tuple(talk),
+            contexts=[rows[i].context for i in talk],
+            row_seeds=tuple(derive_seed(seed, i, f"{TURN}/{rows[i].turns}") for i in talk),
+            call_seed=derive_seed(seed, self._stats["calls"], TURN),
+            max_new_tokens=max(rows[i].budget for i in talk),
+            stop_ids=self.stop_ids,
+            finished=finished,
+        )
+        t0 = time.perf_counter()
+        outs = client.generate(request)
+        self._stats["gen"] += time.perf_counter() - t0
+        self._stats["calls"] += 1
+        again: list[int] = []
+        for i, (ids, lps) in zip(talk, outs, strict=True):
+            row = rows[i]
+            ids, lps = list(ids)[: row.budget], list(lps)[: row.budget]
+            row.append(ids, lps)
+            row.turns += 1
+            turns_left = row.turns < max_turns
+            # A turn ends at a call at the stop token; a tokenizer without one (stop_ids empty) may end a
+            # turn that calls at EOS: its text is read for a call then.
+            may_call = bool(ids) and (ids[-1] in self.stop_ids or not self.stop_ids)
+            if may_call and not turns_left:  # its answer could never be read: the row ends, nothing runs
+                row.done = True
+                continue
+            try:
+                call = (
+                    self.tok.parse_tool_call(self.tok.decode(ids), self.tools, self.tok.decode(row.context))
+                    if may_call
+                    else None
+                )
+            except ToolCallParseError as exc:
+                self._answer(row, ToolResult(f"error: {exc}", error=True))
+                again.append(i)
+                continue
+            if call is None:
+                # EOS or the budget: the answer is done, unless an environment has more to say.
+                if self.interaction is not None and ids and ids[-1] == eos:
+                    feedback, reward = self.interaction.respond(row.state, self.tok.decode(ids))
+                    row.reward += float(reward)
+                    if feedback is not None:
+                        self._observe(row, self.tok.observation_text(feedback, False), turns_left)
+                        again.append(i)
+                        continue
+                row.done = True
+                continue
+            self._waiting[i] = self.runner.submit(call)
+        return [i for i in again if not rows[i].done], [i for i in talk if rows[i].done]
+
+    def _answer(self, row: _Row, result: ToolResult) -> None:
+        """A tool call's result becomes the row's observation (the row had a turn left when it called)."""
+        row.tool_calls += 1
+        row.tool_errors += int(result.error)
+        self._call_seconds.append(result.seconds)
+        self._observe(row, self.tok.observation_text(result.text, result.error), True)
+
+    def _collect(
+        self, rows: list[_Row], waiting: dict[int, PendingCall], stragglers: set[int], block: bool
+    ) -> list[int]:
+        """Rows whose tool call is back (answered). With `block` (nothing else to decode) wait for the first;
+        then give the rest of the wave (calls not yet stragglers) STRAGGLER_WAIT_S to join it. The time spent
+        here is multi_turn/tool_time_s: the rollout waiting on tools, not overlapped with decoding."""
+        t0 = time.perf_counter()
+
+        def poll() -> list[int]:
+            back = []
+            for i, pending in list(waiting.items()):
+                result = self.runner.poll(pending)
+                if result is not None:
+                    del waiting[i]
+                    stragglers.discard(i)
+                    self._answer(rows[i], result)
+                    back.append(i)
+            return back
+
+        back = poll()
+        if block and not back:
+            self.runner.wait(list(waiting.values()))
+            back = poll()
+        if back or block:
+            end = time.perf_counter() + STRAGGLER_WAIT_S
+            while (
+                fresh := [p for i, p in waiting.items() if i not in stragglers]
+            ) and time.perf_counter() < end:
+                self.runner.wait(fresh, timeout=end - time.perf_counter())
+                back += poll()
+            stragglers.update(waiting)
+        self._stats["tool_wait"] += time.perf_counter() - t0
+        return sorted(back)
 
     def _batch(self, rows: list[_Row]) -> dict[str, torch.Tensor]:
         """The engine layout (left-padded prompts, right-padded responses) with observation tokens present
