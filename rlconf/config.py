@@ -525,6 +525,19 @@ class RolloutConfig:
     value must divide or be a multiple of the actor's tp: the rollout then runs at this tp without
     pipeline parallel (rollout dp = actor devices / tp), on the actor's weights resharded into it before
     every generation (gathered or split inside tp groups, stages gathered across pp) and freed after it."""
+    placement: Literal["colocated", "separate"] = "colocated"
+    """colocated: generate on the actor's devices, between its updates (no weight copy with the actor's
+    layout). separate: the rollout gets num_devices devices of its own (the trainer keeps the rest) and a
+    model in its own layout (tensor_model_parallel_size, no pipeline parallel), refreshed by a weight push
+    from the trainer after every update; with algorithm.off_policy_steps > 0 the next batch is generated
+    while the current one trains."""
+    num_devices: int = 0
+    """Devices of the rollout's own pool when placement is separate (a multiple of its tensor parallel
+    size); 0 with placement colocated."""
+    push_timeout_s: float = 600.0
+    """placement separate: most seconds one weight push (and the set-up of its process group) may take; a
+    side that does not answer in time (a dead or stuck worker) stops the run with an error naming it, and the
+    run resumes from its last checkpoint. Also bounds every collective of the push group."""
     gpu_memory_utilization: float = 0.5
     """vLLM only (rollout.engine: vllm): fraction of device memory vLLM may use for weights and KV cache. The
     embedded engine's KV cache is sized by the plan (`rlconf plan` shows it in generate_sequences)."""
@@ -660,6 +673,12 @@ class AlgorithmConfig:
     """DAPO dynamic sampling."""
     rollout_correction: RolloutCorrection = field(default_factory=RolloutCorrection)
     """Importance weighting and rejection sampling against the rollout engine's log-probs."""
+    off_policy_steps: int = 0
+    """0: on-policy (each batch is generated with the weights it trains). k > 0 (needs rollout.placement
+    separate): the batch of step s may be generated with the weights after step s - 1 - k, so generation of
+    the next batches overlaps the current update (1: one-step off-policy). The loss weighs tokens by
+    pi_old / pi_rollout (algorithm.rollout_correction; token-level, truncated at rollout_is_threshold, when
+    none is set) or takes the rollout's log-probs as the old ones (bypass_mode)."""
 
 
 # ----------------------------------------------------------------------------------- run and cluster

@@ -100,7 +100,8 @@ def total_devices(c: RLConfig) -> int:
 
 
 def separate_devices(c: RLConfig) -> int:
-    n = 0
+    """Devices of the pools that are not the actor's (a separate rollout, critic or reward model)."""
+    n = c.rollout.num_devices if c.rollout.placement == "separate" else 0
     if c.critic.enable and c.critic.placement == "separate":
         n += c.critic.num_devices
     rm = c.reward.reward_model
@@ -155,7 +156,12 @@ _POSITIVE_INT_FIELDS = re.compile(
     r"|max_num_seqs|horizon|val\.n)$"
 )
 # Fields that match the pattern above but may legitimately be zero or negative.
-_MAY_BE_NON_POSITIVE = {"rollout.top_k", "critic.num_devices", "reward.reward_model.num_devices"}
+_MAY_BE_NON_POSITIVE = {
+    "rollout.top_k",
+    "rollout.num_devices",
+    "critic.num_devices",
+    "reward.reward_model.num_devices",
+}
 
 
 # ---------------------------------------------------------------------------------------------- rules
@@ -371,8 +377,9 @@ def ref_layout(c: RLConfig) -> Iterator[Issue]:
 
 @rule("device-pools", "*.placement", "*.num_devices", "cluster.gpus_per_node", "cluster.nnodes")
 def device_pools(c: RLConfig) -> Iterator[Issue]:
-    """Separate critic / reward-model pools have devices and leave some for the actor."""
+    """Separate rollout / critic / reward-model pools have devices and leave some for the actor."""
     for prefix, enabled, placement, n in (
+        ("rollout", True, c.rollout.placement, c.rollout.num_devices),
         ("critic", c.critic.enable, c.critic.placement, c.critic.num_devices),
         ("reward.reward_model", c.reward.reward_model.enable, c.reward.reward_model.placement,
          c.reward.reward_model.num_devices),
@@ -397,6 +404,73 @@ def device_pools(c: RLConfig) -> Iterator[Issue]:
             f"separate pools use {separate_devices(c)} of {total_devices(c)} devices, none is left for the actor",
             "add devices or shrink the separate pools",
             "device-pools",
+        )
+
+
+@rule(
+    "rollout-placement",
+    "rollout.placement",
+    "rollout.num_devices",
+    "rollout.engine",
+    "rollout.tensor_model_parallel_size",
+    "rollout.push_timeout_s",
+    "algorithm.off_policy_steps",
+    "actor.megatron.expert_model_parallel_size",
+    "cluster.device",
+)
+def rollout_placement(c: RLConfig) -> Iterator[Issue]:
+    """A separate rollout runs the embedded engine on whole tensor-parallel groups of its own devices and
+    gets its weights by a push from the trainer; generating ahead (off_policy_steps > 0) needs it."""
+    r, steps = c.rollout, c.algorithm.off_policy_steps
+    if isinstance(steps, int) and steps < 0:
+        yield error("algorithm.off_policy_steps", f"off_policy_steps = {steps} is negative",
+                    "use 0 (on-policy) or the number of steps generation may run ahead", "rollout-placement")  # fmt: skip
+    if not r.push_timeout_s > 0:
+        yield error("rollout.push_timeout_s", f"push_timeout_s = {r.push_timeout_s} must be positive",
+                    "use the most seconds a weight push may take, e.g. 600", "rollout-placement")  # fmt: skip
+    if r.placement == "colocated":
+        if isinstance(steps, int) and steps > 0:
+            yield error(
+                "algorithm.off_policy_steps",
+                f"off_policy_steps = {steps} generates the next batch while the current one trains, which needs "
+                "devices of its own for the rollout; rollout.placement is colocated",
+                "set rollout.placement: separate and rollout.num_devices (the trainer keeps the other devices), "
+                "or off_policy_steps: 0",
+                "rollout-placement",
+            )
+        return
+    if c.cluster.device == "npu":
+        yield error(
+            "rollout.placement",
+            "the weight push to a separate rollout pool runs over gloo (cpu) or NCCL (cuda); HCCL is not wired",
+            "use rollout.placement: colocated on npu",
+            "rollout-placement",
+        )
+    if r.engine != "embedded":
+        yield error(
+            "rollout.engine",
+            f"rollout.placement: separate runs the embedded engine; rollout.engine = {r.engine}",
+            "use rollout.engine: embedded, or rollout.placement: colocated",
+            "rollout-placement",
+        )
+    tp = r.tensor_model_parallel_size or c.actor.megatron.tensor_model_parallel_size
+    if r.num_devices >= 1 and isinstance(tp, int) and tp >= 1 and r.num_devices % tp:
+        yield error(
+            "rollout.num_devices",
+            f"the separate rollout's {r.num_devices} devices do not hold whole tensor-parallel groups of {tp}",
+            f"use a multiple of {tp} devices, or set rollout.tensor_model_parallel_size to a divisor of "
+            f"{r.num_devices}",
+            "rollout-placement",
+        )
+    ep = c.actor.megatron.expert_model_parallel_size
+    if isinstance(ep, int) and ep > 1:
+        yield error(
+            "actor.megatron.expert_model_parallel_size",
+            f"the weight push to a separate rollout streams tensor-parallel shards; with expert parallel = {ep} "
+            "each trainer rank holds other experts",
+            "use actor.megatron.expert_model_parallel_size: 1 with rollout.placement: separate, or "
+            "rollout.placement: colocated",
+            "rollout-placement",
         )
 
 

@@ -2,9 +2,15 @@
 -> advantages -> update, step after step, and logs what happened.
 
 Read top to bottom: `Trainer.__init__` builds everything from the plan (run folder, tokenizer, reward,
-data, Ray pools and workers), `Trainer.fit` is the loop, `Trainer.train_step` is one RL step. Data moves
+data, Ray pools and workers), `Trainer.fit` is the loop, `Trainer.train_step` is one RL step:
+`generate_batch` (prompts, generation, rewards) then the log-prob passes, advantages and updates. Data moves
 as dicts of tensors with one row per response; `_dispatch` cuts rows by the data-parallel coordinate of
 each rank (from the plan's rank grid) and gathers results from one rank per data-parallel group.
+
+With a separate rollout pool (the plan's refit mode `push`), the rollout workers generate on devices of
+their own: after every update the policy workers push their weights to them (`_push_weights`), and a
+producer thread (rltrain/rollout/pipeline.py) makes the batches, up to algorithm.off_policy_steps ahead of
+the weights, while the main thread trains.
 """
 
 from __future__ import annotations
@@ -35,7 +41,8 @@ from rltrain.runfolder import RunFolder, StopSignals
 
 # Batch keys the controller keeps to itself (rewards, grouping, the rollout's log-probs, multi-turn row
 # statistics); the rest go to workers.
-_CONTROLLER_KEYS = ("scores", "group_index", "rollout_log_probs", "overlong_penalty", *AGENT_STAT_KEYS)
+_CONTROLLER_KEYS = ("scores", "group_index", "rollout_log_probs", "overlong_penalty", "weight_version",
+                    *AGENT_STAT_KEYS)  # fmt: skip
 
 
 class Trainer:
@@ -55,7 +62,7 @@ class Trainer:
         from rltrain.data import build_dataloaders
         from rltrain.rewards import load_reward_function
         from rltrain.tokenizer import load_tokenizer
-        from rltrain.workers import CriticWorker, PolicyWorker, RewardModelWorker
+        from rltrain.workers import CriticWorker, PolicyWorker, RewardModelWorker, RolloutWorker
 
         self.plan = plan
         self.cfg = cfg = plan.config
@@ -87,6 +94,10 @@ class Trainer:
         # reward model) puts rank r on device r of its pool, so colocated roles share devices.
         device, cpus = cfg.cluster.device, cfg.cluster.cpus_per_worker
         process_roles = {"actor": PolicyWorker, "critic": CriticWorker, "reward_model": RewardModelWorker}
+        assert plan.refit is not None and plan.passes is not None
+        self.separate_rollout = plan.refit.mode == "push"
+        if self.separate_rollout:  # the rollout's own processes, on its own pool
+            process_roles["rollout"] = RolloutWorker
         present = [r for r in process_roles if r in plan.roles]
         sharing = {p.name: sum(1 for r in present if r in p.roles) for p in plan.resources.pools}
         need = sum(p.num_devices * sharing[p.name] for p in plan.resources.pools)
@@ -105,6 +116,8 @@ class Trainer:
                                             cpus, {"plan": plan}, envs)  # fmt: skip
 
         self.policy = self.groups["actor"]
+        # The workers that generate: the policy workers (colocated) or the separate rollout pool's.
+        self.rollout_group = self.groups.get("rollout", self.policy)
         self.critic = self.groups.get("critic")
         self.reward_model = self.groups.get("reward_model")
         # Build the models in parallel: every process imports megatron at the same time.
@@ -114,8 +127,20 @@ class Trainer:
         # MFU's denominator: the device's dense peak (None on cpu or an unlisted device: no MFU is logged).
         self.peak_flops = self.policy.call("device_peak_flops")[0]
         self.start_step = 1
+        # Prompt-order state after each generated batch (a batch may be generated steps ahead of its
+        # training step; a checkpoint of step s stores the state after batch s).
+        self._data_states: dict[int, dict[str, Any]] = {}
         if self.resume is not None:
             self._load(self.resume)
+        self.pipeline = None
+        if self.separate_rollout:
+            from rltrain.rollout.pipeline import RolloutPipeline
+
+            self._join_push_groups()
+            version = self.start_step - 1  # the weights after that many updates (the checkpoint's)
+            self._push_weights(version)
+            self.pipeline = RolloutPipeline(self._produce, self.start_step, cfg.trainer.total_steps,
+                                            plan.passes.off_policy_steps, version)  # fmt: skip
 
     # ------------------------------------------------------------------------------------ checkpoints
     def _trained_groups(self) -> dict[str, WorkerGroup]:
@@ -135,7 +160,7 @@ class Trainer:
         staging = self.ckpt.begin(step)
         extra = {
             "step": step,
-            "dataloader": self.train_data.state_dict(),
+            "dataloader": self._data_states.pop(step, None) or self.train_data.state_dict(),
             "kl_ctrl": self.kl_ctrl.state_dict(),
         }
         try:
@@ -183,6 +208,8 @@ class Trainer:
         if not self.plan.profile.enabled:
             return  # only the profilers use the step; skip a round trip to every worker
         for group in self.groups.values():
+            if self.pipeline is not None and group is self.rollout_group:
+                continue  # busy generating ahead: the producer sets its step (`_produce`)
             group.call("set_step", per_rank_args=[(step,)] * group.world_size)
 
     # ------------------------------------------------------------------------------------ one step
@@ -200,7 +227,9 @@ class Trainer:
         if self.agent is not None:
             batch, agent_metrics = self._agent_rollout(prompts, n, seed, validate)
         else:
-            batch = self._dispatch_cat(self.policy, "rollout", "generate_sequences", inputs, seed, validate)
+            batch = self._dispatch_cat(
+                self.rollout_group, "rollout", "generate_sequences", inputs, seed, validate
+            )
         # The reward reads the whole response, tool observations included (attended, not trained on).
         present = batch["attention_mask"][:, -batch["responses"].shape[1] :]
         texts = [
@@ -268,13 +297,73 @@ class Trainer:
         def generate(contexts, max_new_tokens, stop_ids, turn_seed):
             padded = contexts + [contexts[0]] * (-len(contexts) % dp)
             ids, mask = left_pad(padded, self.tokenizer.pad_token_id)
-            out = self._dispatch_cat(self.policy, "rollout", "generate_sequences", {"prompt_ids": ids,
+            out = self._dispatch_cat(self.rollout_group, "rollout", "generate_sequences", {"prompt_ids": ids,
                                      "prompt_mask": mask}, turn_seed, validate, max_new_tokens, stop_ids)  # fmt: skip
             return rows_from_rollout(out)[: len(contexts)]
 
         truths = [g for g in prompts.ground_truths for _ in range(n)]
         result = self.agent.run(generate, self.agent.prompt_ids(texts), seed, texts, truths)
         return result.batch, result.metrics
+
+    def generate_batch(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The rollout part of step `step`: its prompts, generated responses and rewards (timing/generate_s)."""
+        cfg = self.cfg
+        prompts = next(self.train_data)
+        t0 = time.perf_counter()
+        # Each random stream of the step is keyed by (seed, step, purpose), never by what ran before (a
+        # validation pass, a restart): a resumed run repeats the uninterrupted one exactly.
+        seed = derive_seed(cfg.trainer.seed, step, ROLLOUT)
+        if cfg.algorithm.filter_groups.enable:
+            batch, metrics = self.dynamic_sampling(step, prompts)
+        else:
+            batch, metrics = self.rollout(prompts, cfg.rollout.n, seed)
+        self._data_states[step] = self.train_data.state_dict()
+        metrics["timing/generate_s"] = time.perf_counter() - t0
+        return batch, metrics
+
+    def _produce(self, step: int, version: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The producer thread's batch of `step` on the separate rollout pool (rltrain/rollout/pipeline.py),
+        generated with the rollout's weights of `version`; every row must say it used them."""
+        if self.plan.profile.enabled:
+            self.rollout_group.call("set_step", per_rank_args=[(step,)] * self.rollout_group.world_size)
+        batch, metrics = self.generate_batch(step)
+        if devices.is_accelerator(
+            self.cfg.cluster.device
+        ):  # the rollout pool's peaks, read here (it is ours)
+            metrics["_rollout_memory"] = self.rollout_group.call("step_memory")
+        if "weight_version" in batch and bool((batch["weight_version"] != version).any()):
+            raise WorkerError("rollout", 0, f"the batch of step {step} was generated with weight versions "
+                              f"{sorted(set(batch['weight_version'].tolist()))}, not the pushed {version}",
+                              died=False)  # fmt: skip
+        return batch, metrics
+
+    def _join_push_groups(self) -> None:
+        """Set up the weight push: the first trainer rank hosts the store, then the senders (one per
+        pipeline stage) and every rollout rank join their push groups together."""
+        from rltrain.ray_group import wait_all
+        from rltrain.rollout.push import PushEndpoint
+
+        timeout = self.cfg.rollout.push_timeout_s
+        host, port = self.policy.workers[0].push_endpoint.remote(timeout), None
+        host, port = self.policy.wait([host])[0]
+        endpoint = PushEndpoint(host, port, timeout, self.plan.refit.senders, self.rollout_group.world_size)
+        wait_all([(self.policy, self.policy.submit("join_push", [(endpoint,)] * self.policy.world_size)),
+                  (self.rollout_group, self.rollout_group.submit("join_push", [(endpoint,)] *
+                                                                self.rollout_group.world_size))])  # fmt: skip
+
+    def _push_weights(self, version: int) -> dict[str, float]:
+        """Send the trainer's weights (after `version` updates) to the rollout pool; both sides at once, the
+        first failure on either side raises naming its role and rank."""
+        from rltrain.ray_group import wait_all
+
+        t0 = time.perf_counter()
+        sent, _ = wait_all([
+            (self.policy, self.policy.submit("push_weights", [(version,)] * self.policy.world_size)),
+            (self.rollout_group, self.rollout_group.submit("receive_weights",
+                                                           [(version,)] * self.rollout_group.world_size)),
+        ])  # fmt: skip
+        nbytes = sum(r.get("bytes", 0.0) for r in sent)
+        return {"timing/weight_push_s": time.perf_counter() - t0, "rollout/weight_push_gib": nbytes / 2**30}
 
     def train_step(self, step: int) -> dict[str, Any]:
         cfg = self.cfg
@@ -287,14 +376,14 @@ class Trainer:
             return result
 
         self._set_step(step)
-        prompts = next(self.train_data)
-        # Each random stream of the step is keyed by (seed, step, purpose), never by what ran before (a
-        # validation pass, a restart): a resumed run repeats the uninterrupted one exactly.
-        seed = derive_seed(cfg.trainer.seed, step, ROLLOUT)
-        if cfg.algorithm.filter_groups.enable:
-            batch, metrics = timed("generate", self.dynamic_sampling, step, prompts)
+        if self.pipeline is None:
+            batch, metrics = self.generate_batch(step)
         else:
-            batch, metrics = timed("generate", self.rollout, prompts, cfg.rollout.n, seed)
+            # The batch generated on the rollout pool (maybe while the previous steps trained) and the
+            # weight version it used: off_policy/staleness = updates it missed.
+            (batch, metrics), version = timed("wait_rollout", self.pipeline.take, step)
+            metrics["rollout/weight_version"] = version
+            metrics["off_policy/staleness"] = step - 1 - version
         model_batch = {k: v for k, v in batch.items() if k not in _CONTROLLER_KEYS}
         rc = cfg.algorithm.rollout_correction
         passes = self.plan.passes
@@ -327,10 +416,11 @@ class Trainer:
             metrics["actor/entropy_rollout"] = algorithms.masked_mean(
                 old["entropy"], model_batch["response_mask"]
             ).item()
-            if rc.rollout_is is not None or rc.rollout_rs is not None:
+            # The plan's weights (off-policy without a correction: token-level, algorithm.off_policy_steps).
+            if passes.rollout_is is not None or passes.rollout_rs is not None:
                 weights, rc_metrics = algorithms.rollout_correction_weights(
-                    old["log_probs"], batch["rollout_log_probs"], model_batch["response_mask"], rc.rollout_is,
-                    rc.rollout_is_threshold, rc.rollout_rs, rc.rollout_rs_threshold,
+                    old["log_probs"], batch["rollout_log_probs"], model_batch["response_mask"], passes.rollout_is,
+                    rc.rollout_is_threshold, passes.rollout_rs, rc.rollout_rs_threshold,
                 )  # fmt: skip
                 model_batch["rollout_is_weights"] = weights
                 metrics.update(rc_metrics)
@@ -372,6 +462,9 @@ class Trainer:
                 "update_actor", self._dispatch, self.policy, "actor", "update_actor", model_batch, step
             )
             metrics.update(actor_metrics[0])
+        if self.pipeline is not None:
+            # The rollout gets the new weights; batches waiting for them start generating after the push.
+            metrics.update(self.pipeline.push(step, lambda: self._push_weights(step)))
         metrics.update(timing)
         metrics.update(self._step_perf(model_batch, metrics))
         return metrics
@@ -406,7 +499,10 @@ class Trainer:
         if mfu is not None:
             out["perf/mfu/log_prob"] = mfu
         if devices.is_accelerator(self.cfg.cluster.device):
-            ranks = [m for g in self.groups.values() for m in g.call("step_memory")]
+            # A separate rollout pool is busy generating ahead: its peaks came with the batch.
+            ranks = [m for g in self.groups.values() if self.pipeline is None or g is not self.rollout_group
+                     for m in g.call("step_memory")]  # fmt: skip
+            ranks += metrics.pop("_rollout_memory", [])
             out.update(metrics_lib.memory_metrics(ranks))
         return out
 
@@ -506,7 +602,8 @@ class Trainer:
             if step == start:
                 metrics.update(before)
             if cfg.test_freq and (step % cfg.test_freq == 0 or step == cfg.total_steps):
-                metrics.update(self.validate(step))
+                with self.pipeline.exclusive() if self.pipeline is not None else contextlib.nullcontext():
+                    metrics.update(self.validate(step))
             self._finalize_saves(blocking=False)  # commit background saves that finished meanwhile
             if step in save_steps:
                 t_save = time.perf_counter()
@@ -558,6 +655,8 @@ class Trainer:
         that did, and a call queued behind that wait would hang until the collective's timeout."""
         if stopping and not failed:
             self._settle_saves()
+        if self.pipeline is not None:
+            self.pipeline.close()
         if self.agent is not None:
             self.agent.close()
         for group in self.groups.values():

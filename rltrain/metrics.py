@@ -28,15 +28,19 @@ THROUGHPUT_KEY = "perf/total_num_tokens"
 
 SHARE_PHASES = (
     "generate",
+    "wait_rollout",
     "old_log_prob",
     "ref",
     "values",
     "update_critic",
     "update_actor",
+    "weight_push",
     "save_checkpoint",
 )
 """Phases of a step (timing/<phase>_s) whose share of timing/step_s is logged as perf/share/<phase>; the
-reward is scored inside `generate` (timing/reward_s is part of it) and is not a share of its own."""
+reward is scored inside `generate` (timing/reward_s is part of it) and is not a share of its own. With a
+separate rollout pool generation overlaps the step: its share is the time the step waited for the batch
+(wait_rollout), not the generation's own time."""
 MEMORY_KEY = "perf/max_memory_allocated_gib"
 """Peak device memory of the step over all roles and ranks; `MEMORY_KEY/<profile role>` per role call."""
 
@@ -65,8 +69,9 @@ def phase_shares(metrics: Mapping[str, Any]) -> dict[str, float]:
     step_s = metrics.get("timing/step_s")
     if not step_s:
         return {}
+    overlapped = "timing/wait_rollout_s" in metrics  # generation ran beside the step
     shares = {f"perf/share/{p}": metrics[f"timing/{p}_s"] / step_s for p in SHARE_PHASES
-              if f"timing/{p}_s" in metrics}  # fmt: skip
+              if f"timing/{p}_s" in metrics and not (overlapped and p == "generate")}  # fmt: skip
     shares["perf/share/other"] = max(0.0, 1.0 - sum(shares.values()))
     return shares
 

@@ -296,22 +296,19 @@ class WorkerGroup:
 
     def call(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs: Any) -> list[Any]:
         """Call `method` on every rank (rank r gets per_rank_args[r]) and wait for all results."""
-        refs = [
+        return self.wait(self.submit(method, per_rank_args, **kwargs))
+
+    def submit(self, method: str, per_rank_args: Sequence[tuple] | None = None, **kwargs: Any) -> list[Any]:
+        """Start `method` on every rank; the refs, one per rank, for `wait` / `wait_all`."""
+        return [
             getattr(w, method).remote(*(per_rank_args[r] if per_rank_args else ()), **kwargs)
             for r, w in enumerate(self.workers)
         ]
-        return self.wait(refs)
 
     def wait(self, refs: list[Any]) -> list[Any]:
         """The results of `refs` (one per rank) in rank order. The first rank to fail or die raises at once:
         the others may be waiting for it in a collective, and would answer only at its timeout."""
-        rank_of = {ref: rank for rank, ref in enumerate(refs)}
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            for ref in done:
-                self._result(ref, rank_of[ref])
-        return [self._result(ref, rank) for rank, ref in enumerate(refs)]
+        return wait_all([(self, refs)])[0]
 
     def _result(self, ref: Any, rank: int) -> Any:
         try:
@@ -329,6 +326,20 @@ class WorkerGroup:
     def shutdown(self) -> None:
         for w in self.workers:
             ray.kill(w, no_restart=True)
+
+
+def wait_all(calls: Sequence[tuple[WorkerGroup, list[Any]]]) -> list[list[Any]]:
+    """The results of calls running on several groups at once (e.g. both sides of a weight push), each in
+    rank order. The first rank of any group to fail or die raises at once, naming its role and rank: the
+    other side may be waiting for it in a collective."""
+    owner = {ref: (group, rank) for group, refs in calls for rank, ref in enumerate(refs)}
+    pending = list(owner)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        for ref in done:
+            group, rank = owner[ref]
+            group._result(ref, rank)
+    return [[group._result(ref, rank) for rank, ref in enumerate(refs)] for group, refs in calls]
 
 
 def nsight_runtime_env(nsys_argv: Sequence[str]) -> dict[str, Any] | None:

@@ -3,7 +3,9 @@
 `PolicyWorker` holds the actor, serves the rollout on the actor's own weights (colocated: no copy, no
 weight sync) and, when the run uses one, the frozen reference policy in the same process (megatron's
 process groups are per process, so the ref shares the actor's layout; validation enforces it).
-`CriticWorker` holds the value model in its own process and process group.
+`CriticWorker` holds the value model in its own process and process group. `RolloutWorker` (rollout.placement:
+separate) holds a frozen copy of the policy in the rollout's own layout on the rollout pool and generates;
+the policy workers push their weights to it after every update (rltrain/rollout/push.py).
 
 Workers read the plan (its effective config), never raw user input: each engine is built from its role of
 the plan (`TrainerPlan.engine(role)`: model, layout, batch schedule, lr table), the reward model from the
@@ -222,6 +224,109 @@ class PolicyWorker(MegatronWorker, RolloutServer):
 
     def engines(self) -> dict[str, Any]:
         return {"actor": self.actor}
+
+    # ------------------------------------------------------------------ weight push (separate rollout)
+    def push_endpoint(self, timeout_s: float) -> tuple[str, int]:
+        """Host the push groups' store here (the first sending rank): this node's address and the port."""
+        import ray
+
+        from rltrain.rollout.push import host_store
+
+        self._push_store, port = host_store(timeout_s)
+        return ray.util.get_node_ip_address(), port
+
+    def join_push(self, endpoint: Any) -> bool:
+        """Senders (tp 0, cp 0, dp 0 of each pipeline stage) join their stage's push group (collective with
+        the rollout ranks); the other ranks only take part in their stage's TP gather. True on a sender."""
+        from megatron.core import parallel_state as ps
+
+        from rltrain.rollout.push import PushGroup, connect_store
+
+        self._push = None
+        if (
+            ps.get_tensor_model_parallel_rank() == 0
+            and ps.get_context_parallel_rank() == 0
+            and (ps.get_data_parallel_rank() == 0)
+        ):
+            store = getattr(self, "_push_store", None) or connect_store(endpoint)
+            self._push = PushGroup(store, ps.get_pipeline_model_parallel_rank(), 0, 1 + endpoint.receivers,
+                                   self.cfg.cluster.device, endpoint.timeout_s)  # fmt: skip
+        return self._push is not None
+
+    def push_weights(self, version: int) -> dict[str, float]:
+        """Send the weights after `version` updates to the rollout pool (every trainer rank calls it: the TP
+        gather is collective); returns the sender's seconds and bytes (empty on the other ranks)."""
+        from rltrain.rollout.weight_sync import iter_hf_weights, send_weights
+
+        assert self.plan.refit is not None
+        with self.measured("weight_push"):
+            named = iter_hf_weights(self.actor.chunks, self.actor.arch)
+            if self._push is None:
+                for _ in named:
+                    pass
+                return {}
+            stats = send_weights(named, self._push, 0, self.plan.refit.bucket_mib * 2**20,
+                                 self._push.tensor_device, version=version)  # fmt: skip
+        return {"seconds": stats.seconds, "bytes": float(stats.bytes), "buckets": float(stats.buckets)}
+
+
+class RolloutWorker(MegatronWorker, RolloutServer):
+    """One rank of a separate rollout pool: the policy's model, frozen, in the rollout's own layout (the
+    plan's `rollout` engine: its tp, no pipeline parallel), generating with the weights of the last push."""
+
+    def init_model(self) -> dict[str, Any]:
+        from rltrain.megatron.actor import MegatronActor
+
+        self.actor = MegatronActor.from_plan(self.plan, "rollout")
+        self.vllm = None
+        self.weight_version: int | None = None  # no push yet: generation refuses to run
+        return {"vocab_size": self.actor.vocab_size, "dp_size": self.actor.dp_size}
+
+    def join_push(self, endpoint: Any) -> None:
+        """Join every stage's push group (collective with the trainer's senders)."""
+        from rltrain.rollout.push import PushGroup, connect_store
+        from rltrain.rollout.weight_sync import MegatronWeightLoader
+
+        store = connect_store(endpoint)
+        self._push = [
+            PushGroup(
+                store,
+                stage,
+                1 + self.rank,
+                1 + endpoint.receivers,
+                self.cfg.cluster.device,
+                endpoint.timeout_s,
+            )
+            for stage in range(endpoint.senders)
+        ]
+        self._loader = MegatronWeightLoader(self.actor.chunks, self.actor.arch)
+
+    def receive_weights(self, version: int) -> dict[str, float]:
+        """Receive the push of weight version `version` from every trainer stage, in stage order; every
+        parameter must arrive, in the expected version, with its buckets' checksums."""
+        from rltrain.rollout.push import receiver_fault
+        from rltrain.rollout.weight_sync import receive_weights
+
+        receiver_fault(self.rank, version)
+        t0 = time.perf_counter()
+        nbytes = 0
+        with self.measured("weight_push"), torch.no_grad():
+            for group in self._push:
+                nbytes += receive_weights(self._loader, group, 0, group.tensor_device, version=version).bytes
+            self._loader.finish()
+        self.weight_version = version
+        return {"seconds": time.perf_counter() - t0, "bytes": float(nbytes)}
+
+    def generate_sequences(
+        self, prompts: dict[str, torch.Tensor], seed: int, *args: Any, **kwargs: Any
+    ) -> dict:
+        """Generation (RolloutServer) with the pushed weights; every row carries their version."""
+        if self.weight_version is None:
+            raise RuntimeError("rollout rank has received no weights yet (the first push must come first)")
+        out = super().generate_sequences(prompts, seed, *args, **kwargs)
+        rows = out["responses"].shape[0]
+        out["weight_version"] = torch.full((rows,), self.weight_version, dtype=torch.int64)
+        return out
 
 
 class CriticWorker(MegatronWorker):

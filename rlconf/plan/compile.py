@@ -125,11 +125,11 @@ def rollout_tp(c: RLConfig) -> int:
 
 
 def rollout_resharded(c: RLConfig) -> bool:
-    """Whether the rollout runs in a layout of its own (tp = rollout_tp, pp 1): always for vLLM; for the
-    embedded engine when its tp differs from the actor's. Otherwise it generates on the actor's weights in
+    """Whether the rollout runs in a layout of its own (tp = rollout_tp, pp 1): always for vLLM and on a
+    separate rollout pool; for the embedded engine when its tp differs from the actor's. Otherwise it generates on the actor's weights in
     the actor's layout, pipeline stages included (zero copy), as configs that set the actor's tp here
     always have."""
-    if c.rollout.engine != "embedded":
+    if c.rollout.engine != "embedded" or c.rollout.placement == "separate":
         return True
     return rollout_tp(c) != c.actor.megatron.tensor_model_parallel_size
 
@@ -242,6 +242,7 @@ def _check_basics(c: RLConfig) -> None:
     if rm.enable:
         ck.integer("reward.reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu, 1)
     for prefix, enabled, placement, n in (
+        ("rollout", True, c.rollout.placement, c.rollout.num_devices),
         ("critic", c.critic.enable, c.critic.placement, c.critic.num_devices),
         ("reward.reward_model", rm.enable, rm.placement, rm.num_devices),
     ):
@@ -383,6 +384,9 @@ def _pool_sizes(c: RLConfig, roles: tuple[str, ...]) -> list[tuple[str, int, tup
     total = c.cluster.nnodes * c.cluster.gpus_per_node
     separate: list[tuple[str, int, tuple[str, ...]]] = []
     actor_roles = [r for r in roles if r in ("actor", "rollout", "ref")]
+    if c.rollout.placement == "separate":
+        actor_roles.remove("rollout")
+        separate.append(("rollout_pool", c.rollout.num_devices, ("rollout",)))
     if "critic" in roles:
         if c.critic.placement == "separate":
             separate.append(("critic_pool", c.critic.num_devices, ("critic",)))
@@ -400,7 +404,8 @@ def _pool_sizes(c: RLConfig, roles: tuple[str, ...]) -> list[tuple[str, int, tup
                 error(
                     "cluster.gpus_per_node",
                     f"separate pools use {total - actor_devices} of {total} devices, none is left for the actor",
-                    "add devices or shrink critic.num_devices / reward.reward_model.num_devices",
+                    "add devices or shrink rollout.num_devices / critic.num_devices / "
+                    "reward.reward_model.num_devices",
                     "device-pools",
                 )
             ]
@@ -646,9 +651,26 @@ def _step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, 
     rc = c.algorithm.rollout_correction
     ref = "ref" in roles
     old = "recompute"
+    stale = c.algorithm.off_policy_steps
+    rollout_is, rollout_rs = rc.rollout_is, rc.rollout_rs
+    if stale > 0 and not rc.bypass_mode and rollout_is is None and rollout_rs is None:
+        # Decoupled PPO: the ratio compares with the trainer's weights before the update (recomputed) and
+        # truncated token weights pi_old / pi_rollout correct for the older behaviour policy.
+        rollout_is = "token"
     if rc.bypass_mode:
         old = "rollout"
         reason = "algorithm.rollout_correction.bypass_mode: the sampler's log-probs are the old ones"
+    elif stale > 0:
+        reason = (
+            f"off-policy (algorithm.off_policy_steps = {stale}): the batch was generated with older weights, "
+            f"so the ratio compares with the trainer's weights before the update and {rollout_is or 'no'} "
+            "importance weights pi_old / pi_rollout"
+            + (
+                " (token-level, set by the plan: no rollout_correction was given)"
+                if rc.rollout_is is None and rollout_is is not None
+                else ""
+            )
+        )
     elif not on_policy:
         reason = (
             f"{actor.optimizer_steps_per_training_step} actor optimizer steps per training step "
@@ -663,11 +685,14 @@ def _step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, 
         old = "update"
         reason = "on-policy (one mini-batch, one epoch): the update's own forward (ratio exactly 1)"
     return StepPasses(
-        actor_on_policy=on_policy,
+        actor_on_policy=on_policy and stale == 0,
         old_log_prob=old,
         ref_log_prob=ref,
         fused=ref and old == "recompute",
         reason=reason,
+        rollout_is=rollout_is,
+        rollout_rs=rollout_rs,
+        off_policy_steps=stale,
     )
 
 

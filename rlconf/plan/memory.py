@@ -197,10 +197,17 @@ def _rollout_refit(c: RLConfig, layouts: tuple[RoleLayout, ...], models: _Models
     actor, rollout = _by_role(layouts, "actor"), _by_role(layouts, "rollout")
     spec = models.for_role("actor")
     mode = (
-        "zero-copy" if not rollout_resharded(c) else ("reshard" if c.rollout.engine == "embedded" else "vllm")
+        "push"
+        if c.rollout.placement == "separate"
+        else "zero-copy"
+        if not rollout_resharded(c)
+        else ("reshard" if c.rollout.engine == "embedded" else "vllm")
     )
-    extra = 0.0 if mode == "zero-copy" else _refit_extra_bytes(c, spec, rollout.tp)
     full = spec.params_total * DTYPE_BYTES[c.model.params_dtype]
+    # A pushed rollout keeps its weights (its own devices); the trainer side holds one bucket in flight.
+    extra = {"zero-copy": 0.0, "push": 2 * min(REFIT_BUCKET_MIB * 2**20, full)}.get(
+        mode, _refit_extra_bytes(c, spec, rollout.tp)
+    )
     seconds = 0.0 if mode == "zero-copy" else full / REFIT_BYTES_PER_S.get(c.cluster.device, 1e9)
     return RolloutRefit(
         mode=mode,
@@ -211,7 +218,37 @@ def _rollout_refit(c: RLConfig, layouts: tuple[RoleLayout, ...], models: _Models
         bucket_mib=REFIT_BUCKET_MIB,
         extra_gib=_gib(extra),
         estimated_s=round(seconds, 4),
+        push_gib=_gib(full) if mode == "push" else 0.0,
+        senders=actor.pp if mode == "push" else 0,
     )
+
+
+def _separate_rollout_memory(
+    c: RLConfig, resources: Resources, lay: RoleLayout, spec: ModelSpec
+) -> PoolMemory:
+    """The separate rollout pool's device: its own model (every layer at the rollout's tp), the KV cache of
+    the rows its DP rank generates, one push bucket while receiving and the last position's logits."""
+    elem = DTYPE_BYTES[c.model.params_dtype]
+    full = spec.params_total * elem
+    weights = full / lay.tp
+    kv = _rollout_kv_bytes(c, lay, spec.arch, spec.arch.num_layers)
+    bucket = 2 * min(REFIT_BUCKET_MIB * 2**20, full)
+    rows = _cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
+    logits = rows * lay.padded_vocab_size / lay.tp * 4.0
+    gen = [("rollout weights", weights), ("rollout kv cache", kv), ("rollout kv compaction", kv / 2),
+           ("rollout logits", logits)]  # fmt: skip
+    push = [("rollout weights", weights), ("weight push bucket", bucket)]
+    phases = tuple(
+        PhaseMemory(
+            name, _gib(sum(b for _, b in parts)), tuple(MemoryPart(k, _gib(b)) for k, b in parts if b > 0)
+        )
+        for name, parts in (("generate_sequences", gen), ("weight_push", push))
+    )
+    top = max(phases, key=lambda p: p.total_gib)
+    dev = c.cluster.device_memory_gib
+    pool = next(p for p in resources.pools if "rollout" in p.roles)
+    return PoolMemory(pool.name, ("rollout",), 0, top.phase, top.total_gib, phases,
+                      None if dev is None else top.total_gib <= dev)  # fmt: skip
 
 
 # The phase of each megatron role's forward-only pass (as the workers' profiled calls name it).
@@ -259,9 +296,10 @@ def _role_mem_model(
             if st.output_layer:
                 logits_train = tokens * out_width * 4.0
         logits_infer = infer_tokens * out_width * 4.0 if st.output_layer else 0.0
-        kv = _rollout_kv_bytes(c, lay, spec.arch, st.num_layers) if role == "actor" else 0.0
+        colocated = c.rollout.placement == "colocated"
+        kv = _rollout_kv_bytes(c, lay, spec.arch, st.num_layers) if role == "actor" and colocated else 0.0
         refit = 0.0
-        if role == "actor" and rollout_resharded(c) and c.rollout.engine == "embedded":
+        if role == "actor" and colocated and rollout_resharded(c) and c.rollout.engine == "embedded":
             # The rollout replica holds every layer at its own tp and generates rows / rollout dp.
             r_tp = rollout_tp(c)
             r_lay = replace(lay, tp=r_tp, pp=1, cp=1, dp=max(lay.world_size // r_tp, 1))
@@ -414,6 +452,10 @@ def _memory(
                 fits=None if dev is None else peak <= dev,
             )
         )
+    if c.rollout.placement == "separate":
+        pools.append(
+            _separate_rollout_memory(c, resources, _by_role(layouts, "rollout"), models.for_role("actor"))
+        )
     peak = max(p.peak_gib for p in pools)
     notes = [
         "estimate per device; parameters on the most loaded pipeline stage; megatron's allocator overhead, "
@@ -427,7 +469,12 @@ def _memory(
         "activations: Korthikanti et al. per layer without the attention s^2 term (flash/SDPA attention), "
         "for the micro-batches in flight under 1F1B, reduced by recompute; plus one fp32 logits slice",
     ]
-    if rollout_resharded(c) and c.rollout.engine == "embedded":
+    if c.rollout.placement == "separate":
+        notes.append(
+            "separate rollout pool: the whole model at the rollout's tp (kept between pushes), its KV cache at "
+            "the rollout's tp and dp, and one received push bucket; the trainer's pools hold no KV cache"
+        )
+    elif rollout_resharded(c) and c.rollout.engine == "embedded":
         notes.append(
             "rollout in its own layout: generate_sequences also holds the rollout replica's weights (params x "
             "dtype bytes / rollout tp) and one refit bucket, from the refit to the end of generation; its KV "

@@ -120,6 +120,19 @@ def _refit_lines(plan: TrainerPlan) -> list[str]:
         return []
     if r.mode == "zero-copy":
         return ["  rollout refit: zero-copy (generates on the actor's own weights, actor layout)"]
+    if r.mode == "push":
+        stale = plan.passes.off_policy_steps if plan.passes is not None else 0
+        ahead = (
+            f"generation runs up to {stale} step{'s' if stale > 1 else ''} ahead of the update (off-policy)"
+            if stale
+            else "on-policy: each batch waits for the push of the update before it"
+        )
+        return [
+            f"  rollout weight push: trainer (tp {r.actor_tp} x pp {r.actor_pp}, {r.senders} sending rank"
+            f"{'s' if r.senders > 1 else ''}) -> separate rollout pool (tp {r.rollout_tp} x dp {r.rollout_dp}) "
+            f"after every update: {r.push_gib:.2f} GiB in buckets of {r.bucket_mib} MiB, ~{r.estimated_s:.2g} s "
+            f"(estimate), versioned and checksummed; {ahead}"
+        ]
     how = "resharded on the actor's devices" if r.mode == "reshard" else "loaded into vLLM"
     return [
         f"  rollout refit: {how}, actor tp {r.actor_tp} x pp {r.actor_pp} -> rollout tp {r.rollout_tp} x dp "

@@ -464,6 +464,14 @@ class StepPasses:
     trip) when the step needs both."""
     reason: str
     """Why, in words."""
+    rollout_is: str | None = None
+    """Importance weights pi_old / pi_rollout on the loss (token | sequence | None):
+    algorithm.rollout_correction.rollout_is, or token when the run is off-policy and sets no correction."""
+    rollout_rs: str | None = None
+    """Rejection sampling by pi_old / pi_rollout (algorithm.rollout_correction.rollout_rs)."""
+    off_policy_steps: int = 0
+    """How many steps generation may run ahead of the update (algorithm.off_policy_steps): the batch of
+    step s is generated with the weights after step s - 1 - off_policy_steps or later."""
 
 
 @dataclass(frozen=True)
@@ -473,7 +481,8 @@ class RolloutRefit:
     mode: str
     """zero-copy: the embedded engine generates on the actor's own weights (same layout); reshard: the
     actor's weights are gathered / split into the rollout layout on the same devices; vllm: loaded into
-    the vLLM engine (HF names, in buckets)."""
+    the vLLM engine (HF names, in buckets); push: sent after every update from the trainer to the separate
+    rollout pool's own model (rltrain/rollout/push.py), in buckets, with a version and checksums."""
     actor_tp: int
     actor_pp: int
     rollout_tp: int
@@ -486,6 +495,10 @@ class RolloutRefit:
     estimated_s: float
     """Estimated refit time per step (bytes moved / a conservative bandwidth of cluster.device; an order of
     magnitude, not a measurement)."""
+    push_gib: float = 0.0
+    """mode push: bytes of one weight push (the whole model in params_dtype, sent once per update)."""
+    senders: int = 0
+    """mode push: trainer ranks that send (one per pipeline stage; each stage streams its own layers)."""
 
 
 @dataclass(frozen=True)
@@ -574,21 +587,40 @@ class EnginePlan:
 
 _T = TypeVar("_T")
 
-ENGINE_ROLES: tuple[str, ...] = ("actor", "ref", "critic", "reward_model")
+ENGINE_ROLES: tuple[str, ...] = ("actor", "ref", "critic", "reward_model", "rollout")
 """Roles with a megatron engine of their own."""
 
 
 def _engine_plan(plan: TrainerPlan, role: str) -> EnginePlan:
     if role not in ENGINE_ROLES or role not in plan.roles:
         raise KeyError(f"role {role!r} has no engine in this plan (roles: {', '.join(plan.roles)})")
+    if role == "rollout" and plan.placement("rollout").pool == plan.placement("actor").pool:
+        raise KeyError("the colocated rollout generates on the actor's engine; it has no engine of its own")
     micro, dynamic, budget = forward_batching(plan.config, role)
     trained = role in ("actor", "critic")
+    layout = plan.layout(role)
+    megatron = _megatron_of(plan.config, role)[1]
+    if role == "rollout":  # a separate rollout: the actor's model settings in the rollout's own layout
+        megatron = replace(
+            megatron,
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=1,
+            virtual_pipeline_model_parallel_size=None,
+            context_parallel_size=1,
+            expert_model_parallel_size=1,
+            expert_tensor_parallel_size=None,
+            sequence_parallel=False,
+            param_offload=False,
+            grad_offload=False,
+            optimizer_offload=False,
+            use_dist_checkpointing=False,
+        )
     return EnginePlan(
         role=role,
         model=next(m for m in plan.models if role in m.used_by),
         settings=plan.config.model,
-        layout=plan.layout(role),
-        megatron=_megatron_of(plan.config, role)[1],
+        layout=layout,
+        megatron=megatron,
         device=plan.resources.device,
         batch=plan.batch_plan(role) if trained else None,
         optim=plan.optim_plan(role) if trained else None,
@@ -602,7 +634,7 @@ def forward_batching(c: RLConfig, role: str) -> tuple[int, bool, int | None]:
     """(rows per forward micro-batch, token-budget batching on, the token budget) of a megatron role's
     log-prob / value / reward passes: what its engine runs and what the memory estimate sizes. The actor and
     the ref cut by the actor's token budget when use_dynamic_bsz (verl)."""
-    if role == "actor":
+    if role in ("actor", "rollout"):
         return (
             c.actor.log_prob_micro_batch_size_per_gpu,
             c.actor.use_dynamic_bsz,
@@ -631,8 +663,8 @@ def _by_role(items: tuple[_T, ...], role: str) -> _T:
 
 
 def _megatron_of(c: RLConfig, role: str) -> tuple[str, MegatronConfig]:
-    """(config path prefix, megatron section) of a megatron role."""
-    if role == "actor":
+    """(config path prefix, megatron section) of a megatron role (a separate rollout's: the actor's)."""
+    if role in ("actor", "rollout"):
         return "actor.megatron", c.actor.megatron
     if role == "ref":
         return "ref.megatron", c.ref.megatron

@@ -5,22 +5,28 @@ refit costs nothing. A separate engine (vLLM, or a megatron model of another TP 
 gets the actor's weights after every update, in Hugging Face layout, because that is what every engine
 loads (`load_weights(iterable of (name, tensor))` in vLLM) and it is independent of the trainer's layout.
 
-Protocol (one torch.distributed group holding the trainer's sending rank `src` and the rollout ranks;
-gloo on CPU, NCCL on GPU):
+Protocol (one group holding the trainer's sending rank `src` and the rollout ranks; gloo on CPU, NCCL on
+GPU; a `Channel`: a torch.distributed group of the default world, or a process group of its own between
+two Ray worker groups, rltrain/rollout/push.py):
 
-  for every bucket:  broadcast_object_list([header])  then  broadcast(uint8 buffer of header.total bytes)
-  end:               broadcast_object_list([None])
+  for every bucket:  broadcast object {version, header, checksum}  then  broadcast(uint8 buffer)
+  end:               broadcast object {version, end: buckets sent}
 
 `header` lists (name, shape, dtype, byte offset) of the tensors packed into the bucket; buckets hold at
 most `bucket_bytes` (one larger tensor goes alone), so peak extra memory is one bucket on each side, not
 a model copy, and the number of collectives is ~model bytes / bucket_bytes (large buckets amortise NCCL
 launch latency; the bench measures it). Receivers are told everything by the header: they need no arch.
+Every message carries the sender's weight `version` (a receiver expecting another one fails: stale or
+crossed pushes), every bucket the checksum of its bytes (a 64-bit sum of its 32-bit words, exact in any
+summation order; a receiver whose bytes differ fails naming the bucket), and the end message the bucket
+count (a lost bucket fails).
 
 Trainer side: `iter_hf_weights` gathers each parameter's TP shards (a collective over the trainer's TP
 group: every trainer TP rank iterates it) and maps it to HF names with the same functions as the HF
 export (rltrain/megatron/hf_weights.py), one parameter at a time. `sync_weights` runs it on every
-trainer rank and broadcasts from `src`. PP > 1 on the trainer is not supported yet (each stage's
-tensors live on another rank; the stages would have to send in turn).
+trainer rank and broadcasts from `src`. With PP > 1 each stage's tensors live on its own ranks:
+`iter_hf_weights` yields this stage's (global layer numbers), and each stage sends on its own group
+(rltrain/rollout/push.py).
 
 Receiver side: `receive_weights(load_weights, group, src)` hands each bucket's (name, tensor) pairs to a
 callback: vLLM's `model.load_weights`, or `MegatronWeightLoader` which reshards into a megatron model of
@@ -56,10 +62,40 @@ class SyncStats:
     seconds: float = 0.0
 
 
+class WeightSyncError(RuntimeError):
+    """A push that arrived wrong: another version than expected, a bucket whose bytes changed, a lost bucket."""
+
+
+class Channel:
+    """Broadcasts over a torch.distributed group of the default world (None: the whole world)."""
+
+    def __init__(self, group: torch.distributed.ProcessGroup | None = None) -> None:
+        self.group = group
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        torch.distributed.broadcast(tensor, src=src, group=self.group)
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src=src, group=self.group)
+        return box[0]
+
+
+def _channel(group: Channel | torch.distributed.ProcessGroup | None) -> Channel:
+    return group if isinstance(group, Channel) else Channel(group)
+
+
+def checksum(buf: torch.Tensor) -> int:
+    """64-bit sum of a bucket's 32-bit words (its length is a multiple of 16 bytes): integer addition is
+    exact in any order, so sender and receiver agree on any device."""
+    return int(buf.view(torch.int32).sum(dtype=torch.int64))
+
+
 # ------------------------------------------------------------------------------------ trainer side
 @torch.no_grad()
 def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: ModelArch) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, full tensor on the parameter's device) of this actor, one megatron parameter at a time.
+    """(HF name, full tensor on the parameter's device) of this actor's pipeline stage, one megatron
+    parameter at a time (global layer numbers: the stages together give the whole model).
 
     Collective over the TP group: every TP rank of the trainer must iterate it to the end. A tied
     output layer is skipped (HF reads the embedding), as in `export_hf_weights`.
@@ -69,10 +105,6 @@ def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: ModelArch) -> Itera
     from rltrain.megatron.hf_weights import _global_params, _to_hf
     from rltrain.megatron.model import unwrap
 
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise NotImplementedError(
-            "weight sync from a pipeline-parallel trainer (PP > 1) is not supported yet"
-        )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
     for chunk in chunks:
@@ -118,18 +150,21 @@ def _unpack(
 
 def send_weights(
     named: NamedTensors,
-    group: torch.distributed.ProcessGroup | None,
+    group: Channel | torch.distributed.ProcessGroup | None,
     src: int,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     device: torch.device | str = "cpu",
     local_load: LoadWeights | None = None,
+    version: int = 0,
 ) -> SyncStats:
-    """Broadcast `named` from this rank (`src`, a global rank) to the others of `group` in buckets.
+    """Broadcast `named` from this rank (`src`, its rank in the group) to the others of `group` in buckets,
+    as weight version `version`.
 
     `device`: where the bucket buffer lives (cuda for NCCL). `local_load`: also hand each bucket to this
     callback here (a rollout shard hosted by the sending process; the bench uses it to time the loading).
     `group=None` with `local_load` sends nothing: an in-process copy through the same packing.
     """
+    channel = _channel(group) if group is not None else None
     stats = SyncStats()
     t0 = time.perf_counter()
     for bucket in _buckets(named, bucket_bytes):
@@ -141,16 +176,16 @@ def send_weights(
         for (_, t), (_, _, _, o) in zip(bucket, header, strict=True):
             flat = t.detach().contiguous().view(-1).view(torch.uint8)
             buf[o : o + flat.numel()].copy_(flat)
-        if group is not None:
-            torch.distributed.broadcast_object_list([header], src=src, group=group)
-            torch.distributed.broadcast(buf, src=src, group=group)
+        if channel is not None:
+            channel.broadcast_object({"version": version, "header": header, "checksum": checksum(buf)}, src)
+            channel.broadcast(buf, src)
         if local_load is not None:
             local_load(_unpack(header, buf))
         stats.tensors += len(bucket)
         stats.bytes += off
         stats.buckets += 1
-    if group is not None:
-        torch.distributed.broadcast_object_list([None], src=src, group=group)
+    if channel is not None:
+        channel.broadcast_object({"version": version, "end": stats.buckets}, src)
     _sync(device)
     stats.seconds = time.perf_counter() - t0
     return stats
@@ -158,26 +193,43 @@ def send_weights(
 
 def receive_weights(
     load_weights: LoadWeights,
-    group: torch.distributed.ProcessGroup | None,
+    group: Channel | torch.distributed.ProcessGroup | None,
     src: int,
     device: torch.device | str = "cpu",
+    version: int | None = None,
 ) -> SyncStats:
     """Receive what `send_weights` broadcasts from `src`; each bucket's (name, tensor) pairs (views into
-    the bucket buffer on `device`) go to `load_weights`, which must copy them."""
+    the bucket buffer on `device`) go to `load_weights`, which must copy them. `version`: the weight
+    version expected (None: any). Raises WeightSyncError on another version, changed bytes or a lost
+    bucket."""
+    channel = _channel(group)
     stats = SyncStats()
     t0 = time.perf_counter()
     while True:
-        obj: list[object] = [None]
-        torch.distributed.broadcast_object_list(obj, src=src, group=group)
-        header = obj[0]
-        if header is None:
+        msg = channel.broadcast_object(None, src)
+        assert isinstance(msg, dict)
+        if version is not None and msg["version"] != version:
+            raise WeightSyncError(
+                f"weight push from rank {src} is version {msg['version']}, expected {version}"
+            )
+        if "end" in msg:
+            if msg["end"] != stats.buckets:
+                raise WeightSyncError(
+                    f"weight push v{msg['version']} from rank {src}: {msg['end']} buckets sent, {stats.buckets} "
+                    "received"
+                )
             break
-        assert isinstance(header, list)
+        header = msg["header"]
         last = header[-1]
         dtype = getattr(torch, last[2])
         total = last[3] + _aligned(torch.Size(last[1]).numel() * torch.empty((), dtype=dtype).element_size())
         buf = torch.empty(total, dtype=torch.uint8, device=device)
-        torch.distributed.broadcast(buf, src=src, group=group)
+        channel.broadcast(buf, src)
+        if checksum(buf) != msg["checksum"]:
+            raise WeightSyncError(
+                f"weight push v{msg['version']} from rank {src}: bucket {stats.buckets} ({header[0][0]} ...) "
+                "arrived with other bytes than were sent (checksum mismatch)"
+            )
         load_weights(_unpack(header, buf))
         stats.tensors += len(header)
         stats.bytes += total
@@ -190,7 +242,7 @@ def receive_weights(
 def sync_weights(
     chunks: Sequence[torch.nn.Module],
     arch: ModelArch,
-    group: torch.distributed.ProcessGroup | None,
+    group: Channel | torch.distributed.ProcessGroup | None,
     src: int,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     local_load: LoadWeights | None = None,
@@ -292,8 +344,11 @@ class MegatronWeightLoader:
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "Channel",
     "MegatronWeightLoader",
     "SyncStats",
+    "WeightSyncError",
+    "checksum",
     "iter_hf_weights",
     "receive_weights",
     "send_weights",

@@ -1,0 +1,118 @@
+"""Weight push from the trainer to a separate rollout pool (rollout.placement: separate).
+
+The trainer (the policy workers) and the rollout (the rollout workers) are two Ray worker groups, each its
+own torch.distributed world (megatron's parallel state is per process and covers one world). The push
+needs a group across them: for every pipeline stage p of the trainer, a process group of its own
+(`PushGroup`, a store-based gloo / NCCL group outside the default world) holds that stage's sending rank
+(tp 0, cp 0, dp 0 of stage p; push rank 0) and every rollout rank (push rank 1 + r). After each update
+every trainer rank runs `push_weights` (the TP gather of `weight_sync.iter_hf_weights` is collective over
+its stage's TP group) and the senders broadcast their stage in buckets; every rollout rank receives the
+stages in order into a `MegatronWeightLoader` of its own layout. Messages carry the weight version and
+every bucket its checksum (rltrain/rollout/weight_sync.py).
+
+Failures never hang the run: every collective of a push group times out after rollout.push_timeout_s
+(the group's timeout), and the controller waits on both sides at once (`ray_group.wait_all`): a dead or
+failing worker on either side stops the step with an error naming its role and rank at once.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import pickle
+from dataclasses import dataclass
+
+import torch
+
+from rltrain.rollout.weight_sync import Channel
+
+STORE_PREFIX = "rlplan/push/stage"
+FAULT_ENV = "RLPLAN_PUSH_FAULT"
+"""Test-only: `receiver_dies@V` makes rollout rank 0 exit (as a crash would) when the push of weight
+version V reaches it. Production never sets it."""
+logger = logging.getLogger(__name__)
+
+
+def receiver_fault(rank: int, version: int) -> None:
+    """The test-only fault point of `FAULT_ENV` (a no-op unless it is set; an unknown spec is an error)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    name, _, at = spec.partition("@")
+    if name != "receiver_dies" or not at.isdigit():
+        raise ValueError(f"{FAULT_ENV}={spec}: expected receiver_dies@VERSION")
+    if rank == 0 and version == int(at):
+        logger.warning("%s=%s: rollout rank 0 exits at the push of version %d", FAULT_ENV, spec, version)
+        os._exit(1)
+
+
+@dataclass(frozen=True)
+class PushEndpoint:
+    """Where the push groups meet: the TCP store hosted by the first sending rank."""
+
+    host: str
+    port: int
+    timeout_s: float
+    senders: int
+    """Trainer ranks that send: one per pipeline stage (stage p's group is `STORE_PREFIX{p}`)."""
+    receivers: int
+    """Rollout ranks."""
+
+
+class PushGroup(Channel):
+    """One stage's push group: a gloo (cpu) or NCCL (cuda) process group built on a TCP store, outside the
+    default torch.distributed world (both sides already have one), with the push timeout on every
+    collective."""
+
+    def __init__(self, store: torch.distributed.Store, stage: int, rank: int, size: int, device: str,
+                 timeout_s: float) -> None:  # fmt: skip
+        super().__init__(None)
+        self.rank, self.size, self.device = rank, size, device
+        timeout = datetime.timedelta(seconds=timeout_s)
+        prefixed = torch.distributed.PrefixStore(f"{STORE_PREFIX}{stage}", store)
+        if device == "cuda":
+            options = torch.distributed.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg = torch.distributed.ProcessGroupNCCL(prefixed, rank, size, options)
+            self.tensor_device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.pg = torch.distributed.ProcessGroupGloo(prefixed, rank, size, timeout)
+            self.tensor_device = torch.device("cpu")
+
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        opts = torch.distributed.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = src, 0
+        self.pg.broadcast([tensor], opts).wait()
+
+    def broadcast_object(self, obj: object, src: int) -> object:
+        """Pickled bytes, their length first (small: a bucket's header)."""
+        payload = pickle.dumps(obj) if self.rank == src else b""
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.tensor_device)
+        self.broadcast(size, src)
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=self.tensor_device)
+        if self.rank == src:
+            buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self.broadcast(buf, src)
+        return obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
+
+    def close(self) -> None:
+        if hasattr(self.pg, "shutdown"):
+            self.pg.shutdown()
+
+
+def host_store(timeout_s: float) -> tuple[torch.distributed.TCPStore, int]:
+    """The push store's server, on a free port of this process's node (the first sender hosts it)."""
+    store = torch.distributed.TCPStore(
+        "0.0.0.0", 0, is_master=True, timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False
+    )
+    return store, store.port
+
+
+def connect_store(endpoint: PushEndpoint) -> torch.distributed.TCPStore:
+    return torch.distributed.TCPStore(
+        endpoint.host, endpoint.port, is_master=False, timeout=datetime.timedelta(seconds=endpoint.timeout_s)
+    )
+
+
+__all__ = ["PushEndpoint", "PushGroup", "connect_store", "host_store"]
