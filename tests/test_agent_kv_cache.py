@@ -1,0 +1,300 @@
+"""Multi-turn rollouts with the KV cache kept across turns (rltrain/megatron/inference.py `KVSession`,
+driven through the rollout workers' `generate_turn` by rltrain/rollout/agent.py `WorkerRolloutClient`)
+against the same rollouts re-prefilling every turn, on the real tiny model (megatron-core over gloo): the
+same tokens, log-probs within the tiny model's tolerance, and the cache really used (later turns prefill
+only the new tokens). A spawned pair of processes checks DP=2 (each row stays on its rank), TP=2 and PP=2
+against the single process. And tools run asynchronously: a slow tool in one row does not hold up the
+other rows' next turns."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import replace
+from typing import ClassVar
+
+import pytest
+import torch
+
+from rlconf.config import MultiTurnConfig
+from rltrain.rollout.agent import AgentLoop, WorkerRolloutClient
+from rltrain.rollout.generation import RolloutServer
+from rltrain.tokenizer import CharTokenizer
+from rltrain.tools import load_tools
+
+from .megatron._common import actor_cfg, assert_tiny_close, free_port, run_spawned, tiny_model_cfg
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
+]
+
+
+class _Worker(RolloutServer):
+    """What a rollout worker holds for `RolloutServer` (the embedded engine on the actor's weights)."""
+
+    def __init__(self, actor, temperature: float) -> None:
+        from presets.tiny import tiny_tool
+
+        cfg = tiny_tool()
+        self.cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=temperature))
+        self.plan = type("Plan", (), {"refit": None})()
+        self.actor, self.vllm = actor, None
+        self.measured = lambda name: contextlib.nullcontext()
+
+
+class _NoCacheClient(WorkerRolloutClient):
+    """The same workers, told not to keep a cache: every turn prefills the whole context."""
+
+    def open(self, n_rows: int) -> None:
+        super().open(n_rows)
+        self.session = None
+        self.keeps_kv_cache = False
+
+
+def _client(worker: _Worker, cache: bool) -> WorkerRolloutClient:
+    cls = WorkerRolloutClient if cache else _NoCacheClient
+    return cls(lambda batch, *extra: worker.generate_turn(batch, *extra),
+               lambda method, *args: [getattr(worker, method)(*args)], dp=1, pad_id=CharTokenizer().pad_token_id)  # fmt: skip
+
+
+def _loop(turns: int = 4, total: int = 40) -> AgentLoop:
+    mt = MultiTurnConfig(enable=True, tools=("calculator",), max_assistant_turns=turns, tool_timeout_s=5.0)
+    return AgentLoop(CharTokenizer(), mt, load_tools(mt), max_total_tokens=total)
+
+
+def _prompts(n: int) -> list[str]:
+    return [f"{10 + i // 2}*{2 + i % 7}=" for i in range(n)]  # pairs of equal prompts (rollout.n = 2)
+
+
+def rollout(client, n_rows: int = 24, seed: int = 5):
+    loop = _loop()
+    try:
+        return loop.run(client, loop.prompt_ids(_prompts(n_rows)), seed)
+    finally:
+        loop.close()
+
+
+@pytest.fixture(scope="module")
+def actor():
+    from rltrain.megatron.actor import MegatronActor
+
+    torch.manual_seed(0)
+    return MegatronActor(tiny_model_cfg(), actor_cfg(), "cpu", trainable=False)
+
+
+class _CountForwards:
+    """Records (rows, columns, start column) of every cached forward of the engine."""
+
+    def __init__(self, monkeypatch) -> None:
+        from rltrain.megatron.inference import KVCacheGenerator
+
+        self.calls: list[tuple[int, int, int]] = []
+        inner = KVCacheGenerator.forward
+
+        def forward(engine, tokens, start, rows, mask):
+            self.calls.append((tokens.shape[0], tokens.shape[1], start))
+            return inner(engine, tokens, start, rows, mask)
+
+        monkeypatch.setattr(KVCacheGenerator, "forward", forward)
+
+    def prefill_tokens(self) -> int:
+        return sum(rows * cols for rows, cols, _ in self.calls if cols > 1)
+
+
+def test_kept_cache_gives_the_re_prefill_rollout(actor, monkeypatch):
+    """Sampling at temperature 1 (each row draws from its own seeded stream, so both runs draw the same
+    numbers): the same tokens and masks, log-probs within tolerance, while the kept cache prefills fewer
+    tokens and later turns start their prefill past the cached columns."""
+    worker = _Worker(actor, temperature=1.0)
+    counted = _CountForwards(monkeypatch)
+    kept = rollout(_client(worker, cache=True))
+    kept_calls, counted.calls = counted.calls, []
+    fresh = rollout(_client(worker, cache=False))
+    assert kept.metrics["multi_turn/turns_mean"] > 1.2  # several rows took more than one turn
+    assert kept.metrics["multi_turn/generate_calls"] >= 2
+    for key in ("input_ids", "attention_mask", "responses", "response_mask", "multi_turn_turns",
+                "multi_turn_tool_calls"):  # fmt: skip
+        assert torch.equal(kept.batch[key], fresh.batch[key]), key
+    assert_tiny_close(kept.batch["rollout_log_probs"], fresh.batch["rollout_log_probs"])
+    # The cache was used: a later call prefilled from a column past 0, and fewer tokens went through
+    # prefills than when every turn re-runs its whole context.
+    assert any(start > 0 and cols > 1 for _, cols, start in kept_calls)
+    assert all(start == 0 for _, cols, start in counted.calls if cols > 1)
+    assert sum(r * c for r, c, _ in kept_calls if c > 1) < counted.prefill_tokens()
+    assert kept.metrics["multi_turn/kv_reused_tokens"] > 0
+    # The session ended with the rollout: nothing stays on the worker.
+    assert worker.__dict__["_kv_sessions"] == {}
+
+
+def test_a_session_reuses_only_the_matching_prefix(actor):
+    """A row whose context the caller changed (cut, or another row under the same id) is still generated
+    as from scratch: only the prefix the session holds and the context share is reused."""
+    from rltrain.data import left_pad
+    from rltrain.megatron.inference import KVSession, generate_with_kv_cache
+
+    tok = CharTokenizer()
+    contexts = [tok.encode("12*34=<"), tok.encode("5+6=")]
+    kw = dict(temperature=1.0, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, row_seeds=[11, 12])
+    session = KVSession()
+    ids, mask = left_pad(contexts, tok.pad_token_id)
+    first = generate_with_kv_cache(actor, ids, mask, 6, session=session, row_ids=[0, 1], **kw)
+    # Row 0 goes on after its sampled tokens plus an observation; row 1 is replaced by another context.
+    row0 = (
+        contexts[0] + first["responses"][0][first["response_mask"][0].bool()].tolist()[:3] + tok.encode("=7")
+    )
+    later = [row0, tok.encode("9*9=#")]
+    ids, mask = left_pad(later, tok.pad_token_id)
+    cached = generate_with_kv_cache(actor, ids, mask, 6, session=session, row_ids=[0, 1], **kw)
+    plain = generate_with_kv_cache(actor, ids, mask, 6, **kw)
+    assert session.reused_tokens > 0
+    assert torch.equal(cached["responses"], plain["responses"])
+    assert_tiny_close(cached["rollout_log_probs"], plain["rollout_log_probs"])
+
+
+# ------------------------------------------------------------------------------------ asynchronous tools
+class _ScriptTool:
+    """calculator-shaped tool whose calls wait on events: `9` blocks until `release` is set, `8` meets
+    another `8` at a barrier (it can only pass when two calls run at once); any other answers at once."""
+
+    name = "calculator"
+    schema: ClassVar[dict] = {"type": "function", "function": {"name": "calculator", "parameters": {
+        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}  # fmt: skip
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.barrier = threading.Barrier(2, timeout=20)
+        self.slow_done_at: int | None = None
+        self.calls_made = 0  # generation calls so far (set by the scripted model)
+
+    def __call__(self, arguments):
+        expr = arguments["expression"]
+        if expr == "9":
+            assert self.release.wait(timeout=20), "the other rows' turns never came while this tool ran"
+            self.slow_done_at = self.calls_made
+        elif expr == "8":
+            self.barrier.wait()
+        return "1"
+
+
+def test_a_slow_tool_does_not_hold_up_the_other_rows():
+    """Row 0's tool blocks until the other rows have taken all their turns (the scripted model sets the
+    event when it sees their last turn): the loop must have run those turns while the tool was still
+    running, or the tool times out and its row is marked. Rows 1 and 2 call `8` together at their first
+    turn: their calls meet at a barrier, so they ran at the same time."""
+    tok = CharTokenizer()
+    tool = _ScriptTool()
+    mt = MultiTurnConfig(enable=True, tools=("calculator",), max_assistant_turns=4, tool_timeout_s=30.0)
+    loop = AgentLoop(tok, mt, [tool], max_total_tokens=40)
+    calls: list[dict[int, int]] = []  # per generation call: row -> its turn
+    turns_of: dict[int, int] = {}
+    scripts = {
+        0: ["<9>", "5"],
+        1: ["<8>", "<1>", "<1>", "3"],
+        2: ["<8>", "<1>", "<1>", "3"],
+        3: ["<1>", "<1>", "4"],
+    }
+
+    def generate(request):
+        tool.calls_made = len(calls) + 1
+        calls.append({})
+        out = []
+        for row in request.row_ids:
+            turn = turns_of.get(row, 0)
+            turns_of[row] = turn + 1
+            calls[-1][row] = turn
+            text = scripts[row][turn]
+            ids = tok.encode(text) + ([] if text.endswith(">") else [tok.eos_token_id])
+            out.append((ids, [-0.5] * len(ids)))
+        if all(turns_of.get(r, 0) == len(scripts[r]) for r in (1, 2, 3)):
+            tool.release.set()
+        return out
+
+    class Client:
+        keeps_kv_cache = False
+
+        def open(self, n_rows):
+            pass
+
+        def generate(self, request):
+            return generate(request)
+
+        def close(self):
+            return {}
+
+    try:
+        result = loop.run(Client(), loop.prompt_ids(["1+1="] * 4), seed=0)
+    finally:
+        loop.close()
+    b = result.batch
+    assert b["multi_turn_tool_errors"].tolist() == [0.0] * 4  # nothing timed out, the barrier was met
+    assert b["multi_turn_turns"].tolist() == [2.0, 4.0, 4.0, 3.0]
+    # Rows 1-3 finished every turn in calls that ran while row 0's tool was running; row 0's second turn
+    # came in a later call.
+    last_other = max(i for i, c in enumerate(calls) if any(r != 0 for r in c))
+    (row0_second,) = [i for i, c in enumerate(calls) if c.get(0) == 1]
+    assert tool.slow_done_at is not None and tool.slow_done_at >= last_other + 1
+    assert row0_second > last_other
+
+
+# ------------------------------------------------------------------------------------ DP / TP / PP
+LAYOUTS = [("dp2", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)]  # (name, tp, pp) over 2 processes
+
+
+def _layout_worker(rank: int, port: int, ref: dict) -> None:
+    run_spawned(_check_layouts, rank, port, ref)
+
+
+def _check_layouts(rank: int, port: int, ref: dict) -> None:
+    from megatron.core import parallel_state
+
+    import rltrain.rollout.agent as agent
+    from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+
+    # Both processes run the whole agent loop and must make the same calls: give every wave of tool calls
+    # time to come back together (the calculator answers in microseconds).
+    agent.STRAGGLER_WAIT_S = 10.0
+    init_distributed("cpu", rank=rank, world_size=2, master_port=port)
+    for name, tp, pp in LAYOUTS:
+        cfg = actor_cfg(tp, pp)
+        init_parallel(cfg.megatron, "cpu")
+        torch.manual_seed(0)
+        actor = MegatronActor(tiny_model_cfg(), cfg, "cpu", trainable=False)
+        worker = _Worker(actor, temperature=1.0)
+        dp = parallel_state.get_data_parallel_world_size()
+        group = parallel_state.get_data_parallel_group()
+
+        def dispatch(batch, *extra, worker=worker, dp=dp, group=group):
+            # The controller's _dispatch_cat: equal contiguous DP shards, results concatenated in DP order.
+            rows = next(iter(batch.values())).shape[0]
+            d = parallel_state.get_data_parallel_rank()
+            shard = {k: v[rows * d // dp : rows * (d + 1) // dp] for k, v in batch.items()}
+            out = worker.generate_turn(shard, *extra)
+            parts = [None] * dp
+            torch.distributed.all_gather_object(parts, out, group=group)
+            return {k: torch.cat([p[k] for p in parts], 0) for k in out}
+
+        def call_all(method, *args, worker=worker):
+            mine = getattr(worker, method)(*args)
+            every = [None] * 2
+            torch.distributed.all_gather_object(every, mine)
+            return every
+
+        client = WorkerRolloutClient(dispatch, call_all, dp=dp, pad_id=CharTokenizer().pad_token_id)
+        result = rollout(client)
+        for key in ("responses", "response_mask", "multi_turn_turns"):
+            assert torch.equal(result.batch[key], ref["batch"][key]), (name, key)
+        assert_tiny_close(result.batch["rollout_log_probs"], ref["batch"]["rollout_log_probs"], msg=name)
+        assert result.metrics["multi_turn/kv_reused_tokens"] > 0, name
+        del actor
+    destroy_parallel()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_dp_tp_and_pp_layouts_keep_the_cache_and_match_one_process(actor):
+    """DP=2 (rows sharded by the client, each on one rank for the whole rollout), TP=2 and PP=2 keep the
+    cache and give the single process's rollout (the same initial weights: seed 0)."""
+    ref = {"batch": rollout(_client(_Worker(actor, temperature=1.0), cache=True)).batch}
+    torch.multiprocessing.spawn(_layout_worker, args=(free_port(), ref), nprocs=2, join=True)
