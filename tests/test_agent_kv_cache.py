@@ -76,11 +76,18 @@ def rollout(client, n_rows: int = 24, seed: int = 5):
 
 
 @pytest.fixture(scope="module")
-def actor():
+def tiny_hf(tmp_path_factory):
+    """A tiny random Qwen2 on disk: the same weights in every process and layout."""
+    from .megatron._common import make_tiny_qwen2
+
+    return str(make_tiny_qwen2(tmp_path_factory.mktemp("hf") / "qwen2_tiny"))
+
+
+@pytest.fixture(scope="module")
+def actor(tiny_hf):
     from rltrain.megatron.actor import MegatronActor
 
-    torch.manual_seed(0)
-    return MegatronActor(tiny_model_cfg(), actor_cfg(), "cpu", trainable=False)
+    return MegatronActor(tiny_model_cfg(tiny_hf), actor_cfg(), "cpu", trainable=False)
 
 
 class _CountForwards:
@@ -241,11 +248,11 @@ def test_a_slow_tool_does_not_hold_up_the_other_rows():
 LAYOUTS = [("dp2", 1, 1), ("tp2", 2, 1), ("pp2", 1, 2)]  # (name, tp, pp) over 2 processes
 
 
-def _layout_worker(rank: int, port: int, ref: dict) -> None:
-    run_spawned(_check_layouts, rank, port, ref)
+def _layout_worker(rank: int, port: int, hf_path: str, ref: dict) -> None:
+    run_spawned(_check_layouts, rank, port, hf_path, ref)
 
 
-def _check_layouts(rank: int, port: int, ref: dict) -> None:
+def _check_layouts(rank: int, port: int, hf_path: str, ref: dict) -> None:
     from megatron.core import parallel_state
 
     import rltrain.rollout.agent as agent
@@ -259,8 +266,7 @@ def _check_layouts(rank: int, port: int, ref: dict) -> None:
     for name, tp, pp in LAYOUTS:
         cfg = actor_cfg(tp, pp)
         init_parallel(cfg.megatron, "cpu")
-        torch.manual_seed(0)
-        actor = MegatronActor(tiny_model_cfg(), cfg, "cpu", trainable=False)
+        actor = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
         worker = _Worker(actor, temperature=1.0)
         dp = parallel_state.get_data_parallel_world_size()
         group = parallel_state.get_data_parallel_group()
@@ -293,8 +299,8 @@ def _check_layouts(rank: int, port: int, ref: dict) -> None:
 
 @pytest.mark.multiproc
 @pytest.mark.slow
-def test_dp_tp_and_pp_layouts_keep_the_cache_and_match_one_process(actor):
+def test_dp_tp_and_pp_layouts_keep_the_cache_and_match_one_process(actor, tiny_hf):
     """DP=2 (rows sharded by the client, each on one rank for the whole rollout), TP=2 and PP=2 keep the
-    cache and give the single process's rollout (the same initial weights: seed 0)."""
+    cache and give the single process's rollout (the same weights, loaded from one folder)."""
     ref = {"batch": rollout(_client(_Worker(actor, temperature=1.0), cache=True)).batch}
-    torch.multiprocessing.spawn(_layout_worker, args=(free_port(), ref), nprocs=2, join=True)
+    torch.multiprocessing.spawn(_layout_worker, args=(free_port(), tiny_hf, ref), nprocs=2, join=True)
