@@ -245,6 +245,10 @@ def _placement_error(name: str, counts: list[int], group: int, bundle: dict[str,
     )
 
 
+# Rendezvous ports this driver handed out, by node: never given to a second group (see _Probe.address).
+_handed_out: dict[str, set[int]] = {}
+
+
 class WorkerGroup:
     """`world_size` Ray actors of one role, rank r in bundle r of its pool."""
 
@@ -274,7 +278,10 @@ class WorkerGroup:
         # torch.distributed rendezvous on rank 0's node: ask a probe in bundle 0 for its address and a free
         # port there (the controller's own address is wrong when the pool spans nodes).
         probe = ray.remote(_Probe).options(num_cpus=0, scheduling_strategy=pool.strategy(0)).remote()
-        master_addr, master_port = ray.get(probe.address.remote())
+        master_addr, master_port = ray.get(
+            probe.address.remote(frozenset(_handed_out.get(pool.node_ids()[0], ())))
+        )
+        _handed_out.setdefault(pool.node_ids()[0], set()).add(master_port)
         ray.kill(probe)
         self.workers = [
             remote_cls.options(
@@ -374,8 +381,13 @@ def accelerator_options(device: str, share: float) -> dict[str, Any]:
 class _Probe:
     """Runs in bundle 0 of a pool to report that node's address and a free port."""
 
-    def address(self) -> tuple[str, int]:
-        return ray.util.get_node_ip_address(), free_port()
+    def address(self, taken: frozenset[int] = frozenset()) -> tuple[str, int]:
+        """A port free now and not in `taken`: ports handed to groups whose workers have not bound them
+        yet (the OS may offer a released port again; two groups on one node would then collide)."""
+        port = free_port()
+        while port in taken:
+            port = free_port()
+        return ray.util.get_node_ip_address(), port
 
 
 def _first_line(exc: BaseException) -> str:

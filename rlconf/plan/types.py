@@ -77,7 +77,7 @@ class Pool:
     """A set of devices; the roles in it share one worker process per device."""
 
     name: str
-    """actor_pool, critic_pool or reward_model_pool."""
+    """actor_pool, rollout_pool, critic_pool or reward_model_pool."""
     first_device: int
     """Global index of its first device (devices are numbered node by node)."""
     num_devices: int
