@@ -62,6 +62,11 @@ _ALL = (
         "qwen2.5-1.5b-ppo-tp2", "2 GPUs, Qwen2.5-1.5B shape, PPO with a critic, TP=2", gpu.qwen25_15b_ppo_tp2
     ),
     Preset(
+        "qwen3-moe-grpo",
+        "1 H200, Qwen3-MoE shape (~2.9B, 64 experts, top 8), GRPO with KL loss, grouped-GEMM experts, bf16",
+        gpu.qwen3_moe_grpo,
+    ),
+    Preset(
         "qwen2.5-7b-grpo-tp4pp2", "8 GPUs, Qwen2.5-7B shape, GRPO, TP=4 x PP=2", gpu.qwen25_7b_grpo_tp4pp2
     ),
 )

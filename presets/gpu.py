@@ -174,3 +174,32 @@ def qwen25_05b_tool() -> RLConfig:
             "trainer.experiment_name": "qwen2.5-0.5b-tool",
         },
     )
+
+
+QWEN3_MOE_3B = ModelArch(
+    family="qwen3_moe", num_layers=24, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16,
+    num_query_groups=4, kv_channels=128, vocab_size=151936, max_position_embeddings=32768,
+    rotary_base=1000000.0, add_qkv_bias=False, qk_layernorm=True, share_embeddings_and_output_weights=False,
+    num_moe_experts=64, moe_router_topk=8, moe_ffn_hidden_size=512, moe_norm_topk_prob=True,
+    moe_aux_loss_coeff=0.001,
+)  # fmt: skip
+"""Qwen3-MoE's shape (QK-norm, head_dim 128, 64 routed experts, top 8 renormalised, no shared expert)
+scaled to one GPU: ~2.9B parameters, ~0.8B active per token."""
+
+
+def qwen3_moe_grpo() -> RLConfig:
+    """GRPO with a KL loss on a Qwen3-MoE-shaped model (random init) on one H200: the 1.5B recipe with the
+    expert layers on grouped GEMM; rollout on the embedded engine (MoE decodes on its dynamic path)."""
+    return replace_paths(
+        qwen25_05b_grpo(),
+        {
+            "model.arch": QWEN3_MOE_3B,
+            "model.moe_grouped_gemm": True,
+            "cluster.device_memory_gib": 139.0,
+            "data.train_batch_size": 32,
+            "actor.ppo_mini_batch_size": 8,
+            "actor.ppo_max_token_len_per_gpu": 12288,
+            "trainer.output_dir": "outputs/qwen3-moe-grpo",
+            "trainer.experiment_name": "qwen3-moe-grpo",
+        },
+    )
