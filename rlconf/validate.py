@@ -276,7 +276,7 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
 
 
 @rule("moe", "actor.router_replay", "model.arch.num_moe_experts", "rollout.engine",
-      "rollout.tensor_model_parallel_size")  # fmt: skip
+      "rollout.tensor_model_parallel_size", "rollout.multi_turn.enable")  # fmt: skip
 def moe_options(c: RLConfig) -> Iterator[Issue]:
     """Mixture-of-experts options need a MoE model: actor.router_replay on the built-in `model.arch` needs
     num_moe_experts (a config.json model is checked when the run builds it), and the routing is recorded by
@@ -296,6 +296,10 @@ def moe_options(c: RLConfig) -> Iterator[Issue]:
         yield error("actor.router_replay", "router replay records the routing of the rollout in the actor's "
                     "layout; a rollout tensor parallel size of its own is not recorded yet",
                     "use rollout.tensor_model_parallel_size: null or actor.router_replay: false", "moe")  # fmt: skip
+    if c.rollout.multi_turn.enable:
+        yield error("actor.router_replay", "router replay records one generation call per batch; a multi-turn "
+                    "rollout generates in turns, whose routings are not joined yet",
+                    "set actor.router_replay: false, or rollout.multi_turn.enable: false", "moe")  # fmt: skip
 
 
 @rule(

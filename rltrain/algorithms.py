@@ -891,10 +891,12 @@ def concat_batches(batches: Sequence[dict[str, Tensor]], pad_token_id: int) -> d
                 continue
             if key == "group_index":
                 out[key].append(value + offset)
-            elif key in _SEQUENCE_KEYS:
-                pad = pad_token_id if key == "input_ids" else 0
-                prompt = torch.nn.functional.pad(value[:, :p], (prompt_width - p, 0), value=pad)
-                resp = torch.nn.functional.pad(value[:, p:], (0, resp_width - n), value=pad)
+            elif key in _SEQUENCE_KEYS or (value.dim() > 2 and value.shape[1] == p + n):
+                # Token-aligned keys; [B, P + N, ...] ones (the recorded expert routing) pad with -1.
+                pad = pad_token_id if key == "input_ids" else 0 if key in _SEQUENCE_KEYS else -1
+                trailing = [0, 0] * (value.dim() - 2)
+                prompt = torch.nn.functional.pad(value[:, :p], (*trailing, prompt_width - p, 0), value=pad)
+                resp = torch.nn.functional.pad(value[:, p:], (*trailing, 0, resp_width - n), value=pad)
                 out[key].append(torch.cat([prompt, resp], 1))
             elif value.dim() == 2:
                 pad = pad_token_id if key == "responses" else 0

@@ -306,7 +306,6 @@ def test_dp_tp_and_pp_layouts_keep_the_cache_and_match_one_process(actor, tiny_h
     torch.multiprocessing.spawn(_layout_worker, args=(free_port(), tiny_hf, ref), nprocs=2, join=True)
 
 
-@pytest.mark.skip(reason="needs controller change (_agent_rollout builds a WorkerRolloutClient)")
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_tiny_tool_run_keeps_the_cache_across_turns(tmp_path):

@@ -65,6 +65,7 @@ CASES = [
      "overlong-buffer", "error"),
     (["algorithm.rollout_correction.rollout_is_threshold=0.5"],
      "algorithm.rollout_correction.rollout_is_threshold", "rollout-correction", "error"),
+    (["actor.router_replay=true"], "actor.router_replay", "moe", "error"),
     # issue 24: a separate rollout pool, generation ahead of the update
     (["algorithm.off_policy_steps=1"], "algorithm.off_policy_steps", "rollout-placement", "error"),
     (["algorithm.off_policy_steps=-1"], "algorithm.off_policy_steps", "rollout-placement", "error"),

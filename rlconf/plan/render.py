@@ -151,7 +151,9 @@ def format_plan(plan: TrainerPlan) -> str:
         out.append(
             f"  {m.name}: {_fmt_count(m.params_total)} params"
             + (
-                f" ({_fmt_count(m.params_active)} active: {a.num_moe_experts} experts, {a.moe_router_topk} per token)"
+                f" ({_fmt_count(m.params_active)} active: {a.num_moe_experts} experts, {a.moe_router_topk} per token"
+                + (", router replay" if m.name == "policy" and plan.config.actor.router_replay else "")
+                + ")"
                 if a.num_moe_experts is not None
                 else ""
             )

@@ -10,6 +10,7 @@ sets up: `self.plan`, `self.cfg`, `self.actor` (the engine that generates: `Mega
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -70,8 +71,15 @@ class RolloutServer:
                     stop_token_ids=r.stop_token_ids,
                     static_decode=r.cuda_graph and devices.graphs_supported(self.cfg.cluster.device),
                 )  # fmt: skip
-        with self.measured("generate_sequences"):
-            return self.actor.generate(
+        # actor.router_replay: record the experts each token was routed to (training replays them).
+        replay = self.cfg.actor.router_replay and not validate
+        recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if replay:
+            from rltrain.megatron.moe_replay import ROUTED_EXPERTS, record_routing
+
+            recording = record_routing(self.actor)
+        with self.measured("generate_sequences"), recording as recorder:
+            out = self.actor.generate(
                 prompt_ids,
                 max_new_tokens=r.max_response_length,
                 temperature=r.val.temperature if validate else r.temperature,
@@ -85,6 +93,9 @@ class RolloutServer:
                 cuda_graph=r.cuda_graph and devices.graphs_supported(self.cfg.cluster.device),
                 seed=shard_seed,
             )
+        if replay:
+            out[ROUTED_EXPERTS] = recorder.routed_experts(out)
+        return out
 
     # -------------------------------------------------------------------------------- multi-turn turns
     def kv_session_unsupported(self) -> str | None:
