@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import re
 import warnings
 
 # (start of the message, module regex of the code that warns): warnings.filterwarnings matches both from
@@ -28,6 +29,22 @@ MEGATRON_NOISE = (
     ("The .grad attribute of a Tensor that is not a leaf", r"megatron\.core\.optimizer"),
 )
 
+# torch deprecations that megatron-core 0.16's checkpoint loading trips on every resume (FutureWarning;
+# nothing for a user to change). On CPU the ShardedTensor one is attributed to rltrain.megatron.cpu_compat.
+TORCH_DEPRECATION_NOISE = (
+    ("`load_state_dict` is deprecated", r"megatron\.core\.dist_checkpointing"),
+    ("Please use DTensor instead and we are deprecating ShardedTensor", r"(megatron|rltrain\.megatron)"),
+)
+# megatron compares every rank's "common" checkpoint dict with rank 0's on each save and logs the
+# difference. With the distributed optimizer (dp_reshardable) the other data-parallel ranks always carry
+# the optimizer's `param_state` key there and rank 0 does not: a known, harmless difference, dropped. Any
+# other difference is still logged.
+MEGATRON_CKPT_LOGGER = "megatron.core.dist_checkpointing.validation"
+BENIGN_COMMON_DIFF = re.compile(
+    r"Rank \d+ common state dict differs from rank 0 common state dict\. Keys only on rank 0: \[\], "
+    r"Keys only on \d+: \[\('optimizer', 'param_state'\)\], Mismatched keys: \[\]$"
+)
+
 # Ray 2.60 logs this at every `ray.init`; the token it mentions is Ray's default and needs no action.
 RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 RAY_TOKEN_AUTH_MESSAGE = "Token authentication is enabled for this Ray cluster"
@@ -42,11 +59,26 @@ class _DropMessages(logging.Filter):
         return not record.getMessage().startswith(self.prefixes)
 
 
+class _DropMatching(logging.Filter):
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.pattern.match(record.getMessage()) is None
+
+
 def filter_third_party_warnings() -> None:
-    """Ignore the warnings in MEGATRON_NOISE in this process. Idempotent; call before importing megatron
-    (its import-time warnings are emitted once and cannot be filtered afterwards)."""
+    """Ignore the warnings in MEGATRON_NOISE and TORCH_DEPRECATION_NOISE and megatron's benign checkpoint
+    log line in this process. Idempotent; call before importing megatron (its import-time warnings are
+    emitted once and cannot be filtered afterwards)."""
     for message, module in MEGATRON_NOISE:
         warnings.filterwarnings("ignore", message=message, category=UserWarning, module=module)
+    for message, module in TORCH_DEPRECATION_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
+    ckpt = logging.getLogger(MEGATRON_CKPT_LOGGER)
+    if not any(isinstance(f, _DropMatching) for f in ckpt.filters):
+        ckpt.addFilter(_DropMatching(BENIGN_COMMON_DIFF))
 
 
 def kernel_note(device: str) -> str | None:
