@@ -657,16 +657,21 @@ class Trainer:
             self.pipeline.close()
         if self.agent is not None:
             self.agent.close()
+        # On a stop or a failure Ray itself may be going down (a signal reaches its processes too): a failed
+        # kill or release RPC then changes nothing, and must not turn a clean stop into an internal error.
+        ray_down = contextlib.suppress(Exception) if stopping or failed else contextlib.nullcontext()
         for group in self.groups.values():
             if not (stopping or failed):
                 with contextlib.suppress(WorkerError):
                     group.call("finish")
-            group.shutdown()
+            with ray_down:
+                group.shutdown()
         # The workers are gone, so nothing writes into a staged save any more: remove what was not committed.
         for step in self.ckpt.pending_steps():
             self.ckpt.abort(step)
         for pool in self.pools:
-            pool.release()
+            with ray_down:
+                pool.release()
         if stopping:
             self.logger.close()
         if self._own_folder:
@@ -716,7 +721,8 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
             import ray
 
             if ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-                ray.shutdown()
+                with contextlib.suppress(Exception) if code or failed else contextlib.nullcontext():
+                    ray.shutdown()
     finally:
         if folder is not None:
             if code:
