@@ -242,8 +242,10 @@ def world_divisible(c: RLConfig) -> Iterator[Issue]:
 )
 def engine_support(c: RLConfig) -> Iterator[Issue]:
     """Layouts the Megatron engine does not run yet. Context parallel runs through the engine's own SDPA
-    attention (rltrain/megatron/context_parallel.py): not with megatron's `local` or Transformer Engine
-    attention, pipeline parallel or mixture-of-experts layers (not built or tested there yet). Expert parallel runs on mixture-of-experts models: for the built-in `model.arch` each
+    attention (rltrain/megatron/context_parallel.py), with dense and mixture-of-experts layers (each CP rank
+    routes its own tokens; megatron reduces the router's token counts over TP x CP): not with megatron's
+    `local` or Transformer Engine attention or pipeline parallel (not built or tested there yet). Expert
+    parallel runs on mixture-of-experts models: for the built-in `model.arch` each
     role's ep divides num_moe_experts and its expert tp the expert width (the plan checks a config.json's
     architecture the same way), and a dense model takes no ep."""
     for prefix, m, _ in _megatron_roles(c):
@@ -254,8 +256,6 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
                  f"with model.attention_backend: {c.model.attention_backend}", "model.attention_backend: sdpa"),
                 (m.pipeline_model_parallel_size > 1, "with pipeline parallel",
                  f"{prefix}.megatron.pipeline_model_parallel_size: 1"),
-                (c.model.arch.num_moe_experts is not None, "with mixture-of-experts layers",
-                 "expert or tensor parallel"),
             ]  # fmt: skip
             for bad, what, instead in unsupported:
                 if bad:

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_regi
 from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
 from rlconf.seeding import GENERATE, derive_seed
 from rltrain import algorithms
+from rltrain.megatron import context_parallel as cp
 from rltrain.megatron.engine import MegatronEngine, MicroBatch, sections_plan
 from rltrain.megatron.inference import sample_tokens
 from rltrain.megatron.logprob import token_log_probs_and_entropy
@@ -102,14 +103,19 @@ class MegatronActor(MegatronEngine):
     def _token_log_probs(
         self, mb: MicroBatch, logits: torch.Tensor, temperature: float, with_entropy: bool
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Log-probs (and entropy) [b, R] of the response tokens, 0 on padding, from logits [b, L, V/tp].
+        """Log-probs (and entropy) [b, R] of the response tokens, 0 on padding, from logits [b, L, V/tp]
+        (with context parallel: this CP rank's [b, L / CP, V/tp] chunks; the loss functions are
+        `context_parallel.CpLocalLoss`es).
 
         Only the valid response positions are evaluated, in token chunks (logprob.py): no [b, R, V/tp]
-        copy and no fp32 copy of the whole micro-batch's logits is made.
+        copy and no fp32 copy of the whole micro-batch's logits is made. With context parallel each rank
+        evaluates the response tokens whose predicting position it holds, and only the [b, R] results are
+        summed over the CP group.
         """
         b, length, shard = logits.shape
-        mask = mb.data["response_mask"].bool()
-        rows = (torch.arange(b, device=logits.device).unsqueeze(1) * length + mb.gather_index)[mask]
+        local, held = cp.to_local(mb.gather_index, length * self.cp_size)
+        mask = mb.data["response_mask"].bool() & held
+        rows = (torch.arange(b, device=logits.device).unsqueeze(1) * length + local)[mask]
         logp, ent = token_log_probs_and_entropy(
             logits.reshape(b * length, shard),
             rows,
@@ -120,9 +126,11 @@ class MegatronActor(MegatronEngine):
             chunk_tokens=self.logprob_chunk_tokens,
         )
         zeros = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-        return zeros.masked_scatter(mask, logp), (
-            zeros.masked_scatter(mask, ent) if ent is not None else None
-        )
+        logp = zeros.masked_scatter(mask, logp)
+        if ent is None:
+            return cp.sum_over_cp(logp), None
+        both = cp.sum_over_cp(torch.stack([logp, zeros.masked_scatter(mask, ent)]))
+        return both[0], both[1]
 
     def compute_log_prob(
         self, batch: dict[str, torch.Tensor], temperature: float = 1.0, with_entropy: bool = True
@@ -136,6 +144,7 @@ class MegatronActor(MegatronEngine):
             self.eval()
             mbs = self.forward_micro_batches(batch)
 
+            @cp.CpLocalLoss
             def loss_fn(mb: MicroBatch, logits: torch.Tensor):
                 logp, ent = self._token_log_probs(mb, logits, temperature, with_entropy)
                 out = {"log_probs": logp}
@@ -205,15 +214,17 @@ class MegatronActor(MegatronEngine):
                 for mini_batch, mbs, totals in self.iter_mini_batches(batch, cfg.shuffle, step):
                     tokens += int(mini_batch["attention_mask"].sum())
                     self.zero_grad()
-                    loss_fn = functools.partial(
-                        self._policy_loss,
-                        clip_low=clip_low,
-                        clip_high=clip_high,
-                        use_kl=use_kl,
-                        totals=totals,
-                        temperature=temperature,
-                        on_policy=on_policy,
-                        rollout_stats=rollout_stats,
+                    loss_fn = cp.CpLocalLoss(
+                        functools.partial(
+                            self._policy_loss,
+                            clip_low=clip_low,
+                            clip_high=clip_high,
+                            use_kl=use_kl,
+                            totals=totals,
+                            temperature=temperature,
+                            on_policy=on_policy,
+                            rollout_stats=rollout_stats,
+                        )
                     )
                     with self._routing_replay(mbs):
                         grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
@@ -435,10 +446,11 @@ class MegatronActor(MegatronEngine):
         b = batch["input_ids"].shape[0]
         mbs = self.micro_batches(batch, self.spec.forward_micro_batch_size)
 
+        @cp.CpLocalLoss
         def loss_fn(mb: MicroBatch, logits: torch.Tensor):
             last = mb.data["attention_mask"].sum(-1) - 1
-            idx = last.to(logits.device).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
-            shard = torch.gather(logits, 1, idx).squeeze(1)
+            # [b, V/tp] at each row's last position (from the CP rank that holds it).
+            shard = cp.select_positions(logits, last.to(logits.device).view(-1, 1)).squeeze(1)
             # Only [b, V/tp] per step is gathered: sampling needs the whole distribution of one position.
             full = gather_from_tensor_model_parallel_region(shard.float().contiguous())
             return full.new_zeros(()), {"logits": full[:, : self.vocab_size]}

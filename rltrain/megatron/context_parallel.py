@@ -11,16 +11,27 @@ here (CPU) and is optional on GPUs. This module does the same job with torch SDP
   every rank's K/V gradients and keeps this rank's part), and SDPA runs the local queries against all keys
   with a mask that is causal in the ORIGINAL token order. The engine right-pads rows, so padding keys sit
   after every valid query and the causal mask hides them.
-* Outputs (`gather_sequence`): the last stage's local output is all-gathered and put back in the original
-  order, so the loss functions see the whole sequence exactly as at CP=1. Every CP rank then computes the
-  same loss, so the gradient of the gathered output is the same on every rank and its backward keeps this
-  rank's slice (no communication). Each rank's weight gradients are then its share of the CP=1 gradient;
-  megatron's schedule multiplies the loss by CP (it expects a loss over local tokens) and DDP averages over
-  the data-parallel-with-CP group: the two cancel, and the update equals CP=1's.
+* Outputs: the last stage's output stays in this rank's chunks. The loss functions evaluate what they need
+  at the positions this rank holds (`to_local` maps original positions to local ones: log-probs and
+  entropy from the local vocab-parallel logits, values, the next-token logits of a row) and `sum_over_cp`
+  adds up the per-token results ([b, R], a few bytes per token) over the CP group: each position is held by
+  exactly one rank, so the sum is the CP=1 result, and no rank ever holds the [b, S, V/tp] logits of the
+  whole sequence. `gather_sequence` (the whole output in original order) is kept for loss functions that
+  need every position. Every CP rank then computes the same loss from the same summed (or gathered)
+  tensor, so its gradient is the same on every rank, and the backward keeps it for this rank's own part
+  (no communication). Each rank's weight gradients are then its share of the CP=1 gradient; megatron's
+  schedule multiplies the loss by CP (it expects a loss over local tokens) and DDP averages over the
+  data-parallel-with-CP group (the experts' gradients too: megatron scales them by 1 / (dp x cp) before
+  summing over the expert data-parallel group): the two cancel, and the update equals CP=1's.
+* Mixture-of-experts layers route each rank's own tokens (the alltoall dispatcher exchanges them over the
+  expert-parallel group as at CP=1); megatron's router sums its per-expert token counts over the TP x CP
+  group, so every rank's load-balancing loss is its share of the whole sequence's, and scales that loss's
+  gradient by CP like the main loss.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,6 +120,75 @@ def gather_sequence(tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
     gathered = gather_over_cp(tensor, dim, sum_grads=False)
     order = torch.argsort(gathered_positions(tensor.shape[dim], cp, tensor.device))
     return gathered.index_select(dim, order)
+
+
+def to_local(index: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where original positions `index` (any shape, values in [0, length)) of a sequence of `length` tokens
+    sit in this CP rank's local part: (local position, 0 where not held; held by this rank). At CP=1 every
+    position is held where it is."""
+    cp = cp_world_size()
+    if cp == 1:
+        return index, torch.ones_like(index, dtype=torch.bool)
+    chunk = length // (2 * cp)
+    first, second = local_chunk_ids(parallel_state.get_context_parallel_rank(), cp)
+    which = torch.div(index, chunk, rounding_mode="floor")
+    held = (which == first) | (which == second)
+    local = torch.where(which == first, index - first * chunk, index - (second - 1) * chunk)
+    return torch.where(held, local, torch.zeros_like(local)), held
+
+
+class _SumOverCp(torch.autograd.Function):
+    """All-reduce (sum) over the CP group whose backward passes the gradient through unchanged: every CP
+    rank computes the same loss from the sum, so d loss / d sum is the same everywhere and is the gradient
+    of this rank's addend."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
+        out = tensor.clone(memory_format=torch.contiguous_format)
+        torch.distributed.all_reduce(out, group=parallel_state.get_context_parallel_group())
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def sum_over_cp(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` summed over the CP group (autograd-aware, for a loss every CP rank computes alike); the
+    tensor itself at CP=1. Used for per-position results that are nonzero on the one rank holding the
+    position."""
+    if cp_world_size() == 1:
+        return tensor
+    return _SumOverCp.apply(tensor)
+
+
+def select_positions(out: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """out[i, index[i, j], ...] for original positions `index` [b, n] from this rank's local output
+    `out` [b, L / CP, ...] (the whole sequence's [b, L, ...] at CP=1): [b, n, ...], summed over the CP group
+    (each position comes from the rank that holds it). Only the selected positions cross the group."""
+    b, length = out.shape[0], out.shape[1] * cp_world_size()
+    local, held = to_local(index, length)
+    idx = local.view(b, -1, *([1] * (out.dim() - 2))).expand(-1, -1, *out.shape[2:])
+    picked = torch.gather(out, 1, idx)
+    if cp_world_size() == 1:
+        return picked
+    held = held.view(*held.shape, *([1] * (out.dim() - 2)))
+    return sum_over_cp(torch.where(held, picked, torch.zeros_like(picked)))
+
+
+class CpLocalLoss:
+    """A loss function (`MegatronEngine.run_schedule`'s `loss_fn(mb, output)`) that takes this CP rank's own
+    part of the output ([b, L / CP, ...], positions as `to_local` maps them) and sums its per-position
+    results over the CP group itself (`sum_over_cp`, `select_positions`); other loss functions get the whole
+    sequence (`gather_sequence`)."""
+
+    def __init__(
+        self, fn: Callable[[Any, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+    ) -> None:
+        self.fn = fn
+
+    def __call__(self, mb: Any, output: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self.fn(mb, output)
 
 
 def cp_attention(

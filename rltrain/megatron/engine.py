@@ -461,7 +461,11 @@ class MegatronEngine:
                 math.ceil(max(int(x), min_length, 1) / self.seq_multiple) * self.seq_multiple
                 for x in lengths.tolist()
             ]
-            index_sets = [torch.tensor(g, dtype=torch.long) for g in split_by_tokens(padded, max_token_len)]
+            # The budget is per device (verl's ppo_max_token_len_per_gpu): with context parallel a micro-batch
+            # packs budget x CP tokens, of which each CP rank holds 1 / CP (what the plan's batch schedule
+            # and memory estimate count).
+            budget = max_token_len * self.cp_size
+            index_sets = [torch.tensor(g, dtype=torch.long) for g in split_by_tokens(padded, budget)]
         else:
             index_sets = [torch.arange(n)[s] for s in split_rows(n, micro_batch_size)]
         out = []
@@ -553,7 +557,9 @@ class MegatronEngine:
         (non-empty on the last pipeline stage only), in micro-batch order.
 
         loss_fn(mb, output [b, L, V/tp or 1]) -> (scalar loss of this micro-batch, detached outputs).
-        The loss is multiplied by the number of micro-batches here because megatron divides by it.
+        The loss is multiplied by the number of micro-batches here because megatron divides by it. With
+        context parallel the output is the whole sequence gathered over the CP group, or this rank's own
+        [b, L / CP, ...] part for a `context_parallel.CpLocalLoss`.
         """
         num_mb = len(micro_batches)
         chunks = self.chunks
@@ -563,6 +569,7 @@ class MegatronEngine:
         extra: dict[str, Any] = {"fp32_output": False} if self.config.bf16 or self.config.fp16 else {}
 
         moe_padding = mmodel.moe_padding_mask_supported(self.config)
+        local_output = isinstance(loss_fn, cp.CpLocalLoss)
 
         def forward_step(data_iter: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iter)
@@ -574,8 +581,10 @@ class MegatronEngine:
             output = model(input_ids=tokens, position_ids=positions, attention_mask=None, **extra)
 
             def loss_func(out: torch.Tensor):
-                # Context parallel: the loss sees the whole sequence, gathered from every CP rank.
-                loss, extra = loss_fn(mb, cp.gather_sequence(out))
+                # Context parallel: a CpLocalLoss takes this rank's own chunks and sums its per-token results
+                # over the CP group (no rank holds the whole sequence's logits); other losses see the whole
+                # sequence, gathered from every CP rank.
+                loss, extra = loss_fn(mb, out if local_output else cp.gather_sequence(out))
                 return loss * num_mb, extra
 
             return output, loss_func

@@ -403,11 +403,18 @@ class MoeRoutingStats:
         self.metrics: dict[str, float] = {}
 
     def __enter__(self) -> MoeRoutingStats:
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
 
         if not self.routers:
             return self
         clear_aux_losses_tracker()
+        # megatron keeps a tracker entry (zeroed) once any engine of the process recorded the loss: drop it,
+        # so that an entry on exit means this update recorded it (an engine trained without the loss after
+        # one with it would otherwise report 0).
+        get_moe_layer_wise_logging_tracker().pop("load_balancing_loss", None)
         for router in self.routers:
             self.handles.append(router.register_forward_hook(self._record))
         return self
@@ -416,6 +423,12 @@ class MoeRoutingStats:
         self, router: torch.nn.Module, inputs: Any, output: tuple[torch.Tensor, torch.Tensor]
     ) -> None:
         routing_map = output[1]  # [tokens, experts] bool: which experts each token goes to
+        padding = inputs[1] if len(inputs) > 1 else None  # [s, b] True on padding (MoELayer.route's order)
+        if padding is not None:
+            # Padding columns are routed too but are not tokens: leave them out, as the load-balancing loss
+            # does (context parallel pads rows to a multiple of 2 x CP, so counting them would make the
+            # load depend on CP).
+            routing_map = routing_map & ~padding.reshape(-1, 1).to(routing_map.device)
         tokens = routing_map.sum(0, dtype=torch.float64).detach().cpu()
         layer = router.layer_number
         self.counts[layer] = self.counts[layer] + tokens if layer in self.counts else tokens

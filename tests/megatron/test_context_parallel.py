@@ -7,6 +7,9 @@ chunk boundaries fall mid-row):
   K/V gather's backward are right; megatron DDP averages over the data-parallel-with-CP group);
 * the critic's values equal CP=1's, and its update its CP=1 update;
 * greedy generation (which runs through the same CP forward) gives CP=1's tokens;
+* no rank holds the logits of the whole sequence: the widest vocabulary-wide tensor any operation makes in
+  compute_log_prob and in an update is this rank's [b, L / CP, V] chunk (the log-probs are computed on the
+  local chunks and only [b, R] results cross the CP group);
 * the done-when run: `rltrain tiny-grpo` at CP=2 over two CPU workers exits 0.
 """
 
@@ -20,6 +23,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from ..tolerance import rel_tolerance
 from ._common import (
@@ -170,3 +175,68 @@ def test_tiny_grpo_cli_at_cp2(tmp_path):
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+class _LogitsRows(TorchDispatchMode):
+    """Records the largest number of positions (numel / V) of any floating [b, *, V] tensor an operation
+    returns, V the padded vocabulary and b the micro-batch's rows: the logits (megatron returns them
+    batch-first) and everything made from them. (Activations are sequence-first [s, b, ...]: left out.)"""
+
+    def __init__(self, rows: int, vocab: int) -> None:
+        super().__init__()
+        self.shape = (rows, vocab)
+        self.rows = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            batch_first = (
+                isinstance(t, torch.Tensor) and t.dim() == 3 and (t.shape[0], t.shape[-1]) == self.shape
+            )
+            if batch_first and t.is_floating_point():
+                self.rows = max(self.rows, t.numel() // self.shape[1])
+        return out
+
+
+def _logits_worker(rank: int, port: int, hf_path: str, rl: dict, out_dir: str) -> None:
+    run_spawned(_cp2_logits_rows, rank, port, hf_path, rl, out_dir)
+
+
+def _cp2_logits_rows(rank: int, port: int, hf_path: str, rl: dict, out_dir: str) -> None:
+    from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+
+    init_distributed("cpu", rank=rank, world_size=2, master_port=port)
+    init_parallel(_cfg(2).megatron, "cpu")
+    actor = MegatronActor(tiny_model_cfg(hf_path), _cfg(2), "cpu", total_steps=4)
+    shape = (_cfg(2).ppo_micro_batch_size_per_gpu, actor.spec.layout.padded_vocab_size)
+    rows = {}
+    with _LogitsRows(*shape) as rec:
+        actor.compute_log_prob(rl)
+    rows["log_prob"] = rec.rows
+    with _LogitsRows(*shape) as rec:
+        actor.update_policy(rl)
+    rows["update"] = rec.rows
+    torch.save(rows, os.path.join(out_dir, f"rows_rank{rank}.pt"))
+    destroy_parallel()
+
+
+def test_cp2_holds_only_its_own_chunk_of_the_logits(mp_world, tiny_hf, tmp_path):
+    """The log-prob and loss path at CP=2 never makes a vocabulary-wide tensor of more than this rank's
+    [b, L / CP] positions (a gather of the logits over the CP group would make [b, L]), and the local
+    logits themselves are seen (the recorder works). With micro-batches of 4 rows padded to 28 tokens,
+    that is 4 x 14 = 56 positions of V; the whole sequence would be 112."""
+    batch = _batch()
+    rl = _rl(batch, _cp1_log_probs(str(tiny_hf), batch))
+    torch.multiprocessing.spawn(_logits_worker, args=(free_port(), str(tiny_hf), rl, str(tmp_path)), nprocs=2)
+    local_rows = 4 * 28 // 2
+    for rank in range(2):
+        rows = torch.load(tmp_path / f"rows_rank{rank}.pt")
+        assert rows == {"log_prob": local_rows, "update": local_rows}, (rank, rows)
+
+
+def _cp1_log_probs(hf_path: str, batch: dict) -> torch.Tensor:
+    from rltrain.megatron.actor import MegatronActor
+
+    actor = MegatronActor(tiny_model_cfg(hf_path), _cfg(1), "cpu", trainable=False)
+    return actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
