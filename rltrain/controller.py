@@ -101,9 +101,9 @@ class Trainer:
         present = [r for r in process_roles if r in plan.roles]
         sharing = {p.name: sum(1 for r in present if r in p.roles) for p in plan.resources.pools}
         need = sum(p.num_devices * sharing[p.name] for p in plan.resources.pools)
-        start_ray(cfg.cluster.ray_address, num_cpus=max(int(need * cpus), 1), temp_dir=ray_temp_dir)
-        if stop_signals is not None:
-            stop_signals.install()  # ray.init replaced the SIGTERM handler
+        # ray.init replaces the SIGTERM handler: ours goes back at once (start_ray's on_started).
+        start_ray(cfg.cluster.ray_address, num_cpus=max(int(need * cpus), 1), temp_dir=ray_temp_dir,
+                  on_started=stop_signals.install if stop_signals is not None else None)  # fmt: skip
         pools = {p.name: Pool.for_plan(p, plan.resources, cpus, sharing[p.name])
                  for p in plan.resources.pools if sharing[p.name]}  # fmt: skip
         self.pools = list(pools.values())

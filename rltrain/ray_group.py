@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -55,9 +55,16 @@ _local_cluster = False
 _reaper: subprocess.Popen | None = None
 
 
-def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -> None:
+def start_ray(
+    address: str | None,
+    num_cpus: int,
+    temp_dir: str | None = None,
+    on_started: Callable[[], None] | None = None,
+) -> None:
     """Join `address` (or RAY_ADDRESS) when given, else start a local cluster sized for this run whose
-    processes all end with this one (ray.shutdown, exit, or kill -9)."""
+    processes all end with this one (ray.shutdown, exit, or kill -9). `on_started` runs right after
+    `ray.init`: ray.init installs its own SIGTERM handler, which aborts the process (exit 134, a C stack
+    dump) instead of stopping the run; the caller puts its own back there, before anything else runs."""
     global _local_cluster
     if ray.is_initialized():
         return
@@ -65,12 +72,16 @@ def start_ray(address: str | None, num_cpus: int, temp_dir: str | None = None) -
     _local_cluster = not address
     if address:
         ray.init(address=address, include_dashboard=False, log_to_driver=True)
+        if on_started is not None:
+            on_started()
         return
     kwargs: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": True}
     if temp_dir:
         kwargs["_temp_dir"] = temp_dir
     # address="local": a new cluster even when `ray start` left one on this machine (ray.init() would join it).
     ray.init(address="local", **kwargs)
+    if on_started is not None:
+        on_started()
     _start_reaper()
 
 
