@@ -19,6 +19,7 @@ import contextlib
 import os
 import signal
 import sys
+import threading
 import time
 from typing import Any
 
@@ -35,7 +36,14 @@ from rltrain.checkpoint import CheckpointError, Resume
 from rltrain.data import PromptBatch, left_pad
 from rltrain.metrics import REWARD_PLOT, MetricsLogger, plot_reward_curve
 from rltrain.profiling import Profiler, nsys_command, write_summary
-from rltrain.ray_group import Pool, WorkerError, WorkerGroup, nsight_runtime_env, start_ray
+from rltrain.ray_group import (
+    Pool,
+    WorkerError,
+    WorkerGroup,
+    local_cluster_down,
+    nsight_runtime_env,
+    start_ray,
+)
 from rltrain.rollout.agent import STAT_KEYS as AGENT_STAT_KEYS
 from rltrain.runfolder import RunFolder, StopSignals
 
@@ -645,13 +653,14 @@ class Trainer:
         except (WorkerError, CheckpointError) as exc:
             print(f"stopping: the checkpoint could not be finished ({exc}); it is removed", file=sys.stderr)
 
-    def shutdown(self, stopping: bool = False, failed: bool = False) -> None:
+    def shutdown(self, stopping: bool = False, failed: bool = False, settle: bool = True) -> None:
         """End the workers and give their devices back. `stopping` (SIGINT / SIGTERM): the step in flight is
         abandoned, a save is committed or removed (`_settle_saves`), and workers are not asked to flush
         profiles (that call would wait behind the abandoned one). `failed` (a worker failed or died): no call
         reaches the workers at all, since the ranks that did not fail may wait in a collective for the one
-        that did, and a call queued behind that wait would hang until the collective's timeout."""
-        if stopping and not failed:
+        that did, and a call queued behind that wait would hang until the collective's timeout. `settle`:
+        False when the caller already settled the saves (run_training does, before bounding the rest)."""
+        if settle and stopping and not failed and not local_cluster_down():
             self._settle_saves()
         if self.pipeline is not None:
             self.pipeline.close()
@@ -659,8 +668,11 @@ class Trainer:
             self.agent.close()
         # On a stop or a failure Ray itself may be going down (a signal reaches its processes too): a failed
         # kill or release RPC then changes nothing, and must not turn a clean stop into an internal error.
+        # If the signal also ended the local cluster's GCS / raylet, no Ray call can be answered (each would
+        # wait 60 s, then abort the process): the workers die with the cluster (the reaper) and none is made.
         ray_down = contextlib.suppress(Exception) if stopping or failed else contextlib.nullcontext()
-        for group in self.groups.values():
+        reachable = not ((stopping or failed) and local_cluster_down())
+        for group in self.groups.values() if reachable else ():
             if not (stopping or failed):
                 with contextlib.suppress(WorkerError):
                     group.call("finish")
@@ -669,13 +681,52 @@ class Trainer:
         # The workers are gone, so nothing writes into a staged save any more: remove what was not committed.
         for step in self.ckpt.pending_steps():
             self.ckpt.abort(step)
-        for pool in self.pools:
+        for pool in self.pools if reachable else ():
             with ray_down:
                 pool.release()
         if stopping:
             self.logger.close()
         if self._own_folder:
             self.run_folder.close()
+
+
+RELEASE_TIMEOUT_S = 20.0
+"""On a stop or a failure, the longest the driver waits for Ray to end the workers and the local cluster."""
+
+
+def _release(trainer: Trainer | None, stopping: bool, failed: bool) -> bool:
+    """End the workers and the local Ray cluster; True when done. On a stop or a failure this waits at most
+    RELEASE_TIMEOUT_S (a signal sent to the whole process group may have ended Ray's GCS and raylet too,
+    and every Ray call would then wait for them); errors of Ray going down are ignored there."""
+
+    def release() -> None:
+        if trainer is not None:
+            trainer.shutdown(stopping=stopping, failed=failed, settle=False)
+        import ray
+
+        if ray.is_initialized() and not os.environ.get("RAY_ADDRESS") and not local_cluster_down():
+            with contextlib.suppress(Exception) if stopping or failed else contextlib.nullcontext():
+                ray.shutdown()
+
+    def release_reporting() -> None:
+        try:
+            release()
+        except Exception as exc:  # the run is stopping anyway: one line, not a traceback
+            print(f"stopping: releasing the workers failed ({type(exc).__name__}: {exc})", file=sys.stderr)
+
+    if not (stopping or failed):
+        release()
+        return True
+    if stopping and not failed and trainer is not None:
+        # A save of a logged step is finished (unbounded: a large model's save takes what it takes), unless
+        # the signal ended Ray's own processes too (a moment for them to go, then they are checked).
+        time.sleep(1.0)
+        if not local_cluster_down():
+            trainer._settle_saves()
+    worker = threading.Thread(target=release_reporting, name="rlplan-release", daemon=True)
+    worker.start()
+    worker.join(RELEASE_TIMEOUT_S)
+    return not worker.is_alive()
 
 
 def run_training(config: RLConfig, plan: TrainerPlan) -> int:
@@ -694,6 +745,7 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
     folder = trainer = None
     code = 0
     failed = False
+    released = True
     try:
         try:
             folder = RunFolder.open(config, plan)
@@ -716,19 +768,20 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
                       "the last complete checkpoint (trainer.resume_mode: auto)", file=sys.stderr)  # fmt: skip
                 return 1
         finally:
-            if trainer is not None:
-                trainer.shutdown(stopping=code != 0, failed=failed)
-            import ray
-
-            if ray.is_initialized() and not os.environ.get("RAY_ADDRESS"):
-                with contextlib.suppress(Exception) if code or failed else contextlib.nullcontext():
-                    ray.shutdown()
+            released = _release(trainer, stopping=code != 0, failed=failed)
     finally:
         if folder is not None:
             if code:
                 print(folder.stop_message(stop.signum or signal.SIGINT), file=sys.stderr, flush=True)
             folder.close()
         stop.restore()
+        if not released:
+            # Ray's own processes did not answer (the signal reached them too: `timeout`, Slurm's scancel):
+            # exit now, as atexit's ray.shutdown would wait for them and then abort. The run folder is
+            # consistent (every save is committed atomically or not at all); the cluster goes with us.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code or 1)
     if code:
         return code
     print(f"done: {config.trainer.output_dir}/metrics.jsonl, {config.trainer.output_dir}/{REWARD_PLOT}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +84,19 @@ def start_ray(
     if on_started is not None:
         on_started()
     _start_reaper()
+
+
+def local_cluster_down() -> bool:
+    """Whether the local cluster this process started has lost its GCS or raylet (a SIGTERM sent to the
+    whole process group, as `timeout` and Slurm's scancel do, ends them too). Ray calls would then wait 60 s
+    for them and abort the process, so a stopping run makes none. False for a joined cluster."""
+    if not _local_cluster or not ray.is_initialized():
+        return False
+    node = getattr(ray._private.worker, "_global_node", None)
+    procs = getattr(node, "all_processes", {}) if node is not None else {}
+    return any(
+        info.process.poll() is not None for name in ("gcs_server", "raylet") for info in procs.get(name, ())
+    )
 
 
 def _start_reaper() -> None:
@@ -356,8 +370,33 @@ def wait_all(calls: Sequence[tuple[WorkerGroup, list[Any]]]) -> list[list[Any]]:
         done, pending = ray.wait(pending, num_returns=1)
         for ref in done:
             group, rank = owner[ref]
-            group._result(ref, rank)
+            try:
+                group._result(ref, rank)
+            except WorkerError as exc:
+                if not exc.died:
+                    _raise_dead_peer(pending, owner)
+                raise
     return [[group._result(ref, rank) for rank, ref in enumerate(refs)] for group, refs in calls]
+
+
+DEAD_PEER_GRACE_S = 5.0
+"""After a rank of `wait_all` fails, how long to look for a rank that died (the likely cause)."""
+
+
+def _raise_dead_peer(pending: list[Any], owner: dict[Any, tuple[WorkerGroup, int]]) -> None:
+    """A rank whose collective broke (gloo's "Connection reset by peer") usually failed because its peer's
+    process died, and it notices at once while Ray reports the death a moment later: raise the dead rank,
+    the cause, if one shows within DEAD_PEER_GRACE_S."""
+    deadline = time.monotonic() + DEAD_PEER_GRACE_S
+    while pending and (left := deadline - time.monotonic()) > 0:
+        done, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in done:
+            group, rank = owner[ref]
+            try:
+                group._result(ref, rank)
+            except WorkerError as exc:
+                if exc.died:
+                    raise exc from None
 
 
 def nsight_runtime_env(nsys_argv: Sequence[str]) -> dict[str, Any] | None:

@@ -57,11 +57,15 @@ def kill_session(sid: int) -> None:
 
 
 @pytest.mark.parametrize(
-    ("signum", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)], ids=["SIGTERM", "SIGINT"]
+    ("signum", "code", "group"),
+    [(signal.SIGTERM, 143, False), (signal.SIGINT, 130, False), (signal.SIGTERM, 143, True)],
+    ids=["SIGTERM", "SIGINT", "SIGTERM-to-the-process-group"],
 )
-def test_signal_stops_the_run_cleanly_and_the_same_command_resumes(tmp_path, signum, code):
+def test_signal_stops_the_run_cleanly_and_the_same_command_resumes(tmp_path, signum, code, group):
     """SIGINT's run saves in the background: a save still being written when the signal comes is committed
-    (its step's metrics line is written) or removed, never left half-done."""
+    (its step's metrics line is written) or removed, never left half-done. `group`: the signal reaches every
+    process of the job, Ray's GCS and raylet too (`timeout`, Slurm's scancel): the run still stops with its
+    message and exit code, in bounded time, instead of waiting for a cluster that is gone."""
     out = tmp_path / "run"
     flags = ("--actor.checkpoint.async_save", "true") if signum == signal.SIGINT else ()
     err_path = tmp_path / "stderr.txt"
@@ -76,14 +80,17 @@ def test_signal_stops_the_run_cleanly_and_the_same_command_resumes(tmp_path, sig
             assert time.monotonic() < deadline, "the run did not reach step 5"
             time.sleep(0.2)
 
-        if signum == signal.SIGTERM:  # once: a second run on the folder of a running one
+        if signum == signal.SIGTERM and not group:  # once: a second run on the folder of a running one
             second = subprocess.run(
                 command(out, 300, *flags), capture_output=True, text=True, env=ENV, timeout=300
             )
             assert second.returncode == 2, second.stderr[-3000:]
             assert "run-folder-locked" in second.stderr and f"PID {proc.pid} on host" in second.stderr
 
-        os.kill(proc.pid, signum)
+        if group:
+            os.killpg(proc.pid, signum)
+        else:
+            os.kill(proc.pid, signum)
         assert proc.wait(timeout=120) == code
         stderr = err_path.read_text()
         name = signal.Signals(signum).name
