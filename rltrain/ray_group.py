@@ -379,7 +379,7 @@ def wait_all(calls: Sequence[tuple[WorkerGroup, list[Any]]]) -> list[list[Any]]:
     return [[group._result(ref, rank) for rank, ref in enumerate(refs)] for group, refs in calls]
 
 
-DEAD_PEER_GRACE_S = 5.0
+DEAD_PEER_GRACE_S = 10.0
 """After a rank of `wait_all` fails, how long to look for a rank that died (the likely cause)."""
 
 

@@ -21,6 +21,7 @@ import datetime
 import logging
 import os
 import pickle
+import time
 from dataclasses import dataclass
 
 import torch
@@ -29,22 +30,50 @@ from rltrain.rollout.weight_sync import Channel
 
 STORE_PREFIX = "rlplan/push/stage"
 FAULT_ENV = "RLPLAN_PUSH_FAULT"
-"""Test-only: `receiver_dies@V` makes rollout rank 0 exit (as a crash would) when the push of weight
-version V reaches it. Production never sets it."""
+"""Test-only fault points, `NAME@V` (V: a weight version). Production never sets it.
+
+- `receiver_dies@V`: rollout rank 0 exits (as a crash would) when the push of version V reaches it.
+- `sender_dies@V`: the sender of stage 0 exits in the middle of the push of version V, after its first
+  bucket header: the rollout ranks are inside the push's collectives, waiting for bytes that never come.
+- `sender_stalls@V`: the sender of stage 0 stops in the middle of the push of version V for longer than
+  the push timeout (a stuck collective): the rollout ranks must time out, not wait forever."""
+_FAULTS = ("receiver_dies", "sender_dies", "sender_stalls")
 logger = logging.getLogger(__name__)
 
 
-def receiver_fault(rank: int, version: int) -> None:
-    """The test-only fault point of `FAULT_ENV` (a no-op unless it is set; an unknown spec is an error)."""
+def _fault_spec() -> tuple[str, int] | None:
+    """The (name, version) of `FAULT_ENV`, None when unset; an unknown spec is an error."""
     spec = os.environ.get(FAULT_ENV)
     if not spec:
-        return
+        return None
     name, _, at = spec.partition("@")
-    if name != "receiver_dies" or not at.isdigit():
-        raise ValueError(f"{FAULT_ENV}={spec}: expected receiver_dies@VERSION")
-    if rank == 0 and version == int(at):
-        logger.warning("%s=%s: rollout rank 0 exits at the push of version %d", FAULT_ENV, spec, version)
+    if name not in _FAULTS or not at.isdigit():
+        raise ValueError(f"{FAULT_ENV}={spec}: expected one of {', '.join(_FAULTS)}, then @VERSION")
+    return name, int(at)
+
+
+def receiver_fault(rank: int, version: int) -> None:
+    """The receiver's test-only fault point of `FAULT_ENV` (a no-op unless it is set)."""
+    spec = _fault_spec()
+    if spec is not None and spec == ("receiver_dies", version) and rank == 0:
+        logger.warning("%s: rollout rank 0 exits at the push of version %d", FAULT_ENV, version)
         os._exit(1)
+
+
+def _sender_fault(stage: int, message: object, timeout_s: float) -> None:
+    """The sender's test-only fault point, reached after each bucket header of a push (`message`)."""
+    spec = _fault_spec()
+    if spec is None or stage != 0 or not isinstance(message, dict) or "header" not in message:
+        return
+    name, version = spec
+    if message["version"] != version:
+        return
+    if name == "sender_dies":
+        logger.warning("%s: the sender of stage 0 exits in the push of version %d", FAULT_ENV, version)
+        os._exit(1)
+    if name == "sender_stalls":
+        logger.warning("%s: the sender of stage 0 stalls in the push of version %d", FAULT_ENV, version)
+        time.sleep(timeout_s * 2 + 1)
 
 
 @dataclass(frozen=True)
@@ -69,6 +98,7 @@ class PushGroup(Channel):
                  timeout_s: float) -> None:  # fmt: skip
         super().__init__(None)
         self.rank, self.size, self.device = rank, size, device
+        self.stage, self.timeout_s = stage, timeout_s
         timeout = datetime.timedelta(seconds=timeout_s)
         prefixed = torch.distributed.PrefixStore(f"{STORE_PREFIX}{stage}", store)
         if device == "cuda":
@@ -94,6 +124,8 @@ class PushGroup(Channel):
         if self.rank == src:
             buf.copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         self.broadcast(buf, src)
+        if self.rank == src:
+            _sender_fault(self.stage, obj, self.timeout_s)
         return obj if self.rank == src else pickle.loads(buf.cpu().numpy().tobytes())
 
     def close(self) -> None:

@@ -1,0 +1,133 @@
+"""Attacks on the separate rollout pool (issue 24): faults in the weight push (a sender that dies or stalls
+mid-push), signals while the producer thread generates ahead, and push timeouts a run cannot honour. Each
+must end the run with the user-facing message (role and rank, or the stop line), exit 1 / 130 / 143,
+no hang, no traceback, and leave a run folder that the same command resumes.
+
+The fast tests run the push groups in threads of this process (real gloo groups on a real TCP store); the
+runs are slow and multi-process, as tests/test_separate_rollout_e2e.py."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import threading
+import time
+
+import pytest
+import torch
+
+from presets import PRESETS
+from rlconf.errors import ConfigError
+from rlconf.load import load_config
+from rlconf.plan import compile_plan
+from rltrain.rollout import push
+from rltrain.rollout.weight_sync import receive_weights, send_weights
+
+SEPARATE = ("--rollout.placement", "separate", "--rollout.num_devices", "1")
+OFF_POLICY = ("tiny-grpo", "--cluster.gpus_per_node", "3", *SEPARATE, "--algorithm.off_policy_steps", "1")
+
+
+# ------------------------------------------------------------------------------------------ fast: push
+def _push_pair(timeout_s: float) -> tuple[push.PushGroup, push.PushGroup]:
+    """A sender and a receiver push group of stage 0 on one store (the receiver's set-up runs in a thread:
+    the group's creation is collective)."""
+    store, port = push.host_store(timeout_s)
+    endpoint = push.PushEndpoint("127.0.0.1", port, timeout_s, senders=1, receivers=1)
+    out: dict[str, push.PushGroup] = {}
+    t = threading.Thread(
+        target=lambda: out.setdefault(
+            "r", push.PushGroup(push.connect_store(endpoint), 0, 1, 2, "cpu", timeout_s)
+        )
+    )
+    t.start()
+    sender = push.PushGroup(store, 0, 0, 2, "cpu", timeout_s)
+    t.join()
+    return sender, out["r"]
+
+
+def test_a_stalled_sender_makes_the_receiver_time_out_not_hang(monkeypatch):
+    """`sender_stalls@1`: the sender stops after its first bucket header for longer than the push timeout.
+    The receiver, inside the push's collectives, fails after about push_timeout_s: no collective of a push
+    group waits forever."""
+    monkeypatch.setenv(push.FAULT_ENV, "sender_stalls@1")
+    sender, receiver = _push_pair(timeout_s=2.0)
+    named = [("model.embed_tokens.weight", torch.randn(8, 4)), ("lm_head.weight", torch.randn(8, 4))]
+    errors: list[BaseException] = []
+
+    def recv() -> None:
+        try:
+            receive_weights(lambda pairs: None, receiver, 0, version=1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    t0 = time.monotonic()
+    t = threading.Thread(target=recv, daemon=True)
+    t.start()
+    with contextlib.suppress(RuntimeError):  # after the stall its peer has given up (or not: a send may land)
+        send_weights(iter(named), sender, 0, bucket_bytes=64, version=1)
+    t.join(timeout=30)
+    assert not t.is_alive(), "the receiver still waits in the push"
+    assert errors and time.monotonic() - t0 < 20, errors
+    assert "timed out" in str(errors[0]).lower() or "timeout" in str(errors[0]).lower(), errors[0]
+
+
+def test_an_unknown_fault_spec_is_an_error(monkeypatch):
+    monkeypatch.setenv(push.FAULT_ENV, "sender_explodes@1")
+    with pytest.raises(ValueError, match="sender_dies"):
+        push.receiver_fault(0, 1)
+
+
+# ------------------------------------------------------------------------------------------ blame
+class _Side:
+    """One side of a push: the trainer's sender sees its peer's socket close and fails at once (what gloo
+    raises), while the receiver's process is the one that died (Ray reports a death a moment later)."""
+
+    def __init__(self, role: str, rank: int, world_size: int, master_addr: str, master_port: int):
+        self.role = role
+
+    def push(self) -> None:
+        if self.role == "actor":
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+        time.sleep(1.0)
+        os._exit(1)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_push_that_breaks_because_a_peer_died_names_the_dead_worker(tmp_path):
+    """Found by killing the rollout worker while it generated ahead: the run stopped with `actor worker
+    rank 0 failed: RuntimeError: ... Connection reset by peer`, blaming the healthy trainer. The rank that
+    died is the cause and must be the one named."""
+    import ray
+
+    from rltrain.ray_group import Pool, WorkerError, WorkerGroup, start_ray, wait_all
+
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    start_ray(None, num_cpus=2, temp_dir=tempfile.mkdtemp(prefix="rlray", dir="/tmp"))
+    try:
+        pool = Pool.reserve("push", 1, "cpu", 0.5, 2)
+        trainer = WorkerGroup("actor", _Side, pool, 1, "cpu", 0.5, {})
+        rollout = WorkerGroup("rollout", _Side, pool, 1, "cpu", 0.5, {})
+        with pytest.raises(WorkerError) as info:
+            wait_all([(trainer, trainer.submit("push", [()])), (rollout, rollout.submit("push", [()]))])
+        assert (info.value.role, info.value.rank, info.value.died) == ("rollout", 0, True), str(info.value)
+    finally:
+        ray.shutdown()
+
+
+# ------------------------------------------------------------------------------------------ fast: config
+@pytest.mark.xfail(
+    strict=True,
+    reason="rlconf/validate.py rule rollout-placement accepts any positive push_timeout_s: a timeout below the "
+    "time a TCP store connect takes fails at run time (DistNetworkError after 0 ms), one above what a C int "
+    "of milliseconds holds fails with OverflowError, both as a worker error (exit 1) instead of exit 2",
+)
+@pytest.mark.parametrize("timeout", ["1e-9", "1e300"])
+def test_a_push_timeout_the_groups_cannot_honour_is_refused(timeout):
+    """1e-9 s cannot even open the store's connection; 1e300 s overflows the process group's timeout."""
+    overrides = ["cluster.gpus_per_node=3", "rollout.placement=separate", "rollout.num_devices=1",
+                 f"rollout.push_timeout_s={timeout}"]  # fmt: skip
+    with pytest.raises(ConfigError) as info:
+        compile_plan(load_config(None, preset="tiny-grpo", overrides=overrides, presets=PRESETS))
+    assert "rollout.push_timeout_s" in str(info.value)
