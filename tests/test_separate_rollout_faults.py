@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
 import tempfile
 import threading
 import time
@@ -23,6 +24,7 @@ from rlconf.load import load_config
 from rlconf.plan import compile_plan
 from rltrain.rollout import push
 from rltrain.rollout.weight_sync import receive_weights, send_weights
+from tests.test_e2e import metrics, rltrain
 
 SEPARATE = ("--rollout.placement", "separate", "--rollout.num_devices", "1")
 OFF_POLICY = ("tiny-grpo", "--cluster.gpus_per_node", "3", *SEPARATE, "--algorithm.off_policy_steps", "1")
@@ -131,3 +133,56 @@ def test_a_push_timeout_the_groups_cannot_honour_is_refused(timeout):
     with pytest.raises(ConfigError) as info:
         compile_plan(load_config(None, preset="tiny-grpo", overrides=overrides, presets=PRESETS))
     assert "rollout.push_timeout_s" in str(info.value)
+
+
+# ------------------------------------------------------------------------------------------ runs
+RUN = (*OFF_POLICY, "--trainer.total_steps", "5", "--trainer.save_freq", "2")
+
+
+def _faulted(out, fault: str, *flags: str) -> subprocess.CompletedProcess[str]:
+    os.environ[push.FAULT_ENV] = fault
+    try:
+        return rltrain(*RUN, "--trainer.output_dir", str(out), *flags, timeout=400)
+    finally:
+        del os.environ[push.FAULT_ENV]
+
+
+def _resumes(out, *flags: str) -> None:
+    """The same command ends the run: steps 1-5 each logged once, the resumed step after the checkpoint
+    generated with the checkpoint's weights (the first push of a resumed run)."""
+    assert (out / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    resumed = rltrain(*RUN, "--trainer.output_dir", str(out), *flags)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "(step 2)" in resumed.stdout
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert rows[2]["rollout/weight_version"] == 2
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_trainer_rank_dying_mid_push_stops_the_run_naming_it_and_it_resumes(tmp_path):
+    """The sender exits after the first bucket header of the push of version 3, the rollout rank waiting
+    for the bucket's bytes: the run stops at once (not after the push timeout) naming the dead trainer
+    rank, exit 1, no traceback; the same command resumes."""
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    failed = _faulted(out, "sender_dies@3", "--rollout.push_timeout_s", "300")
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert time.monotonic() - t0 < 250  # the push timeout (300 s) was not what ended it
+    assert "error: actor worker rank 0 died" in failed.stderr, failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr
+    _resumes(out)
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_stuck_push_times_out_naming_a_rank_and_the_run_resumes(tmp_path):
+    """The sender stalls mid-push for longer than rollout.push_timeout_s (10 s): the rollout rank's
+    collective times out, the run stops naming it (exit 1, no hang, no traceback) and resumes."""
+    out = tmp_path / "run"
+    failed = _faulted(out, "sender_stalls@3", "--rollout.push_timeout_s", "10")
+    assert failed.returncode == 1, failed.stderr[-3000:]
+    assert "error: rollout worker rank 0 failed" in failed.stderr, failed.stderr[-3000:]
+    assert "Traceback" not in failed.stderr
+    _resumes(out, "--rollout.push_timeout_s", "10")
