@@ -21,6 +21,7 @@ import datetime
 import logging
 import os
 import pickle
+import re
 import time
 from dataclasses import dataclass
 
@@ -76,6 +77,17 @@ def _sender_fault(stage: int, message: object, timeout_s: float) -> None:
         time.sleep(timeout_s * 2 + 1)
 
 
+class PushError(RuntimeError):
+    """A collective of a push group failed: what broke (gloo's / NCCL's message without its source path)
+    and the timeout that bounds it."""
+
+
+def _first_line(exc: BaseException) -> str:
+    """The backend's message, its first line, without the `[/path/to/file.cc:NN] ` prefix."""
+    lines = str(exc).strip().splitlines() or [type(exc).__name__]
+    return re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", lines[0])
+
+
 @dataclass(frozen=True)
 class PushEndpoint:
     """Where the push groups meet: the TCP store hosted by the first sending rank."""
@@ -113,7 +125,13 @@ class PushGroup(Channel):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         opts = torch.distributed.BroadcastOptions()
         opts.rootRank, opts.rootTensor = src, 0
-        self.pg.broadcast([tensor], opts).wait()
+        try:
+            self.pg.broadcast([tensor], opts).wait()
+        except RuntimeError as exc:  # gloo / NCCL: a peer died or stalled, or the timeout ran out
+            raise PushError(
+                f"weight push of stage {self.stage} broke: {_first_line(exc)} (a peer died or stalled; every "
+                f"push collective waits at most rollout.push_timeout_s = {self.timeout_s:g} s)"
+            ) from None
 
     def broadcast_object(self, obj: object, src: int) -> object:
         """Pickled bytes, their length first (small: a bucket's header)."""
@@ -147,4 +165,4 @@ def connect_store(endpoint: PushEndpoint) -> torch.distributed.TCPStore:
     )
 
 
-__all__ = ["PushEndpoint", "PushGroup", "connect_store", "host_store"]
+__all__ = ["PushEndpoint", "PushError", "PushGroup", "connect_store", "host_store"]
