@@ -590,7 +590,9 @@ class MegatronEngine:
             return output, loss_func
 
         fb = get_forward_backward_func()
-        max_len = max(mb.tokens.shape[1] for mb in micro_batches) // self.cp_size
+        # The whole sequence's length: megatron's pipeline schedules divide it by CP (and by TP with sequence
+        # parallel) for the shape of the activations sent between stages.
+        max_len = max(mb.tokens.shape[1] for mb in micro_batches)
         iters: Any = [iter(micro_batches) for _ in chunks]
         if len(chunks) == 1:
             iters = iters[0]
