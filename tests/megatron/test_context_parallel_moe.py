@@ -122,3 +122,20 @@ def test_cp2_with_moe_matches_cp1(mp_world, tmp_path):
                 )
             diffs[f"{where} log_probs"] = float((res["log_probs"] - cp1["log_probs"]).abs().max())
     print(json.dumps(diffs, indent=1))
+
+
+def test_plan_runs_tiny_grpo_moe_at_cp2_ep2():
+    """The done-when layout passes validation: tiny-grpo-moe on four devices at CP=2 x EP=2 is dp 2 for the
+    dense layers, and each CP pair (ranks 0, 1 and 2, 3) is also an expert-parallel pair."""
+    from presets import PRESETS
+    from rlconf.load import load_config
+    from rlconf.plan import compile_plan, format_plan
+
+    c = load_config(None, preset="tiny-grpo-moe", presets=PRESETS,
+                    overrides=["cluster.gpus_per_node=4", "actor.megatron.context_parallel_size=2"])  # fmt: skip
+    plan = compile_plan(c)
+    actor = next(lay for lay in plan.layouts if lay.role == "actor")
+    assert (actor.cp, actor.ep, actor.dp, actor.expert_dp) == (2, 2, 2, 2)
+    text = format_plan(plan)
+    assert "pp=0 dp=0: 0 | 1" in text and "pp=0 dp=1: 2 | 3" in text  # CP groups
+    assert "pp=0 edp=0: ep0: 0 | ep1: 1" in text and "pp=0 edp=1: ep0: 2 | ep1: 3" in text  # EP groups
