@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -25,6 +28,7 @@ from rlconf.plan import compile_plan
 from rltrain.rollout import push
 from rltrain.rollout.weight_sync import receive_weights, send_weights
 from tests.test_e2e import metrics, rltrain
+from tests.test_signals import ENV, kill_session, logged_steps
 
 SEPARATE = ("--rollout.placement", "separate", "--rollout.num_devices", "1")
 OFF_POLICY = ("tiny-grpo", "--cluster.gpus_per_node", "3", *SEPARATE, "--algorithm.off_policy_steps", "1")
@@ -192,3 +196,48 @@ def test_a_stuck_push_times_out_naming_a_rank_and_the_run_resumes(tmp_path):
     assert "rollout.push_timeout_s = 10" in failed.stderr
     assert "Traceback" not in failed.stderr
     _resumes(out, "--rollout.push_timeout_s", "10")
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+@pytest.mark.parametrize(
+    ("signum", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"]
+)
+def test_a_signal_while_the_producer_generates_ahead_stops_cleanly_and_resumes(tmp_path, signum, code):
+    """With off_policy_steps 1 the producer thread is almost always generating the next batch: a signal
+    to the driver stops the run with its exit code and one stop line (no traceback from the thread), and
+    the same command resumes with every step logged once."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rltrain.cli", *OFF_POLICY, "--trainer.total_steps", "200", "--trainer.save_freq",
+           "3", "--trainer.output_dir", str(out)]  # fmt: skip
+    err_path = tmp_path / "stderr.txt"
+    with open(tmp_path / "stdout.txt", "w") as so, open(err_path, "w") as se:
+        proc = subprocess.Popen(cmd, stdout=so, stderr=se, env=ENV, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 300
+        while len(logged_steps(out)) < 7:
+            assert proc.poll() is None, err_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run did not reach step 7"
+            time.sleep(0.1)
+        os.kill(proc.pid, signum)
+        assert proc.wait(timeout=120) == code
+    finally:
+        kill_session(proc.pid)
+        proc.kill()
+        proc.wait()
+    stderr = err_path.read_text()
+    assert "Traceback" not in stderr and "Exception in thread" not in stderr, stderr[-3000:]
+    lines = [
+        line for line in stderr.splitlines() if line.startswith(f"stopped by {signal.Signals(signum).name}: ")
+    ]
+    assert len(lines) == 1, stderr[-3000:]
+    resume_step = int(re.search(r"resume from step (\d+)", lines[0]).group(1))
+    assert resume_step >= 6
+    cmd[cmd.index("200")] = str(resume_step + 2)
+    rerun = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=400)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, resume_step + 3))
+    # The resumed batch was generated with the checkpoint's weights: it missed no update.
+    assert rows[resume_step]["off_policy/staleness"] == 0
+    assert rows[resume_step]["rollout/weight_version"] == resume_step
