@@ -22,7 +22,14 @@ from rltrain.rollout.generation import RolloutServer
 from rltrain.tokenizer import CharTokenizer
 from rltrain.tools import load_tools
 
-from .megatron._common import actor_cfg, assert_tiny_close, free_port, run_spawned, tiny_model_cfg
+from .megatron._common import (
+    CountForwards,
+    actor_cfg,
+    assert_tiny_close,
+    free_port,
+    run_spawned,
+    tiny_model_cfg,
+)
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
@@ -90,31 +97,12 @@ def actor(tiny_hf):
     return MegatronActor(tiny_model_cfg(tiny_hf), actor_cfg(), "cpu", trainable=False)
 
 
-class _CountForwards:
-    """Records (rows, columns, start column) of every cached forward of the engine."""
-
-    def __init__(self, monkeypatch) -> None:
-        from rltrain.megatron.inference import KVCacheGenerator
-
-        self.calls: list[tuple[int, int, int]] = []
-        inner = KVCacheGenerator.forward
-
-        def forward(engine, tokens, start, rows, mask):
-            self.calls.append((tokens.shape[0], tokens.shape[1], start))
-            return inner(engine, tokens, start, rows, mask)
-
-        monkeypatch.setattr(KVCacheGenerator, "forward", forward)
-
-    def prefill_tokens(self) -> int:
-        return sum(rows * cols for rows, cols, _ in self.calls if cols > 1)
-
-
 def test_kept_cache_gives_the_re_prefill_rollout(actor, monkeypatch):
     """Sampling at temperature 1 (each row draws from its own seeded stream, so both runs draw the same
     numbers): the same tokens and masks, log-probs within tolerance, while the kept cache prefills fewer
     tokens and later turns start their prefill past the cached columns."""
     worker = _Worker(actor, temperature=1.0)
-    counted = _CountForwards(monkeypatch)
+    counted = CountForwards(monkeypatch)
     kept = rollout(_client(worker, cache=True))
     kept_calls, counted.calls = counted.calls, []
     fresh = rollout(_client(worker, cache=False))

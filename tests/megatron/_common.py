@@ -163,3 +163,24 @@ def actor_cfg(tp: int = 1, pp: int = 1, vpp: int | None = None, **kw) -> ActorCo
     )
     defaults.update(kw)
     return ActorConfig(megatron=mcfg, **defaults)  # type: ignore[arg-type]
+
+
+class CountForwards:
+    """Records (rows, columns, start column) of every cached forward of the embedded engine
+    (rltrain/megatron/inference.py `KVCacheGenerator.forward`), for tests of what is prefilled when."""
+
+    def __init__(self, monkeypatch) -> None:
+        from rltrain.megatron.inference import KVCacheGenerator
+
+        self.calls: list[tuple[int, int, int]] = []
+        inner = KVCacheGenerator.forward
+
+        def forward(engine, tokens, start, rows, mask):
+            self.calls.append((tokens.shape[0], tokens.shape[1], start))
+            return inner(engine, tokens, start, rows, mask)
+
+        monkeypatch.setattr(KVCacheGenerator, "forward", forward)
+
+    def prefill_tokens(self) -> int:
+        """Tokens fed by multi-column (prefill) forwards: rows x columns."""
+        return sum(rows * cols for rows, cols, _ in self.calls if cols > 1)

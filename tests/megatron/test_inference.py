@@ -15,7 +15,15 @@ import pytest
 import torch
 
 from ..tolerance import assert_close
-from ._common import actor_cfg, assert_tiny_close, free_port, make_batch, run_spawned, tiny_model_cfg
+from ._common import (
+    CountForwards,
+    actor_cfg,
+    assert_tiny_close,
+    free_port,
+    make_batch,
+    run_spawned,
+    tiny_model_cfg,
+)
 
 # megatron-core warns about missing apex / Transformer Engine and deprecated arguments on every build.
 _QUIET = [
@@ -43,22 +51,6 @@ def _assert_same_batch(a: dict, b: dict, msg: str = "") -> None:
     for key in KEYS:
         assert torch.equal(a[key], b[key]), f"{msg}: {key}\n{a[key]}\n{b[key]}"
     assert_tiny_close(a["rollout_log_probs"], b["rollout_log_probs"], msg=msg)
-
-
-class _CountForwards:
-    """Records (rows, columns, start) of every cached forward."""
-
-    def __init__(self, monkeypatch) -> None:
-        from rltrain.megatron.inference import KVCacheGenerator
-
-        self.calls: list[tuple[int, int, int]] = []
-        inner = KVCacheGenerator.forward
-
-        def forward(engine, tokens, start, rows, mask):
-            self.calls.append((tokens.shape[0], tokens.shape[1], start))
-            return inner(engine, tokens, start, rows, mask)
-
-        monkeypatch.setattr(KVCacheGenerator, "forward", forward)
 
 
 # ------------------------------------------------------------------------------------ greedy parity
@@ -108,7 +100,7 @@ def test_stop_tokens_compaction_and_early_exit(actor, monkeypatch):
     # Rows 0-2 stop at their first token (EOS or an extra stop id): half the batch leaves the cache.
     eos, extra = int(free[0, 0]), tuple(int(t) for t in free[1:3, 0])
     assert not set(free[3:, 0].tolist()) & {eos, *extra}, "pick prompts whose first tokens differ"
-    counter = _CountForwards(monkeypatch)
+    counter = CountForwards(monkeypatch)
     # A pad id other than the prompts' 0: the prompt mask says which tokens are real.
     kw = dict(temperature=0.0, pad_id=7, eos_id=eos, stop_token_ids=extra, prompt_mask=(prompts != 0).long())
     new = actor.generate(prompts, 8, **kw)
@@ -154,7 +146,7 @@ def test_n_samples_per_prompt_share_one_prefill(actor, monkeypatch):
     n = 4
     unique = _prompts(3)
     prompts = unique.repeat_interleave(n, 0)
-    counter = _CountForwards(monkeypatch)
+    counter = CountForwards(monkeypatch)
     greedy = actor.generate(prompts, 6, temperature=0.0, pad_id=0)
     assert counter.calls[0] == (3, 6, 0), "each distinct prompt is prefilled once"
     assert counter.calls[1] == (12, 1, 6), "then decoded as 12 rows"
