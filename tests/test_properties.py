@@ -34,7 +34,9 @@ def assert_paths_exist(exc: ConfigError, data=None, extra: set[str] = frozenset(
     for issue in exc.issues:
         # The path as written (an unreadable override is named verbatim) or with list indices stripped.
         base = re.sub(r"\[\d+\]", "", issue.path)
-        assert issue.path in allowed or base in allowed, f"{issue.path!r} is neither in the schema nor in the input"
+        assert issue.path in allowed or base in allowed, (
+            f"{issue.path!r} is neither in the schema nor in the input"
+        )
 
 
 @given(typed_configs())
