@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import fnmatch
 import importlib.util
+import math
 import os
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
+from functools import cache
+from typing import Any
 
 from rlconf.config import (
     BUILTIN_REWARDS,
@@ -29,19 +32,42 @@ from rlconf.config import (
     LAYOUT_FIELDS,
     ROLES,
     MegatronConfig,
+    ModelArch,
     MultiTurnConfig,
     Optim,
     RLConfig,
     RolloutConfig,
 )
 from rlconf.errors import ConfigError, Issue, error, warning
-from rlconf.fields import get_path, iter_leaves
-from rlconf.model_spec import engine_gaps, expert_layout_issues, read_model_arch
-from rlconf.plan import MAX_DEVICES, MAX_INT, MAX_TOTAL_STEPS, rollout_tp
+from rlconf.fields import (
+    Leaf,
+    field_types,
+    get_path,
+    is_dataclass_type,
+    iter_leaves,
+    literal_values,
+    strip_optional,
+    tuple_item_types,
+    type_name,
+)
+from rlconf.model_spec import (
+    UNSUPPORTED_RULE,
+    engine_gaps,
+    expert_layout_issues,
+    family_issues,
+    read_model_arch,
+)
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
+
+# Bounds that keep the plan's tables (rank grids, lr rows) to a size a controller can hold; far beyond any
+# real run, they only turn absurd inputs into a ConfigError instead of an hour of list building. They live
+# with the checker that enforces them (rule plan-limits); rlconf.plan re-exports them.
+MAX_DEVICES = 1 << 17
+MAX_TOTAL_STEPS = 100_000
+MAX_INT = 1 << 40
 
 
 @dataclass(frozen=True)
@@ -84,17 +110,27 @@ def check_config(config: RLConfig, *, filesystem: bool = False) -> tuple[Issue, 
     folder) as the run would see them from the current directory: what `rlconf validate` and `rltrain`
     check before a run starts.
     """
+    # A config built in Python (a library caller, a preset) skipped the loader's type checks; the other rules
+    # do arithmetic on the values, so a value of the wrong type is reported alone.
+    if mistyped := tuple(RULES[TYPE_RULE].fn(config)):
+        return mistyped
     issues: list[Issue] = []
     # The total_epochs rules judge the config as given; the others see the step count it derives (warmup,
     # profile steps and critic warmup are checked against the run's real length).
     counted = resolved_or_same(config)
     for r in RULES.values():
-        if filesystem or not r.filesystem:
+        if r.name != TYPE_RULE and (filesystem or not r.filesystem):
             issues.extend(r.fn(config if r.name.startswith(RUN_LENGTH_RULE) else counted))
     return tuple(issues)
 
 
 # -------------------------------------------------------------------------------------------- helpers
+def rollout_tp(c: RLConfig) -> int:
+    """The rollout's tensor parallel size: rollout.tensor_model_parallel_size, or the actor's when null."""
+    tp = c.rollout.tensor_model_parallel_size
+    return c.actor.megatron.tensor_model_parallel_size if tp is None else tp
+
+
 def total_devices(c: RLConfig) -> int:
     return c.cluster.nnodes * c.cluster.gpus_per_node
 
@@ -145,6 +181,13 @@ def _megatron_roles(c: RLConfig) -> Iterator[tuple[str, MegatronConfig, int]]:
         yield "reward.reward_model", rm.megatron, rm.num_devices if rm.placement == "separate" else aw
 
 
+def builds_model_arch(c: RLConfig, prefix: str) -> bool:
+    """Whether the role at config `prefix` builds the built-in `model.arch`; with a config.json of its own
+    (model.path, critic.model_path, reward.reward_model.path) the plan reads and checks that instead."""
+    own = {"critic": c.critic.model_path, "reward.reward_model": c.reward.reward_model.path}.get(prefix)
+    return c.model.path is None and own is None
+
+
 def _sizes_ok(c: RLConfig) -> bool:
     """Whether every size the arithmetic rules divide by is positive (the positivity rule reports the rest)."""
     return not any(True for _ in positive_sizes(c))
@@ -153,7 +196,7 @@ def _sizes_ok(c: RLConfig) -> bool:
 _POSITIVE_INT_FIELDS = re.compile(
     r"(_size|_size_per_gpu|_per_gpu|num_layers|hidden_size|num_attention_heads|num_query_groups|vocab_size"
     r"|max_position_embeddings|kv_channels|_length|total_steps|nnodes|gpus_per_node|ppo_epochs|^rollout\.n"
-    r"|max_num_seqs|horizon|val\.n)$"
+    r"|max_num_seqs|horizon|val\.n|num_moe_experts|sliding_window)$"
 )
 # Fields that match the pattern above but may legitimately be zero or negative.
 _MAY_BE_NON_POSITIVE = {
@@ -165,6 +208,73 @@ _MAY_BE_NON_POSITIVE = {
 
 
 # ---------------------------------------------------------------------------------------------- rules
+TYPE_RULE = "type"
+
+
+@cache
+def _shape(tp: Any) -> tuple[str, bool, Any]:
+    """(kind, whether None is allowed, detail) of a field type, worked out once per type (the walk below
+    visits every field of every config compiled)."""
+    inner, optional = strip_optional(tp)
+    if is_dataclass_type(inner):
+        return "section", optional, inner
+    if (choices := literal_values(inner)) is not None:
+        return "literal", optional, choices
+    if (items := tuple_item_types(inner)) is not None:
+        return "tuple", optional, items
+    kinds = {bool: "bool", int: "int", float: "float", str: "str"}
+    return kinds.get(inner, "any"), optional, inner
+
+
+def _mistyped(value: Any, tp: Any, path: str) -> Iterator[Issue]:
+    """The loader's type coercion (rlconf.load), as a check of a config built in Python."""
+    kind, optional, detail = _shape(tp)
+    if value is None:
+        if not optional:
+            yield error(path, f"expected {type_name(tp)}, got null", f"set {type_name(tp)}", TYPE_RULE)
+        return
+    if kind == "section":
+        if not isinstance(value, detail):
+            yield error(path, f"expected section {detail.__name__}, got {type(value).__name__}",
+                        f"give {path} as a {detail.__name__}", TYPE_RULE)  # fmt: skip
+            return
+        for name, field_tp in field_types(detail).items():
+            yield from _mistyped(getattr(value, name), field_tp, f"{path}.{name}" if path else name)
+        return
+    if kind == "tuple" and isinstance(value, tuple):
+        item, variadic = detail
+        if not variadic and len(value) != len(item):
+            yield error(path, f"expected {len(item)} items, got {len(value)}", f"give {type_name(tp)}",
+                        TYPE_RULE)  # fmt: skip
+            return
+        for i, v in enumerate(value):
+            yield from _mistyped(v, item if variadic else item[i], f"{path}[{i}]")
+        return
+    if kind == "float" and isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value):
+            yield error(path, f"must be a finite number, got {value}", "write a finite number", TYPE_RULE)
+        return
+    if kind == "literal":
+        ok = value in detail
+    elif kind in ("bool", "str"):
+        ok = isinstance(value, bool if kind == "bool" else str)
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = kind == "any"  # a float or tuple field holding something else; no other field types exist
+    if not ok:
+        yield error(path, f"expected {type_name(tp)}, got {type(value).__name__} {value!r:.60}",
+                    f"set {type_name(tp)}", TYPE_RULE)  # fmt: skip
+
+
+@rule(TYPE_RULE)  # every field: not listed field by field in the docs
+def field_value_types(c: RLConfig) -> Iterator[Issue]:
+    """Every value has its field's type, and floats are finite. Files and flags are checked for this when
+    they are read (rlconf.load); this rule holds configs built in Python to the same standard, and the other
+    rules run only on a config that passes it."""
+    yield from _mistyped(c, RLConfig, "")
+
+
 @rule(
     "positive-size",
     "*_size",
@@ -183,12 +293,25 @@ _MAY_BE_NON_POSITIVE = {
 )
 def positive_sizes(c: RLConfig) -> Iterator[Issue]:
     """Sizes, counts, lengths and parallel degrees must be >= 1."""
-    for leaf in iter_leaves(RLConfig):
-        if leaf.path in _MAY_BE_NON_POSITIVE or not _POSITIVE_INT_FIELDS.search(leaf.path):
-            continue
-        value = get_path(c, leaf.path)
+    for path in _positive_paths():
+        value = get_path(c, path)
         if isinstance(value, int) and not isinstance(value, bool) and value < 1:
-            yield error(leaf.path, f"must be >= 1, got {value}", "use a positive integer", "positive-size")
+            yield error(path, f"must be >= 1, got {value}", "use a positive integer", "positive-size")
+
+
+@cache
+def _leaves() -> tuple[Leaf, ...]:
+    return tuple(iter_leaves(RLConfig))
+
+
+@cache
+def _positive_paths() -> tuple[str, ...]:
+    """Fields positive-size checks (the rules that divide call it often: computed once)."""
+    return tuple(
+        leaf.path
+        for leaf in _leaves()
+        if leaf.path not in _MAY_BE_NON_POSITIVE and _POSITIVE_INT_FIELDS.search(leaf.path)
+    )
 
 
 @rule(
@@ -267,8 +390,8 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
                         f"use context_parallel_size: 1 or {instead}",
                         "engine-support",
                     )
-        if c.model.path is not None or (prefix == "critic" and c.critic.model_path is not None):
-            continue  # the architecture comes from config.json: the plan checks it
+        if not builds_model_arch(c, prefix) or not _sizes_ok(c):
+            continue  # config.json: the plan checks it; a size < 1: positive-size reports it
         for path, message, fix in expert_layout_issues(
             c.model.arch, "model.arch", m.expert_model_parallel_size,
             m.expert_tensor_parallel_size or m.tensor_model_parallel_size, m.tensor_model_parallel_size,
@@ -491,7 +614,7 @@ def heads_divisible(c: RLConfig) -> Iterator[Issue]:
     if c.model.path is not None or not _sizes_ok(c):
         return  # the architecture comes from config.json; the plan checks it
     a = c.model.arch
-    layouts = [(p, m.tensor_model_parallel_size) for p, m, _ in _megatron_roles(c)]
+    layouts = [(p, m.tensor_model_parallel_size) for p, m, _ in _megatron_roles(c) if builds_model_arch(c, p)]
     layouts.append(("rollout", rollout_tp(c)))
     for prefix, tp in layouts:
         field = f"{prefix}.tensor_model_parallel_size" if prefix == "rollout" else (
@@ -536,8 +659,8 @@ def layers_divisible(c: RLConfig) -> Iterator[Issue]:
                 "layers-divisible-by-pp",
             )
             continue
-        if c.model.path is not None:
-            continue
+        if not builds_model_arch(c, prefix):
+            continue  # the plan checks the layers of a config.json
         chunks = pp * (vpp or 1)
         if c.model.arch.num_layers % chunks:
             yield error(
@@ -1075,6 +1198,40 @@ def model_engine_support(c: RLConfig) -> Iterator[Issue]:
                         "model-engine-support")  # fmt: skip
 
 
+def sliding_window_issue(c: RLConfig, arch: ModelArch, source: str, path: str) -> Issue | None:
+    """The error for an attention window shorter than the run's sequences, a feature the engine does not build
+    (within the window, windowed and full causal attention are the same computation); `source` names where
+    the architecture comes from. The plan asks the same of an architecture read from config.json."""
+    seq = c.data.max_prompt_length + c.rollout.max_response_length
+    if arch.sliding_window is None or seq <= arch.sliding_window:
+        return None
+    return error(
+        path,
+        f"{source}: family {arch.family} attends within a sliding window of {arch.sliding_window} tokens, "
+        f"shorter than prompt + response = {seq}; rlplan builds full causal attention only",
+        f"keep data.max_prompt_length + rollout.max_response_length <= {arch.sliding_window}",
+        UNSUPPORTED_RULE,
+    )
+
+
+@rule(UNSUPPORTED_RULE, "model.path", "model.arch.family", "model.arch.add_qkv_bias", "model.arch.qk_layernorm",
+      "model.arch.num_moe_experts", "model.arch.moe_router_topk", "model.arch.moe_dense_layers",
+      "model.arch.sliding_window", "data.max_prompt_length", "rollout.max_response_length")  # fmt: skip
+def model_unsupported(c: RLConfig) -> Iterator[Issue]:
+    """The built-in `model.arch` is a model rlplan can run: its fields agree with its family (q/k/v biases,
+    QK-norm, experts) and a sliding attention window covers prompt + response. A config.json at
+    `model.path` (or a critic's / reward model's path) is checked under the same rule when the plan reads
+    it: vision-language, multi-token prediction, hybrid attention and other families fail there."""
+    if c.model.path is not None:
+        return  # model.arch is not used
+    for path, message, fix in family_issues(c.model.arch, "model.arch"):
+        yield error(path, message, fix, UNSUPPORTED_RULE)
+    if (
+        issue := sliding_window_issue(c, c.model.arch, "model.arch", "model.arch.sliding_window")
+    ) is not None:
+        yield issue
+
+
 SEED_FIELDS = ("trainer.seed", "data.seed", "actor.megatron.seed", "ref.megatron.seed", "critic.megatron.seed",
                "reward.reward_model.megatron.seed")  # fmt: skip
 SEED_LIMIT = 2**62
@@ -1104,7 +1261,7 @@ def plan_limits(c: RLConfig) -> Iterator[Issue]:
         yield error("cluster.nnodes", f"{c.cluster.nnodes} x {c.cluster.gpus_per_node} devices is more than a "
                     f"plan supports ({MAX_DEVICES:,})", "check cluster.nnodes and cluster.gpus_per_node",
                     "plan-limits")  # fmt: skip
-    for leaf in iter_leaves(RLConfig):
+    for leaf in _leaves():
         if leaf.path in SEED_FIELDS or leaf.path == "trainer.total_steps":
             continue  # reported above and by seed-range
         value = get_path(c, leaf.path)
@@ -1249,16 +1406,24 @@ def profile(c: RLConfig) -> Iterator[Issue]:
     "model-source",
     "*.use_dist_checkpointing",
     "*.dist_checkpointing_path",
+    "*.override_transformer_config.*_dropout",
     "model.attention_backend",
     "model.arch.kv_channels",
     "model.arch.hidden_size",
 )
 def model_source(c: RLConfig) -> Iterator[Issue]:
-    """A model path and dist checkpoint path are consistent; TE attention is not available on npu/cpu."""
+    """A model path and dist checkpoint path are consistent; TE attention is not available on npu/cpu;
+    dropout probabilities are in [0, 1)."""
     for prefix, m, _ in _megatron_roles(c):
         if m.use_dist_checkpointing and not m.dist_checkpointing_path:
             yield error(f"{prefix}.megatron.dist_checkpointing_path", "use_dist_checkpointing needs a path",
                         "set dist_checkpointing_path or use_dist_checkpointing: false", "model-source")  # fmt: skip
+        ov = m.override_transformer_config
+        for name in ("hidden_dropout", "attention_dropout"):
+            if not 0.0 <= getattr(ov, name) < 1.0:
+                yield error(f"{prefix}.megatron.override_transformer_config.{name}",
+                            f"a dropout probability must be in [0, 1), got {getattr(ov, name)}",
+                            "use 0.0 (RL fine-tuning usually trains without dropout)", "model-source")  # fmt: skip
     if c.model.attention_backend == "te" and c.cluster.device != "cuda":
         yield error("model.attention_backend", f"Transformer Engine needs cuda, cluster.device = {c.cluster.device}",
                     "use attention_backend: sdpa", "model-source")  # fmt: skip

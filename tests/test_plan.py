@@ -42,6 +42,7 @@ from rlconf.plan import (
     lr_at,
     plan_to_dict,
 )
+from rlconf.plan.compile import _grid, _split_layers
 from tests.strategies import valid_configs
 from tests.typed_strategies import typed_configs
 
@@ -408,17 +409,19 @@ def test_grid_with_context_and_data_parallel() -> None:
                 config.actor.megatron,
                 tensor_model_parallel_size=2,
                 context_parallel_size=2,
-                pipeline_model_parallel_size=2,
+                pipeline_model_parallel_size=1,
             ),
         ),
-        cluster=replace(config.cluster, gpus_per_node=16),
     )
     lay = compile_plan(config).layout("actor")
-    assert (lay.tp, lay.cp, lay.dp, lay.pp) == (2, 2, 2, 2)
+    assert (lay.tp, lay.cp, lay.dp, lay.pp) == (2, 2, 2, 1)
     g = {c.rank: (c.pp, c.tp, c.cp, c.dp) for c in lay.grid}
     assert g[1] == (0, 1, 0, 0)  # tp fastest
     assert g[2] == (0, 0, 1, 0)  # then cp
     assert g[4] == (0, 0, 0, 1)  # then dp
+    assert g[7] == (0, 1, 1, 1)  # 7 = 1 + 2 * (1 + 2 * 1)
+    # With pipeline stages too (the engine refuses cp with pp: engine-support), pp varies slowest.
+    g = {c.rank: (c.pp, c.tp, c.cp, c.dp) for c in _grid(16, 2, 2, 2)}
     assert g[8] == (1, 0, 0, 0)  # pp slowest
     assert g[13] == (1, 1, 0, 1)  # 13 = 1 + 2 * (0 + 2 * (1 + 2 * 1))
 
@@ -454,9 +457,11 @@ def test_qwen7b_memory_estimate_matches_hand_computation() -> None:
 
 
 def _update_bound_7b(device_memory_gib: float) -> RLConfig:
-    """The 7B layout with one response per prompt: the update phase, not the rollout's KV cache, peaks."""
+    """The 7B layout with one response per prompt (an estimator without groups): the update phase, not the
+    rollout's KV cache, peaks."""
     config = qwen7b_config(device_memory_gib=device_memory_gib)
-    return replace(config, rollout=replace(config.rollout, n=1))
+    algorithm = replace(config.algorithm, adv_estimator="reinforce_plus_plus")
+    return replace(config, rollout=replace(config.rollout, n=1), algorithm=algorithm)
 
 
 def test_memory_error_names_device_memory_and_concrete_fixes() -> None:
@@ -744,9 +749,11 @@ def test_non_divisible_world_is_a_config_error() -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(st.integers(1, 200), st.integers(1, 4), st.sampled_from([None, 2, 3]))
-def test_uneven_layers_are_split_gracefully(layers: int, pp: int, vpp: int | None) -> None:
-    """Configs that skipped validation with layers not divisible by pp x vpp still plan (earlier chunks
-    get one more layer) and the plan says the split is uneven."""
+def test_uneven_layers_are_refused_and_the_split_copes_with_them(
+    layers: int, pp: int, vpp: int | None
+) -> None:
+    """Layers not divisible by pp x vpp are refused (the validator's layers-divisible-by-pp, which compiling
+    runs); the split itself copes with them (earlier chunks get one more layer) and says it is uneven."""
     vpp = vpp if pp > 1 else None
     config = RLConfig(
         model=ModelConfig(arch=replace(ModelArch(), num_layers=layers)),
@@ -756,10 +763,20 @@ def test_uneven_layers_are_split_gracefully(layers: int, pp: int, vpp: int | Non
         cluster=ClusterConfig(gpus_per_node=pp),
         data=DataConfig(train_batch_size=pp * 4),
     )
-    lay = compile_plan(config).layout("actor")
-    assert sum(lay.layers_per_stage) == layers
-    assert lay.even_layers == (layers % (pp * (vpp or 1)) == 0)
-    assert max(lay.layers_per_stage) - min(lay.layers_per_stage) <= (vpp or 1)
+    even = layers % (pp * (vpp or 1)) == 0
+    if even:
+        assert compile_plan(config).layout("actor").even_layers
+    else:
+        with pytest.raises(ConfigError) as info:
+            compile_plan(config)
+        assert ("actor.megatron.pipeline_model_parallel_size", "layers-divisible-by-pp") in {
+            (i.path, i.rule) for i in info.value.errors
+        }
+    stages, split_even = _split_layers(layers, pp, vpp)
+    per_stage = [s.num_layers for s in stages]
+    assert sum(per_stage) == layers
+    assert split_even == even
+    assert max(per_stage) - min(per_stage) <= (vpp or 1)
 
 
 def test_memory_counts_embedded_rollout_kv_cache() -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from presets import PRESETS, get_preset
 from rlconf.errors import ConfigError
+from rlconf.fields import replace_paths
 from rlconf.load import load_config
 from rlconf.validate import RULES, check_config
 
@@ -177,6 +178,18 @@ CASES = [
     (["cluster.gpus_per_node=3", "rollout.tensor_model_parallel_size=2", "model.arch.num_query_groups=2",
       "actor.ppo_micro_batch_size_per_gpu=1", "data.train_batch_size=6", "actor.ppo_mini_batch_size=3"],
      "rollout.tensor_model_parallel_size", "cluster", "error"),
+    (["actor.megatron.override_transformer_config.hidden_dropout=-0.1"],
+     "actor.megatron.override_transformer_config.hidden_dropout", "model-source", "error"),
+    (["actor.megatron.override_transformer_config.attention_dropout=1.0"],
+     "actor.megatron.override_transformer_config.attention_dropout", "model-source", "error"),
+    # the built-in model.arch is a model rlplan runs (a config.json is checked as the plan reads it)
+    (["model.arch.family=qwen3", "model.arch.add_qkv_bias=false"], "model.arch.qk_layernorm",
+     "model-unsupported", "error"),
+    (["model.arch.num_moe_experts=4"], "model.arch.num_moe_experts", "model-unsupported", "error"),
+    (["model.arch.sliding_window=8"], "model.arch.sliding_window", "model-unsupported", "error"),
+    (["model.arch.sliding_window=0"], "model.arch.sliding_window", "positive-size", "error"),
+    (["model.arch.family=qwen2_moe", "model.arch.num_moe_experts=0"], "model.arch.num_moe_experts",
+     "positive-size", "error"),
 ]  # fmt: skip
 
 
@@ -203,6 +216,7 @@ def test_every_rule_has_an_example():
     covered = {c[2] for c in CASES}
     covered |= {"batch-layout"}  # batch-layout reports under the specific names used above
     covered |= {"total-epochs-prompts"}  # needs prompt files: tests/test_run_length.py
+    covered |= {"type"}  # files are typed by the loader: test_a_config_built_in_python_is_typed_by_a_rule
     assert set(RULES) - covered == set()
 
 
@@ -221,3 +235,26 @@ def test_three_independent_mistakes_are_all_reported():
             presets=PRESETS,
         )
     assert {"actor.optim.lr", "rollout.n", "profile.ranks[0]"} <= set(exc.value.paths)
+
+
+def test_a_config_built_in_python_is_typed_by_a_rule():
+    """A config that skipped the loader (built in Python) gets the loader's type errors from the `type` rule,
+    alone (the other rules do arithmetic on the values), instead of a TypeError from a comparison."""
+    base = get_preset("tiny-grpo")
+    cfg = replace_paths(base, {"trainer.total_steps": None, "actor.optim.lr": float("nan"),
+                               "data.train_files": ("a.jsonl", 3), "model.params_dtype": "fp8",
+                               "rollout.tensor_model_parallel_size": None})  # fmt: skip
+    issues = check_config(cfg)
+    assert {(i.path, i.rule, i.severity) for i in issues} == {
+        ("trainer.total_steps", "type", "error"),
+        ("actor.optim.lr", "type", "error"),
+        ("data.train_files[1]", "type", "error"),
+        ("model.params_dtype", "type", "error"),
+    }
+    assert all(i.fix for i in issues)
+    assert "integer" in next(i for i in issues if i.path == "trainer.total_steps").message
+    assert "finite" in next(i for i in issues if i.path == "actor.optim.lr").message
+    section = replace_paths(base, {"model.arch": None})
+    assert [(i.path, i.rule) for i in check_config(section)] == [("model.arch", "type")]
+    # An int where a float is declared is a number, as the loader reads it.
+    assert not [i for i in check_config(replace_paths(base, {"actor.optim.lr": 1})) if i.rule == "type"]

@@ -1,6 +1,6 @@
 """The trainer plan: the single, inspectable answer to "what will this run do".
 
-`compile_plan(config)` turns a validated `RLConfig` into a `TrainerPlan`, a tree of frozen dataclasses:
+`compile_plan(config)` turns an `RLConfig` into a `TrainerPlan`, a tree of frozen dataclasses:
 which devices each role gets, every rank's place in its parallel grid, the batch schedule, the learning
 rate of every training step, the profiler's output folders, the checkpoint steps and paths, and an
 estimate of the memory each device needs. Workers read the plan, never the raw config: the controller
@@ -22,13 +22,16 @@ Design choices
 - Conventions: ranks are 0-based within a role's world (= the process index inside its device pool);
   layers are 0-based; steps are 1-based training steps (step N is the N-th step of the run, across
   resumes); memory is in GiB (2**30 bytes).
-- Failure: the plan assumes `rlconf.validate` passed. It still never raises anything but `ConfigError`:
-  sizes it divides by are checked first, and the rules validate.py leaves to the plan (heads, query
-  groups and layers against tp / pp when the architecture comes from config.json) are checked here
-  with the same rule names. Batch sizes that do not divide evenly are planned with the largest share a
-  rank gets (`BatchPlan.even` is false) rather than rejected. The memory estimate exceeding
-  `cluster.device_memory_gib` is an error (rule `memory-exceeds-device`) whose fix lists concrete
-  changes with the estimate each would give.
+- Failure: one checker. Compiling starts with `rlconf.validate.check_config` (its filesystem rules
+  excepted) and raises its errors as they are: a config that `rlconf validate` refuses is refused here with
+  the same paths, rule names and fixes, and one it passes compiles, apart from what only the plan can
+  know. Those checks stay here, under the validator's rule names, and `rlconf validate` reaches them by
+  compiling the plan: a config.json's architecture (read errors `model-config-json`, unsupported models
+  `model-unsupported`, heads, query groups and layers against tp / pp, expert layouts), the prompt files
+  that `trainer.total_epochs` counts, and the memory estimate exceeding `cluster.device_memory_gib` (rule
+  `memory-exceeds-device`, whose fix lists concrete changes with the estimate each would give).
+  Nothing but `ConfigError` is raised. Mini-batches that do not split evenly over dp (possible with
+  dynamic batch sizes) are planned with the largest share a rank gets (`BatchPlan.even` is false).
 
 Modules: `types` (the plan's dataclasses and limits), `compile` (checks, models, pools, grids, batches,
 lr table, profile, checkpoints), `memory` (the estimate), `assemble` (parts + memory -> TrainerPlan),
@@ -63,9 +66,6 @@ from rlconf.plan.types import (
     DTYPE_BYTES,
     ENGINE_ROLES,
     GIB,
-    MAX_DEVICES,
-    MAX_INT,
-    MAX_TOTAL_STEPS,
     MEGATRON_ORDER,
     PLAN_VERSION,
     PROFILE_ROLE_WORKER,
@@ -98,12 +98,18 @@ from rlconf.plan.types import (
     StepPasses,
     TrainerPlan,
 )
+from rlconf.validate import (  # the plan's limits are enforced by the checker (rule plan-limits)
+    MAX_DEVICES,
+    MAX_INT,
+    MAX_TOTAL_STEPS,
+)
 
 
 # ========================================================================================= entry points
 def compile_plan(config: RLConfig) -> TrainerPlan:
-    """Derive the trainer plan of a (validated) config; raises ConfigError, and nothing else, when it
-    cannot be planned or its memory estimate exceeds cluster.device_memory_gib."""
+    """Derive the trainer plan of a config; raises ConfigError, and nothing else, when rlconf.validate
+    finds an error in it, when it cannot be planned (a config.json it reads) or when its memory estimate
+    exceeds cluster.device_memory_gib."""
     plan = _compile(config)
     _check_memory(config, plan)
     return plan

@@ -11,7 +11,6 @@ from rlconf.config import (
 from rlconf.errors import ConfigError, error
 from rlconf.plan.compile import (
     _batch_plans,
-    _check_basics,
     _checkpoint,
     _layouts,
     _Models,
@@ -27,6 +26,7 @@ from rlconf.plan.memory import _memory, _rollout_refit
 from rlconf.plan.types import PLAN_VERSION, TrainerPlan
 from rlconf.run_length import run_length, with_run_length
 from rlconf.seeding import resolve_seed
+from rlconf.validate import check_config
 
 
 # ============================================================================================ assembly
@@ -70,10 +70,15 @@ def _compile(config: RLConfig) -> TrainerPlan:
         raise ConfigError(
             [error("", f"expected an RLConfig, got {type(config).__name__}", "load the config first", "plan")]
         )
+    # The one checker: what depends on the config alone is rlconf.validate's, with the rule names and fixes
+    # `rlconf validate` reports (its filesystem rules excepted: a plan is also compiled where the run's
+    # files do not live). What follows checks only what the plan reads (config.json, prompt files to
+    # count) or derives.
+    if errors := [i for i in check_config(config) if i.severity == "error"]:
+        raise ConfigError(errors)
     # trainer.total_epochs becomes a step count here, once: every table below and the workers read it.
     length = run_length(config)
     config = with_run_length(config, length)
-    _check_basics(config)
     roles = _present_roles(config)
     models = _resolve_models(config, roles)
     resources = _resources(config, roles)

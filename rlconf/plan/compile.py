@@ -1,5 +1,10 @@
-"""Compiling a config into the plan's parts: checks of the basics, models, device pools, rank grids and
-layer splits, batch schedules, the lr table, profile targets and checkpoint steps.
+"""Compiling a config into the plan's parts: models, device pools, rank grids and layer splits, batch
+schedules, the lr table, profile targets and checkpoint steps.
+
+The config arrives checked by rlconf.validate (assemble._compile runs it first), the one checker of what
+depends on the config alone. The checks here need what only the plan reads or derives: a config.json's
+architecture (model-config-json, model-unsupported) against the resolved layouts (heads-divisible-by-tp,
+layers-divisible-by-pp, engine-support), under the validator's rule names.
 """
 
 from __future__ import annotations
@@ -19,19 +24,13 @@ from rlconf.config import (
 )
 from rlconf.errors import ConfigError, Issue, error
 from rlconf.model_spec import (
-    UNSUPPORTED_RULE,
     count_parameters,
     expert_layout_issues,
-    family_issues,
     head_dim,
     read_model_arch,
 )
 from rlconf.plan.types import (
     CONTROLLER,
-    DTYPE_BYTES,
-    MAX_DEVICES,
-    MAX_INT,
-    MAX_TOTAL_STEPS,
     MEGATRON_ORDER,
     PROFILE_ROLE_WORKER,
     VOCAB_DIVISIBLE_BY,
@@ -57,73 +56,13 @@ from rlconf.plan.types import (
     _by_role,
     _megatron_of,
 )
+from rlconf.validate import rollout_tp, sliding_window_issue, uses_ref
 
 
-# ========================================================================================= preconditions
-class _Checks:
-    """Collects the problems that would stop the plan's arithmetic (reported all at once)."""
-
-    def __init__(self) -> None:
-        self.issues: list[Issue] = []
-
-    def add(self, path: str, message: str, fix: str, rule: str) -> None:
-        self.issues.append(error(path, message, fix, rule))
-
-    def integer(
-        self, path: str, value: object, minimum: int, *, optional: bool = False, rule: str = "positive-size"
-    ) -> bool:
-        if optional and value is None:
-            return True
-        if isinstance(value, bool) or not isinstance(value, int):
-            self.add(path, f"must be an integer, got {value!r}", f"use an integer >= {minimum}", rule)
-            return False
-        if value < minimum:
-            self.add(path, f"must be >= {minimum}, got {value}", f"use an integer >= {minimum}", rule)
-            return False
-        if value > MAX_INT:
-            self.add(path, f"{value} is too large to plan", f"use a value <= {MAX_INT}", rule)
-            return False
-        return True
-
-    def number(self, path: str, value: object, minimum: float | None = None, *, rule: str = "optim") -> bool:
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            self.add(path, f"must be a finite number, got {value!r}", "use a finite number", rule)
-            return False
-        if minimum is not None and value < minimum:
-            self.add(path, f"must be >= {minimum}, got {value}", f"use a number >= {minimum}", rule)
-            return False
-        return True
-
-    def choice(self, path: str, value: object, allowed: tuple[str, ...], rule: str) -> bool:
-        if value not in allowed:
-            self.add(
-                path,
-                f"{value!r} is not one of {', '.join(allowed)}",
-                f"use one of {', '.join(allowed)}",
-                rule,
-            )
-            return False
-        return True
-
-    def raise_if_any(self) -> None:
-        if self.issues:
-            raise ConfigError(self.issues)
-
-
-_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-_WSD_STYLES = ("linear", "cosine", "exponential", "minus_sqrt")
-
-
-def _uses_ref(c: RLConfig) -> bool:
-    return bool(c.actor.use_kl_loss or c.algorithm.use_kl_in_reward)
-
-
-def rollout_tp(c: RLConfig) -> int:
-    """The rollout's tensor parallel size: rollout.tensor_model_parallel_size, or the actor's when null."""
-    tp = c.rollout.tensor_model_parallel_size
-    return c.actor.megatron.tensor_model_parallel_size if tp is None else tp
-
-
+# ========================================================================================= roles
+# The config was checked by rlconf.validate (assemble._compile runs it first): sizes the arithmetic below
+# divides by are positive and the layouts divide the pools. The checks left here need what the plan reads
+# or derives: a config.json's architecture against the resolved layouts.
 def rollout_resharded(c: RLConfig) -> bool:
     """Whether the rollout runs in a layout of its own (tp = rollout_tp, pp 1): always for vLLM and on a
     separate rollout pool; for the embedded engine when its tp differs from the actor's. Otherwise it generates on the actor's weights in
@@ -136,7 +75,7 @@ def rollout_resharded(c: RLConfig) -> bool:
 
 def _present_roles(c: RLConfig) -> tuple[str, ...]:
     present = {"actor", "rollout"}
-    if _uses_ref(c):
+    if uses_ref(c):
         present.add("ref")
     if c.critic.enable:
         present.add("critic")
@@ -145,156 +84,12 @@ def _present_roles(c: RLConfig) -> tuple[str, ...]:
     return tuple(r for r in WORKER_ROLES if r in present)
 
 
-def _check_basics(c: RLConfig) -> None:
-    ck = _Checks()
-    cl = c.cluster
-    ok_nodes = ck.integer("cluster.nnodes", cl.nnodes, 1)
-    ok_gpus = ck.integer("cluster.gpus_per_node", cl.gpus_per_node, 1)
-    if ok_nodes and ok_gpus and cl.nnodes * cl.gpus_per_node > MAX_DEVICES:
-        ck.add(
-            "cluster.nnodes",
-            f"{cl.nnodes} x {cl.gpus_per_node} devices is more than the plan supports ({MAX_DEVICES})",
-            "check cluster.nnodes and cluster.gpus_per_node",
-            "positive-size",
-        )
-    mem = cl.device_memory_gib
-    if mem is not None and ck.number("cluster.device_memory_gib", mem, rule="cluster") and mem <= 0:
-        ck.add(
-            "cluster.device_memory_gib", "must be > 0", "give the device memory in GiB, or null", "cluster"
-        )
-    t = c.trainer
-    if ck.integer("trainer.total_steps", t.total_steps, 1) and t.total_steps > MAX_TOTAL_STEPS:
-        ck.add(
-            "trainer.total_steps",
-            f"{t.total_steps} steps is more than the plan supports",
-            "shorten the run",
-            "trainer",
-        )
-    ck.integer("trainer.save_freq", t.save_freq, 0)
-    ck.integer("trainer.critic_warmup", t.critic_warmup, 0)
-    ck.integer("trainer.max_ckpt_to_keep", t.max_ckpt_to_keep, 1, optional=True)
-    for path, value in (("trainer.output_dir", t.output_dir), ("profile.save_path", c.profile.save_path)):
-        if not isinstance(value, str):
-            ck.add(path, f"must be a path, got {value!r}", "use a string path", "trainer")
-    ck.integer("data.train_batch_size", c.data.train_batch_size, 1)
-    ck.integer("data.max_prompt_length", c.data.max_prompt_length, 0)
-    ck.integer("rollout.n", c.rollout.n, 1)
-    ck.integer("rollout.max_response_length", c.rollout.max_response_length, 1)
-    ck.integer("rollout.tensor_model_parallel_size", c.rollout.tensor_model_parallel_size, 1, optional=True)
-    ck.choice("model.params_dtype", c.model.params_dtype, tuple(DTYPE_BYTES), "model-source")
-
-    roles = _present_roles(c)
-    for role in roles:
-        if role == "rollout":
-            continue
-        prefix, m = _megatron_of(c, role)
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-        ):
-            ck.integer(f"{prefix}.{name}", getattr(m, name), 1)
-        ck.integer(
-            f"{prefix}.virtual_pipeline_model_parallel_size",
-            m.virtual_pipeline_model_parallel_size,
-            1,
-            optional=True,
-        )
-        ck.integer(f"{prefix}.expert_tensor_parallel_size", m.expert_tensor_parallel_size, 1, optional=True)
-        ov = m.override_transformer_config
-        ck.integer(
-            f"{prefix}.override_transformer_config.recompute_num_layers",
-            ov.recompute_num_layers,
-            1,
-            optional=True,
-        )
-        ck.number(
-            f"{prefix}.override_transformer_config.hidden_dropout",
-            ov.hidden_dropout,
-            0.0,
-            rule="model-source",
-        )
-    for prefix, role_cfg in (("actor", c.actor), ("critic", c.critic)):
-        if prefix == "critic" and not c.critic.enable:
-            continue
-        ck.integer(f"{prefix}.ppo_mini_batch_size", role_cfg.ppo_mini_batch_size, 1)
-        ck.integer(f"{prefix}.ppo_epochs", role_cfg.ppo_epochs, 1)
-        if role_cfg.use_dynamic_bsz:
-            ck.integer(f"{prefix}.ppo_max_token_len_per_gpu", role_cfg.ppo_max_token_len_per_gpu, 1)
-        else:
-            ck.integer(f"{prefix}.ppo_micro_batch_size_per_gpu", role_cfg.ppo_micro_batch_size_per_gpu, 1)
-        o = role_cfg.optim
-        p = f"{prefix}.optim"
-        ck.choice(f"{p}.optimizer", o.optimizer, ("adam", "sgd"), "optim")
-        for name in ("lr", "min_lr", "lr_warmup_init", "weight_decay"):
-            ck.number(f"{p}.{name}", getattr(o, name))
-        ck.number(f"{p}.lr_warmup_steps_ratio", o.lr_warmup_steps_ratio, 0.0)
-        ck.integer(f"{p}.lr_warmup_steps", o.lr_warmup_steps, 0, optional=True)
-        ck.integer(f"{p}.lr_decay_steps", o.lr_decay_steps, 1, optional=True)
-        ck.integer(f"{p}.lr_wsd_decay_steps", o.lr_wsd_decay_steps, 1, optional=True)
-        ck.choice(f"{p}.lr_decay_style", o.lr_decay_style, _DECAY_STYLES, "optim")
-        ck.choice(f"{p}.lr_wsd_decay_style", o.lr_wsd_decay_style, _WSD_STYLES, "optim")
-    ck.integer("actor.log_prob_micro_batch_size_per_gpu", c.actor.log_prob_micro_batch_size_per_gpu, 1)
-    if "ref" in roles:
-        ck.integer("ref.log_prob_micro_batch_size_per_gpu", c.ref.log_prob_micro_batch_size_per_gpu, 1)
-    rm = c.reward.reward_model
-    if rm.enable:
-        ck.integer("reward.reward_model.micro_batch_size_per_gpu", rm.micro_batch_size_per_gpu, 1)
-    for prefix, enabled, placement, n in (
-        ("rollout", True, c.rollout.placement, c.rollout.num_devices),
-        ("critic", c.critic.enable, c.critic.placement, c.critic.num_devices),
-        ("reward.reward_model", rm.enable, rm.placement, rm.num_devices),
-    ):
-        if enabled and placement == "separate":
-            ck.integer(f"{prefix}.num_devices", n, 1, rule="device-pools")
-    for i, r in enumerate(c.profile.ranks):
-        ck.integer(f"profile.ranks[{i}]", r, 0)
-    for i, s in enumerate(c.profile.steps):
-        if isinstance(s, bool) or not isinstance(s, int):
-            ck.add(
-                f"profile.steps[{i}]", f"must be an integer step, got {s!r}", "steps count from 1", "profile"
-            )
-    ck.raise_if_any()
-
-
 # ============================================================================================ model
-def _check_arch(arch: ModelArch, prefix: str) -> None:
-    ck = _Checks()
-    for name in (
-        "num_layers",
-        "hidden_size",
-        "ffn_hidden_size",
-        "num_attention_heads",
-        "num_query_groups",
-        "vocab_size",
-        "max_position_embeddings",
-    ):
-        ck.integer(f"{prefix}.{name}", getattr(arch, name), 1)
-    ck.integer(f"{prefix}.kv_channels", arch.kv_channels, 1, optional=True)
-    ck.integer(f"{prefix}.num_moe_experts", arch.num_moe_experts, 1, optional=True)
-    ck.integer(f"{prefix}.moe_ffn_hidden_size", arch.moe_ffn_hidden_size, 1, optional=True)
-    ck.integer(f"{prefix}.moe_shared_expert_intermediate_size", arch.moe_shared_expert_intermediate_size, 1,
-               optional=True)  # fmt: skip
-    ck.integer(f"{prefix}.sliding_window", arch.sliding_window, 1, optional=True)
-    ck.raise_if_any()
-    for path, message, fix in family_issues(arch, prefix):
-        ck.add(path, message, fix, UNSUPPORTED_RULE)
-    ck.raise_if_any()
-
-
 def _check_sequence_fits(c: RLConfig, arch: ModelArch, source: str, path: str) -> None:
-    """A sliding attention window shorter than the run's sequences is a feature the engine does not build
-    (within the window, windowed and full causal attention are the same computation)."""
-    seq = c.data.max_prompt_length + c.rollout.max_response_length
-    if arch.sliding_window is not None and seq > arch.sliding_window:
-        raise ConfigError([error(
-            path,
-            f"{source}: family {arch.family} attends within a sliding window of {arch.sliding_window} tokens, "
-            f"shorter than prompt + response = {seq}; rlplan builds full causal attention only",
-            f"keep data.max_prompt_length + rollout.max_response_length <= {arch.sliding_window}",
-            UNSUPPORTED_RULE,
-        )])  # fmt: skip
+    """rlconf.validate's sliding-window check (rule model-unsupported) on an architecture read from
+    config.json."""
+    if (issue := sliding_window_issue(c, arch, source, path)) is not None:
+        raise ConfigError([issue])
 
 
 def _kv_channels(arch: ModelArch) -> int:
@@ -327,41 +122,17 @@ class _Models:
 
 def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
     if c.model.path is not None:
-        if not isinstance(c.model.path, str):
-            raise ConfigError(
-                [
-                    error(
-                        "model.path",
-                        f"must be a folder path, got {c.model.path!r}",
-                        "use a string",
-                        "model-config-json",
-                    )
-                ]
-            )
         policy_arch, source = (
             read_model_arch(c.model.path, "model.path"),
             os.path.join(c.model.path, "config.json"),
         )
         _check_sequence_fits(c, policy_arch, source, "model.path")
     else:
-        policy_arch, source = c.model.arch, "model.arch"
-        _check_arch(policy_arch, "model.arch")
-        _check_sequence_fits(c, policy_arch, source, "model.arch.sliding_window")
+        policy_arch, source = c.model.arch, "model.arch"  # rlconf.validate checked it (model-unsupported)
     policy_users = tuple(r for r in ("actor", "rollout", "ref") if r in roles)
 
     def value_model(name: str, path: str | None, path_name: str) -> ModelSpec:
         if path is not None:
-            if not isinstance(path, str):
-                raise ConfigError(
-                    [
-                        error(
-                            path_name,
-                            f"must be a folder path, got {path!r}",
-                            "use a string",
-                            "model-config-json",
-                        )
-                    ]
-                )
             arch, src = read_model_arch(path, path_name), os.path.join(path, "config.json")
             _check_sequence_fits(c, arch, src, path_name)
         else:
@@ -397,19 +168,7 @@ def _pool_sizes(c: RLConfig, roles: tuple[str, ...]) -> list[tuple[str, int, tup
             separate.append(("reward_model_pool", c.reward.reward_model.num_devices, ("reward_model",)))
         else:
             actor_roles.append("reward_model")
-    actor_devices = total - sum(n for _, n, _ in separate)
-    if actor_devices < 1:
-        raise ConfigError(
-            [
-                error(
-                    "cluster.gpus_per_node",
-                    f"separate pools use {total - actor_devices} of {total} devices, none is left for the actor",
-                    "add devices or shrink rollout.num_devices / critic.num_devices / "
-                    "reward.reward_model.num_devices",
-                    "device-pools",
-                )
-            ]
-        )
+    actor_devices = total - sum(n for _, n, _ in separate)  # >= 1: rlconf.validate's device-pools rule
     return [("actor_pool", actor_devices, tuple(actor_roles)), *separate]
 
 
@@ -473,7 +232,7 @@ def _padded_vocab(vocab: int, tp: int) -> int:
 def _layouts(
     c: RLConfig, roles: tuple[str, ...], resources: Resources, models: _Models
 ) -> tuple[RoleLayout, ...]:
-    ck = _Checks()
+    issues: list[Issue] = []
     layouts: list[RoleLayout] = []
     for role in roles:
         place = next(p for p in resources.placements if p.role == role)
@@ -495,30 +254,18 @@ def _layouts(
             sp = bool(m.sequence_parallel) and tp > 1
             tp_path = f"{prefix}.tensor_model_parallel_size"
         etp = etp or tp
+        # rlconf.validate's world-divisible-by-model-parallel, cluster and rollout-placement rules made the
+        # world a whole number of tp x pp x cp (and expert tp x ep x pp) groups.
         mp = tp * pp * cp
-        if world % mp:
-            ck.add(
-                tp_path,
-                f"{role} world size {world} is not divisible by tp x pp x cp = {tp} x {pp} x {cp} = {mp}",
-                f"choose tp, pp and cp whose product divides {world}",
-                "world-divisible-by-model-parallel",
-            )
-            continue
-        if world % (etp * ep * pp):
-            ck.add(
-                tp_path.replace("tensor_model_parallel_size", "expert_model_parallel_size"),
-                f"{role} world size {world} is not divisible by expert tp x ep x pp = {etp * ep * pp}",
-                "choose expert_model_parallel_size and expert_tensor_parallel_size that divide the world / pp",
-                "world-divisible-by-model-parallel",
-            )
-            continue
         if spec.source != "model.arch":
-            # validate.py checks model.arch; an architecture read from config.json is checked here.
-            _check_arch_layout(ck, spec, role, tp_path, tp, pp, vpp)
+            # validate.py checks model.arch; an architecture read from config.json is checked here, under
+            # the same rule names.
+            issues += _arch_layout_issues(spec, role, tp_path, tp, pp, vpp)
             for field, message, fix in (
                 expert_layout_issues(arch, spec.source, ep, etp, tp, sp) if role != "rollout" else ()
             ):
-                ck.add(tp_path.replace("tensor_model_parallel_size", field), message, fix, "engine-support")
+                path = tp_path.replace("tensor_model_parallel_size", field)
+                issues.append(error(path, message, fix, "engine-support"))
         dp = world // mp
         stages, even = _split_layers(arch.num_layers, pp, vpp)
         layouts.append(
@@ -545,33 +292,37 @@ def _layouts(
                 grid=_grid(world, tp, cp, dp),
             )
         )
-    ck.raise_if_any()
+    if issues:
+        raise ConfigError(issues)
     return tuple(layouts)
 
 
-def _check_arch_layout(
-    ck: _Checks, spec: ModelSpec, role: str, tp_path: str, tp: int, pp: int, vpp: int | None
-) -> None:
+def _arch_layout_issues(
+    spec: ModelSpec, role: str, tp_path: str, tp: int, pp: int, vpp: int | None
+) -> list[Issue]:
+    """rlconf.validate's heads-divisible-by-tp and layers-divisible-by-pp, on a config.json's architecture."""
+    issues: list[Issue] = []
     a = spec.arch
     for name, value in (
         ("num_attention_heads", a.num_attention_heads),
         ("num_query_groups", a.num_query_groups),
     ):
         if value % tp:
-            ck.add(
+            issues.append(error(
                 tp_path,
                 f"{name} = {value} ({spec.source}) is not divisible by {role} tp = {tp}",
                 f"use a tensor parallel size that divides {value}",
                 "heads-divisible-by-tp",
-            )
+            ))  # fmt: skip
     chunks = pp * (vpp or 1)
     if role != "rollout" and a.num_layers % chunks:
-        ck.add(
+        issues.append(error(
             tp_path.replace("tensor_model_parallel_size", "pipeline_model_parallel_size"),
             f"num_layers = {a.num_layers} ({spec.source}) is not divisible by pp x vpp = {chunks}",
             "choose pp (and vpp) whose product divides the number of layers",
             "layers-divisible-by-pp",
-        )
+        ))  # fmt: skip
+    return issues
 
 
 # ============================================================================================ batches
