@@ -42,7 +42,7 @@ from rlconf.plan import (
     lr_at,
     plan_to_dict,
 )
-from rlconf.plan.compile import _grid, _split_layers
+from rlconf.plan.compile import _split_layers
 from tests.strategies import valid_configs
 from tests.typed_strategies import typed_configs
 
@@ -409,19 +409,17 @@ def test_grid_with_context_and_data_parallel() -> None:
                 config.actor.megatron,
                 tensor_model_parallel_size=2,
                 context_parallel_size=2,
-                pipeline_model_parallel_size=1,
+                pipeline_model_parallel_size=2,
             ),
         ),
+        cluster=replace(config.cluster, gpus_per_node=16),
     )
     lay = compile_plan(config).layout("actor")
-    assert (lay.tp, lay.cp, lay.dp, lay.pp) == (2, 2, 2, 1)
+    assert (lay.tp, lay.cp, lay.dp, lay.pp) == (2, 2, 2, 2)
     g = {c.rank: (c.pp, c.tp, c.cp, c.dp) for c in lay.grid}
     assert g[1] == (0, 1, 0, 0)  # tp fastest
     assert g[2] == (0, 0, 1, 0)  # then cp
     assert g[4] == (0, 0, 0, 1)  # then dp
-    assert g[7] == (0, 1, 1, 1)  # 7 = 1 + 2 * (1 + 2 * 1)
-    # With pipeline stages too (the engine refuses cp with pp: engine-support), pp varies slowest.
-    g = {c.rank: (c.pp, c.tp, c.cp, c.dp) for c in _grid(16, 2, 2, 2)}
     assert g[8] == (1, 0, 0, 0)  # pp slowest
     assert g[13] == (1, 1, 0, 1)  # 13 = 1 + 2 * (0 + 2 * (1 + 2 * 1))
 
