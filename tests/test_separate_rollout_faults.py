@@ -241,3 +241,17 @@ def test_a_signal_while_the_producer_generates_ahead_stops_cleanly_and_resumes(t
     # The resumed batch was generated with the checkpoint's weights: it missed no update.
     assert rows[resume_step]["off_policy/staleness"] == 0
     assert rows[resume_step]["rollout/weight_version"] == resume_step
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="rlconf/validate.py rule `cluster` asks the ACTOR pool to be divisible by the rollout tp also with "
+    "rollout.placement: separate, where the rollout has a pool of its own (rule rollout-placement checks that "
+    "one); it refuses this valid layout with a fix that does not apply",
+)
+def test_a_separate_rollout_tp_need_not_divide_the_trainer_pool():
+    """Three trainer devices (dp 3) and a rollout of tp 2 on two devices of its own: a valid split."""
+    plan = compile_plan(load_config(None, preset="tiny-grpo", presets=PRESETS, overrides=[
+        "cluster.gpus_per_node=5", "rollout.placement=separate", "rollout.num_devices=2",
+        "rollout.tensor_model_parallel_size=2", "data.train_batch_size=6", "actor.ppo_mini_batch_size=6"]))  # fmt: skip
+    assert plan.layout("actor").dp == 3 and plan.layout("rollout").tp == 2 and plan.layout("rollout").dp == 1
