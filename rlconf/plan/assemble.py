@@ -65,7 +65,8 @@ def _effective_config(c: RLConfig, models: _Models, roles: tuple[str, ...]) -> R
     return replace(c, model=model, data=data, actor=actor, critic=critic, ref=ref, reward=reward)
 
 
-def _compile(config: RLConfig) -> TrainerPlan:
+def _compile(config: RLConfig, check: bool = True) -> TrainerPlan:
+    """The plan of `config`. `check=False` only for `plan_of_sections` (engines built outside a run)."""
     if not isinstance(config, RLConfig):
         raise ConfigError(
             [error("", f"expected an RLConfig, got {type(config).__name__}", "load the config first", "plan")]
@@ -74,7 +75,7 @@ def _compile(config: RLConfig) -> TrainerPlan:
     # `rlconf validate` reports (its filesystem rules excepted: a plan is also compiled where the run's
     # files do not live). What follows checks only what the plan reads (config.json, prompt files to
     # count) or derives.
-    if errors := [i for i in check_config(config) if i.severity == "error"]:
+    if check and (errors := [i for i in check_config(config) if i.severity == "error"]):
         raise ConfigError(errors)
     # trainer.total_epochs becomes a step count here, once: every table below and the workers read it.
     length = run_length(config)
@@ -100,3 +101,12 @@ def _compile(config: RLConfig) -> TrainerPlan:
         length=length,
         passes=_step_passes(config, roles, batches),
     )
+
+
+def plan_of_sections(config: RLConfig) -> TrainerPlan:
+    """The plan of one engine built outside a run from config sections (rltrain.megatron.engine
+    `sections_plan`: tests, benches, tools). Its batch fields size that engine's forward and backward
+    passes, not a run's step (a critic fixture may take a micro-batch larger than its mini-batch), so the
+    run-level rules of rlconf.validate are not applied; a user's config never takes this path
+    (`compile_plan`, `rlconf validate` and `rltrain` all check it)."""
+    return _compile(config, check=False)

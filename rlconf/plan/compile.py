@@ -642,11 +642,12 @@ def _checkpoint(c: RLConfig, roles: tuple[str, ...]) -> CheckpointPlan:
     saves = []
     for s in steps:
         step_dir = f"{root}/global_step_{s}"
+        # Joined, not str.format-ed from the templates: trainer.output_dir may hold braces of its own.
         rps = tuple(
             RolePath(
                 rc.role,
-                rc.path_template.format(step=s),
-                rc.hf_path_template.format(step=s) if rc.hf_path_template else None,
+                f"{step_dir}/{rc.role}",
+                f"{step_dir}/{rc.role}/huggingface" if rc.hf_path_template else None,
             )
             for rc in role_cks
         )

@@ -142,8 +142,15 @@ def sections_plan(
     `critic` (a section, or True for the defaults) plans the value model on the same devices. Raises
     rlconf.errors.ConfigError like any plan.
     """
-    from rlconf.config import ClusterConfig, DataConfig, RLConfig, RolloutConfig, TrainerConfig
-    from rlconf.plan import compile_plan
+    from rlconf.config import (
+        AlgorithmConfig,
+        ClusterConfig,
+        DataConfig,
+        RLConfig,
+        RolloutConfig,
+        TrainerConfig,
+    )
+    from rlconf.plan.assemble import plan_of_sections
 
     actor = actor if actor is not None else ActorConfig()
     critic_cfg = None
@@ -172,10 +179,13 @@ def sections_plan(
         actor=actor,
         critic=critic_cfg if critic_cfg is not None else CriticConfig(),
         rollout=RolloutConfig(n=rollout_n),
+        # An estimator the sections make valid (rlconf.validate runs as the plan compiles): grpo needs groups
+        # of >= 2 responses, gae a critic. The engines read no estimator.
+        algorithm=AlgorithmConfig(adv_estimator="gae" if critic_cfg is not None else "reinforce_plus_plus"),
         trainer=TrainerConfig(total_steps=max(int(total_steps), 1)),
         cluster=ClusterConfig(device=device, gpus_per_node=world),
     )
-    plan = compile_plan(config)
+    plan = plan_of_sections(config)
     if arch is not None and weights is not None:
         models = tuple(replace(m, weights=weights) for m in plan.models)
         plan = replace(plan, models=models)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rltrain import device as devices
 from rltrain.rollout.weight_sync import Channel
 
 STORE_PREFIX = "rlplan/push/stage"
@@ -117,7 +118,7 @@ class PushGroup(Channel):
             options = torch.distributed.ProcessGroupNCCL.Options()
             options._timeout = timeout
             self.pg = torch.distributed.ProcessGroupNCCL(prefixed, rank, size, options)
-            self.tensor_device = torch.device("cuda", torch.cuda.current_device())
+            self.tensor_device = devices.torch_device(device)
         else:
             self.pg = torch.distributed.ProcessGroupGloo(prefixed, rank, size, timeout)
             self.tensor_device = torch.device("cpu")
