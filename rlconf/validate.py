@@ -441,7 +441,16 @@ def rollout_engine(c: RLConfig) -> Iterator[Issue]:
     refit streams the weights of an actor without pipeline or expert parallel."""
     r, tp = c.rollout, c.actor.megatron.tensor_model_parallel_size
     rtp = r.tensor_model_parallel_size
-    if isinstance(rtp, int) and isinstance(tp, int) and rtp >= 1 and tp >= 1 and max(rtp, tp) % min(rtp, tp):
+    # A separate rollout receives whole tensors (the push) and slices them for any tp of its own.
+    regrouped = r.placement == "colocated"
+    if (
+        regrouped
+        and isinstance(rtp, int)
+        and isinstance(tp, int)
+        and rtp >= 1
+        and tp >= 1
+        and max(rtp, tp) % min(rtp, tp)
+    ):
         choices = sorted({d for d in range(1, tp + 1) if tp % d == 0} | {tp * 2, tp * 4})
         yield error(
             "rollout.tensor_model_parallel_size",
@@ -536,6 +545,10 @@ def device_pools(c: RLConfig) -> Iterator[Issue]:
         )
 
 
+PUSH_TIMEOUT_RANGE_S = (1.0, 86400.0)
+"""rollout.push_timeout_s bounds: a store connect takes about a second at most; a day is far beyond any push."""
+
+
 @rule(
     "rollout-placement",
     "rollout.placement",
@@ -554,8 +567,12 @@ def rollout_placement(c: RLConfig) -> Iterator[Issue]:
     if isinstance(steps, int) and steps < 0:
         yield error("algorithm.off_policy_steps", f"off_policy_steps = {steps} is negative",
                     "use 0 (on-policy) or the number of steps generation may run ahead", "rollout-placement")  # fmt: skip
-    if not r.push_timeout_s > 0:
-        yield error("rollout.push_timeout_s", f"push_timeout_s = {r.push_timeout_s} must be positive",
+    if not PUSH_TIMEOUT_RANGE_S[0] <= r.push_timeout_s <= PUSH_TIMEOUT_RANGE_S[1]:
+        # Below a second the push groups cannot even connect to their store; above a day the process
+        # groups' millisecond timeouts overflow (and a stuck push would hold the devices that long).
+        yield error("rollout.push_timeout_s",
+                    f"push_timeout_s = {r.push_timeout_s} is outside [{PUSH_TIMEOUT_RANGE_S[0]:g}, "
+                    f"{PUSH_TIMEOUT_RANGE_S[1]:g}] seconds",
                     "use the most seconds a weight push may take, e.g. 600", "rollout-placement")  # fmt: skip
     if r.placement == "colocated":
         if isinstance(steps, int) and steps > 0:
@@ -1449,6 +1466,7 @@ def cluster(c: RLConfig) -> Iterator[Issue]:
         yield error("cluster.cpus_per_worker", "must be > 0", "use 1", "cluster")
     aw = actor_world(c)
     tp = rollout_tp(c)
-    if aw >= 1 and tp >= 1 and aw % tp:
+    # A separate rollout has a pool of its own (rule rollout-placement checks that one).
+    if c.rollout.placement == "colocated" and aw >= 1 and tp >= 1 and aw % tp:
         yield error("rollout.tensor_model_parallel_size", f"the actor pool of {aw} devices is not divisible by {tp}",
                     "use a rollout tp that divides the actor pool", "cluster")  # fmt: skip

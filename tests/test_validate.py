@@ -76,7 +76,7 @@ CASES = [
     (["cluster.gpus_per_node=4", "rollout.placement=separate", "rollout.num_devices=3",
       "rollout.tensor_model_parallel_size=2"], "rollout.num_devices", "rollout-placement", "error"),
     (["cluster.gpus_per_node=2", "rollout.placement=separate", "rollout.num_devices=1",
-      "rollout.push_timeout_s=0"], "rollout.push_timeout_s", "rollout-placement", "error"),
+      "rollout.push_timeout_s=0.5"], "rollout.push_timeout_s", "rollout-placement", "error"),
     (["cluster.gpus_per_node=3", "rollout.placement=separate", "rollout.num_devices=1",
       "actor.megatron.expert_model_parallel_size=2", "model.arch.num_moe_experts=4", "model.arch.family=qwen3_moe",
       "model.arch.moe_ffn_hidden_size=64"], "actor.megatron.expert_model_parallel_size", "rollout-placement", "error"),
