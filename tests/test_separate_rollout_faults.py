@@ -126,12 +126,6 @@ def test_a_push_that_breaks_because_a_peer_died_names_the_dead_worker(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ fast: config
-@pytest.mark.xfail(
-    strict=True,
-    reason="rlconf/validate.py rule rollout-placement accepts any positive push_timeout_s: a timeout below the "
-    "time a TCP store connect takes fails at run time (DistNetworkError after 0 ms), one above what a C int "
-    "of milliseconds holds fails with OverflowError, both as a worker error (exit 1) instead of exit 2",
-)
 @pytest.mark.parametrize("timeout", ["1e-9", "1e300"])
 def test_a_push_timeout_the_groups_cannot_honour_is_refused(timeout):
     """1e-9 s cannot even open the store's connection; 1e300 s overflows the process group's timeout."""
@@ -243,12 +237,6 @@ def test_a_signal_while_the_producer_generates_ahead_stops_cleanly_and_resumes(t
     assert rows[resume_step]["rollout/weight_version"] == resume_step
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rlconf/validate.py rule `cluster` asks the ACTOR pool to be divisible by the rollout tp also with "
-    "rollout.placement: separate, where the rollout has a pool of its own (rule rollout-placement checks that "
-    "one); it refuses this valid layout with a fix that does not apply",
-)
 def test_a_separate_rollout_tp_need_not_divide_the_trainer_pool():
     """Three trainer devices (dp 3) and a rollout of tp 2 on two devices of its own: a valid split."""
     plan = compile_plan(load_config(None, preset="tiny-grpo", presets=PRESETS, overrides=[
