@@ -173,7 +173,7 @@ def test_a_trainer_rank_dying_mid_push_stops_the_run_naming_it_and_it_resumes(tm
     assert time.monotonic() - t0 < 250  # the push timeout (300 s) was not what ended it
     assert "error: actor worker rank 0 died" in failed.stderr, failed.stderr[-3000:]
     assert "Traceback" not in failed.stderr
-    _resumes(out)
+    _resumes(out, "--rollout.push_timeout_s", "300")
 
 
 @pytest.mark.slow
