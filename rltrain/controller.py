@@ -622,6 +622,9 @@ class Trainer:
             metrics.update(metrics_lib.phase_shares(metrics))
             self.logger.log(step, metrics)
             self._logged_step = step
+            # Prompt-order states of logged steps are no longer needed (a save of the step took its own).
+            for done in [s for s in list(self._data_states) if s <= step]:  # list(): one atomic copy
+                del self._data_states[done]
             # Commit only after the step's metrics line is written: a crash in between redoes the step, a
             # crash after it resumes after the step; metrics.jsonl never has a gap.
             self._finalize_saves(blocking=False)

@@ -20,6 +20,7 @@ Fields that are not changes of the run (recorded in the history, never refused),
   trainer.save_freq, max_ckpt_to_keep, *.checkpoint.save_contents, *.checkpoint.async_save    saving
   trainer.test_freq, val_before_train                     validation
   cluster.ray_address, cpus_per_worker, device_memory_gib where it runs, not the layout
+  rollout.push_timeout_s                                  when a stuck push counts as failed
   trainer.total_steps     when the steps still to run keep their learning rates (an extension); with a
                           schedule that follows total_steps (decay span or warmup ratio) it is a change
 A fresh start at step 1 (no checkpoint to resume, or trainer.resume_mode disable) may change anything; its
@@ -79,6 +80,7 @@ _FREE_PATHS = {
     "cluster.ray_address": "where it runs",
     "cluster.cpus_per_worker": "where it runs",
     "cluster.device_memory_gib": "the memory check",
+    "rollout.push_timeout_s": "a failure timeout",
 }
 
 
