@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Mapping
 
@@ -12,7 +13,15 @@ from presets import PRESETS
 from rlconf.config import RLConfig
 from rlconf.errors import ConfigError
 from rlconf.fields import leaf_paths, section_paths
-from rlconf.load import config_from_dict, config_to_dict, dump_yaml, load_config, parse_yaml, resolve_config
+from rlconf.load import (
+    apply_overrides,
+    config_from_dict,
+    config_to_dict,
+    dump_yaml,
+    load_config,
+    parse_yaml,
+    resolve_config,
+)
 from tests.typed_strategies import TEXT, near_valid_dicts, overrides, random_values, typed_configs
 
 KNOWN_PATHS = set(leaf_paths(RLConfig)) | set(section_paths(RLConfig)) | {"", "preset"}
@@ -78,12 +87,19 @@ def _parses(text: str) -> bool:
 @settings(max_examples=800)
 @given(overrides)
 @example(["model.path:[0]"])  # no `=`: the error names the override verbatim (CI found it)
+@example(["model=::"])  # a mapping value: its keys are input paths under `model` (CI found it)
 def test_random_overrides_only_raise_config_error(items):
-    """(b) random dotted overrides either apply or raise ConfigError naming the override's path."""
+    """(b) random dotted overrides either apply or raise ConfigError naming the override's path (or a path
+    inside the value it gives)."""
     try:
         resolve_config(None, preset="tiny-grpo", overrides=items, presets=PRESETS)
         load_config(None, preset="tiny-grpo", overrides=items, presets=PRESETS)
     except ConfigError as exc:
         given_paths = {i.partition("=")[0].strip().removeprefix("--") for i in items} | {i for i in items}
         prefixes = {".".join(p.split(".")[: n + 1]) for p in given_paths for n in range(len(p.split(".")))}
-        assert_paths_exist(exc, extra=prefixes)
+        # Each readable override as a dict: paths inside a mapping value are the user's input too.
+        inside: set[str] = set()
+        for item in items:
+            with contextlib.suppress(ConfigError):
+                inside |= _input_paths(apply_overrides({}, [item]))
+        assert_paths_exist(exc, extra=prefixes | inside)
