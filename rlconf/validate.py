@@ -599,7 +599,7 @@ def rollout_placement(c: RLConfig) -> Iterator[Issue]:
             "use rollout.engine: embedded, or rollout.placement: colocated",
             "rollout-placement",
         )
-    tp = r.tensor_model_parallel_size or c.actor.megatron.tensor_model_parallel_size
+    tp = rollout_tp(c)
     if r.num_devices >= 1 and isinstance(tp, int) and tp >= 1 and r.num_devices % tp:
         yield error(
             "rollout.num_devices",

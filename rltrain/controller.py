@@ -350,8 +350,7 @@ class Trainer:
         from rltrain.rollout.push import PushEndpoint
 
         timeout = self.cfg.rollout.push_timeout_s
-        host, port = self.policy.workers[0].push_endpoint.remote(timeout), None
-        host, port = self.policy.wait([host])[0]
+        host, port = self.policy.wait([self.policy.workers[0].push_endpoint.remote(timeout)])[0]
         endpoint = PushEndpoint(host, port, timeout, self.plan.refit.senders, self.rollout_group.world_size)
         wait_all([(self.policy, self.policy.submit("join_push", [(endpoint,)] * self.policy.world_size)),
                   (self.rollout_group, self.rollout_group.submit("join_push", [(endpoint,)] *
