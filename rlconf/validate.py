@@ -1425,12 +1425,13 @@ def profile(c: RLConfig) -> Iterator[Issue]:
     "*.dist_checkpointing_path",
     "*.override_transformer_config.*_dropout",
     "model.attention_backend",
+    "model.fused_kernels",
     "model.arch.kv_channels",
     "model.arch.hidden_size",
 )
 def model_source(c: RLConfig) -> Iterator[Issue]:
-    """A model path and dist checkpoint path are consistent; TE attention is not available on npu/cpu;
-    dropout probabilities are in [0, 1)."""
+    """A model path and dist checkpoint path are consistent; TE attention is not available on npu/cpu,
+    compiled fused kernels not on npu; dropout probabilities are in [0, 1)."""
     for prefix, m, _ in _megatron_roles(c):
         if m.use_dist_checkpointing and not m.dist_checkpointing_path:
             yield error(f"{prefix}.megatron.dist_checkpointing_path", "use_dist_checkpointing needs a path",
@@ -1444,6 +1445,10 @@ def model_source(c: RLConfig) -> Iterator[Issue]:
     if c.model.attention_backend == "te" and c.cluster.device != "cuda":
         yield error("model.attention_backend", f"Transformer Engine needs cuda, cluster.device = {c.cluster.device}",
                     "use attention_backend: sdpa", "model-source")  # fmt: skip
+    if c.model.fused_kernels == "compiled" and c.cluster.device == "npu":
+        # torch.compile's generated kernels target cuda (Triton) and cpu (C++); none was run on Ascend.
+        yield error("model.fused_kernels", "compiled kernels were never run on npu",
+                    "use fused_kernels: eager (or auto)", "model-source")  # fmt: skip
     a = c.model.arch
     heads = max(a.num_attention_heads, 1)
     if a.kv_channels is None and c.model.path is None and a.hidden_size % heads:

@@ -575,6 +575,8 @@ class EnginePlan:
     forward_use_dynamic_bsz: bool
     forward_max_token_len: int | None
     """With forward_use_dynamic_bsz: the token budget of a forward micro-batch."""
+    fused_kernels: bool
+    """torch.compile'd fused kernels for SwiGLU, log-prob / entropy, sampling and RoPE (`fused_kernels`)."""
 
     @property
     def trainable(self) -> bool:
@@ -627,7 +629,15 @@ def _engine_plan(plan: TrainerPlan, role: str) -> EnginePlan:
         forward_micro_batch_size=micro,
         forward_use_dynamic_bsz=bool(dynamic),
         forward_max_token_len=budget if dynamic else None,
+        fused_kernels=fused_kernels(plan.config),
     )
+
+
+def fused_kernels(c: RLConfig) -> bool:
+    """Whether the engines run torch.compile'd fused kernels: `model.fused_kernels`, auto = on cuda."""
+    if c.model.fused_kernels == "auto":
+        return c.cluster.device == "cuda"
+    return c.model.fused_kernels == "compiled"
 
 
 def forward_batching(c: RLConfig, role: str) -> tuple[int, bool, int | None]:
