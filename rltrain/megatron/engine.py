@@ -269,7 +269,7 @@ class MegatronEngine:
             # A frozen engine needs no DDP: megatron's DDP allocates a gradient buffer as large as the model.
             self._chunks = mmodel.build_model_chunks(
                 self.arch, spec.settings, spec.megatron, spec.device, value_head=value_head,
-                wrap_ddp=self.trainable,
+                wrap_ddp=self.trainable, fused=spec.fused_kernels,
             )  # fmt: skip
             # Weights go in before the optimizer is built: it copies fp32 main params from them.
             if init_from is not None:

@@ -16,7 +16,7 @@ Design (issue 5 item 5). Two candidates were built and measured (bench/rollout_c
       and re-rotates the whole cached prefix in every layer at every step, with one position per column
       (a left-padded row is shifted: equal only through RoPE's shift invariance, i.e. up to rounding).
   (2) this module: our own per-layer cache driven through megatron's own submodules (embedding, norms,
-      `get_query_key_value_tensors`, megatron's `apply_rotary_pos_emb`, the core attention module,
+      `get_query_key_value_tensors`, megatron's RoPE (`rotate`: its ops), the core attention module,
       `linear_proj`, the bias-dropout-add functions, MLP, final norm, output layer), keys cached after RoPE
       at each row's training positions (0 at its first real token).
 
@@ -63,7 +63,6 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -94,7 +93,7 @@ def sample_tokens(
     reaches top_p, min-p drops tokens below min_p x the most likely token's probability (a ratio, so it
     does not matter whether it is taken before or after renormalising). Sampling is inverse-CDF with one
     uniform per row (`uniform` [B] in [0, 1), else drawn from `generator`), so every rank that holds the
-    same logits and uniforms picks the same tokens.
+    same logits and uniforms picks the same tokens (`inverse_cdf`).
     """
     logits = logits.float()
     if uniform is None:
@@ -102,8 +101,8 @@ def sample_tokens(
     if temperature <= 0.0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
-    scaled = logits / temperature
-    logp_all = torch.log_softmax(scaled, -1)
+    scaled = logits / temperature if temperature != 1.0 else logits
+    top = scaled.amax(-1, keepdim=True)
     filtered = scaled
     vocab = filtered.shape[-1]
     if top_k is not None and 0 < top_k < vocab:
@@ -118,14 +117,70 @@ def sample_tokens(
         filtered = torch.full_like(filtered, float("-inf")).scatter(1, order, sorted_logits)
     if min_p > 0.0:
         # p_i < min_p * p_max  <=>  logit_i < logit_max + log(min_p): no softmax needed.
-        top = filtered.max(-1, keepdim=True).values
         filtered = filtered.masked_fill(filtered < top + torch.log(torch.tensor(min_p)), float("-inf"))
-    probs = torch.softmax(filtered, -1)
-    cdf = probs.cumsum(-1)
-    u = uniform.to(cdf.device, cdf.dtype).view(-1, 1)
-    # right=True: the first index whose cdf exceeds the draw, which never lands on a zero-probability token.
-    tok = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1).clamp(max=vocab - 1)
-    return tok, logp_all.gather(1, tok[:, None]).squeeze(1)
+    tok, mass = inverse_cdf(filtered, top, uniform)
+    # log Z of the unfiltered distribution: the sampled weights' own sum when nothing was filtered.
+    log_z = top.squeeze(1) + (mass.log() if filtered is scaled else torch.logsumexp(scaled - top, -1))
+    return tok, scaled.gather(1, tok[:, None]).squeeze(1) - log_z
+
+
+# Vocabulary entries per block of `inverse_cdf`'s two-level search.
+CDF_BLOCK = 1024
+
+
+def inverse_cdf(
+    logits: torch.Tensor, top: torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF draw from softmax(logits) [B, V] (-inf = excluded) with one uniform per row: (the first
+    token whose cumulative weight reaches u x the total, that total [B]).
+
+    `top` [B, 1] is at least each row's largest logit, so the weights exp(logits - top) cannot overflow.
+    Two levels instead of a cumulative sum over the whole vocabulary (a [B, V] scan was 0.48 ms of a
+    10 ms 1.5B decode step at B = 512, docs/benchmarks.md): per-block sums pick the block, then a scan
+    over that block's CDF_BLOCK weights picks the token. Searches look for the first cumulative weight >=
+    the draw, clamped into (0, total], so a zero-weight token is never picked: the cumulative weight only
+    reaches a positive draw where the weight is positive.
+    """
+    b, v = logits.shape
+    nb = -(-v // CDF_BLOCK)
+    weights = torch.empty((b, nb * CDF_BLOCK), dtype=torch.float32, device=logits.device)
+    torch.sub(logits, top, out=weights[:, :v]).exp_()
+    weights[:, v:] = 0.0
+    blocks = weights.view(b, nb, CDF_BLOCK)
+    block_cdf = blocks.sum(-1).cumsum(-1)  # [B, nb]
+    total = block_cdf[:, -1:]
+    tiny = torch.finfo(torch.float32).tiny
+    draw = torch.minimum((uniform.to(total.device, total.dtype).view(-1, 1) * total).clamp(min=tiny), total)
+    j = torch.searchsorted(block_cdf, draw).clamp(max=nb - 1)  # [B, 1]
+    before = torch.where(j > 0, block_cdf.gather(1, (j - 1).clamp(min=0)), 0.0)
+    inside = blocks.gather(1, j.unsqueeze(-1).expand(b, 1, CDF_BLOCK)).squeeze(1).cumsum(-1)  # [B, block]
+    rest = torch.minimum((draw - before).clamp(min=tiny), inside[:, -1:])
+    k = torch.searchsorted(inside, rest).clamp(max=CDF_BLOCK - 1)
+    return (j * CDF_BLOCK + k).squeeze(1).clamp(max=v - 1), total.squeeze(1)
+
+
+# ------------------------------------------------------------------------------------ rotary embedding
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of t [s, n, heads, d] with cos / sin [s, n, 1, rot] in t's dtype: megatron's
+    `_apply_rotary_pos_emb_bshd` (not interleaved, mscale 1), the same ops in the same order, so the same
+    bits; only cos and sin are computed once per forward instead of in every layer."""
+    rot = cos.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+_compiled_rotate: Any = None
+
+
+def fused_rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` as one torch.compile'd kernel (fp32 inside, one rounding): a decode step ran ~11 small
+    kernels per query and key per layer for it (docs/benchmarks.md)."""
+    global _compiled_rotate
+    if _compiled_rotate is None:
+        _compiled_rotate = torch.compile(rotate, dynamic=True)
+    return _compiled_rotate(t, cos, sin)
 
 
 # ------------------------------------------------------------------------------------ layout helpers
@@ -217,6 +272,8 @@ def kv_cache_unsupported(actor) -> str | None:
             return f"position embedding {model.position_embedding_type!r} (needs rope, no MLA)"
         if getattr(cfg, "attention_output_gate", False):
             return "attention output gate"
+        if cfg.rotary_interleaved:
+            return "interleaved rotary embeddings"
         for layer in model.decoder.layers:
             if not isinstance(layer.cross_attention, IdentityOp):
                 return "cross attention"
@@ -247,6 +304,11 @@ class KVCacheGenerator:
         # Per-row positions [B, max_len] and the RoPE frequencies of every position [max_len, D].
         self.positions = positions
         self.freqs = self.models[0].rotary_pos_emb(positions.shape[1])[:, 0, 0, :]
+        # RoPE of every position in the activations' dtype (megatron recomputes cos/sin in every layer).
+        self.cos = self.freqs.cos().to(self.config.params_dtype)
+        self.sin = self.freqs.sin().to(self.config.params_dtype)
+        # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
+        self.rotate = fused_rotate if actor.spec.fused_kernels else rotate
         self.cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.models]
 
     # --------------------------------------------------------------------------------- cache rows
@@ -281,7 +343,7 @@ class KVCacheGenerator:
         if start == 0:
             self._allocate(n)
         pos = self.positions[rows, start : start + s]  # [n, s]
-        freqs = self.freqs[pos.t()].unsqueeze(2)  # [s, n, 1, D]
+        rope = self.rope_at(pos)
         mask_type = AttnMaskType.causal if start == 0 else AttnMaskType.no_mask
         hidden = None
         for v, model in enumerate(self.models):
@@ -297,7 +359,7 @@ class KVCacheGenerator:
                     group=parallel_state.get_pipeline_model_parallel_group(),
                 )
             for layer, kv in zip(model.decoder.layers, self.cache[v], strict=True):
-                hidden = self._layer(layer, hidden, kv, start, start + s, freqs, mask, mask_type)
+                hidden = self._layer(layer, hidden, kv, start, start + s, rope, mask, mask_type)
             if not model.post_process:
                 torch.distributed.send(
                     hidden.contiguous(),
@@ -308,6 +370,11 @@ class KVCacheGenerator:
             return None
         assert hidden is not None
         return self.logits(hidden)
+
+    def rope_at(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [s, n, 1, D] of positions `pos` [n, s], shared by every layer of a forward."""
+        cols = pos.t()
+        return self.cos[cols].unsqueeze(2), self.sin[cols].unsqueeze(2)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary fp32 logits [n, V] of the last column of the last stage's `hidden` [s, n, h]."""
@@ -329,7 +396,7 @@ class KVCacheGenerator:
         kv: tuple[torch.Tensor, torch.Tensor],
         start: int | torch.Tensor,
         keys: int,
-        freqs: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         mask_type: AttnMaskType,
     ) -> torch.Tensor:
@@ -343,8 +410,8 @@ class KVCacheGenerator:
         attn = layer.self_attention
         residual = hidden
         query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
-        query = apply_rotary_pos_emb(query, freqs, config=cfg)
-        key = apply_rotary_pos_emb(key, freqs, config=cfg)
+        query = self.rotate(query, *rope)
+        key = self.rotate(key, *rope)
         if isinstance(start, torch.Tensor):
             kv[0].index_copy_(0, start, key)
             kv[1].index_copy_(0, start, value)
@@ -431,10 +498,10 @@ class StaticDecodeStep:
         (model,) = engine.models  # one chunk, first and last stage (no pipeline parallel)
         self.key_masked.index_fill_(1, self.col, False)
         mask = self.key_masked[:, None, None, :keys]
-        freqs = engine.freqs[self.pos.t()].unsqueeze(2)  # [1, n, 1, D]
+        rope = engine.rope_at(self.pos)
         hidden = model.embedding(input_ids=self.tokens, position_ids=self.pos)
         for layer, kv in zip(model.decoder.layers, engine.cache[0], strict=True):
-            hidden = engine._layer(layer, hidden, kv, self.col, keys, freqs, mask, AttnMaskType.no_mask)
+            hidden = engine._layer(layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask)
         return sample_tokens(engine.logits(hidden), *self.sampling, uniform=self.uniform)
 
     def __call__(
@@ -793,10 +860,13 @@ __all__ = [
     "KVSession",
     "StaticDecodeStep",
     "block_mask",
+    "fused_rotate",
     "generate_with_kv_cache",
+    "inverse_cdf",
     "kv_cache_unsupported",
     "left_pad",
     "prefill_mask",
+    "rotate",
     "sample_tokens",
     "sequence_parallel_off",
     "unique_rows",

@@ -238,9 +238,13 @@ def block_spec(
 
 # ------------------------------------------------------------------------------------ transformer config
 def transformer_config(
-    arch: ModelArch, model_cfg: ModelConfig, mcfg: MegatronConfig, device: str
+    arch: ModelArch, model_cfg: ModelConfig, mcfg: MegatronConfig, device: str, fused: bool = False
 ) -> TransformerConfig:
-    """megatron TransformerConfig for a Qwen2/Llama-style decoder and one role's parallel layout."""
+    """megatron TransformerConfig for a Qwen2/Llama-style decoder and one role's parallel layout.
+
+    `fused` (the plan's `EnginePlan.fused_kernels`): megatron's own SwiGLU fusion, a torch.compile'd
+    function (megatron.core.jit) with a backward that keeps only the fc1 output; one kernel instead of a
+    strided silu and a multiply (0.73 s of a 5.2 s 1.5B log-prob pass on an H200, docs/benchmarks.md)."""
     dtype = _DTYPES[model_cfg.params_dtype]
     tp = mcfg.tensor_model_parallel_size
     ov = mcfg.override_transformer_config
@@ -270,8 +274,8 @@ def transformer_config(
         attention_dropout=ov.attention_dropout,
         hidden_dropout=ov.hidden_dropout,
         init_method_std=model_cfg.init_method_std,
-        # Fusions need apex / TE / CUDA kernels; the unfused paths are the portable ones.
-        bias_activation_fusion=False,
+        # The other fusions need apex / TE kernels; the unfused paths are the portable ones.
+        bias_activation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
@@ -516,6 +520,7 @@ def build_model_chunks(
     device: str,
     value_head: bool = False,
     wrap_ddp: bool = True,
+    fused: bool = False,
 ) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), optionally wrapped in megatron DDP.
 
@@ -526,7 +531,7 @@ def build_model_chunks(
     inv_freq = rope_inv_freq(arch)  # before building anything: refuses scalings it cannot compute
     if arch.num_moe_experts is not None:
         define_missing_te_names()
-    config = transformer_config(arch, model_cfg, mcfg, device)
+    config = transformer_config(arch, model_cfg, mcfg, device, fused)
     if mcfg.context_parallel_size > 1:
         cp.use_portable_rope_split()
     specs = layer_specs(model_cfg.attention_backend, arch, model_cfg.moe_grouped_gemm)

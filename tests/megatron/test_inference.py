@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ..tolerance import assert_close
 from ._common import (
@@ -364,3 +366,59 @@ def test_tp_and_pp_layouts_match_single_process(actor):
     }
     hf_path = actor.spec.model.weights
     torch.multiprocessing.spawn(_layout_worker, args=(2, free_port(), hf_path, ref), nprocs=2, join=True)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    vocab=st.integers(1, 3000),
+    rows=st.integers(1, 4),
+    seed=st.integers(0, 2**16),
+    excluded=st.floats(0.0, 0.99),
+    edge=st.sampled_from([None, 0.0, 1.0 - 2**-24]),
+)
+def test_inverse_cdf_picks_the_token_whose_cumulative_weight_reaches_the_draw(
+    vocab, rows, seed, excluded, edge
+):
+    """The two-level search picks what one cumulative sum over the whole vocabulary picks (float64
+    reference), never an excluded (-inf) token, and reports the weights' total; draws at 0 and just below
+    1 included. Vocabularies of one block, several blocks and a ragged last block."""
+    from rltrain.megatron.inference import CDF_BLOCK, inverse_cdf
+
+    assert CDF_BLOCK < 3000
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    logits[torch.rand(rows, vocab, generator=gen) < excluded] = float("-inf")
+    logits[:, torch.randint(vocab, (1,), generator=gen)] = 0.5  # at least one token per row stays
+    u = torch.rand(rows, generator=gen) if edge is None else torch.full((rows,), edge)
+    top = logits.amax(-1, keepdim=True)
+    tok, total = inverse_cdf(logits, top, u)
+    weights = (logits - top).double().exp()
+    assert bool((weights.gather(1, tok[:, None]) > 0).all())  # never an excluded token
+    torch.testing.assert_close(total.double(), weights.sum(-1), rtol=1e-5, atol=0)
+    cdf = weights.cumsum(-1)
+    draw = (u.double() * cdf[:, -1]).clamp(min=1e-300)
+    ref = torch.searchsorted(cdf, draw[:, None]).squeeze(1).clamp(max=vocab - 1)
+    # Away from a boundary (float32 vs float64 sums) the token is the reference's.
+    gap = torch.minimum((cdf.gather(1, ref[:, None]).squeeze(1) - draw).abs(),
+                        (draw - torch.where(ref > 0, cdf.gather(1, (ref - 1).clamp(min=0)[:, None]).squeeze(1), 0.0)).abs())  # fmt: skip
+    clear = gap > 1e-5 * cdf[:, -1]
+    assert torch.equal(tok[clear], ref[clear])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot_dim", [16, 8])
+def test_rotate_is_megatrons_rope_bit_for_bit(dtype, rot_dim):
+    """The engine's RoPE with cos / sin computed once per forward gives megatron's bits (full and partial
+    rotary dims); the compiled kernel (model.fused_kernels) agrees to the dtype's rounding."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from rltrain.megatron.inference import fused_rotate, rotate
+
+    gen = torch.Generator().manual_seed(0)
+    t = torch.randn(3, 5, 4, 16, generator=gen).to(dtype)
+    freqs = torch.rand(3, 5, 1, rot_dim, generator=gen) * 20
+    ref = _apply_rotary_pos_emb_bshd(t, freqs)
+    out = rotate(t, freqs.cos().to(dtype), freqs.sin().to(dtype))
+    assert torch.equal(out, ref)
+    fused = fused_rotate(t, freqs.cos().to(dtype), freqs.sin().to(dtype))
+    assert_close(fused, ref, reduction=2)
