@@ -433,9 +433,11 @@ def test_qwen7b_memory_estimate_matches_hand_computation() -> None:
     weights bf16: 2 B -> 1.773 GiB; fp32 grads: 4 B -> 3.547 GiB; Adam fp32 master + m + v: 12 B, no
     sharding at dp x cp = 1 -> 10.640 GiB.
     activations: micro 2 x (1024 + 3072) = 8192 tokens; per token and layer (bf16, SP splits all by 4):
-    (4h + 2q + 2g + 3f) / 4 = (14336 + 7168 + 1024 + 56832) / 4 = 19840 elements x 2 B = 39,680 B;
-    x 8192 tokens x 14 layers x 2 micro-batches in flight (first of 2 stages, 1F1B) = 9.102e9 B = 8.477 GiB.
-    Total 1.773 + 3.547 + 10.640 + 8.477 = 24.44 GiB: plausible for 7B on 8 x 80 GB (verl runs it).
+    norms 4h, attention 4q + 3g (qkv output, rotated q and k, SDPA output and its copy), MLP 3f with the
+    fused SwiGLU (cuda: fused kernels) -> (14336 + 14336 + 1536 + 56832) / 4 = 21760 elements x 2 B =
+    43,520 B; x 8192 tokens x 14 layers x 2 micro-batches in flight (first of 2 stages, 1F1B) = 9.297 GiB;
+    the eager SwiGLU adds its silu output f / 4 = 4736 elements per token and layer.
+    Total 1.773 + 3.547 + 10.640 + 9.297 = 25.26 GiB: plausible for 7B on 8 x 80 GB (verl runs it).
     """
     plan = compile_plan(qwen7b_config())
     m = next(r for r in plan.memory.roles if r.role == "actor")
@@ -445,7 +447,11 @@ def test_qwen7b_memory_estimate_matches_hand_computation() -> None:
     assert m.params_gib == pytest.approx(952_026_880 * 2 / gib, rel=1e-4)
     assert m.grads_gib == pytest.approx(952_026_880 * 4 / gib, rel=1e-4)
     assert m.optimizer_gib == pytest.approx(952_026_880 * 12 / gib, rel=1e-4)
-    assert m.activations_gib == pytest.approx(39_680 * 8192 * 14 * 2 / gib, rel=1e-4)
+    assert m.activations_gib == pytest.approx(43_520 * 8192 * 14 * 2 / gib, rel=1e-4)
+    eager_config = qwen7b_config()
+    eager_config = replace(eager_config, model=replace(eager_config.model, fused_kernels="eager"))
+    eager = next(r for r in compile_plan(eager_config).memory.roles if r.role == "actor")
+    assert eager.activations_gib == pytest.approx((43_520 + 2 * 4736) * 8192 * 14 * 2 / gib, rel=1e-4)
     assert m.in_flight_micro_batches == 2
     assert 20 < m.total_gib < 30
     # The last stage holds the untied output layer and the fp32 logits slice: 8192 x 152064/4 x 4 B.
@@ -781,10 +787,16 @@ def test_memory_counts_embedded_rollout_kv_cache() -> None:
     """generate_sequences holds the embedded engine's KV cache on the actor's devices. Qwen2.5-7B at TP=4
     x PP=2 (DP=1), 64 prompts x n=8 = 512 rows, 1024 + 3072 tokens, bf16, 14 layers per stage:
     2 x 14 x (4 kv heads / 4) x 128 x 4096 x 512 x 2 B = 15_032_385_536 B = 14.0 GiB, plus half of it
-    while the cache is compacted (old cache + the new one of at most half the rows)."""
+    while the cache is compacted (old cache + the new one of at most half the rows). The prompt width is
+    data.max_prompt_length with prompt files (the loader pads a batch to its longest prompt); the synthetic
+    task's prompts are <bos> + 5 characters: 6 + 3072 columns."""
     from rlconf.plan.memory import _rollout_kv_bytes
 
+    synthetic = compile_plan(qwen7b_config()).memory.pools[0]
+    kv = next(p for p in synthetic.phases if p.phase == "generate_sequences").parts
+    assert {p.label: p.gib for p in kv}["rollout kv cache"] == pytest.approx(14.0 * 3078 / 4096, abs=1e-5)
     config = qwen7b_config()
+    config = replace(config, data=replace(config.data, train_files=("prompts.parquet",)))
     plan = compile_plan(config)
     pool = plan.memory.pools[0]
     gen = next(p for p in pool.phases if p.phase == "generate_sequences")

@@ -32,6 +32,7 @@ from rlconf.plan.types import (
     _by_role,
     _megatron_of,
     forward_batching,
+    fused_kernels,
 )
 
 
@@ -46,13 +47,19 @@ class _StageMem:
     optim_bytes: float
     act_bytes: float
     logits_train: float
+    """The update's 16-bit [tokens, V/tp] logits (saved by the log-prob function) and their gradient."""
     logits_infer: float
+    """A forward-only pass's logits: the output layer's [s, b, V/tp] and GPTModel's [b, s, V/tp] copy."""
     in_flight: int
     tokens: int
+    logprob_chunk: float = 0.0
+    """The log-prob backward's chunk working set, on top of logits_train (`_logprob_chunk_bytes`)."""
     rollout_kv: float = 0.0
     """Embedded rollout's KV cache during generate_sequences (actor only; 0 for other roles)."""
     rollout_weights: float = 0.0
     """The resharded rollout's own weights + one refit bucket during generate_sequences (actor only)."""
+    rollout_sampling: float = 0.0
+    """The decode step's [rows, V] logits and sampling temporaries (actor only, last stage)."""
 
 
 @dataclass(frozen=True)
@@ -97,36 +104,74 @@ def _stage_params(arch: ModelArch, lay: RoleLayout, stage: StageLayers, head: st
     return n
 
 
-def _activation_bytes_per_token(
-    arch: ModelArch, lay: RoleLayout, ov: OverrideTransformerConfig, elem: int
-) -> tuple[float, float]:
-    """(bytes stored per token by one layer for backward, bytes of one layer input per token).
+@dataclass(frozen=True)
+class _LayerActs:
+    """What one transformer layer keeps for its backward, in bytes (per token, plus per layer)."""
 
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models"), adapted to
-    SwiGLU, grouped-query attention and flash/SDPA attention (no s^2 softmax term): per layer the two
-    norm inputs and outputs (4h), q/k/v (q + 2g) and the attention output (q), the gate/up output (2f)
-    and the SwiGLU output (f). Tensor-parallel regions are split by tp; the norm region only with
-    sequence parallel. Dropout masks (1 byte) when hidden_dropout > 0.
-    """
+    norms: float
+    """Per token: the two RMSNorm inputs (the residual stream) and outputs (the inputs of linear_qkv and
+    linear_fc1); split by tp only with sequence parallel."""
+    attention: float
+    """Per token: megatron's linear_qkv output (kept whole: `value` is a view of it and SDPA saves it), the
+    rotated query and key (RoPE's outputs, saved by SDPA), SDPA's output and its [s, b, h] copy (the
+    input linear_proj saves); with QK-norm also the query norm's input (a copy of the split)."""
+    mlp: float
+    """Per token: dense SwiGLU: linear_fc1's output [2f] and linear_fc2's input [f], plus the silu output [f]
+    when the SwiGLU is unfused (eager; the fused kernel's backward recomputes it from fc1's output). Routed
+    experts: the top-k permuted token copies [k h] and each copy's fc1 output [k 2f_e] (plus, unfused
+    sequential experts, the silu output and product [k 2f_e]); a shared expert like a dense MLP."""
+    per_layer: float = 0.0
+    """Not per token: grouped-GEMM experts stack the layer's local expert weights (fc1 and fc2) into one
+    tensor per call, saved for the backward."""
+
+    @property
+    def per_token(self) -> float:
+        return self.norms + self.attention + self.mlp
+
+
+def _layer_activations(
+    arch: ModelArch, lay: RoleLayout, ov: OverrideTransformerConfig, elem: int, moe: bool, fused: bool,
+    grouped_gemm: bool,
+) -> _LayerActs:  # fmt: skip
+    """Bytes one layer stores for the backward (megatron-core's local GPT layer spec with torch RMSNorm,
+    SDPA core attention and rltrain's grouped-GEMM experts), read from what the modules save; flash/SDPA
+    attention has no s^2 term. Tensor-parallel regions are split by tp, the norm region only with sequence
+    parallel. Selective recompute drops what its modules recompute. Dropout masks (1 byte) when
+    hidden_dropout > 0."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
     kv = _kv_channels(arch)
     q, g = arch.num_attention_heads * kv, arch.num_query_groups * kv
     selective = ov.recompute_modules if ov.recompute_granularity == "selective" else ()
-    replicated = 4 * h
+    norms = 4 * h
     if "layernorm" in selective:
-        replicated -= 2 * h  # norm outputs are recomputed from the stored inputs
-    mlp = 3 * f
+        norms -= 2 * h  # norm outputs are recomputed from the stored inputs
+    # qkv output (q + 2g), rotated q and k (q + g), SDPA output + its contiguous copy (2q).
+    attention = (q + 2 * g) + (q + g) + 2 * q + (q if arch.qk_layernorm else 0)
+    silu = 0 if fused else 1  # the unfused SwiGLU's saved silu output, in units of the inner width
+    per_layer = 0.0
+    if moe and arch.num_moe_experts is not None:
+        k, fe = arch.moe_router_topk, arch.moe_ffn_hidden_size or f
+        # grouped: GroupedSwiGLU saves its input rows and fc1's output; sequential: megatron's MLP per expert
+        # (moe_act recompute keeps only fc1's output of it).
+        act = 0 if "moe_act" in selective else 1 + silu
+        mlp = k * h + k * 2 * fe if grouped_gemm else k * h + k * (2 + act) * fe
+        if arch.moe_shared_expert_intermediate_size is not None:
+            mlp += (3 + silu) * arch.moe_shared_expert_intermediate_size
+        if grouped_gemm:
+            local = _cdiv(arch.num_moe_experts, lay.ep)
+            per_layer = float(local * 3 * h * _cdiv(fe, lay.etp) * elem)
+    else:
+        mlp = (3 + silu) * f
     if "mlp" in selective:
         mlp = 0  # only the MLP input (a norm output, counted above) is kept
-    elif "moe_act" in selective:
-        mlp -= f
-    # core_attn recompute saves nothing with flash attention: q, k, v are kept as the checkpoint's inputs.
-    sharded = 2 * q + 2 * g + mlp
     rep_div = lay.tp if lay.sequence_parallel else 1
-    per_token = elem * (replicated / rep_div + sharded / lay.tp)
-    if ov.hidden_dropout > 0:
-        per_token += 2 * h / rep_div
-    return per_token, elem * h / rep_div
+    dropout = 2 * h / rep_div if ov.hidden_dropout > 0 else 0.0
+    return _LayerActs(
+        norms=elem * norms / rep_div + dropout,
+        attention=elem * attention / lay.tp,
+        mlp=elem * mlp / lay.tp,
+        per_layer=per_layer,
+    )
 
 
 def _in_flight(lay: RoleLayout, stage: int, micro_batches: int) -> tuple[int, float]:
@@ -144,28 +189,65 @@ def _in_flight(lay: RoleLayout, stage: int, micro_batches: int) -> tuple[int, fl
 
 def _stage_activation_bytes(
     arch: ModelArch, lay: RoleLayout, stage: StageLayers, ov: OverrideTransformerConfig, elem: int, tokens: int,
-    held: float,
+    held: float, fused: bool, grouped_gemm: bool,
 ) -> float:  # fmt: skip
-    full, inp = _activation_bytes_per_token(arch, lay, ov, elem)
+    """Activations one device holds for the backward at the update's peak: every layer of the stage for the
+    micro-batches in flight (`held`), or with full recompute the stored layer inputs plus the layers being
+    re-materialised."""
     layers = stage.num_layers
-    if ov.recompute_granularity != "full" or layers == 0:
-        return held * layers * full * tokens
+    if layers == 0:
+        return 0.0
+    moe_layers = sum(
+        is_moe_layer(arch, layer) for ch in stage.chunks for layer in range(ch.first_layer, ch.first_layer + ch.num_layers)
+    )  # fmt: skip
+    kinds = [(_layer_activations(arch, lay, ov, elem, moe, fused, grouped_gemm), n)
+             for moe, n in ((True, moe_layers), (False, layers - moe_layers)) if n]  # fmt: skip
+    total = sum(n * (a.per_token * tokens + a.per_layer) for a, n in kinds)
+    full = total / layers  # one layer's share (layers of both kinds averaged)
+    largest = max(a.per_token * tokens + a.per_layer for a, _ in kinds)
+    inp = elem * arch.hidden_size / (lay.tp if lay.sequence_parallel else 1) * tokens  # a layer's input
+    if ov.recompute_granularity != "full":
+        return held * total
     if ov.recompute_method == "block":
         per_chunk = ov.recompute_num_layers if ov.recompute_num_layers is not None else layers
         recomputed = sum(min(per_chunk, ch.num_layers) for ch in stage.chunks)
         stored = recomputed * inp + (layers - recomputed) * full
-        working = full if recomputed else 0.0  # one layer re-materialised during backward
+        working = largest if recomputed else 0.0  # one layer re-materialised during backward
     else:  # uniform (megatron's default when a method is missing)
         group = ov.recompute_num_layers or 1
         stored = sum(_cdiv(ch.num_layers, group) for ch in stage.chunks) * inp
-        working = min(group, layers) * full  # one group re-materialised during backward
-    return (held * stored + working) * tokens
+        working = min(group, layers) * largest  # one group re-materialised during backward
+    return held * stored + working
+
+
+SYNTHETIC_PROMPT_CHARS = 5
+"""The longest prompt of every built-in synthetic task ("3 4 5", "12 7" style, "99+9=", "99*9=":
+rltrain/data.py synthetic_sample); tests/test_memory_estimate.py checks it against the generator."""
+CHAT_TEMPLATE_TOKENS = 64
+"""Tokens a model's own tokenizer and chat template may wrap a short synthetic prompt in (Qwen's template
+around 5 characters is ~30)."""
+
+
+def rollout_prompt_tokens(c: RLConfig) -> int:
+    """The prompt width the rollout pads a batch to (its longest prompt, rltrain/data.py left_pad):
+    data.max_prompt_length for prompt files (the worst case; the loader drops or cuts longer ones) and for
+    multi-turn contexts; a synthetic task's own prompts otherwise: <bos> + 5 characters with the built-in
+    character tokenizer, at most CHAT_TEMPLATE_TOKENS with a model's tokenizer."""
+    if c.data.train_files or c.rollout.multi_turn.enable:
+        return c.data.max_prompt_length
+    own = (
+        1 + SYNTHETIC_PROMPT_CHARS
+        if c.model.path is None and c.model.tokenizer_path is None
+        else CHAT_TEMPLATE_TOKENS
+    )
+    return min(own, c.data.max_prompt_length)
 
 
 def _rollout_kv_bytes(c: RLConfig, lay: RoleLayout, arch: ModelArch, num_layers: int) -> float:
     """The embedded engine's KV cache on one actor device: keys and values of every layer of this stage,
-    kv_heads / tp heads, at the full sequence length, for the rows one DP rank generates (rltrain/megatron/
-    inference.py allocates [P + N, rows, groups/tp, head_dim] twice per layer in params_dtype).
+    kv_heads / tp heads, over the prompt width (`rollout_prompt_tokens`) + max_response_length columns, for
+    the rows one DP rank generates (rltrain/megatron/inference.py allocates [P + N, rows, groups/tp,
+    head_dim] twice per layer in params_dtype, P the batch's padded prompt width).
 
     0 for vLLM (its own pool, capped by rollout.gpu_memory_utilization) and with context parallel (the
     engine then falls back to the cache-less path).
@@ -173,11 +255,34 @@ def _rollout_kv_bytes(c: RLConfig, lay: RoleLayout, arch: ModelArch, num_layers:
     if c.rollout.engine != "embedded" or lay.cp > 1:
         return 0.0
     rows = _cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
-    seq = c.data.max_prompt_length + c.rollout.max_response_length
+    seq = rollout_prompt_tokens(c) + c.rollout.max_response_length
     kv_heads = max(arch.num_query_groups // lay.tp, 1)
     return float(
         2 * num_layers * kv_heads * _kv_channels(arch) * seq * rows * DTYPE_BYTES[c.model.params_dtype]
     )
+
+
+def _rollout_sampling_bytes(c: RLConfig, lay: RoleLayout, vocab: int) -> float:
+    """The decode step's last-position logits on the last stage: the [rows, V] 16-bit output, its fp32 copy,
+    inverse_cdf's fp32 weights, and one more fp32 [rows, V] when the temperature divides them (inference.py
+    sample_tokens); the output layer gathers the whole vocabulary on every TP rank."""
+    rows = _cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
+    per = DTYPE_BYTES[c.model.params_dtype] + 4 + 4 + (4 if c.rollout.temperature not in (0.0, 1.0) else 0)
+    return float(rows * vocab * per)
+
+
+LOGPROB_CHUNK_ELEMENTS = 2**25
+"""Elements of one log-prob chunk [chunk tokens, V/tp] (rltrain/megatron/logprob.py DEFAULT_CHUNK_ELEMENTS)."""
+
+
+def _logprob_chunk_bytes(tokens: int, width: float, elem: int, fused: bool) -> float:
+    """The chunked log-prob/entropy backward's working set (logprob.py): eager, the 16-bit chunk gathered
+    from the logits, its fp32 copy, the fp32 probabilities and the fp32 gradient coefficient (3 fp32 + 1
+    16-bit per element); fused, the kernel reads the 16-bit logits and writes a 16-bit gradient chunk."""
+    if width <= 1:
+        return 0.0
+    chunk = min(tokens, max(1, int(LOGPROB_CHUNK_ELEMENTS // width)))
+    return chunk * width * (elem if fused else 3 * 4 + elem)
 
 
 REFIT_BUCKET_MIB = 256
@@ -233,10 +338,9 @@ def _separate_rollout_memory(
     weights = full / lay.tp
     kv = _rollout_kv_bytes(c, lay, spec.arch, spec.arch.num_layers)
     bucket = 2 * min(REFIT_BUCKET_MIB * 2**20, full)
-    rows = _cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
-    logits = rows * lay.padded_vocab_size / lay.tp * 4.0
+    sampling = _rollout_sampling_bytes(c, lay, lay.padded_vocab_size)
     gen = [("rollout weights", weights), ("rollout kv cache", kv), ("rollout kv compaction", kv / 2),
-           ("rollout logits", logits)]  # fmt: skip
+           ("rollout sampling", sampling)]  # fmt: skip
     push = [("rollout weights", weights), ("weight push bucket", bucket)]
     phases = tuple(
         PhaseMemory(
@@ -273,11 +377,13 @@ def _role_mem_model(
     infer_phase = _INFER_PHASE[role]
     infer_tokens = budget if dynamic else _cdiv(infer_micro * max_seq, lay.cp)
     out_width = lay.padded_vocab_size / lay.tp if spec.head == "lm" else 1.0
+    fused = fused_kernels(c)
+    grouped = bool(c.model.moe_grouped_gemm)
     stages = []
     for st in lay.stages:
         params = _stage_params(spec.arch, lay, st, spec.head)
         pbytes = float(params * elem)
-        grads = optim = acts = logits_train = 0.0
+        grads = optim = acts = logits_train = chunk = 0.0
         in_flight, tokens = 0, 0
         if trained and batch is not None:
             grads = float(params * (4 if ddp.grad_reduce_in_fp32 else elem))
@@ -292,22 +398,28 @@ def _role_mem_model(
                 optim = params * per_param
             tokens = batch.tokens_per_micro_batch_per_rank
             in_flight, held = _in_flight(lay, st.stage, batch.max_micro_batches_per_mini_batch)
-            acts = _stage_activation_bytes(spec.arch, lay, st, ov, elem, tokens, held)
+            acts = _stage_activation_bytes(spec.arch, lay, st, ov, elem, tokens, held, fused, grouped)
             if st.output_layer:
-                logits_train = tokens * out_width * 4.0
-        logits_infer = infer_tokens * out_width * 4.0 if st.output_layer else 0.0
+                logits_train = 2.0 * tokens * out_width * elem
+                chunk = _logprob_chunk_bytes(tokens, out_width, elem, fused)
+        logits_infer = 2.0 * infer_tokens * out_width * elem if st.output_layer else 0.0
         colocated = c.rollout.placement == "colocated"
         kv = _rollout_kv_bytes(c, lay, spec.arch, st.num_layers) if role == "actor" and colocated else 0.0
+        sampling = 0.0
+        if kv > 0 and st.output_layer:
+            sampling = _rollout_sampling_bytes(c, lay, lay.padded_vocab_size)
         refit = 0.0
         if role == "actor" and colocated and rollout_resharded(c) and c.rollout.engine == "embedded":
             # The rollout replica holds every layer at its own tp and generates rows / rollout dp.
             r_tp = rollout_tp(c)
             r_lay = replace(lay, tp=r_tp, pp=1, cp=1, dp=max(lay.world_size // r_tp, 1))
             kv = _rollout_kv_bytes(c, r_lay, spec.arch, spec.arch.num_layers)
+            sampling = _rollout_sampling_bytes(c, r_lay, lay.padded_vocab_size) if kv > 0 else 0.0
             refit = _refit_extra_bytes(c, spec, r_tp)
         mem = _StageMem(
-            params, pbytes, grads, optim, acts, logits_train, logits_infer, in_flight, tokens, kv, refit
-        )
+            params, pbytes, grads, optim, acts, logits_train, logits_infer, in_flight, tokens, chunk, kv, refit,
+            sampling,
+        )  # fmt: skip
         stages.append(mem)
     offload = (bool(m.param_offload), bool(m.grad_offload) and trained, bool(m.optimizer_offload) and trained)
     return _RoleMemModel(role, trained, offload, tuple(stages), infer_phase)
@@ -335,7 +447,8 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
                 (f"{r.role} grads", s.grad_bytes),
                 (f"{r.role} optimizer", s.optim_bytes),
                 (f"{r.role} activations", s.act_bytes),
-                (f"{r.role} logits", s.logits_train),
+                (f"{r.role} logits + grad", s.logits_train),
+                (f"{r.role} log-prob chunk", s.logprob_chunk),
             ]
             calls.append((f"{r.role}_update", own))
         _, go, oo = r.offload
@@ -343,7 +456,7 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
         if r.trained:
             infer += [] if go else [(f"{r.role} grads", s.grad_bytes)]
             infer += [] if oo else [(f"{r.role} optimizer", s.optim_bytes)]
-        infer.append((f"{r.role} logits", s.logits_infer))
+        infer.append((f"{r.role} logits + copy", s.logits_infer))
         calls.append((r.infer_phase, infer))
         if s.rollout_kv > 0:
             # generate_sequences on the actor's weights: what stays resident for the actor (as in its
@@ -354,6 +467,7 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
                 ("rollout weights (resharded)", s.rollout_weights),
                 ("rollout kv cache", s.rollout_kv),
                 ("rollout kv compaction", s.rollout_kv / 2),
+                ("rollout sampling", s.rollout_sampling),
             ]
             calls.append(("generate_sequences", gen))
         for name, own_parts in calls:
@@ -394,7 +508,7 @@ def _memory(
                 + s.grad_bytes
                 + s.optim_bytes
                 + s.act_bytes
-                + max(s.logits_train, s.logits_infer)
+                + max(s.logits_train + s.logprob_chunk, s.logits_infer)
             )
 
         idx = max(range(len(rm.stages)), key=lambda i: own(rm.stages[i]))
@@ -410,7 +524,7 @@ def _memory(
                 grads_gib=_gib(s.grad_bytes),
                 optimizer_gib=_gib(s.optim_bytes),
                 activations_gib=_gib(s.act_bytes),
-                logits_gib=_gib(max(s.logits_train, s.logits_infer)),
+                logits_gib=_gib(max(s.logits_train + s.logprob_chunk, s.logits_infer)),
                 total_gib=_gib(own(s)),
                 in_flight_micro_batches=s.in_flight,
                 tokens_per_micro_batch=s.tokens,
