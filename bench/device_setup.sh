@@ -5,6 +5,7 @@
 set -e
 mkdir -p /tmp/stage
 cp .gpuwhl/*.whl /tmp/stage/ 2>/dev/null || true
+cp .gpuwhl2/*.whl /tmp/stage/ 2>/dev/null || true  # e.g. trl and what it needs, for the TRL column
 [ -f .gpuwhl/ray.part.aa ] && cp .gpuwhl/ray.part.aa /tmp/stage/
 [ -f .gpuwhl2/ray.part.ab ] && cp .gpuwhl2/ray.part.ab /tmp/stage/
 if [ -f /tmp/stage/ray.part.aa ] && [ -f /tmp/stage/ray.part.ab ]; then

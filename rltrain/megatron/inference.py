@@ -142,18 +142,22 @@ def inverse_cdf(
     reaches a positive draw where the weight is positive.
     """
     b, v = logits.shape
-    nb = -(-v // CDF_BLOCK)
-    weights = torch.empty((b, nb * CDF_BLOCK), dtype=torch.float32, device=logits.device)
-    torch.sub(logits, top, out=weights[:, :v]).exp_()
-    weights[:, v:] = 0.0
-    blocks = weights.view(b, nb, CDF_BLOCK)
-    block_cdf = blocks.sum(-1).cumsum(-1)  # [B, nb]
+    full, tail = divmod(v, CDF_BLOCK)
+    # Contiguous [B, V] weights (a strided view would make the elementwise kernels 3x slower); the last
+    # block is ragged when CDF_BLOCK does not divide V.
+    weights = torch.exp(logits - top)
+    sums = weights[:, : full * CDF_BLOCK].view(b, full, CDF_BLOCK).sum(-1)
+    if tail:
+        sums = torch.cat([sums, weights[:, full * CDF_BLOCK :].sum(-1, keepdim=True)], 1)
+    nb = sums.shape[1]
+    block_cdf = sums.cumsum(-1)  # [B, nb]
     total = block_cdf[:, -1:]
     tiny = torch.finfo(torch.float32).tiny
     draw = torch.minimum((uniform.to(total.device, total.dtype).view(-1, 1) * total).clamp(min=tiny), total)
     j = torch.searchsorted(block_cdf, draw).clamp(max=nb - 1)  # [B, 1]
     before = torch.where(j > 0, block_cdf.gather(1, (j - 1).clamp(min=0)), 0.0)
-    inside = blocks.gather(1, j.unsqueeze(-1).expand(b, 1, CDF_BLOCK)).squeeze(1).cumsum(-1)  # [B, block]
+    cols = j * CDF_BLOCK + torch.arange(CDF_BLOCK, device=logits.device)  # [B, block]
+    inside = torch.where(cols < v, weights.gather(1, cols.clamp(max=v - 1)), 0.0).cumsum(-1)
     rest = torch.minimum((draw - before).clamp(min=tiny), inside[:, -1:])
     k = torch.searchsorted(inside, rest).clamp(max=CDF_BLOCK - 1)
     return (j * CDF_BLOCK + k).squeeze(1).clamp(max=v - 1), total.squeeze(1)
