@@ -81,6 +81,7 @@ def main() -> int:
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
     from rltrain.megatron import inference
     from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.model import use_compiled_rope
     from rltrain.megatron.parallel import free_port, init_parallel
 
     init_parallel(MegatronConfig(), dev, rank=0, world_size=1, master_port=free_port())
@@ -114,8 +115,11 @@ def main() -> int:
         """Switch the engine between the eager ops and model.fused_kernels (what the plan sets at build)."""
         fused = mode == "fused"
         actor.spec = replace(actor.spec, fused_kernels=fused)
+        if fused:
+            use_compiled_rope()
         for chunk in actor.modules():
             chunk.config.bias_activation_fusion = fused  # megatron's compiled SwiGLU
+            chunk.config.apply_rope_fusion = fused  # served by the compiled rope_bshd
 
     # ---- sampling alone
     logits = torch.randn(

@@ -237,14 +237,40 @@ def block_spec(
 
 
 # ------------------------------------------------------------------------------------ transformer config
+# ------------------------------------------------------------------------------------ fused kernels
+def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`, mscale 1), written to be compiled whole:
+    t [s, b, heads, d], freqs [s, b or 1, 1, rot] (fp32 angles)."""
+    assert not interleaved, "interleaved rotary embeddings are refused before this point"
+    rot = freqs.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+def use_compiled_rope() -> None:
+    """Serve megatron's `apply_rope_fusion` hook with `rope_bshd` compiled by torch.compile (forward and
+    backward as fused kernels) where Transformer Engine, megatron's only provider, is absent. Idempotent; the
+    hook is read only by configs with apply_rope_fusion, i.e. engines whose plan says fused_kernels."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = torch.compile(rope_bshd, dynamic=True)
+
+
 def transformer_config(
     arch: ModelArch, model_cfg: ModelConfig, mcfg: MegatronConfig, device: str, fused: bool = False
 ) -> TransformerConfig:
     """megatron TransformerConfig for a Qwen2/Llama-style decoder and one role's parallel layout.
 
-    `fused` (the plan's `EnginePlan.fused_kernels`): megatron's own SwiGLU fusion, a torch.compile'd
-    function (megatron.core.jit) with a backward that keeps only the fc1 output; one kernel instead of a
-    strided silu and a multiply (0.73 s of a 5.2 s 1.5B log-prob pass on an H200, docs/benchmarks.md)."""
+    `fused` (the plan's `EnginePlan.fused_kernels`) turns on two of megatron's fusions, served by
+    torch.compile'd functions: SwiGLU (megatron.core.jit's, whose backward keeps only the fc1 output; one
+    kernel instead of a strided silu and a multiply, 0.73 s of a 5.2 s 1.5B log-prob pass on an H200,
+    docs/benchmarks.md) and RoPE (`use_compiled_rope`; ~11 small kernels per query and key per layer)."""
+    if fused:
+        use_compiled_rope()
     dtype = _DTYPES[model_cfg.params_dtype]
     tp = mcfg.tensor_model_parallel_size
     ov = mcfg.override_transformer_config
@@ -278,7 +304,7 @@ def transformer_config(
         bias_activation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=fused,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         params_dtype=dtype,

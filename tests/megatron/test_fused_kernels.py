@@ -66,3 +66,21 @@ def test_compiled_engine_log_probs_and_update_match_eager(engines):
     after_b = fused.compute_log_prob(batch)["log_probs"]
     assert not torch.equal(after_a, a["log_probs"])  # the update moved the policy
     assert_tiny_close(after_b, after_a, depth=UPDATE_DEPTH)
+
+
+def test_compiled_engine_uses_the_compiled_rope(engines):
+    """The compiled engine's attention goes through megatron's RoPE fusion hook, served by `rope_bshd`,
+    which is megatron's unfused RoPE bit for bit when run eagerly."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from rltrain.megatron.model import rope_bshd
+
+    eager, fused = engines
+    assert fused.modules()[0].config.apply_rope_fusion
+    assert not eager.modules()[0].config.apply_rope_fusion
+    assert rope_utils.fused_apply_rotary_pos_emb is not None
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        t = torch.randn(5, 2, 3, 8, generator=gen).to(dtype)
+        freqs = torch.rand(5, 1, 1, 8, generator=gen) * 30
+        assert torch.equal(rope_bshd(t, freqs), rope_utils._apply_rotary_pos_emb_bshd(t, freqs))
