@@ -447,7 +447,7 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
                 (f"{r.role} grads", s.grad_bytes),
                 (f"{r.role} optimizer", s.optim_bytes),
                 (f"{r.role} activations", s.act_bytes),
-                (f"{r.role} logits + grad", s.logits_train),
+                (f"{r.role} logits and grad", s.logits_train),
                 (f"{r.role} log-prob chunk", s.logprob_chunk),
             ]
             calls.append((f"{r.role}_update", own))
@@ -456,7 +456,7 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
         if r.trained:
             infer += [] if go else [(f"{r.role} grads", s.grad_bytes)]
             infer += [] if oo else [(f"{r.role} optimizer", s.optim_bytes)]
-        infer.append((f"{r.role} logits + copy", s.logits_infer))
+        infer.append((f"{r.role} logits and copy", s.logits_infer))
         calls.append((r.infer_phase, infer))
         if s.rollout_kv > 0:
             # generate_sequences on the actor's weights: what stays resident for the actor (as in its
@@ -575,14 +575,29 @@ def _memory(
         "estimate per device; parameters on the most loaded pipeline stage; megatron's allocator overhead, "
         "NCCL buffers and fragmentation are not included (keep ~10-20% headroom)",
         "rollout: the embedded engine generates with the actor's weights; its KV cache (2 x layers x "
-        "kv_heads/tp x head_dim x (max_prompt_length + max_response_length) x rows per DP rank x dtype bytes, "
-        "+50% while compacting) is counted in generate_sequences and freed after it; "
+        f"kv_heads/tp x head_dim x (prompt width {rollout_prompt_tokens(c)} + max_response_length) x rows per DP "
+        "rank x dtype bytes; the prompt width is data.max_prompt_length with prompt files, the synthetic "
+        "task's own otherwise; +50% while compacting) and the sampler's [rows, V] logits (16-bit + 2 fp32 "
+        "temporaries) are counted in generate_sequences and freed after it; "
         "rollout.gpu_memory_utilization caps only a vLLM engine's pool and is not used here",
         "optimizer: fp32 master weights (when params are not fp32) + Adam m and v, sharded over dp x cp "
         "with use_distributed_optimizer; gradients in fp32 with grad_reduce_in_fp32",
-        "activations: Korthikanti et al. per layer without the attention s^2 term (flash/SDPA attention), "
-        "for the micro-batches in flight under 1F1B, reduced by recompute; plus one fp32 logits slice",
+        "activations: what megatron's local layer saves for the backward, per token and layer: norms 4h "
+        "(2 inputs, 2 outputs); attention 4q + 3g (qkv output, rotated q and k, SDPA output and its copy; "
+        "+q with QK-norm; no s^2 term); SwiGLU MLP 4f eager (fc1 2f, silu f, product f) or 3f fused; "
+        "routed experts k(h + 2f_e) per token + the stacked expert weights per layer; for the micro-batches "
+        "in flight under 1F1B, reduced by recompute"
+        + (
+            " (model.fused_kernels on: fused SwiGLU and log-prob)" if fused_kernels(c) else " (eager kernels)"
+        ),
+        "logits: the update's 16-bit [tokens, V/tp] logits + their gradient and the log-prob chunk (2**25 "
+        "elements: 16-bit + 3 fp32 temporaries eager, one 16-bit fused); a forward pass's logits + GPTModel's "
+        "[b, s] copy",
     ]
+    for pm in pools:
+        for ph in pm.phases:
+            parts = ", ".join(f"{p.label} {p.gib:.2f}" for p in ph.parts)
+            notes.append(f"{pm.pool} {ph.phase}: {ph.total_gib:.2f} GiB = {parts}")
     if c.rollout.placement == "separate":
         notes.append(
             "separate rollout pool: the whole model at the rollout's tp (kept between pushes), its KV cache at "
