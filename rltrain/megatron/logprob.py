@@ -188,13 +188,17 @@ def _call_fused(fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
     recompile; an unbacked size never is. Detaching drops the autograd view relation of a chunk's slice
     (dynamo would otherwise guard on the size of the sliced tensor, e.g. the caller's `rows` being a slice
     of a longer tensor) and makes whether the logits require grad (the update vs. a no-grad log-prob pass)
-    no guard either.
+    no guard either. Strides likewise: the gradient of `lp.sum()` arrives expanded (stride 0), which would
+    recompile against a stride of 1 (`contiguous()` leaves a one-element tensor's stride 0 as it is, and
+    torch 2.11 guards on it).
     """
     logits, *rest = args
     tensors = []
     for a in rest:
         if isinstance(a, torch.Tensor):
-            a = a.detach()
+            a = a.detach().contiguous()
+            if a.stride(0) != 1:  # at most one element: any stride addresses it
+                a = a.as_strided(a.shape, (1,))
             torch._dynamo.decorators.mark_unbacked(a, 0)
         tensors.append(a)
     return _compiled(fn)(logits.detach(), *tensors)

@@ -141,6 +141,14 @@ def test_fused_compiles_once(mp_world):
             with torch.no_grad():
                 lp, _ = token_log_probs_and_entropy(x["logits"], rows, labels, temperature, VOCAB, fused=True)
             assert_close(lp, ref[0], reduction=PADDED, depth=DEPTH)
+            # A plain sum's gradient arrives expanded (stride 0), not as a contiguous [n] tensor.
+            logits = x["logits"].clone().requires_grad_(True)
+            lp, ent = token_log_probs_and_entropy(logits, rows, labels, temperature, VOCAB, fused=True)
+            (lp.sum() + ent.sum()).backward()
+            ref_logits = x["logits"].clone().requires_grad_(True)
+            lp, ent = token_log_probs_and_entropy(ref_logits, rows, labels, temperature, VOCAB)
+            (lp.sum() + ent.sum()).backward()
+            assert_close(logits.grad, ref_logits.grad, reduction=PADDED, depth=DEPTH)
 
 
 # ------------------------------------------------------------------------------------ TP=2
