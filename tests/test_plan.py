@@ -438,8 +438,14 @@ def test_qwen7b_memory_estimate_matches_hand_computation() -> None:
     43,520 B; x 8192 tokens x 14 layers x 2 micro-batches in flight (first of 2 stages, 1F1B) = 9.297 GiB;
     the eager SwiGLU adds its silu output f / 4 = 4736 elements per token and layer.
     Total 1.773 + 3.547 + 10.640 + 9.297 = 25.26 GiB: plausible for 7B on 8 x 80 GB (verl runs it).
+    With prompt files a micro-batch's rows may be max_prompt_length + max_response_length long; the
+    synthetic task's prompts are 6 tokens (6 + 3072 columns).
     """
-    plan = compile_plan(qwen7b_config())
+    config = qwen7b_config()
+    files = replace(config, data=replace(config.data, train_files=("prompts.parquet",)))
+    plan = compile_plan(files)
+    synthetic = next(r for r in compile_plan(config).memory.roles if r.role == "actor")
+    assert synthetic.tokens_per_micro_batch == 2 * (6 + 3072)
     m = next(r for r in plan.memory.roles if r.role == "actor")
     gib = 2**30
     assert m.stage == 0
@@ -448,8 +454,7 @@ def test_qwen7b_memory_estimate_matches_hand_computation() -> None:
     assert m.grads_gib == pytest.approx(952_026_880 * 4 / gib, rel=1e-4)
     assert m.optimizer_gib == pytest.approx(952_026_880 * 12 / gib, rel=1e-4)
     assert m.activations_gib == pytest.approx(43_520 * 8192 * 14 * 2 / gib, rel=1e-4)
-    eager_config = qwen7b_config()
-    eager_config = replace(eager_config, model=replace(eager_config.model, fused_kernels="eager"))
+    eager_config = replace(files, model=replace(files.model, fused_kernels="eager"))
     eager = next(r for r in compile_plan(eager_config).memory.roles if r.role == "actor")
     assert eager.activations_gib == pytest.approx((43_520 + 2 * 4736) * 8192 * 14 * 2 / gib, rel=1e-4)
     assert m.in_flight_micro_batches == 2

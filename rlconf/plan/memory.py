@@ -370,12 +370,13 @@ def _role_mem_model(
     _, m = _megatron_of(c, role)
     elem = DTYPE_BYTES[c.model.params_dtype]
     trained = role in ("actor", "critic")
-    max_seq = c.data.max_prompt_length + c.rollout.max_response_length
+    # A micro-batch is padded to its longest row: the rollout's prompt width + the response at most.
+    seq = rollout_prompt_tokens(c) + c.rollout.max_response_length
     ov = m.override_transformer_config
     ddp = m.override_ddp_config
     infer_micro, dynamic, budget = forward_batching(c, role)
     infer_phase = _INFER_PHASE[role]
-    infer_tokens = budget if dynamic else _cdiv(infer_micro * max_seq, lay.cp)
+    infer_tokens = budget if dynamic else _cdiv(infer_micro * seq, lay.cp)
     out_width = lay.padded_vocab_size / lay.tp if spec.head == "lm" else 1.0
     fused = fused_kernels(c)
     grouped = bool(c.model.moe_grouped_gemm)
@@ -396,7 +397,11 @@ def _role_mem_model(
                 optim = (params - experts) * per_param / dense_shards + experts * per_param / lay.expert_dp
             else:
                 optim = params * per_param
-            tokens = batch.tokens_per_micro_batch_per_rank
+            tokens = (
+                batch.tokens_per_micro_batch_per_rank
+                if batch.use_dynamic_bsz
+                else _cdiv(batch.tokens_per_micro_batch_per_rank * seq, batch.max_seq_len)
+            )
             in_flight, held = _in_flight(lay, st.stage, batch.max_micro_batches_per_mini_batch)
             acts = _stage_activation_bytes(spec.arch, lay, st, ov, elem, tokens, held, fused, grouped)
             if st.output_layer:
