@@ -28,6 +28,11 @@ all rows in one pass since nothing [rows, V]-sized is materialised. The fused ba
 16-bit gradient in one kernel and copies it into place (rows are distinct). The functions are compiled once
 per process with dynamic (unbacked) sizes, so no chunk length or micro-batch size recompiles them. Results
 equal the eager path up to fp32 summation order; the eager path stays the default and the CPU path.
+Measured on one H200 (torch 2.11; bf16 logits [8192, 151936], 7168 selected rows, entropy on): forward
+19.1 ms eager -> 3.1 ms fused (14.6 -> 2.9 ms without entropy, i.e. ~0.2 s instead of ~1.0 s for 522k
+tokens), forward + backward 62 -> 13.6 ms; the forward's extra memory 255 MiB -> 0.3 MiB. On CPU inductor
+stores exp(z - m) of the entropy variant's forward (its CPU heuristic realises a reused exp); the cuda
+kernels keep it in registers.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ DEFAULT_CHUNK_ELEMENTS = 2**25
 
 
 # Bytes of the one [tokens, V/tp] tensor the fused path materialises: the backward's gradient chunk in the
-# logits' dtype (the fused forward has no [tokens, V/tp] tensor at all). 256 MiB is 880 tokens of a 152k
+# logits' dtype (the fused forward has no [tokens, V/tp] tensor at all). 256 MiB is 883 tokens of a 152k
 # vocabulary in bf16, 4x the eager chunk, so the per-chunk launches and copies are amortised over ~134M
 # elements (~0.1 ms of HBM time on an H200), while the peak stays below the eager path's: that keeps 3-4
 # fp32 [chunk, V/tp] temporaries of 128 MiB alive at once, and grad_logits itself ([N, V/tp], 1.2 GiB for a
