@@ -160,6 +160,16 @@ def main() -> int:
         measured("actor_update", lambda: actor.update_policy(batch, temperature=t, step=1), report)
         # The second update: the optimizer state exists from the start (the first one creates it lazily).
         measured("actor_update_2", lambda: actor.update_policy(batch, temperature=t, step=2), report)
+    pool = next(p for p in plan.memory.pools if "actor" in p.roles)
+    for ph in pool.phases:
+        entry = report.get(ph.phase)
+        if entry is not None:
+            entry["estimate_gib"] = ph.total_gib
+            entry["estimate_parts"] = {p.label: p.gib for p in ph.parts}
+            ratio = entry["peak_gib"] / ph.total_gib
+            print(
+                f"{ph.phase}: measured {entry['peak_gib']:.2f} GiB / estimate {ph.total_gib:.2f} = {ratio:.3f}"
+            )
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"memory_{args.preset}_{args.fused}.json").write_text(json.dumps(report, indent=1))
