@@ -24,8 +24,10 @@ fp32 passes over [chunk, V] and ~36k launches per pass, where two reads of the 1
 fused forward reads the selected rows of the 16-bit logits inside the compiled kernels (row gather, upcast,
 temperature and padding mask in registers): one reduction gives each row's max, and after the TP max
 all-reduce one more gives sum exp(z - m), the target's shifted logit and (with entropy) sum exp(z - m)(z - m),
-all rows in one pass since nothing [rows, V]-sized is materialised. The fused backward writes each chunk's
-16-bit gradient in one kernel and copies it into place (rows are distinct). The functions are compiled once
+all rows in one pass since nothing [rows, V]-sized is materialised. The fused backward is one kernel too: it
+computes the 16-bit gradient of each selected row and stores it straight into grad_logits (an index_copy_,
+rows being distinct, that inductor fuses with the computation), so it needs no chunking either: no
+[chunk, V] tensor exists in the fused path, and the only [N, V] one is grad_logits. The functions are compiled once
 per process with dynamic (unbacked) sizes, so no chunk length or micro-batch size recompiles them. Results
 equal the eager path up to fp32 summation order; the eager path stays the default and the CPU path.
 Measured on one H200 (torch 2.11; bf16 logits [8192, 151936], 7168 selected rows, entropy on): forward
@@ -54,20 +56,9 @@ _MASKED_LOGIT = -1e9
 DEFAULT_CHUNK_ELEMENTS = 2**25
 
 
-# Bytes of the one [tokens, V/tp] tensor the fused path materialises: the backward's gradient chunk in the
-# logits' dtype (the fused forward has no [tokens, V/tp] tensor at all). 256 MiB is 883 tokens of a 152k
-# vocabulary in bf16, 4x the eager chunk, so the per-chunk launches and copies are amortised over ~134M
-# elements (~0.1 ms of HBM time on an H200), while the peak stays below the eager path's: that keeps 3-4
-# fp32 [chunk, V/tp] temporaries of 128 MiB alive at once, and grad_logits itself ([N, V/tp], 1.2 GiB for a
-# 4k-token bf16 micro-batch) dwarfs either.
-DEFAULT_FUSED_CHUNK_BYTES = 2**28
-
-
-def default_chunk_tokens(shard_vocab: int, fused: bool = False, itemsize: int = 2) -> int:
-    """Tokens per chunk: one fp32 [tokens, V/tp] temporary of DEFAULT_CHUNK_ELEMENTS (eager), or one
-    [tokens, V/tp] gradient chunk of `itemsize`-byte elements of DEFAULT_FUSED_CHUNK_BYTES (fused)."""
-    if fused:
-        return max(1, DEFAULT_FUSED_CHUNK_BYTES // (max(shard_vocab, 1) * itemsize))
+def default_chunk_tokens(shard_vocab: int) -> int:
+    """Tokens per chunk so that one fp32 [tokens, V/tp] temporary holds DEFAULT_CHUNK_ELEMENTS (eager path;
+    the fused path materialises nothing [tokens, V/tp]-sized and takes all rows at once)."""
     return max(1, DEFAULT_CHUNK_ELEMENTS // max(shard_vocab, 1))
 
 
@@ -180,14 +171,31 @@ def _fused_grad(
     return (grad_z / temperature).to(logits.dtype)
 
 
+def _fused_grad_into(
+    grad_logits: torch.Tensor,
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    *stats: torch.Tensor | float | int,
+) -> None:
+    """grad_logits[rows] = `_fused_grad(logits, rows, *stats)`, in place. Inductor fuses the computation into
+    the scatter's store (rows are distinct, so a copy), so no [rows, V/tp] gradient exists even briefly."""
+    grad_logits.index_copy_(0, rows, _fused_grad(logits, rows, *stats))
+
+
 @functools.cache
 def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     """`fn` under torch.compile with dynamic sizes, built on first use (once per process and function)."""
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"realize_reads_threshold": 64})
 
 
-def _call_fused(fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
-    """Call the compiled `fn` on detached tensors whose length (dim 0 of each after the logits) is unbacked.
+def _call_fused(
+    fn: Callable[..., torch.Tensor | None],
+    logits: torch.Tensor,
+    *rest: torch.Tensor | float | int,
+    grad_logits: torch.Tensor | None = None,
+) -> torch.Tensor | None:
+    """Call the compiled `fn` on detached tensors whose length (dim 0 of each in `rest`) is unbacked, with
+    `grad_logits` (written in place) first when given.
 
     dynamic=True alone still specialises a size of 0 or 1, so a one-token chunk (or micro-batch) would
     recompile; an unbacked size never is. Detaching drops the autograd view relation of a chunk's slice
@@ -197,7 +205,6 @@ def _call_fused(fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
     recompile against a stride of 1 (`contiguous()` leaves a one-element tensor's stride 0 as it is, and
     torch 2.11 guards on it).
     """
-    logits, *rest = args
     tensors = []
     for a in rest:
         if isinstance(a, torch.Tensor):
@@ -206,7 +213,8 @@ def _call_fused(fn: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:
                 a = a.as_strided(a.shape, (1,))
             torch._dynamo.decorators.mark_unbacked(a, 0)
         tensors.append(a)
-    return _compiled(fn)(logits.detach(), *tensors)
+    front = () if grad_logits is None else (grad_logits,)
+    return _compiled(fn)(*front, logits.detach(), *tensors)
 
 
 # ------------------------------------------------------------------------------------ chunked (used)
@@ -317,8 +325,8 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
         for c0 in range(0, n, ctx.chunk_tokens):
             c = slice(c0, min(c0 + ctx.chunk_tokens, n))
             if ctx.fused:
-                grad_rows = _call_fused(
-                    _fused_grad,
+                _call_fused(
+                    _fused_grad_into,
                     logits,
                     rows[c],
                     local_labels[c],
@@ -330,8 +338,8 @@ class _ChunkedLogProbEntropy(torch.autograd.Function):
                     g_ent[c],
                     ctx.temperature,
                     ctx.valid,
+                    grad_logits=grad_logits,
                 )
-                grad_logits.index_copy_(0, rows[c], grad_rows)  # rows are distinct: a copy, not an add
                 continue
             z = logits.index_select(0, rows[c]).float()
             if ctx.temperature != 1.0:
@@ -371,14 +379,17 @@ def token_log_probs_and_entropy(
     """Log-probs of `labels` and (optionally) the entropy of softmax(logits[rows] / temperature).
 
     logits [N, V/tp] (any float dtype, this TP rank's vocabulary shard), rows [n] (indices into N; each at
-    most once), labels [n] (global vocabulary ids). Returns fp32 [n] tensors. Work is done `chunk_tokens`
-    rows at a time (default: `default_chunk_tokens(V/tp, fused, itemsize)`; the fused forward takes all rows
-    at once, so there it bounds the backward alone). Gradients flow to `logits` from both outputs; an output
-    that does not reach the loss costs nothing in the backward. `fused` runs the torch.compile'd kernels
-    (module docstring); the results equal the eager path's up to fp32 summation order.
+    most once), labels [n] (global vocabulary ids). Returns fp32 [n] tensors. Gradients flow to `logits`
+    from both outputs; an output that does not reach the loss costs nothing in the backward.
+
+    `fused` runs the torch.compile'd kernels (module docstring); the results equal the eager path's up to
+    fp32 summation order. The eager path works `chunk_tokens` rows at a time (default:
+    `default_chunk_tokens(V/tp)`) to bound its fp32 temporaries. The fused path has none: its forward always
+    takes all rows at once, and its backward too by default (`chunk_tokens` then only splits the backward's
+    launches, for tests).
     """
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(logits.shape[-1], fused, logits.element_size())
+        chunk_tokens = rows.numel() if fused else default_chunk_tokens(logits.shape[-1])
     logp, ent = _ChunkedLogProbEntropy.apply(
         logits, rows, labels, float(temperature), vocab_size, max(int(chunk_tokens), 1), with_entropy, fused
     )
