@@ -87,8 +87,8 @@ def prepare_logits(
 # ------------------------------------------------------------------------------------ fused (compiled)
 # Plain functions of tensors that torch.compile turns into one or two kernels each. `rows` selects the
 # token rows of the [N, V/tp] logits; every [n]-sized argument describes those rows. Nothing [n, V/tp]-sized
-# is materialised except the backward's result: the gather, the upcast, the temperature and the mask are
-# inlined into the kernels that reduce or write.
+# is materialised (on cuda): the gather, the upcast, the temperature and the mask are inlined into the
+# kernels that reduce, and the backward's gradient into its store into grad_logits.
 def _scaled_rows(logits: torch.Tensor, rows: torch.Tensor, temperature: float, valid: int) -> torch.Tensor:
     z = logits.index_select(0, rows).float() / temperature
     col = torch.arange(z.shape[-1], device=z.device)
@@ -184,7 +184,13 @@ def _fused_grad_into(
 
 @functools.cache
 def _compiled(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`fn` under torch.compile with dynamic sizes, built on first use (once per process and function)."""
+    """`fn` under torch.compile with dynamic sizes, built on first use (once per process and function).
+
+    fullgraph: a graph break would silently bring back eager kernels. realize_reads_threshold: inductor
+    materialises a reused pointwise value that reads more than 4 tensors (the default); the scaled rows read
+    the logits, the rows, the max and the temperature and feed two reductions, so one more input would turn
+    them into an fp32 [rows, V/tp] buffer.
+    """
     return torch.compile(fn, dynamic=True, fullgraph=True, options={"realize_reads_threshold": 64})
 
 
