@@ -71,20 +71,19 @@ def test_onestep_generate_is_within_15_percent() -> None:
 
 def test_fused_kernels_save_the_silu_output_and_the_fp32_log_prob_chunk() -> None:
     """qwen2.5-1.5b-grpo (28 layers, ffn 8960, budget 12288 tokens, bf16, vocab 151936): the fused SwiGLU
-    keeps no silu output: 28 x 12288 x 8960 x 2 B = 5.742 GiB less; the fused log-prob backward holds one
-    256 MiB 16-bit gradient chunk (883 tokens x 151936 x 2 B) instead of a 16-bit + three fp32 chunks of
-    220 tokens (220 x 151936 x 14 B). Forward-only calls and generation do not change."""
+    keeps no silu output: 28 x 12288 x 8960 x 2 B = 5.742 GiB less; the fused log-prob backward writes each
+    row's gradient straight into the logits' gradient, without the eager path's 16-bit + three fp32 chunks
+    of 220 tokens (220 x 151936 x 14 B). Forward-only calls and generation do not change."""
     c = get_preset("qwen2.5-1.5b-grpo")
     assert fused_kernels(c)  # auto on cuda: the plan the lead's kernels will run
     eager, fused = _phases(_with_kernels(c, "eager")), _phases(_with_kernels(c, "compiled"))
     silu = 28 * 12288 * 8960 * 2 / GIB
-    chunk = ((2**25 // 151936) * 151936 * 14 - (2**28 // (151936 * 2)) * 151936 * 2) / GIB
+    chunk = (2**25 // 151936) * 151936 * 14 / GIB
     assert eager["actor_update"]["actor activations"] - fused["actor_update"]["actor activations"] == (
         pytest.approx(silu, abs=1e-5)
     )
-    assert eager["actor_update"]["actor log-prob chunk"] - fused["actor_update"]["actor log-prob chunk"] == (
-        pytest.approx(chunk, abs=1e-5)
-    )
+    assert eager["actor_update"]["actor log-prob chunk"] == pytest.approx(chunk, abs=1e-5)
+    assert "actor log-prob chunk" not in fused["actor_update"]
     assert eager["actor_update"]["total"] - fused["actor_update"]["total"] == pytest.approx(
         silu + chunk, abs=1e-4
     )
@@ -98,7 +97,8 @@ def test_moe_fused_kernels_change_only_the_log_prob_chunk() -> None:
     c = get_preset("qwen3-moe-grpo")
     eager, fused = _phases(_with_kernels(c, "eager")), _phases(_with_kernels(c, "compiled"))
     assert eager["actor_update"]["actor activations"] == fused["actor_update"]["actor activations"]
-    assert eager["actor_update"]["actor log-prob chunk"] > fused["actor_update"]["actor log-prob chunk"] > 0
+    assert eager["actor_update"]["actor log-prob chunk"] > 0
+    assert "actor log-prob chunk" not in fused["actor_update"]
 
 
 def test_synthetic_prompt_width_bounds_every_synthetic_prompt() -> None:
@@ -162,9 +162,8 @@ def test_generate_estimate_grows_with_rows_and_length(prompts: list[int], length
 
 
 def test_log_prob_chunk_sizes_are_the_engines() -> None:
-    """The estimate's chunk sizes are the ones rltrain's log-prob function uses by default."""
+    """The estimate's eager chunk is the one rltrain's log-prob function uses by default."""
     from rlconf.plan import memory
     from rltrain.megatron import logprob
 
     assert memory.LOGPROB_CHUNK_ELEMENTS == logprob.DEFAULT_CHUNK_ELEMENTS
-    assert memory.LOGPROB_FUSED_CHUNK_BYTES == logprob.DEFAULT_FUSED_CHUNK_BYTES

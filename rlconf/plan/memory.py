@@ -274,20 +274,15 @@ def _rollout_sampling_bytes(c: RLConfig, lay: RoleLayout, vocab: int) -> float:
 LOGPROB_CHUNK_ELEMENTS = 2**25
 """Elements of one eager log-prob chunk [chunk tokens, V/tp] (rltrain/megatron/logprob.py
 DEFAULT_CHUNK_ELEMENTS; tests/test_memory_estimate.py keeps the two equal)."""
-LOGPROB_FUSED_CHUNK_BYTES = 2**28
-"""Bytes of the fused log-prob backward's one 16-bit gradient chunk (logprob.py DEFAULT_FUSED_CHUNK_BYTES)."""
 
 
 def _logprob_chunk_bytes(tokens: int, width: float, elem: int, fused: bool) -> float:
     """The chunked log-prob/entropy backward's working set (logprob.py), on top of the logits and their
     gradient: eager, the chunk gathered from the logits, its fp32 copy, the fp32 probabilities and the fp32
-    gradient coefficient (3 fp32 + 1 16-bit [chunk, V/tp]); fused, the compiled kernel reads the 16-bit
-    logits and writes one gradient chunk in their dtype."""
-    if width <= 1:
+    gradient coefficient (3 fp32 + 1 16-bit [chunk, V/tp]); fused, nothing: the compiled kernel reads the
+    16-bit logits and stores each row's gradient straight into the gradient of the logits."""
+    if width <= 1 or fused:
         return 0.0
-    if fused:
-        chunk = min(tokens, max(1, int(LOGPROB_FUSED_CHUNK_BYTES // (width * elem))))
-        return chunk * width * elem
     chunk = min(tokens, max(1, int(LOGPROB_CHUNK_ELEMENTS // width)))
     return chunk * width * (3 * 4 + elem)
 
@@ -602,9 +597,9 @@ def _memory(
         + (
             " (model.fused_kernels on: fused SwiGLU and log-prob)" if fused_kernels(c) else " (eager kernels)"
         ),
-        "logits: the update's 16-bit [tokens, V/tp] logits + their gradient and the log-prob backward's chunk "
-        "(eager: 2**25 elements, 16-bit + 3 fp32 temporaries; fused: one 256 MiB 16-bit gradient chunk); a "
-        "forward pass's logits + GPTModel's [b, s] copy",
+        "logits: the update's 16-bit [tokens, V/tp] logits + their gradient, and with eager kernels the "
+        "log-prob backward's chunk (2**25 elements: 16-bit + 3 fp32 temporaries; the fused kernels have none); "
+        "a forward pass's logits + GPTModel's [b, s] copy",
     ]
     for pm in pools:
         for ph in pm.phases:
