@@ -49,7 +49,7 @@ class _StageMem:
     logits_train: float
     """The update's 16-bit [tokens, V/tp] logits (saved by the log-prob function) and their gradient."""
     logits_infer: float
-    """A forward-only pass's logits: the output layer's [s, b, V/tp] and GPTModel's [b, s, V/tp] copy."""
+    """A forward-only pass's logits [s, b, V/tp] (with sequence parallel also GPTModel's [b, s, V/tp] copy)."""
     in_flight: int
     tokens: int
     logprob_chunk: float = 0.0
@@ -409,7 +409,10 @@ def _role_mem_model(
             if st.output_layer:
                 logits_train = 2.0 * tokens * out_width * elem
                 chunk = _logprob_chunk_bytes(tokens, out_width, elem, fused)
-        logits_infer = 2.0 * infer_tokens * out_width * elem if st.output_layer else 0.0
+        # The output layer writes batch-first logits, so GPTModel's [b, s] copy is free, except with
+        # sequence parallel (rltrain/megatron/model.py batch_first_logits).
+        copies = 2.0 if m.sequence_parallel and lay.tp > 1 else 1.0
+        logits_infer = copies * infer_tokens * out_width * elem if st.output_layer else 0.0
         colocated = c.rollout.placement == "colocated"
         kv = _rollout_kv_bytes(c, lay, spec.arch, st.num_layers) if role == "actor" and colocated else 0.0
         sampling = 0.0
@@ -463,7 +466,7 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
         if r.trained:
             infer += [] if go else [(f"{r.role} grads", s.grad_bytes)]
             infer += [] if oo else [(f"{r.role} optimizer", s.optim_bytes)]
-        infer.append((f"{r.role} logits and copy", s.logits_infer))
+        infer.append((f"{r.role} logits", s.logits_infer))
         calls.append((r.infer_phase, infer))
         if s.rollout_kv > 0:
             # generate_sequences on the actor's weights: what stays resident for the actor (as in its
@@ -599,7 +602,7 @@ def _memory(
         ),
         "logits: the update's 16-bit [tokens, V/tp] logits + their gradient, and with eager kernels the "
         "log-prob backward's chunk (2**25 elements: 16-bit + 3 fp32 temporaries; the fused kernels have none); "
-        "a forward pass's logits + GPTModel's [b, s] copy",
+        "a forward pass's logits (+ GPTModel's [b, s] copy with sequence parallel)",
     ]
     for pm in pools:
         for ph in pm.phases:

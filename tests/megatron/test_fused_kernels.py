@@ -84,3 +84,21 @@ def test_compiled_engine_uses_the_compiled_rope(engines):
         t = torch.randn(5, 2, 3, 8, generator=gen).to(dtype)
         freqs = torch.rand(5, 1, 1, 8, generator=gen) * 30
         assert torch.equal(rope_bshd(t, freqs), rope_utils._apply_rotary_pos_emb_bshd(t, freqs))
+
+
+def test_logits_come_out_batch_first_without_a_copy(engines):
+    """GPTModel's closing `logits.transpose(0, 1).contiguous()` returns the output layer's own storage: the
+    layer writes [b, s, V] memory (batch_first_logits), so the largest tensor of a pass is not copied."""
+    eager, _ = engines
+    model = eager.modules()[0]
+    seen = []
+    hook = model.output_layer.register_forward_hook(lambda mod, args, out: seen.append(out[0]))
+    try:
+        ids = make_batch(b=3)["input_ids"]
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        with torch.no_grad():
+            logits = model(ids, pos, None)
+    finally:
+        hook.remove()
+    assert logits.shape[:2] == ids.shape
+    assert logits.data_ptr() == seen[0].data_ptr()
