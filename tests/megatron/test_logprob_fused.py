@@ -101,7 +101,7 @@ def test_fused_equals_eager(mp_world, dtype, temperature, with_entropy):
             # Padded vocabulary entries and rows that were not selected get exactly no gradient.
             assert grad[:, VOCAB:].abs().max() == 0 and grad[[1, 2, 6]].abs().max() == 0
             assert grad.abs().max() > 0
-    # And the eager path itself against plain torch on the unpadded vocabulary (so the pair cannot agree on
+    # And the fused path itself against plain torch on the unpadded vocabulary (so the pair cannot agree on
     # a wrong answer): log-softmax and entropy of logits / T.
     lp, ent, _ = _run(x, fused=True, chunk=None, temperature=temperature, with_entropy=True)
     full = torch.log_softmax(x["logits"][x["rows"], :VOCAB].float() / temperature, -1)
