@@ -117,7 +117,7 @@ def _target_shifted(
     return torch.where(in_shard, t - m, 0.0)
 
 
-def _fused_sums(
+def _shifted(
     logits: torch.Tensor,
     rows: torch.Tensor,
     local_labels: torch.Tensor,
@@ -125,26 +125,22 @@ def _fused_sums(
     m: torch.Tensor,
     temperature: float,
     valid: int,
-) -> torch.Tensor:
-    """[sum exp(z - m), target z - m] stacked, ready for the TP all-reduce."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the selected rows' z - m, the target's z - m): what both stats functions reduce."""
     z = _scaled_rows(logits, rows, temperature, valid) - m.unsqueeze(-1)
-    target = _target_shifted(logits, rows, local_labels, in_shard, m, temperature, valid)
+    return z, _target_shifted(logits, rows, local_labels, in_shard, m, temperature, valid)
+
+
+def _fused_sums(*args: torch.Tensor | float | int) -> torch.Tensor:
+    """[sum exp(z - m), target z - m] stacked, ready for the TP all-reduce (`_shifted`'s arguments)."""
+    z, target = _shifted(*args)  # type: ignore[arg-type]
     return torch.stack([z.exp().sum(dim=-1), target])
 
 
-def _fused_sums_entropy(
-    logits: torch.Tensor,
-    rows: torch.Tensor,
-    local_labels: torch.Tensor,
-    in_shard: torch.Tensor,
-    m: torch.Tensor,
-    temperature: float,
-    valid: int,
-) -> torch.Tensor:
+def _fused_sums_entropy(*args: torch.Tensor | float | int) -> torch.Tensor:
     """[sum exp(z - m), target z - m, sum exp(z - m) (z - m)] stacked, ready for the TP all-reduce."""
-    z = _scaled_rows(logits, rows, temperature, valid) - m.unsqueeze(-1)
+    z, target = _shifted(*args)  # type: ignore[arg-type]
     e = z.exp()
-    target = _target_shifted(logits, rows, local_labels, in_shard, m, temperature, valid)
     return torch.stack([e.sum(dim=-1), target, (e * z).sum(dim=-1)])
 
 
