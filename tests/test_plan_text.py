@@ -23,3 +23,22 @@ def test_unpadded_vocab_has_no_padding_note(capsys):
     text = capsys.readouterr().out
     assert code == 0, text
     assert "vocab 128," in text and "padded" not in text, text
+
+
+def test_plan_says_which_kernels_the_engines_run(capsys):
+    """model.fused_kernels is decided in the plan and shown with its reason: auto means compiled on cuda and
+    eager elsewhere; an explicit choice wins."""
+    cases = [
+        (["--preset", "tiny-grpo"], "kernels: eager (one torch op at a time; model.fused_kernels auto: cpu)"),
+        (["--preset", "qwen2.5-1.5b-grpo"], "kernels: fused (torch.compile'd SwiGLU, RoPE, log-prob / entropy; "
+                                             "model.fused_kernels auto: cuda)"),
+        (["--preset", "qwen2.5-1.5b-grpo", "--set", "model.fused_kernels=eager"],
+         "kernels: eager (one torch op at a time; model.fused_kernels eager)"),
+        (["--preset", "tiny-grpo", "--set", "model.fused_kernels=compiled"],
+         "kernels: fused (torch.compile'd SwiGLU, RoPE, log-prob / entropy; model.fused_kernels compiled)"),
+    ]  # fmt: skip
+    for args, line in cases:
+        code = rlconf(["plan", *args])
+        text = capsys.readouterr().out
+        assert code == 0, text
+        assert line in text, (args, text)

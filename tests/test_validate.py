@@ -172,6 +172,7 @@ CASES = [
     (["cluster.nnodes=1024", "cluster.gpus_per_node=1024"], "cluster.nnodes", "plan-limits", "error"),
     (["trainer.save_freq=100000000000000000000000000000"], "trainer.save_freq", "plan-limits", "error"),
     (["model.attention_backend=te"], "model.attention_backend", "model-source", "error"),
+    (["cluster.device=npu", "model.fused_kernels=compiled"], "model.fused_kernels", "model-source", "error"),
     (["actor.megatron.use_dist_checkpointing=true"], "actor.megatron.dist_checkpointing_path", "model-source", "error"),
     (["model.arch.hidden_size=66"], "model.arch.kv_channels", "model-source", "error"),
     (["cluster.device_memory_gib=0"], "cluster.device_memory_gib", "cluster", "error"),

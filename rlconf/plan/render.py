@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlconf.plan.types import VOCAB_DIVISIBLE_BY, ModelSpec, RoleLayout, TrainerPlan
+from rlconf.plan.types import VOCAB_DIVISIBLE_BY, ModelSpec, RoleLayout, TrainerPlan, fused_kernels
 
 
 # ============================================================================================ text
@@ -113,6 +113,15 @@ def _vocab_lines(plan: TrainerPlan) -> list[str]:
     return lines
 
 
+def _kernels_line(plan: TrainerPlan) -> str:
+    """Which kernels every megatron engine runs (`EnginePlan.fused_kernels`), and why."""
+    setting = plan.config.model.fused_kernels
+    why = f"model.fused_kernels {setting}" + (f": {plan.resources.device}" if setting == "auto" else "")
+    if fused_kernels(plan.config):
+        return f"  kernels: fused (torch.compile'd SwiGLU, RoPE, log-prob / entropy; {why})"
+    return f"  kernels: eager (one torch op at a time; {why})"
+
+
 def _refit_lines(plan: TrainerPlan) -> list[str]:
     """How the rollout gets the actor's weights each step, with the refit's extra memory and time."""
     r = plan.refit
@@ -198,6 +207,7 @@ def format_plan(plan: TrainerPlan) -> str:
             out.append(f"  {lay.role} expert grid (ranks by expert tp, per expert-parallel rank):")
             out += _expert_grid_lines(lay)
     out += _refit_lines(plan)
+    out.append(_kernels_line(plan))
 
     if plan.length is not None:
         out += ["", f"run: {plan.length.describe()}"]
