@@ -260,6 +260,32 @@ def use_compiled_rope() -> None:
         rope_utils.fused_apply_rotary_pos_emb = torch.compile(rope_bshd, dynamic=True)
 
 
+class FusedKernelsError(RuntimeError):
+    """torch.compile cannot build kernels on this machine, so model.fused_kernels cannot be honoured."""
+
+
+def check_fused_kernels(device: str, dtype: torch.dtype) -> None:
+    """Compile and run the fused RoPE on a small tensor before the model is built, so that a machine whose
+    torch.compile toolchain is missing or broken (Triton on cuda, a C++ compiler on cpu) stops at start-up
+    with what to do, not in the middle of a step. The compiled graph is the one training uses (dynamic
+    sizes), so the probe costs one compile, not an extra one."""
+    use_compiled_rope()
+    from megatron.core.models.common.embeddings import rope_utils
+
+    dev = devices.torch_device(device)
+    t = torch.zeros((3, 2, 2, 8), dtype=dtype, device=dev)
+    freqs = torch.zeros((3, 1, 1, 8), device=dev)
+    try:
+        rope_utils.fused_apply_rotary_pos_emb(t, freqs)
+    except Exception as exc:  # whatever the toolchain raises, the fix is the same
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise FusedKernelsError(
+            f"model.fused_kernels: torch.compile cannot build kernels on this machine "
+            f"({type(exc).__name__}: {first}). Fix: set model.fused_kernels: eager (--model.fused_kernels "
+            f"eager), or install what torch.compile needs (Triton on cuda, a C++ compiler on cpu)"
+        ) from exc
+
+
 def transformer_config(
     arch: ModelArch, model_cfg: ModelConfig, mcfg: MegatronConfig, device: str, fused: bool = False
 ) -> TransformerConfig:
@@ -555,6 +581,8 @@ def build_model_chunks(
     `ValueHead`.
     """
     inv_freq = rope_inv_freq(arch)  # before building anything: refuses scalings it cannot compute
+    if fused:
+        check_fused_kernels(device, _DTYPES[model_cfg.params_dtype])
     if arch.num_moe_experts is not None:
         define_missing_te_names()
     config = transformer_config(arch, model_cfg, mcfg, device, fused)

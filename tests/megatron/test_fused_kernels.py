@@ -102,3 +102,26 @@ def test_logits_come_out_batch_first_without_a_copy(engines):
         hook.remove()
     assert logits.shape[:2] == ids.shape
     assert logits.data_ptr() == seen[0].data_ptr()
+
+
+def test_a_machine_that_cannot_compile_stops_at_start_up_with_the_fix(tmp_path):
+    """A broken torch.compile toolchain (here: no C++ compiler, the cpu backend's) fails the engine's start-up
+    probe with a FusedKernelsError naming model.fused_kernels and the eager fallback, before any model is
+    built. A fresh interpreter and inductor cache, so nothing compiled earlier is reused."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import torch\n"
+        "from rltrain.megatron.model import check_fused_kernels\n"
+        "check_fused_kernels('cpu', torch.float32)\n"
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "c"),
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "0"}  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0
+    assert "FusedKernelsError: model.fused_kernels: torch.compile cannot build kernels" in done.stderr, (
+        done.stderr
+    )
+    assert "--model.fused_kernels eager" in done.stderr, done.stderr
