@@ -442,6 +442,11 @@ class MegatronEngine:
             optimizer=cfg.optimizer_offload,
         )
 
+    @property
+    def fused_kernels(self) -> bool:
+        """The plan's choice of torch.compile'd fused kernels for this engine (`EnginePlan.fused_kernels`)."""
+        return self.spec.fused_kernels
+
     def offloaded(self) -> list[str]:
         """Parts currently in host memory."""
         return self._offloader.offloaded_groups()

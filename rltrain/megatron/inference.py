@@ -312,7 +312,7 @@ class KVCacheGenerator:
         self.cos = self.freqs.cos().to(self.config.params_dtype)
         self.sin = self.freqs.sin().to(self.config.params_dtype)
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
-        self.rotate = fused_rotate if actor.spec.fused_kernels else rotate
+        self.rotate = fused_rotate if actor.fused_kernels else rotate
         self.cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.models]
 
     # --------------------------------------------------------------------------------- cache rows

@@ -142,7 +142,8 @@ class RolloutReplica:
     """The rollout-layout model of one actor rank, its refit from the actor and its generation.
 
     Duck-types what the embedded engine reads from an actor (`modules`, `eval`, `_ctx`, `device`,
-    `torch_device`, `vocab_size`, `broadcast_from_last_stage`) so `generate_with_kv_cache` runs on it.
+    `torch_device`, `vocab_size`, `fused_kernels`, `broadcast_from_last_stage`) so `generate_with_kv_cache`
+    runs on it.
     """
 
     def __init__(self, actor: Any, rollout_tp: int, bucket_bytes: int) -> None:
@@ -157,6 +158,8 @@ class RolloutReplica:
         self.torch_device = actor.torch_device
         self.arch = actor.arch
         self.vocab_size = actor.arch.vocab_size
+        # The actor's kernels: its TransformerConfig (copied below) carries the SwiGLU / RoPE fusions too.
+        self.fused_kernels = actor.fused_kernels
         self.bucket_bytes = bucket_bytes
         self.actor_tp = parallel_state.get_tensor_model_parallel_world_size()
         self.actor_pp = parallel_state.get_pipeline_model_parallel_world_size()
