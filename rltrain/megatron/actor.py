@@ -124,7 +124,7 @@ class MegatronActor(MegatronEngine):
             self.vocab_size,
             with_entropy=with_entropy,
             chunk_tokens=self.logprob_chunk_tokens,
-            fused=self.spec.fused_kernels,
+            fused=self.fused_kernels,
         )
         zeros = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
         logp = zeros.masked_scatter(mask, logp)

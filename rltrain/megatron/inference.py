@@ -68,6 +68,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
 from rltrain import device as devices
+from rltrain.megatron.model import fused_rotate, rotate
 from rltrain.rollout.batch import rollout_batch
 
 # Module attributes megatron reads to decide on sequence-parallel communication (cf. megatron's
@@ -161,30 +162,6 @@ def inverse_cdf(
     rest = torch.minimum((draw - before).clamp(min=tiny), inside[:, -1:])
     k = torch.searchsorted(inside, rest).clamp(max=CDF_BLOCK - 1)
     return (j * CDF_BLOCK + k).squeeze(1).clamp(max=v - 1), total.squeeze(1)
-
-
-# ------------------------------------------------------------------------------------ rotary embedding
-def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of t [s, n, heads, d] with cos / sin [s, n, 1, rot] in t's dtype: megatron's
-    `_apply_rotary_pos_emb_bshd` (not interleaved, mscale 1), the same ops in the same order, so the same
-    bits; only cos and sin are computed once per forward instead of in every layer."""
-    rot = cos.shape[-1]
-    x, rest = t[..., :rot], t[..., rot:]
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
-
-
-_compiled_rotate: Any = None
-
-
-def fused_rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`rotate` as one torch.compile'd kernel (fp32 inside, one rounding): a decode step ran ~11 small
-    kernels per query and key per layer for it (docs/benchmarks.md)."""
-    global _compiled_rotate
-    if _compiled_rotate is None:
-        _compiled_rotate = torch.compile(rotate, dynamic=True)
-    return _compiled_rotate(t, cos, sin)
 
 
 # ------------------------------------------------------------------------------------ layout helpers
@@ -305,12 +282,12 @@ class KVCacheGenerator:
         self.vocab_size = actor.vocab_size
         self.config = self.models[0].config
         self.pipe_dtype = self.config.pipeline_dtype or self.config.params_dtype
-        # Per-row positions [B, max_len] and the RoPE frequencies of every position [max_len, D].
+        # Per-row positions [B, max_len] and the RoPE cos / sin of every position [max_len, D].
         self.positions = positions
-        self.freqs = self.models[0].rotary_pos_emb(positions.shape[1])[:, 0, 0, :]
+        freqs = self.models[0].rotary_pos_emb(positions.shape[1])[:, 0, 0, :]
         # RoPE of every position in the activations' dtype (megatron recomputes cos/sin in every layer).
-        self.cos = self.freqs.cos().to(self.config.params_dtype)
-        self.sin = self.freqs.sin().to(self.config.params_dtype)
+        self.cos = freqs.cos().to(self.config.params_dtype)
+        self.sin = freqs.sin().to(self.config.params_dtype)
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
         self.rotate = fused_rotate if actor.fused_kernels else rotate
         self.cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.models]
@@ -864,13 +841,11 @@ __all__ = [
     "KVSession",
     "StaticDecodeStep",
     "block_mask",
-    "fused_rotate",
     "generate_with_kv_cache",
     "inverse_cdf",
     "kv_cache_unsupported",
     "left_pad",
     "prefill_mask",
-    "rotate",
     "sample_tokens",
     "sequence_parallel_off",
     "unique_rows",

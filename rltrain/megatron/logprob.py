@@ -101,22 +101,6 @@ def _fused_row_max(logits: torch.Tensor, rows: torch.Tensor, temperature: float,
     return _scaled_rows(logits, rows, temperature, valid).amax(dim=-1)
 
 
-def _target_shifted(
-    logits: torch.Tensor,
-    rows: torch.Tensor,
-    local_labels: torch.Tensor,
-    in_shard: torch.Tensor,
-    m: torch.Tensor,
-    temperature: float,
-    valid: int,
-) -> torch.Tensor:
-    # Read straight from the logits (one element a row), not from the scaled rows, so that the scaled rows
-    # stay a producer of the reductions alone and are never realised as a buffer.
-    t = logits[rows, local_labels].float() / temperature
-    t = torch.where(local_labels < valid, t, _MASKED_LOGIT)
-    return torch.where(in_shard, t - m, 0.0)
-
-
 def _shifted(
     logits: torch.Tensor,
     rows: torch.Tensor,
@@ -128,7 +112,11 @@ def _shifted(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the selected rows' z - m, the target's z - m): what both stats functions reduce."""
     z = _scaled_rows(logits, rows, temperature, valid) - m.unsqueeze(-1)
-    return z, _target_shifted(logits, rows, local_labels, in_shard, m, temperature, valid)
+    # The target read straight from the logits (one element a row), not from the scaled rows, so that the
+    # scaled rows stay a producer of the reductions alone and are never realised as a buffer.
+    t = logits[rows, local_labels].float() / temperature
+    t = torch.where(local_labels < valid, t, _MASKED_LOGIT)
+    return z, torch.where(in_shard, t - m, 0.0)
 
 
 def _fused_sums(*args: torch.Tensor | float | int) -> torch.Tensor:

@@ -13,10 +13,11 @@ A critic is the same trunk with `ValueHead` replacing the vocabulary projection.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -238,16 +239,33 @@ def block_spec(
 
 # ------------------------------------------------------------------------------------ transformer config
 # ------------------------------------------------------------------------------------ fused kernels
-def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """megatron's unfused RoPE (`_apply_rotary_pos_emb_bshd`, mscale 1), written to be compiled whole:
-    t [s, b, heads, d], freqs [s, b or 1, 1, rot] (fp32 angles)."""
-    assert not interleaved, "interleaved rotary embeddings are refused before this point"
-    rot = freqs.shape[-1]
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of t [s, b, heads, d] with cos / sin [s, b or 1, 1, rot] in t's dtype: megatron's
+    `_apply_rotary_pos_emb_bshd` (not interleaved, mscale 1), the same ops in the same order, so the same
+    bits. The decode step computes cos and sin once per forward instead of in every layer."""
+    rot = cos.shape[-1]
     x, rest = t[..., :rot], t[..., rot:]
-    cos, sin = torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype)
     x1, x2 = torch.chunk(x, 2, dim=-1)
     out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+@functools.cache
+def _compiled_rotate() -> Callable[..., torch.Tensor]:
+    return torch.compile(rotate, dynamic=True)
+
+
+def fused_rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` as one torch.compile'd kernel (fp32 inside, one rounding): a decode step ran ~11 small
+    kernels per query and key per layer for it (docs/benchmarks.md)."""
+    return _compiled_rotate()(t, cos, sin)
+
+
+def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """megatron's unfused RoPE from the angles, written to be compiled whole: t [s, b, heads, d], freqs
+    [s, b or 1, 1, rot] (fp32)."""
+    assert not interleaved, "interleaved rotary embeddings are refused before this point"
+    return rotate(t, torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype))
 
 
 def use_compiled_rope() -> None:

@@ -412,7 +412,7 @@ def test_rotate_is_megatrons_rope_bit_for_bit(dtype, rot_dim):
     rotary dims); the compiled kernel (model.fused_kernels) agrees to the dtype's rounding."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
-    from rltrain.megatron.inference import fused_rotate, rotate
+    from rltrain.megatron.model import fused_rotate, rotate
 
     gen = torch.Generator().manual_seed(0)
     t = torch.randn(3, 5, 4, 16, generator=gen).to(dtype)
