@@ -88,7 +88,9 @@ def tiny_tool() -> RLConfig:
     (rltrain.tokenizer.CHAR_TOOL_CALL_FORMAT) a bare `>` asks the calculator about the question; its answer
     comes back as observation tokens `=376` and a newline, masked out of the loss, and the model should then
     stop: 8 response tokens leave room for the call, the answer and two more tokens (a digit there changes
-    the last number, so stopping is part of what is learnt)."""
+    the last number, so stopping is part of what is learnt). The `python` tool is offered too, as a run
+    with a real model would: its calls run in the sandbox (rltrain/tools/sandbox.py), so validation checks
+    that this machine can build it (rule tool-sandbox); the tiny model's bare calls go to the calculator."""
     return replace_paths(
         tiny_grpo(),
         {
@@ -97,7 +99,7 @@ def tiny_tool() -> RLConfig:
             "rollout.max_response_length": 8,
             "rollout.multi_turn.enable": True,
             "rollout.multi_turn.max_assistant_turns": 2,
-            "rollout.multi_turn.tools": ("calculator",),
+            "rollout.multi_turn.tools": ("calculator", "python"),
             "trainer.output_dir": "outputs/tiny-tool",
             "trainer.experiment_name": "tiny-tool",
         },

@@ -497,7 +497,12 @@ class MultiTurnConfig:
     tool_memory_mib: int = 256
     """Address-space limit of the python sandbox's subprocess."""
     max_parallel_tools: int = 8
-    """Tool calls run at once (threads; the python tool's work runs in subprocesses)."""
+    """Tool calls run at once, each in one of as many tool worker processes (never in the driver)."""
+    sandbox: Literal["isolated", "none"] = "isolated"
+    """How the python tool runs model-written code. isolated: in its own user, mount, PID, network and IPC
+    namespaces with a read-only root, a private capped /tmp and a seccomp filter (rltrain/tools/sandbox.py;
+    a machine that cannot build it fails validation, rule tool-sandbox); none: without isolation, for code
+    you trust only (a warning on every run)."""
     interaction: str | None = None
     """Optional environment as package.module:Class giving feedback per turn and a final reward (see
     rltrain/rollout/agent.py `Interaction`); null: tools only."""

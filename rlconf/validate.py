@@ -20,6 +20,8 @@ import importlib.util
 import math
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from functools import cache
@@ -1074,6 +1076,47 @@ def multi_turn(c: RLConfig) -> Iterator[Issue]:
     if mt.interaction is not None and not _USER_FN.match(mt.interaction):
         yield error(f"{path}.interaction", f"{mt.interaction!r} is not a `module:Class` path",
                     "name an importable class, e.g. my_envs.math:Checker", "multi-turn")  # fmt: skip
+
+
+@cache
+def sandbox_problem() -> str | None:
+    """What keeps this machine from building the python tool's sandbox, or None. It runs the sandbox itself
+    once per process on a probe program (`python -I -S rltrain/tools/sandbox.py --probe`): the check is the
+    mechanism, not a guess about it. rlconf imports nothing of rltrain; it only runs that file."""
+    spec = importlib.util.find_spec("rltrain")
+    if spec is None or not spec.submodule_search_locations:
+        return "rltrain is not installed"
+    script = os.path.join(next(iter(spec.submodule_search_locations)), "tools", "sandbox.py")
+    exe = os.path.realpath(getattr(sys, "_base_executable", sys.executable))
+    try:
+        done = subprocess.run([exe, "-I", "-S", script, "--probe"], capture_output=True, text=True, timeout=30,
+                              stdin=subprocess.DEVNULL)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"the sandbox probe did not run: {exc}"
+    answer = (done.stdout.strip().splitlines() or [done.stderr.strip() or f"exit code {done.returncode}"])[-1]
+    return None if done.returncode == 0 and answer == "ok" else answer
+
+
+@rule("tool-sandbox", "rollout.multi_turn.tools", "rollout.multi_turn.sandbox", filesystem=True)
+def tool_sandbox(c: RLConfig) -> Iterator[Issue]:
+    """The python tool runs model-written code: with rollout.multi_turn.sandbox isolated (the default) this
+    machine must be able to build the sandbox (user, mount, PID and network namespaces, seccomp); the check
+    builds it once. sandbox none is allowed, with a warning."""
+    mt = c.rollout.multi_turn
+    if not mt.enable or "python" not in mt.tools:
+        return
+    if mt.sandbox == "none":
+        yield warning("rollout.multi_turn.sandbox",
+                      "none: the python tool runs model-written code without isolation (your files, your network)",
+                      "use sandbox: isolated unless you trust every line the model writes", "tool-sandbox")  # fmt: skip
+        return
+    if (problem := sandbox_problem()) is not None:
+        yield error("rollout.multi_turn.tools",
+                    f"the python tool needs a sandbox this machine cannot build: {problem}",
+                    "enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1 / "
+                    "user.max_user_namespaces > 0; in Docker run with a seccomp profile that allows unshare, or "
+                    "--privileged), install libseccomp (Debian: libseccomp2), or drop `python` from the tools; "
+                    "`rollout.multi_turn.sandbox: none` runs it unisolated for code you trust", "tool-sandbox")  # fmt: skip
 
 
 PROMPT_FILE_TYPES = (".parquet", ".jsonl")

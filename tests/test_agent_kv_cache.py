@@ -9,9 +9,7 @@ other rows' next turns."""
 from __future__ import annotations
 
 import contextlib
-import threading
 from dataclasses import replace
-from typing import ClassVar
 
 import pytest
 import torch
@@ -20,7 +18,6 @@ from rlconf.config import MultiTurnConfig
 from rltrain.rollout.agent import AgentLoop, WorkerRolloutClient
 from rltrain.rollout.generation import RolloutServer
 from rltrain.tokenizer import CharTokenizer
-from rltrain.tools import load_tools
 
 from .megatron._common import (
     CountForwards,
@@ -67,7 +64,7 @@ def _client(worker: _Worker, cache: bool) -> WorkerRolloutClient:
 
 def _loop(turns: int = 4, total: int = 40) -> AgentLoop:
     mt = MultiTurnConfig(enable=True, tools=("calculator",), max_assistant_turns=turns, tool_timeout_s=5.0)
-    return AgentLoop(CharTokenizer(), mt, load_tools(mt), max_total_tokens=total)
+    return AgentLoop(CharTokenizer(), mt, max_total_tokens=total)
 
 
 def _prompts(n: int) -> list[str]:
@@ -148,39 +145,49 @@ def test_a_session_reuses_only_the_matching_prefix(actor):
 
 
 # ------------------------------------------------------------------------------------ asynchronous tools
-class _ScriptTool:
-    """calculator-shaped tool whose calls wait on events: `9` blocks until `release` is set, `8` meets
-    another `8` at a barrier (it can only pass when two calls run at once); any other answers at once."""
+_SCRIPT_TOOL = """
+import os, time, uuid
+DIR = {folder!r}
 
-    name = "calculator"
-    schema: ClassVar[dict] = {"type": "function", "function": {"name": "calculator", "parameters": {
-        "type": "object", "properties": {"expression": {"type": "string"}}, "required": ["expression"]}}}  # fmt: skip
+def _wait(cond, what):
+    t = time.time() + 20
+    while not cond():
+        if time.time() > t:
+            raise RuntimeError(what)
+        time.sleep(0.005)
 
-    def __init__(self) -> None:
-        self.release = threading.Event()
-        self.barrier = threading.Barrier(2, timeout=20)
-        self.slow_done_at: int | None = None
-        self.calls_made = 0  # generation calls so far (set by the scripted model)
+def calculator(expression):
+    if expression == "9":
+        _wait(lambda: os.path.exists(os.path.join(DIR, "release")),
+              "the other rows' turns never came while this tool ran")
+        with open(os.path.join(DIR, "calls_made")) as f, open(os.path.join(DIR, "slow_done_at"), "w") as g:
+            g.write(f.read())
+    elif expression == "8":
+        open(os.path.join(DIR, "eight-" + uuid.uuid4().hex), "w").close()
+        _wait(lambda: sum(n.startswith("eight-") for n in os.listdir(DIR)) >= 2, "the two 8 calls never met")
+    return "1"
 
-    def __call__(self, arguments):
-        expr = arguments["expression"]
-        if expr == "9":
-            assert self.release.wait(timeout=20), "the other rows' turns never came while this tool ran"
-            self.slow_done_at = self.calls_made
-        elif expr == "8":
-            self.barrier.wait()
-        return "1"
+calculator.schema = {{"type": "function", "function": {{"name": "calculator", "parameters": {{
+    "type": "object", "properties": {{"expression": {{"type": "string"}}}}, "required": ["expression"]}}}}}}
+"""
+"""A calculator-shaped user tool whose calls wait on files in `folder` (tools run in worker processes, so
+the test and the tool meet through the filesystem): `9` blocks until `release` exists, `8` meets another `8`
+(it can only pass when two calls run at once); any other answers at once."""
 
 
-def test_a_slow_tool_does_not_hold_up_the_other_rows():
-    """Row 0's tool blocks until the other rows have taken all their turns (the scripted model sets the
-    event when it sees their last turn): the loop must have run those turns while the tool was still
+def test_a_slow_tool_does_not_hold_up_the_other_rows(tmp_path, monkeypatch):
+    """Row 0's tool blocks until the other rows have taken all their turns (the scripted model releases it
+    when it sees their last turn): the loop must have run those turns while the tool was still
     running, or the tool times out and its row is marked. Rows 1 and 2 call `8` together at their first
-    turn: their calls meet at a barrier, so they ran at the same time."""
+    turn: their calls meet, so they ran at the same time (in two tool workers)."""
+    folder = tmp_path / "sync"
+    folder.mkdir()
+    (tmp_path / "script_tools.py").write_text(_SCRIPT_TOOL.format(folder=str(folder)))
+    monkeypatch.syspath_prepend(str(tmp_path))
     tok = CharTokenizer()
-    tool = _ScriptTool()
-    mt = MultiTurnConfig(enable=True, tools=("calculator",), max_assistant_turns=4, tool_timeout_s=30.0)
-    loop = AgentLoop(tok, mt, [tool], max_total_tokens=40)
+    mt = MultiTurnConfig(enable=True, tools=("script_tools:calculator",), max_assistant_turns=4,
+                         tool_timeout_s=30.0)  # fmt: skip
+    loop = AgentLoop(tok, mt, max_total_tokens=40)
     calls: list[dict[int, int]] = []  # per generation call: row -> its turn
     turns_of: dict[int, int] = {}
     scripts = {
@@ -191,7 +198,7 @@ def test_a_slow_tool_does_not_hold_up_the_other_rows():
     }
 
     def generate(request):
-        tool.calls_made = len(calls) + 1
+        (folder / "calls_made").write_text(str(len(calls) + 1))
         calls.append({})
         out = []
         for row in request.row_ids:
@@ -202,7 +209,7 @@ def test_a_slow_tool_does_not_hold_up_the_other_rows():
             ids = tok.encode(text) + ([] if text.endswith(">") else [tok.eos_token_id])
             out.append((ids, [-0.5] * len(ids)))
         if all(turns_of.get(r, 0) == len(scripts[r]) for r in (1, 2, 3)):
-            tool.release.set()
+            (folder / "release").touch()
         return out
 
     class Client:
@@ -228,7 +235,8 @@ def test_a_slow_tool_does_not_hold_up_the_other_rows():
     # came in a later call.
     last_other = max(i for i, c in enumerate(calls) if any(r != 0 for r in c))
     (row0_second,) = [i for i, c in enumerate(calls) if c.get(0) == 1]
-    assert tool.slow_done_at is not None and tool.slow_done_at >= last_other + 1
+    slow_done_at = int((folder / "slow_done_at").read_text())
+    assert slow_done_at >= last_other + 1
     assert row0_second > last_other
 
 

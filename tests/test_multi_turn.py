@@ -55,7 +55,7 @@ def actor():
 def _agent_rollout(actor, tools=("calculator",), n_rows=64, seed=3, **cfg):
     tok = CharTokenizer()
     mt = MultiTurnConfig(enable=True, tools=tools, max_assistant_turns=3, tool_timeout_s=1.0, **cfg)
-    loop = AgentLoop(tok, mt, load_tools(mt), max_total_tokens=24)
+    loop = AgentLoop(tok, mt, max_total_tokens=24)
 
     def generate(contexts, max_new_tokens, stop_ids, turn_seed):
         ids, mask = left_pad(contexts, tok.pad_token_id)
@@ -198,7 +198,7 @@ def test_interaction_feedback_is_an_observation_and_its_rewards_reach_the_row():
     ends its row at once."""
     tok = CharTokenizer()
     mt = MultiTurnConfig(enable=True, tools=("calculator",), max_assistant_turns=3)
-    loop = AgentLoop(tok, mt, load_tools(mt), max_total_tokens=24, interaction=_Tutor())
+    loop = AgentLoop(tok, mt, max_total_tokens=24, interaction=_Tutor())
     answers = ["4", "5", "5"]
     seen_contexts = []
 

@@ -275,15 +275,13 @@ class AgentLoop:
     """Runs multi-turn rollouts with one set of tools (built once per run)."""
 
     def __init__(
-        self, tokenizer: Any, cfg: MultiTurnConfig, tools: Sequence[Tool], max_total_tokens: int,
-        interaction: Interaction | None = None,
-    ) -> None:  # fmt: skip
-        self.tok, self.cfg, self.tools = tokenizer, cfg, list(tools)
+        self, tokenizer: Any, cfg: MultiTurnConfig, max_total_tokens: int, interaction: Interaction | None = None
+    ) -> None:
+        self.tok, self.cfg = tokenizer, cfg
         self.max_total_tokens = max_total_tokens
         self.interaction = interaction
-        self.runner = ToolRunner(
-            self.tools, cfg.tool_timeout_s, cfg.max_tool_response_length, cfg.max_parallel_tools
-        )
+        self.runner = ToolRunner(cfg)  # the tools run in its worker processes
+        self.tools: list[Tool] = self.runner.tool_list
         self.stop_ids = tuple(tokenizer.tool_call_stop_ids())
 
     def close(self) -> None:
@@ -498,11 +496,9 @@ class AgentLoop:
 
 def build_agent_loop(tokenizer: Any, cfg: MultiTurnConfig, max_response_length: int) -> AgentLoop:
     """The agent loop of `rollout.multi_turn` (tools and interaction loaded; ConfigError when unusable)."""
-    from rltrain.tools import load_tools
-
     interaction = load_interaction(cfg.interaction) if cfg.interaction is not None else None
     total = cfg.max_total_tokens if cfg.max_total_tokens is not None else max_response_length
-    return AgentLoop(tokenizer, cfg, load_tools(cfg), total, interaction)
+    return AgentLoop(tokenizer, cfg, total, interaction)
 
 
 def rows_from_rollout(batch: dict[str, torch.Tensor]) -> list[tuple[list[int], list[float]]]:

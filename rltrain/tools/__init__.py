@@ -6,24 +6,36 @@ A tool is anything with a `name`, a `schema` (the OpenAI / Hugging Face function
 (rltrain/tools/python_sandbox.py, code in a sandboxed subprocess). User tools are named in
 `rollout.multi_turn.tools` as `package.module:function` (a function with a `schema` attribute; its name is
 the function's) or `package.module:Class` (instantiated once with no arguments); they are imported like
-`reward.function`, never evaluated, and trusted like it: they run in the rollout's process.
+`reward.function`, never evaluated, and trusted like it (your code, with your files and network).
 
-`ToolRunner` runs calls in a thread pool, each under its own wall-clock limit counted from its submission:
-`submit` starts a call and returns at once, `poll` gives the result of a call that finished (or ran past its
-limit), `wait` blocks until some call of a set is back. The agent loop submits every call of a turn at once
-and lets rows whose tools are back take their next turn while slower tools still run; `run_many` is the
-all-at-once form. A call that raises, times out or prints more than the output limit gives a `ToolResult`
-with `error` set (the model sees a short error text, the row is marked in the metrics) and the rollout goes
-on; a timed-out Python call cannot be killed, only abandoned (its thread stays busy until it returns; the
-python tool's own limits kill its subprocess).
+No tool runs in the training driver. `ToolRunner` keeps a pool of `rollout.multi_turn.max_parallel_tools`
+worker processes (rltrain/tools/worker.py, JSON lines over pipes) and runs each call on one of them, under its
+own wall-clock limit counted from its submission: `submit` starts a call and returns at once, `poll` gives
+the result of a call that finished (or ran past its limit), `wait` blocks until some call of a set is back.
+The agent loop submits every call of a turn at once and lets rows whose tools are back take their next turn
+while slower tools still run; `run_many` is the all-at-once form. A call that raises, times out, prints more
+than the output limit, or crashes or kills its worker gives a `ToolResult` with `error` set (the model sees a
+short error text, the row is marked in the metrics) and the rollout goes on: a worker that hung or died is
+killed and replaced, so it costs that one call. The `python` tool's code runs one level further in, in the
+sandbox (rltrain/tools/sandbox.py).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import dataclasses
 import importlib
 import inspect
+import json
+import os
+import queue
 import re
+import select
+import signal
+import subprocess
+import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -103,7 +115,8 @@ def load_tool(spec: str, cfg: MultiTurnConfig) -> Tool:
     if spec == "python":
         from rltrain.tools.python_sandbox import PythonSandbox
 
-        return PythonSandbox(timeout_s=cfg.tool_timeout_s, memory_mib=cfg.tool_memory_mib)
+        return PythonSandbox(timeout_s=cfg.tool_timeout_s, memory_mib=cfg.tool_memory_mib,
+                             isolate=cfg.sandbox != "none")  # fmt: skip
     if not _SPEC.match(spec):
         raise _tool_error(
             f"{spec!r} is neither a built-in tool nor a package.module:function path",
@@ -145,50 +158,137 @@ class PendingCall:
     deadline: float
 
 
+class _WorkerGone(Exception):
+    """The worker process died, hung past the call's limit or broke the protocol."""
+
+
+class _Worker:
+    """One tool worker process (rltrain/tools/worker.py) and the pipe to it."""
+
+    def __init__(self, command: list[str]) -> None:
+        self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     start_new_session=True)  # fmt: skip
+        self._buf = b""
+        self.ready = False
+
+    def read(self, deadline: float, max_bytes: int) -> dict[str, Any]:
+        """The worker's next message; _WorkerGone when it dies, goes past `deadline` or sends too much."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buf:
+            left = deadline - time.perf_counter()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise _WorkerGone("timeout")
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
+                raise _WorkerGone("exited")
+            self._buf += chunk
+            if len(self._buf) > max_bytes:
+                raise _WorkerGone("sent more than the protocol allows")
+        line, self._buf = self._buf.split(b"\n", 1)
+        try:
+            message = json.loads(line)
+        except ValueError as exc:
+            raise _WorkerGone("broke the protocol") from exc
+        if not isinstance(message, dict):
+            raise _WorkerGone("broke the protocol")
+        return message
+
+    def call(self, call: ToolCall, deadline: float, max_bytes: int) -> dict[str, Any]:
+        if not self.ready:
+            hello = self.read(deadline, max_bytes)
+            if "error" in hello:
+                return {"text": f"error: the tools could not be loaded: {hello['error']}", "error": True}
+            self.ready = True
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(
+                (json.dumps({"tool": call.name, "arguments": call.arguments}) + "\n").encode()
+            )
+            self.proc.stdin.flush()
+        except OSError as exc:  # BrokenPipeError: it died
+            raise _WorkerGone("exited") from exc
+        return self.read(deadline, max_bytes)
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            with contextlib.suppress(OSError):
+                pipe.close()  # type: ignore[union-attr]
+
+
 class ToolRunner:
-    """Runs tool calls concurrently under a wall-clock limit and an output limit."""
+    """Runs the tool calls of `rollout.multi_turn` in a pool of worker processes (rltrain/tools/worker.py),
+    never in the driver, concurrently, under a wall-clock limit and an output limit per call."""
 
-    def __init__(self, tools: Sequence[Tool], timeout_s: float, max_chars: int, max_parallel: int) -> None:
-        self.tools = {t.name: t for t in tools}
-        self.timeout_s = timeout_s
-        self.max_chars = max_chars
-        # Threads: a tool that hangs in Python code cannot be killed, only abandoned; the pool keeps working
-        # with its other threads (the python tool's own limits kill its subprocess).
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, max_parallel))
+    def __init__(self, cfg: MultiTurnConfig, timeout_s: float | None = None) -> None:
+        self.cfg = cfg
+        self.tool_list = load_tools(cfg)  # here only for the names and schemas the prompt shows
+        self.tools = {t.name: t for t in self.tool_list}
+        self.timeout_s = cfg.tool_timeout_s if timeout_s is None else timeout_s
+        self.max_chars = cfg.max_tool_response_length
+        self._max_bytes = 8 * self.max_chars + 4096  # a JSON line of max_chars + 16 characters, escaped
+        if cfg.sandbox == "none" and "python" in cfg.tools:
+            from rltrain.tools.python_sandbox import UNISOLATED_WARNING
 
-    def _call(self, call: ToolCall) -> ToolResult:
-        """Run one call in a pool thread; `seconds` is its own run time (not the wait for others)."""
+            print(UNISOLATED_WARNING, file=sys.stderr, flush=True)
+        self._command = [sys.executable, "-m", "rltrain.tools.worker", json.dumps({
+            "parent_pid": os.getpid(), "sys_path": list(sys.path), "max_chars": self.max_chars,
+            "multi_turn": {**dataclasses.asdict(cfg), "tools": list(cfg.tools)},
+        })]  # fmt: skip
+        n = max(1, cfg.max_parallel_tools)
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._all: list[_Worker] = []
+        for _ in range(n):  # started now, so their imports are done before the first turn's calls
+            self._idle.put(self._spawn())
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=n)
+
+    def _spawn(self) -> _Worker:
+        worker = _Worker(self._command)
+        with self._lock:
+            self._all.append(worker)
+        return worker
+
+    def _call(self, call: ToolCall, deadline: float) -> ToolResult:
+        """Run one call on an idle worker; `seconds` is its own run time (not the wait for others)."""
         t0 = time.perf_counter()
-        res = self._call_untimed(call)
-        return ToolResult(res.text, res.error, res.truncated, time.perf_counter() - t0)
-
-    def _call_untimed(self, call: ToolCall) -> ToolResult:
-        tool = self.tools.get(call.name)
-        if tool is None:
+        if call.name not in self.tools:
             return ToolResult(
                 f"error: unknown tool {call.name!r}; tools: {', '.join(self.tools)}", error=True
             )
+        worker = self._idle.get()  # one per pool thread: never waits
         try:
-            text = tool(call.arguments)
-        except Exception as exc:  # any failure of the tool is shown to the model, never ends the run
-            return ToolResult(f"error: {type(exc).__name__}: {exc}", error=True)
-        failed = getattr(text, "error", False)  # a ToolResult-like answer (the python sandbox) says itself
-        return ToolResult(str(text), error=bool(failed))
+            reply = worker.call(call, deadline, self._max_bytes)
+        except _WorkerGone as gone:
+            # Killed, crashed or hung: this call fails, a fresh worker takes the dead one's place.
+            worker.kill()
+            with self._lock:
+                self._all.remove(worker)
+            self._idle.put(self._spawn())
+            text = (f"error: timed out after {self.timeout_s:g} s" if str(gone) == "timeout"
+                    else f"error: the tool's process {gone}")  # fmt: skip
+            return ToolResult(text, True, False, time.perf_counter() - t0)
+        self._idle.put(worker)
+        return ToolResult(
+            str(reply.get("text", "")), bool(reply.get("error")), False, time.perf_counter() - t0
+        )
 
     def submit(self, call: ToolCall) -> PendingCall:
         """Start `call` in the pool; its time limit runs from now."""
         # A grace of 0.5 s past the limit: a tool that enforces the limit itself (the python sandbox) reports
         # its own timeout, with its output, rather than this runner's bare one.
-        return PendingCall(
-            call, self._pool.submit(self._call, call), time.perf_counter() + self.timeout_s + 0.5
-        )
+        deadline = time.perf_counter() + self.timeout_s + 0.5
+        return PendingCall(call, self._pool.submit(self._call, call, deadline), deadline)
 
     def poll(self, pending: PendingCall) -> ToolResult | None:
         """The call's result when it is back or past its limit (then a timeout error); None while it runs."""
         if pending.future.done():
             res = pending.future.result()
         elif time.perf_counter() >= pending.deadline:
-            pending.future.cancel()  # not started yet (a full pool): never runs; running: abandoned
+            pending.future.cancel()  # not started yet (a full pool): never runs; running: its worker is killed
             res = ToolResult(f"error: timed out after {self.timeout_s:g} s", True, False, self.timeout_s)
         else:
             return None
@@ -219,3 +319,7 @@ class ToolRunner:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            workers, self._all = self._all, []
+        for worker in workers:
+            worker.kill()
