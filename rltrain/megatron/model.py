@@ -250,15 +250,36 @@ def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
 
 
+def _rotate_rows(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` over rows: t [n, heads, d], cos / sin [n, 1, rot], n unbacked (the same n for all three)."""
+    torch._check(cos.shape[0] == t.shape[0])
+    torch._check(sin.shape[0] == t.shape[0])
+    return rotate(t, cos, sin)
+
+
 @functools.cache
 def _compiled_rotate() -> Callable[..., torch.Tensor]:
-    return torch.compile(rotate, dynamic=True)
+    return torch.compile(_rotate_rows, dynamic=True, fullgraph=True)
 
 
 def fused_rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """`rotate` as one torch.compile'd kernel (fp32 inside, one rounding): a decode step ran ~11 small
-    kernels per query and key per layer for it (docs/benchmarks.md)."""
-    return _compiled_rotate()(t, cos, sin)
+    kernels per query and key per layer for it (docs/benchmarks.md).
+
+    The kernel sees rows, not [s, b]: t [s, b, heads, d] becomes [s * b, heads, d] and cos / sin are expanded
+    to it, with the row count unbacked. dynamic=True alone specialises a size of 1 (decode's s, a one-row
+    prefill's b, cos's broadcast b), so multi-turn prefills of every shape recompiled until torch's limit;
+    rows and heads are unbacked, so it compiles once per dtype (tests/megatron/test_inference.py counts)."""
+    s, b, heads, d = t.shape
+    rot = cos.shape[-1]
+    # detach: a view's base would be guarded on too (generation needs no autograd).
+    rows = t.reshape(s * b, heads, d).detach().contiguous()
+    c = cos.expand(s, b, 1, rot).reshape(s * b, 1, rot).detach().contiguous()
+    n = sin.expand(s, b, 1, rot).reshape(s * b, 1, rot).detach().contiguous()
+    for x in (rows, c, n):
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+    torch._dynamo.decorators.mark_unbacked(rows, 1)  # query and key heads (and a single KV head) alike
+    return _compiled_rotate()(rows, c, n).view(s, b, heads, d)
 
 
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -422,3 +422,24 @@ def test_rotate_is_megatrons_rope_bit_for_bit(dtype, rot_dim):
     assert torch.equal(out, ref)
     fused = fused_rotate(t, freqs.cos().to(dtype), freqs.sin().to(dtype))
     assert_close(fused, ref, reduction=2)
+
+
+def test_fused_rotate_compiles_once_per_dtype_across_prefill_shapes():
+    """Multi-turn prefills come in every [s, b] (decode's s = 1, one-row prefills, cos broadcast over b) and
+    query / key head counts (a single KV head too): the compiled RoPE must not recompile per shape (on the
+    H200 the 0.5B tool preset hit torch's recompile limit on it and fell back to eager)."""
+    from torch._dynamo.utils import counters
+
+    from rltrain.megatron.model import fused_rotate, rotate
+
+    before = counters["stats"]["unique_graphs"]
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads in (4, 2, 1):
+            for s, b in ((1, 1), (1, 5), (7, 1), (7, 3), (13, 4), (1, 64), (33, 1)):
+                for cos_b in {1, b}:
+                    t = torch.randn(s, b, heads, 16, generator=gen).to(dtype)
+                    freqs = torch.rand(s, cos_b, 1, 8, generator=gen) * 20
+                    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+                    assert_close(fused_rotate(t, cos, sin), rotate(t, cos, sin), reduction=2)
+    assert counters["stats"]["unique_graphs"] - before <= 2  # one graph per dtype, whatever the shapes
