@@ -777,9 +777,9 @@ def _kl_cov_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
 
     Two differences from verl, both documented in docs/migrating-from-verl.md: the ratio and the penalty
     use the log-ratio clamped to [-20, 20] (`_log_ratio`; verl does not clamp; equal wherever
-    |log-ratio| <= 20), and the ppo_kl metric is mean(log pi_old - log pi) over valid tokens, the same k1
-    estimate every loss mode reports, so that runs of different modes compare on one chart (verl's KL-Cov
-    alone reports mean |log pi - log pi_old| as ppo_kl)."""
+    |log-ratio| <= 20), and the ppo_kl metric is mean(log pi_old - log pi) over valid tokens (clamped as
+    the ratio), the same k1 estimate every loss mode reports, so that runs of different modes compare on one
+    chart (verl's KL-Cov alone reports the unclamped mean |log pi - log pi_old| as ppo_kl)."""
     log_ratio = _log_ratio(x)
     ratio = torch.exp(log_ratio)
     opts, mask = x.options, x.mask
