@@ -458,8 +458,8 @@ def compute_advantage(
     """The estimator registered as `algorithm.adv_estimator` (ADV_ESTIMATOR_REGISTRY).
 
     gae needs `values` (the critic); the group estimators need `group_index` (the prompt of each response).
-    `accepted_mask` (rejection sampling, `RolloutCorrection.accepted`): rejected tokens get advantage 0 and
-    leave the whitening statistics; outcome scores and return recursions still see the whole response.
+    `accepted_mask` (rejection sampling, `RolloutCorrectionResult.accepted`): rejected tokens get advantage
+    0 and leave the whitening statistics; outcome scores and return recursions still see the whole response.
     Returns (advantages, returns), each (B, T).
     """
     entry = ADV_ESTIMATOR_REGISTRY.get(estimator)
@@ -859,7 +859,8 @@ def compute_policy_loss(
         L  = max(L1, L2)                              (the pessimistic PPO bound)
         if A < 0: L = min(L, -A * clip_ratio_c)       (dual clip: bound the loss of a huge ratio)
     The other modes are documented on their functions. With `rollout_is_weights` (rollout correction,
-    detached, 0 on rejected tokens) every token's loss is multiplied by its weight. Then
+    detached, 0 on rejected tokens) every token's loss is multiplied by its weight; with rejection sampling
+    `response_mask` is the accepted mask (`rollout_correction`), so the mean is over accepted tokens. Then
         loss = agg_loss(L, response_mask, policy_loss_agg_mode(loss_mode, loss_agg_mode))
     Metrics (detached scalars over valid tokens): pg_clipfrac (the mode's clip / detach / penalty
     fraction), ppo_kl = mean[old_log_prob - log_prob], pg_clipfrac_lower (dual clip; 0 for other modes).
@@ -1000,7 +1001,7 @@ def select_rows(batch: dict[str, Tensor], rows: Tensor | slice) -> dict[str, Ten
 
 # ------------------------------------------------------------------------------------ rollout correction
 @dataclass(frozen=True)
-class RolloutCorrection:
+class RolloutCorrectionResult:
     """What `rollout_correction` gives the update: per-token loss weights, the loss mask left after
     rejection sampling, and the metrics of the step."""
 
@@ -1023,7 +1024,7 @@ def rollout_correction(
     is_threshold: float,
     rollout_rs: str | None,
     rs_threshold: float,
-) -> RolloutCorrection:
+) -> RolloutCorrectionResult:
     """Correct the policy loss for sampling with the rollout engine's policy (log-probs `rollout_log_prob`)
     instead of the trainer's (`log_prob`, the old log-probs of the step): truncated importance sampling
     (Espeholt et al. 2018) and rejection sampling (verl's algorithm.rollout_correction).
@@ -1066,4 +1067,4 @@ def rollout_correction(
             "rollout_corr/logprob_abs_diff_mean": float(masked_mean(log_rho.abs(), mask)),
         }
     accepted = response_mask * keep.to(response_mask.dtype)
-    return RolloutCorrection(weights, accepted, metrics)
+    return RolloutCorrectionResult(weights, accepted, metrics)

@@ -394,7 +394,7 @@ class Trainer:
         passes = self.plan.passes
         assert passes is not None
         old = None
-        correction: algorithms.RolloutCorrection | None = None
+        correction: algorithms.RolloutCorrectionResult | None = None
         if passes.old_log_prob == "rollout":  # bypass mode: the rollout's own log-probs are the old policy
             model_batch["old_log_probs"] = batch["rollout_log_probs"]
         elif passes.old_log_prob == "update":
