@@ -376,8 +376,8 @@ _PAGE_DIFFERENCES = """\
 The losses and estimators of `rltrain/algorithms.py` were compared with verl's `core_algos.py` and
 `rollout_corr_helper.py` on random inputs (`tests/test_loss_reference.py` checks each one against its
 paper's formula). Advantages (gae, grpo, rloo, reinforce_plus_plus_baseline, grpo_passk, gpg), the KL
-estimators, entropy, the vanilla, GSPO, GPG and CISPO losses, their gradients and the loss_agg_modes other
-than the one below are the same to rounding. These differ:
+estimators, entropy, the vanilla, GSPO, GPG, CISPO and SAPO losses with their gradients, and the formulas of
+the loss_agg_modes other than seq-mean-token-sum-norm are the same to rounding. These differ:
 
 | quantity | rlplan | verl | why |
 |---|---|---|---|
