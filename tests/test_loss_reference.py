@@ -21,6 +21,7 @@ from presets import get_preset
 from rlconf.config import PolicyLossConfig
 from rlconf.fields import replace_paths
 from rlconf.validate import check_config
+from rlconf.verl.report import format_report
 from rlconf.verl.translate import translate
 from rltrain.algorithms import (
     LOSS_AGG_MODES,
@@ -639,6 +640,7 @@ def test_import_verl_warns_that_seq_mean_token_sum_norm_changes_the_gradient_sca
     tr = translate(None, [*overrides, "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"])
     (w,) = [i for i in tr.warnings if i.path == "actor.loss_agg_mode"]
     assert "ppo_micro_batch_size_per_gpu = 2" in w.message and "1/G" in w.message and "clip_grad" in w.fix
+    assert "runs in both, but the numbers differ" in format_report(tr)
     # The same import with another mode means the same numbers: no warning.
     tr = translate(None, [*overrides, "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean"])
     assert not [i for i in tr.warnings if i.path == "actor.loss_agg_mode"]

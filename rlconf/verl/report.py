@@ -50,8 +50,17 @@ RLPLAN_ONLY_RULES: dict[str, str] = {
 }
 
 
+# Rules of settings that run in both but give another number in rlplan ("Where the numbers differ").
+NUMBERS_DIFFER_RULES: dict[str, str] = {
+    "verl-meaning": "verl runs it with the definition the warning names",
+}
+
+
 def verl_context(rule: str) -> tuple[str, str]:
-    """('late-in-verl' | 'rlplan-rule' | 'checked-early', explanation) of an rlplan rule for a verl user."""
+    """('late-in-verl' | 'rlplan-rule' | 'numbers-differ' | 'checked-early', explanation) of an rlplan rule
+    for a verl user."""
+    if rule in NUMBERS_DIFFER_RULES:
+        return "numbers-differ", NUMBERS_DIFFER_RULES[rule]
     if rule in _LATE_IN_VERL:
         return "late-in-verl", _LATE_IN_VERL[rule]
     if rule in RLPLAN_ONLY_RULES:
@@ -113,6 +122,7 @@ def format_report(tr: Translation) -> str:
         ("late-in-verl", "fail now, would have failed late (or silently) in verl"),
         ("checked-early", "checked before anything starts"),
         ("rlplan-rule", "rlplan's own rules (verl runs this; rlplan does not)"),
+        ("numbers-differ", "runs in both, but the numbers differ (docs/migrating-from-verl.md)"),
     )
     for kind, title in groups:
         items = [i for i in tr.issues if verl_context(i.rule)[0] == kind]

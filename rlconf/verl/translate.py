@@ -472,7 +472,7 @@ def _meaning_changes(config: RLConfig) -> list[Issue]:
         f"divides by its micro-batch count, so verl's gradient is rlplan's times {rows}",
         "nothing changes the direction of the update; with Adam only actor.optim.clip_grad (now clipping a "
         "smaller gradient) and the eps see the scale: keep the mode, or scale clip_grad down by the same "
-        "factor to clip as verl did", "verl-import")]  # fmt: skip
+        "factor to clip as verl did", "verl-meaning")]  # fmt: skip
 
 
 def _check(settings: Mapping[str, Any], check_plan: bool) -> tuple[RLConfig, list[Issue]]:
