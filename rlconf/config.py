@@ -341,7 +341,8 @@ class PolicyLossConfig:
     (GSPO; verl recipes clip it at about 3e-4 / 4e-4 and aggregate seq-mean-token-mean); gpg: -A x logp,
     no ratio (GPG); clip-cov / kl-cov: PPO clip that detaches / KL-penalises high-covariance tokens (Cui et
     al. 2025); cispo: clipped, stop-gradient IS weight x A x logp (MiniMax-M1); sapo: a sigmoid soft gate
-    on the ratio instead of a hard clip (SAPO, tau_pos / tau_neg)."""
+    on the ratio instead of a hard clip (SAPO, tau_pos / tau_neg; aggregated seq-mean-token-mean, its
+    paper's objective, as verl)."""
     clip_cov_ratio: float = 0.0002
     """clip-cov: fraction of valid tokens whose gradient is detached (drawn among those in the covariance
     band)."""

@@ -1123,11 +1123,17 @@ PROMPT_FILE_TYPES = (".parquet", ".jsonl")
 """Suffixes the data loader reads (rltrain.data; case-insensitive)."""
 
 
-@rule("policy-loss", "actor.policy_loss.*")
+@rule("policy-loss", "actor.policy_loss.*", "actor.loss_agg_mode")
 def policy_loss_options(c: RLConfig) -> Iterator[Issue]:
     """The options of actor.policy_loss are in range: ratios in (0, 1], clip_cov_lb < clip_cov_ub,
-    ppo_kl_coef >= 0, SAPO temperatures > 0."""
+    ppo_kl_coef >= 0, SAPO temperatures > 0. GSPO and SAPO aggregate their policy term seq-mean-token-mean
+    (their papers' objectives, as verl): another actor.loss_agg_mode is a warning (it still aggregates the
+    entropy and KL terms)."""
     pl = c.actor.policy_loss
+    if pl.loss_mode in ("gspo", "sapo") and c.actor.loss_agg_mode != "seq-mean-token-mean":
+        yield warning("actor.loss_agg_mode", f"{pl.loss_mode} aggregates its policy loss seq-mean-token-mean "
+                      f"(its paper's objective, as verl); {c.actor.loss_agg_mode} applies to the entropy and "
+                      "KL terms only", "set actor.loss_agg_mode: seq-mean-token-mean", "policy-loss")  # fmt: skip
     for name in ("clip_cov_ratio", "kl_cov_ratio"):
         v = getattr(pl, name)
         if not 0 < v <= 1:

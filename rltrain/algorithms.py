@@ -113,6 +113,12 @@ def _group_ids(group_index: Tensor | Sequence[Any], n: int, device: torch.device
 
 
 # --------------------------------------------------------------------------------------- advantages
+def _kept(mask: Tensor, accepted_mask: Tensor | None) -> Tensor:
+    """The tokens that stay in the loss: `mask` without those rejection sampling removed (`accepted_mask`,
+    algorithm.rollout_correction.rollout_rs); all of `mask` when None."""
+    return mask if accepted_mask is None else mask * accepted_mask.to(mask.dtype)
+
+
 def _group_scores(
     token_level_rewards: Tensor, mask: Tensor, group_index: Tensor | Sequence[Any]
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -132,6 +138,7 @@ def compute_gae_advantage_return(
     response_mask: Tensor,
     gamma: float,
     lam: float,
+    accepted_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016) over each response.
 
@@ -141,6 +148,10 @@ def compute_gae_advantage_return(
         returns_t = A_t + V_t                             (computed before whitening)
     The advantages are then whitened over all valid tokens of the batch (masked_whiten) and set to 0 on
     masked positions; returns are 0 there too. Returns (advantages, returns), each (B, T).
+    With `accepted_mask` (rejection sampling) the whitening statistics are over the accepted tokens only and
+    rejected tokens get advantage 0; the recursion still runs over the trajectory as sampled (a rejected
+    token's reward and value still reach the tokens before it; verl's recursion skips them like tool
+    observations, so a rejected last token's outcome reward is lost to its whole response there).
     """
     mask = response_mask.to(values.dtype)
     with torch.no_grad():
@@ -156,7 +167,8 @@ def compute_gae_advantage_return(
             last_gae = gae * m + (1 - m) * last_gae
             advantages[:, t] = last_gae
         returns = (advantages + values) * mask
-        advantages = masked_whiten(advantages, mask) * mask
+        keep = _kept(mask, accepted_mask)
+        advantages = masked_whiten(advantages, keep) * keep
     return advantages, returns
 
 
@@ -166,6 +178,7 @@ def compute_grpo_outcome_advantage(
     group_index: Tensor | Sequence[Any],
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    accepted_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GRPO (Shao et al. 2024): group-relative outcome advantage, the same for every token of a response.
 
@@ -174,6 +187,8 @@ def compute_grpo_outcome_advantage(
         A_i =  s_i - mean_g(s)                            otherwise (Dr. GRPO)
     where g is the group (prompt) of response i. A group of one response has no baseline: A = 0.
     Returns (advantages, returns), both A_i broadcast over the valid tokens, (B, T).
+    With `accepted_mask` (rejection sampling) a rejected response still counts in its group's mean and
+    std (it was sampled; verl the same) and its rejected tokens get 0.
     """
     mask = response_mask.to(token_level_rewards.dtype)
     with torch.no_grad():
@@ -183,7 +198,7 @@ def compute_grpo_outcome_advantage(
         var = torch.zeros_like(counts).index_add_(0, ids, dev**2) / (counts - 1).clamp_min(1)
         adv = dev / (var.sqrt()[ids] + epsilon) if norm_adv_by_std_in_grpo else dev
         adv = torch.where(counts[ids] > 1, adv, torch.zeros_like(adv))
-        adv = adv.unsqueeze(-1) * mask
+        adv = adv.unsqueeze(-1) * _kept(mask, accepted_mask)
     return adv, adv
 
 
@@ -191,11 +206,13 @@ def compute_rloo_outcome_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
     group_index: Tensor | Sequence[Any],
+    accepted_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """RLOO (Ahmadian et al. 2024): each response's baseline is the mean score of the others in its group.
 
         s_i = sum_t r_{i,t};  A_i = s_i - (sum_{j in g, j != i} s_j) / (n_g - 1)
     A group of one response has no baseline: A = 0. Returns (advantages, returns), (B, T).
+    `accepted_mask`: as GRPO (rejected responses stay in the baselines; their rejected tokens get 0).
     """
     mask = response_mask.to(token_level_rewards.dtype)
     with torch.no_grad():
@@ -204,7 +221,7 @@ def compute_rloo_outcome_advantage(
         n = counts[ids]
         baseline = (sums[ids] - scores) / (n - 1).clamp_min(1)
         adv = torch.where(n > 1, scores - baseline, torch.zeros_like(scores))
-        adv = adv.unsqueeze(-1) * mask
+        adv = adv.unsqueeze(-1) * _kept(mask, accepted_mask)
     return adv, adv
 
 
@@ -212,6 +229,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
     gamma: float,
+    accepted_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ (Hu 2025): discounted return-to-go per token, whitened over the batch.
 
@@ -220,6 +238,7 @@ def compute_reinforce_plus_plus_outcome_advantage(
     Masked positions inside a response (a tool's observation tokens in a multi-turn rollout) are skipped:
     the return carries through them undiscounted and unchanged, as GAE carries its advantage (verl fixed
     the same restart as a bug). Returns (advantages, returns=G), (B, T).
+    `accepted_mask`: as GAE (whitened over the accepted tokens; the return runs over the trajectory).
     """
     mask = response_mask.to(token_level_rewards.dtype)
     with torch.no_grad():
@@ -230,7 +249,8 @@ def compute_reinforce_plus_plus_outcome_advantage(
             running = m * (token_level_rewards[:, t] + gamma * running) + (1 - m) * running
             returns[:, t] = running
         returns = returns * mask
-        advantages = masked_whiten(returns, mask) * mask
+        keep = _kept(mask, accepted_mask)
+        advantages = masked_whiten(returns, keep) * keep
     return advantages, returns
 
 
@@ -238,20 +258,23 @@ def compute_reinforce_plus_plus_baseline_outcome_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
     group_index: Tensor | Sequence[Any],
+    accepted_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """REINFORCE++ with a group baseline (Hu 2025, verl's reinforce_plus_plus_baseline).
 
         s_i = sum_t r_{i,t};  b_i = s_i - mean_g(s)     (a group of one has mean 0: b_i = s_i)
         A   = whiten(b broadcast over the valid tokens) over all valid tokens of the batch
-    Returns (advantages, returns), both A, (B, T).
+    Returns (advantages, returns), both A, (B, T). `accepted_mask`: the group means use every response,
+    the whitening the accepted tokens only (as verl).
     """
     mask = response_mask.to(token_level_rewards.dtype)
     with torch.no_grad():
         scores, ids, counts = _group_scores(token_level_rewards, mask, group_index)
         mean = torch.zeros_like(counts).index_add_(0, ids, scores) / counts
         mean = torch.where(counts > 1, mean, torch.zeros_like(mean))
-        centred = (scores - mean[ids]).unsqueeze(-1) * mask
-        adv = masked_whiten(centred, mask) * mask
+        keep = _kept(mask, accepted_mask)
+        centred = (scores - mean[ids]).unsqueeze(-1) * keep
+        adv = masked_whiten(centred, keep) * keep
     return adv, adv
 
 
@@ -261,6 +284,7 @@ def compute_grpo_passk_outcome_advantage(
     group_index: Tensor | Sequence[Any],
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    accepted_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Pass@k GRPO (verl's grpo_passk, after Chen et al. 2025 "Pass@k training"): only the best response of
     each group learns, by how much it beats the runner-up.
@@ -282,7 +306,7 @@ def compute_grpo_passk_outcome_advantage(
             if norm_adv_by_std_in_grpo and gain > 0:  # a tie is 0, never 0 / 0
                 gain = gain / (scores[rows].std() + epsilon)
             adv[rows[where[0]]] = gain
-        adv = adv.unsqueeze(-1) * mask
+        adv = adv.unsqueeze(-1) * _kept(mask, accepted_mask)
     return adv, adv
 
 
@@ -290,6 +314,7 @@ def compute_gpg_outcome_advantage(
     token_level_rewards: Tensor,
     response_mask: Tensor,
     group_index: Tensor | Sequence[Any],
+    accepted_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """GPG (Chu et al. 2025, "GPG: a simple and strong RL baseline"): group-mean baseline, no std, scaled up
     by the share of responses that carry a non-zero score.
@@ -303,7 +328,7 @@ def compute_gpg_outcome_advantage(
         mean = torch.zeros_like(counts).index_add_(0, ids, scores) / counts
         mean = torch.where(counts > 1, mean, torch.zeros_like(mean))
         alpha = scores.shape[0] / max(int(torch.count_nonzero(scores)), 1)
-        adv = (alpha * (scores - mean[ids])).unsqueeze(-1) * mask
+        adv = (alpha * (scores - mean[ids])).unsqueeze(-1) * _kept(mask, accepted_mask)
     return adv, adv
 
 
@@ -319,6 +344,7 @@ class AdvantageInputs:
     lam: float = 1.0
     norm_adv_by_std_in_grpo: bool = True
     epsilon: float = 1e-6
+    accepted_mask: Tensor | None = None
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[Tensor, Tensor]]
@@ -348,33 +374,44 @@ def register_adv_estimator(name: str, needs: tuple[str, ...] = ()) -> Callable[[
 @register_adv_estimator("gae", needs=("values",))
 def _gae(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     assert x.values is not None
-    return compute_gae_advantage_return(x.token_level_rewards, x.values, x.response_mask, x.gamma, x.lam)
+    return compute_gae_advantage_return(
+        x.token_level_rewards, x.values, x.response_mask, x.gamma, x.lam, x.accepted_mask
+    )
 
 
 @register_adv_estimator("grpo", needs=("group_index",))
 def _grpo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     assert x.group_index is not None
     return compute_grpo_outcome_advantage(
-        x.token_level_rewards, x.response_mask, x.group_index, x.norm_adv_by_std_in_grpo, x.epsilon
+        x.token_level_rewards,
+        x.response_mask,
+        x.group_index,
+        x.norm_adv_by_std_in_grpo,
+        x.epsilon,
+        x.accepted_mask,
     )
 
 
 @register_adv_estimator("rloo", needs=("group_index",))
 def _rloo(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     assert x.group_index is not None
-    return compute_rloo_outcome_advantage(x.token_level_rewards, x.response_mask, x.group_index)
+    return compute_rloo_outcome_advantage(
+        x.token_level_rewards, x.response_mask, x.group_index, x.accepted_mask
+    )
 
 
 @register_adv_estimator("reinforce_plus_plus")
 def _reinforce_pp(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
-    return compute_reinforce_plus_plus_outcome_advantage(x.token_level_rewards, x.response_mask, x.gamma)
+    return compute_reinforce_plus_plus_outcome_advantage(
+        x.token_level_rewards, x.response_mask, x.gamma, x.accepted_mask
+    )
 
 
 @register_adv_estimator("reinforce_plus_plus_baseline", needs=("group_index",))
 def _reinforce_pp_baseline(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     assert x.group_index is not None
     return compute_reinforce_plus_plus_baseline_outcome_advantage(
-        x.token_level_rewards, x.response_mask, x.group_index
+        x.token_level_rewards, x.response_mask, x.group_index, x.accepted_mask
     )
 
 
@@ -382,14 +419,21 @@ def _reinforce_pp_baseline(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
 def _grpo_passk(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     assert x.group_index is not None
     return compute_grpo_passk_outcome_advantage(
-        x.token_level_rewards, x.response_mask, x.group_index, x.norm_adv_by_std_in_grpo, x.epsilon
+        x.token_level_rewards,
+        x.response_mask,
+        x.group_index,
+        x.norm_adv_by_std_in_grpo,
+        x.epsilon,
+        x.accepted_mask,
     )
 
 
 @register_adv_estimator("gpg", needs=("group_index",))
 def _gpg(x: AdvantageInputs) -> tuple[Tensor, Tensor]:
     assert x.group_index is not None
-    return compute_gpg_outcome_advantage(x.token_level_rewards, x.response_mask, x.group_index)
+    return compute_gpg_outcome_advantage(
+        x.token_level_rewards, x.response_mask, x.group_index, x.accepted_mask
+    )
 
 
 _NEEDS_HELP = {
@@ -409,10 +453,13 @@ def compute_advantage(
     lam: float = 1.0,
     norm_adv_by_std_in_grpo: bool = True,
     epsilon: float = 1e-6,
+    accepted_mask: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """The estimator registered as `algorithm.adv_estimator` (ADV_ESTIMATOR_REGISTRY).
 
     gae needs `values` (the critic); the group estimators need `group_index` (the prompt of each response).
+    `accepted_mask` (rejection sampling, `RolloutCorrectionResult.accepted`): rejected tokens get advantage
+    0 and leave the whitening statistics; outcome scores and return recursions still see the whole response.
     Returns (advantages, returns), each (B, T).
     """
     entry = ADV_ESTIMATOR_REGISTRY.get(estimator)
@@ -421,7 +468,15 @@ def compute_advantage(
             f"unknown algorithm.adv_estimator {estimator!r}; choose one of {', '.join(ADV_ESTIMATORS)}"
         )
     inputs = AdvantageInputs(
-        token_level_rewards, response_mask, values, group_index, gamma, lam, norm_adv_by_std_in_grpo, epsilon
+        token_level_rewards,
+        response_mask,
+        values,
+        group_index,
+        gamma,
+        lam,
+        norm_adv_by_std_in_grpo,
+        epsilon,
+        accepted_mask,
     )
     for need in entry.needs:
         if getattr(inputs, need) is None:
@@ -540,6 +595,15 @@ def agg_loss(loss_mat: Tensor, loss_mask: Tensor, loss_agg_mode: str) -> Tensor:
     The seq-mean modes average over the rows i with at least one valid token: a row whose tokens are all
     masked (e.g. a multi-turn row cut off before the model spoke) neither adds loss nor dilutes the mean.
     The mask may have interior zeros (tool observations); only its ones count.
+
+    seq-mean-token-sum-norm is the Dr. GRPO paper's objective (Liu et al. 2025, "Understanding R1-Zero-Like
+    Training"): (1/G) sum_i sum_t l_it over a constant length T (the paper's code divides by the generation
+    budget). verl's agg_loss drops the 1/G ("turns off seq-dim averaging": sum_i sum_t l_it / T), and its
+    trainers then divide by the number of micro-batches, so verl's gradient scale is rlplan's times the rows
+    of one micro-batch. rlplan keeps the paper's 1/G because then the gradient scale does not depend on the
+    batch size, the micro-batch size or the data-parallel layout (the update is the same however rows are
+    split, like every other mode here), and the learning rate carries over when the batch grows.
+    `rlconf import-verl` warns when a translated config uses this mode.
     """
     mask = loss_mask.to(loss_mat.dtype)
     if loss_agg_mode == "token-mean":
@@ -580,7 +644,8 @@ PolicyLossFn = Callable[[PolicyLossInputs], tuple[Tensor, dict[str, Tensor]]]
 @dataclass(frozen=True)
 class PolicyLoss:
     """A registered loss: `fn(inputs) -> (per-token loss (B, T), metrics)`; `loss_agg_mode` overrides the
-    configured aggregation when the method defines its own (GSPO: seq-mean-token-mean, as verl)."""
+    configured aggregation when the method defines its own (GSPO, SAPO: seq-mean-token-mean, their papers'
+    objectives, as verl)."""
 
     fn: PolicyLossFn
     loss_agg_mode: str | None = None
@@ -609,7 +674,9 @@ def policy_loss_agg_mode(loss_mode: str, loss_agg_mode: str) -> str:
 
 
 def _log_ratio(x: PolicyLossInputs) -> Tensor:
-    # Clamped against overflow of exp on a stale or corrupt old log-prob.
+    # Clamped against overflow of exp on a stale or corrupt old log-prob (verl clamps the same in vanilla,
+    # CISPO and SAPO; rlplan also in Clip-Cov and KL-Cov, see those). Outside [-20, 20] the clamp passes
+    # no gradient: a token whose probability moved e^20-fold since the old policy does not steer the update.
     return torch.clamp(x.log_prob - x.old_log_prob, min=-20.0, max=20.0)
 
 
@@ -675,7 +742,13 @@ def _clip_cov_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """Clip-Cov (Cui et al. 2025, "The Entropy Mechanism of RL for Reasoning LMs"): PPO clip, and among the
     valid tokens that PPO did not clip and whose covariance lies in (clip_cov_lb, clip_cov_ub), a random
     max(1, int(clip_cov_ratio x valid tokens)) have their loss (and so their gradient) set to 0.
-    pg_clipfrac is the fraction of tokens detached that way."""
+    pg_clipfrac is the fraction of tokens detached that way.
+
+    Differs from verl only where |log pi - log pi_old| > 20: the ratio uses the clamped log-ratio of
+    `_log_ratio` (verl's Clip-Cov does not clamp). There verl's loss is e^20 |A| or more (inf past 88 in
+    fp32, a NaN step) and a negative-advantage token's gradient drowns the batch; rlplan's is -A e^(+-20)
+    with no gradient through the ratio. The paper states no bound; such a ratio only comes from a stale or
+    corrupt old log-prob."""
     log_ratio = _log_ratio(x)
     ratio = torch.exp(log_ratio)
     opts, mask = x.options, x.mask
@@ -700,7 +773,13 @@ def _clip_cov_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
 def _kl_cov_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """KL-Cov (Cui et al. 2025): no clip; the max(1, int(kl_cov_ratio x valid tokens)) valid tokens of
     highest covariance get a penalty ppo_kl_coef x |log pi - log pi_old| added to -A * ratio.
-    pg_clipfrac is the fraction of tokens penalised."""
+    pg_clipfrac is the fraction of tokens penalised.
+
+    Two differences from verl, both documented in docs/migrating-from-verl.md: the ratio and the penalty
+    use the log-ratio clamped to [-20, 20] (`_log_ratio`; verl does not clamp; equal wherever
+    |log-ratio| <= 20), and the ppo_kl metric is mean(log pi_old - log pi) over valid tokens (clamped as
+    the ratio), the same k1 estimate every loss mode reports, so that runs of different modes compare on one
+    chart (verl's KL-Cov alone reports the unclamped mean |log pi - log pi_old| as ppo_kl)."""
     log_ratio = _log_ratio(x)
     ratio = torch.exp(log_ratio)
     opts, mask = x.options, x.mask
@@ -737,14 +816,17 @@ def _cispo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     }
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", loss_agg_mode="seq-mean-token-mean")
 def _sapo_loss(x: PolicyLossInputs) -> tuple[Tensor, dict[str, Tensor]]:
     """SAPO (Gao et al. 2025, "Soft Adaptive Policy Optimization"): a smooth gate instead of a hard clip,
 
         f(r) = sigmoid(tau * (r - 1)) * 4 / tau,   tau = tau_pos if A > 0 else tau_neg
-        L_t  = -f(ratio_t) * A_t
+        L_t  = -f(ratio_t) * A_t                      (log-ratio clamped to [-20, 20], as verl)
     f'(1) = 1, so on-policy the gradient is the plain -A * grad log pi; far from r = 1 the gradient fades
-    smoothly (faster for larger tau). No token is clipped (pg_clipfrac 0)."""
+    smoothly (faster for larger tau). No token is clipped (pg_clipfrac 0).
+    Aggregated seq-mean-token-mean whatever actor.loss_agg_mode says: the paper's objective is
+    (1/G) sum_i (1/|y_i|) sum_t L_it, and verl forces the same (`rlconf validate` warns when
+    actor.loss_agg_mode names another mode; it still aggregates the entropy and KL terms)."""
     log_ratio = _log_ratio(x)
     ratio = torch.exp(log_ratio)
     tau = torch.where(
@@ -777,7 +859,8 @@ def compute_policy_loss(
         L  = max(L1, L2)                              (the pessimistic PPO bound)
         if A < 0: L = min(L, -A * clip_ratio_c)       (dual clip: bound the loss of a huge ratio)
     The other modes are documented on their functions. With `rollout_is_weights` (rollout correction,
-    detached, 0 on rejected tokens) every token's loss is multiplied by its weight. Then
+    detached, 0 on rejected tokens) every token's loss is multiplied by its weight; with rejection sampling
+    `response_mask` is the accepted mask (`rollout_correction`), so the mean is over accepted tokens. Then
         loss = agg_loss(L, response_mask, policy_loss_agg_mode(loss_mode, loss_agg_mode))
     Metrics (detached scalars over valid tokens): pg_clipfrac (the mode's clip / detach / penalty
     fraction), ppo_kl = mean[old_log_prob - log_prob], pg_clipfrac_lower (dual clip; 0 for other modes).
@@ -917,7 +1000,23 @@ def select_rows(batch: dict[str, Tensor], rows: Tensor | slice) -> dict[str, Ten
 
 
 # ------------------------------------------------------------------------------------ rollout correction
-def rollout_correction_weights(
+@dataclass(frozen=True)
+class RolloutCorrectionResult:
+    """What `rollout_correction` gives the update: per-token loss weights, the loss mask left after
+    rejection sampling, and the metrics of the step."""
+
+    weights: Tensor
+    """(B, T) truncated importance weights (1 without rollout_is), 0 on padding and on rejected tokens."""
+    accepted: Tensor
+    """(B, T) response_mask without the rejected tokens (its dtype): the mask of every loss of the update
+    and of the advantages' normalisation, so that means are over accepted tokens."""
+    metrics: dict[str, float]
+    """rollout_corr/*: is_weight_mean / is_weight_max (over accepted tokens), rejected_fraction (of the
+    valid tokens), kl = mean(rollout_log_prob - log_prob) and logprob_abs_diff_mean (unclamped, over the
+    valid tokens)."""
+
+
+def rollout_correction(
     log_prob: Tensor,
     rollout_log_prob: Tensor,
     response_mask: Tensor,
@@ -925,37 +1024,47 @@ def rollout_correction_weights(
     is_threshold: float,
     rollout_rs: str | None,
     rs_threshold: float,
-) -> tuple[Tensor, dict[str, float]]:
-    """Per-token weights (B, T) that correct the policy loss for sampling with the rollout engine's policy
-    (log-probs `rollout_log_prob`) instead of the trainer's (`log_prob`, the old log-probs of the step);
-    truncated importance sampling (Espeholt et al. 2018; verl's algorithm.rollout_correction).
+) -> RolloutCorrectionResult:
+    """Correct the policy loss for sampling with the rollout engine's policy (log-probs `rollout_log_prob`)
+    instead of the trainer's (`log_prob`, the old log-probs of the step): truncated importance sampling
+    (Espeholt et al. 2018) and rejection sampling (verl's algorithm.rollout_correction).
 
-        rho_t = pi_train / pi_rollout per token;  rho_seq = prod_t rho_t over the response
-        IS  (rollout_is):  w = min(rho_t, is_threshold) (token) or min(rho_seq, is_threshold) (sequence)
-        RS  (rollout_rs):  w = 0 where rho_t (token) or rho_seq (sequence) is outside [1/rs_threshold,
-                           rs_threshold]
-    Weights are 1 where neither applies and 0 on padding. Metrics: the weights' mean / max, the rejected
-    fraction, and the gap: KL(rollout || train) ~ mean(rollout_log_prob - log_prob) and mean |difference|.
+        log rho_t = log pi_train - log pi_rollout per valid token
+        log rho_seq = sum_t log rho_t over the response (unclamped)
+        IS (rollout_is):  w_t = min(exp(clamp(log rho_t, -20, 20)), is_threshold)       (token)
+                          w_t = min(exp(clamp(log rho_seq, -20, 20)), is_threshold)     (sequence)
+        RS (rollout_rs):  token t is rejected when |log rho_t| > log rs_threshold (token), every token of
+                          the response when |log rho_seq| > log rs_threshold (sequence)
+    The clamp of the sequence weight is on the summed log-ratio (rho_seq = prod_t rho_t, as verl): clamping
+    each token first would change the product once one token's |log rho| > 20. Rejection compares the exact
+    log-ratios (no exponential is taken, so nothing can overflow); verl's `seq_*` rejection sums clamped
+    token log-ratios, which differs only past |log rho_t| > 20.
+
+    Rejected tokens leave the loss: `accepted` is the response mask without them, and the update uses it
+    as its loss mask, so every aggregation is a mean over accepted tokens (or responses), the usual
+    rejection-sampling estimator, as verl (which replaces the batch's response_mask). Their weights are 0
+    too.
     """
     mask = response_mask.to(torch.float32)
     with torch.no_grad():
-        log_rho = torch.clamp(log_prob.float() - rollout_log_prob.float(), -20.0, 20.0) * mask
+        # where, not a product: padding may hold anything (0 x inf would be NaN).
+        log_rho = torch.where(mask > 0, log_prob.float() - rollout_log_prob.float(), torch.zeros_like(mask))
         log_rho_seq = log_rho.sum(-1, keepdim=True).expand_as(log_rho)
-        weights = mask.clone()
-        bound = math.log(rs_threshold)
+        keep = mask.clone()
         if rollout_rs is not None:
             per = log_rho if rollout_rs == "token" else log_rho_seq
-            weights = weights * (per.abs() <= bound).to(weights.dtype)
-        kept = weights.clone()
+            keep = keep * (per.abs() <= math.log(rs_threshold)).to(keep.dtype)
+        weights = keep.clone()
         if rollout_is is not None:
             per = log_rho if rollout_is == "token" else log_rho_seq
-            weights = weights * torch.exp(torch.clamp(per, max=math.log(is_threshold)))
+            weights = weights * torch.clamp(torch.exp(torch.clamp(per, -20.0, 20.0)), max=is_threshold)
         n = float(mask.sum())
         metrics = {
-            "rollout_corr/is_weight_mean": float(masked_mean(weights, kept)),
-            "rollout_corr/is_weight_max": float((weights * kept).max()) if n else 0.0,
-            "rollout_corr/rejected_fraction": float(1.0 - kept.sum() / max(n, 1.0)),
+            "rollout_corr/is_weight_mean": float(masked_mean(weights, keep)),
+            "rollout_corr/is_weight_max": float((weights * keep).max()) if n else 0.0,
+            "rollout_corr/rejected_fraction": float(1.0 - keep.sum() / max(n, 1.0)),
             "rollout_corr/kl": float(masked_mean(-log_rho, mask)),
             "rollout_corr/logprob_abs_diff_mean": float(masked_mean(log_rho.abs(), mask)),
         }
-    return weights, metrics
+    accepted = response_mask * keep.to(response_mask.dtype)
+    return RolloutCorrectionResult(weights, accepted, metrics)

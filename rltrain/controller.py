@@ -394,6 +394,7 @@ class Trainer:
         passes = self.plan.passes
         assert passes is not None
         old = None
+        correction: algorithms.RolloutCorrectionResult | None = None
         if passes.old_log_prob == "rollout":  # bypass mode: the rollout's own log-probs are the old policy
             model_batch["old_log_probs"] = batch["rollout_log_probs"]
         elif passes.old_log_prob == "update":
@@ -423,12 +424,12 @@ class Trainer:
             ).item()
             # The plan's weights (off-policy without a correction: token-level, algorithm.off_policy_steps).
             if passes.rollout_is is not None or passes.rollout_rs is not None:
-                weights, rc_metrics = algorithms.rollout_correction_weights(
+                correction = algorithms.rollout_correction(
                     old["log_probs"], batch["rollout_log_probs"], model_batch["response_mask"], passes.rollout_is,
                     rc.rollout_is_threshold, passes.rollout_rs, rc.rollout_rs_threshold,
                 )  # fmt: skip
-                model_batch["rollout_is_weights"] = weights
-                metrics.update(rc_metrics)
+                model_batch["rollout_is_weights"] = correction.weights
+                metrics.update(correction.metrics)
         if passes.ref_log_prob and "ref_log_prob" not in model_batch:
             ref = timed("ref", self._dispatch_cat, self.policy, "actor", "compute_ref_log_prob", model_batch)
             model_batch["ref_log_prob"] = ref["log_probs"]
@@ -455,8 +456,14 @@ class Trainer:
             gamma=cfg.algorithm.gamma,
             lam=cfg.algorithm.lam,
             norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
+            accepted_mask=None if correction is None else correction.accepted,
         )
         model_batch["advantages"], model_batch["returns"] = advantages, returns
+        if correction is not None and passes.rollout_rs is not None:
+            # Rejected tokens leave every loss of the update (actor and critic, each term, and the micro-batch
+            # weights): means are over the accepted tokens, as verl. The KL-in-reward, the values and the
+            # advantages above saw the whole response.
+            model_batch["response_mask"] = correction.accepted
         if self.critic is not None:
             critic_metrics = timed(
                 "update_critic", self._dispatch, self.critic, "critic", "update_critic", model_batch, step
@@ -471,7 +478,7 @@ class Trainer:
             # The rollout gets the new weights; batches waiting for them start generating after the push.
             metrics.update(self.pipeline.push(step, lambda: self._push_weights(step)))
         metrics.update(timing)
-        metrics.update(self._step_perf(model_batch, metrics))
+        metrics.update(self._step_perf(batch, metrics))  # the batch as generated (before rejection sampling)
         return metrics
 
     def _step_perf(self, model_batch: dict[str, torch.Tensor], metrics: dict[str, Any]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from rltrain.algorithms import (
     masked_whiten,
     outcome_to_token_level,
     overlong_penalty,
-    rollout_correction_weights,
+    rollout_correction,
     select_rows,
 )
 from rltrain.rollout.batch import rollout_batch
@@ -598,26 +598,29 @@ def test_concat_batches_repads_prompts_and_responses():
     assert select_rows(out, slice(1, 2))["scores"].tolist() == [0.0]
 
 
-def test_rollout_correction_weights_hand_computed():
+def test_rollout_correction_hand_computed():
     # Token log-ratios (train - rollout) [ln 3, ln 0.5 | ln 1.5, pad]; threshold 2.
     train = torch.log(T([[3.0, 0.5], [1.5, 1.0]]))
     rollout = torch.zeros(2, 2)
     mask = T([[1.0, 1.0], [1.0, 0.0]])
-    # token IS: min(rho, 2) = [2, 0.5 | 1.5, 0]
-    w, m = rollout_correction_weights(train, rollout, mask, "token", 2.0, None, 2.0)
-    close(w, [[2.0, 0.5], [1.5, 0.0]])
-    assert m["rollout_corr/rejected_fraction"] == 0.0
-    assert m["rollout_corr/kl"] == pytest.approx(-math.log(3 * 0.5 * 1.5) / 3, abs=1e-6)
+    # token IS: min(rho, 2) = [2, 0.5 | 1.5, 0]; nothing rejected, the mask is unchanged.
+    rc = rollout_correction(train, rollout, mask, "token", 2.0, None, 2.0)
+    close(rc.weights, [[2.0, 0.5], [1.5, 0.0]])
+    close(rc.accepted, mask)
+    assert rc.metrics["rollout_corr/rejected_fraction"] == 0.0
+    assert rc.metrics["rollout_corr/kl"] == pytest.approx(-math.log(3 * 0.5 * 1.5) / 3, abs=1e-6)
     # sequence IS: rho_seq = 1.5 and 1.5 -> 1.5 on every valid token.
-    w, _ = rollout_correction_weights(train, rollout, mask, "sequence", 2.0, None, 2.0)
-    close(w, [[1.5, 1.5], [1.5, 0.0]])
-    # token RS: ratio 3 is outside [0.5, 2] -> rejected (0); the rest weigh 1.
-    w, m = rollout_correction_weights(train, rollout, mask, None, 2.0, "token", 2.0)
-    close(w, [[0.0, 1.0], [1.0, 0.0]])
-    assert m["rollout_corr/rejected_fraction"] == pytest.approx(1 / 3)
+    rc = rollout_correction(train, rollout, mask, "sequence", 2.0, None, 2.0)
+    close(rc.weights, [[1.5, 1.5], [1.5, 0.0]])
+    # token RS: ratio 3 is outside [0.5, 2] -> rejected: it leaves the mask (and has weight 0).
+    rc = rollout_correction(train, rollout, mask, None, 2.0, "token", 2.0)
+    close(rc.weights, [[0.0, 1.0], [1.0, 0.0]])
+    close(rc.accepted, [[0.0, 1.0], [1.0, 0.0]])
+    assert rc.metrics["rollout_corr/rejected_fraction"] == pytest.approx(1 / 3)
     # sequence RS at bound 1.4: both sequences (1.5) are rejected.
-    w, _ = rollout_correction_weights(train, rollout, mask, None, 2.0, "sequence", 1.4)
-    close(w, torch.zeros(2, 2))
+    rc = rollout_correction(train, rollout, mask, None, 2.0, "sequence", 1.4)
+    close(rc.weights, torch.zeros(2, 2))
+    close(rc.accepted, torch.zeros(2, 2))
 
 
 # ------------------------------------------------------------------ masked spans (multi-turn observations)

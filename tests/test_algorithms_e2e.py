@@ -83,6 +83,24 @@ def test_token_rollout_correction_logs_its_weights(tmp_path):
         assert r["rollout_corr/rejected_fraction"] == 0.0, r
 
 
+def test_rejection_sampling_trains_on_the_accepted_tokens_of_an_off_policy_batch(tmp_path):
+    """One step off policy (a separate rollout one update behind), token rejection sampling at 1.2: some
+    tokens are rejected, and the update still trains on the rest (their mean: rltrain.algorithms and
+    tests/test_loss_reference.py pin it)."""
+    out = tmp_path / "run"
+    result = rltrain("tiny-grpo", "--cluster.gpus_per_node", "3", "--rollout.placement", "separate",
+                     "--rollout.num_devices", "1", "--algorithm.off_policy_steps", "1",
+                     "--algorithm.rollout_correction.rollout_rs", "token",
+                     "--algorithm.rollout_correction.rollout_rs_threshold", "1.2",
+                     "--trainer.total_steps", "3", "--trainer.output_dir", str(out), *SHORT)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows[1:]:  # staleness 1: the rollout's policy differs from the trainer's
+        assert 0.0 < r["rollout_corr/rejected_fraction"] < 1.0, r
+        assert math.isfinite(r["actor/loss"]) and r["actor/grad_norm"] > 0, r
+
+
 def test_bypass_mode_skips_the_old_log_prob_pass(tmp_path):
     """bypass_mode: the rollout's log-probs are the old policy, so the step has no recomputation pass."""
     out = tmp_path / "run"

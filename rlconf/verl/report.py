@@ -50,8 +50,17 @@ RLPLAN_ONLY_RULES: dict[str, str] = {
 }
 
 
+# Rules of settings that run in both but give another number in rlplan ("Where the numbers differ").
+NUMBERS_DIFFER_RULES: dict[str, str] = {
+    "verl-meaning": "verl runs it with the definition the warning names",
+}
+
+
 def verl_context(rule: str) -> tuple[str, str]:
-    """('late-in-verl' | 'rlplan-rule' | 'checked-early', explanation) of an rlplan rule for a verl user."""
+    """('late-in-verl' | 'rlplan-rule' | 'numbers-differ' | 'checked-early', explanation) of an rlplan rule
+    for a verl user."""
+    if rule in NUMBERS_DIFFER_RULES:
+        return "numbers-differ", NUMBERS_DIFFER_RULES[rule]
     if rule in _LATE_IN_VERL:
         return "late-in-verl", _LATE_IN_VERL[rule]
     if rule in RLPLAN_ONLY_RULES:
@@ -113,6 +122,7 @@ def format_report(tr: Translation) -> str:
         ("late-in-verl", "fail now, would have failed late (or silently) in verl"),
         ("checked-early", "checked before anything starts"),
         ("rlplan-rule", "rlplan's own rules (verl runs this; rlplan does not)"),
+        ("numbers-differ", "runs in both, but the numbers differ (docs/migrating-from-verl.md)"),
     )
     for kind, title in groups:
         items = [i for i in tr.issues if verl_context(i.rule)[0] == kind]
@@ -371,4 +381,29 @@ _PAGE_DIFFERENCES = """\
   use 1e-6), `actor.shuffle` is true, `cluster.device` is cpu and `val_before_train` is false.
   `rlconf import-verl` applies verl's defaults where they differ; otherwise start from a preset and check
   with `rlconf show`, which marks every value that differs from the defaults.
+## Where the numbers differ
+
+The losses and estimators of `rltrain/algorithms.py` were compared with verl's `core_algos.py` and
+`rollout_corr_helper.py` on random inputs (`tests/test_loss_reference.py` checks each one against its
+paper's formula). Advantages (gae, grpo, rloo, reinforce_plus_plus_baseline, grpo_passk, gpg), the KL
+estimators, entropy, the vanilla, GSPO, GPG, CISPO and SAPO losses with their gradients, and the formulas of
+the loss_agg_modes other than seq-mean-token-sum-norm are the same to rounding. These differ:
+
+| quantity | rlplan | verl | why |
+|---|---|---|---|
+| `actor.loss_agg_mode: seq-mean-token-sum-norm` | (1/G) sum_i sum_t l_it / T over the G non-empty responses of the mini-batch (Dr. GRPO's objective) | sum_i sum_t l_it / T per micro-batch, then divided by the number of micro-batches: rlplan's gradient times the responses of one micro-batch | the paper keeps 1/G; without it the gradient scale grows with the batch and depends on the micro-batch size. `rlconf import-verl` warns with the factor; the direction of the update is the same, and with Adam only `actor.optim.clip_grad` and eps see the scale |
+| `token-mean` (and the other means) over a mini-batch | one mean over all the mini-batch's tokens (rows) on every data-parallel rank, whatever the micro-batches | legacy workers: the mean of each micro-batch's own mean (the new engine: global, as rlplan) | the update does not depend on how rows fall into micro-batches |
+| rejection sampling (`rollout_rs`) in GAE and REINFORCE++ | rejected tokens get advantage 0 and leave the whitening statistics; the return recursion runs over the response as sampled | the recursion skips rejected tokens like tool observations, so a rejected last token's reward is lost to its whole response (REINFORCE++ also restarts after it) | a rejected token still happened: the rewards after it belong to the tokens before it |
+| `rollout_rs: sequence` | rejects when the exact sum of the token log-ratios is outside +-log threshold | sums token log-ratios clamped to +-20 first | the product of the ratios is the paper's rho_seq; no exponential is taken, so nothing overflows. Differs only past a token with \\|log rho\\| > 20 |
+| `clip-cov` / `kl-cov` ratio and KL-Cov penalty | the log-ratio is clamped to [-20, 20] (as verl's vanilla, CISPO and SAPO) | not clamped | past e^20 verl's loss overflows (inf, a NaN step, in fp32 past 88) and one negative-advantage token's gradient drowns the batch. Differs only where \\|log pi - log pi_old\\| > 20 |
+| `actor/ppo_kl` with `kl-cov` (and `clip-cov`) | mean(log pi_old - log pi) with the log-ratio clamped to +-20, the same k1 estimate as every other loss mode (verl's vanilla clamps the same) | kl-cov: mean \\|log pi - log pi_old\\|; clip-cov: mean(log pi_old - log pi) unclamped | one definition across loss modes keeps runs comparable on one chart |
+| `actor/pg_clipfrac` with `kl-cov` | the fraction of tokens that got the KL penalty | not reported | a KL-Cov run shows how much it penalised |
+| REINFORCE++ returns through tool observation tokens (multi-turn) | the return carries through masked positions unchanged | restarts after a masked position | the observation is part of the environment, not the end of the episode |
+
+Matching verl (earlier rlplan releases differed): SAPO aggregates its policy term seq-mean-token-mean, its
+paper's (1/G) sum_i (1/|y_i|) sum_t (`rlconf validate` warns when `actor.loss_agg_mode` names another mode,
+which then aggregates the entropy and KL terms only; GSPO the same); rejected tokens leave the loss mask, so
+every loss is a mean over accepted tokens; the sequence IS weight is exp(clamp(sum_t log rho_t, -20, 20)),
+truncated at `rollout_is_threshold`; `rollout_corr/kl` is mean(log pi_rollout - log pi_old) without a
+clamp.
 """

@@ -514,7 +514,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("actor_rollout_ref.actor.clip_ratio_low", "actor.clip_ratio_low", ""),
     _m("actor_rollout_ref.actor.clip_ratio_high", "actor.clip_ratio_high", ""),
     _m("actor_rollout_ref.actor.clip_ratio_c", "actor.clip_ratio_c", ""),
-    _m("actor_rollout_ref.actor.loss_agg_mode", "actor.loss_agg_mode", "same four modes"),
+    _m("actor_rollout_ref.actor.loss_agg_mode", "actor.loss_agg_mode", "same four modes; "
+       "seq-mean-token-sum-norm keeps Dr. GRPO's 1/G (verl's does not: a warning gives the factor)"),
     _m("actor_rollout_ref.actor.entropy_coeff", "actor.entropy_coeff", ""),
     _m("actor_rollout_ref.actor.use_kl_loss", "actor.use_kl_loss", ""),
     _m("actor_rollout_ref.actor.kl_loss_coef", "actor.kl_loss_coef", ""),
@@ -522,7 +523,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
        _kl_type),
     _m("actor_rollout_ref.actor.grad_clip", "actor.optim.clip_grad", "verl's FSDP name"),
     _m("actor_rollout_ref.actor.policy_loss.loss_mode", "actor.policy_loss.loss_mode",
-       "vanilla, gspo, gpg, clip-cov, kl-cov, cispo, sapo (gspo aggregates seq-mean-token-mean, as verl)"),
+       "vanilla, gspo, gpg, clip-cov, kl-cov, cispo, sapo (gspo and sapo aggregate seq-mean-token-mean, as "
+       "verl)"),
     _m("actor_rollout_ref.actor.policy_loss.clip_cov_ratio", "actor.policy_loss.clip_cov_ratio", ""),
     _m("actor_rollout_ref.actor.policy_loss.clip_cov_lb", "actor.policy_loss.clip_cov_lb", ""),
     _m("actor_rollout_ref.actor.policy_loss.clip_cov_ub", "actor.policy_loss.clip_cov_ub", ""),
@@ -753,7 +755,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.rollout_is_threshold",
        ""),
     _m("algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs", "token / sequence "
-       "(rejected tokens get weight 0)"),
+       "(rejected tokens leave the loss mask: means over accepted tokens, as verl)"),
     _m("algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold",
        "the lower bound is its inverse"),
     _m("algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.bypass_mode", ""),

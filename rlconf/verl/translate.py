@@ -429,7 +429,7 @@ def translate(
     mapped.sort(key=lambda m: position[m.verl])
     unmapped.sort(key=lambda u: position.get(u.verl, -1))
     config, verdict = _check(settings, check_plan)
-    issues += verdict
+    issues += verdict + _meaning_changes(config)
     return Translation(
         settings=settings, mapped=tuple(mapped), unmapped=tuple(unmapped), derived=tuple(derived),
         notes=tuple(notes), issues=tuple(issues), origin=origin, config=config,
@@ -456,6 +456,23 @@ def _derive_rlplan_rules(
     if ("data.train_files" in settings or "data.val_files" in settings) and "data.answer_key" not in settings:
         derive("data.answer_key", "reward_model.ground_truth", "verl's parquet files keep the ground truth in "
                "the reward_model column")  # fmt: skip
+
+
+def _meaning_changes(config: RLConfig) -> list[Issue]:
+    """Warnings for translated settings that mean a different number in rlplan (docs/migrating-from-verl.md,
+    "Where the numbers differ")."""
+    a = config.actor
+    if a.loss_agg_mode != "seq-mean-token-sum-norm":
+        return []
+    rows = "the responses of one micro-batch" if a.use_dynamic_bsz else (
+        f"ppo_micro_batch_size_per_gpu = {a.ppo_micro_batch_size_per_gpu}")  # fmt: skip
+    return [warning(
+        "actor.loss_agg_mode",
+        "seq-mean-token-sum-norm is Dr. GRPO's (1/G) sum_i sum_t loss / T in rlplan; verl's drops the 1/G and "
+        f"divides by its micro-batch count, so verl's gradient is rlplan's times {rows}",
+        "nothing changes the direction of the update; with Adam only actor.optim.clip_grad (now clipping a "
+        "smaller gradient) and the eps see the scale: keep the mode, or scale clip_grad down by the same "
+        "factor to clip as verl did", "verl-meaning")]  # fmt: skip
 
 
 def _check(settings: Mapping[str, Any], check_plan: bool) -> tuple[RLConfig, list[Issue]]:

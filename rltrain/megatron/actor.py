@@ -284,7 +284,16 @@ class MegatronActor(MegatronEngine):
             d.get("rollout_is_weights"),
         )
         entropy = algorithms.agg_loss(ent if need_entropy_grad else ent.detach(), mask, cfg.loss_agg_mode)
+        # Each term is weighted by its own aggregation's share of the mini-batch: the policy term may use the
+        # loss mode's own (GSPO, SAPO: seq-mean-token-mean) while entropy and KL follow actor.loss_agg_mode,
+        # as verl aggregates them.
+        pg_mode = algorithms.policy_loss_agg_mode(cfg.policy_loss.loss_mode, cfg.loss_agg_mode)
+        pg_weight = self.micro_batch_weight(d["response_mask"], pg_mode, totals)
+        weight = self.micro_batch_weight(d["response_mask"], cfg.loss_agg_mode, totals)
+        scaled = pg_loss * pg_weight
         loss = pg_loss - cfg.entropy_coeff * entropy if need_entropy_grad else pg_loss
+        if need_entropy_grad:
+            scaled = scaled - cfg.entropy_coeff * entropy * weight
         extra = {
             "actor/pg_loss": pg_loss.detach(),
             "actor/pg_clipfrac": pg_metrics["pg_clipfrac"],
@@ -295,11 +304,10 @@ class MegatronActor(MegatronEngine):
             kl = algorithms.kl_penalty(logp, d["ref_log_prob"].float(), cfg.kl_loss_type)
             kl_loss = algorithms.agg_loss(kl, mask, cfg.loss_agg_mode)
             loss = loss + cfg.kl_loss_coef * kl_loss
+            scaled = scaled + cfg.kl_loss_coef * kl_loss * weight
             extra["actor/kl_loss"] = kl_loss.detach()
         extra["actor/loss"] = loss.detach()
-        # The loss mode may fix its own aggregation (GSPO); micro-batches are weighted by the one it uses.
-        agg_mode = algorithms.policy_loss_agg_mode(cfg.policy_loss.loss_mode, cfg.loss_agg_mode)
-        return loss * self.micro_batch_weight(d["response_mask"], agg_mode, totals), extra
+        return scaled, extra
 
     def _routing_replay(self, mbs: list[MicroBatch]) -> contextlib.AbstractContextManager[object]:
         """With `actor.router_replay`, the policy's forward passes over `mbs` route each token to the experts
