@@ -23,7 +23,7 @@ Fields that are not changes of the run (recorded in the history, never refused),
   trainer.resume_mode, resume_from_path, accept_config_changes    how this start resumes
   trainer.save_freq, max_ckpt_to_keep, *.checkpoint.save_contents, *.checkpoint.async_save    saving
   trainer.test_freq, val_before_train                     validation
-  cluster.ray_address, cpus_per_worker, device_memory_gib where it runs, not the layout
+  cluster.ray_address, cpus_per_worker, connect_timeout_s, device_memory_gib   where it runs, not the layout
   rollout.push_timeout_s                                  when a stuck push counts as failed
   trainer.total_steps     when the steps still to run keep their learning rates (an extension); with a
                           schedule that follows total_steps (decay span or warmup ratio) it is a change
@@ -85,6 +85,7 @@ _FREE_PATHS = {
     "trainer.val_before_train": "validation",
     "cluster.ray_address": "where it runs",
     "cluster.cpus_per_worker": "where it runs",
+    "cluster.connect_timeout_s": "where it runs",
     "cluster.device_memory_gib": "the memory check",
     "rollout.push_timeout_s": "a failure timeout",
 }

@@ -195,16 +195,15 @@ def test_a_checkpoint_without_a_record_falls_back_to_config_yaml_with_a_warning(
 def test_a_real_run_records_its_data_and_its_resume_is_guarded(tmp_path):
     """tiny-grpo on a jsonl file, 2 steps saved; the file replaced (same rows) -> refused; accepted -> runs."""
     data = tmp_path / "train.jsonl"
-    write_rows(data, ROWS_A * 2)
+    write_rows(data, ROWS_A * 4)
     out = tmp_path / "run"
-    base = ["--trainer.output_dir", str(out), "--trainer.save_freq", "2", "--data.train_files", str(data),
-            "--data.train_batch_size", "2"]  # fmt: skip
+    base = ["--trainer.output_dir", str(out), "--trainer.save_freq", "2", "--data.train_files", str(data)]
     result = rltrain(*base, "--trainer.total_steps", "2", timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     record = marker(out, 2)[RECORD_KEY]
     assert record["data"][str(data)]["size"] == data.stat().st_size
 
-    write_rows(data, ROWS_B * 2)
+    write_rows(data, ROWS_B * 4)
     (out / "config.yaml").unlink()
     result = rltrain(*base, "--trainer.total_steps", "3", timeout=600)
     assert result.returncode == 2, result.stderr[-3000:]
