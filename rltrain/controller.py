@@ -762,11 +762,11 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
         # CANN / MindSpeed) is a config error with what to install (exit 2), found before Ray starts, not
         # a placement group that never fills. A remote cluster's nodes are other machines.
         devices.check_available(config.cluster.device)
-    # Before the run folder is touched: a cluster that does not answer or is too small, a disk without room
-    # for one checkpoint (rltrain --dry-run checks the same).
-    from rltrain.preflight import check_start
+    # Before the run folder is touched: a cluster that does not answer or is too small (rltrain --dry-run
+    # checks the same, and the disk).
+    from rltrain.preflight import check_cluster, check_disk
 
-    check_start(plan)
+    check_cluster(plan)
     stop = StopSignals()
     stop.install()
     folder = trainer = None
@@ -779,6 +779,7 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
             if folder.finished:
                 print(folder.finished, flush=True)
                 return 0
+            check_disk(plan)  # room for a checkpoint, before config.yaml / plan.json are written
             trainer = Trainer(config, plan, run_folder=folder, stop_signals=stop)
             trainer.fit()
         except KeyboardInterrupt:

@@ -172,13 +172,19 @@ def check_start(plan: TrainerPlan) -> list[str]:
     """What a run checks before it writes anything (`rltrain --dry-run` too): the Ray cluster it joins
     answers within cluster.connect_timeout_s and holds the plan's nodes, and the run folder's filesystem has
     room for one checkpoint. Raises ConfigError (exit 2); returns what was checked, one line each."""
+    return [check_cluster(plan), *check_disk(plan)]
+
+
+def check_disk(plan: TrainerPlan) -> list[str]:
+    """The run folder's filesystem has room for one checkpoint of the plan (none saved: nothing to check)."""
     from rltrain.storage import check_free_space, existing_ancestor, free_bytes
 
-    lines = [check_cluster(plan)]
     ck = plan.checkpoint
-    if ck.enabled:
-        where = existing_ancestor(plan.config.trainer.output_dir)
-        check_free_space(where, ck.size_bytes, f"a checkpoint of this run does not fit in {where}")
-        lines.append(f"disk: {free_bytes(where) / (1 << 30):.2f} GiB free at {where}; a checkpoint needs about "
-                     f"{ck.size_bytes / (1 << 30):.3f} GiB (checked again before each save)")  # fmt: skip
-    return lines
+    if not ck.enabled:
+        return []
+    where = existing_ancestor(plan.config.trainer.output_dir)
+    check_free_space(where, ck.size_bytes, f"a checkpoint of this run does not fit in {where}")
+    return [
+        f"disk: {free_bytes(where) / (1 << 30):.2f} GiB free at {where}; a checkpoint needs about "
+        f"{ck.size_bytes / (1 << 30):.3f} GiB (checked again before each save)"
+    ]

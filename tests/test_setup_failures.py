@@ -156,11 +156,15 @@ def test_dry_run_and_run_refuse_a_disk_without_room_for_one_checkpoint(tmp_path)
     with tmpfs(tmp_path / "small", "1m") as small:
         out = small / "run"
         flags = ("--trainer.output_dir", str(out), "--trainer.save_freq", "1", "--trainer.total_steps", "2")
-        for dry in (("--dry-run",), ()):
-            err = one_line_error(rltrain(*flags, *dry), STORAGE_RULE, "trainer.output_dir")
-            assert f"a checkpoint of this run does not fit in {small}" in err
-            assert "a checkpoint needs about 2.5 MiB (the plan's estimate)" in err and "(ENOSPC)" in err
-        assert not out.exists(), "nothing is written before the check"
+        err = one_line_error(rltrain(*flags, "--dry-run"), STORAGE_RULE, "trainer.output_dir")
+        assert f"a checkpoint of this run does not fit in {small}" in err
+        assert "a checkpoint needs about 2.5 MiB (the plan's estimate)" in err and "(ENOSPC)" in err
+        assert not out.exists(), "a dry run writes nothing"
+        # The run checks once it holds the folder (a finished run needs no room), before config.yaml.
+        err = one_line_error(rltrain(*flags), STORAGE_RULE, "trainer.output_dir")
+        assert f"a checkpoint of this run does not fit in {out}" in err and "(ENOSPC)" in err
+        assert [p.name for p in out.iterdir()] == ["run.lock"], "no config.yaml / plan.json"
+        assert "Started a local Ray instance" not in err
     # With room, --dry-run says what it checked.
     result = rltrain("--trainer.output_dir", str(tmp_path / "run"), "--dry-run")
     assert result.returncode == 0, result.stderr[-2000:]
@@ -338,3 +342,23 @@ def test_nnodes_beyond_a_reachable_cluster_is_refused_by_dry_run_and_before_the_
     result = rltrain("--cluster.ray_address", address, "--trainer.output_dir", str(out), "--dry-run")
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"cluster at {address}: 1 alive node" in result.stdout
+
+
+# ============================================================================================ worker failures
+def test_worker_failure_advice_says_rerun_only_when_the_process_died(tmp_path):
+    """ "rerun the same command" only where a rerun can succeed: a process that died (killed, out of memory);
+    an exception a worker raised comes back on a rerun until its cause is fixed."""
+    from rltrain.controller import _worker_failure_fix
+    from rltrain.ray_group import WorkerError
+    from rltrain.runfolder import RunFolder
+    from tests.test_runfolder import started, tiny
+
+    out = tmp_path / "run"
+    started(out, [2])
+    folder = RunFolder.open(*tiny(out))
+    folder.close()
+    died = _worker_failure_fix(WorkerError("actor", 0, "the actor died unexpectedly", died=True), folder)
+    assert "rerun the same command to resume from the last complete checkpoint (step 2)" in died
+    raised = _worker_failure_fix(WorkerError("actor", 0, "KeyError: 'x'", died=False), folder)
+    assert "rerun the same command" not in raised
+    assert "a rerun as is meets it again" in raised and "(step 2)" in raised
