@@ -66,6 +66,11 @@ def test_every_checkpoint_records_the_config_and_the_data_files(tmp_path):
         }
     }
     assert len(record["config_sha256"]) == 64
+    # `rltrain inspect` shows it.
+    from rltrain.checkpoint.tools import format_step, inspect_step
+
+    text = format_step(inspect_step(out / "checkpoints" / "global_step_2"))
+    assert f"run record  config sha256 {record['config_sha256'][:16]}, 1 data file(s)" in text, text
 
 
 @pytest.mark.parametrize("damage", ["deleted", "edited"])
