@@ -141,6 +141,7 @@ class MegatronWorker:
         done = True
         for role, engine in self.engines().items():
             contents, _, async_save = role_contents(self.plan, role)
+            self._saving_into = folders[role]
             # A full or read-only disk is the config error it is (exit 2, one line), not a worker failure.
             with storage_errors(f"the checkpoint of step {extra.get('step')} could not be written to "
                                 f"{folders[role]}", folders[role], self.plan.checkpoint.size_bytes,
@@ -153,7 +154,9 @@ class MegatronWorker:
         from rltrain.checkpoint import finalize_pending
         from rltrain.storage import storage_errors
 
-        with storage_errors("a background checkpoint write failed", self.plan.checkpoint.root,
+        # The folder of the latest save (absolute; the plan's root may be relative to another directory).
+        where = getattr(self, "_saving_into", None) or self.plan.checkpoint.root
+        with storage_errors(f"a background checkpoint write into {where} failed", where,
                             self.plan.checkpoint.size_bytes, "the checkpoints before it are intact"):  # fmt: skip
             return finalize_pending(blocking)
 

@@ -202,6 +202,50 @@ def test_disk_full_mid_run_stops_before_the_save_and_keeps_the_checkpoints(tmp_p
         assert steps == [1, 2, 3]
 
 
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_checkpoints_turning_read_only_mid_run_stop_with_one_line(tmp_path):
+    """checkpoints/ is a bind mount made read-only once step 1 is committed (between saves nothing there is
+    open for writing): the next save's staging folder gets EROFS. One line, exit 2, the committed
+    checkpoints intact; read-write again, the same command resumes."""
+    from rltrain.checkpoint import CheckpointRegistry
+
+    with tmpfs(tmp_path / "disk", "64m") as disk:
+        out = disk / "run"
+        ckpts = out / "checkpoints"
+        ckpts.mkdir(parents=True)
+        subprocess.run(["mount", "--bind", str(ckpts), str(ckpts)], check=True)
+        try:
+            flags = ("--trainer.output_dir", str(out), "--trainer.save_freq", "1", "--trainer.total_steps", "8",
+                     "--trainer.max_ckpt_to_keep", "None", "--logging.plot_reward", "false")  # fmt: skip
+            proc = subprocess.Popen([sys.executable, "-m", "rltrain.cli", "tiny-grpo", *flags], env=ENV,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+            latest = ckpts / "latest_checkpointed_iteration.txt"
+            deadline = time.monotonic() + 300
+            while proc.poll() is None and time.monotonic() < deadline:
+                if latest.is_file() and latest.read_text().strip() == "1":
+                    done = subprocess.run(["mount", "-o", "remount,bind,ro", str(ckpts)], capture_output=True)
+                    if done.returncode == 0:
+                        break
+                time.sleep(0.02)
+            stdout, stderr = proc.communicate(timeout=300)
+            result = subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+            err = one_line_error(result, STORAGE_RULE, "trainer.output_dir")
+            assert "the filesystem is read-only (EROFS)" in err, err[-3000:]
+            reg = CheckpointRegistry(ckpts)
+            committed = reg.complete_steps()
+            assert committed and committed == list(range(1, committed[-1] + 1)) and committed[-1] < 8
+            assert reg.read_latest_file() == committed[-1]
+            assert all(reg.check_complete(reg.step_dir(s), full=True) is None for s in committed)
+
+            subprocess.run(["mount", "-o", "remount,bind,rw", str(ckpts)], check=True)
+            result = rltrain(*flags, timeout=600)
+            assert result.returncode == 0, result.stderr[-3000:]
+            assert f"resumed from {reg.step_dir(committed[-1])} (step {committed[-1]})" in result.stdout
+        finally:
+            subprocess.run(["umount", "-l", str(ckpts)], capture_output=True)
+
+
 # ============================================================================================ output_dir length
 def path_of_length(base: str, n: int) -> str:
     """A path of exactly `n` characters under `base`, of folder names of at most 201 characters."""
