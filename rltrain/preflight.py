@@ -91,7 +91,9 @@ def probe(address: str, timeout_s: float, source: str = "cluster.ray_address") -
     from ray.core.generated import gcs_pb2, gcs_service_pb2, gcs_service_pb2_grpc
 
     left = max(deadline - time.monotonic(), 0.1)
-    channel = grpc.insecure_channel(f"{host}:{port_text}")
+    from ray._private.ray_constants import GLOBAL_GRPC_OPTIONS  # Ray's own (no HTTP proxy unless asked)
+
+    channel = grpc.insecure_channel(f"{host}:{port_text}", options=GLOBAL_GRPC_OPTIONS)
     try:
         stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
         reply = stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(), timeout=left)
