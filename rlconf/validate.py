@@ -1470,7 +1470,9 @@ def cluster(c: RLConfig) -> Iterator[Issue]:
     if c.cluster.cpus_per_worker <= 0:
         yield error("cluster.cpus_per_worker", "must be > 0", "use 1", "cluster")
     if not 0 < c.cluster.connect_timeout_s <= 3600:
-        yield error("cluster.connect_timeout_s", "must be > 0 and at most 3600 (seconds)", "use 30", "cluster")
+        yield error(
+            "cluster.connect_timeout_s", "must be > 0 and at most 3600 (seconds)", "use 30", "cluster"
+        )
     aw = actor_world(c)
     tp = rollout_tp(c)
     # A separate rollout has a pool of its own (rule rollout-placement checks that one).
