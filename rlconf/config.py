@@ -752,6 +752,9 @@ class ClusterConfig:
     """Memory of one device in GiB for the plan's memory check; None skips the check."""
     ray_address: str | None = None
     """Ray cluster to join; None starts a local cluster (or joins RAY_ADDRESS when set)."""
+    connect_timeout_s: float = 30.0
+    """Longest wait for the Ray cluster to join (cluster.ray_address or RAY_ADDRESS) to answer; past it the
+    run stops with an error naming the address, before anything is written."""
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves for each worker process."""
 

@@ -1518,9 +1518,17 @@ def cluster(c: RLConfig) -> Iterator[Issue]:
         )
     if c.cluster.cpus_per_worker <= 0:
         yield error("cluster.cpus_per_worker", "must be > 0", "use 1", "cluster")
+    if not 0 < c.cluster.connect_timeout_s <= 3600:
+        yield error(
+            "cluster.connect_timeout_s", "must be > 0 and at most 3600 (seconds)", "use 30", "cluster"
+        )
     aw = actor_world(c)
     tp = rollout_tp(c)
     # A separate rollout has a pool of its own (rule rollout-placement checks that one).
     if c.rollout.placement == "colocated" and aw >= 1 and tp >= 1 and aw % tp:
         yield error("rollout.tensor_model_parallel_size", f"the actor pool of {aw} devices is not divisible by {tp}",
                     "use a rollout tp that divides the actor pool", "cluster")  # fmt: skip
+
+
+# Rules kept in modules of their own register here (they import `rule` from this module).
+import rlconf.run_paths  # noqa: E402, F401

@@ -31,7 +31,10 @@ _OWN_FLAGS = {"--config", "--dry-run", "--help", "-h"}
 
 RUN_OPTIONS = """run options (rltrain's own; every other flag below sets one config field):
   --config FILE.yaml   overlay this YAML/JSON file on the preset (flags overlay the file)
-  --dry-run            check everything a run checks, print the resolved config and the trainer plan, exit
+  --dry-run            check everything a run checks before it writes anything (every config rule, the
+                       files it reads, the length of the paths it writes, free space for a checkpoint, and
+                       the Ray cluster at cluster.ray_address / RAY_ADDRESS: reachable, enough nodes; with
+                       no address only that the plan fits one node), print the config and the plan, exit
   -h, --help           this help: the run options, then every field with this preset's value as its default
 
 Precedence: flags > --config file > preset > defaults. Check a file alone with `rlconf validate FILE`."""
@@ -194,11 +197,15 @@ def _run(argv: Sequence[str]) -> int:
     plan = compile_plan(config)
     if dry_run:
         from rlconf.render import render_config
+        from rltrain.preflight import check_start
 
+        checked = check_start(plan)  # what a run checks before writing anything (the cluster, the disk)
         print("# resolved config")
         print(render_config(config), end="")
         print("\n# trainer plan")
         print(format_plan(plan), end="")
+        print("\n# checked before a run writes anything")
+        print("".join(f"  {line}\n" for line in checked), end="")
         return EXIT_OK
     # Before torch is imported (by the controller): keep an installed torch_npu from loading on cpu / cuda
     # runs (rltrain.device.worker_env); a local Ray cluster hands the setting on to its workers.

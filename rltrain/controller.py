@@ -46,6 +46,7 @@ from rltrain.ray_group import (
 )
 from rltrain.rollout.agent import STAT_KEYS as AGENT_STAT_KEYS
 from rltrain.runfolder import RunFolder, StopSignals
+from rltrain.storage import check_free_space, storage_errno, storage_error
 
 # Batch keys the controller keeps to itself (rewards, grouping, the rollout's log-probs, multi-turn row
 # statistics); the rest go to workers.
@@ -165,6 +166,11 @@ class Trainer:
         print(f"resumed from {resume.folder} (step {extra['step']})", flush=True)
 
     def _save(self, step: int) -> None:
+        # Before anything is staged: a save that cannot fit stops the run with the checkpoints it has.
+        done = self.ckpt.complete_steps()
+        check_free_space(self.ckpt.root, self.plan.checkpoint.size_bytes,
+                         f"the checkpoint of step {step} does not fit in {self.ckpt.root}",
+                         f"the checkpoints before it are intact (newest: step {done[-1]})" if done else "")  # fmt: skip
         staging = self.ckpt.begin(step)
         extra = {
             "step": step,
@@ -738,6 +744,20 @@ def _release(trainer: Trainer | None, stopping: bool, failed: bool) -> bool:
     return not worker.is_alive()
 
 
+def _worker_failure_fix(exc: WorkerError, folder: RunFolder | None) -> str:
+    """What to do after a worker failure. A process that died (killed, out of memory, a lost node) may well
+    run on a rerun; an exception a worker raised is met again by a rerun unless its cause is fixed first."""
+    steps = folder.ckpt.complete_steps() if folder is not None else []
+    where = (
+        f"the last complete checkpoint (step {steps[-1]})" if steps else "step 1 (there is no checkpoint yet)"
+    )
+    if exc.died:
+        return (f"see the worker's log above for why the process ended (out of memory, killed, a lost node); "
+                f"rerun the same command to resume from {where}")  # fmt: skip
+    return (f"the worker's log above shows the cause; a rerun as is meets it again. Once it is fixed, the same "
+            f"command resumes from {where} (trainer.resume_mode: auto)")  # fmt: skip
+
+
 def run_training(config: RLConfig, plan: TrainerPlan) -> int:
     """Run a whole training job; returns the process exit code (0 done or nothing to do, 1 a worker failed,
     130 / 143 stopped by SIGINT / SIGTERM; a ConfigError, exit 2, propagates).
@@ -749,6 +769,11 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
         # CANN / MindSpeed) is a config error with what to install (exit 2), found before Ray starts, not
         # a placement group that never fills. A remote cluster's nodes are other machines.
         devices.check_available(config.cluster.device)
+    # Before the run folder is touched: a cluster that does not answer or is too small (rltrain --dry-run
+    # checks the same, and the disk).
+    from rltrain.preflight import check_cluster, check_disk
+
+    check_cluster(plan)
     stop = StopSignals()
     stop.install()
     folder = trainer = None
@@ -761,6 +786,7 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
             if folder.finished:
                 print(folder.finished, flush=True)
                 return 0
+            check_disk(plan)  # room for a checkpoint, before config.yaml / plan.json are written
             trainer = Trainer(config, plan, run_folder=folder, stop_signals=stop)
             trainer.fit()
         except KeyboardInterrupt:
@@ -768,13 +794,19 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
         except ConfigError:
             failed = trainer is not None  # raised by a worker: the other ranks may wait for it
             raise
+        except OSError as exc:  # the run folder's filesystem (full, read-only): one line, not a crash
+            if (errno_ := storage_errno(exc, config.trainer.output_dir)) is None:
+                raise
+            failed = trainer is not None
+            raise storage_error(errno_, f"a file of the run could not be written to {config.trainer.output_dir}",
+                                config.trainer.output_dir, plan.checkpoint.size_bytes,
+                                "every complete checkpoint is intact") from None  # fmt: skip
         except WorkerError as exc:
             if stop.signum is not None:  # a worker ended by the same signal (Ctrl-C reaches the whole group)
                 code = stop.exit_code()
             else:
                 failed = True
-                print(f"error: {exc}\n    fix: see the worker's log above; rerun the same command to resume from "
-                      "the last complete checkpoint (trainer.resume_mode: auto)", file=sys.stderr)  # fmt: skip
+                print(f"error: {exc}\n    fix: {_worker_failure_fix(exc, folder)}", file=sys.stderr)
                 return 1
         finally:
             released = _release(trainer, stopping=code != 0, failed=failed)

@@ -7,10 +7,14 @@ config history, and a clean stop on SIGINT / SIGTERM.
      its holder dies; the next run reports that it takes over from the dead PID.
   2. checkpoints: what crashed saves left is removed (only ever under the lock: a run must not delete the
      save another run is writing) and the resume point is resolved.
-  3. history: the folder's config is `config.yaml` (written once, by the first start, never rewritten) with
-     the changes of `config_history.jsonl` applied in order. A resume whose config differs from it is a
-     ConfigError listing every field old -> new, unless `trainer.accept_config_changes` is set; accepted
-     changes are recorded with the step they take effect from.
+  3. history: every checkpoint's COMPLETE marker records the resolved config and the size and sha256 of
+     every data file of the start that wrote it (rltrain.run_record). A resume is compared with the record
+     of the checkpoint it resumes from, whatever config.yaml says: a changed field (old -> new) or a data
+     file with other content is a ConfigError, unless `trainer.accept_config_changes` is set; accepted
+     changes are recorded in `config_history.jsonl` with the step they take effect from. The folder's
+     config is `config.yaml` (written once, by the first start, never rewritten; restored from the
+     checkpoint's record when it was deleted) with the history applied in order: what a resume from a
+     checkpoint without a record (older rlplan versions) is compared with, with a warning.
   4. finished: a run whose steps are all done says so and exits 0 (nothing is written, Ray never starts).
 
 Fields that are not changes of the run (recorded in the history, never refused), see `free_reason`:
@@ -19,7 +23,7 @@ Fields that are not changes of the run (recorded in the history, never refused),
   trainer.resume_mode, resume_from_path, accept_config_changes    how this start resumes
   trainer.save_freq, max_ckpt_to_keep, *.checkpoint.save_contents, *.checkpoint.async_save    saving
   trainer.test_freq, val_before_train                     validation
-  cluster.ray_address, cpus_per_worker, device_memory_gib where it runs, not the layout
+  cluster.ray_address, cpus_per_worker, connect_timeout_s, device_memory_gib   where it runs, not the layout
   rollout.push_timeout_s                                  when a stuck push counts as failed
   trainer.total_steps     when the steps still to run keep their learning rates (an extension); with a
                           schedule that follows total_steps (decay span or warmup ratio) it is a change
@@ -41,6 +45,7 @@ import signal
 import socket
 import sys
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +57,7 @@ from rlconf.fields import get_path, replace_paths
 from rlconf.load import config_from_dict, config_to_dict, dump_yaml, parse_yaml
 from rlconf.plan import compile_plan, plan_to_dict
 from rlconf.render import diff_dicts, flatten
+from rltrain.run_record import DataChange, RunRecord, checkpoint_record, record_file, unflatten
 
 if TYPE_CHECKING:
     from rlconf.plan import TrainerPlan
@@ -79,6 +85,7 @@ _FREE_PATHS = {
     "trainer.val_before_train": "validation",
     "cluster.ray_address": "where it runs",
     "cluster.cpus_per_worker": "where it runs",
+    "cluster.connect_timeout_s": "where it runs",
     "cluster.device_memory_gib": "the memory check",
     "rollout.push_timeout_s": "a failure timeout",
 }
@@ -220,17 +227,6 @@ def read_history(folder: str | os.PathLike) -> list[dict[str, Any]]:
     return entries
 
 
-def _unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = out
-        *parents, leaf = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
-
-
 def _scalar(value: Any) -> str:
     return dump_yaml(value).strip().removesuffix("...").strip()
 
@@ -284,7 +280,7 @@ def _total_steps_change(old_flat: Mapping[str, Any], config: RLConfig, done: int
     not (the schedule follows total_steps)."""
     first, last = done + 1, min(old, new)
     try:
-        recorded = config_from_dict(_unflatten(old_flat))
+        recorded = config_from_dict(unflatten(old_flat))
         before = _lr_rows(replace_paths(recorded, {"trainer.total_steps": old}), first, last)
         after = _lr_rows(replace_paths(recorded, {"trainer.total_steps": new}), first, last)
     except ConfigError:
@@ -342,6 +338,13 @@ class RunFolder:
     changes: list[ConfigChange] = field(default_factory=list)
     new: bool = True
     finished: str | None = None
+    record: RunRecord | None = None
+    """This start's config and data files, recorded in every checkpoint it writes."""
+    saved: RunRecord | None = None
+    """The record of the checkpoint resumed from (None: none, or one written before records existed)."""
+    expected: RunRecord | None = None
+    """`saved` with the changes earlier starts from the same checkpoint accepted: what this start must match."""
+    data_changes: list[DataChange] = field(default_factory=list)
 
     @property
     def start_step(self) -> int:
@@ -360,6 +363,8 @@ class RunFolder:
             ckpt.cleanup_incomplete()
             resume = ckpt.resolve_resume(plan) if plan.checkpoint.roles else None
             folder = cls(path, lock, ckpt, resume)
+            folder.record = RunRecord.of(config)
+            ckpt.run_record = folder.record.to_json()  # every checkpoint of this start carries it
             folder._check(config, plan.config.trainer.total_steps)
         except BaseException:
             lock.release()
@@ -368,10 +373,29 @@ class RunFolder:
 
     def _check(self, config: RLConfig, total: int) -> None:
         """`total`: the run's steps as the plan counts them (trainer.total_epochs derives them)."""
-        recorded = recorded_config(self.path)
-        self.new = recorded is None
         done = self.resume.step if self.resume is not None else 0
+        # A resume is compared with the record of the checkpoint it resumes from, whatever config.yaml says
+        # (deleted or edited by hand); checkpoints of older versions have none: config.yaml, as before.
+        self.saved = self.expected = None
+        if self.resume is not None and config.trainer.resume_mode != "disable":
+            from rltrain.checkpoint.manifest import read_marker  # here: the package imports torch
+
+            self.saved, why = checkpoint_record(read_marker(self.resume.folder)[0])
+            if self.saved is None:
+                warnings.warn(
+                    f"{record_file(self.resume.folder)}: {why}; the resume is checked against {CONFIG_FILE} "
+                    f"with {HISTORY_FILE} applied, and the data files are not checked",
+                    stacklevel=2,
+                )
+        self.new = not (self.path / CONFIG_FILE).is_file()
+        if self.saved is not None:
+            # Changes accepted by an earlier start from this same checkpoint hold for this one too.
+            self.expected = self.saved.with_history(read_history(self.path), done)
+            recorded = flatten(self.expected.config)
+        else:
+            recorded = recorded_config(self.path)
         self.changes = [] if recorded is None else config_changes(recorded, config, done)
+        self.data_changes = self.expected.data_changes(self.record) if self.expected is not None else []
         real = [c for c in self.changes if c.free is None]
         if config.trainer.resume_mode == "disable":
             return  # a fresh start: anything may change, it is recorded as a restart
@@ -379,26 +403,40 @@ class RunFolder:
         if done >= total or (not self.ckpt.step_folders() and not real and 0 < total <= logged):
             self.finished = self._finished_message(config, done if done >= total else logged, total)
             return
-        if done and real and not config.trainer.accept_config_changes:
+        if done and (real or self.data_changes) and not config.trainer.accept_config_changes:
             self._refuse(real, done)
 
     def _refuse(self, real: list[ConfigChange], done: int) -> None:
+        against = (
+            f"the config recorded in the checkpoint of step {done} ({record_file(self.resume.folder)})"
+            if self.saved is not None and self.resume is not None
+            else f"the folder's config ({CONFIG_FILE} with {HISTORY_FILE} applied)"
+        )
         issues = [
             error(c.path, f"{_scalar(c.old)} -> {_scalar(c.new)}{f' ({c.note})' if c.note else ''}: differs from "
                   f"the run in {self.path}",
                   f"set it back to {_scalar(c.old)}", "run-config-changed")
             for c in real
         ]  # fmt: skip
+        issues += [
+            error(d.key, f"{d.file} changed since the checkpoint of step {done} was saved ({d.old.describe()} -> "
+                  f"{d.new.describe()}): the resumed run would not read the prompts it was trained on",
+                  f"put the original {d.file} back", "run-data-changed")
+            for d in self.data_changes
+        ]  # fmt: skip
+        what = [f"{len(real)} field{'s' if len(real) != 1 else ''}"] if real else []
+        if self.data_changes:
+            n = len(self.data_changes)
+            what.append(f"{n} data file{'s' if n != 1 else ''}")
         issues.append(
             error(
                 "trainer.accept_config_changes",
                 f"{self.path} holds a run that resumes from step {done} with another config "
-                f"({len(real)} field{'s' if len(real) != 1 else ''} above; the folder's config is {CONFIG_FILE} "
-                f"with {HISTORY_FILE} applied)",
+                f"({' and '.join(what)} above, compared with {against})",
                 "keep the run's config; or give this run another --trainer.output_dir; or start over in this "
                 "folder with --trainer.resume_mode disable; or continue with the changes from step "
                 f"{done + 1} on with --trainer.accept_config_changes true (recorded in {HISTORY_FILE})",
-                "run-config-changed",
+                "run-data-changed" if not real else "run-config-changed",
             )
         )
         raise ConfigError(issues, str(self.path))
@@ -420,9 +458,11 @@ class RunFolder:
     def record_start(self, config: RLConfig, plan: TrainerPlan) -> None:
         """Write what this start adds to the folder: config.yaml on the first start (never rewritten), a
         config_history.jsonl entry when the config changed, and plan.json (the plan of this start)."""
-        if self.new:
+        if self.new and self.saved is not None:
+            self._restore_config_yaml()
+        if self.new and self.saved is None:
             _write_text(self.path / CONFIG_FILE, dump_yaml(config_to_dict(config)))
-        elif self.changes:
+        elif self.changes or self.data_changes:
             restart = self.start_step == 1
             entry = {
                 "step": self.start_step,
@@ -434,15 +474,41 @@ class RunFolder:
                     c.record("restart" if restart else "free" if c.free else "accepted") for c in self.changes
                 ],
             }
+            if self.saved is not None and self.resume is not None and not restart:
+                entry["from_checkpoint"] = self.saved.anchor(self.resume.step)
+            if self.data_changes:
+                entry["data_changes"] = [
+                    d.record("restart" if restart else "accepted") for d in self.data_changes
+                ]
             with (self.path / HISTORY_FILE).open("a", encoding="utf-8") as f:
                 f.write(json.dumps(entry) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
-            if not restart and (accepted := [c for c in self.changes if c.free is None]):
+            accepted = [c.describe() for c in self.changes if c.free is None]
+            accepted += [f"{d.key} {d.describe()}" for d in self.data_changes]
+            if not restart and accepted:
                 print(f"config changes accepted from step {self.start_step} on (recorded in "
-                      f"{self.path / HISTORY_FILE}): " + "; ".join(c.describe() for c in accepted),
-                      file=sys.stderr, flush=True)  # fmt: skip
+                      f"{self.path / HISTORY_FILE}): " + "; ".join(accepted), file=sys.stderr, flush=True)  # fmt: skip
         _write_text(self.path / PLAN_FILE, json.dumps(plan_to_dict(plan), indent=2) + "\n")
+
+    def _restore_config_yaml(self) -> None:
+        """config.yaml is gone but the checkpoint resumed from records its config: write that config (the
+        run's at that checkpoint) as config.yaml, so the folder's config stays the run's and this start's
+        changes go to the history. A history left without its config.yaml has no base: it is moved aside."""
+        assert self.saved is not None and self.resume is not None
+        history = self.path / HISTORY_FILE
+        moved = ""
+        if history.is_file():
+            aside = history.with_name(f"{HISTORY_FILE}.orphaned-{int(time.time())}")
+            os.replace(history, aside)
+            moved = f"; {HISTORY_FILE}, which had no {CONFIG_FILE} to apply to, is now {aside.name}"
+        try:  # the dataclasses' field order (the marker's JSON has its keys sorted)
+            text = dump_yaml(config_to_dict(config_from_dict(self.saved.config)))
+        except ConfigError:  # a field this version no longer has: the record as it is
+            text = dump_yaml(self.saved.config)
+        _write_text(self.path / CONFIG_FILE, text)
+        print(f"run folder {self.path}: {CONFIG_FILE} was missing; written from the config recorded in the "
+              f"checkpoint of step {self.resume.step}{moved}", file=sys.stderr, flush=True)  # fmt: skip
 
     def stop_message(self, signum: int) -> str:
         """One line: which signal stopped the run, what the folder holds, and how to resume."""

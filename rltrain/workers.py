@@ -136,18 +136,29 @@ class MegatronWorker:
     def save_checkpoint(self, folders: dict[str, str], extra: dict[str, Any]) -> bool:
         """Write this rank's part of each engine's checkpoint; True when complete, False while async."""
         from rltrain.checkpoint import role_contents, save_engine
+        from rltrain.storage import storage_errors
 
         done = True
         for role, engine in self.engines().items():
             contents, _, async_save = role_contents(self.plan, role)
-            done &= save_engine(engine, folders[role], contents, extra, async_save)
+            self._saving_into = folders[role]
+            # A full or read-only disk is the config error it is (exit 2, one line), not a worker failure.
+            with storage_errors(f"the checkpoint of step {extra.get('step')} could not be written to "
+                                f"{folders[role]}", folders[role], self.plan.checkpoint.size_bytes,
+                                "the checkpoints before it are intact"):  # fmt: skip
+                done &= save_engine(engine, folders[role], contents, extra, async_save)
         return done
 
     def finalize_checkpoint(self, blocking: bool = False) -> list[str]:
         """Finish background saves (all when blocking); returns the folders that completed."""
         from rltrain.checkpoint import finalize_pending
+        from rltrain.storage import storage_errors
 
-        return finalize_pending(blocking)
+        # The folder of the latest save (absolute; the plan's root may be relative to another directory).
+        where = getattr(self, "_saving_into", None) or self.plan.checkpoint.root
+        with storage_errors(f"a background checkpoint write into {where} failed", where,
+                            self.plan.checkpoint.size_bytes, "the checkpoints before it are intact"):  # fmt: skip
+            return finalize_pending(blocking)
 
     def load_checkpoint(self, folders: dict[str, str]) -> dict[str, Any]:
         """Restore each engine from its checkpoint folder; returns the controller's extra state."""

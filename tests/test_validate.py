@@ -158,6 +158,8 @@ CASES = [
     (["model.arch.rope_scaling.type=yarn", "model.arch.rope_scaling.factor=2.0"], "model.arch.rope_scaling.type",
      "model-engine-support", "error"),
     (["trainer.output_dir=/dev/null/run"], "trainer.output_dir", "output-dir", "error"),
+    ([f"trainer.output_dir=/tmp/{'n' * 256}"], "trainer.output_dir", "output-dir-length", "error"),  # NAME_MAX
+    (["cluster.connect_timeout_s=0"], "cluster.connect_timeout_s", "cluster", "error"),
     (["profile.tool=torch", "profile.steps=[1]", "profile.save_path=/dev/null/prof"],
      "profile.save_path", "output-dir", "error"),
     # numbers the plan and the workers cannot handle

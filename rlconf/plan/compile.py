@@ -29,6 +29,7 @@ from rlconf.model_spec import (
     head_dim,
     read_model_arch,
 )
+from rlconf.plan.checkpoint_size import checkpoint_bytes
 from rlconf.plan.types import (
     CONTROLLER,
     MEGATRON_ORDER,
@@ -615,7 +616,9 @@ def _profile(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...
 
 
 # ============================================================================================ checkpoint
-def _checkpoint(c: RLConfig, roles: tuple[str, ...]) -> CheckpointPlan:
+def _checkpoint(
+    c: RLConfig, roles: tuple[str, ...], models: _Models, layouts: tuple[RoleLayout, ...]
+) -> CheckpointPlan:
     t = c.trainer
     root = _join(t.output_dir, "checkpoints")
     if t.save_freq > 0:
@@ -677,4 +680,10 @@ def _checkpoint(c: RLConfig, roles: tuple[str, ...]) -> CheckpointPlan:
         resume_mode=t.resume_mode,
         resume_from=resume_from,
         resume=resume,
+        size_bytes=checkpoint_bytes(
+            c,
+            tuple(role_cks),
+            {rc.role: models.for_role(rc.role) for rc in role_cks},
+            {lay.role: lay.world_size for lay in layouts},
+        ),
     )

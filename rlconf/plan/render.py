@@ -296,7 +296,8 @@ def format_plan(plan: TrainerPlan) -> str:
         out.append(
             f"checkpoints: steps {_ranks_text(ck.save_steps) if len(ck.save_steps) > 12 else list(ck.save_steps)} "
             f"(every {ck.save_freq} and the last), keep "
-            f"{'all' if ck.max_ckpt_to_keep is None else ck.max_ckpt_to_keep}{', async' if ck.async_save else ''}"
+            f"{'all' if ck.max_ckpt_to_keep is None else ck.max_ckpt_to_keep}{', async' if ck.async_save else ''}, "
+            f"about {_size_text(ck.size_bytes)} each (the free space each save needs)"
         )
         for rc in ck.roles:
             hf = f" + {rc.hf_path_template}" if rc.hf_path_template else ""
@@ -331,3 +332,10 @@ def format_plan(plan: TrainerPlan) -> str:
         )
     out += [f"  note: {n}" for n in mem.notes]
     return "\n".join(out) + "\n"
+
+
+def _size_text(nbytes: int) -> str:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1024:.0f} KiB"

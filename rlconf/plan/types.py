@@ -375,6 +375,9 @@ class CheckpointPlan:
     """The checkpoint resumed from with resume_mode = resume_path; None otherwise."""
     resume: str
     """What happens at start-up, in words."""
+    size_bytes: int = 0
+    """Estimated bytes of one checkpoint, every role (rlconf.plan.checkpoint_size); the free space each save
+    needs."""
 
 
 @dataclass(frozen=True)

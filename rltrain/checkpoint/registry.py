@@ -94,6 +94,9 @@ class CheckpointRegistry:
         # Planned save_contents per role (checked at commit); empty: not checked.
         self.contents = {r: tuple(contents[r]) for r in self.roles} if contents is not None else {}
         self._staging: dict[int, Path] = {}
+        # What the controller records about the run in every COMPLETE marker (rltrain.run_record): the resume
+        # guard compares a resume with the record of the checkpoint it resumes from.
+        self.run_record: dict[str, Any] | None = None
 
     @classmethod
     def from_plan(cls, plan: TrainerPlan | CheckpointPlan) -> CheckpointRegistry:
@@ -162,6 +165,8 @@ class CheckpointRegistry:
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "unix_time": time.time(),
         }
+        if self.run_record is not None:
+            marker["run"] = self.run_record
         write_json(tmp / COMPLETE, marker)
         fault_point("before_rename", step)
         final = self.step_dir(step)

@@ -208,6 +208,12 @@ def inspect_step(folder: Path, only_role: str | None = None) -> dict[str, Any]:
         report["step"] = marker["step"]
         report["committed"] = marker.get("time") if isinstance(marker.get("time"), str) else None
         roles = list(marker["roles"])
+        run = marker.get("run")  # rltrain.run_record: what the resume guard compares with
+        report["run_record"] = (
+            {"config_sha256": run.get("config_sha256"), "data_files": len(run.get("data") or {})}
+            if isinstance(run, dict)
+            else None
+        )
     else:
         problems.append(marker_error or f"{folder} has no {COMPLETE} marker")
         roles = sorted(c.name for c in folder.iterdir() if c.is_dir()) if folder.is_dir() else []
@@ -314,6 +320,14 @@ def format_step(report: dict[str, Any]) -> str:
         "latest      " + ("yes: " if report["is_latest"] else "no: ")
         + (f"{LATEST_FILE} names step {named}" if named is not None else report["latest_file_problem"])
     )  # fmt: skip
+    if report["complete"]:
+        run = report.get("run_record")
+        lines.append(
+            f"run record  config sha256 {str(run['config_sha256'])[:16]}, {run['data_files']} data file(s) (a "
+            "resume is compared with it)"
+            if run
+            else "run record  none (an older rlplan's checkpoint: a resume is compared with config.yaml)"
+        )
     n_files = sum(len(r.get("files", [])) for r in report["roles"].values())
     lines.append(f"size        {_size(report['bytes'])} in {n_files} files")
     role_problems = [p for r in report["roles"].values() for p in r["problems"]]
