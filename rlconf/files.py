@@ -184,6 +184,41 @@ def _read(p: Path, max_bytes: int, key: str, what: str, source: str | None, offs
     return b"".join(chunks)
 
 
+def read_span(
+    path: str | os.PathLike[str],
+    offset: int,
+    length: int,
+    *,
+    key: str,
+    what: str,
+    rule: str | None = None,
+) -> tuple[bytes, int]:
+    """(up to `length` bytes from `offset`, the file's size) of the regular file at `path`: for formats
+    that say their own lengths (a safetensors header), read with open_regular's checks."""
+    p = Path(path)
+    try:
+        fd = open_regular(p)
+    except FileProblem as exc:
+        raise ConfigError([error(key, f"{what}: {exc.message}", exc.fix, rule or exc.rule)]) from None
+    try:
+        size = os.fstat(fd).st_size
+        os.lseek(fd, offset, os.SEEK_SET)
+        chunks, got = [], 0
+        while got < length:
+            chunk = os.read(fd, min(length - got, 8 * MIB))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError as exc:
+        raise ConfigError(
+            [error(key, f"{what}: cannot read {p}: {exc.strerror or exc}", "check the file", rule or FILE_RULE)]
+        ) from None
+    finally:
+        os.close(fd)
+    return b"".join(chunks), size
+
+
 def read_text(
     path: str | os.PathLike[str],
     max_bytes: int,

@@ -50,6 +50,8 @@ from rlconf.fields import (
     tuple_item_types,
     type_name,
 )
+from rlconf.model_files import RULE as MODEL_FILES_RULE
+from rlconf.model_files import model_files_issues
 from rlconf.model_spec import (
     UNSUPPORTED_RULE,
     engine_gaps,
@@ -1213,6 +1215,16 @@ def model_engine_support(c: RLConfig) -> Iterator[Issue]:
             yield error(path if folder is not None else f"{builtin}.{field}", gap,
                         "plan it with `rlconf plan` for sizing; to train, choose a dense model without it",
                         "model-engine-support")  # fmt: skip
+
+
+@rule(MODEL_FILES_RULE, "model.path", "model.tokenizer_path", "critic.model_path", "reward.reward_model.path",
+      "data.max_prompt_length", "rollout.max_response_length", filesystem=True)  # fmt: skip
+def model_files(c: RLConfig) -> Iterator[Issue]:
+    """Model folders agree with their config.json before anything starts (rlconf.model_files): every
+    safetensors header is sound (length, byte ranges inside the file, no overlaps), every tensor the loader
+    reads is there with its shape and a float dtype (embedding rows == vocab_size), the tokenizer exists
+    and its ids fit vocab_size, and prompt + response fit max_position_embeddings."""
+    yield from model_files_issues(c)
 
 
 def sliding_window_issue(c: RLConfig, arch: ModelArch, source: str, path: str) -> Issue | None:
