@@ -110,7 +110,7 @@ def test_expected_tensors_are_what_transformers_saves(tmp_path):
                 "shared_expert_intermediate_size": 24,
             },
             False,
-        ),  # fmt: skip
+        ),
         ("Mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}, False),
     ]
     for i, (name, extra, tie) in enumerate(cases):
