@@ -212,7 +212,14 @@ def read_span(
             got += len(chunk)
     except OSError as exc:
         raise ConfigError(
-            [error(key, f"{what}: cannot read {p}: {exc.strerror or exc}", "check the file", rule or FILE_RULE)]
+            [
+                error(
+                    key,
+                    f"{what}: cannot read {p}: {exc.strerror or exc}",
+                    "check the file",
+                    rule or FILE_RULE,
+                )
+            ]
         ) from None
     finally:
         os.close(fd)
@@ -278,7 +285,10 @@ def parse_json_bounded(
         raise ConfigError(
             [
                 error(
-                    key, f"{what}: {name} is not valid JSON: {exc}", "replace it with a valid file", FILE_RULE
+                    key,
+                    f"{what}: cannot read {name}: not valid JSON: {exc}",
+                    "replace it with a valid file",
+                    FILE_RULE,
                 )
             ],
             source,
