@@ -40,8 +40,9 @@ MAX_SAFETENSORS_HEADER_BYTES = 100 * MIB
 """The JSON header of one safetensors file (the safetensors library's own limit is 100 MB)."""
 MAX_MANIFEST_BYTES = 64 * MIB
 """A checkpoint's JSON records (manifest, meta, index)."""
-MAX_DATA_BYTES = 64 << 30
-"""A prompt file (.jsonl / .json / .parquet / .yaml); the loader holds its rows in memory."""
+MAX_DATA_BYTES = 16 << 30
+"""A prompt file (.jsonl / .parquet); the loader holds its rows in memory (real RL prompt sets are MBs to a
+few GB)."""
 
 
 class FileProblem(Exception):

@@ -50,6 +50,7 @@ from rlconf.fields import (
     tuple_item_types,
     type_name,
 )
+from rlconf.files import MAX_DATA_BYTES, check_regular
 from rlconf.model_files import RULE as MODEL_FILES_RULE
 from rlconf.model_files import model_files_issues
 from rlconf.model_spec import (
@@ -1189,6 +1190,14 @@ def data_files_exist(c: RLConfig) -> Iterator[Issue]:
     """Prompt files exist (relative paths are relative to the directory the run starts in)."""
     for name in ("train_files", "val_files"):
         for i, f in enumerate(getattr(c.data, name)):
+            if os.path.lexists(f) and not os.path.isdir(
+                f
+            ):  # a FIFO or device: refused, never opened blocking
+                try:
+                    check_regular(f, MAX_DATA_BYTES, key=f"data.{name}[{i}]", what="prompt file")
+                except ConfigError as exc:
+                    yield replace(exc.issues[0], rule="data-files-exist")
+                continue
             if not os.path.isfile(f):
                 what = "is a folder" if os.path.isdir(f) else "does not exist"
                 yield error(f"data.{name}[{i}]", f"prompt file {f!r} {what}",
