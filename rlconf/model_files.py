@@ -40,6 +40,7 @@ from rlconf.files import (
     read_text,
 )
 from rlconf.model_spec import head_dim, is_moe_layer, read_model_arch
+from rlconf.render_budget import RenderBudgetExceeded, render_budget
 
 RULE = "model-files"
 INDEX_FILE = "model.safetensors.index.json"
@@ -342,24 +343,77 @@ def tokenizer_size(folder: str, key: str) -> tuple[int, str] | None:
             note(read_text(path, MAX_TOKENIZER_BYTES, key=key, what=what, rule=RULE).count("\n") - 1, fname)
         else:
             check_regular(path, MAX_TOKENIZER_BYTES, key=key, what=what)
+    tok_config: Any = None
     for fname in ("added_tokens.json", "tokenizer_config.json", "special_tokens_map.json"):
         path = os.path.join(folder, fname)
         if not os.path.lexists(path):
             continue
         data = read_json(path, MAX_TOKENIZER_CONFIG_BYTES, key=key, what=what, rule=RULE)
+        tok_config = data if fname == "tokenizer_config.json" else tok_config
         if fname == "added_tokens.json" and isinstance(data, dict):
             note(_max_id(data.values()), fname)
         if fname == "tokenizer_config.json" and isinstance(data, dict):
             decoder = data.get("added_tokens_decoder")
             if isinstance(decoder, dict):
                 note(_max_id(int(k) for k in decoder if k.isdigit() and len(k) < 12), fname)
+    templates: list[tuple[str, str]] = []  # (file, template text)
+    config = os.path.join(folder, "tokenizer_config.json")
+    if isinstance(tok_config, dict):
+        chat = tok_config.get("chat_template")
+        if isinstance(chat, str):
+            templates.append((config, chat))
+        elif isinstance(chat, list):  # [{"name": ..., "template": ...}, ...]
+            templates += [
+                (config, t["template"])
+                for t in chat
+                if isinstance(t, dict) and isinstance(t.get("template"), str)
+            ]
     for fname in ("chat_template.jinja", "chat_template.json"):
         path = os.path.join(folder, fname)
         if os.path.lexists(path):
-            read_text(path, MAX_TOKENIZER_CONFIG_BYTES, key=key, what=what, rule=RULE)
+            text = read_text(path, MAX_TOKENIZER_CONFIG_BYTES, key=key, what=what, rule=RULE)
+            if fname.endswith(".jinja"):
+                templates.append((path, text))
+            else:
+                data = parse_json_bounded(text, key=key, what=what, name=path)
+                if isinstance(data, dict) and isinstance(data.get("chat_template"), str):
+                    templates.append((path, data["chat_template"]))
+    for path, template in templates:
+        check_chat_template(template, path, key)
     if best < 0:
         return None
     return best + 1, source
+
+
+def check_chat_template(template: str, path: str, key: str) -> None:
+    """Render a chat template once on a one-message conversation within rlconf.render_budget's time and memory
+    budget, in Jinja's sandbox as transformers does; a ConfigError naming `key` and the file when it runs past
+    the budget. A template that does not compile or render here for another reason (a tag only transformers
+    defines, a raise_exception for this conversation) is left to transformers."""
+    try:
+        import jinja2.ext
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:  # jinja2 comes with transformers; without it nothing renders templates
+        return
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: "")
+    try:
+        with render_budget(f"{path}: the chat template"):
+            env.from_string(template).render(
+                messages=[{"role": "user", "content": "hello"}], add_generation_prompt=True, tools=None,
+                bos_token="", eos_token="",
+            )  # fmt: skip
+    except RenderBudgetExceeded as exc:
+        raise ConfigError([error(key, f"{exc} rendering one short message", "use the model's own chat template "
+                                 "(one renders in milliseconds), or remove it", RULE)]) from None  # fmt: skip
+    except Exception:
+        return
 
 
 def tokenizer_issues(folder: str, vocab_size: int, key: str, vocab_source: str) -> list[Issue]:

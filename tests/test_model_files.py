@@ -309,3 +309,50 @@ def test_config_file_fifo(tmp_path, kind):
 
 def test_good_folder_loads_through_load_config(good):
     load_config(None, preset="tiny-grpo", overrides=[f"model.path={good}"], filesystem=True, presets=PRESETS)
+
+
+# ------------------------------------------------------------------------------------- chat templates
+BOMB = "{% for i in range(100000) %}{% for j in range(100000) %}{{ '' }}{% endfor %}{% endfor %}"
+
+
+def _set_template(folder: Path, template: str) -> None:
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+
+
+def test_chat_template_bomb_is_stopped_at_validate(folder, capsys):
+    """Two nested range(100000) loops (the issue: 10.2 GB after 90 s): the render budget stops it."""
+    _set_template(folder, BOMB)
+    start = time.perf_counter()
+    code = rlconf_main(["validate", "--preset", "tiny-grpo", "--set", f"model.path={folder}"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert time.perf_counter() - start < 5
+    assert (
+        "[model-files] model.path:" in err
+        and "tokenizer_config.json: the chat template ran longer than" in err
+    )
+
+
+def test_chat_template_bomb_is_stopped_when_the_run_renders_it(folder):
+    """The tokenizer a run loads renders every prompt under the same budget (a bomb that depends on the
+    data is stopped there too), and a real template renders the same ids as transformers' own call."""
+    from rlconf.config import ModelConfig
+    from rlconf.errors import ConfigError
+    from rltrain.tokenizer import load_tokenizer
+
+    _set_template(folder, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    tok = load_tokenizer(ModelConfig(path=str(folder)))
+    expected = tok.hf.apply_chat_template([{"role": "user", "content": "12+7="}], tokenize=True)
+    expected = expected if isinstance(expected, list) else expected["input_ids"]
+    assert tok.encode_prompt("12+7=") == list(expected)
+    # Data-dependent: quick for a short prompt, 10^10 iterations for a 100000-character one.
+    _set_template(folder, "{% for m in messages %}{% for c in m['content'] %}{% for d in m['content'] %}"
+                  "{% endfor %}{% endfor %}{% endfor %}")  # fmt: skip
+    tok = load_tokenizer(ModelConfig(path=str(folder)))
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as info:
+        tok.encode_prompt("1" * 100_000)
+    assert time.perf_counter() - start < 5
+    assert info.value.path == "model.path" and "ran longer than" in info.value.issues[0].message
