@@ -139,4 +139,34 @@ def test_data_loader_refuses_what_is_not_a_regular_file(tmp_path, kind):
         f.symlink_to("/dev/zero")
     with pytest.raises(ConfigError) as info:
         build_dataloaders(DataConfig(train_files=(str(f),)), CharTokenizer())
-    assert info.value.path.startswith("data.train_files") and "not a regular file" in info.value.issues[0].message
+    assert (
+        info.value.path.startswith("data.train_files")
+        and "not a regular file" in info.value.issues[0].message
+    )
+
+
+# ------------------------------------------------------------------------------------- checkpoint records
+@pytest.mark.parametrize("kind", ["fifo", "symlink-dev-zero", "deep", "huge"])
+def test_checkpoint_records_are_read_bounded(tmp_path, kind):
+    """A checkpoint's manifest / meta.json that is a FIFO, /dev/zero, nested 100000 deep or 100 MiB: an
+    error naming the file (in JSON_ERRORS, which every caller reports), at once, never a hang."""
+    from rltrain.checkpoint.manifest import JSON_ERRORS, read_json
+
+    f = tmp_path / "manifest.json"
+    if kind == "fifo":
+        os.mkfifo(f)
+    elif kind == "symlink-dev-zero":
+        f.symlink_to("/dev/zero")
+    elif kind == "deep":
+        f.write_text("[" * 100_000 + "]" * 100_000)
+    else:
+        with open(f, "wb") as out:
+            out.truncate(100 << 20)
+    start = time.perf_counter()
+    with pytest.raises(JSON_ERRORS) as info:
+        read_json(f)
+    assert time.perf_counter() - start < 1.0
+    assert str(f) in str(info.value)
+    assert {"fifo": "FIFO", "symlink-dev-zero": "a device", "deep": "nested deeper", "huge": "larger than"}[
+        kind
+    ] in str(info.value)
