@@ -265,6 +265,10 @@ def weights_issues(
 ) -> list[Issue]:
     """Errors for the folder's safetensors against `arch`: a bad header, a missing tensor, a wrong shape
     or dtype (empty: the loader finds every tensor it reads)."""
+    implied = 3 + arch.num_layers * (16 + 3 * (arch.num_moe_experts or 0))  # bounds hf_tensors from above
+    if implied > MAX_TENSORS:  # checked before listing them: num_experts = 10^9 is not a list of 10^9 names
+        return [error(key, f"{os.path.join(folder, 'config.json')} implies about {implied:,} weight tensors, more "
+                      f"than any model has ({MAX_TENSORS:,})", "fix config.json", RULE)]  # fmt: skip
     try:
         tensors = read_weights(folder, key)
     except ConfigError as exc:

@@ -356,3 +356,17 @@ def test_chat_template_bomb_is_stopped_when_the_run_renders_it(folder):
         tok.encode_prompt("1" * 100_000)
     assert time.perf_counter() - start < 5
     assert info.value.path == "model.path" and "ran longer than" in info.value.issues[0].message
+
+
+def test_config_json_with_a_billion_experts_is_refused_before_listing_them(tmp_path, capsys):
+    """num_experts = 10^9 would list 3 x 10^9 expected tensors: refused from the count, at once."""
+    folder = tmp_path / "moe"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "qwen3_moe", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 32,
+        "max_position_embeddings": 256, "num_experts": 10**9, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+    }))  # fmt: skip
+    CharTokenizer().save_pretrained(str(folder))
+    _rejects(folder, capsys, "weight tensors, more than any model has")
