@@ -20,7 +20,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from rlconf.errors import ConfigError, Issue, error
+from rlconf.errors import ConfigError, error
 
 KIB, MIB = 1 << 10, 1 << 20
 FILE_RULE = "file"
@@ -97,32 +97,63 @@ def open_regular(path: Path) -> int:
     return fd
 
 
+class _Reader:
+    """One bounded read: the error naming (config path, what the file is, rule) and the opened file."""
+
+    def __init__(
+        self, path: str | os.PathLike[str], key: str, what: str, rule: str | None, source: str | None
+    ):
+        self.path, self.key, self.what, self.rule, self.source = Path(path), key, what, rule, source
+
+    def fail(self, message: str, fix: str, rule: str) -> ConfigError:
+        return ConfigError([error(self.key, f"{self.what}: {message}", fix, self.rule or rule)], self.source)
+
+    def open(self) -> int:
+        try:
+            return open_regular(self.path)
+        except FileProblem as exc:
+            raise self.fail(exc.message, exc.fix, exc.rule) from None
+
+    def too_large(self, max_bytes: int) -> ConfigError:
+        return self.fail(
+            f"{self.path} is larger than {_size_text(max_bytes)}",
+            "check that this is the file you meant",
+            LIMIT_RULE,
+        )
+
+    def read(self, fd: int, offset: int, length: int) -> bytes:
+        """Up to `length` bytes from `offset` (fewer at the end of the file)."""
+        try:
+            if offset:
+                os.lseek(fd, offset, os.SEEK_SET)
+            chunks, got = [], 0
+            while got < length:
+                chunk = os.read(fd, min(length - got, 8 * MIB))
+                if not chunk:
+                    break
+                chunks.append(chunk)
+                got += len(chunk)
+        except OSError as exc:
+            raise self.fail(
+                f"cannot read {self.path}: {exc.strerror or exc}", "check the file", FILE_RULE
+            ) from None
+        return b"".join(chunks)
+
+
 def check_regular(
     path: str | os.PathLike[str], max_bytes: int, *, key: str, what: str, source: str | None = None
 ) -> int:
     """The size of the regular file at `path` (<= max_bytes), for readers that read it themselves (pyarrow);
     the same checks and errors as read_regular, without reading."""
-    p = Path(path)
+    r = _Reader(path, key, what, None, source)
+    fd = r.open()
     try:
-        fd = open_regular(p)
-        try:
-            size = os.fstat(fd).st_size
-        finally:
-            os.close(fd)
-    except FileProblem as exc:
-        raise ConfigError([error(key, f"{what}: {exc.message}", exc.fix, exc.rule)], source) from None
+        size = os.fstat(fd).st_size
+    finally:
+        os.close(fd)
     if size > max_bytes:
-        raise ConfigError([_too_large(key, what, p, max_bytes)], source)
+        raise r.too_large(max_bytes)
     return size
-
-
-def _too_large(key: str, what: str, path: Path, max_bytes: int) -> Issue:
-    return error(
-        key,
-        f"{what}: {path} is larger than {_size_text(max_bytes)}",
-        "check that this is the file you meant",
-        LIMIT_RULE,
-    )
 
 
 def _size_text(n: int) -> str:
@@ -139,92 +170,38 @@ def read_regular(
     key: str,
     what: str,
     source: str | None = None,
-    offset: int = 0,
     rule: str | None = None,
 ) -> bytes:
-    """At most `max_bytes` bytes of the regular file at `path` from `offset`; a ConfigError naming config
-    path `key` and the file (`what` says what the file is: "config.json of model.path") when it is missing,
-    not a regular file, or longer than `max_bytes` (from `offset`). `rule` replaces the rule names of the
-    errors (a reader's own rule, e.g. model-config-json)."""
+    """The bytes of the regular file at `path`, at most `max_bytes` (reading at most one more); a ConfigError
+    naming config path `key` and the file (`what` says what the file is: "config.json of model.path") when
+    it is missing, not a regular file, or longer. `rule` replaces the rule names of the errors (a reader's
+    own rule, e.g. model-config-json)."""
+    r = _Reader(path, key, what, rule, source)
+    fd = r.open()
     try:
-        return _read(Path(path), max_bytes, key, what, source, offset)
-    except ConfigError as exc:
-        if rule is None:
-            raise
-        raise _renamed(exc, rule) from None
+        data = r.read(fd, 0, max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise r.too_large(max_bytes)
+    return data
+
+
+def read_span(
+    path: str | os.PathLike[str], offset: int, length: int, *, key: str, what: str, rule: str | None = None
+) -> tuple[bytes, int]:
+    """(up to `length` bytes from `offset`, the file's size) of the regular file at `path`: for formats
+    that say their own lengths (a safetensors header), with read_regular's checks."""
+    r = _Reader(path, key, what, rule, None)
+    fd = r.open()
+    try:
+        return r.read(fd, offset, length), os.fstat(fd).st_size
+    finally:
+        os.close(fd)
 
 
 def _renamed(exc: ConfigError, rule: str) -> ConfigError:
     return ConfigError([dataclasses.replace(i, rule=rule) for i in exc.issues], exc.source)
-
-
-def _read(p: Path, max_bytes: int, key: str, what: str, source: str | None, offset: int) -> bytes:
-    try:
-        fd = open_regular(p)
-    except FileProblem as exc:
-        raise ConfigError([error(key, f"{what}: {exc.message}", exc.fix, exc.rule)], source) from None
-    try:
-        if offset:
-            os.lseek(fd, offset, os.SEEK_SET)
-        chunks, got = [], 0
-        while got <= max_bytes:
-            chunk = os.read(fd, min(max_bytes + 1 - got, 8 * MIB))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-    except OSError as exc:
-        raise ConfigError(
-            [error(key, f"{what}: cannot read {p}: {exc.strerror or exc}", "check the file", FILE_RULE)],
-            source,
-        ) from None
-    finally:
-        os.close(fd)
-    if got > max_bytes:
-        raise ConfigError([_too_large(key, what, p, max_bytes)], source)
-    return b"".join(chunks)
-
-
-def read_span(
-    path: str | os.PathLike[str],
-    offset: int,
-    length: int,
-    *,
-    key: str,
-    what: str,
-    rule: str | None = None,
-) -> tuple[bytes, int]:
-    """(up to `length` bytes from `offset`, the file's size) of the regular file at `path`: for formats
-    that say their own lengths (a safetensors header), read with open_regular's checks."""
-    p = Path(path)
-    try:
-        fd = open_regular(p)
-    except FileProblem as exc:
-        raise ConfigError([error(key, f"{what}: {exc.message}", exc.fix, rule or exc.rule)]) from None
-    try:
-        size = os.fstat(fd).st_size
-        os.lseek(fd, offset, os.SEEK_SET)
-        chunks, got = [], 0
-        while got < length:
-            chunk = os.read(fd, min(length - got, 8 * MIB))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            got += len(chunk)
-    except OSError as exc:
-        raise ConfigError(
-            [
-                error(
-                    key,
-                    f"{what}: cannot read {p}: {exc.strerror or exc}",
-                    "check the file",
-                    rule or FILE_RULE,
-                )
-            ]
-        ) from None
-    finally:
-        os.close(fd)
-    return b"".join(chunks), size
 
 
 def read_text(
