@@ -749,7 +749,8 @@ class ClusterConfig:
     gpus_per_node: int = 1
     """Devices per node (GPUs, NPUs, or worker processes on cpu)."""
     device_memory_gib: float | None = None
-    """Memory of one device in GiB for the plan's memory check; None skips the check."""
+    """Memory of one device in GiB for the plan's memory check. None: on cpu, this machine's memory (MemTotal
+    or the cgroup limit) shared by gpus_per_node workers; on an accelerator, no check."""
     ray_address: str | None = None
     """Ray cluster to join; None starts a local cluster (or joins RAY_ADDRESS when set)."""
     connect_timeout_s: float = 30.0

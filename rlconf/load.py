@@ -42,6 +42,7 @@ from rlconf.fields import (
     tuple_item_types,
     type_name,
 )
+from rlconf.files import LIMIT_RULE, read_regular
 
 PRESET_KEY = "preset"
 
@@ -552,7 +553,8 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
 
 # ---------------------------------------------------------------------------------------------- files
 def _read_limited(path: Path, source: str) -> str:
-    """The text of a regular file of at most MAX_CONFIG_BYTES (reading at most one byte more)."""
+    """The text of a regular file of at most MAX_CONFIG_BYTES (rlconf.files: opened without blocking,
+    fstat-checked, reading at most one byte more)."""
 
     def fail(message: str, fix: str, rule: str = "file") -> ConfigError:
         return ConfigError([error("", message, fix, rule)], source)
@@ -567,22 +569,20 @@ def _read_limited(path: Path, source: str) -> str:
         ) from None
     if stat.S_ISDIR(mode):
         raise fail(f"{source} is a folder, not a config file", "name a .yaml or .json file inside it")
-    if not stat.S_ISREG(mode):
-        raise fail(
-            f"{source} is not a regular file (a device, pipe or socket)",
-            "save the config to a .yaml or .json file and pass that",
-        )
     try:
-        with open(path, "rb") as f:
-            raw = f.read(MAX_CONFIG_BYTES + 1)
-    except OSError as exc:
-        raise fail(f"cannot read {source}: {exc.strerror or exc}", "check the file's permissions") from None
-    if len(raw) > MAX_CONFIG_BYTES:
+        raw = read_regular(path, MAX_CONFIG_BYTES, key="", what="config file")
+    except ConfigError as exc:
+        issue = exc.issues[0]
+        if issue.rule == LIMIT_RULE:
+            raise fail(
+                f"{source} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config is a few KiB",
+                "check that this is the config file you meant",
+                LIMIT_RULE,
+            ) from None
         raise fail(
-            f"{source} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config is a few KiB",
-            "check that this is the config file you meant",
-            "file-limits",
-        )
+            issue.message.removeprefix("config file: "),
+            "save the config to a .yaml or .json file and pass that",
+        ) from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:

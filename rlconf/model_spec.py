@@ -18,7 +18,6 @@ per token) and sizes its memory estimate with the same per-layer pieces.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from typing import Any
 
 from rlconf.config import ModelArch, RopeScaling
 from rlconf.errors import ConfigError, error
+from rlconf.files import MAX_MODEL_CONFIG_BYTES, read_json
 
 MAX_SIZE = 1 << 40
 """Bound on any size read from config.json (absurd values become errors, not hours of arithmetic)."""
@@ -122,22 +122,13 @@ def read_model_arch(folder: str, path: str = "model.path") -> ModelArch:
     rule `model-unsupported` when it describes a model or feature rlplan cannot build.
     """
     cfg_file = os.path.join(folder, "config.json")
-    try:
-        with open(cfg_file, encoding="utf-8") as f:
-            raw = json.load(f)
-    except FileNotFoundError:
+    if not os.path.lexists(cfg_file):
         fix = f"point {path} at a local Hugging Face model folder that contains config.json"
         if path == "model.path":
             fix += ", or set model.path: null to build model.arch"
-        raise ConfigError([error(path, f"{cfg_file} does not exist", fix, READ_RULE)]) from None
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(
-            [
-                error(
-                    path, f"cannot read {cfg_file}: {exc}", "make config.json readable, valid JSON", READ_RULE
-                )
-            ]
-        ) from None
+        raise ConfigError([error(path, f"{cfg_file} does not exist", fix, READ_RULE)])
+    # Bounded: a symlink to /dev/zero, a FIFO or a 1 GB file is an error, not the machine's memory.
+    raw = read_json(cfg_file, MAX_MODEL_CONFIG_BYTES, key=path, what=f"config.json of {path}", rule=READ_RULE)
     return arch_from_config(raw, cfg_file, path)
 
 

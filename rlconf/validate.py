@@ -52,6 +52,9 @@ from rlconf.fields import (
     tuple_item_types,
     type_name,
 )
+from rlconf.files import MAX_DATA_BYTES, check_regular
+from rlconf.model_files import RULE as MODEL_FILES_RULE
+from rlconf.model_files import model_files_issues
 from rlconf.model_spec import (
     UNSUPPORTED_RULE,
     engine_gaps,
@@ -1236,6 +1239,14 @@ def data_files_exist(c: RLConfig) -> Iterator[Issue]:
     """Prompt files exist (relative paths are relative to the directory the run starts in)."""
     for name in ("train_files", "val_files"):
         for i, f in enumerate(getattr(c.data, name)):
+            if os.path.lexists(f) and not os.path.isdir(
+                f
+            ):  # a FIFO or device: refused, never opened blocking
+                try:
+                    check_regular(f, MAX_DATA_BYTES, key=f"data.{name}[{i}]", what="prompt file")
+                except ConfigError as exc:
+                    yield replace(exc.issues[0], rule="data-files-exist")
+                continue
             if not os.path.isfile(f):
                 what = "is a folder" if os.path.isdir(f) else "does not exist"
                 yield error(f"data.{name}[{i}]", f"prompt file {f!r} {what}",
@@ -1262,6 +1273,16 @@ def model_engine_support(c: RLConfig) -> Iterator[Issue]:
             yield error(path if folder is not None else f"{builtin}.{field}", gap,
                         "plan it with `rlconf plan` for sizing; to train, choose a dense model without it",
                         "model-engine-support")  # fmt: skip
+
+
+@rule(MODEL_FILES_RULE, "model.path", "model.tokenizer_path", "critic.model_path", "reward.reward_model.path",
+      "data.max_prompt_length", "rollout.max_response_length", filesystem=True)  # fmt: skip
+def model_files(c: RLConfig) -> Iterator[Issue]:
+    """Model folders agree with their config.json before anything starts (rlconf.model_files): every
+    safetensors header is sound (length, byte ranges inside the file, no overlaps), every tensor the loader
+    reads is there with its shape and a float dtype (embedding rows == vocab_size), the tokenizer exists
+    and its ids fit vocab_size, and prompt + response fit max_position_embeddings."""
+    yield from model_files_issues(c)
 
 
 def sliding_window_issue(c: RLConfig, arch: ModelArch, source: str, path: str) -> Issue | None:

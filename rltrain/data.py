@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ import torch
 
 from rlconf.config import DataConfig
 from rlconf.errors import ConfigError, error
+from rlconf.files import MAX_DATA_BYTES, check_regular
 from rlconf.run_length import batches_per_epoch
 from rlconf.seeding import run_seed
 from rltrain.tokenizer import Prompt, Tokenizer, messages_to_text
@@ -210,6 +212,13 @@ def _lookup(record: dict[str, Any], key: str) -> tuple[bool, Any]:
 
 def _read_rows(path: Path, files_key: str) -> tuple[list[dict[str, Any]], list[str] | None]:
     """Rows of a parquet or jsonl file (and the parquet column names)."""
+    if os.path.lexists(path):
+        # A FIFO, a device or a symlink to /dev/zero is refused without blocking; the size is bounded.
+        try:
+            check_regular(path, MAX_DATA_BYTES, key=files_key, what="prompt file")
+        except ConfigError as exc:
+            issue = exc.issues[0]
+            raise DataError(files_key, issue.message, issue.fix, rule="data-file-unreadable") from None
     if not path.is_file():
         raise DataError(
             files_key,

@@ -48,6 +48,7 @@ import torch
 from rlconf.config import ROLES, NpuProfileOptions, NsysProfileOptions, TorchProfileOptions
 from rlconf.plan import ProfilePlan
 from rltrain import device as devices
+from rltrain.checkpoint.manifest import JSON_ERRORS, read_json
 from rltrain.npu import MstxRange, load_torch_npu
 
 log = logging.getLogger(__name__)
@@ -563,8 +564,8 @@ def _records(save_path: Path) -> list[dict[str, Any]]:
     metas = [*save_path.glob(f"step_*/*/rank_*/{META}"), *save_path.glob(f"step_*/*/rank_*/call_*/{META}")]
     for path in metas:
         try:
-            meta = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
+            meta = read_json(path)  # bounded (rltrain.checkpoint.manifest.read_json)
+        except JSON_ERRORS as exc:
             log.warning("profiler summary: skipping %s: %s", path, exc)
             continue
         base = {

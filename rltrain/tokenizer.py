@@ -29,6 +29,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from rlconf.config import ModelConfig
 from rlconf.errors import ConfigError, error
+from rlconf.model_files import tokenizer_size
+from rlconf.render_budget import RenderBudgetExceeded, render_budget
 
 # A prompt is plain text or a list of chat messages ({"role": ..., "content": ...}).
 Prompt = str | Sequence[dict[str, Any]]
@@ -324,8 +326,11 @@ def _byte_level(text: str) -> str:
 class HFTokenizer:
     """A `transformers` tokenizer behind the rltrain interface."""
 
-    def __init__(self, hf_tokenizer: Any) -> None:
+    def __init__(self, hf_tokenizer: Any, key: str = "model.path", folder: str = "") -> None:
+        """`key` / `folder`: the config path and folder it was loaded from (named when its chat template
+        runs past its budget)."""
         self.hf = hf_tokenizer
+        self.key, self.folder = key, folder
         self.eos_token_id: int = hf_tokenizer.eos_token_id
         # Many chat models (Qwen2) have no pad token; padding positions are masked anyway, so eos serves.
         pad = hf_tokenizer.pad_token_id
@@ -350,13 +355,31 @@ class HFTokenizer:
         """The HF chat template; a plain string is treated as one user message."""
         if isinstance(messages, str):
             messages = [{"role": "user", "content": messages}]
-        out = self.hf.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=tokenize
-        )
-        # transformers 5 may return a BatchEncoding when tokenize=True.
-        if tokenize and not isinstance(out, list):
-            out = out["input_ids"]
-        return out
+        text = self._render(list(messages), add_generation_prompt=add_generation_prompt)
+        if not tokenize:
+            return text
+        # What transformers' apply_chat_template(tokenize=True) does after rendering: the template wrote the
+        # special tokens itself.
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
+
+    def _render(self, messages: list[Any], **kwargs: Any) -> str:
+        """The chat template's text, rendered within rltrain.render_budget's time and memory budget."""
+        what = f"the chat template of {self.key} ({self.folder})"
+        try:
+            with render_budget(what):
+                return self.hf.apply_chat_template(messages, tokenize=False, **kwargs)
+        except RenderBudgetExceeded as exc:
+            raise ConfigError(
+                [
+                    error(
+                        self.key,
+                        str(exc),
+                        "use the model's own chat template (a chat template renders in milliseconds), or "
+                        "data.apply_chat_template: false",
+                        rule="chat-template",
+                    )
+                ]
+            ) from None
 
     def encode_prompt(self, prompt: Prompt, apply_chat_template: bool = True) -> list[int]:
         """Ids the policy continues: chat-templated when asked and available, else the plain text with the
@@ -371,10 +394,8 @@ class HFTokenizer:
         if not self.has_chat_template:
             return self.encode_prompt(prompt, apply_chat_template=False)
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        out = self.hf.apply_chat_template(
-            messages, tools=list(tool_schemas) or None, add_generation_prompt=True, tokenize=True
-        )
-        return list(out if isinstance(out, list) else out["input_ids"])
+        text = self._render(messages, tools=list(tool_schemas) or None, add_generation_prompt=True)
+        return list(self.hf(text, add_special_tokens=False)["input_ids"])
 
     def tool_call_stop_ids(self) -> tuple[int, ...]:
         """The id of `</tool_call>` when the vocabulary has it as one token (Qwen2.5, Hermes); else none (a
@@ -399,7 +420,7 @@ class HFTokenizer:
             {"role": "assistant", "content": sentinel},
             {"role": "tool", "content": result_text},
         ]
-        text = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = self._render(messages, add_generation_prompt=True)
         return text[text.index(sentinel) + len(sentinel) :]
 
     def __repr__(self) -> str:
@@ -429,6 +450,11 @@ def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
             )
         return tok
     key = "model.tokenizer_path" if model_cfg.tokenizer_path is not None else "model.path"
+    if os.path.isdir(path):
+        # The files transformers is about to read, read first with rlconf.files' bounds (no FIFO, device or
+        # oversized file reaches it); a folder without tokenizer files is a named error, not a 1-token
+        # tokenizer.
+        tokenizer_size(path, key)
     try:
         from transformers import AutoTokenizer
 
@@ -445,4 +471,7 @@ def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
                 )
             ]
         ) from exc
-    return HFTokenizer(hf)
+    tok = HFTokenizer(hf, key, path)
+    if tok.has_chat_template:  # a template that cannot render within its budget stops here, at start-up
+        tok.apply_chat_template("hello")
+    return tok

@@ -17,6 +17,8 @@ from rlconf.errors import ConfigError
 from rlconf.model_spec import FAMILIES, arch_from_config, count_parameters, hf_config, read_model_arch
 from rlconf.plan import compile_plan, plan_to_dict
 
+from .hf_folders import complete_folder
+
 # Real config.json values (Hugging Face hub, abridged to what the architecture depends on).
 QWEN3_30B_A3B = {
     "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": 48,
@@ -67,8 +69,13 @@ def folder(tmp_path: Path, name: str, cfg: dict, **changes: object) -> str:
     return str(path)
 
 
+# These tests size real models, not this machine: a budget no plan here exceeds (on cpu the memory check
+# would otherwise use this machine's RAM).
+ANY_MACHINE = replace(RLConfig().cluster, device_memory_gib=1e6)
+
+
 def plan_json(path: str, **model: object) -> dict:
-    return plan_to_dict(compile_plan(RLConfig(model=ModelConfig(path=path, **model))))
+    return plan_to_dict(compile_plan(RLConfig(model=ModelConfig(path=path, **model), cluster=ANY_MACHINE)))
 
 
 def rlconf(*args: str) -> subprocess.CompletedProcess[str]:
@@ -105,7 +112,7 @@ def test_experts_are_in_the_memory_estimate_and_sharded_by_expert_parallel(tmp_p
     def actor_params(ep: int) -> int:
         config = RLConfig(
             model=ModelConfig(path=path, params_dtype="bfloat16"),
-            cluster=replace(RLConfig().cluster, gpus_per_node=8),
+            cluster=replace(ANY_MACHINE, gpus_per_node=8),
         )
         config = replace(
             config, actor=replace(config.actor, megatron=MegatronConfig(expert_model_parallel_size=ep))
@@ -228,20 +235,23 @@ def test_family_defaults_are_transformers_class_defaults():
 
 # ============================================================================================ commands
 def test_rlconf_plan_and_validate_accept_moe_and_check_expert_parallel(tmp_path: Path):
-    path = folder(tmp_path, "Qwen3-30B-A3B", QWEN3_30B_A3B)
-    planned = rlconf("plan", "--preset", "tiny-grpo", "--set", f"model.path={path}", "--json")
+    ANY = ("--set", "cluster.device_memory_gib=1e6")  # sizes real models, not this machine
+    path = complete_folder(folder(tmp_path, "Qwen3-30B-A3B", QWEN3_30B_A3B))
+    planned = rlconf("plan", "--preset", "tiny-grpo", "--set", f"model.path={path}", "--json", *ANY)
     assert planned.returncode == 0, planned.stderr
     policy = json.loads(planned.stdout)["models"]["policy"]
     assert policy["params_total"] > 9 * policy["params_active"]
-    checked = rlconf("validate", "--preset", "tiny-grpo", "--set", f"model.path={path}")
+    checked = rlconf("validate", "--preset", "tiny-grpo", "--set", f"model.path={path}", *ANY)
     assert checked.returncode == 0, checked.stdout + checked.stderr
     # 6 experts do not split over 4 expert-parallel ranks: named, with the config.json it came from.
-    six = folder(tmp_path, "six-experts", QWEN3_30B_A3B | {"num_experts": 6, "num_experts_per_tok": 2})
+    six = complete_folder(
+        folder(tmp_path, "six-experts", QWEN3_30B_A3B | {"num_experts": 6, "num_experts_per_tok": 2})
+    )
     checked = rlconf("validate", "--preset", "tiny-grpo", "--set", f"model.path={six}", "--set",
                      "cluster.gpus_per_node=4", "--set", "actor.megatron.expert_model_parallel_size=4", "--set",
-                     "actor.ppo_micro_batch_size_per_gpu=8")  # fmt: skip
+                     "actor.ppo_micro_batch_size_per_gpu=8", *ANY)  # fmt: skip
     assert checked.returncode == 2, checked.stdout + checked.stderr
     assert "[engine-support] actor.megatron.expert_model_parallel_size" in checked.stderr
     assert "num_moe_experts = 6" in checked.stderr
-    dense = folder(tmp_path, "Qwen3-8B", QWEN3_8B)
-    assert rlconf("validate", "--preset", "tiny-grpo", "--set", f"model.path={dense}").returncode == 0
+    dense = complete_folder(folder(tmp_path, "Qwen3-8B", QWEN3_8B))
+    assert rlconf("validate", "--preset", "tiny-grpo", "--set", f"model.path={dense}", *ANY).returncode == 0

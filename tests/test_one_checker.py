@@ -32,6 +32,7 @@ from rlconf.fields import get_path, iter_leaves, replace_paths
 from rlconf.model_spec import family_issues
 from rlconf.plan import compile_plan
 from rlconf.validate import RULES, check_config
+from tests.hf_folders import complete_folder
 from tests.strategies import valid_configs
 from tests.typed_strategies import for_type, typed_configs
 
@@ -183,7 +184,7 @@ QWEN_SMALL = {
 
 def _model_folder(tmp_path: Path, cfg: dict) -> str:
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    return str(tmp_path)
+    return complete_folder(tmp_path)  # weights and tokenizer too: rlconf validate checks them (model-files)
 
 
 def test_a_config_json_check_stays_in_the_plan_under_the_validators_rule_and_rlconf_validate_reaches_it(

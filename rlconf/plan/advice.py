@@ -10,15 +10,17 @@ from rlconf.config import (
 )
 from rlconf.errors import ConfigError, error
 from rlconf.fields import get_path
+from rlconf.host_memory import memory_budget
 from rlconf.plan.assemble import _compile
 from rlconf.plan.types import TrainerPlan, _megatron_of
 
 
 # ============================================================================================ memory check
 def _check_memory(config: RLConfig, plan: TrainerPlan) -> None:
-    dev = config.cluster.device_memory_gib
-    if dev is None:
+    budget = memory_budget(config)  # on cpu without device_memory_gib: this host's RAM per worker
+    if budget is None:
         return
+    dev = budget.gib
     issues = []
     for pool in plan.memory.pools:
         if pool.peak_gib <= dev:
@@ -28,8 +30,8 @@ def _check_memory(config: RLConfig, plan: TrainerPlan) -> None:
         parts = " + ".join(f"{p.label} {p.gib:.1f}" for p in big) or "small parts"
         others = [p.phase for p in pool.phases if p.total_gib > dev and p.phase != pool.peak_phase]
         message = (
-            f"estimated peak memory per device is {pool.peak_gib:.1f} GiB, more than cluster.device_memory_gib = "
-            f"{dev:g} GiB: on {pool.pool} rank {pool.rank}, {pool.peak_phase} needs {parts} GiB"
+            f"estimated peak memory per device is {pool.peak_gib:,.1f} GiB, more than {budget.text}: on "
+            f"{pool.pool} rank {pool.rank}, {pool.peak_phase} needs {parts} GiB"
             + (f" ({', '.join(others)} also exceed{'s' if len(others) == 1 else ''} it)" if others else "")
             + "; the run would run out of memory after start-up"
         )
@@ -166,5 +168,8 @@ def _memory_options(config: RLConfig, pool: str, current: float, dev: float) -> 
             head = "together: " if len(chosen) > 1 else ""
             out.insert(0, f"{head}{' AND '.join(chosen.values())} -> {peak:.1f} GiB ({verdict})")
     out.append("more devices (a larger dp shards the distributed optimizer further)")
-    out.append("cluster.device_memory_gib, if the device really has more memory (null skips this check)")
+    out.append(
+        "cluster.device_memory_gib, if the device really has more memory (null skips this check on "
+        "accelerators; on cpu null checks this machine's memory)"
+    )
     return out

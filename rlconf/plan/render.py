@@ -310,11 +310,12 @@ def format_plan(plan: TrainerPlan) -> str:
     out.append(f"  resume ({ck.resume_mode}): {ck.resume}")
 
     mem = plan.memory
-    dev = (
-        "not checked (cluster.device_memory_gib: null)"
-        if mem.device_memory_gib is None
-        else f"{mem.device_memory_gib:g} GiB"
-    )
+    if mem.device_memory_gib is not None:
+        dev = f"{mem.device_memory_gib:g} GiB"
+    elif plan.config.cluster.device == "cpu":  # rlconf.host_memory: the check uses this machine's RAM
+        dev = "cpu: checked against this machine's memory per worker"
+    else:
+        dev = "not checked (cluster.device_memory_gib: null)"
     out += ["", f"memory estimate per device (GiB; device {dev})"]
     out += _table(
         ("role", "pool", "stage", "params", "weights", "grads", "optimizer", "activations", "logits", "total", "offloaded"),

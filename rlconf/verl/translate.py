@@ -101,6 +101,10 @@ def flatten_verl(data: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
+MAX_INTERPOLATED_CHARS = 64 << 10
+"""Longest string an interpolation may expand to (verl's own values are paths and names)."""
+
+
 def _interpolations(text: str) -> list[tuple[int, int, str]]:
     """(start, end, expression) of every top-level `${...}` in a string (braces inside may nest)."""
     found, i = [], text.find("${")
@@ -175,6 +179,12 @@ def resolve_interpolations(values: dict[str, Any]) -> tuple[dict[str, Any], dict
                     for start, end, expr in _interpolations(value):
                         new += value[last:start] + str(_lookup(expr, key, out))
                         last = end
+                        if len(new) > MAX_INTERPOLATED_CHARS:
+                            # ${a}${a} chained 40 times doubles 40 times: stop before the machine's memory does
+                            raise ConfigError([error(key, f"its interpolation {value[:80]!r} expands to more than "
+                                                     f"{MAX_INTERPOLATED_CHARS:,} characters",
+                                                     "write the value itself instead of the chain of references",
+                                                     "verl-import")])  # fmt: skip
                     new += value[last:]
             except _Unresolved as exc:
                 failed[key] = str(exc)

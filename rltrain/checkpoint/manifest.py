@@ -27,6 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rlconf.errors import ConfigError
+from rlconf.files import MAX_MANIFEST_BYTES
+from rlconf.files import read_json as read_json_bounded
+
 FORMAT = "rlplan-megatron-checkpoint/1"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"
@@ -81,8 +85,15 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    with open(path) as f:
-        return json.load(f)
+    """A checkpoint's JSON record, read bounded (rlconf.files: a regular file of at most MAX_MANIFEST_BYTES,
+    nested at most MAX_JSON_DEPTH, never blocking on a FIFO): FileNotFoundError when missing, ValueError
+    naming the file for anything else (both in JSON_ERRORS)."""
+    if not os.path.lexists(path):
+        raise FileNotFoundError(f"{path} does not exist")
+    try:
+        return read_json_bounded(path, MAX_MANIFEST_BYTES, key="", what="checkpoint record")
+    except ConfigError as exc:
+        raise ValueError(exc.issues[0].message) from None
 
 
 # What reading a JSON file that someone damaged can raise: OSError, ValueError (bad JSON, bad UTF-8, a number

@@ -55,6 +55,7 @@ from rltrain.checkpoint import (
     read_marker,
     verify_manifest,
 )
+from rltrain.checkpoint.manifest import read_json
 
 EXIT_OK, EXIT_INVALID = 0, 2
 _LAYOUT_KEYS = (
@@ -122,8 +123,7 @@ def locate(path: str | os.PathLike) -> Located:
 def _read_json(path: Path) -> tuple[Any, str | None]:
     """(content, None) or (None, why it cannot be read)."""
     try:
-        with open(path) as f:
-            return json.load(f), None
+        return read_json(path), None  # bounded (rltrain.checkpoint.manifest.read_json)
     except FileNotFoundError:
         return None, f"{path} is missing"
     except (OSError, ValueError, RecursionError) as exc:
@@ -445,8 +445,12 @@ def _run_model_paths(step_dir: Path) -> tuple[Path | None, Path | None, str]:
     if (out_dir / "config.yaml").is_file():
         import yaml
 
-        with contextlib.suppress(OSError, yaml.YAMLError):
-            data = yaml.safe_load((out_dir / "config.yaml").read_text())
+        from rlconf.errors import ConfigError
+        from rlconf.files import MAX_MANIFEST_BYTES, read_text
+
+        with contextlib.suppress(ConfigError, yaml.YAMLError):
+            text = read_text(out_dir / "config.yaml", MAX_MANIFEST_BYTES, key="", what="run config")
+            data = yaml.safe_load(text)
             model = data.get("model") if isinstance(data, dict) else None
             source = str(out_dir / "config.yaml")
     if model is None and (out_dir / "plan.json").is_file():

@@ -36,6 +36,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rlconf.config import ModelArch
+from rlconf.errors import ConfigError
+from rlconf.model_files import weights_issues
 from rlconf.model_spec import hf_config, read_model_arch
 from rltrain.megatron.model import unwrap
 
@@ -59,6 +61,15 @@ def hf_config_from_arch(
 ) -> dict[str, Any]:
     """config.json for `arch` (its family's model_type and transformers class), over `base` if given."""
     return hf_config(arch, str(dtype).removeprefix("torch."), base)
+
+
+def check_hf_folder(
+    path: str | os.PathLike, arch: ModelArch, key: str = "model.path", value_head: bool = False
+) -> None:
+    """Raise ConfigError (rule model-files) unless the folder's safetensors hold every tensor this loader
+    reads, with its shape (rlconf.model_files.hf_tensors: the list `rlconf validate` checks too)."""
+    if issues := weights_issues(os.fspath(path), arch, key, lm_head=not value_head):
+        raise ConfigError(issues)
 
 
 # ------------------------------------------------------------------------------------ fused layouts
@@ -247,8 +258,9 @@ def load_hf_weights(
 ) -> None:
     """Copy an HF checkpoint into this rank's model chunks (DDP-wrapped or bare). A critic's value head
     keeps its fresh init (an HF causal LM has none)."""
-    reader = _HFReader(path)
     arch = arch_from_hf(path)
+    check_hf_folder(path, arch, value_head=value_head)  # a named error, not a KeyError mid-load
+    reader = _HFReader(path)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     etp, etp_rank = _expert_tp()

@@ -61,6 +61,7 @@ import torch
 
 from rlconf.config import RolloutConfig
 from rlconf.errors import ConfigError, Issue
+from rlconf.files import MAX_MODEL_CONFIG_BYTES, read_json
 from rlconf.seeding import derive_seed
 from rltrain.rollout.batch import rollout_batch
 from rltrain.rollout.weight_sync import SyncStats
@@ -377,7 +378,16 @@ class ColocatedVLLM:
         self.engine: VLLMRollout | None = None
         if coord.tp == 0:
             weights = plan.model("policy").weights
-            base = json.loads((Path(weights) / "config.json").read_text()) if weights else None
+            base = (
+                read_json(
+                    Path(weights) / "config.json",
+                    MAX_MODEL_CONFIG_BYTES,
+                    key="model.path",
+                    what="config.json",
+                )
+                if weights
+                else None
+            )  # bounded, as the plan read it (rlconf.files)
             # config.json only (vLLM loads dummy weights): local to this process, removed with it.
             self._folder = tempfile.TemporaryDirectory(prefix=f"rlplan-vllm-rank{rank}-")
             self.engine = VLLMRollout.for_actor(

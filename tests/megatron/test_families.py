@@ -101,6 +101,20 @@ def test_log_probs_match_transformers(mp_world, family_folder):
                           reference_log_probs(logits, batch), msg=family)  # fmt: skip
 
 
+def test_the_loader_reads_exactly_the_tensors_validate_checks(mp_world, family_folder, monkeypatch):
+    """rlconf.model_files.hf_tensors is the one list: the megatron loader reads every tensor on it, and no
+    other (so `rlconf validate` checks what the load needs, no more, no less)."""
+    from rlconf.model_files import hf_tensors
+    from rltrain.megatron import hf_weights
+
+    family, path = family_folder
+    read: set[str] = set()
+    get = hf_weights._HFReader.get
+    monkeypatch.setattr(hf_weights._HFReader, "get", lambda self, name: (read.add(name), get(self, name))[1])
+    actor = _actor(path)
+    assert read == set(hf_tensors(actor.arch)), family
+
+
 def test_hf_round_trip_keeps_weights_model_type_and_config(mp_world, family_folder, tmp_path):
     family, src = family_folder
     assert_export_round_trips(_actor(src), src, tmp_path, KEPT_KEYS, FAMILY_CONFIGS[family][1], family)

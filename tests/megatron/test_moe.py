@@ -141,6 +141,20 @@ def test_moe_log_probs_match_transformers(mp_world, moe_folder):
     _close(got, reference_log_probs(logits, batch), family)
 
 
+def test_moe_loader_reads_exactly_the_tensors_validate_checks(mp_world, moe_folder, monkeypatch):
+    """rlconf.model_files.hf_tensors (what `rlconf validate` checks) is what the loader reads: routers, every
+    expert, shared experts and their gate."""
+    from rlconf.model_files import hf_tensors
+    from rltrain.megatron import hf_weights
+
+    family, path = moe_folder
+    read: set[str] = set()
+    get = hf_weights._HFReader.get
+    monkeypatch.setattr(hf_weights._HFReader, "get", lambda self, name: (read.add(name), get(self, name))[1])
+    actor = _actor(path)
+    assert read == set(hf_tensors(actor.arch)), family
+
+
 def test_moe_greedy_generation_matches_transformers(mp_world, moe_folder):
     """The embedded rollout engine (KV cache) generates with MoE layers: greedy tokens equal transformers'
     generate (no EOS)."""
