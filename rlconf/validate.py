@@ -1475,3 +1475,7 @@ def cluster(c: RLConfig) -> Iterator[Issue]:
     if c.rollout.placement == "colocated" and aw >= 1 and tp >= 1 and aw % tp:
         yield error("rollout.tensor_model_parallel_size", f"the actor pool of {aw} devices is not divisible by {tp}",
                     "use a rollout tp that divides the actor pool", "cluster")  # fmt: skip
+
+
+# Rules declared in modules of their own register themselves into RULES on import.
+from rlconf import folder_rules as _folder_rules  # noqa: E402, F401

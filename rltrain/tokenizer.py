@@ -29,6 +29,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from rlconf.config import ModelConfig
 from rlconf.errors import ConfigError, error
+from rlconf.safe_paths import FOLDER_PATHS_RULE, model_folder_escapes
 
 # A prompt is plain text or a list of chat messages ({"role": ..., "content": ...}).
 Prompt = str | Sequence[dict[str, Any]]
@@ -429,6 +430,10 @@ def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
             )
         return tok
     key = "model.tokenizer_path" if model_cfg.tokenizer_path is not None else "model.path"
+    # transformers opens the folder's files by name, following symlinks: none may lead outside the folder.
+    if escapes := model_folder_escapes(path):
+        raise ConfigError([error(key, str(e), "use a tokenizer folder whose files are all inside it (copy the "
+                                 "files in instead of linking them)", FOLDER_PATHS_RULE) for e in escapes])  # fmt: skip
     try:
         from transformers import AutoTokenizer
 
