@@ -59,7 +59,6 @@ from rltrain.checkpoint.safe_load import (
     guarded_dist_load,
     load_rng_file,
     role_problems,
-    unsafe_cause,
 )
 
 if TYPE_CHECKING:
@@ -775,13 +774,8 @@ def load_engine(
             if "optimizer" in contents:
                 _ensure_optimizer_state(engine)
                 state["optimizer"] = _optimizer_sharded_state_dict(engine, model_sd, loading=True)
-            try:
-                with guarded_dist_load():
-                    loaded = dist_checkpointing.load(state, str(folder / DIST_DIR))
-            except BaseException as exc:  # torch's CheckpointException derives from BaseException
-                if (unsafe := unsafe_cause(exc)) is not None:
-                    raise unsafe from None
-                raise
+            with guarded_dist_load():  # what megatron unpickles goes through safe_load's loaders too
+                loaded = dist_checkpointing.load(state, str(folder / DIST_DIR))
             for key, module in zip(model_sd, engine.modules(), strict=True):
                 module.load_state_dict(loaded[key], strict=True)
             if "optimizer" in contents:

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from rlconf.safe_paths import PathEscapeError, resolve_inside
+
 FORMAT = "rlplan-megatron-checkpoint/1"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 COMPLETE = "COMPLETE"
@@ -298,6 +300,12 @@ def verify_manifest(folder: str | os.PathLike, full: bool = True) -> list[str]:
     intact: dict[str, tuple[Path, int]] = {}
     for rel, entry in files.items():
         path = root / rel
+        try:
+            # A listed name is relative without '..' (checked above); a symlink must not lead elsewhere.
+            resolve_inside(root, rel, MANIFEST)
+        except PathEscapeError as exc:
+            problems.append(f"{path}: {exc}")
+            continue
         try:
             size = path.stat().st_size if path.is_file() else None
         except OSError as exc:

@@ -272,11 +272,21 @@ def guarded_dist_load() -> Iterator[None]:
     """Within: torch.distributed.checkpoint's FileSystemReader reads `.metadata` with `read_dcp_metadata`, and
     every `torch.load` (the DCP planner's byte items, megatron's common.pt and sharded objects) is
     weights_only=True whatever its caller asked. Process-wide while it lasts (megatron calls these deep
-    inside `dist_checkpointing.load`, with no hook to pass a reader or planner in); restored on exit."""
+    inside `dist_checkpointing.load`, with no hook to pass a reader or planner in); restored on exit.
+
+    A refusal inside raises UnsafeCheckpointError out of the block, whatever torch made of it on the way
+    (it turns a failed metadata read into an AssertionError holding only the text, and wraps read errors in
+    CheckpointException, a BaseException)."""
     global _ORIGINAL_TORCH_LOAD
     import torch
     from torch.distributed.checkpoint.filesystem import FileSystemReader
     from torch.distributed.checkpoint.metadata import StorageMeta
+
+    refusals: list[UnsafeCheckpointError] = []
+
+    def noted(exc: UnsafeCheckpointError) -> UnsafeCheckpointError:
+        refusals.append(exc)
+        return exc
 
     with _GUARD:
         original_read = FileSystemReader.read_metadata
@@ -284,7 +294,10 @@ def guarded_dist_load() -> Iterator[None]:
 
         def read_metadata(self: Any, *args: Any, **kwargs: Any) -> Any:
             # torch's own read_metadata, with the restricted unpickler in place of pickle.load.
-            metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+            try:
+                metadata = read_dcp_metadata(self._get_metadata_path(kwargs.get("rank")))
+            except UnsafeCheckpointError as exc:
+                raise noted(exc) from None
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -297,35 +310,20 @@ def guarded_dist_load() -> Iterator[None]:
             try:
                 return original_load(f, map_location, weights_only=True, **kwargs)
             except pickle.UnpicklingError as exc:
-                raise _refused(name, _weights_only_reason(exc)) from None
+                raise noted(_refused(name, _weights_only_reason(exc))) from None
 
         FileSystemReader.read_metadata = read_metadata  # type: ignore[method-assign]
         torch.load = forced_load
         try:
             yield
+        except BaseException:
+            if refusals:
+                raise refusals[0] from None
+            raise
         finally:
             FileSystemReader.read_metadata = original_read  # type: ignore[method-assign]
             torch.load = original_load
             _ORIGINAL_TORCH_LOAD = None
-
-
-def unsafe_cause(exc: BaseException) -> UnsafeCheckpointError | None:
-    """The UnsafeCheckpointError behind `exc`, when there is one: torch wraps errors of a checkpoint load in
-    CheckpointException (per rank), megatron in its own exceptions (as __cause__ / __context__)."""
-    seen: set[int] = set()
-    todo: list[BaseException] = [exc]
-    while todo:
-        e = todo.pop()
-        if id(e) in seen:
-            continue
-        seen.add(id(e))
-        if isinstance(e, UnsafeCheckpointError):
-            return e
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            todo += [pair[0] for pair in failures.values() if isinstance(pair, tuple) and pair]
-        todo += [c for c in (e.__cause__, e.__context__) if c is not None]
-    return None
 
 
 __all__ = [
@@ -340,5 +338,4 @@ __all__ = [
     "load_torch_file",
     "read_dcp_metadata",
     "role_problems",
-    "unsafe_cause",
 ]
