@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import Any
 
 
 class PathEscapeError(ValueError):
@@ -87,9 +88,13 @@ def model_folder_escapes(folder: str | os.PathLike) -> list[PathEscapeError]:
         except (OSError, ValueError, RecursionError, AttributeError):
             weight_map = None
         if isinstance(weight_map, dict):
+            tensors: dict[Any, list[str]] = {}  # each file named once, with the tensors naming it
             for name, entry in weight_map.items():
+                tensors.setdefault(entry if isinstance(entry, str) else repr(entry), []).append(name)
+            for entry, names in tensors.items():
+                more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
                 try:
-                    resolve_inside(root, entry, f"{INDEX_FILE} weight_map entry {name!r}")
+                    resolve_inside(root, entry, f"{INDEX_FILE} weight_map entry {names[0]!r}{more}")
                 except PathEscapeError as exc:
                     found.append(exc)
     seen = 0
