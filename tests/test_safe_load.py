@@ -16,6 +16,7 @@ import random
 import shutil
 import subprocess
 import sys
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 
@@ -173,6 +174,16 @@ def test_rng_files_of_older_versions_still_load(tmp_path):
     # Without the allowance torch itself refuses the old file: the allowance is what makes it load.
     with pytest.raises(pickle.UnpicklingError):
         torch.load(tmp_path / "rank_00000.pt", weights_only=True)
+    # A file written under numpy 1 names numpy.core.multiarray: it loads too.
+    with zipfile.ZipFile(tmp_path / "rank_00000.pt") as z:
+        members = {n: z.read(n) for n in z.namelist()}
+    pkl = next(n for n in members if n.endswith("data.pkl"))
+    assert b"numpy._core.multiarray\n_reconstruct" in members[pkl]
+    members[pkl] = members[pkl].replace(b"numpy._core.multiarray\n", b"numpy.core.multiarray\n")
+    with zipfile.ZipFile(tmp_path / "numpy1.pt", "w") as z:
+        for n, data in members.items():
+            z.writestr(n, data)
+    assert np.array_equal(safe_load.load_rng_file(tmp_path / "numpy1.pt")["numpy"][1], old["numpy"][1])
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ restricted loaders:
     rng/rank_NNNNN.pt, dist_ckpt/common.pt, dist_ckpt/**/*.pt, the byte items inside dist_ckpt/*.distcp
         `torch.load(weights_only=True)`: tensors, storages, dtypes and plain Python containers only. Older
         RNG files (numpy's state as an ndarray) also need numpy's array rebuild functions
-        (`_LEGACY_NUMPY`), allowed for them alone; new ones hold a tensor instead.
+        (`_numpy_globals`), allowed for them alone; new ones hold a tensor instead.
     dist_ckpt/.metadata
         `_MetadataUnpickler`: only the classes torch.distributed.checkpoint writes there
         (`DCP_METADATA_GLOBALS`, listed from real megatron checkpoints), and every file its storage entries
@@ -35,15 +35,10 @@ from typing import Any
 from rlconf.safe_paths import PathEscapeError, model_folder_escapes, resolve_inside
 from rltrain.checkpoint.manifest import DIST_DIR, HF_DIR, CheckpointError
 
-# numpy's rebuild functions for the ndarray in RNG files written before RNG states were stored as tensors
-# (numpy 2 spells the module numpy._core, numpy 1 numpy.core). They only build arrays of the given dtype.
-_LEGACY_NUMPY = (
-    ("numpy._core.multiarray", "_reconstruct"),
-    ("numpy.core.multiarray", "_reconstruct"),
-    ("numpy", "ndarray"),
-    ("numpy", "dtype"),
-    ("numpy.dtypes", "UInt32DType"),
-)
+# RNG files written before RNG states were stored as tensors hold numpy's state as an ndarray, which needs
+# numpy's array rebuild (`_numpy_globals`): it only builds an array of the given dtype and shape. numpy 2
+# spells the module numpy._core, numpy 1 numpy.core; a file names the one it was written with.
+_RECONSTRUCT_NAMES = ("numpy._core.multiarray._reconstruct", "numpy.core.multiarray._reconstruct")
 # What torch.distributed.checkpoint (megatron's torch_dist format) pickles into .metadata, listed by saving
 # real checkpoints (tests/test_safe_load.py lists them again and fails on any name not here). Dataclasses
 # and enums whose construction only stores values; torch dtypes are checked to be dtypes after the lookup.
@@ -108,13 +103,14 @@ def load_torch_file(source: str | os.PathLike | io.BytesIO, name: str, legacy_nu
 
 
 def _numpy_globals() -> list[Any]:
-    import importlib
+    import numpy as np
 
-    out = []
-    for module, attr in _LEGACY_NUMPY:
-        with contextlib.suppress(ImportError, AttributeError):
-            out.append(getattr(importlib.import_module(module), attr))
-    return out
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy 2 (importing numpy.core warns there)
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    # (object, name) pairs: the name as the file spells it, whichever numpy wrote it.
+    return [*((_reconstruct, n) for n in _RECONSTRUCT_NAMES), np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def load_rng_file(path: str | os.PathLike) -> dict[str, Any]:
