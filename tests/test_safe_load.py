@@ -289,3 +289,23 @@ def test_an_untouched_run_folder_still_resumes(tmp_path, run_folder):
     resume = _rltrain("tiny-grpo", "--trainer.total_steps", "2", "--trainer.output_dir", str(run), *RUN_FLAGS)
     assert resume.returncode == 0, resume.stderr[-3000:]
     assert "resumed from" in resume.stdout and "step    2" in resume.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_planted_dist_checkpointing_path_is_refused_naming_it(tmp_path, run_folder):
+    """`actor.megatron.use_dist_checkpointing` starts a new run from a checkpoint's weights: a forged one
+    stops the run (exit 2) naming actor.megatron.dist_checkpointing_path, and the payload never runs."""
+    role = tmp_path / "global_step_1" / "actor"
+    shutil.copytree(run_folder / "checkpoints" / "global_step_1" / "actor", role)
+    marker = tmp_path / "MARKER"
+    planted = plant(role, "metadata", marker)
+    run = _rltrain("tiny-grpo", "--trainer.total_steps", "1", "--trainer.output_dir", str(tmp_path / "new"),
+                   "--actor.megatron.use_dist_checkpointing", "true",
+                   "--actor.megatron.dist_checkpointing_path", str(role), *RUN_FLAGS)  # fmt: skip
+    assert run.returncode == 2, run.stdout + run.stderr[-3000:]
+    errors = [line for line in run.stderr.splitlines() if line.startswith("error")]
+    assert len(errors) == 1, run.stderr[-3000:]
+    assert errors[0].startswith("error [checkpoint-unsafe] actor.megatron.dist_checkpointing_path: ")
+    assert str(planted) in errors[0] and "posix.system" in errors[0]
+    assert not marker.exists()
