@@ -1552,4 +1552,5 @@ def cluster(c: RLConfig) -> Iterator[Issue]:
 
 
 # Rules kept in modules of their own register here (they import `rule` from this module).
+import rlconf.folder_rules  # noqa: E402
 import rlconf.run_paths  # noqa: E402, F401

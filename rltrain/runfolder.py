@@ -362,6 +362,10 @@ class RunFolder:
             ckpt = CheckpointRegistry.from_plan(plan)
             ckpt.cleanup_incomplete()
             resume = ckpt.resolve_resume(plan) if plan.checkpoint.roles else None
+            if resume is not None:
+                from rltrain.checkpoint.safe_load import check_resume
+
+                check_resume(resume.folder, ckpt.roles, config.trainer.resume_mode)
             folder = cls(path, lock, ckpt, resume)
             folder.record = RunRecord.of(config)
             ckpt.run_record = folder.record.to_json()  # every checkpoint of this start carries it

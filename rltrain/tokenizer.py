@@ -31,6 +31,7 @@ from rlconf.config import ModelConfig
 from rlconf.errors import ConfigError, error
 from rlconf.model_files import tokenizer_size
 from rlconf.render_budget import RenderBudgetExceeded, render_budget
+from rlconf.safe_paths import FOLDER_PATHS_RULE, model_folder_escapes
 
 # A prompt is plain text or a list of chat messages ({"role": ..., "content": ...}).
 Prompt = str | Sequence[dict[str, Any]]
@@ -450,6 +451,10 @@ def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
             )
         return tok
     key = "model.tokenizer_path" if model_cfg.tokenizer_path is not None else "model.path"
+    # transformers opens the folder's files by name, following symlinks: none may lead outside the folder.
+    if escapes := model_folder_escapes(path):
+        raise ConfigError([error(key, str(e), "use a tokenizer folder whose files are all inside it (copy the "
+                                 "files in instead of linking them)", FOLDER_PATHS_RULE) for e in escapes])  # fmt: skip
     if os.path.isdir(path):
         # The files transformers is about to read, read first with rlconf.files' bounds (no FIFO, device or
         # oversized file reaches it); a folder without tokenizer files is a named error, not a 1-token

@@ -219,6 +219,7 @@ def test_every_rule_has_an_example():
     covered = {c[2] for c in CASES}
     covered |= {"batch-layout"}  # batch-layout reports under the specific names used above
     covered |= {"total-epochs-prompts"}  # needs prompt files: tests/test_run_length.py
+    covered |= {"model-folder-paths"}  # needs a hostile model folder on disk: tests/test_safe_paths.py
     covered |= {"type"}  # files are typed by the loader: test_a_config_built_in_python_is_typed_by_a_rule
     covered |= {"model-files"}  # needs a damaged model folder: tests/test_model_files.py
     assert set(RULES) - covered == set()

@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 OFFLOAD_GROUPS = ("params", "grads", "optimizer")
 
+# The setting a model's weights folder comes from (errors about the folder name it); a critic without a
+# folder of its own loads the policy's (model.path).
+_WEIGHTS_SETTING = {"policy": "model.path", "reward_model": "reward.reward_model.path"}
+
 
 @dataclass
 class MicroBatch:
@@ -275,7 +279,8 @@ class MegatronEngine:
             if init_from is not None:
                 self.copy_weights_from(init_from)
             elif spec.model.weights is not None:
-                load_hf_weights(self._chunks, spec.model.weights, value_head=value_head)
+                load_hf_weights(self._chunks, spec.model.weights, value_head=value_head,
+                                config_path=_WEIGHTS_SETTING.get(spec.model.name, "model.path"))  # fmt: skip
             if not self.trainable:
                 for chunk in self._chunks:
                     chunk.requires_grad_(False)
