@@ -226,7 +226,7 @@ class Trainer:
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Generate n responses per prompt with the sampling stream `seed` (rlconf.seeding) and score
         them. Returns the batch and the reward metrics."""
-        from rltrain.rewards import score_batch
+        from rltrain.rewards import score_rows
 
         ids = [p for p in prompts.input_ids for _ in range(n)]
         prompt_ids, prompt_mask = left_pad(ids, self.tokenizer.pad_token_id)
@@ -246,11 +246,13 @@ class Trainer:
         ]
         t0 = time.perf_counter()
         with self.reward_profiler.profiled("reward_compute"):
-            scores = score_batch(
+            scores, reward_extras = score_rows(
                 self.reward_fn,
                 texts,
                 [g for g in prompts.ground_truths for _ in range(n)],
                 [p for p in prompts.prompts for _ in range(n)],
+                [d for d in prompts.data_sources for _ in range(n)],
+                [e for e in prompts.extra_infos for _ in range(n)],
             )
         batch["scores"] = torch.tensor(scores, dtype=torch.float32)
         if "multi_turn_reward" in batch:  # an interaction's per-turn and final rewards
@@ -285,6 +287,7 @@ class Trainer:
         if self.reward_model is not None:
             metrics["reward/rule_mean"], metrics["reward/model_mean"] = rule_mean, rm_scores.mean().item()
         metrics.update(agent_metrics)
+        metrics.update(reward_extras)  # verl-style dict results: their other numeric keys (e.g. acc)
         if not validate:
             metrics["perf/total_num_tokens"] = int(batch["attention_mask"].sum())  # prompts + responses
             metrics["sample/prompt"] = prompts.prompts[0]
