@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import re
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 

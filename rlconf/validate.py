@@ -61,6 +61,8 @@ from rlconf.reward_file import RULE as REWARD_FILE_RULE
 from rlconf.reward_file import file_spec_issues, split_file_spec
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
+from rlconf.tokenizer_check import RULE as TOKENIZER_RULE
+from rlconf.tokenizer_check import tokenizer_issues
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
 
@@ -1056,6 +1058,14 @@ def reward_function_file(c: RLConfig) -> Iterator[Issue]:
     defines the function at its top level (checked with `ast`: the file is never run here)."""
     if split_file_spec(c.reward.function) is not None:
         yield from file_spec_issues(c.reward.function, filesystem=True)
+
+
+@rule(TOKENIZER_RULE, "model.path", "model.tokenizer_path", filesystem=True)
+def tokenizer_load(c: RLConfig) -> Iterator[Issue]:
+    """The model folder's tokenizer loads: the packages are installed, the folder has tokenizer files,
+    tokenizer.json loads, tokenizer_config.json parses and the chat template compiles (rlconf.tokenizer_check:
+    no torch, bounded reads)."""
+    yield from tokenizer_issues(c.model)
 
 
 @rule("multi-turn", "rollout.multi_turn.*", "rollout.max_response_length")

@@ -429,6 +429,12 @@ def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
             )
         return tok
     key = "model.tokenizer_path" if model_cfg.tokenizer_path is not None else "model.path"
+    from rlconf.tokenizer_check import tokenizer_issues
+
+    # The fix that fits the cause (a package, the files, a broken file), as `rlconf validate` gives it;
+    # checked first because transformers 5 builds an empty tokenizer from a folder with config.json only.
+    if found := list(tokenizer_issues(model_cfg)):
+        raise ConfigError(found)
     try:
         from transformers import AutoTokenizer
 
@@ -439,8 +445,9 @@ def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
                 error(
                     key,
                     f"cannot load a tokenizer from {path!r}: {type(exc).__name__}: {exc}",
-                    "point it at a local Hugging Face folder holding tokenizer files (tokenizer.json or "
-                    "vocab files); nothing is downloaded",
+                    "the folder has tokenizer files that transformers' AutoTokenizer could not open: check "
+                    "tokenizer_config.json's tokenizer_class against the installed transformers; nothing "
+                    "is downloaded",
                     rule="tokenizer-load",
                 )
             ]
