@@ -37,6 +37,7 @@ from rlconf.verl import (
     to_yaml,
     translate,
 )
+from rltrain.tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 QWEN25_7B_CONFIG = {
@@ -52,6 +53,7 @@ def qwen7b(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("models") / "Qwen2.5-7B-Instruct"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(QWEN25_7B_CONFIG))
+    CharTokenizer().save_pretrained(folder)  # rule tokenizer-load: a model folder has its tokenizer
     return folder
 
 

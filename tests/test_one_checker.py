@@ -182,7 +182,10 @@ QWEN_SMALL = {
 
 
 def _model_folder(tmp_path: Path, cfg: dict) -> str:
+    from rltrain.tokenizer import CharTokenizer
+
     (tmp_path / "config.json").write_text(json.dumps(cfg))
+    CharTokenizer().save_pretrained(tmp_path)  # rule tokenizer-load: a model folder has its tokenizer
     return str(tmp_path)
 
 
