@@ -7,15 +7,17 @@ writes, under OUT:
 - `models/tiny-qwen2/`: a Hugging Face folder shaped like Qwen2 (config.json, model.safetensors), with a
   byte-level BPE tokenizer trained with `tokenizers` on the task's own text, Qwen's special tokens and a
   ChatML chat template (tokenizer.json, tokenizer_config.json). Its weights are warmed up by a short
-  supervised pass on worked answers, so that the policy writes `#### N` answers that are sometimes right:
-  the room RL needs (a random model never writes one, and GSM8K's strict scorer gives it nothing).
+  supervised pass on worked answers, so that the policy writes `#### N` answers, some of them right (a
+  random model never writes one, and GSM8K's strict scorer gives it nothing). The warm-up teaches the
+  format and the answers' spread, not the sums (measured: ~19% of sampled answers right, about what
+  answering by the spread alone gives); a 2-layer model learns the sums slowly.
 - `data/gsm8k/{train,test}.parquet`: arithmetic word problems in the layout verl's
   `examples/data_preprocess/gsm8k.py` writes: `data_source: openai/gsm8k`, `prompt` as chat messages (the
   question and verl's "Let's think step by step and output the final answer after \"####\"."),
   `ability`, `reward_model: {style: rule, ground_truth}` and `extra_info: {split, index, answer, question}`.
 
 docs/migrating-from-verl.md walks through it (import-verl of a verl GSM8K command line, then
-`rltrain --config`); tests/test_verl_quickstart.py runs the same steps and checks that the reward rises.
+`rltrain --config`); tests/test_verl_quickstart.py runs the same steps.
 """
 
 from __future__ import annotations
@@ -42,13 +44,10 @@ CONFIG = {
 
 
 def problem(rng: random.Random) -> tuple[str, str]:
-    """(question, answer): `a + b` or `a - b` in words, answers 0-18."""
+    """(question, answer): `a + b` in words, a and b in 1-4 (answers 2-8)."""
     name, thing = rng.choice(NAMES), rng.choice(THINGS)
-    a, b = rng.randint(1, 9), rng.randint(1, 9)
-    if rng.random() < 0.5:
-        return f"{name} has {a} {thing} and gets {b} more. How many {thing} now?", str(a + b)
-    a, b = max(a, b), min(a, b)
-    return f"{name} has {a} {thing} and gives away {b}. How many {thing} now?", str(a - b)
+    a, b = rng.randint(1, 4), rng.randint(1, 4)
+    return f"{name} has {a} {thing} and gets {b} more. How many {thing}?", str(a + b)
 
 
 def rows(split: str, count: int, seed: int) -> list[dict]:
@@ -119,14 +118,14 @@ def write_model(out: Path, warmup_steps: int, seed: int = 0) -> Path:
         for p, a in zip(prompts, answers, strict=True):
             head = tok.apply_chat_template(p, add_generation_prompt=True, tokenize=True)
             head = list(head if isinstance(head, list) else head["input_ids"])
-            tail = tok.encode(a, add_special_tokens=False) + [tok.eos_token_id]
+            tail = [*tok.encode(a, add_special_tokens=False), tok.eos_token_id]
             seqs.append(head + tail)
             masks.append([0] * len(head) + [1] * len(tail))
         width = max(map(len, seqs))
         ids = torch.tensor([s + [tok.pad_token_id] * (width - len(s)) for s in seqs])
         loss_mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
         attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs])
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         gen = torch.Generator().manual_seed(seed)
         for _ in range(warmup_steps):
             batch = torch.randint(0, len(seqs), (64,), generator=gen)
@@ -142,7 +141,9 @@ def write_model(out: Path, warmup_steps: int, seed: int = 0) -> Path:
     model.save_pretrained(folder, safe_serialization=True)
     # Only the keys a Qwen2 config.json of the hub carries (no transformers-version extras).
     saved = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**saved, "architectures": CONFIG["architectures"]}, indent=2))
+    (folder / "config.json").write_text(
+        json.dumps({**saved, "architectures": CONFIG["architectures"]}, indent=2)
+    )
     return folder
 
 
