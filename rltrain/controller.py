@@ -67,8 +67,8 @@ class Trainer:
         """`run_folder`: the folder `run_training` locked and checked (opened here when not given; its
         checkpoints were cleaned and the resume point found under the lock). `stop_signals` are put back in
         place once Ray has started (ray.init installs its own SIGTERM handler)."""
-        from rltrain.data import build_dataloaders
-        from rltrain.rewards import load_reward_function
+        from rltrain.data import ListPromptSource, build_dataloaders
+        from rltrain.rewards import check_data_sources, load_reward_function
         from rltrain.tokenizer import load_tokenizer
         from rltrain.workers import CriticWorker, PolicyWorker, RewardModelWorker, RolloutWorker
 
@@ -85,6 +85,9 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model)
         self.reward_fn = load_reward_function(cfg.reward.function)
         self.train_data, self.val_data = build_dataloaders(cfg.data, self.tokenizer)
+        for loader in (self.train_data, self.val_data):  # before Ray starts: rows no scorer can score
+            if loader is not None and isinstance(loader.source, ListPromptSource):
+                check_data_sources(self.reward_fn, [e.data_source for e in loader.source.examples])
         self.agent = None
         if cfg.rollout.multi_turn.enable:  # tools run here, between the turns the workers generate
             from rltrain.rollout.agent import build_agent_loop

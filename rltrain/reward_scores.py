@@ -218,16 +218,23 @@ MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "Hugging
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
 
 
+def scorer_for(data_source: str) -> Any:
+    """The built-in scorer verl's default_compute_score picks for `data_source`, None when it has none."""
+    if data_source == "openai/gsm8k":
+        return gsm8k
+    if data_source in MATH_SOURCES:
+        return math
+    if data_source in DAPO_SOURCES or data_source.startswith("aime"):
+        return math_dapo
+    return None
+
+
 def default_compute_score(
     data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None
 ) -> float | dict[str, Any]:
     """The scorer for each row's data_source, as verl's default_compute_score chooses it."""
-    if data_source == "openai/gsm8k":
-        return gsm8k(data_source, solution_str, ground_truth, extra_info)
-    if data_source in MATH_SOURCES:
-        return math(data_source, solution_str, ground_truth, extra_info)
-    if data_source in DAPO_SOURCES or data_source.startswith("aime"):
-        return math_dapo(data_source, solution_str, ground_truth, extra_info)
+    if (scorer := scorer_for(data_source)) is not None:
+        return scorer(data_source, solution_str, ground_truth, extra_info)
     raise UnknownDataSource(
         f"no built-in scorer for data_source {data_source!r} (built-in: openai/gsm8k, "
         f"{', '.join(MATH_SOURCES)}, {', '.join(DAPO_SOURCES)}, aime*); set reward.function to "

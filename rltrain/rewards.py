@@ -454,3 +454,23 @@ def score_batch(
 ) -> list[float]:
     """Score each (response, ground truth, prompt) triple (no data_source): `score_rows`' scores."""
     return score_rows(fn, responses, ground_truths, prompts)[0]
+
+
+def check_data_sources(fn: RewardFunction, data_sources: Sequence[str]) -> None:
+    """Before a run starts: every row's data_source has a scorer under `default_compute_score` (else the
+    first step would stop on the first such row). Other reward functions take any data_source."""
+    from rltrain.reward_scores import default_compute_score, scorer_for
+
+    if not isinstance(fn, VerlStyleReward) or fn.fn is not default_compute_score:
+        return
+    unknown = sorted({s for s in data_sources if scorer_for(s) is None})
+    if unknown:
+        shown = ", ".join(repr(s) for s in unknown[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        )
+        raise RewardFunctionError(
+            f"default_compute_score has no scorer for data_source {shown} of the prompt files",
+            "set reward.function to path/to/reward.py:compute_score (a verl reward function for these "
+            "sources), or to a built-in scorer for every row (gsm8k, math, math_dapo)",
+            rule="reward-function-data-source",
+        )

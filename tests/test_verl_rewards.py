@@ -233,3 +233,15 @@ def test_import_verl_maps_custom_reward_function_and_the_default_scorer(tmp_path
     tr = translate(None, ["data.train_files=train.parquet"])
     assert tr.settings["reward.function"] == "default_compute_score"
     assert not [u for u in tr.unmapped if u.verl.startswith("custom_reward_function")]
+
+
+def test_rows_no_builtin_scorer_can_score_stop_before_the_run():
+    from rltrain.rewards import check_data_sources
+
+    fn = load_reward_function("default_compute_score")
+    check_data_sources(fn, ["openai/gsm8k", "lighteval/MATH", "aime_2024", "math_dapo"])
+    with pytest.raises(RewardFunctionError) as info:
+        check_data_sources(fn, ["openai/gsm8k", "codecontests", "numina_olympiads"])
+    assert info.value.issues[0].rule == "reward-function-data-source"
+    assert "'codecontests', 'numina_olympiads'" in str(info.value)
+    check_data_sources(load_reward_function("gsm8k"), ["anything"])  # a fixed scorer takes any source
