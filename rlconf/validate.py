@@ -62,8 +62,12 @@ from rlconf.model_spec import (
     family_issues,
     read_model_arch,
 )
+from rlconf.reward_file import RULE as REWARD_FILE_RULE
+from rlconf.reward_file import file_spec_issues, split_file_spec
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
+from rlconf.tokenizer_check import RULE as TOKENIZER_RULE
+from rlconf.tokenizer_check import tokenizer_issues
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
 
@@ -1034,19 +1038,39 @@ _USER_FN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 @rule("reward-function", "reward.function")
 def reward_function(c: RLConfig) -> Iterator[Issue]:
-    """reward.function is a built-in name or an importable `package.module:function` path."""
+    """reward.function is a built-in name, an importable `package.module:function` path or a
+    `path/to/file.py:function` (verl's custom_reward_function)."""
     fn = c.reward.function
     if fn in BUILTIN_REWARDS or _USER_FN.match(fn):
+        return
+    if split_file_spec(fn) is not None:
+        yield from file_spec_issues(fn, filesystem=False)
         return
     import difflib
 
     hint = difflib.get_close_matches(fn, BUILTIN_REWARDS, n=1)
     yield error(
         "reward.function",
-        f"{fn!r} is neither a built-in reward nor a `module:function` path",
+        f"{fn!r} is neither a built-in reward, a `module:function` path nor a `file.py:function`",
         (f"did you mean `{hint[0]}`? " if hint else "") + f"built-ins: {', '.join(BUILTIN_REWARDS)}",
         "reward-function",
     )
+
+
+@rule(REWARD_FILE_RULE, "reward.function", filesystem=True)
+def reward_function_file(c: RLConfig) -> Iterator[Issue]:
+    """A `path/to/file.py:function` reward is a regular Python file of bounded size that parses and
+    defines the function at its top level (checked with `ast`: the file is never run here)."""
+    if split_file_spec(c.reward.function) is not None:
+        yield from file_spec_issues(c.reward.function, filesystem=True)
+
+
+@rule(TOKENIZER_RULE, "model.path", "model.tokenizer_path", filesystem=True)
+def tokenizer_load(c: RLConfig) -> Iterator[Issue]:
+    """The model folder's tokenizer loads: the packages are installed, the folder has tokenizer files,
+    tokenizer.json loads, tokenizer_config.json parses and the chat template compiles (rlconf.tokenizer_check:
+    no torch, bounded reads)."""
+    yield from tokenizer_issues(c.model)
 
 
 @rule("multi-turn", "rollout.multi_turn.*", "rollout.max_response_length")

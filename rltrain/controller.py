@@ -68,8 +68,8 @@ class Trainer:
         """`run_folder`: the folder `run_training` locked and checked (opened here when not given; its
         checkpoints were cleaned and the resume point found under the lock). `stop_signals` are put back in
         place once Ray has started (ray.init installs its own SIGTERM handler)."""
-        from rltrain.data import build_dataloaders
-        from rltrain.rewards import load_reward_function
+        from rltrain.data import ListPromptSource, build_dataloaders
+        from rltrain.rewards import check_data_sources, load_reward_function
         from rltrain.tokenizer import load_tokenizer
         from rltrain.workers import CriticWorker, PolicyWorker, RewardModelWorker, RolloutWorker
 
@@ -86,6 +86,9 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg.model)
         self.reward_fn = load_reward_function(cfg.reward.function)
         self.train_data, self.val_data = build_dataloaders(cfg.data, self.tokenizer)
+        for loader in (self.train_data, self.val_data):  # before Ray starts: rows no scorer can score
+            if loader is not None and isinstance(loader.source, ListPromptSource):
+                check_data_sources(self.reward_fn, [e.data_source for e in loader.source.examples])
         self.agent = None
         if cfg.rollout.multi_turn.enable:  # tools run here, between the turns the workers generate
             from rltrain.rollout.agent import build_agent_loop
@@ -232,7 +235,7 @@ class Trainer:
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Generate n responses per prompt with the sampling stream `seed` (rlconf.seeding) and score
         them. Returns the batch and the reward metrics."""
-        from rltrain.rewards import score_batch
+        from rltrain.rewards import score_rows
 
         ids = [p for p in prompts.input_ids for _ in range(n)]
         prompt_ids, prompt_mask = left_pad(ids, self.tokenizer.pad_token_id)
@@ -252,11 +255,13 @@ class Trainer:
         ]
         t0 = time.perf_counter()
         with self.reward_profiler.profiled("reward_compute"):
-            scores = score_batch(
+            scores, reward_extras = score_rows(
                 self.reward_fn,
                 texts,
                 [g for g in prompts.ground_truths for _ in range(n)],
                 [p for p in prompts.prompts for _ in range(n)],
+                [d for d in prompts.data_sources for _ in range(n)],
+                [e for e in prompts.extra_infos for _ in range(n)],
             )
         batch["scores"] = torch.tensor(scores, dtype=torch.float32)
         if "multi_turn_reward" in batch:  # an interaction's per-turn and final rewards
@@ -291,6 +296,7 @@ class Trainer:
         if self.reward_model is not None:
             metrics["reward/rule_mean"], metrics["reward/model_mean"] = rule_mean, rm_scores.mean().item()
         metrics.update(agent_metrics)
+        metrics.update(reward_extras)  # verl-style dict results: their other numeric keys (e.g. acc)
         if not validate:
             metrics["perf/total_num_tokens"] = int(batch["attention_mask"].sum())  # prompts + responses
             metrics["sample/prompt"] = prompts.prompts[0]

@@ -70,6 +70,11 @@ class Example:
     ground_truth: str
     index: int
     """Position in the source: row number over all files, or the synthetic stream index."""
+    data_source: str = ""
+    """verl's `data_source` column (which scorer reward.function default_compute_score picks); empty
+    when the data has none."""
+    extra_info: Any = None
+    """verl's `extra_info` column, handed to verl-style reward functions as is."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class PromptBatch:
     prompts: list[str]
     ground_truths: list[str]
     indices: list[int]
+    data_sources: list[str]
+    extra_infos: list[Any]
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -198,6 +205,10 @@ class SyntheticPromptSource:
 
 
 # ------------------------------------------------------------------------------------------- files
+# verl's parquet columns beside the prompt and the ground truth, read when present (verl's own names).
+DATA_SOURCE_KEY, EXTRA_INFO_KEY = "data_source", "extra_info"
+
+
 def _lookup(record: dict[str, Any], key: str) -> tuple[bool, Any]:
     """record[key], or a nested lookup for dotted keys (verl's `reward_model.ground_truth`)."""
     if key in record:
@@ -345,7 +356,17 @@ def load_prompt_files(
             if fitted is None:
                 dropped += 1
             else:
-                examples.append(Example(fitted, messages_to_text(prompt), str(raw_answer), index))
+                source = row.get(DATA_SOURCE_KEY)
+                examples.append(
+                    Example(
+                        fitted,
+                        messages_to_text(prompt),
+                        str(raw_answer),
+                        index,
+                        "" if source is None else str(source),
+                        row.get(EXTRA_INFO_KEY),
+                    )
+                )
             index += 1
     if dropped:
         logger.warning(
@@ -450,6 +471,8 @@ class PromptDataloader:
             prompts=[e.prompt for e in examples],
             ground_truths=[e.ground_truth for e in examples],
             indices=[e.index for e in examples],
+            data_sources=[e.data_source for e in examples],
+            extra_infos=[e.extra_info for e in examples],
         )
 
     def __iter__(self) -> Iterator[PromptBatch]:

@@ -405,6 +405,10 @@ class RunFolder:
             return  # a fresh start: anything may change, it is recorded as a restart
         logged = last_logged_step(self.path)
         if done >= total or (not self.ckpt.step_folders() and not real and 0 < total <= logged):
+            # A finished folder gets the same check as an unfinished one: a changed command must not be
+            # swallowed by "nothing to do" (a longer total_steps never reaches here: it resumes).
+            if done and real and not config.trainer.accept_config_changes:
+                self._refuse(real, done)
             self.finished = self._finished_message(config, done if done >= total else logged, total)
             return
         if done and (real or self.data_changes) and not config.trainer.accept_config_changes:
@@ -448,7 +452,7 @@ class RunFolder:
     def _finished_message(self, config: RLConfig, done: int, total: int) -> str:
         where = f"checkpoint {self.resume.folder}" if self.resume is not None else f"{METRICS_FILE}"
         epochs = config.trainer.total_epochs
-        further = f"--trainer.total_steps N (N > {total})" if epochs is None else (
+        further = f"--trainer.total_steps N (N > {max(done, total)})" if epochs is None else (
             f"--trainer.total_epochs N (N > {epochs}) --trainer.accept_config_changes true")  # fmt: skip
         if self.resume is None:
             further += " (there is no checkpoint to continue from: it trains again from step 1)"

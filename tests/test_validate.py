@@ -153,6 +153,8 @@ CASES = [
     (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/nonexistent/checkpoints/global_step_3"],
      "trainer.resume_from_path", "resume-path", "error"),
     (["trainer.output_dir=/dev/null"], "trainer.output_dir", "output-dir", "error"),
+    (["reward.function=/nonexistent/reward.py:compute_score"], "reward.function", "reward-function-file", "error"),
+    (["model.tokenizer_path=/nonexistent/tokenizer"], "model.tokenizer_path", "tokenizer-load", "error"),
     (["model.arch.family=qwen2_moe", "model.arch.num_moe_experts=3", "actor.megatron.expert_model_parallel_size=2",
       "cluster.gpus_per_node=2"], "actor.megatron.expert_model_parallel_size", "engine-support", "error"),
     (["model.arch.rope_scaling.type=yarn", "model.arch.rope_scaling.factor=2.0"], "model.arch.rope_scaling.type",
