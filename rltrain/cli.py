@@ -34,17 +34,12 @@ Runs RL fine-tuning (PPO/GRPO) on megatron-core. Precedence: flags > --config fi
 _OWN_FLAGS = {"--config", "--dry-run", "--help", "-h"}
 
 RUN_OPTIONS = """run options (rltrain's own; every other flag below sets one config field):
-<<<<<<< HEAD
-  --config FILE.yaml   overlay this YAML/JSON file on the preset (flags overlay the file)
+  --config FILE.yaml   overlay this YAML/JSON file on the preset (flags overlay the file); without a
+                       PRESET the file is the whole config (dataclass defaults under it)
   --dry-run            check everything a run checks before it writes anything (every config rule, the
                        files it reads, the length of the paths it writes, free space for a checkpoint, and
                        the Ray cluster at cluster.ray_address / RAY_ADDRESS: reachable, enough nodes; with
                        no address only that the plan fits one node), print the config and the plan, exit
-=======
-  --config FILE.yaml   overlay this YAML/JSON file on the preset (flags overlay the file); without a
-                       PRESET the file is the whole config (dataclass defaults under it)
-  --dry-run            check everything a run checks, print the resolved config and the trainer plan, exit
->>>>>>> firstrun
   -h, --help           this help: the run options, then every field with this preset's value as its default
 
 Precedence: flags > --config file > preset > defaults. Check a file alone with `rlconf validate FILE`."""
