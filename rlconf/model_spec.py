@@ -51,6 +51,17 @@ class Family:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """transformers' class defaults for the keys config.json may omit (tests/test_model_spec.py checks them
     against the installed transformers)."""
+    windows: str = "none"
+    """Which layers attend within `sliding_window` when config.json has no `layer_types` (the family's config
+    class): none (llama), all (mistral, mixtral; qwen3_moe with use_sliding_window), from_max_window_layers
+    (qwen2, qwen3: layers i >= max_window_layers), odd_below_max_window_layers (qwen2_moe: layers with
+    (i + 1) % 2 and i < max_window_layers)."""
+    layer_types: bool = False
+    """The config class has `layer_types` (and its modeling code reads it): the per-layer attention pattern
+    comes from it first. Elsewhere transformers ignores the key."""
+    derives: frozenset[str] = frozenset()
+    """Keys whose JSON null transformers replaces (head_dim -> hidden / heads, num_key_value_heads -> heads);
+    a null elsewhere makes transformers fail, so the reader refuses it."""
 
 
 _COMMON = {
@@ -69,28 +80,31 @@ _QWEN_MOE = {
 }
 FAMILIES: Mapping[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", False, False, False,
-                    {**_COMMON, **_HEAD_DIM, "num_key_value_heads": None, "attention_bias": False, "mlp_bias": False}),
+                    {**_COMMON, **_HEAD_DIM, "num_key_value_heads": None, "attention_bias": False, "mlp_bias": False},
+                    "none", False, frozenset({"head_dim", "num_key_value_heads"})),
     "mistral": Family("mistral", "MistralForCausalLM", False, False, False,
-                      {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "sliding_window": 4096}),
+                      {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "sliding_window": 4096},
+                      "all", False, frozenset({"head_dim"})),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", True, False, False,
                     {**_COMMON, "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096,
-                     "max_window_layers": 28}),
+                     "max_window_layers": 28}, "from_max_window_layers", True, frozenset({"num_key_value_heads"})),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", False, True, False,
                     {**_COMMON, "num_key_value_heads": 32, "head_dim": 128, "attention_bias": False,
-                     "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}),
+                     "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
+                    "from_max_window_layers", True, frozenset({"num_key_value_heads"})),
     "qwen2_moe": Family("qwen2_moe", "Qwen2MoeForCausalLM", None, False, True,
                         {**_COMMON, **_QWEN_MOE, "num_key_value_heads": 16, "qkv_bias": True, "num_experts": 60,
                          "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                          "shared_expert_intermediate_size": 5632, "sliding_window": 4096,
-                         "max_window_layers": 28}),
+                         "max_window_layers": 28}, "odd_below_max_window_layers", True),
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", False, True, True,
                         {**_COMMON, **_QWEN_MOE, "num_key_value_heads": 4, "attention_bias": False,
                          "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                         "sliding_window": 4096}),
+                         "sliding_window": 4096}, "all"),
     "mixtral": Family("mixtral", "MixtralForCausalLM", False, False, True,
                       {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                        "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
-                       "router_jitter_noise": 0.0, "sliding_window": None}),
+                       "router_jitter_noise": 0.0, "sliding_window": None}, "all", False, frozenset({"head_dim"})),
 }  # fmt: skip
 SUPPORTED = ", ".join(FAMILIES)
 # model_types people try whose defining feature rlplan does not build (the message names it).
@@ -224,6 +238,12 @@ class _Reader:
         self._reject_features()
         heads = self.need("num_attention_heads")
         hidden = self.need("hidden_size")
+        for key in ("num_key_value_heads", "head_dim"):
+            if key in self.raw and self.raw[key] is None and key not in self.family.derives:
+                # transformers derives these from null only in some families; elsewhere its config class
+                # refuses the null or its model fails to build.
+                raise self.fail(f": {key} is null, which transformers cannot build for model_type {self.model_type!r}",
+                                f"set {key} to an integer in config.json (or remove the key)")  # fmt: skip
         groups = self.size("num_key_value_heads") or heads
         head_dim = self.size("head_dim")
         if heads % groups:
@@ -243,6 +263,7 @@ class _Reader:
                 f": num_hidden_layers = {num_layers} is more than {MAX_LAYERS}", "fix config.json"
             )
         max_pos = self.need("max_position_embeddings")
+        rope = self._rope()
         qkv_bias = self.family.qkv_bias if self.family.qkv_bias is not None else self.flag("qkv_bias")
         return ModelArch(
             family=mt,  # type: ignore[arg-type]
@@ -254,12 +275,12 @@ class _Reader:
             vocab_size=self.need("vocab_size"),
             max_position_embeddings=max_pos,
             kv_channels=None if head_dim is None or head_dim * heads == hidden else head_dim,
-            rotary_base=self._rope_theta(),
+            rotary_base=self._rope_theta(rope),
             norm_epsilon=self.number("rms_norm_eps"),
             add_qkv_bias=qkv_bias,
             share_embeddings_and_output_weights=self.flag("tie_word_embeddings"),
             qk_layernorm=self.family.qk_layernorm,
-            rope_scaling=self._rope_scaling(),
+            rope_scaling=self._rope_scaling(rope),
             sliding_window=self._sliding_window(num_layers),
             **self._moe(num_layers),
         )
@@ -276,9 +297,9 @@ class _Reader:
             method = raw["quantization_config"]
             method = method.get("quant_method", "?") if isinstance(method, dict) else method
             raise self.unsupported(f"quantized weights (quantization_config: {method})")
-        if self.value("hidden_act") != "silu":
+        if self.value("hidden_act") not in ("silu", "swish"):  # transformers' ACT2FN: both are SiLU
             raise self.unsupported(
-                f"hidden_act {self.value('hidden_act')!r} (rlplan builds SwiGLU with silu)"
+                f"hidden_act {self.value('hidden_act')!r} (rlplan builds SwiGLU with silu / swish)"
             )
         if self.family.model_type == "llama" and self.flag("mlp_bias"):
             raise self.unsupported("mlp_bias (biases on the MLP projections)")
@@ -296,26 +317,56 @@ class _Reader:
             if other:
                 raise self.unsupported(f"layer_types {other} (attention other than full / sliding window)")
 
-    def _rope_params(self) -> Mapping[str, Any]:
-        for key in ("rope_parameters", "rope_scaling"):
-            v = self.raw.get(key)
-            if isinstance(v, dict):
-                return v
-            if v is not None:
-                raise self.fail(f": {key} must be an object, got {v!r}", "fix config.json")
-        return {}
+    # ---------------------------------------------------------------------------------- RoPE
+    def _rope_object(self, key: str) -> dict[str, Any] | None:
+        v = self.raw.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise self.fail(f": {key} must be an object, got {v!r}", "fix config.json")
+        return v
 
-    def _rope_theta(self) -> float:
-        params = self._rope_params()
-        if "rope_theta" in self.raw:
-            return self.number("rope_theta")
-        if "rope_theta" in params:  # transformers 5 moved rope_theta into rope_parameters
-            return self.number("rope_theta", params)
-        return self.number("rope_theta")
+    def _resolved_rope(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """`params` as transformers completes it (PreTrainedConfig.convert_rope_params_to_dict and
+        standardize_rope_params): rope_type from `type`, rope_theta from the top-level key, else the class
+        default; partial_rotary_factor likewise; llama3 / yarn's original context from max_position_embeddings."""
+        out = dict(params)
+        kind = out.pop("type", None)
+        out.setdefault("rope_type", kind if kind is not None else "default")
+        out.setdefault("rope_theta", self.raw.get("rope_theta", self.family.defaults["rope_theta"]))
+        if self.raw.get("partial_rotary_factor") is not None:
+            out.setdefault("partial_rotary_factor", self.raw["partial_rotary_factor"])
+        if out["rope_type"] in ("llama3", "yarn"):
+            out.setdefault("original_max_position_embeddings", self.raw.get("max_position_embeddings"))
+        return out
 
-    def _rope_scaling(self) -> RopeScaling:
-        params = self._rope_params()
-        kind = params.get("rope_type", params.get("type", "default"))
+    def _rope(self) -> dict[str, Any]:
+        """The RoPE parameters transformers builds: `rope_scaling` (v4 style) when it is a non-empty object,
+        else `rope_parameters` (v5 style), with rope_theta from inside that object before the top-level
+        `rope_theta`. Two forms that say different things are refused: a later edit of the key transformers
+        does not read would otherwise silently change nothing, or change rlplan's reading only."""
+        scaling, params = self._rope_object("rope_scaling"), self._rope_object("rope_parameters")
+        chosen, name = (scaling, "rope_scaling") if scaling else (params or {}, "rope_parameters")
+        if scaling and params and self._resolved_rope(scaling) != self._resolved_rope(params):
+            raise self.fail(
+                f": rope_scaling {scaling!r} and rope_parameters {params!r} describe different RoPE "
+                "(transformers reads rope_scaling and ignores rope_parameters)",
+                "keep one of rope_scaling / rope_parameters in config.json, or make them agree",
+            )
+        if self.family.layer_types and any(k in chosen for k in ("full_attention", "sliding_attention")):
+            raise self.unsupported(f"{name} per layer type (different RoPE for full and sliding layers)")
+        top = self.raw.get("rope_theta")
+        if "rope_theta" in self.raw and "rope_theta" in chosen and top != chosen["rope_theta"]:
+            raise self.fail(
+                f": rope_theta = {top!r} and {name}.rope_theta = {chosen['rope_theta']!r} disagree "
+                f"(transformers uses {name}.rope_theta)",
+                f"keep one of rope_theta / {name}.rope_theta in config.json, or make them equal",
+            )
+        return self._resolved_rope(chosen)
+
+    def _rope_theta(self, rope: Mapping[str, Any]) -> float:
+        return self.number("rope_theta", rope)
+
+    def _rope_scaling(self, params: Mapping[str, Any]) -> RopeScaling:
+        kind = params["rope_type"]
         if kind not in _ROPE_TYPES:
             raise self.unsupported(f"rope scaling {kind!r} (supported: linear, llama3, yarn)")
         if self.number("partial_rotary_factor", params, 1.0) != 1.0:
@@ -325,6 +376,13 @@ class _Reader:
         for extra in ("mscale", "mscale_all_dim", "attention_factor"):
             if params.get(extra) is not None:
                 raise self.unsupported(f"rope scaling {kind!r} with {extra}")
+        # transformers refuses (KeyError) a rope type without its required keys rather than default them.
+        required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                    "yarn": ("factor",)}[kind]  # fmt: skip
+        missing = [k for k in required if k not in params]
+        if missing:
+            raise self.fail(f": rope scaling {kind!r} lacks {', '.join(missing)}",
+                            f"add {', '.join(missing)} to the rope parameters in config.json")  # fmt: skip
         orig = params.get("original_max_position_embeddings")
         if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig < 1):
             raise self.fail(f": original_max_position_embeddings must be a positive integer, got {orig!r}",
@@ -345,29 +403,123 @@ class _Reader:
                             "low_freq_factor", "fix config.json")  # fmt: skip
         return scaling
 
-    def _sliding_window(self, num_layers: int) -> int | None:
-        if "use_sliding_window" in self.family.defaults and not self.flag("use_sliding_window"):
+    # ---------------------------------------------------------------------------------- attention windows
+    def _window(self) -> int | None:
+        """The window a sliding layer uses: the config class's sliding_window after its __post_init__
+        (cleared without use_sliding_window; qwen2_moe sets 0, which masks every key)."""
+        f = self.family
+        if f.windows == "none":
             return None
-        if "max_window_layers" in self.family.defaults:
-            # Qwen2 / Qwen3: only layers from max_window_layers on use the window.
+        if "use_sliding_window" in f.defaults and not self.flag("use_sliding_window"):
+            return 0 if f.model_type == "qwen2_moe" else None
+        v = self.value("sliding_window")
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > MAX_SIZE:
+            raise self.fail(f": sliding_window must be a non-negative integer or null, got {v!r}",
+                            "fix config.json")  # fmt: skip
+        return v
+
+    def _layer_types(self, num_layers: int) -> list[str] | None:
+        types = self.raw.get("layer_types")
+        if types is None:
+            return None
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise self.fail(f": layer_types must be a list of strings, got {types!r}", "fix config.json")
+        types = [{"attention": "full_attention"}.get(t, t) for t in types]  # transformers' legacy name
+        if len(types) != num_layers:
+            raise self.fail(f": layer_types has {len(types)} entries for num_hidden_layers = {num_layers}",
+                            "give one layer type per layer")  # fmt: skip
+        return types
+
+    def _sliding_window(self, num_layers: int) -> int | None:
+        """The attention window of the layers that slide (None: every layer attends fully), with each layer's
+        kind decided as transformers decides it: `layer_types` first where the family's config class has it,
+        else the family's rule (Family.windows)."""
+        f, window = self.family, self._window()
+        declared = self._layer_types(num_layers)
+        if f.windows == "none":
+            rule = [False] * num_layers
+        elif f.windows == "all":
+            rule = [window is not None] * num_layers
+        else:
             first = self.value("max_window_layers")
-            if isinstance(first, int) and not isinstance(first, bool) and first >= num_layers:
-                return None
-        return self.size("sliding_window") if "sliding_window" in self.family.defaults else None
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise self.fail(f": max_window_layers must be an integer, got {first!r}", "fix config.json")
+            if f.windows == "from_max_window_layers":
+                rule = [window is not None and i >= first for i in range(num_layers)]
+            else:  # qwen2_moe: Qwen2MoeConfig.__post_init__
+                rule = [bool((i + 1) % 2) and i < first and self.flag("use_sliding_window")
+                        for i in range(num_layers)]  # fmt: skip
+        if declared is not None and f.layer_types:
+            slides = [t == "sliding_attention" for t in declared]
+        else:
+            slides = rule
+            if declared is not None and [t == "sliding_attention" for t in declared] != rule:
+                # transformers ignores layer_types for this family: a list that says otherwise misleads.
+                raise self.fail(
+                    f": layer_types {declared} disagrees with the attention transformers builds for "
+                    f"model_type {self.model_type!r}, which ignores layer_types (sliding_window = {window})",
+                    "remove layer_types from config.json, or set sliding_window to the window you mean",
+                )
+        if not any(slides):
+            return None
+        if window is None or window == 0:
+            keys = "use_sliding_window / sliding_window"
+            raise self.fail(
+                f": layers {[i for i, s in enumerate(slides) if s]} are sliding_attention but the window is "
+                f"{window!r} ({keys}): transformers cannot build that mask",
+                "set use_sliding_window: true and a sliding_window in config.json, or mark those layers "
+                "full_attention in layer_types",
+            )
+        return window
 
     def _moe(self, num_layers: int) -> dict[str, Any]:
         if not self.family.moe:
             return {}
         mixtral = self.family.model_type == "mixtral"
         experts_key = "num_local_experts" if mixtral else "num_experts"
-        alias = "num_experts" if mixtral else "num_local_experts"
-        experts = self.size(alias) if alias in self.raw else self.size(experts_key)
+        # transformers: MixtralConfig and Qwen3MoeConfig map one name onto the other (attribute_map; the
+        # key set last, the mapped one, wins); Qwen2MoeConfig reads num_experts only.
+        alias = {"mixtral": "num_experts", "qwen3_moe": "num_local_experts"}.get(self.family.model_type)
+        both = [k for k in ("num_experts", "num_local_experts") if k in self.raw]
+        if len(both) == 2 and self.raw["num_experts"] != self.raw["num_local_experts"]:
+            used = alias if alias is not None else experts_key
+            raise self.fail(
+                f": num_experts = {self.raw['num_experts']!r} and num_local_experts = "
+                f"{self.raw['num_local_experts']!r} disagree (transformers uses {used} for model_type "
+                f"{self.model_type!r})",
+                "keep one of num_experts / num_local_experts in config.json, or make them equal",
+            )
+        experts = self.size(alias) if alias is not None and alias in self.raw else self.size(experts_key)
         if experts is None:
             raise self.fail(f"lacks {experts_key}", "fix config.json")
         topk = self.size("num_experts_per_tok")
         if topk is None or topk > experts:
             raise self.fail(
                 f": num_experts_per_tok = {topk} must be between 1 and {experts}", "fix config.json"
+            )
+        norm = True if mixtral else self.flag("norm_topk_prob")
+        if topk == 1 and norm:
+            # HF weighs the one expert by p / p = 1. megatron-core refuses top-1 without its pre-softmax
+            # router, which weighs by p: not the same model, so rlplan does not build it.
+            key = (
+                "num_experts_per_tok: 1 (Mixtral always renormalises)"
+                if mixtral
+                else ("num_experts_per_tok: 1 with norm_topk_prob: true")
+            )
+            raise self.fail(
+                f"(model_type {self.model_type!r}) routes each token to one expert and renormalises its weight "
+                f"to 1 ({key}); megatron-core builds top-1 routing only with weight p, which rlplan cannot build "
+                "as transformers does",
+                "use a model with num_experts_per_tok >= 2"
+                + (
+                    ""
+                    if mixtral
+                    else ", or norm_topk_prob: false "
+                    "(weight p, as megatron builds it) if that is the model you mean"
+                ),
+                UNSUPPORTED_RULE,
             )
         dense: tuple[int, ...] = ()
         if not mixtral:
@@ -390,7 +542,7 @@ class _Reader:
             "moe_ffn_hidden_size": None if mixtral else self.size("moe_intermediate_size"),
             "moe_shared_expert_intermediate_size": shared,
             "moe_shared_expert_gate": shared is not None,
-            "moe_norm_topk_prob": True if mixtral else self.flag("norm_topk_prob"),
+            "moe_norm_topk_prob": norm,
             "moe_dense_layers": dense,
             "moe_aux_loss_coeff": self.number("router_aux_loss_coef"),
         }
