@@ -18,6 +18,7 @@ per token) and sizes its memory estimate with the same per-layer pieces.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -549,14 +550,48 @@ class _Reader:
 
 
 # ============================================================================================ writing
+# Keys the reader interprets (and the dtype keys): a fresh config.json written from a ModelArch replaces them
+# all, so none of a mismatched base's survives beside the new ones.
+_ARCH_KEYS = frozenset({
+    "architectures", "model_type", "hidden_act", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+    "rms_norm_eps", "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+    "partial_rotary_factor", "attention_bias", "mlp_bias", "qkv_bias", "use_sliding_window", "sliding_window",
+    "max_window_layers", "layer_types", "num_experts", "num_local_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers", "router_aux_loss_coef", "router_jitter_noise", "dtype", "torch_dtype",
+})  # fmt: skip
+
+
 def hf_config(arch: ModelArch, dtype: str, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """config.json of `arch` for transformers (its family's model_type and class), over `base` if given
-    (the source folder's config.json: keys rlplan does not model, such as token ids, are kept)."""
+    """config.json of `arch` for transformers, with weights of `dtype`.
+
+    `base` is the source folder's config.json. When it reads back to `arch` (the model was trained from it;
+    training changes no architecture) the export is that file itself, its own keys and values kept (the rope
+    form, layer_types, max_window_layers, decoder_sparse_step, a null head_dim, ...): only the dtype key is
+    rewritten, in the source's own style (`dtype`, or `torch_dtype` for a file that has only that). Otherwise
+    (no base, or one that describes another model) a complete transformers 5 style config.json is written from
+    `arch`, keeping only the base's keys the reader does not interpret (token ids and the like)."""
+    if base is not None:
+        try:
+            same = arch_from_config(dict(base), "base config.json") == arch
+        except ConfigError:
+            same = False
+        if same:
+            cfg = copy.deepcopy(dict(base))
+            key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
+            cfg.pop("torch_dtype", None)
+            cfg[key] = dtype
+            cfg.setdefault("architectures", [FAMILIES[arch.family].hf_architecture])
+            return cfg
+    kept = {k: v for k, v in (base or {}).items() if k not in _ARCH_KEYS}
+    return {**kept, **_fresh_config(arch, dtype)}
+
+
+def _fresh_config(arch: ModelArch, dtype: str) -> dict[str, Any]:
+    """A transformers 5 config.json (rope_parameters, layer_types, dtype) of `arch`: the keys of its family's
+    config class, each written once."""
     family = FAMILIES[arch.family]
-    cfg: dict[str, Any] = dict(base) if base is not None else {}
-    cfg["architectures"] = [family.hf_architecture]
-    cfg["model_type"] = family.model_type
-    head_dim = arch.kv_channels or arch.hidden_size // arch.num_attention_heads
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": arch.rotary_base}
     rs = arch.rope_scaling
     if rs.type != "none":
@@ -569,38 +604,44 @@ def hf_config(arch: ModelArch, dtype: str, base: Mapping[str, Any] | None = None
             rope.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
         if rs.type == "yarn":
             rope.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
-    cfg.pop("rope_scaling", None)  # rope_parameters replaces it; two sources could disagree
-    cfg.update(
-        hidden_act="silu",
-        hidden_size=arch.hidden_size,
-        intermediate_size=arch.ffn_hidden_size,
-        num_hidden_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_query_groups,
-        vocab_size=arch.vocab_size,
-        max_position_embeddings=arch.max_position_embeddings,
-        rms_norm_eps=arch.norm_epsilon,
-        tie_word_embeddings=arch.share_embeddings_and_output_weights,
-        rope_parameters=rope,
-        rope_theta=arch.rotary_base,
-        dtype=dtype,
-    )
+    cfg: dict[str, Any] = {
+        "architectures": [family.hf_architecture],
+        "model_type": family.model_type,
+        "hidden_act": "silu",
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.ffn_hidden_size,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_query_groups,
+        "vocab_size": arch.vocab_size,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "rms_norm_eps": arch.norm_epsilon,
+        "tie_word_embeddings": arch.share_embeddings_and_output_weights,
+        "rope_parameters": rope,
+        "dtype": dtype,
+    }
     if "head_dim" in family.defaults or arch.kv_channels is not None:
-        # Written where the config class has the field (Qwen3's default is 128, not hidden / heads) or the
-        # width is not hidden / heads; Qwen2's class derives it.
-        cfg["head_dim"] = head_dim
+        # Where the config class has the field (Qwen3's default is 128, not hidden / heads) or the width is
+        # not hidden / heads; Qwen2's class derives it. Mixtral keeps a derived width null, as its class does.
+        derived = arch.family == "mixtral" and arch.kv_channels is None
+        cfg["head_dim"] = None if derived else head_dim(arch)
     if "attention_bias" in family.defaults:
         cfg["attention_bias"] = False
     if family.model_type == "llama":
         cfg["mlp_bias"] = False
     if family.qkv_bias is None:
         cfg["qkv_bias"] = arch.add_qkv_bias
+    window = arch.sliding_window
     if "use_sliding_window" in family.defaults:
-        cfg["use_sliding_window"] = arch.sliding_window is not None
-        if arch.sliding_window is not None:
-            cfg["max_window_layers"] = 0
-    if "sliding_window" in family.defaults:
-        cfg["sliding_window"] = arch.sliding_window
+        cfg["use_sliding_window"] = window is not None
+    if family.windows != "none":
+        cfg["sliding_window"] = window
+    if family.layer_types:
+        # A ModelArch's window covers every layer; layer_types says so for every family rule.
+        kind = "sliding_attention" if window is not None else "full_attention"
+        cfg["layer_types"] = [kind] * arch.num_layers
+        if window is not None:
+            cfg["max_window_layers"] = 0 if family.windows == "from_max_window_layers" else arch.num_layers
     if family.moe:
         assert arch.num_moe_experts is not None
         cfg["num_experts_per_tok"] = arch.moe_router_topk

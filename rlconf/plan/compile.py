@@ -56,7 +56,7 @@ from rlconf.plan.types import (
     _by_role,
     _megatron_of,
 )
-from rlconf.validate import rollout_tp, sliding_window_issue, uses_ref
+from rlconf.validate import engine_gap_issues, rollout_tp, sliding_window_issue, uses_ref
 
 
 # ========================================================================================= roles
@@ -86,10 +86,12 @@ def _present_roles(c: RLConfig) -> tuple[str, ...]:
 
 # ============================================================================================ model
 def _check_sequence_fits(c: RLConfig, arch: ModelArch, source: str, path: str) -> None:
-    """rlconf.validate's sliding-window check (rule model-unsupported) on an architecture read from
-    config.json."""
+    """rlconf.validate's sliding-window check (rule model-unsupported) and engine gaps (model-engine-support,
+    e.g. YaRN) on an architecture read from config.json: `rlconf plan` refuses what `rlconf validate` does."""
     if (issue := sliding_window_issue(c, arch, source, path)) is not None:
         raise ConfigError([issue])
+    if gaps := engine_gap_issues(arch, path):
+        raise ConfigError(gaps)
 
 
 def _kv_channels(arch: ModelArch) -> int:
