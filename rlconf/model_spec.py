@@ -682,6 +682,10 @@ def family_issues(arch: ModelArch, prefix: str) -> list[tuple[str, str, str]]:
     if arch.num_moe_experts is not None and not 1 <= arch.moe_router_topk <= arch.num_moe_experts:
         out.append((f"{prefix}.moe_router_topk", f"moe_router_topk = {arch.moe_router_topk} is not between 1 "
                     f"and num_moe_experts = {arch.num_moe_experts}", "fix moe_router_topk"))  # fmt: skip
+    if arch.num_moe_experts is not None and arch.moe_router_topk == 1 and arch.moe_norm_topk_prob:
+        out.append((f"{prefix}.moe_router_topk", "top-1 routing renormalised to weight 1 (moe_norm_topk_prob) is "
+                    "not built: megatron-core routes top-1 only with weight p",
+                    "use moe_router_topk >= 2, or moe_norm_topk_prob: false"))  # fmt: skip
     if any(not 0 <= i < arch.num_layers for i in arch.moe_dense_layers):
         out.append((f"{prefix}.moe_dense_layers", f"layers {list(arch.moe_dense_layers)} are not all in "
                     f"[0, {arch.num_layers})", "list 0-based layer numbers"))  # fmt: skip

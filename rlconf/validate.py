@@ -1238,7 +1238,8 @@ def sliding_window_issue(c: RLConfig, arch: ModelArch, source: str, path: str) -
 
 
 @rule(UNSUPPORTED_RULE, "model.path", "model.arch.family", "model.arch.add_qkv_bias", "model.arch.qk_layernorm",
-      "model.arch.num_moe_experts", "model.arch.moe_router_topk", "model.arch.moe_dense_layers",
+      "model.arch.num_moe_experts", "model.arch.moe_router_topk", "model.arch.moe_norm_topk_prob",
+      "model.arch.moe_dense_layers",
       "model.arch.sliding_window", "data.max_prompt_length", "rollout.max_response_length")  # fmt: skip
 def model_unsupported(c: RLConfig) -> Iterator[Issue]:
     """The built-in `model.arch` is a model rlplan can run: its fields agree with its family (q/k/v biases,

@@ -336,6 +336,18 @@ def test_validate_refuses_top1_renormalised_routing_naming_the_keys(tmp_path: Pa
     assert "num_experts_per_tok: 1 with norm_topk_prob: true" in run.stderr
 
 
+def test_builtin_arch_with_top1_renormalised_routing_is_refused():
+    from rlconf.config import ModelArch, ModelConfig, RLConfig
+    from rlconf.validate import check_config
+
+    arch = ModelArch(family="qwen3_moe", add_qkv_bias=False, qk_layernorm=True, num_moe_experts=4,
+                     moe_router_topk=1, moe_norm_topk_prob=True)  # fmt: skip
+    errors = [i for i in check_config(RLConfig(model=ModelConfig(arch=arch))) if i.severity == "error"]
+    assert [(i.path, i.rule) for i in errors] == [("model.arch.moe_router_topk", "model-unsupported")]
+    unnormalised = ModelConfig(arch=ModelArch(**{**arch.__dict__, "moe_norm_topk_prob": False}))
+    assert not [i for i in check_config(RLConfig(model=unnormalised)) if i.severity == "error"]
+
+
 # ============================================================================================ writing back
 @pytest.mark.parametrize(
     "case", [c for c in CASES if not c.refused_naming], ids=lambda c: f"{c.family}-{c.name}"
