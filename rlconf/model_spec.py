@@ -12,6 +12,17 @@ that rlplan cannot build (vision towers, multi-token prediction, linear attentio
 rope types other than linear / llama3 / yarn, ...), is a ConfigError with rule `model-unsupported` that
 names the config path, the model_type and the feature: a model is never silently reduced to a smaller one.
 
+Both json styles are read as transformers 5 reads them (PreTrainedConfig.__post_init__, each family's config
+class and modeling code): `rope_scaling` (transformers 4) before `rope_parameters` (5), the rope object's own
+rope_theta before the top-level `rope_theta`; per-layer attention from `layer_types` where the family's class
+has it, else the family's rule (`Family.windows`); `hidden_act: swish` is SiLU. Where a file holds two forms
+of one thing that disagree (the two rope objects, the two thetas, num_experts / num_local_experts, a
+`layer_types` the family ignores), the reader refuses it (rule `model-config-json`, naming both keys) rather
+than pick one. tests/test_hf_config_json.py checks every case against transformers itself.
+
+Writing (`hf_config`) is the inverse for exports: the source's own config.json back (only its dtype key
+rewritten, in the source's style) when it describes the trained model, else a complete transformers 5 file.
+
 Parameter counts (`count_parameters`) live here too: the plan reports them (total and, for MoE, active
 per token) and sizes its memory estimate with the same per-layer pieces.
 """
