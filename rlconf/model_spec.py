@@ -535,7 +535,9 @@ class _Reader:
             )
         dense: tuple[int, ...] = ()
         if not mixtral:
-            step = self.size("decoder_sparse_step") or 1
+            step = self.size("decoder_sparse_step")
+            if step is None:  # transformers' class takes no null here
+                raise self.fail(": decoder_sparse_step is null", "set decoder_sparse_step (1: every layer)")
             only = self.value("mlp_only_layers") or []
             if not isinstance(only, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in only
