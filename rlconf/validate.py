@@ -1216,9 +1216,10 @@ def model_engine_support(c: RLConfig) -> Iterator[Issue]:
 def engine_gap_issues(arch: ModelArch, path: str | None, builtin: str = "model.arch") -> list[Issue]:
     """rule model-engine-support's errors for `arch`, read from the config.json at config path `path` (None:
     the built-in `builtin` section, whose field each error names)."""
-    return [error(path if path is not None else f"{builtin}.{field}", gap,
-                  "choose a model without it (a config.json's rope_scaling / rope_parameters rope_type)",
-                  "model-engine-support") for field, gap in engine_gaps(arch)]  # fmt: skip
+    fix = ("choose a model without it (config.json's rope_scaling / rope_parameters rope_type)" if path
+           else f"set {builtin}.rope_scaling.type to none, linear or llama3")  # fmt: skip
+    return [error(path if path is not None else f"{builtin}.{field}", gap, fix, "model-engine-support")
+            for field, gap in engine_gaps(arch)]  # fmt: skip
 
 
 def sliding_window_issue(c: RLConfig, arch: ModelArch, source: str, path: str) -> Issue | None:

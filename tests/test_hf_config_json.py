@@ -324,6 +324,15 @@ def test_yarn_is_refused_by_plan_as_by_validate(tmp_path: Path, command: str):
     assert "[model-engine-support] model.path" in run.stderr and "YaRN" in run.stderr
 
 
+@pytest.mark.parametrize("command", ["validate", "plan"])
+def test_builtin_yarn_is_refused_by_plan_as_by_validate(command: str):
+    run = subprocess.run([sys.executable, "-m", "rlconf.cli", command, "--preset", "tiny-grpo", "--set",
+                          "model.arch.rope_scaling.type=yarn", "--set", "model.arch.rope_scaling.factor=2.0"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2, run.stdout + run.stderr
+    assert "[model-engine-support] model.arch.rope_scaling.type" in run.stderr
+
+
 def test_validate_refuses_top1_renormalised_routing_naming_the_keys(tmp_path: Path):
     folder = tmp_path / "top1"
     folder.mkdir()

@@ -131,6 +131,8 @@ def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
         _check_sequence_fits(c, policy_arch, source, "model.path")
     else:
         policy_arch, source = c.model.arch, "model.arch"  # rlconf.validate checked it (model-unsupported)
+        if gaps := engine_gap_issues(policy_arch, None):  # validate's filesystem-free part does not ask
+            raise ConfigError(gaps)
     policy_users = tuple(r for r in ("actor", "rollout", "ref") if r in roles)
 
     def value_model(name: str, path: str | None, path_name: str) -> ModelSpec:
