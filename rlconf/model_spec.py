@@ -325,7 +325,12 @@ class _Reader:
             raise self.unsupported("router_jitter_noise (random router noise)")
         types = raw.get("layer_types")
         if isinstance(types, list):
-            other = sorted({t for t in types if t not in ("full_attention", "sliding_attention")}, key=str)
+            known = (
+                "full_attention",
+                "sliding_attention",
+                "attention",
+            )  # "attention": transformers' old name
+            other = sorted({t for t in types if t not in known}, key=str)
             if other:
                 raise self.unsupported(f"layer_types {other} (attention other than full / sliding window)")
 
@@ -515,22 +520,16 @@ class _Reader:
         if topk == 1 and norm:
             # HF weighs the one expert by p / p = 1. megatron-core refuses top-1 without its pre-softmax
             # router, which weighs by p: not the same model, so rlplan does not build it.
-            key = (
-                "num_experts_per_tok: 1 (Mixtral always renormalises)"
-                if mixtral
-                else ("num_experts_per_tok: 1 with norm_topk_prob: true")
-            )
+            if mixtral:
+                key, fix = "num_experts_per_tok: 1 (Mixtral always renormalises)", ""
+            else:
+                key = "num_experts_per_tok: 1 with norm_topk_prob: true"
+                fix = ", or norm_topk_prob: false (weight p, as megatron builds it) if that is the model you mean"
             raise self.fail(
                 f"(model_type {self.model_type!r}) routes each token to one expert and renormalises its weight "
                 f"to 1 ({key}); megatron-core builds top-1 routing only with weight p, which rlplan cannot build "
                 "as transformers does",
-                "use a model with num_experts_per_tok >= 2"
-                + (
-                    ""
-                    if mixtral
-                    else ", or norm_topk_prob: false "
-                    "(weight p, as megatron builds it) if that is the model you mean"
-                ),
+                "use a model with num_experts_per_tok >= 2" + fix,
                 UNSUPPORTED_RULE,
             )
         dense: tuple[int, ...] = ()

@@ -127,6 +127,9 @@ def _cases() -> list[Case]:
             Case("sliding-layer-without-window", family, off, ("use_sliding_window", "sliding_window"))
         )
         cases.append(Case("head-dim-null", family, {**saved_config(family), "head_dim": None}, ("head_dim",)))
+        cases.append(
+            Case("legacy-layer-type-name", family, {**saved_config(family), "layer_types": ["attention"] * 4})
+        )
     odd = saved_config("qwen2_moe", use_sliding_window=True, sliding_window=WINDOW)  # layers 0, 2 slide
     cases += [Case("window-odd-layers-v5", "qwen2_moe", odd), Case("window-odd-layers-v4", "qwen2_moe", v4_style(odd)),
               Case("window-odd-layers-mwl1-v4", "qwen2_moe", v4_style(
