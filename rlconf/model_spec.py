@@ -29,11 +29,11 @@ per token) and sizes its memory estimate with the same per-layer pieces.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
 from collections.abc import Mapping
+from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -590,7 +590,7 @@ def hf_config(arch: ModelArch, dtype: str, base: Mapping[str, Any] | None = None
         except ConfigError:
             same = False
         if same:
-            cfg = copy.deepcopy(dict(base))
+            cfg = deepcopy(dict(base))
             key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
             cfg.pop("torch_dtype", None)
             cfg[key] = dtype
