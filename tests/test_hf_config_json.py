@@ -301,12 +301,24 @@ def test_what_rlplan_refuses_transformers_reads_differently_or_cannot_build(tmp_
             hf_facts(write(tmp_path, case))
 
 
-def test_validate_refuses_disagreeing_forms_with_exit_2_naming_model_path(tmp_path: Path):
-    base = saved_config("qwen2")
-    folder = tmp_path / "m"
+def model_folder(tmp_path: Path, name: str, cfg: dict[str, Any]) -> Path:
+    """A model folder `rlconf validate` reads: config.json and a tokenizer (the built-in one's files)."""
+    from rltrain.tokenizer import CharTokenizer
+
+    folder = tmp_path / name
     folder.mkdir()
-    bad = {**base, "rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}
-    (folder / "config.json").write_text(json.dumps(bad))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    CharTokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_validate_refuses_disagreeing_forms_with_exit_2_naming_model_path(tmp_path: Path):
+    bad = {
+        **saved_config("qwen2"),
+        "rope_theta": 1e6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+    }
+    folder = model_folder(tmp_path, "m", bad)
     run = subprocess.run([sys.executable, "-m", "rlconf.cli", "validate", "--preset", "tiny-grpo", "--set",
                           f"model.path={folder}"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 2, run.stdout + run.stderr
@@ -317,10 +329,8 @@ def test_validate_refuses_disagreeing_forms_with_exit_2_naming_model_path(tmp_pa
 
 @pytest.mark.parametrize("command", ["validate", "plan"])
 def test_yarn_is_refused_by_plan_as_by_validate(tmp_path: Path, command: str):
-    folder = tmp_path / "yarn"
-    folder.mkdir()
     rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e6}
-    (folder / "config.json").write_text(json.dumps(saved_config("qwen2", rope_parameters=rope)))
+    folder = model_folder(tmp_path, "yarn", saved_config("qwen2", rope_parameters=rope))
     run = subprocess.run([sys.executable, "-m", "rlconf.cli", command, "--preset", "tiny-grpo", "--set",
                           f"model.path={folder}"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 2, run.stdout + run.stderr
@@ -337,10 +347,9 @@ def test_builtin_yarn_is_refused_by_plan_as_by_validate(command: str):
 
 
 def test_validate_refuses_top1_renormalised_routing_naming_the_keys(tmp_path: Path):
-    folder = tmp_path / "top1"
-    folder.mkdir()
-    cfg = saved_config("qwen3_moe", num_experts_per_tok=1, norm_topk_prob=True)
-    (folder / "config.json").write_text(json.dumps(cfg))
+    folder = model_folder(
+        tmp_path, "top1", saved_config("qwen3_moe", num_experts_per_tok=1, norm_topk_prob=True)
+    )
     run = subprocess.run([sys.executable, "-m", "rlconf.cli", "validate", "--preset", "tiny-grpo", "--set",
                           f"model.path={folder}"], capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 2, run.stdout + run.stderr
