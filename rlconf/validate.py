@@ -1280,8 +1280,9 @@ def data_files_exist(c: RLConfig) -> Iterator[Issue]:
 @rule("model-engine-support", "model.path", "model.arch.*", "critic.model_path", "reward.reward_model.path",
       filesystem=True)  # fmt: skip
 def model_engine_support(c: RLConfig) -> Iterator[Issue]:
-    """Models the plan accepts but the megatron engine does not build yet (YaRN rope scaling): `rlconf plan`
-    sizes them, a run refuses them before its workers start."""
+    """Models rlconf.model_spec reads but the megatron engine does not build yet (YaRN rope scaling): refused
+    before a run's workers start, and by `rlconf plan` too (the plan reads a config.json and asks
+    `engine_gap_issues` the same)."""
     sources = [("model.path", c.model.path, "model.arch")]
     sources += [("critic.model_path", c.critic.model_path, None)] if c.critic.enable else []
     rm = c.reward.reward_model
@@ -1293,10 +1294,16 @@ def model_engine_support(c: RLConfig) -> Iterator[Issue]:
             arch = c.model.arch if folder is None else read_model_arch(folder, path)
         except ConfigError:
             continue  # the plan reports a config.json it cannot read
-        for field, gap in engine_gaps(arch):
-            yield error(path if folder is not None else f"{builtin}.{field}", gap,
-                        "plan it with `rlconf plan` for sizing; to train, choose a dense model without it",
-                        "model-engine-support")  # fmt: skip
+        yield from engine_gap_issues(arch, path if folder is not None else None, builtin or "model.arch")
+
+
+def engine_gap_issues(arch: ModelArch, path: str | None, builtin: str = "model.arch") -> list[Issue]:
+    """rule model-engine-support's errors for `arch`, read from the config.json at config path `path` (None:
+    the built-in `builtin` section, whose field each error names)."""
+    fix = ("choose a model without it (config.json's rope_scaling / rope_parameters rope_type)" if path
+           else f"set {builtin}.rope_scaling.type to none, linear or llama3")  # fmt: skip
+    return [error(path if path is not None else f"{builtin}.{field}", gap, fix, "model-engine-support")
+            for field, gap in engine_gaps(arch)]  # fmt: skip
 
 
 @rule(MODEL_FILES_RULE, "model.path", "model.tokenizer_path", "critic.model_path", "reward.reward_model.path",
@@ -1326,7 +1333,8 @@ def sliding_window_issue(c: RLConfig, arch: ModelArch, source: str, path: str) -
 
 
 @rule(UNSUPPORTED_RULE, "model.path", "model.arch.family", "model.arch.add_qkv_bias", "model.arch.qk_layernorm",
-      "model.arch.num_moe_experts", "model.arch.moe_router_topk", "model.arch.moe_dense_layers",
+      "model.arch.num_moe_experts", "model.arch.moe_router_topk", "model.arch.moe_norm_topk_prob",
+      "model.arch.moe_dense_layers",
       "model.arch.sliding_window", "data.max_prompt_length", "rollout.max_response_length")  # fmt: skip
 def model_unsupported(c: RLConfig) -> Iterator[Issue]:
     """The built-in `model.arch` is a model rlplan can run: its fields agree with its family (q/k/v biases,

@@ -7,8 +7,9 @@ safetensors, and fill this rank's megatron parameters
 layout ([q heads of group g, k_g, v_g] for each g), gate/up fused into `linear_fc1` per TP shard
 ([gate_r; up_r] on rank r), vocabulary rows padded with zeros (they are masked in log-probs).
 Export: gather TP shards, each pipeline stage writes its own safetensors file (DP rank 0, TP rank 0), and
-global rank 0 writes the index and a config.json (the family's model_type and class, rlconf.model_spec.
-hf_config) that `transformers.AutoModelForCausalLM` loads. Qwen3's per-head QK-norm weights are
+global rank 0 writes the index and a config.json that `transformers.AutoModelForCausalLM` loads
+(rlconf.model_spec.hf_config: the source folder's own config.json when `base_config` is the file the model
+was read from, which callers exporting a trained model pass; else one written from the arch). Qwen3's per-head QK-norm weights are
 `self_attn.q_norm` / `k_norm` in HF and `self_attention.q_layernorm` / `k_layernorm` in megatron.
 Layers are matched by megatron's global `layer_number`, so any PP / virtual-PP split maps correctly.
 
