@@ -41,6 +41,8 @@ SHARE_PHASES = (
 reward is scored inside `generate` (timing/reward_s is part of it) and is not a share of its own. With a
 separate rollout pool generation overlaps the step: its share is the time the step waited for the batch
 (wait_rollout), not the generation's own time."""
+GUARD_CAUSE_KEY = "guard/cause"
+"""Metric of a bad step (rltrain/guard.py): the first quantity that was not finite; on the step line too."""
 MEMORY_KEY = "perf/max_memory_allocated_gib"
 """Peak device memory of the step over all roles and ranks; `MEMORY_KEY/<profile role>` per role call."""
 
@@ -201,6 +203,8 @@ class MetricsLogger:
             self._wandb.log(numbers, step=step)
         if "console" in self.backends:
             parts = [f"{key} {record[key]:.4g}" for key in CONSOLE_KEYS if record.get(key) is not None]
+            if record.get(GUARD_CAUSE_KEY):
+                parts.append(f"bad step: {record[GUARD_CAUSE_KEY]} not finite, update not applied")
             speed = self._speed(step, record)
             if self._progress is not None:
                 self._progress.update(

@@ -749,6 +749,11 @@ class MegatronEngine:
         self.reload()
         return mmodel.guarded_optimizer_step(self._optimizer, loss_finite, self.torch_device)
 
+    def weights_finite(self) -> bool:
+        """Whether every parameter of this rank is finite (offloaded parameters are brought back first)."""
+        with torch.no_grad():
+            return all(bool(torch.isfinite(p).all()) for c in self.chunks for p in c.parameters())
+
     def zero_grad(self) -> None:
         assert self._optimizer is not None, "this engine was built without an optimizer"
         self.reload()
