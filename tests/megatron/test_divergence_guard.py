@@ -66,3 +66,23 @@ def test_a_non_finite_update_is_not_applied(mp_world, tiny_hf, dtype):
     assert any(not torch.equal(before[n], moved[n]) for n in before)
     assert all(torch.isfinite(t).all() for t in moved.values())
     assert all(s == 2 for s in _optimizer_steps(actor))
+
+
+def test_weights_finite_sees_one_non_finite_weight(mp_world, tiny_hf):
+    """The check the controller makes before every save (a checkpoint of non-finite weights is never
+    written): one NaN or inf anywhere in the weights makes it False."""
+    from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.model import unwrap
+
+    actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", total_steps=10)
+    assert actor.weights_finite()
+    params = dict(unwrap(actor.chunks[0]).named_parameters())
+    norm = next(p for n, p in params.items() if n.endswith("final_layernorm.weight"))
+    for bad in (float("nan"), float("inf")):
+        with torch.no_grad():
+            saved = norm[0].item()
+            norm[0] = bad
+        assert not actor.weights_finite()
+        with torch.no_grad():
+            norm[0] = saved
+        assert actor.weights_finite()
