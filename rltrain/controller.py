@@ -734,13 +734,20 @@ class Trainer:
 
 
 RELEASE_TIMEOUT_S = 20.0
-"""On a stop or a failure, the longest the driver waits for Ray to end the workers and the local cluster."""
+"""After a worker failure, the longest the driver waits for Ray to end the workers and the local cluster."""
+STOP_RELEASE_TIMEOUT_S = 2.5
+"""After SIGINT / SIGTERM (once the saves are settled), the longest the driver waits for Ray to end the
+workers and the local cluster: a run must stop within 5 s, as `timeout`, Slurm and Kubernetes expect. A
+SIGTERM sent to the whole process group reaches Ray's GCS too, which then stops answering at once but
+takes ~10 s to exit (Ray 2.60, measured): `remove_placement_group` waits on it, and the run took 21 s to
+stop. Whatever is left when the wait ends goes with the driver (rltrain.ray_reaper kills the cluster)."""
 
 
 def _release(trainer: Trainer | None, stopping: bool, failed: bool) -> bool:
-    """End the workers and the local Ray cluster; True when done. On a stop or a failure this waits at most
-    RELEASE_TIMEOUT_S (a signal sent to the whole process group may have ended Ray's GCS and raylet too,
-    and every Ray call would then wait for them); errors of Ray going down are ignored there."""
+    """End the workers and the local Ray cluster; True when done. On a stop this waits at most
+    STOP_RELEASE_TIMEOUT_S, after a failure RELEASE_TIMEOUT_S, and not at all once the local cluster's
+    GCS or raylet is gone (a signal sent to the whole process group reaches them too, and every Ray call
+    would then wait for them); errors of Ray going down are ignored there."""
 
     def release() -> None:
         if trainer is not None:
@@ -760,7 +767,7 @@ def _release(trainer: Trainer | None, stopping: bool, failed: bool) -> bool:
     if not (stopping or failed):
         release()
         return True
-    if stopping and not failed and trainer is not None:
+    if stopping and not failed and trainer is not None and trainer.ckpt.pending_steps():
         # A save of a logged step is finished (unbounded: a large model's save takes what it takes), unless
         # the signal ended Ray's own processes too (a moment for them to go, then they are checked).
         time.sleep(1.0)
@@ -768,7 +775,9 @@ def _release(trainer: Trainer | None, stopping: bool, failed: bool) -> bool:
             trainer._settle_saves()
     worker = threading.Thread(target=release_reporting, name="rlplan-release", daemon=True)
     worker.start()
-    worker.join(RELEASE_TIMEOUT_S)
+    deadline = time.monotonic() + (RELEASE_TIMEOUT_S if failed else STOP_RELEASE_TIMEOUT_S)
+    while worker.is_alive() and time.monotonic() < deadline and not local_cluster_down():
+        worker.join(0.1)
     return not worker.is_alive()
 
 
