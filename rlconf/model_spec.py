@@ -122,9 +122,14 @@ def read_model_arch(folder: str, path: str = "model.path") -> ModelArch:
     rule `model-unsupported` when it describes a model or feature rlplan cannot build.
     """
     cfg_file = os.path.join(folder, "config.json")
+    text = ""
     try:
         with open(cfg_file, encoding="utf-8") as f:
-            raw = json.load(f)
+            text = f.read()
+        raw = json.loads(text)
+    except RecursionError:  # the json scanner recurses once per nesting level
+        raise ConfigError([error(path, f"{cfg_file}:{_deep_line(text)}: JSON nested too deeply to read",
+                                 "use the config.json written by transformers (a few levels deep)", READ_RULE)]) from None  # fmt: skip
     except FileNotFoundError:
         fix = f"point {path} at a local Hugging Face model folder that contains config.json"
         if path == "model.path":
@@ -139,6 +144,25 @@ def read_model_arch(folder: str, path: str = "model.path") -> ModelArch:
             ]
         ) from None
     return arch_from_config(raw, cfg_file, path)
+
+
+def _deep_line(text: str, limit: int = 64) -> int:
+    """The line where JSON `text` first nests deeper than `limit` levels (outside strings)."""
+    depth, line, in_str, escaped = 0, 1, False, False
+    for ch in text:
+        if ch == "\n":
+            line += 1
+        elif in_str:
+            escaped, in_str = (False, in_str) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return line
+        elif ch in "]}":
+            depth -= 1
+    return line
 
 
 def arch_from_config(raw: object, source: str, path: str = "model.path") -> ModelArch:
