@@ -96,3 +96,37 @@ def test_a_diverging_run_stops_keeps_the_last_finite_checkpoint_and_resumes_exac
     got, want = [comparable(r) for r in rows(out)], [comparable(r) for r in rows(straight)]
     assert [r["step"] for r in got] == [1, 2, 3, 4, 5, 6]
     assert got == want
+
+
+def test_a_model_folder_with_a_nan_norm_weight_stops_without_writing_a_checkpoint(tmp_path):
+    """The issue's second case: an HF folder (exported by a 1-step run) with one NaN in model.norm.weight
+    trained to exit 0 writing NaN checkpoints. Now every step is bad from step 1 (the rollout's log-probs),
+    nothing is checkpointed, and the run stops with exit 3 naming rollout/log_probs at step 1."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+    common = ["--trainer.val_before_train", "false", "--trainer.test_freq", "0", "--logging.plot_reward", "false",
+              "--trainer.save_freq", "1"]  # fmt: skip
+    export = subprocess.run([sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--trainer.total_steps", "1",
+                             "--trainer.output_dir", str(tmp_path / "export"), *common,
+                             "--actor.checkpoint.save_contents", "[model, optimizer, extra, hf_model]"],
+                            capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert export.returncode == 0, export.stderr[-3000:]
+    folder = tmp_path / "nan-model"
+    shutil.copytree(tmp_path / "export" / "checkpoints" / "global_step_1" / "actor" / "huggingface", folder)
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"][0] = float("nan")
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+
+    out = tmp_path / "run"
+    run = subprocess.run([sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--model.path", str(folder),
+                          "--trainer.total_steps", "4", "--trainer.max_bad_steps", "2", "--trainer.output_dir",
+                          str(out), *common], capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert run.returncode == DIVERGED_EXIT, run.stderr[-3000:]
+    lines = [line for line in run.stderr.splitlines() if "diverged" in line]
+    assert len(lines) == 1 and "rollout/log_probs is not finite at step 1" in lines[0], run.stderr[-3000:]
+    assert "no checkpoint was written" in lines[0]
+    assert [r["guard/cause"] for r in rows(out)] == ["rollout/log_probs", "rollout/log_probs"]
+    assert not list((out / "checkpoints").glob("global_step_*")) if (out / "checkpoints").exists() else True
