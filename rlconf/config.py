@@ -468,7 +468,7 @@ class SamplingConfig:
     n: int = 1
     """Samples per validation prompt."""
     temperature: float = 0.0
-    """0 means greedy decoding."""
+    """0 means greedy decoding; otherwise in [0.001, 100]."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
 
@@ -526,7 +526,7 @@ class RolloutConfig:
     max_response_length: int = 16
     """Most tokens generated per response."""
     temperature: float = 1.0
-    """Sampling temperature (> 0 for training rollouts)."""
+    """Sampling temperature of training rollouts, in [0.001, 100]."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
@@ -739,6 +739,10 @@ class TrainerConfig:
     total_steps that leaves the learning rates of the remaining steps as they were."""
     max_ckpt_to_keep: int | None = None
     """Keep at most this many complete checkpoints; None keeps all."""
+    max_bad_steps: int = 3
+    """Stop the run (exit code 3) after this many bad steps in a row: steps whose rewards, log-probs,
+    values, advantages, loss or gradient norm are not finite. A bad step's update is not applied and it is
+    not checkpointed; a finite step resets the count (a resume starts it at 0)."""
     critic_warmup: int = 0
     """Steps that train only the critic before the actor starts updating."""
     seed: int = 1

@@ -940,6 +940,12 @@ def trainer_rules(c: RLConfig) -> Iterator[Issue]:
             "or null to keep all",
             "trainer",
         )
+    if t.max_bad_steps < 1:
+        yield error("trainer.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}",
+                    "use e.g. 3 (bad steps in a row before the run stops)", "trainer")  # fmt: skip
+    if not t.output_dir.strip():
+        yield error("trainer.output_dir", "is empty: the run would write into the current directory",
+                    "name a folder, e.g. --trainer.output_dir outputs/my-run", "trainer")  # fmt: skip
     if c.critic.enable and t.critic_warmup >= t.total_steps > 0:
         yield warning("trainer.critic_warmup", "the actor never updates: critic_warmup >= total_steps",
                       "lower critic_warmup", "trainer")  # fmt: skip
@@ -949,12 +955,19 @@ VLLM_ONLY_ROLLOUT_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "free_cach
 """Rollout fields that only rollout.engine: vllm reads (rltrain/rollout/vllm_adapter.py)."""
 
 
+MIN_TEMPERATURE = 1e-3
+"""Smallest sampling temperature: logits / temperature stays finite in fp32 for any logit below 3e35."""
+MAX_TEMPERATURE = 100.0
+"""Largest sampling temperature: above it sampling is uniform noise in all but name."""
+
+
 @rule("sampling", "rollout.*", "data.max_prompt_length", "model.arch.max_position_embeddings")
 def sampling(c: RLConfig) -> Iterator[Issue]:
     """Sampling parameters are in range; sequences fit the model."""
     r = c.rollout
-    if r.temperature <= 0:
-        yield error("rollout.temperature", f"training rollouts must sample: temperature = {r.temperature}",
+    if not MIN_TEMPERATURE <= r.temperature <= MAX_TEMPERATURE:  # NaN fails too
+        yield error("rollout.temperature", f"training rollouts must sample with a temperature in [{MIN_TEMPERATURE}"
+                    f", {MAX_TEMPERATURE}], got {r.temperature} (logits / temperature overflows below it)",
                     "use a temperature > 0 (1.0 is usual)", "sampling")  # fmt: skip
     if not 0 < r.top_p <= 1:
         yield error("rollout.top_p", f"must be in (0, 1], got {r.top_p}", "use 1.0 to disable", "sampling")
@@ -965,8 +978,9 @@ def sampling(c: RLConfig) -> Iterator[Issue]:
     if not 0 < r.gpu_memory_utilization <= 1:
         yield error("rollout.gpu_memory_utilization", f"must be in (0, 1], got {r.gpu_memory_utilization}",
                     "use e.g. 0.5", "sampling")  # fmt: skip
-    if r.val.temperature < 0:
-        yield error("rollout.val.temperature", "must be >= 0", "use 0 for greedy", "sampling")
+    if not (r.val.temperature == 0 or MIN_TEMPERATURE <= r.val.temperature <= MAX_TEMPERATURE):
+        yield error("rollout.val.temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                    f"got {r.val.temperature}", "use 0 for greedy", "sampling")  # fmt: skip
     if not 0 < r.val.top_p <= 1:
         yield error("rollout.val.top_p", f"must be in (0, 1], got {r.val.top_p}", "use 1.0", "sampling")
     if r.engine == "embedded":

@@ -253,8 +253,18 @@ def _read_rows(path: Path, files_key: str) -> tuple[list[dict[str, Any]], list[s
         return table.to_pylist(), list(table.column_names)
     if suffix == ".jsonl":
         rows = []
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
+        with path.open("rb") as fh:  # bytes: a line that is not UTF-8 is named, not a decode traceback
+            for lineno, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(
+                        files_key,
+                        f"{path}:{lineno} is not UTF-8 text (byte {exc.start + 1} of the line: "
+                        f"{raw[exc.start : exc.start + 1]!r})",
+                        "save the file as UTF-8 (JSON lines are UTF-8)",
+                        rule="data-file-unreadable",
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -266,6 +276,13 @@ def _read_rows(path: Path, files_key: str) -> tuple[list[dict[str, Any]], list[s
                         "write one JSON object per line",
                         rule="data-file-unreadable",
                     ) from exc
+                except RecursionError:
+                    raise DataError(
+                        files_key,
+                        f"{path}:{lineno} is JSON nested too deeply to read",
+                        "write one flat JSON object per line (prompt, answer, chat messages)",
+                        rule="data-file-unreadable",
+                    ) from None
                 if not isinstance(row, dict):
                     raise DataError(
                         files_key,

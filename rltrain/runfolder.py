@@ -57,6 +57,7 @@ from rlconf.fields import get_path, replace_paths
 from rlconf.load import config_from_dict, config_to_dict, dump_yaml, parse_yaml
 from rlconf.plan import compile_plan, plan_to_dict
 from rlconf.render import diff_dicts, flatten
+from rltrain import metrics_file
 from rltrain.run_record import DataChange, RunRecord, checkpoint_record, record_file, unflatten
 
 if TYPE_CHECKING:
@@ -403,6 +404,8 @@ class RunFolder:
         real = [c for c in self.changes if c.free is None]
         if config.trainer.resume_mode == "disable":
             return  # a fresh start: anything may change, it is recorded as a restart
+        # Before anything is started: a malformed line is exit 2 naming it; a torn last line is removed.
+        metrics_file.repair(self.path / METRICS_FILE)
         logged = last_logged_step(self.path)
         if done >= total or (not self.ckpt.step_folders() and not real and 0 < total <= logged):
             # A finished folder gets the same check as an unfinished one: a changed command must not be

@@ -141,6 +141,11 @@ class MegatronWorker:
         return {}
 
     # ------------------------------------------------------------------ checkpoints (rltrain.checkpoint)
+    def weights_finite(self) -> bool:
+        """Whether every weight of this rank's trained engines is finite (the controller asks before a save:
+        a checkpoint of non-finite weights is never written)."""
+        return all(engine.weights_finite() for engine in self.engines().values())
+
     def save_checkpoint(self, folders: dict[str, str], extra: dict[str, Any]) -> bool:
         """Write this rank's part of each engine's checkpoint; True when complete, False while async."""
         from rltrain.checkpoint import role_contents, save_engine
