@@ -509,7 +509,11 @@ class Trainer:
                          ("returns", returns if self.critic is not None else None, mask)])  # fmt: skip
         if bad is not None:
             return bad
-        if correction is not None and self.plan.passes is not None and self.plan.passes.rollout_rs is not None:
+        if (
+            correction is not None
+            and self.plan.passes is not None
+            and self.plan.passes.rollout_rs is not None
+        ):
             # Rejected tokens leave every loss of the update (actor and critic, each term, and the micro-batch
             # weights): means are over the accepted tokens, as verl. The KL-in-reward, the values and the
             # advantages above saw the whole response.

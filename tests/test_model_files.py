@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import json
 import os
-import stat
 import shutil
+import stat
 import struct
 import subprocess
 import sys
