@@ -59,6 +59,7 @@ from rlconf.model_spec import (
     family_issues,
     read_model_arch,
 )
+from rlconf.lora import config_issues as lora_config_issues
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
 
@@ -1518,3 +1519,15 @@ def cluster(c: RLConfig) -> Iterator[Issue]:
     if c.rollout.placement == "colocated" and aw >= 1 and tp >= 1 and aw % tp:
         yield error("rollout.tensor_model_parallel_size", f"the actor pool of {aw} devices is not divisible by {tp}",
                     "use a rollout tp that divides the actor pool", "cluster")  # fmt: skip
+
+
+@rule("lora", "actor.lora.*", "rollout.placement", "rollout.engine", "rollout.tensor_model_parallel_size",
+      "model.attention_backend", "actor.megatron.use_dist_checkpointing", "actor.checkpoint.save_contents")  # fmt: skip
+def lora(c: RLConfig) -> Iterator[Issue]:
+    """actor.lora: rank >= 0 (0 is off), alpha > 0, dropout in [0, 1), known target names; LoRA runs with the
+    embedded rollout engine in the actor's layout on the actor's devices (adapter refits to a separate pool,
+    vLLM or a resharded rollout are not built yet), megatron-core's own linears (not Transformer Engine), and
+    exports adapters with `rltrain export-hf` rather than the in-run hf_model. Targets the model cannot take
+    (MLP targets on a MoE model, exclude patterns matching nothing) are reported when the plan reads the
+    architecture (rlconf/lora.py)."""
+    yield from lora_config_issues(c)

@@ -75,7 +75,8 @@ def rollout_resharded(c: RLConfig) -> bool:
 
 def _present_roles(c: RLConfig) -> tuple[str, ...]:
     present = {"actor", "rollout"}
-    if uses_ref(c):
+    if uses_ref(c) and c.actor.lora.rank <= 0:
+        # With LoRA the reference policy is the actor's engine with its adapters off (StepPasses.ref_from).
         present.add("ref")
     if c.critic.enable:
         present.add("critic")
@@ -100,7 +101,7 @@ def _model_spec(
     name: str, source: str, arch: ModelArch, head: str, used_by: tuple[str, ...], weights: str | None
 ) -> ModelSpec:
     total, active = count_parameters(arch, head)
-    return ModelSpec(name, source, arch, head, total, active, used_by, weights)
+    return ModelSpec(name, source, arch, head, total, active, used_by, weights, params_trainable=total)
 
 
 @dataclass(frozen=True)
@@ -400,7 +401,7 @@ def _step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, 
     actor = _by_role(batches, "actor")
     on_policy = actor.mini_batches_per_step == 1 and actor.ppo_epochs == 1
     rc = c.algorithm.rollout_correction
-    ref = "ref" in roles
+    ref = "ref" in roles or (uses_ref(c) and c.actor.lora.rank > 0)
     old = "recompute"
     stale = c.algorithm.off_policy_steps
     rollout_is, rollout_rs = rc.rollout_is, rc.rollout_rs
@@ -444,6 +445,7 @@ def _step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, 
         rollout_is=rollout_is,
         rollout_rs=rollout_rs,
         off_policy_steps=stale,
+        ref_from="ref" if "ref" in roles or not ref else "adapters-off",
     )
 
 
