@@ -154,9 +154,15 @@ def _optim_metadata() -> dict[str, Any]:
 def _model_sharded_state_dict(engine: MegatronEngine) -> dict[str, Any]:
     """megatron's convention: "model" for one chunk, "model0", "model1", ... for virtual pipeline chunks."""
     modules = engine.modules()
+    sds = [m.sharded_state_dict() for m in modules]
+    if getattr(engine, "lora", None) is not None:
+        # LoRA: the adapters are the trained content; the frozen base weights reload from model.path.
+        from rltrain.megatron.lora import is_adapter_name
+
+        sds = [{k: v for k, v in sd.items() if is_adapter_name(k)} for sd in sds]
     if len(modules) == 1:
-        return {"model": modules[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+        return {"model": sds[0]}
+    return {f"model{i}": sd for i, sd in enumerate(sds)}
 
 
 def _ensure_optimizer_state(engine: MegatronEngine) -> None:
@@ -758,7 +764,7 @@ def load_engine(
                 state["optimizer"] = _optimizer_sharded_state_dict(engine, model_sd, loading=True)
             loaded = dist_checkpointing.load(state, str(folder / DIST_DIR))
             for key, module in zip(model_sd, engine.modules(), strict=True):
-                module.load_state_dict(loaded[key], strict=True)
+                module.load_state_dict(loaded[key], strict=getattr(engine, "lora", None) is None)
             if "optimizer" in contents:
                 if not _uses_distributed_optimizer(engine):
                     _fill_missing_common_step(loaded["optimizer"])

@@ -263,19 +263,25 @@ class MegatronEngine:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         _check_world_matches_layout(spec)
         self.trainable = spec.trainable
+        # LoRA (actor.lora): base weights frozen, adapters trained; None: full fine-tuning.
+        self.lora = spec.lora
         value_head = spec.model.head == "value"
         self._offloader = HostOffloader(self.torch_device)
         with self._ctx():
             # A frozen engine needs no DDP: megatron's DDP allocates a gradient buffer as large as the model.
             self._chunks = mmodel.build_model_chunks(
                 self.arch, spec.settings, spec.megatron, spec.device, value_head=value_head,
-                wrap_ddp=self.trainable, fused=spec.fused_kernels,
+                wrap_ddp=self.trainable, fused=spec.fused_kernels, lora=spec.lora,
             )  # fmt: skip
             # Weights go in before the optimizer is built: it copies fp32 main params from them.
             if init_from is not None:
                 self.copy_weights_from(init_from)
             elif spec.model.weights is not None:
                 load_hf_weights(self._chunks, spec.model.weights, value_head=value_head)
+            if spec.lora is not None and spec.lora.adapter_path is not None and init_from is None:
+                from rltrain.megatron.peft_io import load_peft_adapter
+
+                load_peft_adapter(self._chunks, spec.lora, self.arch, spec.lora.adapter_path)
             if not self.trainable:
                 for chunk in self._chunks:
                     chunk.requires_grad_(False)
