@@ -42,6 +42,7 @@ from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, 
 from rltrain.megatron.parallel import init_parallel, seed_parallel_rng
 
 if TYPE_CHECKING:
+    from rlconf.lora import LoraPlan
     from rlconf.plan import EnginePlan, TrainerPlan
 
 OFFLOAD_GROUPS = ("params", "grads", "optimizer")
@@ -227,14 +228,18 @@ class MegatronEngine:
         value_head: bool = False,
         arch: ModelArch | None = None,
         init_from: MegatronEngine | None = None,
+        lora: LoraPlan | None = None,
     ) -> None:
         """Convenience for tools, tests and benchmarks: the engine of a one-role plan compiled from these
-        sections (`sections_plan`). Runs build engines with `from_plan` from the run's own plan."""
+        sections (`sections_plan`), with `lora`'s adapters when given (export of a LoRA checkpoint). Runs
+        build engines with `from_plan` from the run's own plan."""
         plan = sections_plan(
             model_cfg, device, total_steps, megatron_cfg=megatron_cfg, optim=optim, arch=arch,
             critic=value_head,
         )  # fmt: skip
         spec = plan.engine("critic" if value_head else "actor")
+        if lora is not None:
+            spec = replace(spec, lora=lora)
         self._build(spec if optim is not None else spec.frozen(spec.role), init_from)
 
     @classmethod
