@@ -373,8 +373,8 @@ class LoraConfig:
     target_modules: tuple[str, ...] = ("all-linear",)
     """Linear layers that get adapters: megatron names linear_qkv, linear_proj, linear_fc1, linear_fc2, or
     Hugging Face names q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (q_proj alone adapts
-    only the query slice of the fused linear_qkv); all-linear: every attention and dense MLP linear
-    (routed experts are not adapted)."""
+    only the query slice of the fused linear_qkv); all-linear: every attention and MLP linear (on a
+    mixture-of-experts model: attention only; experts are not adapted yet)."""
     exclude_modules: tuple[str, ...] = ()
     """fnmatch patterns of adapted modules to leave out, matched against megatron paths with global layer
     numbers (decoder.layers.0.self_attention.linear_qkv, decoder.layers.*.mlp.linear_fc2) and the Hugging

@@ -7,7 +7,9 @@ Adapters follow PEFT's definition, per Hugging Face projection: y = W x + (alpha
 `linear_qkv` and gate, up into `linear_fc1`: a fused linear keeps one pair per projection it adapts, so the
 adapters are PEFT's exactly (an adapter folder exports and loads 1:1) and a partial target such as q_proj
 alone adapts only the query slice of linear_qkv (k and v get no adapter). Routed experts are never
-adapted (not built yet); `all-linear` takes every attention linear and the MLP linears of dense layers.
+adapted (not built yet); `all-linear` takes every attention and MLP linear of a dense model and the
+attention linears of a mixture-of-experts model (its dense layers' MLPs too are left alone: PEFT with
+transformers v5 maps gate_proj / up_proj / down_proj of a MoE model onto the fused expert weights).
 
 This module imports nothing beyond rlconf (and the standard library).
 """
@@ -219,7 +221,10 @@ def resolve(c: RLConfig, arch: ModelArch) -> LoraPlan | None:
     modules = []
     for layer in range(arch.num_layers):
         for linear, parts in MEGATRON_PARTS.items():
-            if linear in MLP and layer in moe_layers:
+            # A MoE model's MLPs are not adapted, its dense layers' included: PEFT (with transformers v5)
+            # reads gate_proj / up_proj / down_proj of a MoE model as the routed experts' fused weights, so an
+            # adapter folder for dense-layer MLPs would load onto the experts instead.
+            if linear in MLP and moe_layers:
                 continue
             chosen = tuple(p for p in parts if p in wanted.get(linear, ()))
             if chosen:

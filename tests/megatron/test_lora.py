@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rlconf.config import LoraConfig
+from rlconf.config import LoraConfig, ModelConfig
 
 from ._common import actor_cfg, assert_tiny_close, make_batch, reference_log_probs, tiny_model_cfg
 
@@ -181,3 +181,42 @@ def test_dropout_only_in_training(mp_world, tiny_hf):
     a = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
     b = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
     assert torch.equal(a, b)
+
+
+def test_qwen3_moe_lora_on_attention(mp_world, tmp_path):
+    """A tiny Qwen3-MoE HF folder (layer 1 dense): all-linear adapts the attention linears only (no expert,
+    router or MLP: PEFT reads MLP names of a MoE model as the experts); it trains, adapters off is the base
+    model, and PEFT loads the adapter on the source folder with the engine's log-probs."""
+    from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.lora import adapted_linears, adapters_disabled
+    from rltrain.megatron.peft_io import save_peft_adapter
+
+    from .test_moe import MOE_DEPTH, _batch, _layout_cfg, make_tiny_moe
+
+    src = make_tiny_moe(tmp_path / "moe", "qwen3_moe")
+    model_cfg = ModelConfig(path=str(src), attention_backend="sdpa")
+    cfg = replace(_layout_cfg(), lora=LoraConfig(rank=4, alpha=8.0))
+    actor = MegatronActor(model_cfg, cfg, "cpu", total_steps=4)
+    adapted = {(layer, name) for layer, name, _ in adapted_linears(actor.chunks)}
+    assert adapted == {(i, n) for i in range(3) for n in ("linear_qkv", "linear_proj")}
+    trainable = [n for n, p in actor.modules()[0].named_parameters() if p.requires_grad]
+    assert trainable and not any("experts" in n or "router" in n for n in trainable)
+    batch = _batch()
+    base = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+    _train(actor, batch)
+    after = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+    assert (after - base).abs().max() > 1e-3
+    with adapters_disabled(actor.chunks):
+        assert torch.equal(actor.compute_log_prob(batch, with_entropy=False)["log_probs"], base)
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    save_peft_adapter(actor.chunks, actor.spec.lora, actor.arch, tmp_path / "adapter", str(src))
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert sorted(conf["target_modules"]) == ["k_proj", "o_proj", "q_proj", "v_proj"]
+    model = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32),
+                                           str(tmp_path / "adapter")).eval()  # fmt: skip
+    position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids).logits
+    assert_tiny_close(after, reference_log_probs(logits, batch), depth=MOE_DEPTH)
