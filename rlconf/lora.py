@@ -143,11 +143,15 @@ def config_issues(c: RLConfig) -> Iterator[Issue]:
     """The checks that need only the config (the rule `lora` in rlconf.validate runs these)."""
     lo = c.actor.lora
     if lo.rank < 0:
-        yield error("actor.lora.rank", f"must be >= 0, got {lo.rank}", "use 0 (off) or a rank such as 8", RULE)
+        yield error(
+            "actor.lora.rank", f"must be >= 0, got {lo.rank}", "use 0 (off) or a rank such as 8", RULE
+        )
     if lo.rank <= 0:
         return
     if not lo.alpha > 0:
-        yield error("actor.lora.alpha", f"must be > 0, got {lo.alpha}", "use alpha = 2 x rank (e.g. 16)", RULE)
+        yield error(
+            "actor.lora.alpha", f"must be > 0, got {lo.alpha}", "use alpha = 2 x rank (e.g. 16)", RULE
+        )
     if not 0.0 <= lo.dropout < 1.0:
         yield error("actor.lora.dropout", f"a dropout probability must be in [0, 1), got {lo.dropout}",
                     "use 0.0 or 0.05", RULE)  # fmt: skip

@@ -52,6 +52,7 @@ from rlconf.fields import (
     tuple_item_types,
     type_name,
 )
+from rlconf.lora import config_issues as lora_config_issues
 from rlconf.model_spec import (
     UNSUPPORTED_RULE,
     engine_gaps,
@@ -59,7 +60,6 @@ from rlconf.model_spec import (
     family_issues,
     read_model_arch,
 )
-from rlconf.lora import config_issues as lora_config_issues
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
 

@@ -118,14 +118,20 @@ def test_memory_shows_adapter_only_state_and_no_ref_copy(tmp_path):
         "max_position_embeddings": 32768, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
         "tie_word_embeddings": False}))  # fmt: skip
     base = _tiny(rank=0)
-    base = dataclasses.replace(base, model=dataclasses.replace(base.model, path=str(folder), params_dtype="bfloat16"))
+    base = dataclasses.replace(
+        base, model=dataclasses.replace(base.model, path=str(folder), params_dtype="bfloat16")
+    )
     full = compile_plan(base)
-    lora_cfg = dataclasses.replace(base, actor=dataclasses.replace(base.actor, lora=LoraConfig(rank=64, alpha=128.0)))
+    lora_cfg = dataclasses.replace(
+        base, actor=dataclasses.replace(base.actor, lora=LoraConfig(rank=64, alpha=128.0))
+    )
     lora = compile_plan(lora_cfg)
     assert _gib(lora, "actor", "grads_gib") < 0.03 * _gib(full, "actor", "grads_gib")
     assert _gib(lora, "actor", "optimizer_gib") < 0.03 * _gib(full, "actor", "optimizer_gib")
     adapters = lora.lora.params * 2 / 2**30
-    assert _gib(lora, "actor", "params_gib") == pytest.approx(_gib(full, "actor", "params_gib") + adapters, rel=1e-3)
+    assert _gib(lora, "actor", "params_gib") == pytest.approx(
+        _gib(full, "actor", "params_gib") + adapters, rel=1e-3
+    )
     assert _gib(full, "ref", "params_gib") > 10 and not any(r.role == "ref" for r in lora.memory.roles)
     assert lora.memory.peak_gib < full.memory.peak_gib / 2
     assert any("LoRA" in n and "no reference copy" in n for n in lora.memory.notes)
@@ -135,7 +141,11 @@ def test_partial_and_excluded_targets():
     plan = compile_plan(_tiny(rank=4, target_modules=("q_proj", "linear_fc2"),
                               exclude_modules=("decoder.layers.1.mlp.linear_fc2",)))  # fmt: skip
     mods = {(m.layer, m.linear, m.parts) for m in plan.lora.modules}
-    assert mods == {(0, "linear_qkv", ("q_proj",)), (1, "linear_qkv", ("q_proj",)), (0, "linear_fc2", ("down_proj",))}
+    assert mods == {
+        (0, "linear_qkv", ("q_proj",)),
+        (1, "linear_qkv", ("q_proj",)),
+        (0, "linear_fc2", ("down_proj",)),
+    }
     with pytest.raises(ConfigError) as exc:
         compile_plan(_tiny(rank=4, exclude_modules=("decoder.layers.7.*",)))
     assert exc.value.paths == ("actor.lora.exclude_modules",)
@@ -143,7 +153,9 @@ def test_partial_and_excluded_targets():
 
 def test_mlp_targets_on_a_moe_model_are_refused_and_all_linear_adapts_attention():
     c = PRESETS["tiny-grpo-moe"].build()
-    explicit = dataclasses.replace(c, actor=dataclasses.replace(c.actor, lora=LoraConfig(rank=4, target_modules=("linear_fc1",))))
+    explicit = dataclasses.replace(
+        c, actor=dataclasses.replace(c.actor, lora=LoraConfig(rank=4, target_modules=("linear_fc1",)))
+    )
     with pytest.raises(ConfigError) as exc:
         compile_plan(explicit)
     assert exc.value.paths == ("actor.lora.target_modules",) and exc.value.errors[0].rule == "lora"
@@ -173,7 +185,11 @@ def test_verl_megatron_lora_keys_import_and_plan(qwen7b):
                  "actor_rollout_ref.model.lora.merge=True", "trainer.total_epochs=null", "trainer.total_training_steps=10"]  # fmt: skip
     tr = translate(None, overrides)
     lo = tr.config.actor.lora
-    assert (lo.rank, lo.alpha, lo.target_modules) == (64, 32.0, ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"))
+    assert (lo.rank, lo.alpha, lo.target_modules) == (
+        64,
+        32.0,
+        ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"),
+    )
     assert "actor.lora.alpha" in {d.rlplan for d in tr.derived}  # verl's Megatron default, said so
     plan = compile_plan(tr.config)
     assert "ref" not in plan.roles and plan.passes.ref_from == "adapters-off"
@@ -209,7 +225,9 @@ def metrics(out: Path) -> list[dict]:
 @pytest.mark.multiproc
 def test_tiny_grpo_with_lora_learns(tmp_path):
     out = tmp_path / "learn"
-    r = rltrain("tiny-grpo", "--actor.lora.rank", "8", "--trainer.total_steps", "80", "--trainer.output_dir", str(out))
+    r = rltrain(
+        "tiny-grpo", "--actor.lora.rank", "8", "--trainer.total_steps", "80", "--trainer.output_dir", str(out)
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     rewards = [row["reward/mean"] for row in metrics(out)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
@@ -272,4 +290,6 @@ def test_hf_folder_lora_kl_resume_exact_and_export(tmp_path):
                                            str(adapter)).eval()  # fmt: skip
     flat = AutoModelForCausalLM.from_pretrained(str(merged), dtype=torch.float32).eval()
     with torch.no_grad():
-        torch.testing.assert_close(model(input_ids=ids).logits, flat(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, flat(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )

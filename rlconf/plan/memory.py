@@ -10,11 +10,11 @@ from rlconf.config import (
     OverrideTransformerConfig,
     RLConfig,
 )
+from rlconf.lora import COLUMN_PARALLEL, LoraPlan, part_dims, stage_adapter_params
 from rlconf.model_spec import (
     is_moe_layer,
     layer_params,
 )
-from rlconf.lora import COLUMN_PARALLEL, LoraPlan, part_dims, stage_adapter_params
 from rlconf.plan.compile import _cdiv, _kv_channels, _Models, rollout_resharded, rollout_tp
 from rlconf.plan.types import (
     DTYPE_BYTES,
@@ -367,7 +367,9 @@ _INFER_PHASE = {
 }
 
 
-def _lora_stage(lora: LoraPlan, arch: ModelArch, lay: RoleLayout, st: StageLayers, elem: int) -> tuple[int, float]:
+def _lora_stage(
+    lora: LoraPlan, arch: ModelArch, lay: RoleLayout, st: StageLayers, elem: int
+) -> tuple[int, float]:
     """(adapter parameters on one rank of this stage, the adapters' activation bytes per token): each
     adapted projection saves its rank-r hidden [r] for B's backward, and with dropout the dropped input
     (A's input; without dropout A reads the tensor the base linear saves anyway) and its mask."""
@@ -381,12 +383,19 @@ def _lora_stage(lora: LoraPlan, arch: ModelArch, lay: RoleLayout, st: StageLayer
                     fan_in = part_dims(arch, part)[0]
                     per_token += lora.rank * elem
                     if lora.dropout > 0:
-                        per_token += fan_in * (elem + 1) / (lay.tp if mod.linear not in COLUMN_PARALLEL else 1)
+                        per_token += (
+                            fan_in * (elem + 1) / (lay.tp if mod.linear not in COLUMN_PARALLEL else 1)
+                        )
     return params, per_token
 
 
 def _role_mem_model(
-    c: RLConfig, role: str, lay: RoleLayout, spec: ModelSpec, batch: BatchPlan | None, lora: LoraPlan | None = None
+    c: RLConfig,
+    role: str,
+    lay: RoleLayout,
+    spec: ModelSpec,
+    batch: BatchPlan | None,
+    lora: LoraPlan | None = None,
 ) -> _RoleMemModel:
     _, m = _megatron_of(c, role)
     elem = DTYPE_BYTES[c.model.params_dtype]
@@ -406,7 +415,9 @@ def _role_mem_model(
         params = _stage_params(spec.arch, lay, st, spec.head)
         # LoRA (the actor): the adapters join the frozen base weights; only they have gradients and optimizer
         # state (megatron DDP and the optimizer see requires_grad parameters only).
-        adapters, lora_acts = _lora_stage(lora, spec.arch, lay, st, elem) if lora and role == "actor" else (0, 0.0)
+        adapters, lora_acts = (
+            _lora_stage(lora, spec.arch, lay, st, elem) if lora and role == "actor" else (0, 0.0)
+        )
         trainable = adapters if adapters else params
         pbytes = float((params + adapters) * elem)
         grads = optim = acts = logits_train = chunk = 0.0

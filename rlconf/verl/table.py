@@ -141,7 +141,9 @@ def _lora_targets(value: Any, _: Mapping[str, Any]) -> Any:
 def _lora_a_init(value: Any, _: Mapping[str, Any]) -> Any:
     init = {"kaiming": "kaiming", "kaiming_uniform": "kaiming", "normal": "gaussian", "gaussian": "gaussian"}
     if value not in init:
-        raise VerlValueError(f"lora_A_init_method {value} is not built in rlplan", "use kaiming (PEFT's default)")
+        raise VerlValueError(
+            f"lora_A_init_method {value} is not built in rlplan", "use kaiming (PEFT's default)"
+        )
     return init[value]
 
 

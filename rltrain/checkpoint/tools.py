@@ -607,7 +607,9 @@ def export_hf(
     notes: list[str] = []
     contents = meta["contents"] if isinstance(meta.get("contents"), list) else []
     if merge and not meta.get("lora"):
-        raise CheckpointError(f"{step_dir / role} is not a LoRA checkpoint: --merge is for adapters; drop --merge")
+        raise CheckpointError(
+            f"{step_dir / role} is not a LoRA checkpoint: --merge is for adapters; drop --merge"
+        )
     tmp = _prepare_out(out, overwrite)
     try:
         if "model" not in contents:
@@ -745,7 +747,9 @@ def _export_lora(
             attention_backend="sdpa",
         )  # fmt: skip
         with _cpu_world():
-            engine = MegatronEngine(model_cfg, MegatronConfig(), None, "cpu", total_steps=1, arch=arch, lora=lora)
+            engine = MegatronEngine(
+                model_cfg, MegatronConfig(), None, "cpu", total_steps=1, arch=arch, lora=lora
+            )
             load_engine(engine, role_dir, ("model",), role=role)
             with device_context("cpu"):
                 if merge:
@@ -753,7 +757,9 @@ def _export_lora(
                         export_hf_weights(engine.chunks, arch, out, base_config=base)
                     return f"LoRA rank {lora.rank} merged into the base weights (W + alpha / r B A)"
                 save_peft_adapter(engine.chunks, lora, arch, out, str(model_dir) if model_dir else None)
-    where = f"on {model_dir}" if model_dir else "(base: a random-init model; export --merge for a whole model)"
+    where = (
+        f"on {model_dir}" if model_dir else "(base: a random-init model; export --merge for a whole model)"
+    )
     return f"PEFT LoRA adapter (rank {lora.rank}, {len(lora.modules)} linears) {where}"
 
 

@@ -268,7 +268,9 @@ def delta_weight(linear: torch.nn.Module, arch: ModelArch) -> torch.Tensor:
         ]
         return torch.cat(blocks, 1).reshape(w.shape)
     half = w.shape[0] // 2
-    return torch.cat([per.get(p, torch.zeros(half, rows_in, device=w.device)) for p in ("gate_proj", "up_proj")])
+    return torch.cat(
+        [per.get(p, torch.zeros(half, rows_in, device=w.device)) for p in ("gate_proj", "up_proj")]
+    )
 
 
 @contextlib.contextmanager

@@ -111,7 +111,9 @@ def save_peft_adapter(
     if torch.distributed.get_rank() == 0:
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS), metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous() for k, v in tensors.items()}, str(out / WEIGHTS), metadata={"format": "pt"}
+        )
         with open(out / CONFIG, "w") as f:
             json.dump(adapter_config(plan, base_model, arch.num_layers), f, indent=2)
     torch.distributed.barrier()
@@ -120,9 +122,13 @@ def save_peft_adapter(
 def read_adapter_config(folder: str | os.PathLike) -> dict[str, Any]:
     path = Path(folder) / CONFIG
     if not path.is_file():
-        raise AdapterError(f"actor.lora.adapter_path: {path} does not exist; point it at a PEFT adapter folder")
+        raise AdapterError(
+            f"actor.lora.adapter_path: {path} does not exist; point it at a PEFT adapter folder"
+        )
     if path.stat().st_size > MAX_CONFIG_BYTES:
-        raise AdapterError(f"actor.lora.adapter_path: {path} is over {MAX_CONFIG_BYTES} bytes; not an adapter config")
+        raise AdapterError(
+            f"actor.lora.adapter_path: {path} is over {MAX_CONFIG_BYTES} bytes; not an adapter config"
+        )
     with open(path) as f:
         raw = json.load(f)
     if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
@@ -148,7 +154,9 @@ def load_peft_adapter(
     tensors = load_file(str(weights))
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
-    expected = {peft_key(m.layer, m.linear, p, f) for m in plan.modules for p in m.parts for f in ("lora_A", "lora_B")}
+    expected = {
+        peft_key(m.layer, m.linear, p, f) for m in plan.modules for p in m.parts for f in ("lora_A", "lora_B")
+    }
     extra = sorted(set(tensors) - expected)
     if extra:
         raise AdapterError(
@@ -166,7 +174,13 @@ def load_peft_adapter(
                         "actor.lora.target_modules; set them to the adapter's"
                     )
                 full = tensors[key]
-                split_dim = 0 if (column and factor == "lora_B") else 1 if (not column and factor == "lora_A") else None
+                split_dim = (
+                    0
+                    if (column and factor == "lora_B")
+                    else 1
+                    if (not column and factor == "lora_A")
+                    else None
+                )
                 local = full.chunk(tp, dim=split_dim)[rank] if split_dim is not None and tp > 1 else full
                 if local.shape != param.shape:
                     raise AdapterError(

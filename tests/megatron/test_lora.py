@@ -25,7 +25,9 @@ def _lora_actor(path, lora: LoraConfig | None = None, total_steps: int = 4, **kw
 
 def _train(actor, batch, steps: int = 3) -> None:
     old = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
-    sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(batch["input_ids"].shape[0])]).unsqueeze(1)
+    sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(batch["input_ids"].shape[0])]).unsqueeze(
+        1
+    )
     rl = {**batch, "old_log_probs": old, "advantages": sign * batch["response_mask"]}
     for _ in range(steps):
         actor.update_policy(rl)
@@ -53,7 +55,9 @@ def test_only_adapters_train_and_start_at_the_base(trained):
     assert torch.equal(trained["init_lp"], trained["base_lp"])
     # The optimizer holds the adapters only: its state is a few times the adapters' bytes, not the model's.
     mem = actor.device_memory()
-    adapters = sum(p.numel() * p.element_size() for n, p in actor.modules()[0].named_parameters() if p.requires_grad)
+    adapters = sum(
+        p.numel() * p.element_size() for n, p in actor.modules()[0].named_parameters() if p.requires_grad
+    )
     assert mem["grads"] == adapters
     assert mem["optimizer"] < 3 * adapters < mem["params"]
     plan_params = actor.spec.lora.params
@@ -118,7 +122,15 @@ def test_peft_folder_round_trip(trained, tmp_path):
     save_peft_adapter(actor.chunks, actor.spec.lora, actor.arch, tmp_path / "adapter", "base")
     cfg = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert cfg["r"] == RANK and cfg["lora_alpha"] == ALPHA and cfg["peft_type"] == "LORA"
-    assert set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert set(cfg["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     tensors = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
     a = tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]
     b = tensors["base_model.model.model.layers.0.self_attn.k_proj.lora_B.weight"]
@@ -130,7 +142,7 @@ def test_peft_folder_round_trip(trained, tmp_path):
         actor.compute_log_prob(batch, with_entropy=False)["log_probs"],
     )
     other = replace(fresh.spec.lora, rank=8)
-    with pytest.raises(AdapterError, match="actor.lora.adapter_path"):
+    with pytest.raises(AdapterError, match=r"actor\.lora\.adapter_path"):
         load_peft_adapter(fresh.chunks, other, fresh.arch, tmp_path / "adapter")
 
 
@@ -148,7 +160,9 @@ def test_peft_loads_the_adapter_with_the_engines_logits(trained, tmp_path):
     model = peft.PeftModel.from_pretrained(model, str(tmp_path / "adapter")).eval()
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids).logits
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids
+        ).logits
     expected = reference_log_probs(logits, batch)
     got = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
     assert_tiny_close(got, expected)
@@ -164,7 +178,9 @@ def test_partial_qkv_target_adapts_only_the_query_slice(mp_world, tiny_hf):
     _, _, qkv = linears[0]
     with torch.no_grad():
         qkv.lora_B["q_proj"].normal_()
-    delta = delta_weight(qkv, actor.arch).reshape(2, 4, 16, 64)  # 2 groups x [2 q heads, k, v] x head width 16
+    delta = delta_weight(qkv, actor.arch).reshape(
+        2, 4, 16, 64
+    )  # 2 groups x [2 q heads, k, v] x head width 16
     assert delta[:, :2].abs().sum() > 0 and delta[:, 2:].abs().sum() == 0
 
 
@@ -218,5 +234,7 @@ def test_qwen3_moe_lora_on_attention(mp_world, tmp_path):
                                            str(tmp_path / "adapter")).eval()  # fmt: skip
     position_ids = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids).logits
+        logits = model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids
+        ).logits
     assert_tiny_close(after, reference_log_probs(logits, batch), depth=MOE_DEPTH)

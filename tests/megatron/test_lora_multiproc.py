@@ -33,7 +33,12 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
 ]
 
-LAYOUTS = [("tp2", 2, 1, 1, False), ("tp2_sp", 2, 1, 1, True), ("pp2", 1, 2, 1, False), ("dp2", 1, 1, 2, False)]
+LAYOUTS = [
+    ("tp2", 2, 1, 1, False),
+    ("tp2_sp", 2, 1, 1, True),
+    ("pp2", 1, 2, 1, False),
+    ("dp2", 1, 1, 2, False),
+]
 GRAD_NORM_REL = rel_tolerance(torch.float32, TINY_REDUCTION, UPDATE_DEPTH)
 
 
@@ -97,11 +102,10 @@ def _layouts(rank: int, world: int, port: int, hf: str, adapter: str, out_dir: s
 def test_lora_layouts_match_tp1(mp_world, tiny_hf, tmp_path):
     from safetensors.torch import load_file
 
-    from rltrain.megatron.lora import adapted_linears
-    from rltrain.megatron.peft_io import save_peft_adapter
-
     # A non-trivial adapter (B != 0) made at TP=1 and saved as a PEFT folder.
     from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.lora import adapted_linears
+    from rltrain.megatron.peft_io import save_peft_adapter
 
     seed_actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), replace(_cfg(None), lora=LoraConfig(rank=4, alpha=8.0)),
                                "cpu", total_steps=1)  # fmt: skip
@@ -115,7 +119,9 @@ def test_lora_layouts_match_tp1(mp_world, tiny_hf, tmp_path):
     del seed_actor
     batch, adv = _batch()
     ref = _run(str(tiny_hf), _cfg(adapter), batch, adv)
-    save_peft_adapter(ref["actor"].chunks, ref["actor"].spec.lora, ref["actor"].arch, tmp_path / "after_tp1", str(tiny_hf))
+    save_peft_adapter(
+        ref["actor"].chunks, ref["actor"].spec.lora, ref["actor"].arch, tmp_path / "after_tp1", str(tiny_hf)
+    )
     # The loaded adapter moves the policy away from the base model (the test compares a real adapter).
     assert (ref["before"] - ref["after"]).abs().max() > 1e-3
     payload = {"before": ref["before"], "after": ref["after"], "grad_norm": ref["grad_norm"]}
