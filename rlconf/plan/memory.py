@@ -660,7 +660,8 @@ def _memory(
         notes.append(
             f"LoRA: the actor's parameters are the frozen base weights + {lora.params:,} adapter parameters; "
             "gradients and optimizer state are the adapters' only; the ref log-probs are the actor's engine with "
-            "its adapters off, so no reference copy of the weights is held"
+            "its adapters off, so no reference copy of the weights is held; generation merges the adapters into the "
+            "weights for the call and keeps the base copies of the adapted weights in host memory meanwhile"
         )
     offloaded = [f"{r.role}: {', '.join(r.offloaded)}" for r in role_mems if r.offloaded]
     if offloaded:

@@ -56,6 +56,8 @@ own inference does the same) and restored afterwards. Context parallel is not su
 
 from __future__ import annotations
 
+from rltrain.megatron.lora import generation_weights
+
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -716,7 +718,7 @@ def generate_with_kv_cache(
             session.reused_tokens += sum(max(len(c) - s, 0) for c in contexts)
             session.prefilled_tokens += sum(min(len(c), s) for c in contexts)
             reuse = (session, ids, contexts, p - s)
-        with actor._ctx(), sequence_parallel_off(actor.modules()):
+        with actor._ctx(), sequence_parallel_off(actor.modules()), generation_weights(actor):
             actor.eval()
             engine = KVCacheGenerator(
                 actor, positions.to(actor.torch_device), zero_cache=static or session is not None

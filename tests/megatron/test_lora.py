@@ -91,9 +91,10 @@ def test_merged_weights_equal_adapters_and_restore_exactly(trained):
 
 
 def test_generation_uses_the_adapters(mp_world, tiny_hf):
-    """The embedded engine's KV-cache sampler runs the adapted linears on the fly: its greedy tokens are the
-    merged model's (W + alpha / r B A) and not the base model's."""
-    from rltrain.megatron.lora import adapted_linears, adapters_disabled, merged_weights
+    """The embedded engine samples with the adapters merged for the call: its log-probs of the sampled tokens
+    are the adapted model's (compute_log_prob applies the adapters on the fly), not the base model's, its
+    greedy tokens differ from the base model's, and the base weights come back bit for bit."""
+    from rltrain.megatron.lora import adapted_linears, adapters_disabled
 
     actor = _lora_actor(tiny_hf)
     g = torch.Generator().manual_seed(0)
@@ -101,14 +102,21 @@ def test_generation_uses_the_adapters(mp_world, tiny_hf):
         with torch.no_grad():
             for p in lin.lora_B.values():
                 p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+    before = {n: p.detach().clone() for n, p in actor.modules()[0].named_parameters()}
     prompts = make_batch(4)["input_ids"][:, :6]
-    adapted = actor.generate(prompts, 6, temperature=0.0, pad_id=0)["responses"]
-    with merged_weights(actor.chunks, actor.arch):
-        merged = actor.generate(prompts, 6, temperature=0.0, pad_id=0)["responses"]
+    for use_cache in (True, False):
+        out = actor.generate(prompts, 6, temperature=1.0, pad_id=0, seed=3, use_cache=use_cache)
+        mask = out["response_mask"].bool()
+        adapted = actor.compute_log_prob(out, with_entropy=False)["log_probs"]
+        assert_tiny_close(out["rollout_log_probs"][mask], adapted[mask], msg=f"use_cache={use_cache}")
+        with adapters_disabled(actor.chunks):
+            base = actor.compute_log_prob(out, with_entropy=False)["log_probs"]
+        assert (base[mask] - adapted[mask]).abs().max() > 1e-2
+    greedy = actor.generate(prompts, 6, temperature=0.0, pad_id=0)["responses"]
     with adapters_disabled(actor.chunks):
-        base = actor.generate(prompts, 6, temperature=0.0, pad_id=0)["responses"]
-    assert torch.equal(adapted, merged)
-    assert not torch.equal(adapted, base)
+        assert not torch.equal(actor.generate(prompts, 6, temperature=0.0, pad_id=0)["responses"], greedy)
+    for n, p in actor.modules()[0].named_parameters():
+        assert torch.equal(p, before[n]), n
 
 
 def test_peft_folder_round_trip(trained, tmp_path):
