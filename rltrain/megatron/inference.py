@@ -56,8 +56,6 @@ own inference does the same) and restored afterwards. Context parallel is not su
 
 from __future__ import annotations
 
-from rltrain.megatron.lora import generation_weights
-
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -70,6 +68,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
 from rltrain import device as devices
+from rltrain.megatron.lora import generation_weights
 from rltrain.megatron.model import fused_rotate, rotate
 from rltrain.rollout.batch import rollout_batch
 
