@@ -27,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from grpo_step_gpu import PHASES, preset_config, run_rlplan  # noqa: E402
+from grpo_step_gpu import PHASES, preset_config, run_rlplan
 
 
 def variant_flags(name: str, rank: int, alpha: float | None) -> list[str]:
