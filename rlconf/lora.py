@@ -17,6 +17,8 @@ This module imports nothing beyond rlconf (and the standard library).
 from __future__ import annotations
 
 import fnmatch
+import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -261,9 +263,40 @@ def resolve(c: RLConfig, arch: ModelArch) -> LoraPlan | None:
     if not kept:
         raise _issue("actor.lora.target_modules", "no module of this model gets an adapter (targets and "
                      "exclude_modules leave none)", "target more modules or exclude fewer")  # fmt: skip
+    if lo.adapter_path is not None:
+        _check_adapter_folder(lo.adapter_path, lo.rank, lo.alpha)
     params = sum(adapter_params(arch, m, lo.rank) for m in kept)
     hf_targets = tuple(p for p in HF_TO_MEGATRON if any(p in m.parts for m in kept))
     return LoraPlan(lo.rank, lo.alpha, lo.dropout, lo.init, lo.adapter_path, tuple(kept), params, hf_targets)
+
+
+MAX_ADAPTER_CONFIG_BYTES = 1 << 20
+
+
+def _check_adapter_folder(folder: str, rank: int, alpha: float) -> None:
+    """actor.lora.adapter_path: a PEFT LoRA folder whose r and lora_alpha are this run's (the engine checks
+    every tensor's name and shape when it loads them)."""
+    path = os.path.join(folder, "adapter_config.json")
+    fix = "point actor.lora.adapter_path at a PEFT adapter folder (adapter_config.json + adapter_model.safetensors)"
+    if not os.path.isfile(path) or not os.path.isfile(os.path.join(folder, "adapter_model.safetensors")):
+        raise _issue(
+            "actor.lora.adapter_path", f"{folder} has no adapter_config.json / adapter_model.safetensors", fix
+        )
+    if os.path.getsize(path) > MAX_ADAPTER_CONFIG_BYTES:
+        raise _issue("actor.lora.adapter_path", f"{path} is over {MAX_ADAPTER_CONFIG_BYTES} bytes", fix)
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise _issue("actor.lora.adapter_path", f"{path} cannot be read as JSON ({exc})", fix) from exc
+    if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
+        raise _issue("actor.lora.adapter_path", f"{path} is not a LoRA adapter (peft_type LORA)", fix)
+    if raw.get("r") != rank or raw.get("lora_alpha") != alpha:
+        raise _issue(
+            "actor.lora.adapter_path",
+            f"{path} has r {raw.get('r')}, lora_alpha {raw.get('lora_alpha')}; this run has rank {rank}, alpha {alpha:g}",
+            "set actor.lora.rank and actor.lora.alpha to the adapter's",
+        )
 
 
 def stage_adapter_params(plan: LoraPlan, arch: ModelArch, layers: range, tp: int) -> int:

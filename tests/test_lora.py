@@ -293,3 +293,27 @@ def test_hf_folder_lora_kl_resume_exact_and_export(tmp_path):
         torch.testing.assert_close(
             model(input_ids=ids).logits, flat(input_ids=ids).logits, rtol=1e-4, atol=1e-4
         )
+
+
+def test_adapter_path_is_checked_when_the_plan_compiles(tmp_path):
+    missing = _tiny(rank=8, adapter_path=str(tmp_path / "nothing"))
+    with pytest.raises(ConfigError) as exc:
+        compile_plan(missing)
+    assert exc.value.paths == ("actor.lora.adapter_path",)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_model.safetensors").write_bytes(b"")
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 16, "lora_alpha": 16}))
+    with pytest.raises(ConfigError) as exc:
+        compile_plan(_tiny(rank=8, alpha=16.0, adapter_path=str(folder)))
+    assert "rank 8" in exc.value.errors[0].message and exc.value.errors[0].rule == "lora"
+    assert compile_plan(_tiny(rank=16, alpha=16.0, adapter_path=str(folder))).lora.adapter_path == str(folder)
+
+
+def test_profiling_the_ref_pass_of_a_lora_run_profiles_the_actor_worker():
+    c = _tiny(rank=8)
+    c = dataclasses.replace(
+        c, profile=dataclasses.replace(c.profile, tool="torch", steps=(2,), roles=("ref_compute_log_prob",))
+    )
+    targets = compile_plan(c).profile.targets
+    assert [(t.role, t.worker) for t in targets] == [("ref_compute_log_prob", "actor")]

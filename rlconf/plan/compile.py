@@ -563,7 +563,10 @@ def _profile(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...
     dropped = sorted({s for s in p.steps if s not in steps})
     if dropped:
         notes.append(f"steps {dropped} are outside the run's steps 1..{c.trainer.total_steps}; not profiled")
-    present = tuple(r for r in ROLES if PROFILE_ROLE_WORKER[r] in roles or r == "reward_compute")
+    # LoRA: the ref log-probs run in the actor's worker (its adapters off), there is no ref worker.
+    lora_ref = "ref" not in roles and uses_ref(c) and c.actor.lora.rank > 0
+    worker_of = {**PROFILE_ROLE_WORKER, **({"ref_compute_log_prob": "actor"} if lora_ref else {})}
+    present = tuple(r for r in ROLES if worker_of[r] in roles or r == "reward_compute")
     wanted = tuple(dict.fromkeys(p.roles)) or present
     missing = [r for r in wanted if r not in present]
     if missing:
@@ -582,7 +585,7 @@ def _profile(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...
     targets: list[ProfileTarget] = []
     if mode == "discrete":
         for role in profiled:
-            worker = PROFILE_ROLE_WORKER[role]
+            worker = worker_of[role]
             if worker not in roles:  # reward_compute without a reward model runs in the controller
                 targets.append(ProfileTarget(role, CONTROLLER, (0,)))
             else:
