@@ -246,3 +246,39 @@ def test_qwen3_moe_lora_on_attention(mp_world, tmp_path):
             input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=position_ids
         ).logits
     assert_tiny_close(after, reference_log_probs(logits, batch), depth=MOE_DEPTH)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dist_opt", [True, False], ids=["distributed_optimizer", "plain_optimizer"])
+def test_adapter_only_checkpoint_resumes_exactly(mp_world, tiny_hf, tmp_path, dist_opt):
+    """With model.path the checkpoint holds the adapters and their optimizer state, not the base weights;
+    a fresh engine (base from model.path) loads it and its next update equals the uninterrupted one."""
+    from rltrain.checkpoint import engine_io
+    from rltrain.megatron.actor import MegatronActor
+
+    def make() -> MegatronActor:
+        cfg = replace(actor_cfg(), lora=LoraConfig(rank=RANK, alpha=ALPHA))
+        cfg = replace(cfg, megatron=replace(cfg.megatron, use_distributed_optimizer=dist_opt))
+        return MegatronActor(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
+
+    a = make()
+    batch = make_batch(4)
+    _train(a, batch, steps=1)
+    folder = tmp_path / "actor"
+    folder.mkdir()
+    assert engine_io.save_engine(a, folder, ("model", "optimizer", "extra"), {"step": 1}, role="actor")
+    meta = json.loads((folder / "meta.json").read_text())
+    assert meta["lora_adapters_only"] is True and meta["lora"]["rank"] == RANK
+    saved = sum(f.stat().st_size for f in (folder / "dist_ckpt").rglob("*") if f.is_file())
+    base_bytes = sum(p.numel() * 4 for n, p in a.modules()[0].named_parameters() if not p.requires_grad)
+    assert saved < base_bytes  # adapters + optimizer state only
+    expected_lp = a.compute_log_prob(batch, with_entropy=False)["log_probs"]
+    _train(a, batch, steps=1)
+    a_next = {n: p.detach().clone() for n, p in a.modules()[0].named_parameters()}
+
+    b = make()
+    assert engine_io.load_engine(b, folder, ("model", "optimizer", "extra"), role="actor") == {"step": 1}
+    assert torch.equal(b.compute_log_prob(batch, with_entropy=False)["log_probs"], expected_lp)
+    _train(b, batch, steps=1)
+    for n, p in b.modules()[0].named_parameters():
+        assert torch.equal(p, a_next[n]), n
