@@ -5,7 +5,9 @@
         folder for one line per step. Shows the step, roles, contents, the layout it was saved with
         (TP / PP / VPP / CP / EP / DP), files and sizes, whether it is complete, the manifest verification
         (every size, CRC-32 of every byte) and when it was committed.
-    rltrain export-hf CHECKPOINT OUT [--role actor] [--overwrite]
+    rltrain export-hf CHECKPOINT OUT [--role actor] [--overwrite] [--merge]
+        A LoRA run's checkpoint (actor.lora) gives a PEFT adapter folder (adapter_config.json +
+        adapter_model.safetensors, on the run's model.path), or with --merge the merged model as below.
         Writes OUT/{model.safetensors, config.json, tokenizer files} loadable by
         `transformers.AutoModelForCausalLM.from_pretrained`, from the dist checkpoint (no hf_model needed in
         save_contents). The model is built on the CPU in this process (TP = PP = 1, a gloo world of one) and
