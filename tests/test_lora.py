@@ -224,10 +224,15 @@ def metrics(out: Path) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_tiny_grpo_with_lora_learns(tmp_path):
+    """tiny-grpo with rank-8 adapters (lr 1e-2, LoRA's usual 10x) learns as full fine-tuning does.
+
+    The built-in model starts from a random init; at megatron's init_method_std 0.02 its frozen, tied
+    embeddings keep every logit within about +-1.3 whatever the adapters do (entropy stayed at ln 30 over
+    80 steps, reward 0.04 -> 0.05), so the base is drawn at std 0.2, as a pretrained model's larger
+    weights would be: measured 0.16 -> 0.58 over 80 steps (full fine-tuning of that base 0.15 -> 0.58)."""
     out = tmp_path / "learn"
-    r = rltrain(
-        "tiny-grpo", "--actor.lora.rank", "8", "--trainer.total_steps", "80", "--trainer.output_dir", str(out)
-    )
+    r = rltrain("tiny-grpo", "--actor.lora.rank", "8", "--actor.optim.lr", "0.01", "--model.init_method_std", "0.2",
+                "--trainer.total_steps", "80", "--trainer.output_dir", str(out))  # fmt: skip
     assert r.returncode == 0, r.stderr[-3000:]
     rewards = [row["reward/mean"] for row in metrics(out)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
