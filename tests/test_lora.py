@@ -257,7 +257,10 @@ def test_hf_folder_lora_kl_resume_exact_and_export(tmp_path):
     src = make_tiny_qwen2(tmp_path / "qwen2")
     CharTokenizer().save_pretrained(src)
     common = ["--model.path", str(src), "--actor.lora.rank", "8", "--actor.lora.alpha", "16",
-              "--actor.use_kl_loss", "true", "--trainer.save_freq", "2", "--actor.optim.lr", "0.01"]  # fmt: skip
+              "--actor.use_kl_loss", "true", "--trainer.save_freq", "2", "--actor.optim.lr", "0.01",
+              # no validation: a segment's last step and a resumed start validate (test_e2e's resume test
+              # shows those passes equal); here every row must be the straight run's
+              "--trainer.test_freq", "0", "--trainer.val_before_train", "false"]  # fmt: skip
     out, ref = tmp_path / "resumed", tmp_path / "straight"
     for steps, folder in (("2", out), ("4", out), ("4", ref)):
         r = rltrain("tiny-grpo", "--trainer.total_steps", steps, "--trainer.output_dir", str(folder), *common)
@@ -271,7 +274,9 @@ def test_hf_folder_lora_kl_resume_exact_and_export(tmp_path):
     meta = json.loads((ck / "actor" / "meta.json").read_text())
     assert meta["lora_adapters_only"] is True
     dist_bytes = sum(f.stat().st_size for f in (ck / "actor" / "dist_ckpt").rglob("*") if f.is_file())
-    assert dist_bytes < (src / "model.safetensors").stat().st_size  # adapters + optimizer < the base weights
+    # Full fine-tuning saves the weights and two Adam moments, >= 3x the model (3.4 MB here, measured); the
+    # adapters with their optimizer state and the checkpoint's metadata are 1.0 MB.
+    assert dist_bytes < 2 * (src / "model.safetensors").stat().st_size
 
     adapter, merged = tmp_path / "adapter", tmp_path / "merged"
     for args in ((str(ck), str(adapter)), (str(ck), str(merged), "--merge")):
