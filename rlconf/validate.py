@@ -501,8 +501,9 @@ def rollout_engine(c: RLConfig) -> Iterator[Issue]:
     "actor.megatron.*_size",
 )
 def ref_layout(c: RLConfig) -> Iterator[Issue]:
-    """The reference policy lives in the actor's processes (colocated), so it uses the actor's layout."""
-    if not uses_ref(c):
+    """The reference policy lives in the actor's processes (colocated), so it uses the actor's layout (with
+    actor.lora there is no reference engine: the ref log-probs are the actor's with its adapters off)."""
+    if not uses_ref(c) or c.actor.lora.rank > 0:
         return
     for name in LAYOUT_FIELDS:
         ref_v, act_v = getattr(c.ref.megatron, name), getattr(c.actor.megatron, name)

@@ -327,3 +327,14 @@ def test_profiling_the_ref_pass_of_a_lora_run_profiles_the_actor_worker():
     )
     targets = compile_plan(c).profile.targets
     assert [(t.role, t.worker) for t in targets] == [("ref_compute_log_prob", "actor")]
+
+
+def test_ref_layout_is_not_checked_without_a_ref_engine():
+    """The tiny MoE preset's ref section keeps EP 1 while the actor runs EP 2: with LoRA (no ref engine) the
+    run plans; without it the ref-layout rule still asks for the actor's layout."""
+    c = PRESETS["tiny-grpo-moe"].build()
+    c = dataclasses.replace(c, actor=dataclasses.replace(c.actor, use_kl_loss=True))
+    assert any(i.rule == "ref-layout-matches-actor" for i in check_config(c))
+    lora = dataclasses.replace(c, actor=dataclasses.replace(c.actor, lora=LoraConfig(rank=4)))
+    assert not any(i.rule == "ref-layout-matches-actor" for i in check_config(lora))
+    assert "ref" not in compile_plan(lora).roles
