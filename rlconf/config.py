@@ -366,6 +366,34 @@ class PolicyLossConfig:
 
 
 @dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters on the policy's linear layers (rltrain/megatron/lora.py): the base weights stay frozen,
+    only the adapters train; with a KL term the reference policy is the same engine with adapters off."""
+
+    rank: int = 0
+    """Adapter rank r (0: off, full fine-tuning)."""
+    alpha: float = 16.0
+    """Scaling numerator: the adapter's output is multiplied by alpha / rank (PEFT's lora_alpha)."""
+    dropout: float = 0.0
+    """Dropout on the adapter's input, in [0, 1) (PEFT's lora_dropout)."""
+    target_modules: tuple[str, ...] = ("all-linear",)
+    """Linear layers that get adapters: megatron names linear_qkv, linear_proj, linear_fc1, linear_fc2, or
+    Hugging Face names q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (q_proj alone adapts
+    only the query slice of the fused linear_qkv); all-linear: every attention and MLP linear (on a
+    mixture-of-experts model: attention only; experts are not adapted yet)."""
+    exclude_modules: tuple[str, ...] = ()
+    """fnmatch patterns of adapted modules to leave out, matched against megatron paths with global layer
+    numbers (decoder.layers.0.self_attention.linear_qkv, decoder.layers.*.mlp.linear_fc2) and the Hugging
+    Face ones (model.layers.0.self_attn.q_proj); each must match an adapted module."""
+    init: Literal["kaiming", "gaussian"] = "kaiming"
+    """Initial adapters (B is zero either way, so training starts at the base model): kaiming: A
+    kaiming-uniform (PEFT's default); gaussian: A normal with std 1 / rank."""
+    adapter_path: str | None = None
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start from instead of a
+    fresh adapter; its rank, alpha and targets must equal these."""
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """The policy being trained (PPO/GRPO actor) on the Megatron engine."""
 
@@ -375,6 +403,8 @@ class ActorConfig:
     """Optimizer and lr schedule."""
     checkpoint: Checkpoint = field(default_factory=Checkpoint)
     """Checkpoint contents."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters (rank 0: full fine-tuning)."""
     ppo_mini_batch_size: int = 4
     """Prompts per optimizer update (each with rollout.n responses); train_batch_size / this = updates
     per epoch."""

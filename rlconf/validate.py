@@ -53,6 +53,7 @@ from rlconf.fields import (
     type_name,
 )
 from rlconf.files import MAX_DATA_BYTES, check_regular
+from rlconf.lora import config_issues as lora_config_issues
 from rlconf.model_files import RULE as MODEL_FILES_RULE
 from rlconf.model_files import model_files_issues
 from rlconf.model_spec import (
@@ -507,8 +508,9 @@ def rollout_engine(c: RLConfig) -> Iterator[Issue]:
     "actor.megatron.*_size",
 )
 def ref_layout(c: RLConfig) -> Iterator[Issue]:
-    """The reference policy lives in the actor's processes (colocated), so it uses the actor's layout."""
-    if not uses_ref(c):
+    """The reference policy lives in the actor's processes (colocated), so it uses the actor's layout (with
+    actor.lora there is no reference engine: the ref log-probs are the actor's with its adapters off)."""
+    if not uses_ref(c) or c.actor.lora.rank > 0:
         return
     for name in LAYOUT_FIELDS:
         ref_v, act_v = getattr(c.ref.megatron, name), getattr(c.actor.megatron, name)
@@ -1600,3 +1602,15 @@ def cluster(c: RLConfig) -> Iterator[Issue]:
 # Rules kept in modules of their own register here (they import `rule` from this module).
 import rlconf.folder_rules  # noqa: E402
 import rlconf.run_paths  # noqa: E402, F401
+
+
+@rule("lora", "actor.lora.*", "rollout.placement", "rollout.engine", "rollout.tensor_model_parallel_size",
+      "model.attention_backend", "actor.megatron.use_dist_checkpointing", "actor.checkpoint.save_contents")  # fmt: skip
+def lora(c: RLConfig) -> Iterator[Issue]:
+    """actor.lora: rank >= 0 (0 is off), alpha > 0, dropout in [0, 1), known target names; LoRA runs with the
+    embedded rollout engine in the actor's layout on the actor's devices (adapter refits to a separate pool,
+    vLLM or a resharded rollout are not built yet), megatron-core's own linears (not Transformer Engine), and
+    exports adapters with `rltrain export-hf` rather than the in-run hf_model. Targets the model cannot take
+    (MLP targets on a MoE model, exclude patterns matching nothing) are reported when the plan reads the
+    architecture (rlconf/lora.py)."""
+    yield from lora_config_issues(c)

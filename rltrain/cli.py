@@ -25,7 +25,8 @@ USAGE = """usage: rltrain PRESET [--config FILE.yaml] [--section.field VALUE ...
        rltrain PRESET --help     every flag, with the preset's values as defaults
        rltrain --list            the presets
        rltrain inspect CHECKPOINT [--json]       what a checkpoint holds, complete or not
-       rltrain export-hf CHECKPOINT OUT          Hugging Face weights from a checkpoint
+       rltrain export-hf CHECKPOINT OUT          Hugging Face weights from a checkpoint (LoRA: a PEFT
+                                                 adapter folder, or --merge for the merged model)
 
 Runs RL fine-tuning (PPO/GRPO) on megatron-core. Precedence: flags > --config file > preset > defaults.
 --dry-run prints the resolved config and the trainer plan and exits.

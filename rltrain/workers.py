@@ -214,23 +214,33 @@ class PolicyWorker(MegatronWorker, RolloutServer):
         with self.measured("actor_compute_log_prob"):
             return self.actor.compute_log_prob(batch, temperature=self.cfg.rollout.temperature)
 
+    def _ref_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        temperature = self.cfg.rollout.temperature
+        if self.ref is not None:
+            return self.ref.compute_log_prob(batch, temperature=temperature, with_entropy=False)
+        # LoRA (the plan's StepPasses.ref_from adapters-off): the base model is the actor's engine with its
+        # adapters off, so no reference copy of the weights exists.
+        assert self.plan.passes is not None and self.plan.passes.ref_from == "adapters-off", (
+            "this run has no reference policy"
+        )
+        from rltrain.megatron.lora import adapters_disabled
+
+        with adapters_disabled(self.actor.chunks):
+            return self.actor.compute_log_prob(batch, temperature=temperature, with_entropy=False)
+
     def compute_ref_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        assert self.ref is not None, "this run has no reference policy"
         with self.measured("ref_compute_log_prob"):
-            return self.ref.compute_log_prob(
-                batch, temperature=self.cfg.rollout.temperature, with_entropy=False
-            )
+            return self._ref_log_prob(batch)
 
     def compute_old_and_ref_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Both passes on one scatter of the batch (the plan's `StepPasses.fused`): the actor's log-probs and
         entropy, the ref's log-probs as `ref_log_probs`, and the ref pass's seconds as `ref_seconds` [1, 1]."""
-        assert self.ref is not None, "this run has no reference policy"
         temperature = self.cfg.rollout.temperature
         with self.measured("actor_compute_log_prob"):
             old = self.actor.compute_log_prob(batch, temperature=temperature)
         t_ref = time.perf_counter()
         with self.measured("ref_compute_log_prob"):
-            ref = self.ref.compute_log_prob(batch, temperature=temperature, with_entropy=False)
+            ref = self._ref_log_prob(batch)
         seconds = torch.tensor([[time.perf_counter() - t_ref]], dtype=torch.float64)
         return {**old, "ref_log_probs": ref["log_probs"], "ref_seconds": seconds}
 

@@ -205,6 +205,9 @@ CASES = [
     (["model.arch.sliding_window=0"], "model.arch.sliding_window", "positive-size", "error"),
     (["model.arch.family=qwen2_moe", "model.arch.num_moe_experts=0"], "model.arch.num_moe_experts",
      "positive-size", "error"),
+    # LoRA: values, and what it cannot combine with yet (tests/test_lora.py has the rest)
+    (["actor.lora.rank=8", "actor.lora.alpha=0"], "actor.lora.alpha", "lora", "error"),
+    (["actor.lora.rank=8", "rollout.engine=vllm"], "rollout.engine", "lora", "error"),
 ]  # fmt: skip
 
 

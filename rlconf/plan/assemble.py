@@ -9,6 +9,7 @@ from rlconf.config import (
     RLConfig,
 )
 from rlconf.errors import ConfigError, error
+from rlconf.lora import resolve as resolve_lora
 from rlconf.plan.compile import (
     _batch_plans,
     _checkpoint,
@@ -82,6 +83,9 @@ def _compile(config: RLConfig, check: bool = True) -> TrainerPlan:
     config = with_run_length(config, length)
     roles = _present_roles(config)
     models = _resolve_models(config, roles)
+    lora = resolve_lora(config, models.policy.arch)
+    if lora is not None:
+        models = replace(models, policy=replace(models.policy, params_trainable=lora.params))
     resources = _resources(config, roles)
     layouts = _layouts(config, roles, resources, models)
     batches = _batch_plans(config, roles, layouts)
@@ -95,11 +99,12 @@ def _compile(config: RLConfig, check: bool = True) -> TrainerPlan:
         optim=_optim_plans(config, batches),
         profile=_profile(config, roles, layouts),
         checkpoint=_checkpoint(config, roles, models, layouts),
-        memory=_memory(config, resources, layouts, models, batches),
+        memory=_memory(config, resources, layouts, models, batches, lora),
         config=_effective_config(config, models, roles),
         refit=_rollout_refit(config, layouts, models),
         length=length,
         passes=_step_passes(config, roles, batches),
+        lora=lora,
     )
 
 

@@ -76,7 +76,8 @@ def rollout_resharded(c: RLConfig) -> bool:
 
 def _present_roles(c: RLConfig) -> tuple[str, ...]:
     present = {"actor", "rollout"}
-    if uses_ref(c):
+    if uses_ref(c) and c.actor.lora.rank <= 0:
+        # With LoRA the reference policy is the actor's engine with its adapters off (StepPasses.ref_from).
         present.add("ref")
     if c.critic.enable:
         present.add("critic")
@@ -103,7 +104,7 @@ def _model_spec(
     name: str, source: str, arch: ModelArch, head: str, used_by: tuple[str, ...], weights: str | None
 ) -> ModelSpec:
     total, active = count_parameters(arch, head)
-    return ModelSpec(name, source, arch, head, total, active, used_by, weights)
+    return ModelSpec(name, source, arch, head, total, active, used_by, weights, params_trainable=total)
 
 
 @dataclass(frozen=True)
@@ -405,7 +406,7 @@ def _step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, 
     actor = _by_role(batches, "actor")
     on_policy = actor.mini_batches_per_step == 1 and actor.ppo_epochs == 1
     rc = c.algorithm.rollout_correction
-    ref = "ref" in roles
+    ref = "ref" in roles or (uses_ref(c) and c.actor.lora.rank > 0)
     old = "recompute"
     stale = c.algorithm.off_policy_steps
     rollout_is, rollout_rs = rc.rollout_is, rc.rollout_rs
@@ -449,6 +450,7 @@ def _step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, 
         rollout_is=rollout_is,
         rollout_rs=rollout_rs,
         off_policy_steps=stale,
+        ref_from="ref" if "ref" in roles or not ref else "adapters-off",
     )
 
 
@@ -566,7 +568,10 @@ def _profile(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...
     dropped = sorted({s for s in p.steps if s not in steps})
     if dropped:
         notes.append(f"steps {dropped} are outside the run's steps 1..{c.trainer.total_steps}; not profiled")
-    present = tuple(r for r in ROLES if PROFILE_ROLE_WORKER[r] in roles or r == "reward_compute")
+    # LoRA: the ref log-probs run in the actor's worker (its adapters off), there is no ref worker.
+    lora_ref = "ref" not in roles and uses_ref(c) and c.actor.lora.rank > 0
+    worker_of = {**PROFILE_ROLE_WORKER, **({"ref_compute_log_prob": "actor"} if lora_ref else {})}
+    present = tuple(r for r in ROLES if worker_of[r] in roles or r == "reward_compute")
     wanted = tuple(dict.fromkeys(p.roles)) or present
     missing = [r for r in wanted if r not in present]
     if missing:
@@ -585,7 +590,7 @@ def _profile(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...
     targets: list[ProfileTarget] = []
     if mode == "discrete":
         for role in profiled:
-            worker = PROFILE_ROLE_WORKER[role]
+            worker = worker_of[role]
             if worker not in roles:  # reward_compute without a reward model runs in the controller
                 targets.append(ProfileTarget(role, CONTROLLER, (0,)))
             else:

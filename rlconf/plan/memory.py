@@ -10,6 +10,7 @@ from rlconf.config import (
     OverrideTransformerConfig,
     RLConfig,
 )
+from rlconf.lora import COLUMN_PARALLEL, LoraPlan, part_dims, stage_adapter_params
 from rlconf.model_spec import (
     is_moe_layer,
     layer_params,
@@ -366,8 +367,35 @@ _INFER_PHASE = {
 }
 
 
+def _lora_stage(
+    lora: LoraPlan, arch: ModelArch, lay: RoleLayout, st: StageLayers, elem: int
+) -> tuple[int, float]:
+    """(adapter parameters on one rank of this stage, the adapters' activation bytes per token): each
+    adapted projection saves its rank-r hidden [r] for B's backward, and with dropout the dropped input
+    (A's input; without dropout A reads the tensor the base linear saves anyway) and its mask."""
+    params, per_token = 0, 0.0
+    for ch in st.chunks:
+        layers = range(ch.first_layer, ch.first_layer + ch.num_layers)
+        params += stage_adapter_params(lora, arch, layers, lay.tp)
+        for mod in lora.modules:
+            if mod.layer in layers:
+                for part in mod.parts:
+                    fan_in = part_dims(arch, part)[0]
+                    per_token += lora.rank * elem
+                    if lora.dropout > 0:
+                        per_token += (
+                            fan_in * (elem + 1) / (lay.tp if mod.linear not in COLUMN_PARALLEL else 1)
+                        )
+    return params, per_token
+
+
 def _role_mem_model(
-    c: RLConfig, role: str, lay: RoleLayout, spec: ModelSpec, batch: BatchPlan | None
+    c: RLConfig,
+    role: str,
+    lay: RoleLayout,
+    spec: ModelSpec,
+    batch: BatchPlan | None,
+    lora: LoraPlan | None = None,
 ) -> _RoleMemModel:
     _, m = _megatron_of(c, role)
     elem = DTYPE_BYTES[c.model.params_dtype]
@@ -385,20 +413,26 @@ def _role_mem_model(
     stages = []
     for st in lay.stages:
         params = _stage_params(spec.arch, lay, st, spec.head)
-        pbytes = float(params * elem)
+        # LoRA (the actor): the adapters join the frozen base weights; only they have gradients and optimizer
+        # state (megatron DDP and the optimizer see requires_grad parameters only).
+        adapters, lora_acts = (
+            _lora_stage(lora, spec.arch, lay, st, elem) if lora and role == "actor" else (0, 0.0)
+        )
+        trainable = adapters if adapters else params
+        pbytes = float((params + adapters) * elem)
         grads = optim = acts = logits_train = chunk = 0.0
         in_flight, tokens = 0, 0
         if trained and batch is not None:
-            grads = float(params * (4 if ddp.grad_reduce_in_fp32 else elem))
+            grads = float(trainable * (4 if ddp.grad_reduce_in_fp32 else elem))
             o = c.actor.optim if role == "actor" else c.critic.optim
             per_param = (4 if elem != 4 else 0) + (8 if o.optimizer == "adam" else 4)
-            experts = _stage_expert_params(spec.arch, lay, st)
+            experts = _stage_expert_params(spec.arch, lay, st) if not adapters else 0
             if m.use_distributed_optimizer:
                 # megatron's distributed optimizer: dense state over dp x cp, experts' over expert dp.
                 dense_shards = lay.dp * lay.cp
-                optim = (params - experts) * per_param / dense_shards + experts * per_param / lay.expert_dp
+                optim = (trainable - experts) * per_param / dense_shards + experts * per_param / lay.expert_dp
             else:
-                optim = params * per_param
+                optim = trainable * per_param
             tokens = (
                 batch.tokens_per_micro_batch_per_rank
                 if batch.use_dynamic_bsz
@@ -406,6 +440,7 @@ def _role_mem_model(
             )
             in_flight, held = _in_flight(lay, st.stage, batch.max_micro_batches_per_mini_batch)
             acts = _stage_activation_bytes(spec.arch, lay, st, ov, elem, tokens, held, fused, grouped)
+            acts += lora_acts * tokens * held
             if st.output_layer:
                 logits_train = 2.0 * tokens * out_width * elem
                 chunk = _logprob_chunk_bytes(tokens, out_width, elem, fused)
@@ -496,6 +531,7 @@ def _memory(
     layouts: tuple[RoleLayout, ...],
     models: _Models,
     batches: tuple[BatchPlan, ...],
+    lora: LoraPlan | None = None,
 ) -> MemoryPlan:
     mem_roles = [lay for lay in layouts if lay.role != "rollout"]
     role_models = {
@@ -505,6 +541,7 @@ def _memory(
             lay,
             models.for_role(lay.role),
             next((b for b in batches if b.role == lay.role), None),
+            lora,
         )
         for lay in mem_roles
     }
@@ -618,6 +655,13 @@ def _memory(
             "rollout in its own layout: generate_sequences also holds the rollout replica's weights (params x "
             "dtype bytes / rollout tp) and one refit bucket, from the refit to the end of generation; its KV "
             "cache uses the rollout's tp and dp"
+        )
+    if lora is not None:
+        notes.append(
+            f"LoRA: the actor's parameters are the frozen base weights + {lora.params:,} adapter parameters; "
+            "gradients and optimizer state are the adapters' only; the ref log-probs are the actor's engine with "
+            "its adapters off, so no reference copy of the weights is held; generation merges the adapters into the "
+            "weights for the call and keeps the base copies of the adapted weights in host memory meanwhile"
         )
     offloaded = [f"{r.role}: {', '.join(r.offloaded)}" for r in role_mems if r.offloaded]
     if offloaded:

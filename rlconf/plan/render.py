@@ -171,6 +171,14 @@ def format_plan(plan: TrainerPlan) -> str:
             f"{a.vocab_size}{_vocab_padding_note(plan, m.name, a.vocab_size)}, {m.head} head{', tied embeddings' if a.share_embeddings_and_output_weights and m.head == 'lm' else ''}"
             f" [{m.source}]"
         )
+        if m.name == "policy" and plan.lora is not None:
+            lo = plan.lora
+            share = m.params_trainable / max(m.params_total, 1)
+            out.append(
+                f"    LoRA rank {lo.rank}, alpha {lo.alpha:g} (scaling {lo.scaling:g}), dropout {lo.dropout:g}: "
+                f"{_fmt_count(m.params_trainable)} trainable ({share:.2%}) on {len(lo.modules)} linears "
+                f"({', '.join(lo.hf_targets)}); base weights frozen (no gradients, no optimizer state)"
+            )
     r = plan.resources
     out += ["", f"resources: {r.total_devices} x {r.device} ({r.nnodes} node(s) x {r.gpus_per_node})"]
     out += _table(
@@ -237,7 +245,10 @@ def format_plan(plan: TrainerPlan) -> str:
         old = {"recompute": "an actor forward pass", "rollout": "the rollout's", "update": "no pass"}
         ref = "none (no KL term)"
         if sp.ref_log_prob:
-            ref = "a ref forward pass" + (", in one call with the old log-probs" if sp.fused else "")
+            ref = "a ref forward pass"
+            if sp.ref_from == "adapters-off":
+                ref += " of the actor's engine with its LoRA adapters off (the base model: no ref worker, no copy)"
+            ref += ", in one call with the old log-probs" if sp.fused else ""
         out += [
             "",
             f"log-prob passes per step: old log-probs {old[sp.old_log_prob]} ({sp.reason}); ref log-probs {ref}",

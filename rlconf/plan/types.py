@@ -15,6 +15,7 @@ from rlconf.config import (
     RLConfig,
     TorchProfileOptions,
 )
+from rlconf.lora import LoraPlan
 from rlconf.run_length import RunLength
 
 PLAN_VERSION = 1
@@ -70,6 +71,9 @@ class ModelSpec:
     weights: str | None
     """Hugging Face folder its weights load from (model.path, critic.model_path, reward.reward_model.path; a
     value model without a folder of its own starts from the policy's weights); None: random initialisation."""
+    params_trainable: int = -1
+    """Parameters the optimizer updates: params_total, or the LoRA adapters' count with actor.lora (the
+    base weights stay frozen); compile_plan always sets it."""
 
 
 @dataclass(frozen=True)
@@ -475,6 +479,10 @@ class StepPasses:
     off_policy_steps: int = 0
     """How many steps generation may run ahead of the update (algorithm.off_policy_steps): the batch of
     step s is generated with the weights after step s - 1 - off_policy_steps or later."""
+    ref_from: str = "ref"
+    """Where the ref log-probs come from: ref (the reference policy's own engine, a copy of the initial
+    weights) or adapters-off (actor.lora: the actor's engine with its adapters disabled is the base model,
+    so there is no ref worker and no second copy of the weights)."""
 
 
 @dataclass(frozen=True)
@@ -528,6 +536,8 @@ class TrainerPlan:
     per epoch (always set by compile_plan; config.trainer.total_steps holds the same number)."""
     passes: StepPasses | None = None
     """The log-prob passes of each training step (always set by compile_plan)."""
+    lora: LoraPlan | None = None
+    """The policy's LoRA adapters (actor.lora; None: full fine-tuning)."""
 
     def layout(self, role: str) -> RoleLayout:
         return _by_role(self.layouts, role)
@@ -580,6 +590,8 @@ class EnginePlan:
     """With forward_use_dynamic_bsz: the token budget of a forward micro-batch."""
     fused_kernels: bool
     """torch.compile'd fused kernels for SwiGLU, log-prob / entropy, sampling and RoPE (`fused_kernels`)."""
+    lora: LoraPlan | None = None
+    """LoRA adapters on this engine's linears (the actor with actor.lora), base weights frozen."""
 
     @property
     def trainable(self) -> bool:
@@ -633,6 +645,7 @@ def _engine_plan(plan: TrainerPlan, role: str) -> EnginePlan:
         forward_use_dynamic_bsz=bool(dynamic),
         forward_max_token_len=budget if dynamic else None,
         fused_kernels=fused_kernels(plan.config),
+        lora=plan.lora if role == "actor" else None,
     )
 
 

@@ -141,6 +141,20 @@ def _logger(value: Any, _: Mapping[str, Any]) -> Any:
 _KL_ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
 
 
+def _lora_targets(value: Any, _: Mapping[str, Any]) -> Any:
+    """verl's target_modules / exclude_modules: a string (all-linear, one name) or a list."""
+    return [value] if isinstance(value, str) else value
+
+
+def _lora_a_init(value: Any, _: Mapping[str, Any]) -> Any:
+    init = {"kaiming": "kaiming", "kaiming_uniform": "kaiming", "normal": "gaussian", "gaussian": "gaussian"}
+    if value not in init:
+        raise VerlValueError(
+            f"lora_A_init_method {value} is not built in rlplan", "use kaiming (PEFT's default)"
+        )
+    return init[value]
+
+
 def _kl_type(value: Any, _: Mapping[str, Any]) -> Any:
     return _KL_ALIASES.get(value, value) if isinstance(value, str) else value
 
@@ -498,9 +512,30 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.model.custom_chat_template", "unsupported", "the tokenizer's chat template is used"),
     _u("actor_rollout_ref.model.use_fused_kernels", "not-needed", "rlplan's log-prob kernel is always chunked"),
     _u("actor_rollout_ref.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
-    _u("actor_rollout_ref.model.lora_rank", "unsupported", "no LoRA: full fine-tuning"),
-    _u("actor_rollout_ref.model.lora_alpha", "unsupported", "no LoRA: full fine-tuning"),
-    _u("actor_rollout_ref.model.target_modules", "unsupported", "no LoRA: full fine-tuning"),
+    # LoRA: verl's FSDP keys (lora_rank, ...) and its Megatron-Bridge section (model.lora.*).
+    _m("actor_rollout_ref.model.lora_rank", "actor.lora.rank", "0 = off (verl's and rlplan's)"),
+    _m("actor_rollout_ref.model.lora_alpha", "actor.lora.alpha", ""),
+    _m("actor_rollout_ref.model.target_modules", "actor.lora.target_modules", "all-linear or module names "
+       "(HF q_proj.. or megatron linear_qkv..)", _lora_targets),
+    _m("actor_rollout_ref.model.exclude_modules", "actor.lora.exclude_modules", "fnmatch patterns", _lora_targets),
+    _m("actor_rollout_ref.model.lora_adapter_path", "actor.lora.adapter_path", "a local PEFT folder", _expand),
+    _m("actor_rollout_ref.model.lora.rank", "actor.lora.rank", "0 = off; without lora.alpha the import sets "
+       "verl's Megatron default alpha 32"),
+    _m("actor_rollout_ref.model.lora.alpha", "actor.lora.alpha", ""),
+    _m("actor_rollout_ref.model.lora.dropout", "actor.lora.dropout", ""),
+    _m("actor_rollout_ref.model.lora.target_modules", "actor.lora.target_modules", "", _lora_targets),
+    _m("actor_rollout_ref.model.lora.exclude_modules", "actor.lora.exclude_modules", "", _lora_targets),
+    _m("actor_rollout_ref.model.lora.adapter_path", "actor.lora.adapter_path", "a local PEFT folder", _expand),
+    _m("actor_rollout_ref.model.lora.lora_A_init_method", "actor.lora.init", "kaiming or normal/gaussian "
+       "(B always starts at zero)", _lora_a_init),
+    _u("actor_rollout_ref.model.lora.lora_B_init_method", "not-needed", "B starts at zero (verl's zero)"),
+    _u("actor_rollout_ref.model.lora.type", "not-needed", "plain LoRA (verl's lora / canonical_lora: PEFT's "
+       "per-projection adapters either way); dora is not built"),
+    _u("actor_rollout_ref.model.lora.merge", "not-needed", "the embedded rollout applies the adapters on the fly"),
+    _u("actor_rollout_ref.model.lora.dropout_position", "not-needed", "dropout on the adapter's input (pre)"),
+    _u("actor_rollout_ref.model.lora.dtype", "not-needed", "adapters take model.params_dtype"),
+    _u("actor_rollout_ref.model.lora.freeze_vision_model", "not-needed", "rlplan has no vision models"),
+    _u("actor_rollout_ref.model.lora.a2a_experimental", "unsupported", "experts are not adapted"),
     _u("actor_rollout_ref.model.use_shm", "not-needed", "rlplan reads local folders"),
     _u("actor_rollout_ref.hybrid_engine", "not-needed", "actor, rollout and ref always share processes"),
     _u("actor_rollout_ref.nccl_timeout", "not-needed", "rlplan uses torch's default timeout"),

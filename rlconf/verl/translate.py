@@ -462,6 +462,8 @@ def _derive_rlplan_rules(
         tp = _current(settings, tp_key)
         if f"{verl_prefix}.sequence_parallel" not in values and isinstance(tp, int) and tp > 1:
             derive(f"{ours}.sequence_parallel", True, "verl's default sequence_parallel = true (tp > 1)")
+    if "actor_rollout_ref.model.lora.rank" in values and "actor.lora.alpha" not in settings:
+        derive("actor.lora.alpha", 32.0, "verl's Megatron LoRA default lora.alpha = 32")
     if ("data.train_files" in settings or "data.val_files" in settings) and "data.answer_key" not in settings:
         derive("data.answer_key", "reward_model.ground_truth", "verl's parquet files keep the ground truth in "
                "the reward_model column")  # fmt: skip

@@ -159,12 +159,23 @@ def _optim_metadata() -> dict[str, Any]:
     }
 
 
+def _adapters_only(engine: MegatronEngine) -> bool:
+    """A LoRA engine whose base weights come from a Hugging Face folder saves and loads its adapters only."""
+    return getattr(engine, "lora", None) is not None and engine.spec.model.weights is not None
+
+
 def _model_sharded_state_dict(engine: MegatronEngine) -> dict[str, Any]:
     """megatron's convention: "model" for one chunk, "model0", "model1", ... for virtual pipeline chunks."""
     modules = engine.modules()
+    sds = [m.sharded_state_dict() for m in modules]
+    if _adapters_only(engine):
+        # LoRA: the adapters are the trained content; the frozen base weights reload from model.path.
+        from rltrain.megatron.lora import is_adapter_name
+
+        sds = [{k: v for k, v in sd.items() if is_adapter_name(k)} for sd in sds]
     if len(modules) == 1:
-        return {"model": modules[0].sharded_state_dict()}
-    return {f"model{i}": m.sharded_state_dict() for i, m in enumerate(modules)}
+        return {"model": sds[0]}
+    return {f"model{i}": sd for i, sd in enumerate(sds)}
 
 
 def _ensure_optimizer_state(engine: MegatronEngine) -> None:
@@ -572,6 +583,10 @@ def save_engine(
             "versions": _versions(),
             "extra_keys": sorted((extra or {}).keys()),
             "tokenizer": _tokenizer_meta(engine),
+            # LoRA: the adapters (rlconf LoraPlan) and whether the base weights were left out (they reload
+            # from model.path; a random-init base is saved with the adapters).
+            "lora": asdict(engine.lora) if getattr(engine, "lora", None) is not None else None,
+            "lora_adapters_only": _adapters_only(engine),
         }
         write_json(folder / META, meta)
     timings["small_files_s"] = time.perf_counter() - t0
@@ -777,7 +792,7 @@ def load_engine(
             with guarded_dist_load():  # what megatron unpickles goes through safe_load's loaders too
                 loaded = dist_checkpointing.load(state, str(folder / DIST_DIR))
             for key, module in zip(model_sd, engine.modules(), strict=True):
-                module.load_state_dict(loaded[key], strict=True)
+                module.load_state_dict(loaded[key], strict=not _adapters_only(engine))
             if "optimizer" in contents:
                 if not _uses_distributed_optimizer(engine):
                     _fill_missing_common_step(loaded["optimizer"])

@@ -5,7 +5,9 @@
         folder for one line per step. Shows the step, roles, contents, the layout it was saved with
         (TP / PP / VPP / CP / EP / DP), files and sizes, whether it is complete, the manifest verification
         (every size, CRC-32 of every byte) and when it was committed.
-    rltrain export-hf CHECKPOINT OUT [--role actor] [--overwrite]
+    rltrain export-hf CHECKPOINT OUT [--role actor] [--overwrite] [--merge]
+        A LoRA run's checkpoint (actor.lora) gives a PEFT adapter folder (adapter_config.json +
+        adapter_model.safetensors, on the run's model.path), or with --merge the merged model as below.
         Writes OUT/{model.safetensors, config.json, tokenizer files} loadable by
         `transformers.AutoModelForCausalLM.from_pretrained`, from the dist checkpoint (no hf_model needed in
         save_contents). The model is built on the CPU in this process (TP = PP = 1, a gloo world of one) and
@@ -612,9 +614,14 @@ def _publish(tmp: Path, out: Path) -> None:
 
 
 def export_hf(
-    checkpoint: str | os.PathLike, out: str | os.PathLike, role: str = "actor", overwrite: bool = False
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    role: str = "actor",
+    overwrite: bool = False,
+    merge: bool = False,
 ) -> dict[str, Any]:
-    """Write a Hugging Face model folder from a checkpoint; returns what was written (for the CLI summary)."""
+    """Write a Hugging Face model folder from a checkpoint; returns what was written (for the CLI summary).
+    A LoRA checkpoint gives a PEFT adapter folder, or with `merge` the model with its adapters merged."""
     loc = locate(checkpoint)
     if loc.kind == "root":
         steps = CheckpointRegistry(loc.folder).complete_steps()
@@ -633,6 +640,10 @@ def export_hf(
     model_dir, tok_dir, source = _run_model_paths(step_dir)
     notes: list[str] = []
     contents = meta["contents"] if isinstance(meta.get("contents"), list) else []
+    if merge and not meta.get("lora"):
+        raise CheckpointError(
+            f"{step_dir / role} is not a LoRA checkpoint: --merge is for adapters; drop --merge"
+        )
     tmp = _prepare_out(out, overwrite)
     try:
         if "model" not in contents:
@@ -651,7 +662,10 @@ def export_hf(
             elif model_dir is not None:
                 notes.append(f"model.path {model_dir} (from {source}) has no config.json any more: config.json "
                              "is written from the saved architecture")  # fmt: skip
-            _export_dist(step_dir / role, role, meta, tmp, base)
+            if meta.get("lora"):
+                notes.append(_export_lora(step_dir / role, role, meta, tmp, base, model_dir, merge))
+            else:
+                _export_dist(step_dir / role, role, meta, tmp, base)
         notes += _export_tokenizer(tok_dir, source, meta, tmp)
         normalize_modes(tmp)
         _publish(tmp, out)
@@ -724,9 +738,68 @@ def _export_dist(
                 export_hf_weights(engine.chunks, arch, out, base_config=base)
 
 
-def run_export(checkpoint: str, out: str, role: str, overwrite: bool) -> int:
+def _export_lora(
+    role_dir: Path,
+    role: str,
+    meta: dict[str, Any],
+    out: Path,
+    base: dict[str, Any] | None,
+    model_dir: Path | None,
+    merge: bool,
+) -> str:
+    """A LoRA checkpoint: the base model (model.path, or the saved random-init base) with the saved adapters,
+    written as a PEFT adapter folder or, with `merge`, as the merged model. Returns a note for the summary."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import dacite
+
+        from rlconf.config import MegatronConfig, ModelArch, ModelConfig
+        from rlconf.lora import LoraPlan
+        from rltrain.checkpoint import load_engine
+        from rltrain.device import device_context
+        from rltrain.megatron.engine import MegatronEngine
+        from rltrain.megatron.hf_weights import export_hf_weights
+        from rltrain.megatron.lora import merged_weights
+        from rltrain.megatron.peft_io import save_peft_adapter
+
+        cast = dacite.Config(cast=[tuple])
+        try:
+            arch = dacite.from_dict(ModelArch, meta["arch"], config=cast)
+            lora = dacite.from_dict(LoraPlan, meta["lora"], config=cast)
+        except (dacite.DaciteError, TypeError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{role_dir / META}: its arch / lora cannot be read ({exc})") from exc
+        adapters_only = bool(meta.get("lora_adapters_only"))
+        if adapters_only and (model_dir is None or not (model_dir / "config.json").is_file()):
+            raise CheckpointError(
+                f"{role_dir} holds the LoRA adapters only; their base model (model.path {model_dir}) is gone: "
+                "restore that folder to export"
+            )
+        model_cfg = ModelConfig(
+            path=str(model_dir) if adapters_only else None, arch=arch, params_dtype=meta["params_dtype"],
+            attention_backend="sdpa",
+        )  # fmt: skip
+        with _cpu_world():
+            engine = MegatronEngine(
+                model_cfg, MegatronConfig(), None, "cpu", total_steps=1, arch=arch, lora=lora
+            )
+            load_engine(engine, role_dir, ("model",), role=role)
+            with device_context("cpu"):
+                if merge:
+                    with merged_weights(engine.chunks, arch):
+                        export_hf_weights(engine.chunks, arch, out, base_config=base)
+                    return f"LoRA rank {lora.rank} merged into the base weights (W + alpha / r B A)"
+                save_peft_adapter(engine.chunks, lora, arch, out, str(model_dir) if model_dir else None)
+    where = (
+        f"on {model_dir}" if model_dir else "(base: a random-init model; export --merge for a whole model)"
+    )
+    return f"PEFT LoRA adapter (rank {lora.rank}, {len(lora.modules)} linears) {where}"
+
+
+def run_export(checkpoint: str, out: str, role: str, overwrite: bool, merge: bool = False) -> int:
     t0 = time.perf_counter()
-    result = export_hf(checkpoint, out, role=role, overwrite=overwrite)
+    result = export_hf(checkpoint, out, role=role, overwrite=overwrite, merge=merge)
     total = sum(f["bytes"] for f in result["files"])
     print(f"exported {result['role']} of {result['step_dir']} to {result['out']} "
           f"({len(result['files'])} files, {_size(total)}, {time.perf_counter() - t0:.1f} s)")  # fmt: skip
@@ -759,6 +832,11 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("out", help="output folder (new or empty)")
     exp.add_argument("--role", default="actor", help="role folder to export (default: actor)")
     exp.add_argument("--overwrite", action="store_true", help="replace OUT when it is not empty")
+    exp.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA checkpoints: write the model with its adapters merged (default: a PEFT adapter folder)",
+    )
     return parser
 
 
@@ -771,7 +849,7 @@ def main(argv: Sequence[str]) -> int:
     try:
         if args.command == "inspect":
             return run_inspect(args.checkpoint, args.json)
-        return run_export(args.checkpoint, args.out, args.role, args.overwrite)
+        return run_export(args.checkpoint, args.out, args.role, args.overwrite, args.merge)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_INVALID

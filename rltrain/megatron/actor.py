@@ -28,6 +28,7 @@ from rltrain.megatron import context_parallel as cp
 from rltrain.megatron.engine import MegatronEngine, MicroBatch, sections_plan
 from rltrain.megatron.inference import sample_tokens
 from rltrain.megatron.logprob import token_log_probs_and_entropy
+from rltrain.megatron.lora import generation_weights
 from rltrain.megatron.model import MoeRoutingStats
 from rltrain.rollout.batch import rollout_batch
 
@@ -426,7 +427,7 @@ class MegatronActor(MegatronEngine):
         done = torch.zeros(b, dtype=torch.bool)
         self._sample_calls += 1
         gen = torch.Generator().manual_seed(seed)
-        with self._ctx():
+        with self._ctx(), generation_weights(self):
             self.eval()
             for t in range(max_new_tokens):
                 batch = {

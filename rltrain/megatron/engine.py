@@ -42,6 +42,7 @@ from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, 
 from rltrain.megatron.parallel import init_parallel, seed_parallel_rng
 
 if TYPE_CHECKING:
+    from rlconf.lora import LoraPlan
     from rlconf.plan import EnginePlan, TrainerPlan
 
 OFFLOAD_GROUPS = ("params", "grads", "optimizer")
@@ -231,14 +232,18 @@ class MegatronEngine:
         value_head: bool = False,
         arch: ModelArch | None = None,
         init_from: MegatronEngine | None = None,
+        lora: LoraPlan | None = None,
     ) -> None:
         """Convenience for tools, tests and benchmarks: the engine of a one-role plan compiled from these
-        sections (`sections_plan`). Runs build engines with `from_plan` from the run's own plan."""
+        sections (`sections_plan`), with `lora`'s adapters when given (export of a LoRA checkpoint). Runs
+        build engines with `from_plan` from the run's own plan."""
         plan = sections_plan(
             model_cfg, device, total_steps, megatron_cfg=megatron_cfg, optim=optim, arch=arch,
             critic=value_head,
         )  # fmt: skip
         spec = plan.engine("critic" if value_head else "actor")
+        if lora is not None:
+            spec = replace(spec, lora=lora)
         self._build(spec if optim is not None else spec.frozen(spec.role), init_from)
 
     @classmethod
@@ -267,13 +272,15 @@ class MegatronEngine:
         self.dp_size = parallel_state.get_data_parallel_world_size()
         _check_world_matches_layout(spec)
         self.trainable = spec.trainable
+        # LoRA (actor.lora): base weights frozen, adapters trained; None: full fine-tuning.
+        self.lora = spec.lora
         value_head = spec.model.head == "value"
         self._offloader = HostOffloader(self.torch_device)
         with self._ctx():
             # A frozen engine needs no DDP: megatron's DDP allocates a gradient buffer as large as the model.
             self._chunks = mmodel.build_model_chunks(
                 self.arch, spec.settings, spec.megatron, spec.device, value_head=value_head,
-                wrap_ddp=self.trainable, fused=spec.fused_kernels,
+                wrap_ddp=self.trainable, fused=spec.fused_kernels, lora=spec.lora,
             )  # fmt: skip
             # Weights go in before the optimizer is built: it copies fp32 main params from them.
             if init_from is not None:
@@ -281,6 +288,10 @@ class MegatronEngine:
             elif spec.model.weights is not None:
                 load_hf_weights(self._chunks, spec.model.weights, value_head=value_head,
                                 config_path=_WEIGHTS_SETTING.get(spec.model.name, "model.path"))  # fmt: skip
+            if spec.lora is not None and spec.lora.adapter_path is not None and init_from is None:
+                from rltrain.megatron.peft_io import load_peft_adapter
+
+                load_peft_adapter(self._chunks, spec.lora, self.arch, spec.lora.adapter_path)
             if not self.trainable:
                 for chunk in self._chunks:
                     chunk.requires_grad_(False)

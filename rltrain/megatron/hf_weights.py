@@ -246,6 +246,8 @@ def _global_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Para
             module.config.num_moe_experts // ep
         )
     for name, param in module.named_parameters():
+        if ".lora_A." in name or ".lora_B." in name:
+            continue  # LoRA adapters: rltrain/megatron/peft_io.py reads and writes them (PEFT's format)
         m = _LAYER.match(name)
         if m is not None:
             rest = m.group(2)

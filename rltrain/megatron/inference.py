@@ -68,6 +68,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
 from rltrain import device as devices
+from rltrain.megatron.lora import generation_weights
 from rltrain.megatron.model import fused_rotate, rotate
 from rltrain.rollout.batch import rollout_batch
 
@@ -716,7 +717,7 @@ def generate_with_kv_cache(
             session.reused_tokens += sum(max(len(c) - s, 0) for c in contexts)
             session.prefilled_tokens += sum(min(len(c), s) for c in contexts)
             reuse = (session, ids, contexts, p - s)
-        with actor._ctx(), sequence_parallel_off(actor.modules()):
+        with actor._ctx(), sequence_parallel_off(actor.modules()), generation_weights(actor):
             actor.eval()
             engine = KVCacheGenerator(
                 actor, positions.to(actor.torch_device), zero_cache=static or session is not None

@@ -35,6 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from rlconf.config import MegatronConfig, ModelArch, ModelConfig
+from rlconf.lora import LoraPlan
 from rlconf.model_spec import is_moe_layer
 from rlconf.plan import LrRow, OptimPlan
 from rltrain import device as devices
@@ -612,6 +613,7 @@ def build_model_chunks(
     value_head: bool = False,
     wrap_ddp: bool = True,
     fused: bool = False,
+    lora: LoraPlan | None = None,
 ) -> list[torch.nn.Module]:
     """This rank's model chunks (one per virtual pipeline stage), optionally wrapped in megatron DDP.
 
@@ -655,6 +657,10 @@ def build_model_chunks(
         elif post and not config.sequence_parallel:
             batch_first_logits(model.output_layer)
         mark_expert_params(model)
+        if lora is not None:  # before Float16Module and DDP: the adapters are the only trainable parameters
+            from rltrain.megatron.lora import adapt
+
+            adapt(model, lora, arch, mcfg.seed or 0)
         if devices.is_accelerator(device):
             model.to(devices.torch_device(device))
         if config.bf16 or config.fp16:
