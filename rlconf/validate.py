@@ -59,6 +59,7 @@ from rlconf.model_spec import (
     family_issues,
     read_model_arch,
 )
+from rlconf.pipeline_split import PipelineSplit, split_errors
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
 
@@ -663,9 +664,14 @@ def heads_divisible(c: RLConfig) -> Iterator[Issue]:
     "model.arch.num_layers",
     "*.megatron.pipeline_model_parallel_size",
     "*.megatron.virtual_pipeline_model_parallel_size",
+    "*.megatron.num_layers_in_first_pipeline_stage",
+    "*.megatron.num_layers_in_last_pipeline_stage",
+    "*.megatron.account_for_embedding_in_pipeline_split",
+    "*.megatron.account_for_loss_in_pipeline_split",
 )
 def layers_divisible(c: RLConfig) -> Iterator[Issue]:
-    """num_layers is divisible by pp (x vpp when set); vpp needs pp > 1."""
+    """The layers split into pp (x vpp) stages as megatron-core splits them (rlconf.pipeline_split): evenly,
+    or with num_layers_in_first/last_pipeline_stage or the account_for_* options; vpp needs pp > 1."""
     if not _sizes_ok(c):
         return
     for prefix, m, _ in _megatron_roles(c):
@@ -680,12 +686,17 @@ def layers_divisible(c: RLConfig) -> Iterator[Issue]:
             continue
         if not builds_model_arch(c, prefix):
             continue  # the plan checks the layers of a config.json
-        chunks = pp * (vpp or 1)
-        if c.model.arch.num_layers % chunks:
+        split = PipelineSplit(
+            c.model.arch.num_layers, pp, vpp, m.num_layers_in_first_pipeline_stage,
+            m.num_layers_in_last_pipeline_stage, m.account_for_embedding_in_pipeline_split,
+            m.account_for_loss_in_pipeline_split,
+        )  # fmt: skip
+        for message in split_errors(split):
             yield error(
                 f"{prefix}.megatron.pipeline_model_parallel_size",
-                f"model.arch.num_layers = {c.model.arch.num_layers} is not divisible by pp x vpp = {chunks}",
-                "choose pp (and vpp) whose product divides the number of layers",
+                f"{message} (model.arch.num_layers = {c.model.arch.num_layers})",
+                "choose pp (and vpp, num_layers_in_first/last_pipeline_stage or account_for_embedding/"
+                "loss_in_pipeline_split) that split the layers as megatron requires",
                 "layers-divisible-by-pp",
             )
 

@@ -20,6 +20,14 @@ Two parts:
   - CUDA streams of the MoE alltoall token dispatcher (`torch.cuda.Stream()` built once per process for its
     device-to-host copies, `torch.cuda.current_stream()`, `torch.cuda.stream(s)`, `record_event()` and the
     event's `synchronize()`) -> `CpuStream`, whose waits and events are no-ops: CPU ops are synchronous.
+  - `P2PCommunicator._communicate_shapes` (the shape exchange before each pipeline send / receive with
+    `variable_seq_lengths`) -> the same exchange through megatron's unbatched, even/odd-ordered `_p2p_ops`
+    (the path the tensors take on gloo, `batch_p2p_comm=False`). megatron always batches the shapes, posting
+    (send_prev, recv_prev, send_next, recv_next) on both ranks; gloo matches messages between two ranks in
+    posting order, so at PP = 2 with virtual stages (both directions between the same pair of ranks) a
+    rank's activation shape landed in its peer's gradient-shape buffer and back: buffers of the wrong
+    length, then a rank waiting for a shape its peer sent as a tensor. This was the hang of context
+    parallel with virtual pipeline parallel (CP = 2 x PP = 2 x VPP = 2, micro-batches of unequal length).
   - the dispatcher's `maybe_move_tensor_to_cpu` -> also converts CPU tensors when asked for numpy: megatron's
     converts only CUDA tensors, so on a CPU run the alltoall split sizes stayed tensors, which
     `all_to_all_single` refuses (it takes sequences of ints).
@@ -171,6 +179,33 @@ class _RngForkWarningFilter(logging.Filter):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
+def _communicate_shapes_ordered(self: Any, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+    """megatron's `P2PCommunicator._communicate_shapes` with the messages posted in `_p2p_ops`' even/odd
+    order (see the module docstring); same arguments and result."""
+    from megatron.core.pipeline_parallel.p2p_communication import _p2p_ops
+
+    def shape_of(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.tensor(t.size(), device=_CPU, dtype=torch.int64)
+
+    recv_prev_shape = torch.empty(3, device=_CPU, dtype=torch.int64) if recv_prev else None
+    recv_next_shape = torch.empty(3, device=_CPU, dtype=torch.int64) if recv_next else None
+    reqs = _p2p_ops(
+        tensor_send_prev=shape_of(tensor_send_prev),
+        tensor_recv_prev=recv_prev_shape,
+        tensor_send_next=shape_of(tensor_send_next),
+        tensor_recv_next=recv_next_shape,
+        group=self.pp_group,
+        prev_pipeline_rank=self.prev_rank,
+        next_pipeline_rank=self.next_rank,
+    )
+    for req in reqs.values():
+        req.wait()
+    return (
+        [0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
+        [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist(),
+    )
+
+
 def enable_cpu_compat() -> None:
     """Patch the process-wide CUDA assumptions of megatron-core for a CPU run. Idempotent.
 
@@ -191,6 +226,9 @@ def enable_cpu_compat() -> None:
         import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
         token_dispatcher.maybe_move_tensor_to_cpu = _move_tensor_to_cpu
+        from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+        P2PCommunicator._communicate_shapes = _communicate_shapes_ordered
         for module in (torch.cuda, cuda_random):
             module.get_rng_state = _cpu_get_rng_state
             module.set_rng_state = _cpu_set_rng_state
