@@ -62,6 +62,7 @@ from rlconf.model_spec import (
 from rlconf.pipeline_split import PipelineSplit, split_errors
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
+from rlconf.tp_heads import tp_head_errors
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
 
@@ -630,7 +631,8 @@ def rollout_placement(c: RLConfig) -> Iterator[Issue]:
     "*tensor_model_parallel_size",
 )
 def heads_divisible(c: RLConfig) -> Iterator[Issue]:
-    """Attention heads and query groups are divisible by each role's tensor parallel size."""
+    """Attention heads are divisible by each role's tensor parallel size, and query groups (KV heads) divide
+    it or are divisible by it (megatron replicates KV heads when tp exceeds their count; rlconf.tp_heads)."""
     if c.model.path is not None or not _sizes_ok(c):
         return  # the architecture comes from config.json; the plan checks it
     a = c.model.arch
@@ -639,17 +641,8 @@ def heads_divisible(c: RLConfig) -> Iterator[Issue]:
     for prefix, tp in layouts:
         field = f"{prefix}.tensor_model_parallel_size" if prefix == "rollout" else (
             f"{prefix}.megatron.tensor_model_parallel_size")  # fmt: skip
-        for name, value in (
-            ("num_attention_heads", a.num_attention_heads),
-            ("num_query_groups", a.num_query_groups),
-        ):
-            if value % tp:
-                yield error(
-                    field,
-                    f"model.arch.{name} = {value} is not divisible by {prefix} tp = {tp}",
-                    f"use a tensor parallel size that divides {value}",
-                    "heads-divisible-by-tp",
-                )
+        for _, message, fix in tp_head_errors(a.num_attention_heads, a.num_query_groups, tp):
+            yield error(field, f"model.arch.{message} ({prefix})", fix, "heads-divisible-by-tp")
     if a.num_attention_heads % a.num_query_groups:
         yield error(
             "model.arch.num_query_groups",

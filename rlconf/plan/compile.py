@@ -59,6 +59,7 @@ from rlconf.plan.types import (
     _by_role,
     _megatron_of,
 )
+from rlconf.tp_heads import tp_head_errors
 from rlconf.validate import rollout_tp, sliding_window_issue, uses_ref
 
 
@@ -328,17 +329,8 @@ def _arch_layout_issues(
     """rlconf.validate's heads-divisible-by-tp and layers-divisible-by-pp, on a config.json's architecture."""
     issues: list[Issue] = []
     a = spec.arch
-    for name, value in (
-        ("num_attention_heads", a.num_attention_heads),
-        ("num_query_groups", a.num_query_groups),
-    ):
-        if value % tp:
-            issues.append(error(
-                tp_path,
-                f"{name} = {value} ({spec.source}) is not divisible by {role} tp = {tp}",
-                f"use a tensor parallel size that divides {value}",
-                "heads-divisible-by-tp",
-            ))  # fmt: skip
+    for _, message, fix in tp_head_errors(a.num_attention_heads, a.num_query_groups, tp):
+        issues.append(error(tp_path, f"{message} ({spec.source}, {role})", fix, "heads-divisible-by-tp"))
     if role != "rollout":
         for message in split_errors(_pipeline_split(a.num_layers, pp, vpp, m)):
             issues.append(error(
