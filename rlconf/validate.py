@@ -371,9 +371,8 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
     """Layouts the Megatron engine does not run yet. Context parallel runs through the engine's own SDPA
     attention (rltrain/megatron/context_parallel.py), with dense and mixture-of-experts layers (each CP rank
     routes its own tokens; megatron reduces the router's token counts over TP x CP) and with pipeline
-    parallel (each stage's CP ranks send their own chunks' activations on): not with megatron's `local` or
-    Transformer Engine attention or virtual pipeline parallel (its interleaved schedule hung at CP=2 x
-    PP=2 x VPP=2 on CPU; not resolved yet). Expert parallel runs on mixture-of-experts models: for the
+    parallel (each stage's CP ranks send their own chunks' activations on), virtual pipeline parallel
+    included: not with megatron's `local` or Transformer Engine attention. Expert parallel runs on mixture-of-experts models: for the
     built-in `model.arch` each role's ep divides num_moe_experts and its expert tp the expert width (the
     plan checks a config.json's architecture the same way), and a dense model takes no ep."""
     for prefix, m, _ in _megatron_roles(c):
@@ -382,9 +381,6 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
             unsupported = [
                 (c.model.attention_backend in ("local", "te"),
                  f"with model.attention_backend: {c.model.attention_backend}", "model.attention_backend: sdpa"),
-                ((m.virtual_pipeline_model_parallel_size or 1) > 1,
-                 "with virtual pipeline parallel (the interleaved schedule)",
-                 f"{prefix}.megatron.virtual_pipeline_model_parallel_size: null"),
             ]  # fmt: skip
             for bad, what, instead in unsupported:
                 if bad:
