@@ -6,6 +6,7 @@ the embedding and the loss each counted as a layer, chunks of 1, 2 | 2, 1 layers
 
 * every stage builds the layers rlconf's plan says (megatron's own count, by global layer number);
 * compute_log_prob (log-probs, entropy) and one PPO update (grad norm, log-probs after it) equal PP = 1's;
+* the rollout resharded from each layout to TP = 1 holds the source weights bit for bit;
 * checkpoints reshard across these layouts: each uneven layout's save loads here at PP = 1, and the PP = 1
   save loads at each uneven layout, with the log-probs of the saved weights.
 """
@@ -76,12 +77,21 @@ def _layout(pp: int = 1, vpp=None, first=None, last=None, emb=False, loss=False)
     return replace(cfg, megatron=mcfg)
 
 
-def _run(hf: str, cfg, rl: dict, save_to: Path) -> dict:
+def _run(hf: str, cfg, rl: dict, save_to: Path, replica_to: Path | None = None) -> dict:
     from rltrain.checkpoint import save_engine
     from rltrain.megatron.actor import MegatronActor
 
     frozen = MegatronActor(_model_cfg(hf), cfg, "cpu", trainable=False)
     out = dict(frozen.compute_log_prob(rl))
+    if replica_to is not None:  # the rollout resharded from these stages to TP = 1 (one stage)
+        from rltrain.megatron.hf_weights import export_hf_weights
+        from rltrain.rollout.reshard import RolloutReplica
+
+        replica = RolloutReplica(frozen, 1, 16 * 1024)
+        replica.refit()
+        with replica.state.active():
+            export_hf_weights(replica.modules(), replica.arch, str(replica_to))
+        replica.release()
     out["layer_numbers"] = [
         [layer.layer_number for layer in _unwrap(m).decoder.layers] for m in frozen.chunks
     ]
@@ -90,6 +100,16 @@ def _run(hf: str, cfg, rl: dict, save_to: Path) -> dict:
     out["grad_norm"] = actor.update_policy(rl)["actor/grad_norm"]
     out["after"] = actor.compute_log_prob(rl, with_entropy=False)["log_probs"]
     assert save_engine(actor, save_to, ("model",), {"step": 1})
+    return out
+
+
+def _tensors(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(folder.iterdir()):
+        if f.suffix == ".safetensors":
+            out.update(load_file(str(f)))
     return out
 
 
@@ -124,7 +144,7 @@ def _spawned(rank: int, port: int, hf: str, other: str, rl: dict, out: Path) -> 
         cfg = _layout(2, vpp, first, last, emb, loss)
         init_parallel(cfg.megatron, "cpu")
         assert parallel_state.get_pipeline_model_parallel_world_size() == 2
-        results[name] = _run(hf, cfg, rl, out / name / "actor")
+        results[name] = _run(hf, cfg, rl, out / name / "actor", out / name / "replica")
         results[name]["loaded_pp1"] = _load(other, cfg, out / "pp1" / "actor", rl)
     torch.save(results, out / f"rank{rank}.pt")
     destroy_parallel()
@@ -174,6 +194,13 @@ def test_uneven_stages_match_pp1_and_reshard_checkpoints(mp_world, tmp_path):
             loaded, ranks[0][name]["after"], msg=f"{name} checkpoint at PP=1", depth=UPDATE_DEPTH
         )
         diffs[f"{name} checkpoint at PP=1"] = float((loaded - ranks[0][name]["after"]).abs().max())
+    # the rollout replica resharded from each uneven layout holds the source weights bit for bit
+    src = _tensors(Path(hf))
+    for name, *_ in LAYOUTS:
+        exported = _tensors(tmp_path / name / "replica")
+        assert sorted(exported) == sorted(src), name
+        for key, t in src.items():
+            assert torch.equal(exported[key], t), (name, key)
     # the other weights really differ (a load that did nothing would fail above)
     other_lp = MegatronActor(_model_cfg(other), _layout(), "cpu", trainable=False).compute_log_prob(
         rl, with_entropy=False
