@@ -97,7 +97,7 @@ def _generate(hf: str, actor_tp: int, rollout_tp: int, out_dir: Path) -> dict:
         prompts, mask, seed=7, actor_dp_rank=d, max_new_tokens=5, temperature=0.0, pad_id=0
     )
     lp = actor.compute_log_prob(batch, temperature=1.0, with_entropy=False)["log_probs"]
-    return {"batch": batch, "recomputed": lp, "rows": rows, "heads_per_rank": heads}
+    return {"batch": batch, "recomputed": lp, "first_row": rows.start, "heads_per_rank": heads}
 
 
 def _worker(rank: int, port: int, hf: str, rl: dict, out_dir: str) -> None:
@@ -135,7 +135,7 @@ def _all_rows(ranks: list[dict], key: str) -> dict[str, torch.Tensor]:
     parts = {}
     for r in ranks:
         g = r[key]
-        parts.setdefault(g["rows"].start, {**g["batch"], "recomputed": g["recomputed"]})
+        parts.setdefault(g["first_row"], {**g["batch"], "recomputed": g["recomputed"]})
     return {k: torch.cat([parts[s][k] for s in sorted(parts)]) for k in parts[0]}
 
 
