@@ -84,7 +84,8 @@ def _generate(hf: str, actor_tp: int, rollout_tp: int, out_dir: Path) -> dict:
     replica.refit()
     with replica.state.active():
         attn = replica.gpt.decoder.layers[0].self_attention
-        heads = (attn.num_attention_heads_per_partition, attn.num_query_groups_per_partition)
+        # the query heads the core attention runs on this rank, and the KV heads it keeps (the KV cache's)
+        heads = (attn.core_attention.num_attention_heads_per_partition, attn.num_query_groups_per_partition)
         export_hf_weights(replica.modules(), replica.arch, str(out_dir / f"replica_tp{rollout_tp}"))
     dp, d = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     rows = slice(d * 4 // dp, (d + 1) * 4 // dp)
