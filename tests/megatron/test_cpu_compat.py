@@ -244,9 +244,13 @@ def test_pipeline_sends_do_not_wait_for_their_receive(tmp_path):
     ctx = torch.multiprocessing.spawn(
         _crossing_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False
     )
-    if not ctx.join(timeout=120):
-        for p in ctx.processes:
-            p.kill()
-        pytest.fail("two ranks that send to each other before receiving hung")
+    import time
+
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):  # returns as each process exits
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("two ranks that send to each other before receiving hung")
     assert torch.load(tmp_path / "rank0.pt").tolist() == [1.0] * 4
     assert torch.load(tmp_path / "rank1.pt").tolist() == [0.0] * 4
