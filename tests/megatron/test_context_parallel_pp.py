@@ -98,3 +98,26 @@ def test_cp2_pp2_and_vpp2_match_cp1(mp_world, tiny_hf, tmp_path):
                 k: float((got[k] - ref[k]).abs().max()) for k in ("log_probs", "entropy", "after")
             }
     print(json.dumps(diffs, indent=1))
+
+
+def test_tiny_grpo_cli_at_cp2_pp2_vpp2(tmp_path):
+    """`rltrain tiny-grpo` at CP=2 x PP=2 x VPP=2 over four CPU workers (a 4-layer model: one layer per
+    model chunk) trains 2 steps; its one-micro-batch forward passes are split for the interleaved schedule."""
+    import subprocess
+    import sys
+
+    rltrain = os.path.join(os.path.dirname(sys.executable), "rltrain")
+    out = tmp_path / "run"
+    cmd = [
+        rltrain, "tiny-grpo", "--cluster.gpus_per_node", "4", "--model.arch.num_layers", "4",
+        "--actor.megatron.context_parallel_size", "2", "--actor.megatron.pipeline_model_parallel_size", "2",
+        "--actor.megatron.virtual_pipeline_model_parallel_size", "2", "--trainer.total_steps", "2",
+        "--trainer.output_dir", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    plan = json.loads((out / "plan.json").read_text())
+    actor = next(lay for lay in plan["layouts"] if lay["role"] == "actor")
+    assert (actor["cp"], actor["pp"], actor["vpp"]) == (2, 2, 2)
