@@ -240,6 +240,10 @@ LAYOUT_FIELDS = (
     "tensor_model_parallel_size",
     "pipeline_model_parallel_size",
     "virtual_pipeline_model_parallel_size",
+    "num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage",
+    "account_for_embedding_in_pipeline_split",
+    "account_for_loss_in_pipeline_split",
     "context_parallel_size",
     "expert_model_parallel_size",
     "expert_tensor_parallel_size",
@@ -256,6 +260,17 @@ class MegatronConfig:
     """Pipeline parallel size (PP): splits the layers into stages."""
     virtual_pipeline_model_parallel_size: int | None = None
     """Virtual pipeline stages per device (interleaved 1F1B); needs pipeline_model_parallel_size > 1."""
+    num_layers_in_first_pipeline_stage: int | None = None
+    """Decoder layers of the first pipeline stage (megatron's uneven split; the middle stages share the rest
+    evenly). None: an even split. Not with the account_for_* options."""
+    num_layers_in_last_pipeline_stage: int | None = None
+    """Decoder layers of the last pipeline stage (megatron's uneven split). None: an even split."""
+    account_for_embedding_in_pipeline_split: bool = False
+    """Count the embedding as one layer when splitting the layers into stages (the first stage builds one
+    decoder layer fewer): (num_layers + 1 [+ 1 for the loss]) must divide by pp (x vpp)."""
+    account_for_loss_in_pipeline_split: bool = False
+    """Count the loss (output layer) as one layer when splitting the layers into stages (the last stage
+    builds one decoder layer fewer)."""
     context_parallel_size: int = 1
     """Context parallel size (CP): splits each sequence across devices."""
     expert_model_parallel_size: int = 1

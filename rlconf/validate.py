@@ -63,12 +63,14 @@ from rlconf.model_spec import (
     family_issues,
     read_model_arch,
 )
+from rlconf.pipeline_split import PipelineSplit, split_errors
 from rlconf.reward_file import RULE as REWARD_FILE_RULE
 from rlconf.reward_file import file_spec_issues, split_file_spec
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
 from rlconf.tokenizer_check import RULE as TOKENIZER_RULE
 from rlconf.tokenizer_check import tokenizer_issues
+from rlconf.tp_heads import tp_head_errors
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
 
@@ -377,9 +379,8 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
     """Layouts the Megatron engine does not run yet. Context parallel runs through the engine's own SDPA
     attention (rltrain/megatron/context_parallel.py), with dense and mixture-of-experts layers (each CP rank
     routes its own tokens; megatron reduces the router's token counts over TP x CP) and with pipeline
-    parallel (each stage's CP ranks send their own chunks' activations on): not with megatron's `local` or
-    Transformer Engine attention or virtual pipeline parallel (its interleaved schedule hung at CP=2 x
-    PP=2 x VPP=2 on CPU; not resolved yet). Expert parallel runs on mixture-of-experts models: for the
+    parallel (each stage's CP ranks send their own chunks' activations on), virtual pipeline parallel
+    included: not with megatron's `local` or Transformer Engine attention. Expert parallel runs on mixture-of-experts models: for the
     built-in `model.arch` each role's ep divides num_moe_experts and its expert tp the expert width (the
     plan checks a config.json's architecture the same way), and a dense model takes no ep."""
     for prefix, m, _ in _megatron_roles(c):
@@ -388,9 +389,6 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
             unsupported = [
                 (c.model.attention_backend in ("local", "te"),
                  f"with model.attention_backend: {c.model.attention_backend}", "model.attention_backend: sdpa"),
-                ((m.virtual_pipeline_model_parallel_size or 1) > 1,
-                 "with virtual pipeline parallel (the interleaved schedule)",
-                 f"{prefix}.megatron.virtual_pipeline_model_parallel_size: null"),
             ]  # fmt: skip
             for bad, what, instead in unsupported:
                 if bad:
@@ -638,7 +636,8 @@ def rollout_placement(c: RLConfig) -> Iterator[Issue]:
     "*tensor_model_parallel_size",
 )
 def heads_divisible(c: RLConfig) -> Iterator[Issue]:
-    """Attention heads and query groups are divisible by each role's tensor parallel size."""
+    """Attention heads are divisible by each role's tensor parallel size, and query groups (KV heads) divide
+    it or are divisible by it (megatron replicates KV heads when tp exceeds their count; rlconf.tp_heads)."""
     if c.model.path is not None or not _sizes_ok(c):
         return  # the architecture comes from config.json; the plan checks it
     a = c.model.arch
@@ -647,17 +646,8 @@ def heads_divisible(c: RLConfig) -> Iterator[Issue]:
     for prefix, tp in layouts:
         field = f"{prefix}.tensor_model_parallel_size" if prefix == "rollout" else (
             f"{prefix}.megatron.tensor_model_parallel_size")  # fmt: skip
-        for name, value in (
-            ("num_attention_heads", a.num_attention_heads),
-            ("num_query_groups", a.num_query_groups),
-        ):
-            if value % tp:
-                yield error(
-                    field,
-                    f"model.arch.{name} = {value} is not divisible by {prefix} tp = {tp}",
-                    f"use a tensor parallel size that divides {value}",
-                    "heads-divisible-by-tp",
-                )
+        for _, message, fix in tp_head_errors(a.num_attention_heads, a.num_query_groups, tp):
+            yield error(field, f"model.arch.{message} ({prefix})", fix, "heads-divisible-by-tp")
     if a.num_attention_heads % a.num_query_groups:
         yield error(
             "model.arch.num_query_groups",
@@ -672,9 +662,14 @@ def heads_divisible(c: RLConfig) -> Iterator[Issue]:
     "model.arch.num_layers",
     "*.megatron.pipeline_model_parallel_size",
     "*.megatron.virtual_pipeline_model_parallel_size",
+    "*.megatron.num_layers_in_first_pipeline_stage",
+    "*.megatron.num_layers_in_last_pipeline_stage",
+    "*.megatron.account_for_embedding_in_pipeline_split",
+    "*.megatron.account_for_loss_in_pipeline_split",
 )
 def layers_divisible(c: RLConfig) -> Iterator[Issue]:
-    """num_layers is divisible by pp (x vpp when set); vpp needs pp > 1."""
+    """The layers split into pp (x vpp) stages as megatron-core splits them (rlconf.pipeline_split): evenly,
+    or with num_layers_in_first/last_pipeline_stage or the account_for_* options; vpp needs pp > 1."""
     if not _sizes_ok(c):
         return
     for prefix, m, _ in _megatron_roles(c):
@@ -689,12 +684,17 @@ def layers_divisible(c: RLConfig) -> Iterator[Issue]:
             continue
         if not builds_model_arch(c, prefix):
             continue  # the plan checks the layers of a config.json
-        chunks = pp * (vpp or 1)
-        if c.model.arch.num_layers % chunks:
+        split = PipelineSplit(
+            c.model.arch.num_layers, pp, vpp, m.num_layers_in_first_pipeline_stage,
+            m.num_layers_in_last_pipeline_stage, m.account_for_embedding_in_pipeline_split,
+            m.account_for_loss_in_pipeline_split,
+        )  # fmt: skip
+        for message in split_errors(split):
             yield error(
                 f"{prefix}.megatron.pipeline_model_parallel_size",
-                f"model.arch.num_layers = {c.model.arch.num_layers} is not divisible by pp x vpp = {chunks}",
-                "choose pp (and vpp) whose product divides the number of layers",
+                f"{message} (model.arch.num_layers = {c.model.arch.num_layers})",
+                "choose pp (and vpp, num_layers_in_first/last_pipeline_stage or account_for_embedding/"
+                "loss_in_pipeline_split) that split the layers as megatron requires",
                 "layers-divisible-by-pp",
             )
 

@@ -612,7 +612,10 @@ def test_model_path_errors_name_model_path(tmp_path: Path, setup, needle: str) -
 
 def test_config_json_architecture_is_checked_against_layouts(tmp_path: Path) -> None:
     """validate.py cannot see config.json: heads / layers vs tp / pp are checked by the plan."""
-    folder = _write_config_json(tmp_path / "m", num_hidden_layers=3)
+    # 12 heads over 3 KV heads at tp 4: 4 neither divides 3 nor is a multiple of it (megatron replicates
+    # KV heads only when tp is a multiple of their count).
+    folder = _write_config_json(tmp_path / "m", num_hidden_layers=3, num_attention_heads=12, num_key_value_heads=3,
+                                hidden_size=96)  # fmt: skip
     config = RLConfig(
         model=ModelConfig(path=str(folder)),
         actor=ActorConfig(
@@ -625,7 +628,7 @@ def test_config_json_architecture_is_checked_against_layouts(tmp_path: Path) -> 
     with pytest.raises(ConfigError) as info:
         compile_plan(config)
     rules = {(i.rule, i.path) for i in info.value.errors}
-    assert ("heads-divisible-by-tp", "actor.megatron.tensor_model_parallel_size") in rules  # 2 groups, tp 4
+    assert ("heads-divisible-by-tp", "actor.megatron.tensor_model_parallel_size") in rules  # 3 groups, tp 4
     assert (
         "layers-divisible-by-pp",
         "actor.megatron.pipeline_model_parallel_size",

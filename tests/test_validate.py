@@ -20,11 +20,13 @@ CASES = [
     # expert layout
     (["cluster.gpus_per_node=4", "actor.megatron.expert_model_parallel_size=3"],
      "actor.megatron.expert_model_parallel_size", "world-divisible-by-model-parallel", "error"),
-    # heads / query groups divisible by tp (heads 4, groups 2, tp 4)
-    (["cluster.gpus_per_node=4", "actor.megatron.tensor_model_parallel_size=4", "actor.ppo_micro_batch_size_per_gpu=1"],
+    # heads divisible by tp; query groups divide tp or are divisible by it (heads 6, groups 3, tp 2)
+    (["cluster.gpus_per_node=2", "actor.megatron.tensor_model_parallel_size=2", "model.arch.num_attention_heads=6",
+      "model.arch.num_query_groups=3", "model.arch.hidden_size=96"],
      "actor.megatron.tensor_model_parallel_size", "heads-divisible-by-tp", "error"),
     (["model.arch.num_query_groups=3"], "model.arch.num_query_groups", "heads-divisible-by-tp", "error"),
-    (["cluster.gpus_per_node=2", "rollout.tensor_model_parallel_size=2", "model.arch.num_query_groups=1"],
+    (["cluster.gpus_per_node=2", "rollout.tensor_model_parallel_size=2", "model.arch.num_attention_heads=6",
+      "model.arch.num_query_groups=3", "model.arch.hidden_size=96"],
      "rollout.tensor_model_parallel_size", "heads-divisible-by-tp", "error"),
     (["cluster.gpus_per_node=4", "actor.megatron.tensor_model_parallel_size=2", "rollout.tensor_model_parallel_size=3"],
      "rollout.tensor_model_parallel_size", "rollout-engine", "error"),
@@ -36,6 +38,13 @@ CASES = [
      "actor.megatron.pipeline_model_parallel_size", "layers-divisible-by-pp", "error"),
     (["actor.megatron.virtual_pipeline_model_parallel_size=2"],
      "actor.megatron.virtual_pipeline_model_parallel_size", "layers-divisible-by-pp", "error"),
+    # megatron's uneven split: (4 layers + the embedding) / pp 2 does not divide; first + last > layers
+    (["cluster.gpus_per_node=2", "actor.megatron.pipeline_model_parallel_size=2",
+      "actor.megatron.account_for_embedding_in_pipeline_split=true"],
+     "actor.megatron.pipeline_model_parallel_size", "layers-divisible-by-pp", "error"),
+    (["cluster.gpus_per_node=2", "actor.megatron.pipeline_model_parallel_size=2",
+      "actor.megatron.num_layers_in_first_pipeline_stage=3", "actor.megatron.num_layers_in_last_pipeline_stage=3"],
+     "actor.megatron.pipeline_model_parallel_size", "layers-divisible-by-pp", "error"),
     # sequence parallel with tp = 1: a warning
     (["actor.megatron.sequence_parallel=true"], "actor.megatron.sequence_parallel", "sequence-parallel-needs-tp", "warning"),
     # batches
@@ -120,9 +129,7 @@ CASES = [
     (["actor.use_kl_loss=true", "cluster.gpus_per_node=2", "actor.ppo_micro_batch_size_per_gpu=2",
       "ref.megatron.tensor_model_parallel_size=2"],
      "ref.megatron.tensor_model_parallel_size", "ref-layout-matches-actor", "error"),
-    (["actor.megatron.context_parallel_size=2", "cluster.gpus_per_node=4",
-      "actor.megatron.pipeline_model_parallel_size=2", "actor.megatron.virtual_pipeline_model_parallel_size=2",
-      "model.arch.num_layers=4"],
+    (["actor.megatron.context_parallel_size=2", "cluster.gpus_per_node=2", "model.attention_backend=local"],
      "actor.megatron.context_parallel_size", "engine-support", "error"),
     (["actor.megatron.expert_model_parallel_size=2", "cluster.gpus_per_node=2"],
      "actor.megatron.expert_model_parallel_size", "engine-support", "error"),

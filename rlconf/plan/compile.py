@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 from rlconf.config import (
     ROLES,
+    MegatronConfig,
     ModelArch,
     NpuProfileOptions,
     NsysProfileOptions,
@@ -29,6 +30,7 @@ from rlconf.model_spec import (
     head_dim,
     read_model_arch,
 )
+from rlconf.pipeline_split import PipelineSplit, chunk_layer_counts, chunk_starts, split_errors
 from rlconf.plan.checkpoint_size import checkpoint_bytes
 from rlconf.plan.types import (
     CONTROLLER,
@@ -57,6 +59,7 @@ from rlconf.plan.types import (
     _by_role,
     _megatron_of,
 )
+from rlconf.tp_heads import tp_head_errors
 from rlconf.validate import engine_gap_issues, rollout_tp, sliding_window_issue, uses_ref
 
 
@@ -204,20 +207,41 @@ def _resources(c: RLConfig, roles: tuple[str, ...]) -> Resources:
 
 
 # ============================================================================================ layouts
-def _split_layers(num_layers: int, pp: int, vpp: int | None) -> tuple[tuple[StageLayers, ...], bool]:
+def _split_layers(
+    num_layers: int, pp: int, vpp: int | None, m: MegatronConfig | None = None
+) -> tuple[tuple[StageLayers, ...], bool]:
     """Layers of each stage. Model order of the chunks is (virtual stage, stage): chunk v of stage p holds
-    the (v * pp + p)-th block of layers, as megatron's interleaved schedule lays them out. Uneven counts
-    (only possible without validation) give the earlier chunks one layer more."""
+    the (v * pp + p)-th block of layers, as megatron's interleaved schedule lays them out. With megatron's
+    uneven options in `m` (num_layers_in_first/last_pipeline_stage, account_for_*) the counts are megatron's
+    (rlconf.pipeline_split); an even split that does not divide (only possible without validation) gives
+    the earlier chunks one layer more. The flag: every chunk holds the same number of layers."""
     v = vpp or 1
-    n_chunks = pp * v
-    base, extra = divmod(num_layers, n_chunks)
-    sizes = [base + (1 if i < extra else 0) for i in range(n_chunks)]
-    starts = [sum(sizes[:i]) for i in range(n_chunks)]
+    split = _pipeline_split(num_layers, pp, vpp, m)
+    if split.uneven and not split_errors(split):
+        counts = chunk_layer_counts(split)
+        starts = chunk_starts(counts)
+        sizes = [counts[p][k] for k in range(v) for p in range(pp)]
+        start_of = [starts[p][k] for k in range(v) for p in range(pp)]
+        even = len(set(sizes)) == 1
+    else:
+        base, extra = divmod(num_layers, pp * v)
+        sizes = [base + (1 if i < extra else 0) for i in range(pp * v)]
+        start_of = [sum(sizes[:i]) for i in range(pp * v)]
+        even = extra == 0
     stages = []
     for p in range(pp):
-        chunks = tuple(LayerChunk(k, starts[k * pp + p], sizes[k * pp + p]) for k in range(v))
+        chunks = tuple(LayerChunk(k, start_of[k * pp + p], sizes[k * pp + p]) for k in range(v))
         stages.append(StageLayers(p, sum(ch.num_layers for ch in chunks), chunks, p == 0, p == pp - 1))
-    return tuple(stages), extra == 0
+    return tuple(stages), even
+
+
+def _pipeline_split(num_layers: int, pp: int, vpp: int | None, m: MegatronConfig | None) -> PipelineSplit:
+    if m is None:
+        return PipelineSplit(num_layers, pp, vpp)
+    return PipelineSplit(
+        num_layers, pp, vpp, m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage,
+        m.account_for_embedding_in_pipeline_split, m.account_for_loss_in_pipeline_split,
+    )  # fmt: skip
 
 
 def _grid(world: int, tp: int, cp: int, dp: int) -> tuple[RankCoord, ...]:
@@ -245,6 +269,7 @@ def _layouts(
         world = place.world_size
         spec = models.for_role(role)
         arch = spec.arch
+        m: MegatronConfig | None = None  # the rollout's own layout: no pipeline
         if role == "rollout" and rollout_resharded(c):
             tp, pp, vpp, cp, ep, etp, sp = rollout_tp(c), 1, None, 1, 1, None, False
             tp_path = "rollout.tensor_model_parallel_size"
@@ -266,14 +291,14 @@ def _layouts(
         if spec.source != "model.arch":
             # validate.py checks model.arch; an architecture read from config.json is checked here, under
             # the same rule names.
-            issues += _arch_layout_issues(spec, role, tp_path, tp, pp, vpp)
+            issues += _arch_layout_issues(spec, role, tp_path, tp, pp, vpp, m)
             for field, message, fix in (
                 expert_layout_issues(arch, spec.source, ep, etp, tp, sp) if role != "rollout" else ()
             ):
                 path = tp_path.replace("tensor_model_parallel_size", field)
                 issues.append(error(path, message, fix, "engine-support"))
         dp = world // mp
-        stages, even = _split_layers(arch.num_layers, pp, vpp)
+        stages, even = _split_layers(arch.num_layers, pp, vpp, m)
         layouts.append(
             RoleLayout(
                 role=role,
@@ -304,30 +329,22 @@ def _layouts(
 
 
 def _arch_layout_issues(
-    spec: ModelSpec, role: str, tp_path: str, tp: int, pp: int, vpp: int | None
+    spec: ModelSpec, role: str, tp_path: str, tp: int, pp: int, vpp: int | None, m: MegatronConfig | None
 ) -> list[Issue]:
     """rlconf.validate's heads-divisible-by-tp and layers-divisible-by-pp, on a config.json's architecture."""
     issues: list[Issue] = []
     a = spec.arch
-    for name, value in (
-        ("num_attention_heads", a.num_attention_heads),
-        ("num_query_groups", a.num_query_groups),
-    ):
-        if value % tp:
+    for _, message, fix in tp_head_errors(a.num_attention_heads, a.num_query_groups, tp):
+        issues.append(error(tp_path, f"{message} ({spec.source}, {role})", fix, "heads-divisible-by-tp"))
+    if role != "rollout":
+        for message in split_errors(_pipeline_split(a.num_layers, pp, vpp, m)):
             issues.append(error(
-                tp_path,
-                f"{name} = {value} ({spec.source}) is not divisible by {role} tp = {tp}",
-                f"use a tensor parallel size that divides {value}",
-                "heads-divisible-by-tp",
+                tp_path.replace("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+                f"{message} (num_layers = {a.num_layers} from {spec.source})",
+                "choose pp (and vpp, num_layers_in_first/last_pipeline_stage or account_for_embedding/"
+                "loss_in_pipeline_split) that split the layers as megatron requires",
+                "layers-divisible-by-pp",
             ))  # fmt: skip
-    chunks = pp * (vpp or 1)
-    if role != "rollout" and a.num_layers % chunks:
-        issues.append(error(
-            tp_path.replace("tensor_model_parallel_size", "pipeline_model_parallel_size"),
-            f"num_layers = {a.num_layers} ({spec.source}) is not divisible by pp x vpp = {chunks}",
-            "choose pp (and vpp) whose product divides the number of layers",
-            "layers-divisible-by-pp",
-        ))  # fmt: skip
     return issues
 
 

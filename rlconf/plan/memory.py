@@ -580,6 +580,7 @@ def _memory(
                     for name, flag in zip(("params", "grads", "optimizer"), rm.offload, strict=True)
                     if flag
                 ),
+                stage_totals_gib=tuple(_gib(own(st)) for st in rm.stages),
             )
         )
     dev = c.cluster.device_memory_gib

@@ -39,7 +39,10 @@ def _layers_text(lay: RoleLayout) -> str:
     if lay.vpp is None:
         return ", ".join(str(n) for n in lay.layers_per_stage)
     return " | ".join(
-        "+".join(f"{ch.first_layer}-{ch.first_layer + ch.num_layers - 1}" for ch in st.chunks)
+        "+".join(
+            f"{ch.first_layer}-{ch.first_layer + ch.num_layers - 1}" if ch.num_layers else "none"
+            for ch in st.chunks
+        )
         for st in lay.stages
     )
 
@@ -337,6 +340,14 @@ def format_plan(plan: TrainerPlan) -> str:
             for m in mem.roles
         ],
     )  # fmt: skip
+    layers = {lay.role: lay.layers_per_stage for lay in plan.layouts}
+    for m in mem.roles:
+        if len(m.stage_totals_gib) > 1:
+            per_stage = " | ".join(
+                f"{i}: {n} layers {gib:.2f}"
+                for i, (n, gib) in enumerate(zip(layers[m.role], m.stage_totals_gib, strict=True))
+            )
+            out.append(f"  {m.role} per stage (layers, GiB): {per_stage}")
     for pm in mem.pools:
         verdict = "" if pm.fits is None else (" fits" if pm.fits else " DOES NOT FIT")
         out.append(

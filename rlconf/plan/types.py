@@ -406,6 +406,9 @@ class RoleMemory:
     tokens_per_micro_batch: int
     offloaded: tuple[str, ...]
     """Parts moved to host memory while other roles use the device (params, grads, optimizer)."""
+    stage_totals_gib: tuple[float, ...] = ()
+    """The role's own peak (`total_gib`'s sum) on each pipeline stage, stage 0 first: uneven stages
+    (num_layers_in_first/last_pipeline_stage, account_for_*) differ."""
 
 
 @dataclass(frozen=True)

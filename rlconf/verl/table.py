@@ -301,6 +301,14 @@ _MEGATRON_FIELDS: tuple[tuple[str, Any, str, Converter | None, Reason | None], .
     ("override_transformer_config.recompute_modules", _SAME, "", None, None),
     ("override_transformer_config.attention_dropout", _SAME, "", None, None),
     ("override_transformer_config.hidden_dropout", _SAME, "", None, None),
+    ("override_transformer_config.num_layers_in_first_pipeline_stage", "num_layers_in_first_pipeline_stage",
+     "megatron's uneven pipeline split: a field of rlplan's MegatronConfig", None, None),
+    ("override_transformer_config.num_layers_in_last_pipeline_stage", "num_layers_in_last_pipeline_stage",
+     "megatron's uneven pipeline split: a field of rlplan's MegatronConfig", None, None),
+    ("override_transformer_config.account_for_embedding_in_pipeline_split",
+     "account_for_embedding_in_pipeline_split", "a field of rlplan's MegatronConfig", None, None),
+    ("override_transformer_config.account_for_loss_in_pipeline_split", "account_for_loss_in_pipeline_split",
+     "a field of rlplan's MegatronConfig", None, None),
     ("override_transformer_config.attention_backend", None,
      "rlplan has one setting for every role: model.attention_backend (see the actor row)", None, "not-needed"),
     ("override_transformer_config.*", None,
@@ -344,9 +352,10 @@ def _megatron_rows() -> list[VerlKey]:
                 rows.append(_u(key, reason or "unsupported", note, family="megatron"))
             else:
                 row_note = note
-                if ours == "ref.megatron" and suffix in LAYOUT_FIELDS:
+                dest = suffix if target is _SAME else target
+                if ours == "ref.megatron" and dest in LAYOUT_FIELDS:
                     row_note = f"must equal the actor's: {_IN_ACTOR}; when unset, the actor's value is used"
-                rows.append(_m(key, f"{ours}.{suffix}", row_note, convert, family="megatron"))
+                rows.append(_m(key, f"{ours}.{dest}", row_note, convert, family="megatron"))
     return rows
 
 

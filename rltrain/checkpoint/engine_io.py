@@ -107,10 +107,24 @@ def _role_of(folder: str | os.PathLike, role: str | None) -> str:
     return role if role is not None else Path(folder).name
 
 
-def _layout() -> dict[str, int]:
+def _stage_layers(engine: MegatronEngine) -> list[list[int]]:
+    """Decoder layers of each [pipeline stage][virtual chunk]: the uneven split options
+    (num_layers_in_first/last_pipeline_stage, account_for_*) cut the model differently at the same pp."""
+    from rlconf.pipeline_split import PipelineSplit, chunk_layer_counts
+
+    c = engine.config
+    return chunk_layer_counts(PipelineSplit(
+        c.num_layers, c.pipeline_model_parallel_size, c.virtual_pipeline_model_parallel_size,
+        c.num_layers_in_first_pipeline_stage, c.num_layers_in_last_pipeline_stage,
+        c.account_for_embedding_in_pipeline_split, c.account_for_loss_in_pipeline_split,
+    ))  # fmt: skip
+
+
+def _layout(engine: MegatronEngine) -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     return {
+        "stage_layers": _stage_layers(engine),
         "world_size": _dist_world(),
         "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
         "pipeline_model_parallel_size": ps.get_pipeline_model_parallel_world_size(),
@@ -570,7 +584,7 @@ def save_engine(
             "format": FORMAT,
             "role": role,
             "contents": [c for c in contents if c != "hf_model" or hf],
-            "layout": _layout(),
+            "layout": _layout(engine),
             "distributed_optimizer": _uses_distributed_optimizer(engine) if engine.optimizer else None,
             "optimizer_sharding": (
                 (OPTIM_SHARDING if _uses_distributed_optimizer(engine) else "param_space")
@@ -762,9 +776,10 @@ def load_engine(
             f"{role}.checkpoint.load_contents: optimizer requested but this engine has none"
         )
     _check_arch(meta, engine, role, folder)
-    layout = _layout()
-    saved_layout = meta["layout"]
-    split_changed = any(saved_layout[k] != layout[k] for k in _MODEL_SPLIT_KEYS)
+    layout = _layout(engine)
+    # Checkpoints written before the uneven split options have no "stage_layers": their pp and vpp decide.
+    saved_layout = {"stage_layers": layout["stage_layers"], **meta["layout"]}
+    split_changed = any(saved_layout[k] != layout[k] for k in (*_MODEL_SPLIT_KEYS, "stage_layers"))
     if "optimizer" in contents:
         now_dist = _uses_distributed_optimizer(engine)
         if meta["distributed_optimizer"] != now_dist:

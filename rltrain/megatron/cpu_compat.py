@@ -20,6 +20,19 @@ Two parts:
   - CUDA streams of the MoE alltoall token dispatcher (`torch.cuda.Stream()` built once per process for its
     device-to-host copies, `torch.cuda.current_stream()`, `torch.cuda.stream(s)`, `record_event()` and the
     event's `synchronize()`) -> `CpuStream`, whose waits and events are no-ops: CPU ops are synchronous.
+  - megatron's pipeline point-to-point messages (`p2p_communication._p2p_ops`, the unbatched path the
+    engine uses on gloo, `batch_p2p_comm=False`, and `P2PCommunicator._communicate_shapes`, the shape
+    exchange before each send / receive with `variable_seq_lengths`) -> the same messages in `_p2p_ops`'
+    even/odd order, where a send does not wait for its receiver: only the receives are waited on, the sends
+    complete in the background and are reaped later (and all of them when the schedule returns). Two
+    reasons. megatron always batches the shapes, posting (send_prev, recv_prev, send_next, recv_next) on
+    both ranks, and gloo matches messages between two ranks in posting order, so at PP = 2 with virtual
+    stages (both directions between the same pair) shapes crossed. And megatron's interleaved schedule
+    has calls in which one stage sends what its peer receives only in a later call (at CP = 2 x PP = 2 x
+    VPP = 2 with two micro-batches: the last stage's first gradient, sent while the first stage is still
+    sending its warmup activations); NCCL lets such a send finish, while a gloo send waits for its
+    receive, so both stages waited for each other: the hang of context parallel with virtual pipeline
+    parallel on CPU.
   - the dispatcher's `maybe_move_tensor_to_cpu` -> also converts CPU tensors when asked for numpy: megatron's
     converts only CUDA tensors, so on a CPU run the alltoall split sizes stayed tensors, which
     `all_to_all_single` refuses (it takes sequences of ints).
@@ -171,6 +184,72 @@ class _RngForkWarningFilter(logging.Filter):
         return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
 
+_pending_sends: list[Any] = []  # gloo send requests of pipeline messages not yet reaped
+
+
+def _reap_sends(wait: bool) -> None:
+    """Drop the completed pipeline sends (with `wait`: wait for all of them first)."""
+    if wait:
+        for req in _pending_sends:
+            req.wait()
+        _pending_sends.clear()
+    else:
+        _pending_sends[:] = [r for r in _pending_sends if not r.is_completed()]
+
+
+def _p2p_ops_deferred_sends(**kwargs: Any) -> dict[str, Any]:
+    """megatron's `_p2p_ops` (even/odd ordered isend / irecv) returning only the receive requests; the send
+    requests are kept in `_pending_sends` (see the module docstring)."""
+    _reap_sends(wait=False)
+    reqs = _ORIGINAL["_p2p_ops"](**kwargs)
+    for name in ("send_next", "send_prev"):
+        if name in reqs:
+            _pending_sends.append(reqs.pop(name))
+    return reqs
+
+
+def _communicate_shapes_ordered(self: Any, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
+    """megatron's `P2PCommunicator._communicate_shapes` through `_p2p_ops_deferred_sends`; same arguments
+    and result."""
+
+    def shape_of(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else torch.tensor(t.size(), device=_CPU, dtype=torch.int64)
+
+    recv_prev_shape = torch.empty(3, device=_CPU, dtype=torch.int64) if recv_prev else None
+    recv_next_shape = torch.empty(3, device=_CPU, dtype=torch.int64) if recv_next else None
+    reqs = _p2p_ops_deferred_sends(
+        tensor_send_prev=shape_of(tensor_send_prev),
+        tensor_recv_prev=recv_prev_shape,
+        tensor_send_next=shape_of(tensor_send_next),
+        tensor_recv_next=recv_next_shape,
+        group=self.pp_group,
+        prev_pipeline_rank=self.prev_rank,
+        next_pipeline_rank=self.next_rank,
+    )
+    for req in reqs.values():
+        req.wait()
+    return (
+        [0, 0, 0] if recv_prev_shape is None else recv_prev_shape.tolist(),
+        [0, 0, 0] if recv_next_shape is None else recv_next_shape.tolist(),
+    )
+
+
+def _reaping_schedule(schedule: Any) -> Any:
+    """A pipeline schedule that waits for its deferred sends before returning."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return schedule(*args, **kwargs)
+        finally:
+            _reap_sends(wait=True)
+
+    run.__wrapped__ = schedule  # type: ignore[attr-defined]
+    return run
+
+
+_ORIGINAL: dict[str, Any] = {}
+
+
 def enable_cpu_compat() -> None:
     """Patch the process-wide CUDA assumptions of megatron-core for a CPU run. Idempotent.
 
@@ -191,6 +270,16 @@ def enable_cpu_compat() -> None:
         import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
 
         token_dispatcher.maybe_move_tensor_to_cpu = _move_tensor_to_cpu
+        from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+        _ORIGINAL["_p2p_ops"] = p2p_communication._p2p_ops
+        p2p_communication._p2p_ops = _p2p_ops_deferred_sends
+        p2p_communication.P2PCommunicator._communicate_shapes = _communicate_shapes_ordered
+        for name in (
+            "forward_backward_pipelining_with_interleaving",
+            "forward_backward_pipelining_without_interleaving",
+        ):
+            setattr(schedules, name, _reaping_schedule(getattr(schedules, name)))
         for module in (torch.cuda, cuda_random):
             module.get_rng_state = _cpu_get_rng_state
             module.set_rng_state = _cpu_set_rng_state

@@ -214,6 +214,25 @@ def _check_world_matches_layout(spec: EnginePlan) -> None:
         )
 
 
+def _split_for_interleaving(index_sets: list[torch.Tensor], pp: int) -> list[torch.Tensor]:
+    """Micro-batch row sets for megatron's interleaved (virtual pipeline) schedule, which runs micro-batches
+    in groups of pp per virtual stage and refuses a count that is not a multiple of pp: the largest sets
+    are halved until it is. The losses are normalised by the mini-batch's totals, so smaller micro-batches
+    give the same update, and a halved set stays within a token budget."""
+    sets = list(index_sets)
+    while len(sets) % pp:
+        big = max(range(len(sets)), key=lambda i: len(sets[i]))
+        if len(sets[big]) < 2:
+            rows = sum(len(x) for x in sets)
+            raise RuntimeError(
+                f"virtual pipeline parallel runs a multiple of pp = {pp} micro-batches per pass (megatron's "
+                f"interleaved schedule) and this rank's {rows} rows cannot make one; give each data-parallel "
+                f"rank at least {pp} rows per mini-batch, or set virtual_pipeline_model_parallel_size: null"
+            )
+        sets[big : big + 1] = list(torch.tensor_split(sets[big], 2))
+    return sets
+
+
 class MegatronEngine:
     """One role's megatron model chunks, optimizer and schedule runner on this rank.
 
@@ -499,6 +518,9 @@ class MegatronEngine:
             index_sets = [torch.tensor(g, dtype=torch.long) for g in split_by_tokens(padded, budget)]
         else:
             index_sets = [torch.arange(n)[s] for s in split_rows(n, micro_batch_size)]
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        if len(self._chunks) > 1 and index_sets:
+            index_sets = _split_for_interleaving(index_sets, pp)
         out = []
         for idx in index_sets:
             data = {k: v[idx] for k, v in batch.items() if isinstance(v, torch.Tensor)}

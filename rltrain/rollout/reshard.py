@@ -183,6 +183,11 @@ class RolloutReplica:
                 tensor_model_parallel_size=rollout_tp,
                 pipeline_model_parallel_size=1,
                 virtual_pipeline_model_parallel_size=None,
+                # The actor's uneven pipeline split does not apply to the replica's single stage.
+                num_layers_in_first_pipeline_stage=None,
+                num_layers_in_last_pipeline_stage=None,
+                account_for_embedding_in_pipeline_split=False,
+                account_for_loss_in_pipeline_split=False,
                 context_parallel_size=1,
                 sequence_parallel=False,
             )

@@ -1,9 +1,14 @@
 """Context parallel with pipeline parallel: four gloo processes at CP=2 x PP=2 (each stage's CP pair holds
 two of the tiny model's four layers; megatron's schedule sends each rank's [L / CP, b, h] activations to its
-peer of the next stage; the engine passes the whole sequence length, which megatron divides by CP) against
-one process at CP=1 x PP=1, on rows of uneven length: compute_log_prob (log-probs and entropy) and one PPO
-update (grad norm, log-probs after the step) equal CP=1's. (Virtual pipeline parallel with CP is refused by
-validation: its interleaved schedule hung at CP=2 x PP=2 x VPP=2 on CPU.)
+peer of the next stage; the engine passes the whole sequence length, which megatron divides by CP) and at
+CP=2 x PP=2 x VPP=2 (megatron's interleaved schedule, one layer per model chunk) against one process at
+CP=1 x PP=1, on rows of uneven length: compute_log_prob (log-probs and entropy) and one PPO update (grad
+norm, log-probs after the step) equal CP=1's.
+
+The VPP layout hung on CPU until rltrain.megatron.cpu_compat ordered the pipeline's shape exchange: megatron
+batches the shape messages (send_prev, recv_prev, send_next, recv_next) on both ranks, and gloo matches
+messages between two ranks in posting order, so at PP=2 with interleaving (both directions between the same
+pair) the micro-batches' shapes crossed and the stages ended up waiting for each other.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ pytestmark = [
 
 
 # (name, pp, vpp) at CP=2 in a world of four processes.
-LAYOUTS = [("cp2_pp2", 2, None)]
+LAYOUTS = [("cp2_pp2", 2, None), ("cp2_pp2_vpp2", 2, 2)]
 
 
 def _layout(cp: int, pp: int, vpp: int | None = None):
@@ -70,7 +75,7 @@ def _cp2_pp2(rank: int, port: int, hf_path: str, rl: dict, out_dir: str) -> None
     destroy_parallel()
 
 
-def test_cp2_pp2_matches_cp1(mp_world, tiny_hf, tmp_path):
+def test_cp2_pp2_and_vpp2_match_cp1(mp_world, tiny_hf, tmp_path):
     from rltrain.megatron.actor import MegatronActor
 
     batch = _batch()
@@ -93,3 +98,26 @@ def test_cp2_pp2_matches_cp1(mp_world, tiny_hf, tmp_path):
                 k: float((got[k] - ref[k]).abs().max()) for k in ("log_probs", "entropy", "after")
             }
     print(json.dumps(diffs, indent=1))
+
+
+def test_tiny_grpo_cli_at_cp2_pp2_vpp2(tmp_path):
+    """`rltrain tiny-grpo` at CP=2 x PP=2 x VPP=2 over four CPU workers (a 4-layer model: one layer per
+    model chunk) trains 2 steps; its one-micro-batch forward passes are split for the interleaved schedule."""
+    import subprocess
+    import sys
+
+    rltrain = os.path.join(os.path.dirname(sys.executable), "rltrain")
+    out = tmp_path / "run"
+    cmd = [
+        rltrain, "tiny-grpo", "--cluster.gpus_per_node", "4", "--model.arch.num_layers", "4",
+        "--actor.megatron.context_parallel_size", "2", "--actor.megatron.pipeline_model_parallel_size", "2",
+        "--actor.megatron.virtual_pipeline_model_parallel_size", "2", "--trainer.total_steps", "2",
+        "--trainer.output_dir", str(out),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    plan = json.loads((out / "plan.json").read_text())
+    actor = next(lay for lay in plan["layouts"] if lay["role"] == "actor")
+    assert (actor["cp"], actor["pp"], actor["vpp"]) == (2, 2, 2)

@@ -194,3 +194,63 @@ def test_moe_router_runs_without_transformer_engine(mp_world):
     define_missing_te_names()
     x, w = torch.randn(5, 8), torch.randn(4, 8)
     assert torch.allclose(moe_utils.router_gating_linear(x, w, None, torch.float32), x @ w.t())
+
+
+def _crossing_sends(rank: int, port: int, out_dir: str) -> None:
+    """Both ranks send to each other first and receive after, through megatron's `_p2p_ops` as the
+    pipeline calls it: with sends that wait for their receive (plain gloo) neither rank gets to its
+    receive; with cpu_compat's deferred sends both complete."""
+    import os
+
+    from megatron.core.pipeline_parallel import p2p_communication
+
+    from rltrain import device as devices
+    from rltrain.megatron.parallel import init_distributed
+
+    init_distributed("cpu", rank=rank, world_size=2, master_port=port)
+    devices.prepare_process("cpu", local_rank=0)
+    group = torch.distributed.new_group([0, 1])
+    peer = 1 - rank
+    big = torch.full((1 << 20,), float(rank))  # 4 MiB: larger than a socket buffer, so a plain send blocks
+    got = torch.empty_like(big)
+    for req in p2p_communication._p2p_ops(tensor_send_prev=None, tensor_recv_prev=None, tensor_send_next=big,
+                                          tensor_recv_next=None, group=group, prev_pipeline_rank=peer,
+                                          next_pipeline_rank=peer).values():  # fmt: skip
+        req.wait()  # the pipeline waits for what _p2p_ops returns: here, nothing
+    for req in p2p_communication._p2p_ops(tensor_send_prev=None, tensor_recv_prev=got, tensor_send_next=None,
+                                          tensor_recv_next=None, group=group, prev_pipeline_rank=peer,
+                                          next_pipeline_rank=peer).values():  # fmt: skip
+        req.wait()
+    from rltrain.megatron import cpu_compat
+
+    cpu_compat._reap_sends(wait=True)
+    torch.save(got[:4].clone(), os.path.join(out_dir, f"rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+def _crossing_worker(rank: int, port: int, out_dir: str) -> None:
+    from ._common import run_spawned
+
+    run_spawned(_crossing_sends, rank, port, out_dir)
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_pipeline_sends_do_not_wait_for_their_receive(tmp_path):
+    """The CP x VPP hang: a pipeline send on gloo waited until its peer posted the receive, which megatron's
+    interleaved schedule posts only in a later call (NCCL lets the send finish)."""
+    from ._common import free_port
+
+    ctx = torch.multiprocessing.spawn(
+        _crossing_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False
+    )
+    import time
+
+    deadline = time.monotonic() + 120
+    while not ctx.join(timeout=max(deadline - time.monotonic(), 0.1)):  # returns as each process exits
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            pytest.fail("two ranks that send to each other before receiving hung")
+    assert torch.load(tmp_path / "rank0.pt").tolist() == [1.0] * 4
+    assert torch.load(tmp_path / "rank1.pt").tolist() == [0.0] * 4
