@@ -12,11 +12,8 @@ from collections.abc import Iterator
 from rlconf.config import RLConfig
 from rlconf.errors import Issue, error
 from rlconf.safe_paths import FOLDER_PATHS_RULE, model_folder_escapes
-from rlconf.validate import rule
 
 
-@rule(FOLDER_PATHS_RULE, "model.path", "model.tokenizer_path", "critic.model_path", "reward.reward_model.path",
-      filesystem=True)  # fmt: skip
 def model_folder_paths(c: RLConfig) -> Iterator[Issue]:
     """Every file a model folder names (model.safetensors.index.json weight_map entries) and every symlink in
     it (weights, config.json, tokenizer files) resolves inside the folder: no `..`, no absolute path, no

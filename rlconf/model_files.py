@@ -41,6 +41,7 @@ from rlconf.files import (
 )
 from rlconf.model_spec import head_dim, is_moe_layer, read_model_arch
 from rlconf.render_budget import RenderBudgetExceeded, render_budget
+from rlconf.safe_paths import model_folder_escapes
 
 RULE = "model-files"
 INDEX_FILE = "model.safetensors.index.json"
@@ -446,8 +447,8 @@ def model_files_issues(c: RLConfig) -> Iterator[Issue]:
     seq = c.data.max_prompt_length + c.rollout.max_response_length
     policy_arch: ModelArch | None = c.model.arch if c.model.path is None else None
     for key, folder, lm_head in sources:
-        if folder is None:
-            continue
+        if folder is None or model_folder_escapes(folder):
+            continue  # a name leading outside the folder: rule model-folder-paths, and nothing is opened
         try:
             arch = read_model_arch(folder, key)
         except ConfigError:
@@ -462,7 +463,7 @@ def model_files_issues(c: RLConfig) -> Iterator[Issue]:
                         "longer positions", RULE)  # fmt: skip
         yield from weights_issues(folder, arch, key, lm_head=lm_head)
     tok_folder = c.model.tokenizer_path if c.model.tokenizer_path is not None else c.model.path
-    if tok_folder is not None and policy_arch is not None:
+    if tok_folder is not None and policy_arch is not None and not model_folder_escapes(tok_folder):
         key = "model.tokenizer_path" if c.model.tokenizer_path is not None else "model.path"
         vocab_source = (
             "model.arch" if c.model.path is None else f"{os.path.join(c.model.path, 'config.json')}'s"

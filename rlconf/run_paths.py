@@ -16,7 +16,6 @@ from collections.abc import Iterator
 
 from rlconf.config import RLConfig
 from rlconf.errors import Issue, error
-from rlconf.validate import rule
 
 RULE = "output-dir-length"
 LEAF_ALLOWANCE = 64
@@ -61,7 +60,6 @@ def _issues(path_name: str, folder: str, deepest: str, what: str) -> Iterator[Is
                     RULE)  # fmt: skip
 
 
-@rule(RULE, "trainer.output_dir", "profile.save_path", filesystem=True)
 def output_dir_length(c: RLConfig) -> Iterator[Issue]:
     """trainer.output_dir (and an absolute profile.save_path) leaves room for the deepest file a run writes,
     within NAME_MAX per folder name and PATH_MAX for the whole path."""

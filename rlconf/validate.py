@@ -53,6 +53,7 @@ from rlconf.fields import (
     type_name,
 )
 from rlconf.files import MAX_DATA_BYTES, check_regular
+from rlconf.folder_rules import model_folder_paths
 from rlconf.lora import config_issues as lora_config_issues
 from rlconf.model_files import RULE as MODEL_FILES_RULE
 from rlconf.model_files import model_files_issues
@@ -68,6 +69,9 @@ from rlconf.reward_file import RULE as REWARD_FILE_RULE
 from rlconf.reward_file import file_spec_issues, split_file_spec
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
+from rlconf.run_paths import RULE as OUTPUT_DIR_LENGTH_RULE
+from rlconf.run_paths import output_dir_length
+from rlconf.safe_paths import FOLDER_PATHS_RULE
 from rlconf.tokenizer_check import RULE as TOKENIZER_RULE
 from rlconf.tokenizer_check import tokenizer_issues
 from rlconf.tp_heads import tp_head_errors
@@ -1599,9 +1603,10 @@ def cluster(c: RLConfig) -> Iterator[Issue]:
                     "use a rollout tp that divides the actor pool", "cluster")  # fmt: skip
 
 
-# Rules kept in modules of their own register here (they import `rule` from this module).
-import rlconf.folder_rules  # noqa: E402
-import rlconf.run_paths  # noqa: E402, F401
+# Rules whose checks live in modules of their own (which never import this one: no import cycle).
+rule(FOLDER_PATHS_RULE, "model.path", "model.tokenizer_path", "critic.model_path", "reward.reward_model.path",
+     filesystem=True)(model_folder_paths)  # fmt: skip
+rule(OUTPUT_DIR_LENGTH_RULE, "trainer.output_dir", "profile.save_path", filesystem=True)(output_dir_length)
 
 
 @rule("lora", "actor.lora.*", "rollout.placement", "rollout.engine", "rollout.tensor_model_parallel_size",

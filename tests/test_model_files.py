@@ -226,7 +226,8 @@ def test_sharded_index_naming_a_file_outside_the_folder(folder, capsys):
     (folder / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"x": "../model.safetensors"}})
     )
-    _rejects(folder, capsys, "'../model.safetensors'", "not a file in")
+    # Refused once, by path containment (rule model-folder-paths); model-files then opens nothing of it.
+    _rejects(folder, capsys, "'../model.safetensors'", "[model-folder-paths]")
 
 
 def test_rltrain_stops_before_ray(folder, capsys):
