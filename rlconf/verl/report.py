@@ -215,6 +215,7 @@ _SECTION_TITLES = (
     ("critic.", "critic"),
     ("reward_model.", "reward_model and custom_reward_function"),
     ("custom_reward_function.", "reward_model and custom_reward_function"),
+    ("reward.", "reward (verl's current schema; the same translation as the older names)"),
     ("algorithm.", "algorithm"),
     ("trainer.", "trainer"),
     ("global_profiler.", "global_profiler"),
