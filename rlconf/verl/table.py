@@ -468,6 +468,8 @@ def _rollout_rs_threshold(value: Any, values: Mapping[str, Any]) -> Any:
     if value is None:
         return SKIP
     mode = values.get(_RS_KEY)
+    if isinstance(mode, str) and mode not in _RS_MODES:
+        return SKIP  # a bound of another statistic: the mode itself is refused (_rollout_rs)
     if isinstance(value, str):
         low, sep, high = value.partition("_")
         try:
