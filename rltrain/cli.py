@@ -62,13 +62,22 @@ _FLAG = re.compile(r"--[A-Za-z_][\w.\-]*")
 def _tyro_issue(text: str) -> Issue:
     """tyro's boxed parse error (its first paragraph) as rlplan's error: path, message, fix, rule."""
     raw = text.splitlines()
-    title = raw[0].strip(" ╭╮─") if raw else ""
-    body: list[str] = []
-    for line in raw[1:]:
-        inner = line.strip().strip("│").strip()
-        if not inner.strip("─╰╯"):  # the box's separator or its bottom border: the first paragraph ended
-            break
-        body.append(inner)
+
+    # rich draws the box in unicode, or in ASCII / without borders on a stream it cannot tell the encoding of.
+    def separator(line: str) -> bool:
+        return set(line.strip()) <= set("─-+│|╭╮╰╯ ")
+
+    title, body = "", []
+    for line in raw:
+        if separator(line):
+            if body:
+                break  # the first paragraph under the title ended
+            continue
+        inner = line.strip().strip("│|╭╮╰╯").strip().strip("─").strip()
+        if not title:
+            title = inner
+        else:
+            body.append(inner)
     message = " ".join(body) or title or "cannot read the flags"
     flag = _FLAG.search(message)
     if flag is None:
