@@ -147,7 +147,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.plan:
         from rlconf.plan import compile_plan, diff_plans
 
-        lines = format_plan_diff(diff_plans(compile_plan(a), compile_plan(b)))
+        lines = format_plan_diff(diff_plans(compile_plan(a), compile_plan(b), collapse_records=True))
     else:
         lines = [change.format() for change in diff_dicts(config_to_dict(a), config_to_dict(b))]
     print("\n".join(lines) if lines else "(no differences)")
