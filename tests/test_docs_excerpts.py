@@ -37,3 +37,22 @@ def test_troubleshooting_validate_excerpts_are_current(tmp_path: Path, name: str
 def test_troubleshooting_flag_value_excerpt_is_current(tmp_path: Path) -> None:
     out = _run(tmp_path, "rltrain.cli", "tiny-grpo", "--actor.optim.lr", "abc")
     assert out in (ROOT / "docs" / "troubleshooting.md").read_text(), out
+
+
+def test_quickstart_names_every_top_level_key_of_plan_json() -> None:
+    import re
+
+    from presets import get_preset
+    from rlconf.plan import compile_plan, plan_to_dict
+
+    page = (ROOT / "docs" / "quickstart.md").read_text()
+    sentence = page.split("Its top-level keys are", 1)[1].split("`config` is the *effective* config", 1)[0]
+    named = re.findall(r"`(\w+)`", sentence)
+    assert named == list(plan_to_dict(compile_plan(get_preset("tiny-grpo"))))
+
+
+def test_docs_cite_only_files_the_repository_has() -> None:
+    # The design notes live outside the repository: a page citing them sends the reader nowhere.
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    citing = [p.name for p in pages if "DESIGN.md" in p.read_text() and not (ROOT / "DESIGN.md").exists()]
+    assert citing == []
