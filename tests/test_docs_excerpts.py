@@ -56,3 +56,12 @@ def test_docs_cite_only_files_the_repository_has() -> None:
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     citing = [p.name for p in pages if "DESIGN.md" in p.read_text() and not (ROOT / "DESIGN.md").exists()]
     assert citing == []
+
+
+def test_every_command_block_runs_in_a_test_or_says_why_not() -> None:
+    from tests.test_readme_commands import PAGES, command_blocks
+
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    unmarked = [f"{page.relative_to(ROOT)}:{line}" for page in pages if str(page.relative_to(ROOT)) not in PAGES
+                for line, _, skipped in command_blocks(page) if not skipped]  # fmt: skip
+    assert unmarked == [], "run these in tests/test_readme_commands.py or mark them <!-- skip-test: why -->"
