@@ -214,3 +214,10 @@ def test_plan_wording_constant_lr_and_row_counts(capsys):
     out = capsys.readouterr().out
     assert "then constant for 100 steps" in out and "constant decay" not in out
     assert "(1 rows)" not in out
+
+
+def test_plan_errors_name_their_source(tmp_path, capsys):
+    f = tmp_path / "run.yaml"
+    f.write_text("preset: tiny-grpo\nmodel:\n  path: /nonexistent/model\n")
+    assert main(["plan", str(f)]) == 2
+    assert capsys.readouterr().err.startswith(f"{f}: invalid config:")
