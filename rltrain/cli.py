@@ -88,6 +88,9 @@ def _tyro_issue(text: str) -> Issue:
                  "type")  # fmt: skip
 
 
+_RUN_OPTIONS_HEAD = RUN_OPTIONS.splitlines()[0]
+
+
 def _tyro_cli(default: RLConfig, args: Sequence[str], prog: str) -> RLConfig:
     import contextlib
     import io
@@ -98,7 +101,9 @@ def _tyro_cli(default: RLConfig, args: Sequence[str], prog: str) -> RLConfig:
     err = io.StringIO()
     joined = getattr(_strings, "remove_single_line_breaks", None)
     if joined is not None:
-        _strings.remove_single_line_breaks = _join_lines
+        # Field docstrings are joined; the run options (the description) are laid out by hand and kept.
+        _strings.remove_single_line_breaks = lambda text: joined(text) if _RUN_OPTIONS_HEAD in text else (
+            _join_lines(text))  # fmt: skip
     try:
         with contextlib.redirect_stderr(err):
             return tyro.cli(

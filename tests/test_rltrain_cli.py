@@ -179,6 +179,8 @@ def test_preset_help_is_wrapped_and_lists_help_once():
     # A docstring's line breaks are joined: the sentence reflows to the terminal, not to the source file
     # (tyro kept the docstring's break after "(Transformer").
     assert any("(Transformer Engine)" in line for line in result.stdout.splitlines())
+    # The run options are laid out by hand: their lines stay as written.
+    assert "\n  --config FILE.yaml   overlay this YAML/JSON file" in result.stdout
 
 
 def test_bad_flag_value_gets_rlplans_error_format(capsys):
