@@ -200,3 +200,15 @@ def test_every_error_names_its_source(capsys):
     assert main(["tiny-grpo", "--cluster.nnodes", "2", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("command line: invalid config:") and "[ray-cluster] cluster.nnodes" in err
+
+
+def test_a_tokenizer_that_fails_to_load_names_the_source(tmp_path):
+    # Raised by the controller as the run starts (before Ray): still `SOURCE: invalid config`.
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    result = rltrain("tiny-grpo", "--model.tokenizer_path", str(tmp_path / "tok"),
+                     "--trainer.output_dir", str(tmp_path / "out"))  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (
+        "command line: invalid config: 1 error\nerror [tokenizer-load] model.tokenizer_path" in result.stderr
+    )
