@@ -308,6 +308,11 @@ SCRIPTS = (
         refused=("verl-import", "algorithm.rollout_correction.rollout_rs_threshold"),
     ),
     Script(
+        "router-replay-r2-refused",
+        {**MEGATRON_GRPO, "actor_rollout_ref.actor.router_replay.mode": "R2"},
+        refused=("verl-import", "actor.router_replay"),
+    ),
+    Script(
         "gspo-megatron",
         {
             **MEGATRON_GRPO,

@@ -1003,7 +1003,49 @@ def _current_schema_rows(rows: tuple[VerlKey, ...]) -> list[VerlKey]:
     return out
 
 
-VERL_KEYS = VERL_KEYS + tuple(_fsdp_rows())
+def _router_replay(value: Any, _: Mapping[str, Any]) -> Any:
+    if value in ("disabled", None):
+        return False
+    if value == "R3":
+        return True
+    raise VerlValueError(f"router_replay.mode {value!r} has no rlplan equivalent (rlplan replays the rollout's "
+                         "routing, verl's R3)", "use R3 or disabled")  # fmt: skip
+
+
+def _newer_rows() -> list[VerlKey]:
+    """Keys of verl's current run scripts (examples/) that the rows above do not name."""
+    return [
+        _m("actor_rollout_ref.actor.router_replay.mode", "actor.router_replay", "R3 -> true (the rollout's "
+           "routing replayed in the old log-prob and update passes), disabled -> false; R2 is refused",
+           _router_replay),
+        _u("actor_rollout_ref.actor.router_replay.*", "not-needed", "rlplan keeps the recorded routing in memory "
+           "with the batch"),
+        _u("actor_rollout_ref.ref.router_replay.*", "not-needed", "the reference policy routes on its own"),
+        _u("actor_rollout_ref.rollout.enable_rollout_routing_replay", "not-needed", "the embedded rollout "
+           "records the routing whenever actor.router_replay is on"),
+        _u("actor_rollout_ref.rollout.checkpoint_engine.*", "not-needed", "the colocated embedded rollout "
+           "generates with the actor's own weights; a separate rollout sizes its weight-sync buckets itself"),
+        _u("actor_rollout_ref.model.mtp.*", "unsupported", "no multi-token-prediction heads"),
+        _u("actor_rollout_ref.model.fused_kernel_options.*", "not-needed", "the log-prob / entropy reductions "
+           "are fused by model.fused_kernels (auto: compiled on cuda)"),
+        _u("actor_rollout_ref.actor.use_prefix_grouper", "unsupported", "prompts are not shared across a "
+           "group's forward passes"),
+        _u("actor_rollout_ref.actor.calculate_sum_pi_squared", "unsupported", "no such metric"),
+        _u("reward_model.use_reward_loop", "not-needed", "rule rewards run in the controller; a reward model "
+           "runs as a megatron forward pass"),
+        _u("reward_model.num_workers", "not-needed", "rule rewards run in the controller"),
+        _u("reward_model.rollout.*", "unsupported", "rlplan runs a reward model as a megatron forward pass "
+           "(reward.reward_model.*), not through a rollout engine"),
+        _u("reward_model.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
+        _u("reward_model.reward_loop_source", "not-needed", "rlplan loads no reward loop class"),
+        _u("reward_model.reward_loop_module_path", "unsupported", "rlplan loads no reward loop class: "
+           "reward.function scores each response"),
+        _u("reward_model.reward_loop_class_name", "unsupported", "rlplan loads no reward loop class: "
+           "reward.function scores each response"),
+    ]  # fmt: skip
+
+
+VERL_KEYS = VERL_KEYS + tuple(_fsdp_rows()) + tuple(_newer_rows())
 VERL_KEYS = VERL_KEYS + tuple(_current_schema_rows(VERL_KEYS))
 
 _INDEX: dict[str, int] = {row.verl: i for i, row in enumerate(VERL_KEYS)}
