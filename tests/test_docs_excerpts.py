@@ -17,6 +17,11 @@ TROUBLESHOOTING = (
      "trainer:\n  total_steps: ten\n"),
     ("syntax.yaml", "preset: tiny-grpo\nrollout:\n  n: [1, 2\n\n\n"),
     ("preset.yaml", "preset: tiny-grpoo\n"),
+    ("algo.yaml", "preset: tiny-grpo\nalgorithm:\n  adv_estimator: gae\nactor:\n  optim:\n    lr: 0.0\n"
+     "  checkpoint:\n    save_contents: [model]\ntrainer:\n  resume_mode: resume_path\n"),
+    ("reward.yaml", "preset: tiny-grpo\nreward:\n  function: exact-match\ndata:\n  train_files: [data/train.csv]\n"),
+    ("prof.yaml", "preset: tiny-grpo\nprofile:\n  tool: nsys\n  ranks: [3]\n  steps: [0, 200]\n"
+     "  roles: [critic_update]\n"),
 )  # fmt: skip
 
 
@@ -30,6 +35,8 @@ def _run(tmp_path: Path, module: str, *args: str) -> str:
 @pytest.mark.parametrize(("name", "text"), TROUBLESHOOTING, ids=[n for n, _ in TROUBLESHOOTING])
 def test_troubleshooting_validate_excerpts_are_current(tmp_path: Path, name: str, text: str) -> None:
     (tmp_path / name).write_text(text)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.csv").write_text("prompt,answer\n")
     out = _run(tmp_path, "rlconf.cli", "validate", name)
     assert out in (ROOT / "docs" / "troubleshooting.md").read_text(), out
 
