@@ -443,7 +443,7 @@ def translate(
             "(default digit_match): set reward.function, e.g. numeric_match for GSM8K-style answers"
         )
 
-    _missing_backends(settings, notes, issues, origin)
+    _missing_backends(settings, mapped, issues, origin)
 
     position = {key: i for i, key in enumerate(values)}
     mapped.sort(key=lambda m: position[m.verl])
@@ -473,7 +473,7 @@ _BACKEND_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard"}
 
 
 def _missing_backends(
-    settings: dict[str, Any], notes: list[str], issues: list[Issue], origin: Mapping[str, str]
+    settings: dict[str, Any], mapped: list[Mapped], issues: list[Issue], origin: Mapping[str, str]
 ) -> None:
     """Drop logger backends whose package is not importable here (the run would stop at its first step),
     keeping console and jsonl, with a warning that says how to get them back."""
@@ -489,6 +489,10 @@ def _missing_backends(
         return
     settings["logging.backends"] = [b for b in backends if b not in missing]
     names = ", ".join(missing)
+    for i, m in enumerate(mapped):  # the report shows what the file gets
+        if m.rlplan == "logging.backends" and m.applied:
+            mapped[i] = dataclasses.replace(m, value=settings["logging.backends"],
+                                            note=f"{m.note}; {names} dropped: not installed here")  # fmt: skip
     issues.append(warning(
         "logging.backends", f"{origin.get('logging.backends', 'trainer.logger')} asks for {names}, which is not "
         f"installed here: dropped (the run logs to {', '.join(settings['logging.backends'])})",
