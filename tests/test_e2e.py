@@ -64,6 +64,7 @@ def test_tiny_ppo_trains_critic_and_uses_kl_in_reward(tmp_path):
     rows = metrics(out)
     assert len(rows) == 2
     assert all("critic/vf_loss" in r and "actor/reward_kl" in r for r in rows)
+    assert all(r["actor/ppo_kl_k3"] >= 0 for r in rows)  # the plot's per-update KL: k3 is never negative
 
 
 def test_data_parallel_and_tensor_parallel_runs(tmp_path):
