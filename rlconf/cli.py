@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import re
+import shlex
 import sys
 from collections.abc import Callable, Sequence
 
@@ -281,7 +282,9 @@ def cmd_import_verl(args: argparse.Namespace) -> int:
         print(format_report(tr), end="", file=report)
         if args.output:
             state = "" if tr.valid else " (invalid: fix the errors above, then run `rlconf validate` on it)"
-            hint = f"\nnext: rlconf plan {args.output}" if tr.valid else ""
+            # The file is complete (no `preset:`, dataclass defaults under it): rltrain runs it as is.
+            quoted = shlex.quote(args.output)
+            hint = f"\nnext: rlconf plan {quoted}\nrun:  rltrain --config {quoted}" if tr.valid else ""
             print(f"\nwrote {args.output}{state}{hint}", file=report)
         else:
             print(text, end="")

@@ -33,7 +33,12 @@ Role = Literal[
 ROLES: tuple[str, ...] = Role.__args__
 CHECKPOINT_CONTENTS: tuple[str, ...] = CheckpointContent.__args__
 # Rule-based reward functions shipped with rltrain (rltrain.rewards registers exactly these names).
-BUILTIN_REWARDS: tuple[str, ...] = ("exact_match", "numeric_match", "format", "digit_match")
+BUILTIN_REWARDS: tuple[str, ...] = (
+    "exact_match", "numeric_match", "format", "digit_match",
+    # verl's scorers, with verl's signature (rltrain/reward_scores.py); default_compute_score dispatches on
+    # each row's data_source as verl's default does.
+    "default_compute_score", "gsm8k", "gsm8k_flexible", "math", "math_dapo",
+)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------- model
@@ -463,7 +468,7 @@ class SamplingConfig:
     n: int = 1
     """Samples per validation prompt."""
     temperature: float = 0.0
-    """0 means greedy decoding."""
+    """0 means greedy decoding; otherwise in [0.001, 100]."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
 
@@ -521,7 +526,7 @@ class RolloutConfig:
     max_response_length: int = 16
     """Most tokens generated per response."""
     temperature: float = 1.0
-    """Sampling temperature (> 0 for training rollouts)."""
+    """Sampling temperature of training rollouts, in [0.001, 100]."""
     top_p: float = 1.0
     """Nucleus sampling mass in (0, 1]."""
     top_k: int = -1
@@ -603,10 +608,15 @@ class RewardConfig:
     """How responses are scored."""
 
     function: str = "digit_match"
-    """A built-in rule reward (exact_match, numeric_match, format, digit_match) or a user function given
-    as `package.module:function`. Trust: a module path runs code you chose, like a Python preset; the run
-    imports it at start (running its top level) and checks it can be called as fn(response, ground_truth,
-    prompt); `rlconf validate` and `rltrain --dry-run` never import it, they check only the path's form."""
+    """A built-in rule reward (exact_match, numeric_match, format, digit_match; verl's scorers gsm8k,
+    gsm8k_flexible, math, math_dapo, and default_compute_score, which picks one by each row's
+    data_source as verl does) or a user function: `package.module:function`, or verl's
+    `path/to/file.py:function`. A user function is either rlplan's fn(response, ground_truth, prompt) or
+    verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) (told apart by its
+    parameter names), returning a float or a dict with a `score` key (its other numeric keys become
+    reward_extra/ metrics). Trust: a user function runs code you chose, like a Python preset; the run
+    imports it at start (running its top level); `rlconf validate` and `rltrain --dry-run` never import
+    it (a file is only parsed, to check the function is defined there)."""
     reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)
     """Optional learned reward model."""
     overlong_buffer: OverlongBuffer = field(default_factory=OverlongBuffer)
@@ -729,6 +739,10 @@ class TrainerConfig:
     total_steps that leaves the learning rates of the remaining steps as they were."""
     max_ckpt_to_keep: int | None = None
     """Keep at most this many complete checkpoints; None keeps all."""
+    max_bad_steps: int = 3
+    """Stop the run (exit code 3) after this many bad steps in a row: steps whose rewards, log-probs,
+    values, advantages, loss or gradient norm are not finite. A bad step's update is not applied and it is
+    not checkpointed; a finite step resets the count (a resume starts it at 0)."""
     critic_warmup: int = 0
     """Steps that train only the critic before the actor starts updating."""
     seed: int = 1

@@ -272,12 +272,32 @@ def parse_json_bounded(
             source,
         ) from None
     if data is _DEEP or json_depth_exceeds(data, max_depth):
+        line = _deep_line(text.decode("utf-8", "replace") if isinstance(text, bytes) else text, max_depth)
         raise ConfigError(
-            [error(key, f"{what}: {name} is nested deeper than {max_depth} levels", "replace it with a valid file",
-                   LIMIT_RULE)],
+            [error(key, f"{what}: {name}:{line}: JSON nested too deeply to read (nested deeper than {max_depth} "
+                   "levels)", "replace it with a valid file", LIMIT_RULE)],
             source,
         )  # fmt: skip
     return data
+
+
+def _deep_line(text: str, limit: int = 64) -> int:
+    """The line where JSON `text` first nests deeper than `limit` levels (outside strings)."""
+    depth, line, in_str, escaped = 0, 1, False, False
+    for ch in text:
+        if ch == "\n":
+            line += 1
+        elif in_str:
+            escaped, in_str = (False, in_str) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_str = True
+        elif ch in "[{":
+            depth += 1
+            if depth > limit:
+                return line
+        elif ch in "]}":
+            depth -= 1
+    return line
 
 
 _DEEP = object()

@@ -12,6 +12,17 @@ that rlplan cannot build (vision towers, multi-token prediction, linear attentio
 rope types other than linear / llama3 / yarn, ...), is a ConfigError with rule `model-unsupported` that
 names the config path, the model_type and the feature: a model is never silently reduced to a smaller one.
 
+Both json styles are read as transformers 5 reads them (PreTrainedConfig.__post_init__, each family's config
+class and modeling code): `rope_scaling` (transformers 4) before `rope_parameters` (5), the rope object's own
+rope_theta before the top-level `rope_theta`; per-layer attention from `layer_types` where the family's class
+has it, else the family's rule (`Family.windows`); `hidden_act: swish` is SiLU. Where a file holds two forms
+of one thing that disagree (the two rope objects, the two thetas, num_experts / num_local_experts, a
+`layer_types` the family ignores), the reader refuses it (rule `model-config-json`, naming both keys) rather
+than pick one. tests/test_hf_config_json.py checks every case against transformers itself.
+
+Writing (`hf_config`) is the inverse for exports: the source's own config.json back (only its dtype key
+rewritten, in the source's style) when it describes the trained model, else a complete transformers 5 file.
+
 Parameter counts (`count_parameters`) live here too: the plan reports them (total and, for MoE, active
 per token) and sizes its memory estimate with the same per-layer pieces.
 """
@@ -21,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
+from copy import deepcopy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,6 +63,17 @@ class Family:
     defaults: Mapping[str, Any] = field(default_factory=dict)
     """transformers' class defaults for the keys config.json may omit (tests/test_model_spec.py checks them
     against the installed transformers)."""
+    windows: str = "none"
+    """Which layers attend within `sliding_window` when config.json has no `layer_types` (the family's config
+    class): none (llama), all (mistral, mixtral; qwen3_moe with use_sliding_window), from_max_window_layers
+    (qwen2, qwen3: layers i >= max_window_layers), odd_below_max_window_layers (qwen2_moe: layers with
+    (i + 1) % 2 and i < max_window_layers)."""
+    layer_types: bool = False
+    """The config class has `layer_types` (and its modeling code reads it): the per-layer attention pattern
+    comes from it first. Elsewhere transformers ignores the key."""
+    derives: frozenset[str] = frozenset()
+    """Keys whose JSON null transformers replaces (head_dim -> hidden / heads, num_key_value_heads -> heads);
+    a null elsewhere makes transformers fail, so the reader refuses it."""
 
 
 _COMMON = {
@@ -69,28 +92,31 @@ _QWEN_MOE = {
 }
 FAMILIES: Mapping[str, Family] = {
     "llama": Family("llama", "LlamaForCausalLM", False, False, False,
-                    {**_COMMON, **_HEAD_DIM, "num_key_value_heads": None, "attention_bias": False, "mlp_bias": False}),
+                    {**_COMMON, **_HEAD_DIM, "num_key_value_heads": None, "attention_bias": False, "mlp_bias": False},
+                    "none", False, frozenset({"head_dim", "num_key_value_heads"})),
     "mistral": Family("mistral", "MistralForCausalLM", False, False, False,
-                      {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "sliding_window": 4096}),
+                      {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "sliding_window": 4096},
+                      "all", False, frozenset({"head_dim"})),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", True, False, False,
                     {**_COMMON, "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096,
-                     "max_window_layers": 28}),
+                     "max_window_layers": 28}, "from_max_window_layers", True, frozenset({"num_key_value_heads"})),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", False, True, False,
                     {**_COMMON, "num_key_value_heads": 32, "head_dim": 128, "attention_bias": False,
-                     "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28}),
+                     "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
+                    "from_max_window_layers", True, frozenset({"num_key_value_heads"})),
     "qwen2_moe": Family("qwen2_moe", "Qwen2MoeForCausalLM", None, False, True,
                         {**_COMMON, **_QWEN_MOE, "num_key_value_heads": 16, "qkv_bias": True, "num_experts": 60,
                          "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                          "shared_expert_intermediate_size": 5632, "sliding_window": 4096,
-                         "max_window_layers": 28}),
+                         "max_window_layers": 28}, "odd_below_max_window_layers", True),
     "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", False, True, True,
                         {**_COMMON, **_QWEN_MOE, "num_key_value_heads": 4, "attention_bias": False,
                          "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                         "sliding_window": 4096}),
+                         "sliding_window": 4096}, "all"),
     "mixtral": Family("mixtral", "MixtralForCausalLM", False, False, True,
                       {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                        "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
-                       "router_jitter_noise": 0.0, "sliding_window": None}),
+                       "router_jitter_noise": 0.0, "sliding_window": None}, "all", False, frozenset({"head_dim"})),
 }  # fmt: skip
 SUPPORTED = ", ".join(FAMILIES)
 # model_types people try whose defining feature rlplan does not build (the message names it).
@@ -215,6 +241,12 @@ class _Reader:
         self._reject_features()
         heads = self.need("num_attention_heads")
         hidden = self.need("hidden_size")
+        for key in ("num_key_value_heads", "head_dim"):
+            if key in self.raw and self.raw[key] is None and key not in self.family.derives:
+                # transformers derives these from null only in some families; elsewhere its config class
+                # refuses the null or its model fails to build.
+                raise self.fail(f": {key} is null, which transformers cannot build for model_type {self.model_type!r}",
+                                f"set {key} to an integer in config.json (or remove the key)")  # fmt: skip
         groups = self.size("num_key_value_heads") or heads
         head_dim = self.size("head_dim")
         if heads % groups:
@@ -234,6 +266,7 @@ class _Reader:
                 f": num_hidden_layers = {num_layers} is more than {MAX_LAYERS}", "fix config.json"
             )
         max_pos = self.need("max_position_embeddings")
+        rope = self._rope()
         qkv_bias = self.family.qkv_bias if self.family.qkv_bias is not None else self.flag("qkv_bias")
         return ModelArch(
             family=mt,  # type: ignore[arg-type]
@@ -245,12 +278,12 @@ class _Reader:
             vocab_size=self.need("vocab_size"),
             max_position_embeddings=max_pos,
             kv_channels=None if head_dim is None or head_dim * heads == hidden else head_dim,
-            rotary_base=self._rope_theta(),
+            rotary_base=self._rope_theta(rope),
             norm_epsilon=self.number("rms_norm_eps"),
             add_qkv_bias=qkv_bias,
             share_embeddings_and_output_weights=self.flag("tie_word_embeddings"),
             qk_layernorm=self.family.qk_layernorm,
-            rope_scaling=self._rope_scaling(),
+            rope_scaling=self._rope_scaling(rope),
             sliding_window=self._sliding_window(num_layers),
             **self._moe(num_layers),
         )
@@ -267,9 +300,9 @@ class _Reader:
             method = raw["quantization_config"]
             method = method.get("quant_method", "?") if isinstance(method, dict) else method
             raise self.unsupported(f"quantized weights (quantization_config: {method})")
-        if self.value("hidden_act") != "silu":
+        if self.value("hidden_act") not in ("silu", "swish"):  # transformers' ACT2FN: both are SiLU
             raise self.unsupported(
-                f"hidden_act {self.value('hidden_act')!r} (rlplan builds SwiGLU with silu)"
+                f"hidden_act {self.value('hidden_act')!r} (rlplan builds SwiGLU with silu / swish)"
             )
         if self.family.model_type == "llama" and self.flag("mlp_bias"):
             raise self.unsupported("mlp_bias (biases on the MLP projections)")
@@ -283,30 +316,65 @@ class _Reader:
             raise self.unsupported("router_jitter_noise (random router noise)")
         types = raw.get("layer_types")
         if isinstance(types, list):
-            other = sorted({t for t in types if t not in ("full_attention", "sliding_attention")}, key=str)
+            known = (
+                "full_attention",
+                "sliding_attention",
+                "attention",
+            )  # "attention": transformers' old name
+            other = sorted({t for t in types if t not in known}, key=str)
             if other:
                 raise self.unsupported(f"layer_types {other} (attention other than full / sliding window)")
 
-    def _rope_params(self) -> Mapping[str, Any]:
-        for key in ("rope_parameters", "rope_scaling"):
-            v = self.raw.get(key)
-            if isinstance(v, dict):
-                return v
-            if v is not None:
-                raise self.fail(f": {key} must be an object, got {v!r}", "fix config.json")
-        return {}
+    # ---------------------------------------------------------------------------------- RoPE
+    def _rope_object(self, key: str) -> dict[str, Any] | None:
+        v = self.raw.get(key)
+        if v is not None and not isinstance(v, dict):
+            raise self.fail(f": {key} must be an object, got {v!r}", "fix config.json")
+        return v
 
-    def _rope_theta(self) -> float:
-        params = self._rope_params()
-        if "rope_theta" in self.raw:
-            return self.number("rope_theta")
-        if "rope_theta" in params:  # transformers 5 moved rope_theta into rope_parameters
-            return self.number("rope_theta", params)
-        return self.number("rope_theta")
+    def _resolved_rope(self, params: Mapping[str, Any]) -> dict[str, Any]:
+        """`params` as transformers completes it (PreTrainedConfig.convert_rope_params_to_dict and
+        standardize_rope_params): rope_type from `type`, rope_theta from the top-level key, else the class
+        default; partial_rotary_factor likewise; llama3 / yarn's original context from max_position_embeddings."""
+        out = dict(params)
+        kind = out.pop("type", None)
+        out.setdefault("rope_type", kind if kind is not None else "default")
+        out.setdefault("rope_theta", self.raw.get("rope_theta", self.family.defaults["rope_theta"]))
+        if self.raw.get("partial_rotary_factor") is not None:
+            out.setdefault("partial_rotary_factor", self.raw["partial_rotary_factor"])
+        if out["rope_type"] in ("llama3", "yarn"):
+            out.setdefault("original_max_position_embeddings", self.raw.get("max_position_embeddings"))
+        return out
 
-    def _rope_scaling(self) -> RopeScaling:
-        params = self._rope_params()
-        kind = params.get("rope_type", params.get("type", "default"))
+    def _rope(self) -> dict[str, Any]:
+        """The RoPE parameters transformers builds: `rope_scaling` (v4 style) when it is a non-empty object,
+        else `rope_parameters` (v5 style), with rope_theta from inside that object before the top-level
+        `rope_theta`. Two forms that say different things are refused: a later edit of the key transformers
+        does not read would otherwise silently change nothing, or change rlplan's reading only."""
+        scaling, params = self._rope_object("rope_scaling"), self._rope_object("rope_parameters")
+        chosen, name = (scaling, "rope_scaling") if scaling else (params or {}, "rope_parameters")
+        if scaling and params and self._resolved_rope(scaling) != self._resolved_rope(params):
+            raise self.fail(
+                f": rope_scaling {scaling!r} and rope_parameters {params!r} describe different RoPE "
+                "(transformers reads rope_scaling and ignores rope_parameters)",
+                "keep one of rope_scaling / rope_parameters in config.json, or make them agree",
+            )
+        if self.family.layer_types and any(k in chosen for k in ("full_attention", "sliding_attention")):
+            raise self.unsupported(f"{name} per layer type (different RoPE for full and sliding layers)")
+        top = self.raw.get("rope_theta")
+        if "rope_theta" in self.raw and "rope_theta" in chosen and top != chosen["rope_theta"]:
+            raise self.fail(
+                f": rope_theta = {top!r} and {name}.rope_theta = {chosen['rope_theta']!r} disagree "
+                f"(transformers uses {name}.rope_theta)",
+                f"keep one of rope_theta / {name}.rope_theta in config.json, or make them equal",
+            )
+        return self._resolved_rope(chosen)
+
+    def _rope_theta(self, rope: Mapping[str, Any]) -> float:
+        return self.number("rope_theta", rope)
+
+    def _rope_scaling(self, params: Mapping[str, Any]) -> RopeScaling:
+        kind = params["rope_type"]
         if kind not in _ROPE_TYPES:
             raise self.unsupported(f"rope scaling {kind!r} (supported: linear, llama3, yarn)")
         if self.number("partial_rotary_factor", params, 1.0) != 1.0:
@@ -316,6 +384,13 @@ class _Reader:
         for extra in ("mscale", "mscale_all_dim", "attention_factor"):
             if params.get(extra) is not None:
                 raise self.unsupported(f"rope scaling {kind!r} with {extra}")
+        # transformers refuses (KeyError) a rope type without its required keys rather than default them.
+        required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
+                    "yarn": ("factor",)}[kind]  # fmt: skip
+        missing = [k for k in required if k not in params]
+        if missing:
+            raise self.fail(f": rope scaling {kind!r} lacks {', '.join(missing)}",
+                            f"add {', '.join(missing)} to the rope parameters in config.json")  # fmt: skip
         orig = params.get("original_max_position_embeddings")
         if orig is not None and (isinstance(orig, bool) or not isinstance(orig, int) or orig < 1):
             raise self.fail(f": original_max_position_embeddings must be a positive integer, got {orig!r}",
@@ -336,23 +411,95 @@ class _Reader:
                             "low_freq_factor", "fix config.json")  # fmt: skip
         return scaling
 
-    def _sliding_window(self, num_layers: int) -> int | None:
-        if "use_sliding_window" in self.family.defaults and not self.flag("use_sliding_window"):
+    # ---------------------------------------------------------------------------------- attention windows
+    def _window(self) -> int | None:
+        """The window a sliding layer uses: the config class's sliding_window after its __post_init__
+        (cleared without use_sliding_window; qwen2_moe sets 0, which masks every key)."""
+        f = self.family
+        if f.windows == "none":
             return None
-        if "max_window_layers" in self.family.defaults:
-            # Qwen2 / Qwen3: only layers from max_window_layers on use the window.
+        if "use_sliding_window" in f.defaults and not self.flag("use_sliding_window"):
+            return 0 if f.model_type == "qwen2_moe" else None
+        v = self.value("sliding_window")
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > MAX_SIZE:
+            raise self.fail(f": sliding_window must be a non-negative integer or null, got {v!r}",
+                            "fix config.json")  # fmt: skip
+        return v
+
+    def _layer_types(self, num_layers: int) -> list[str] | None:
+        types = self.raw.get("layer_types")
+        if types is None:
+            return None
+        if not isinstance(types, list) or not all(isinstance(t, str) for t in types):
+            raise self.fail(f": layer_types must be a list of strings, got {types!r}", "fix config.json")
+        types = [{"attention": "full_attention"}.get(t, t) for t in types]  # transformers' legacy name
+        if len(types) != num_layers:
+            raise self.fail(f": layer_types has {len(types)} entries for num_hidden_layers = {num_layers}",
+                            "give one layer type per layer")  # fmt: skip
+        return types
+
+    def _sliding_window(self, num_layers: int) -> int | None:
+        """The attention window of the layers that slide (None: every layer attends fully), with each layer's
+        kind decided as transformers decides it: `layer_types` first where the family's config class has it,
+        else the family's rule (Family.windows)."""
+        f, window = self.family, self._window()
+        declared = self._layer_types(num_layers)
+        if f.windows == "none":
+            rule = [False] * num_layers
+        elif f.windows == "all":
+            rule = [window is not None] * num_layers
+        else:
             first = self.value("max_window_layers")
-            if isinstance(first, int) and not isinstance(first, bool) and first >= num_layers:
-                return None
-        return self.size("sliding_window") if "sliding_window" in self.family.defaults else None
+            if isinstance(first, bool) or not isinstance(first, int):
+                raise self.fail(f": max_window_layers must be an integer, got {first!r}", "fix config.json")
+            if f.windows == "from_max_window_layers":
+                rule = [window is not None and i >= first for i in range(num_layers)]
+            else:  # qwen2_moe: Qwen2MoeConfig.__post_init__
+                rule = [bool((i + 1) % 2) and i < first and self.flag("use_sliding_window")
+                        for i in range(num_layers)]  # fmt: skip
+        if declared is not None and f.layer_types:
+            slides = [t == "sliding_attention" for t in declared]
+        else:
+            slides = rule
+            if declared is not None and [t == "sliding_attention" for t in declared] != rule:
+                # transformers ignores layer_types for this family: a list that says otherwise misleads.
+                raise self.fail(
+                    f": layer_types {declared} disagrees with the attention transformers builds for "
+                    f"model_type {self.model_type!r}, which ignores layer_types (sliding_window = {window})",
+                    "remove layer_types from config.json, or set sliding_window to the window you mean",
+                )
+        if not any(slides):
+            return None
+        if window is None or window == 0:
+            keys = "use_sliding_window / sliding_window"
+            raise self.fail(
+                f": layers {[i for i, s in enumerate(slides) if s]} are sliding_attention but the window is "
+                f"{window!r} ({keys}): transformers cannot build that mask",
+                "set use_sliding_window: true and a sliding_window in config.json, or mark those layers "
+                "full_attention in layer_types",
+            )
+        return window
 
     def _moe(self, num_layers: int) -> dict[str, Any]:
         if not self.family.moe:
             return {}
         mixtral = self.family.model_type == "mixtral"
         experts_key = "num_local_experts" if mixtral else "num_experts"
-        alias = "num_experts" if mixtral else "num_local_experts"
-        experts = self.size(alias) if alias in self.raw else self.size(experts_key)
+        # transformers: MixtralConfig and Qwen3MoeConfig map one name onto the other (attribute_map; the
+        # key set last, the mapped one, wins); Qwen2MoeConfig reads num_experts only.
+        alias = {"mixtral": "num_experts", "qwen3_moe": "num_local_experts"}.get(self.family.model_type)
+        both = [k for k in ("num_experts", "num_local_experts") if k in self.raw]
+        if len(both) == 2 and self.raw["num_experts"] != self.raw["num_local_experts"]:
+            used = alias if alias is not None else experts_key
+            raise self.fail(
+                f": num_experts = {self.raw['num_experts']!r} and num_local_experts = "
+                f"{self.raw['num_local_experts']!r} disagree (transformers uses {used} for model_type "
+                f"{self.model_type!r})",
+                "keep one of num_experts / num_local_experts in config.json, or make them equal",
+            )
+        experts = self.size(alias) if alias is not None and alias in self.raw else self.size(experts_key)
         if experts is None:
             raise self.fail(f"lacks {experts_key}", "fix config.json")
         topk = self.size("num_experts_per_tok")
@@ -360,9 +507,27 @@ class _Reader:
             raise self.fail(
                 f": num_experts_per_tok = {topk} must be between 1 and {experts}", "fix config.json"
             )
+        norm = True if mixtral else self.flag("norm_topk_prob")
+        if topk == 1 and norm:
+            # HF weighs the one expert by p / p = 1. megatron-core refuses top-1 without its pre-softmax
+            # router, which weighs by p: not the same model, so rlplan does not build it.
+            if mixtral:
+                key, fix = "num_experts_per_tok: 1 (Mixtral always renormalises)", ""
+            else:
+                key = "num_experts_per_tok: 1 with norm_topk_prob: true"
+                fix = ", or norm_topk_prob: false (weight p, as megatron builds it) if that is the model you mean"
+            raise self.fail(
+                f"(model_type {self.model_type!r}) routes each token to one expert and renormalises its weight "
+                f"to 1 ({key}); megatron-core builds top-1 routing only with weight p, which rlplan cannot build "
+                "as transformers does",
+                "use a model with num_experts_per_tok >= 2" + fix,
+                UNSUPPORTED_RULE,
+            )
         dense: tuple[int, ...] = ()
         if not mixtral:
-            step = self.size("decoder_sparse_step") or 1
+            step = self.size("decoder_sparse_step")
+            if step is None:  # transformers' class takes no null here
+                raise self.fail(": decoder_sparse_step is null", "set decoder_sparse_step (1: every layer)")
             only = self.value("mlp_only_layers") or []
             if not isinstance(only, list) or not all(
                 isinstance(i, int) and not isinstance(i, bool) for i in only
@@ -381,21 +546,55 @@ class _Reader:
             "moe_ffn_hidden_size": None if mixtral else self.size("moe_intermediate_size"),
             "moe_shared_expert_intermediate_size": shared,
             "moe_shared_expert_gate": shared is not None,
-            "moe_norm_topk_prob": True if mixtral else self.flag("norm_topk_prob"),
+            "moe_norm_topk_prob": norm,
             "moe_dense_layers": dense,
             "moe_aux_loss_coeff": self.number("router_aux_loss_coef"),
         }
 
 
 # ============================================================================================ writing
+# Keys the reader interprets (and the dtype keys): a fresh config.json written from a ModelArch replaces them
+# all, so none of a mismatched base's survives beside the new ones.
+_ARCH_KEYS = frozenset({
+    "architectures", "model_type", "hidden_act", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+    "rms_norm_eps", "tie_word_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
+    "partial_rotary_factor", "attention_bias", "mlp_bias", "qkv_bias", "use_sliding_window", "sliding_window",
+    "max_window_layers", "layer_types", "num_experts", "num_local_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers", "router_aux_loss_coef", "router_jitter_noise", "dtype", "torch_dtype",
+})  # fmt: skip
+
+
 def hf_config(arch: ModelArch, dtype: str, base: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """config.json of `arch` for transformers (its family's model_type and class), over `base` if given
-    (the source folder's config.json: keys rlplan does not model, such as token ids, are kept)."""
+    """config.json of `arch` for transformers, with weights of `dtype`.
+
+    `base` is the source folder's config.json. When it reads back to `arch` (the model was trained from it;
+    training changes no architecture) the export is that file itself, its own keys and values kept (the rope
+    form, layer_types, max_window_layers, decoder_sparse_step, a null head_dim, ...): only the dtype key is
+    rewritten, in the source's own style (`dtype`, or `torch_dtype` for a file that has only that). Otherwise
+    (no base, or one that describes another model) a complete transformers 5 style config.json is written from
+    `arch`, keeping only the base's keys the reader does not interpret (token ids and the like)."""
+    if base is not None:
+        try:
+            same = arch_from_config(dict(base), "base config.json") == arch
+        except ConfigError:
+            same = False
+        if same:
+            cfg = deepcopy(dict(base))
+            key = "torch_dtype" if "torch_dtype" in cfg and "dtype" not in cfg else "dtype"
+            cfg.pop("torch_dtype", None)
+            cfg[key] = dtype
+            cfg.setdefault("architectures", [FAMILIES[arch.family].hf_architecture])
+            return cfg
+    kept = {k: v for k, v in (base or {}).items() if k not in _ARCH_KEYS}
+    return {**kept, **_fresh_config(arch, dtype)}
+
+
+def _fresh_config(arch: ModelArch, dtype: str) -> dict[str, Any]:
+    """A transformers 5 config.json (rope_parameters, layer_types, dtype) of `arch`: the keys of its family's
+    config class, each written once."""
     family = FAMILIES[arch.family]
-    cfg: dict[str, Any] = dict(base) if base is not None else {}
-    cfg["architectures"] = [family.hf_architecture]
-    cfg["model_type"] = family.model_type
-    head_dim = arch.kv_channels or arch.hidden_size // arch.num_attention_heads
     rope: dict[str, Any] = {"rope_type": "default", "rope_theta": arch.rotary_base}
     rs = arch.rope_scaling
     if rs.type != "none":
@@ -408,38 +607,44 @@ def hf_config(arch: ModelArch, dtype: str, base: Mapping[str, Any] | None = None
             rope.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
         if rs.type == "yarn":
             rope.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
-    cfg.pop("rope_scaling", None)  # rope_parameters replaces it; two sources could disagree
-    cfg.update(
-        hidden_act="silu",
-        hidden_size=arch.hidden_size,
-        intermediate_size=arch.ffn_hidden_size,
-        num_hidden_layers=arch.num_layers,
-        num_attention_heads=arch.num_attention_heads,
-        num_key_value_heads=arch.num_query_groups,
-        vocab_size=arch.vocab_size,
-        max_position_embeddings=arch.max_position_embeddings,
-        rms_norm_eps=arch.norm_epsilon,
-        tie_word_embeddings=arch.share_embeddings_and_output_weights,
-        rope_parameters=rope,
-        rope_theta=arch.rotary_base,
-        dtype=dtype,
-    )
+    cfg: dict[str, Any] = {
+        "architectures": [family.hf_architecture],
+        "model_type": family.model_type,
+        "hidden_act": "silu",
+        "hidden_size": arch.hidden_size,
+        "intermediate_size": arch.ffn_hidden_size,
+        "num_hidden_layers": arch.num_layers,
+        "num_attention_heads": arch.num_attention_heads,
+        "num_key_value_heads": arch.num_query_groups,
+        "vocab_size": arch.vocab_size,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "rms_norm_eps": arch.norm_epsilon,
+        "tie_word_embeddings": arch.share_embeddings_and_output_weights,
+        "rope_parameters": rope,
+        "dtype": dtype,
+    }
     if "head_dim" in family.defaults or arch.kv_channels is not None:
-        # Written where the config class has the field (Qwen3's default is 128, not hidden / heads) or the
-        # width is not hidden / heads; Qwen2's class derives it.
-        cfg["head_dim"] = head_dim
+        # Where the config class has the field (Qwen3's default is 128, not hidden / heads) or the width is
+        # not hidden / heads; Qwen2's class derives it. Mixtral keeps a derived width null, as its class does.
+        derived = arch.family == "mixtral" and arch.kv_channels is None
+        cfg["head_dim"] = None if derived else head_dim(arch)
     if "attention_bias" in family.defaults:
         cfg["attention_bias"] = False
     if family.model_type == "llama":
         cfg["mlp_bias"] = False
     if family.qkv_bias is None:
         cfg["qkv_bias"] = arch.add_qkv_bias
+    window = arch.sliding_window
     if "use_sliding_window" in family.defaults:
-        cfg["use_sliding_window"] = arch.sliding_window is not None
-        if arch.sliding_window is not None:
-            cfg["max_window_layers"] = 0
-    if "sliding_window" in family.defaults:
-        cfg["sliding_window"] = arch.sliding_window
+        cfg["use_sliding_window"] = window is not None
+    if family.windows != "none":
+        cfg["sliding_window"] = window
+    if family.layer_types:
+        # A ModelArch's window covers every layer; layer_types says so for every family rule.
+        kind = "sliding_attention" if window is not None else "full_attention"
+        cfg["layer_types"] = [kind] * arch.num_layers
+        if window is not None:
+            cfg["max_window_layers"] = 0 if family.windows == "from_max_window_layers" else arch.num_layers
     if family.moe:
         assert arch.num_moe_experts is not None
         cfg["num_experts_per_tok"] = arch.moe_router_topk
@@ -480,6 +685,10 @@ def family_issues(arch: ModelArch, prefix: str) -> list[tuple[str, str, str]]:
     if arch.num_moe_experts is not None and not 1 <= arch.moe_router_topk <= arch.num_moe_experts:
         out.append((f"{prefix}.moe_router_topk", f"moe_router_topk = {arch.moe_router_topk} is not between 1 "
                     f"and num_moe_experts = {arch.num_moe_experts}", "fix moe_router_topk"))  # fmt: skip
+    if arch.num_moe_experts is not None and arch.moe_router_topk == 1 and arch.moe_norm_topk_prob:
+        out.append((f"{prefix}.moe_router_topk", "top-1 routing renormalised to weight 1 (moe_norm_topk_prob) is "
+                    "not built: megatron-core routes top-1 only with weight p",
+                    "use moe_router_topk >= 2, or moe_norm_topk_prob: false"))  # fmt: skip
     if any(not 0 <= i < arch.num_layers for i in arch.moe_dense_layers):
         out.append((f"{prefix}.moe_dense_layers", f"layers {list(arch.moe_dense_layers)} are not all in "
                     f"[0, {arch.num_layers})", "list 0-based layer numbers"))  # fmt: skip

@@ -62,8 +62,12 @@ from rlconf.model_spec import (
     family_issues,
     read_model_arch,
 )
+from rlconf.reward_file import RULE as REWARD_FILE_RULE
+from rlconf.reward_file import file_spec_issues, split_file_spec
 from rlconf.run_length import RULE as RUN_LENGTH_RULE
 from rlconf.run_length import resolved_or_same, run_length, setting_issues
+from rlconf.tokenizer_check import RULE as TOKENIZER_RULE
+from rlconf.tokenizer_check import tokenizer_issues
 
 RuleFn = Callable[[RLConfig], Iterator[Issue]]
 
@@ -936,6 +940,12 @@ def trainer_rules(c: RLConfig) -> Iterator[Issue]:
             "or null to keep all",
             "trainer",
         )
+    if t.max_bad_steps < 1:
+        yield error("trainer.max_bad_steps", f"must be >= 1, got {t.max_bad_steps}",
+                    "use e.g. 3 (bad steps in a row before the run stops)", "trainer")  # fmt: skip
+    if not t.output_dir.strip():
+        yield error("trainer.output_dir", "is empty: the run would write into the current directory",
+                    "name a folder, e.g. --trainer.output_dir outputs/my-run", "trainer")  # fmt: skip
     if c.critic.enable and t.critic_warmup >= t.total_steps > 0:
         yield warning("trainer.critic_warmup", "the actor never updates: critic_warmup >= total_steps",
                       "lower critic_warmup", "trainer")  # fmt: skip
@@ -945,12 +955,19 @@ VLLM_ONLY_ROLLOUT_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "free_cach
 """Rollout fields that only rollout.engine: vllm reads (rltrain/rollout/vllm_adapter.py)."""
 
 
+MIN_TEMPERATURE = 1e-3
+"""Smallest sampling temperature: logits / temperature stays finite in fp32 for any logit below 3e35."""
+MAX_TEMPERATURE = 100.0
+"""Largest sampling temperature: above it sampling is uniform noise in all but name."""
+
+
 @rule("sampling", "rollout.*", "data.max_prompt_length", "model.arch.max_position_embeddings")
 def sampling(c: RLConfig) -> Iterator[Issue]:
     """Sampling parameters are in range; sequences fit the model."""
     r = c.rollout
-    if r.temperature <= 0:
-        yield error("rollout.temperature", f"training rollouts must sample: temperature = {r.temperature}",
+    if not MIN_TEMPERATURE <= r.temperature <= MAX_TEMPERATURE:  # NaN fails too
+        yield error("rollout.temperature", f"training rollouts must sample with a temperature in [{MIN_TEMPERATURE}"
+                    f", {MAX_TEMPERATURE}], got {r.temperature} (logits / temperature overflows below it)",
                     "use a temperature > 0 (1.0 is usual)", "sampling")  # fmt: skip
     if not 0 < r.top_p <= 1:
         yield error("rollout.top_p", f"must be in (0, 1], got {r.top_p}", "use 1.0 to disable", "sampling")
@@ -961,8 +978,9 @@ def sampling(c: RLConfig) -> Iterator[Issue]:
     if not 0 < r.gpu_memory_utilization <= 1:
         yield error("rollout.gpu_memory_utilization", f"must be in (0, 1], got {r.gpu_memory_utilization}",
                     "use e.g. 0.5", "sampling")  # fmt: skip
-    if r.val.temperature < 0:
-        yield error("rollout.val.temperature", "must be >= 0", "use 0 for greedy", "sampling")
+    if not (r.val.temperature == 0 or MIN_TEMPERATURE <= r.val.temperature <= MAX_TEMPERATURE):
+        yield error("rollout.val.temperature", f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                    f"got {r.val.temperature}", "use 0 for greedy", "sampling")  # fmt: skip
     if not 0 < r.val.top_p <= 1:
         yield error("rollout.val.top_p", f"must be in (0, 1], got {r.val.top_p}", "use 1.0", "sampling")
     if r.engine == "embedded":
@@ -1034,19 +1052,39 @@ _USER_FN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 @rule("reward-function", "reward.function")
 def reward_function(c: RLConfig) -> Iterator[Issue]:
-    """reward.function is a built-in name or an importable `package.module:function` path."""
+    """reward.function is a built-in name, an importable `package.module:function` path or a
+    `path/to/file.py:function` (verl's custom_reward_function)."""
     fn = c.reward.function
     if fn in BUILTIN_REWARDS or _USER_FN.match(fn):
+        return
+    if split_file_spec(fn) is not None:
+        yield from file_spec_issues(fn, filesystem=False)
         return
     import difflib
 
     hint = difflib.get_close_matches(fn, BUILTIN_REWARDS, n=1)
     yield error(
         "reward.function",
-        f"{fn!r} is neither a built-in reward nor a `module:function` path",
+        f"{fn!r} is neither a built-in reward, a `module:function` path nor a `file.py:function`",
         (f"did you mean `{hint[0]}`? " if hint else "") + f"built-ins: {', '.join(BUILTIN_REWARDS)}",
         "reward-function",
     )
+
+
+@rule(REWARD_FILE_RULE, "reward.function", filesystem=True)
+def reward_function_file(c: RLConfig) -> Iterator[Issue]:
+    """A `path/to/file.py:function` reward is a regular Python file of bounded size that parses and
+    defines the function at its top level (checked with `ast`: the file is never run here)."""
+    if split_file_spec(c.reward.function) is not None:
+        yield from file_spec_issues(c.reward.function, filesystem=True)
+
+
+@rule(TOKENIZER_RULE, "model.path", "model.tokenizer_path", filesystem=True)
+def tokenizer_load(c: RLConfig) -> Iterator[Issue]:
+    """The model folder's tokenizer loads: the packages are installed, the folder has tokenizer files,
+    tokenizer.json loads, tokenizer_config.json parses and the chat template compiles (rlconf.tokenizer_check:
+    no torch, bounded reads)."""
+    yield from tokenizer_issues(c.model)
 
 
 @rule("multi-turn", "rollout.multi_turn.*", "rollout.max_response_length")
@@ -1256,8 +1294,9 @@ def data_files_exist(c: RLConfig) -> Iterator[Issue]:
 @rule("model-engine-support", "model.path", "model.arch.*", "critic.model_path", "reward.reward_model.path",
       filesystem=True)  # fmt: skip
 def model_engine_support(c: RLConfig) -> Iterator[Issue]:
-    """Models the plan accepts but the megatron engine does not build yet (YaRN rope scaling): `rlconf plan`
-    sizes them, a run refuses them before its workers start."""
+    """Models rlconf.model_spec reads but the megatron engine does not build yet (YaRN rope scaling): refused
+    before a run's workers start, and by `rlconf plan` too (the plan reads a config.json and asks
+    `engine_gap_issues` the same)."""
     sources = [("model.path", c.model.path, "model.arch")]
     sources += [("critic.model_path", c.critic.model_path, None)] if c.critic.enable else []
     rm = c.reward.reward_model
@@ -1269,10 +1308,16 @@ def model_engine_support(c: RLConfig) -> Iterator[Issue]:
             arch = c.model.arch if folder is None else read_model_arch(folder, path)
         except ConfigError:
             continue  # the plan reports a config.json it cannot read
-        for field, gap in engine_gaps(arch):
-            yield error(path if folder is not None else f"{builtin}.{field}", gap,
-                        "plan it with `rlconf plan` for sizing; to train, choose a dense model without it",
-                        "model-engine-support")  # fmt: skip
+        yield from engine_gap_issues(arch, path if folder is not None else None, builtin or "model.arch")
+
+
+def engine_gap_issues(arch: ModelArch, path: str | None, builtin: str = "model.arch") -> list[Issue]:
+    """rule model-engine-support's errors for `arch`, read from the config.json at config path `path` (None:
+    the built-in `builtin` section, whose field each error names)."""
+    fix = ("choose a model without it (config.json's rope_scaling / rope_parameters rope_type)" if path
+           else f"set {builtin}.rope_scaling.type to none, linear or llama3")  # fmt: skip
+    return [error(path if path is not None else f"{builtin}.{field}", gap, fix, "model-engine-support")
+            for field, gap in engine_gaps(arch)]  # fmt: skip
 
 
 @rule(MODEL_FILES_RULE, "model.path", "model.tokenizer_path", "critic.model_path", "reward.reward_model.path",
@@ -1302,7 +1347,8 @@ def sliding_window_issue(c: RLConfig, arch: ModelArch, source: str, path: str) -
 
 
 @rule(UNSUPPORTED_RULE, "model.path", "model.arch.family", "model.arch.add_qkv_bias", "model.arch.qk_layernorm",
-      "model.arch.num_moe_experts", "model.arch.moe_router_topk", "model.arch.moe_dense_layers",
+      "model.arch.num_moe_experts", "model.arch.moe_router_topk", "model.arch.moe_norm_topk_prob",
+      "model.arch.moe_dense_layers",
       "model.arch.sliding_window", "data.max_prompt_length", "rollout.max_response_length")  # fmt: skip
 def model_unsupported(c: RLConfig) -> Iterator[Issue]:
     """The built-in `model.arch` is a model rlplan can run: its fields agree with its family (q/k/v biases,
@@ -1552,4 +1598,5 @@ def cluster(c: RLConfig) -> Iterator[Issue]:
 
 
 # Rules kept in modules of their own register here (they import `rule` from this module).
+import rlconf.folder_rules  # noqa: E402
 import rlconf.run_paths  # noqa: E402, F401

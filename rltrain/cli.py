@@ -1,6 +1,8 @@
-"""The `rltrain` command: `rltrain PRESET [--config FILE.yaml] [--dotted.field VALUE ...] [--dry-run]`.
+"""The `rltrain` command: `rltrain PRESET [--config FILE.yaml] [--dotted.field VALUE ...] [--dry-run]`,
+or `rltrain --config FILE.yaml [...]` for a complete config (an imported verl run, a file of your own).
 
-Precedence: flags > file > preset > dataclass defaults. Flags are parsed by tyro from the config
+Precedence: flags > file > preset > dataclass defaults. A file without `preset:` run without a PRESET is
+taken as complete: the dataclass defaults fill what it does not set, no preset's values slip in. Flags are parsed by tyro from the config
 dataclasses (help text is the field docstrings); every field is a flag. The whole config is validated and
 the plan compiled before anything starts. This module stays light (no torch, ray or megatron imports) so
 `rltrain --help` is quick; the controller is imported only to run.
@@ -13,12 +15,14 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from rlconf.cli import EXIT_OK, run_guarded
+from rlconf.cli import EXIT_INVALID, EXIT_OK, run_guarded
 from rlconf.config import RLConfig
 from rlconf.errors import ConfigError, Issue, error
 from rlconf.fields import get_path, iter_leaves, leaf_paths
 
 USAGE = """usage: rltrain PRESET [--config FILE.yaml] [--section.field VALUE ...] [--dry-run]
+       rltrain --config FILE.yaml [--section.field VALUE ...] [--dry-run]
+                                 a complete config (its own `preset:` line, if any, is honoured)
        rltrain PRESET --help     every flag, with the preset's values as defaults
        rltrain --list            the presets
        rltrain inspect CHECKPOINT [--json]       what a checkpoint holds, complete or not
@@ -31,7 +35,8 @@ Runs RL fine-tuning (PPO/GRPO) on megatron-core. Precedence: flags > --config fi
 _OWN_FLAGS = {"--config", "--dry-run", "--help", "-h"}
 
 RUN_OPTIONS = """run options (rltrain's own; every other flag below sets one config field):
-  --config FILE.yaml   overlay this YAML/JSON file on the preset (flags overlay the file)
+  --config FILE.yaml   overlay this YAML/JSON file on the preset (flags overlay the file); without a
+                       PRESET the file is the whole config (dataclass defaults under it)
   --dry-run            check everything a run checks before it writes anything (every config rule, the
                        files it reads, the length of the paths it writes, free space for a checkpoint, and
                        the Ray cluster at cluster.ray_address / RAY_ADDRESS: reachable, enough nodes; with
@@ -192,7 +197,8 @@ def _flag_values(value: Any) -> list[str]:
 
 
 def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
-    """(config, dry_run) from `PRESET [--config FILE] [flags] [--dry-run]`; raises ConfigError.
+    """(config, dry_run) from `PRESET [--config FILE] [flags] [--dry-run]` or `--config FILE [flags]
+    [--dry-run]` (no preset: the file, with its own `preset:` if it names one); raises ConfigError.
 
     Reports what `rlconf validate` reports, all at once: the file's structural errors (its bad values are
     left at the preset's so the rest can still be checked), then every rule on the result with the flags
@@ -202,7 +208,8 @@ def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
     from rlconf.load import build_config, build_from_sources, config_to_dict
     from rlconf.validate import check_config
 
-    preset, rest = argv[0], list(argv[1:])
+    has_preset = bool(argv) and not argv[0].startswith("-")
+    preset, rest = (argv[0], list(argv[1:])) if has_preset else (None, list(argv))
     config_file, dry_run, flags = None, False, []
     i = 0
     while i < len(rest):
@@ -221,12 +228,16 @@ def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
         else:
             flags.append(token)
         i += 1
+    if preset is None and config_file is None:
+        raise ConfigError([error("", "expected a PRESET or --config FILE first", "run `rltrain --list` for "
+                                 "the presets, or `rltrain --config run.yaml`", "usage")])  # fmt: skip
     source = config_file if config_file is not None else "command line"
     if issues := _flag_issues(flags):
         raise ConfigError(issues, "command line")
     flags = _normalize_bools(flags)
     base, file_issues, _ = build_from_sources(config_file, preset=preset, presets=PRESETS)
-    config = _tyro_cli(base, flags, prog=f"rltrain {preset} [--config FILE.yaml] [--dry-run]")
+    prog = f"rltrain {preset} [--config FILE.yaml]" if preset else f"rltrain --config {config_file}"
+    config = _tyro_cli(base, flags, prog=f"{prog} [--dry-run]")
     # tyro checked each value's type; the same structural walk as files (finite floats, ...) and the
     # cross-field rules run on the result, so flags and files are held to one standard.
     config, structural = build_config(config_to_dict(config), source=source)
@@ -250,16 +261,17 @@ def _run(argv: Sequence[str]) -> int:
     from presets import PRESETS
 
     if not argv or argv[0] in ("-h", "--help"):
-        print(USAGE + "\npresets:\n" + "\n".join(f"  {p.name:26s} {p.description}" for p in PRESETS.values()))
-        return EXIT_OK
+        text = USAGE + "\npresets:\n" + "\n".join(f"  {p.name:26s} {p.description}" for p in PRESETS.values())
+        # A bare `rltrain` is a usage error (a script that forgot its arguments must not look successful).
+        print(text, file=sys.stdout if argv else sys.stderr)
+        return EXIT_OK if argv else EXIT_INVALID
     if argv[0] == "--list":
         for p in PRESETS.values():
             print(f"{p.name:26s} {p.description}")
         return EXIT_OK
-    if argv[0].startswith("-"):
-        raise ConfigError(
-            [error("", f"expected a PRESET first, got {argv[0]}", "run `rltrain --list`", "usage")]
-        )
+    if argv[0].startswith("-") and argv[0] != "--config" and not argv[0].startswith("--config="):
+        raise ConfigError([error("", f"expected a PRESET or --config FILE first, got {argv[0]}",
+                                 "run `rltrain --list` for the presets, or `rltrain --config run.yaml`", "usage")])  # fmt: skip
     config, dry_run = parse_args(argv)
 
     from rlconf.plan import compile_plan, format_plan

@@ -34,6 +34,7 @@ from rltrain import device as devices
 from rltrain import metrics as metrics_lib
 from rltrain.checkpoint import CheckpointError, Resume
 from rltrain.data import PromptBatch, left_pad
+from rltrain.guard import CAUSE_KEY, DIVERGED_EXIT, DivergedError, DivergenceGuard, bad_update, first_bad
 from rltrain.metrics import REWARD_PLOT, MetricsLogger, plot_reward_curve
 from rltrain.profiling import Profiler, nsys_command, write_summary
 from rltrain.ray_group import (
@@ -68,8 +69,8 @@ class Trainer:
         """`run_folder`: the folder `run_training` locked and checked (opened here when not given; its
         checkpoints were cleaned and the resume point found under the lock). `stop_signals` are put back in
         place once Ray has started (ray.init installs its own SIGTERM handler)."""
-        from rltrain.data import build_dataloaders
-        from rltrain.rewards import load_reward_function
+        from rltrain.data import ListPromptSource, build_dataloaders
+        from rltrain.rewards import check_data_sources, load_reward_function
         from rltrain.tokenizer import load_tokenizer
         from rltrain.workers import CriticWorker, PolicyWorker, RewardModelWorker, RolloutWorker
 
@@ -82,10 +83,14 @@ class Trainer:
         self.ckpt, self.resume = self.run_folder.ckpt, self.run_folder.resume
         # The last step whose metrics line is written: a stop keeps only saves of steps up to it.
         self._logged_step = 0
+        self.guard = DivergenceGuard(cfg.trainer.max_bad_steps)
 
         self.tokenizer = load_tokenizer(cfg.model)
         self.reward_fn = load_reward_function(cfg.reward.function)
         self.train_data, self.val_data = build_dataloaders(cfg.data, self.tokenizer)
+        for loader in (self.train_data, self.val_data):  # before Ray starts: rows no scorer can score
+            if loader is not None and isinstance(loader.source, ListPromptSource):
+                check_data_sources(self.reward_fn, [e.data_source for e in loader.source.examples])
         self.agent = None
         if cfg.rollout.multi_turn.enable:  # tools run here, between the turns the workers generate
             from rltrain.rollout.agent import build_agent_loop
@@ -165,6 +170,11 @@ class Trainer:
         self.start_step = int(extra["step"]) + 1
         print(f"resumed from {resume.folder} (step {extra['step']})", flush=True)
 
+    def _weights_finite(self) -> bool:
+        """Whether every rank's trained weights are finite (checked before each save: a checkpoint of
+        non-finite weights is never written)."""
+        return all(all(g.call("weights_finite")) for g in self._trained_groups().values())
+
     def _save(self, step: int) -> None:
         # Before anything is staged: a save that cannot fit stops the run with the checkpoints it has.
         done = self.ckpt.complete_steps()
@@ -232,7 +242,7 @@ class Trainer:
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """Generate n responses per prompt with the sampling stream `seed` (rlconf.seeding) and score
         them. Returns the batch and the reward metrics."""
-        from rltrain.rewards import score_batch
+        from rltrain.rewards import score_rows
 
         ids = [p for p in prompts.input_ids for _ in range(n)]
         prompt_ids, prompt_mask = left_pad(ids, self.tokenizer.pad_token_id)
@@ -252,11 +262,13 @@ class Trainer:
         ]
         t0 = time.perf_counter()
         with self.reward_profiler.profiled("reward_compute"):
-            scores = score_batch(
+            scores, reward_extras = score_rows(
                 self.reward_fn,
                 texts,
                 [g for g in prompts.ground_truths for _ in range(n)],
                 [p for p in prompts.prompts for _ in range(n)],
+                [d for d in prompts.data_sources for _ in range(n)],
+                [e for e in prompts.extra_infos for _ in range(n)],
             )
         batch["scores"] = torch.tensor(scores, dtype=torch.float32)
         if "multi_turn_reward" in batch:  # an interaction's per-turn and final rewards
@@ -291,6 +303,7 @@ class Trainer:
         if self.reward_model is not None:
             metrics["reward/rule_mean"], metrics["reward/model_mean"] = rule_mean, rm_scores.mean().item()
         metrics.update(agent_metrics)
+        metrics.update(reward_extras)  # verl-style dict results: their other numeric keys (e.g. acc)
         if not validate:
             metrics["perf/total_num_tokens"] = int(batch["attention_mask"].sum())  # prompts + responses
             metrics["sample/prompt"] = prompts.prompts[0]
@@ -445,6 +458,33 @@ class Trainer:
             )
 
         mask = model_batch["response_mask"]
+        # The divergence guard (rltrain/guard.py): an update with a non-finite input is not run.
+        bad = first_bad([
+            ("rewards", batch["scores"], None),
+            ("rollout/log_probs", batch.get("rollout_log_probs"), mask),
+            ("old_log_probs", model_batch.get("old_log_probs"), mask),
+            ("ref_log_probs", model_batch.get("ref_log_prob"), mask),
+            ("critic/values", model_batch.get("values"), mask),
+        ])  # fmt: skip
+        if bad is None:
+            bad = self._advantages_and_updates(step, batch, model_batch, metrics, timed, correction)
+        if bad is not None:
+            metrics[CAUSE_KEY] = bad
+        if self.pipeline is not None:
+            # The rollout gets the new weights; batches waiting for them start generating after the push.
+            metrics.update(self.pipeline.push(step, lambda: self._push_weights(step)))
+        metrics.update(timing)
+        metrics.update(self._step_perf(batch, metrics))  # the batch as generated (before rejection sampling)
+        return metrics
+
+    def _advantages_and_updates(
+        self, step: int, batch: dict[str, torch.Tensor], model_batch: dict[str, torch.Tensor],
+        metrics: dict[str, Any], timed: Any, correction: algorithms.RolloutCorrectionResult | None,
+    ) -> str | None:  # fmt: skip
+        """Rewards (KL penalty), advantages, then the critic and actor updates of step `step` into
+        `metrics`; returns the first non-finite quantity (None: all finite), and runs no update after it."""
+        cfg = self.cfg
+        mask = model_batch["response_mask"]
         scores = algorithms.outcome_to_token_level(batch["scores"], mask)
         if cfg.algorithm.use_kl_in_reward:
             rewards, kl = algorithms.apply_kl_penalty(scores, model_batch["old_log_probs"], model_batch["ref_log_prob"],
@@ -465,7 +505,15 @@ class Trainer:
             accepted_mask=None if correction is None else correction.accepted,
         )
         model_batch["advantages"], model_batch["returns"] = advantages, returns
-        if correction is not None and passes.rollout_rs is not None:
+        bad = first_bad([("advantages", advantages, mask),
+                         ("returns", returns if self.critic is not None else None, mask)])  # fmt: skip
+        if bad is not None:
+            return bad
+        if (
+            correction is not None
+            and self.plan.passes is not None
+            and self.plan.passes.rollout_rs is not None
+        ):
             # Rejected tokens leave every loss of the update (actor and critic, each term, and the micro-batch
             # weights): means are over the accepted tokens, as verl. The KL-in-reward, the values and the
             # advantages above saw the whole response.
@@ -480,12 +528,7 @@ class Trainer:
                 "update_actor", self._dispatch, self.policy, "actor", "update_actor", model_batch, step
             )
             metrics.update(actor_metrics[0])
-        if self.pipeline is not None:
-            # The rollout gets the new weights; batches waiting for them start generating after the push.
-            metrics.update(self.pipeline.push(step, lambda: self._push_weights(step)))
-        metrics.update(timing)
-        metrics.update(self._step_perf(batch, metrics))  # the batch as generated (before rejection sampling)
-        return metrics
+        return bad_update(metrics)
 
     def _step_perf(self, model_batch: dict[str, torch.Tensor], metrics: dict[str, Any]) -> dict[str, Any]:
         """perf/mfu/actor_update and perf/mfu/log_prob (model FLOPs of the policy over the actor's devices'
@@ -623,7 +666,11 @@ class Trainer:
                 with self.pipeline.exclusive() if self.pipeline is not None else contextlib.nullcontext():
                     metrics.update(self.validate(step))
             self._finalize_saves(blocking=False)  # commit background saves that finished meanwhile
-            if step in save_steps:
+            if step in save_steps and CAUSE_KEY not in metrics and not self._weights_finite():
+                metrics[CAUSE_KEY] = "weights"
+            # A bad step is not checkpointed: the newest checkpoint stays the last finite step's.
+            metrics.update(self.guard.record(step, metrics.get(CAUSE_KEY)))
+            if step in save_steps and CAUSE_KEY not in metrics:
                 t_save = time.perf_counter()
                 self._save(step)
                 metrics["timing/save_checkpoint_s"] = time.perf_counter() - t_save
@@ -640,6 +687,10 @@ class Trainer:
             # Commit only after the step's metrics line is written: a crash in between redoes the step, a
             # crash after it resumes after the step; metrics.jsonl never has a gap.
             self._finalize_saves(blocking=False)
+            if self.guard.diverged:
+                self._finalize_saves(blocking=True)
+                self.logger.close()
+                raise self.guard.error(step, self.ckpt.read_latest_file())
         self._finalize_saves(blocking=True)  # never exit with a save still being written
         self.reward_profiler.close()
         self.logger.close()
@@ -706,13 +757,20 @@ class Trainer:
 
 
 RELEASE_TIMEOUT_S = 20.0
-"""On a stop or a failure, the longest the driver waits for Ray to end the workers and the local cluster."""
+"""After a worker failure, the longest the driver waits for Ray to end the workers and the local cluster."""
+STOP_RELEASE_TIMEOUT_S = 2.5
+"""After SIGINT / SIGTERM (once the saves are settled), the longest the driver waits for Ray to end the
+workers and the local cluster: a run must stop within 5 s, as `timeout`, Slurm and Kubernetes expect. A
+SIGTERM sent to the whole process group reaches Ray's GCS too, which then stops answering at once but
+takes ~10 s to exit (Ray 2.60, measured): `remove_placement_group` waits on it, and the run took 21 s to
+stop. Whatever is left when the wait ends goes with the driver (rltrain.ray_reaper kills the cluster)."""
 
 
 def _release(trainer: Trainer | None, stopping: bool, failed: bool) -> bool:
-    """End the workers and the local Ray cluster; True when done. On a stop or a failure this waits at most
-    RELEASE_TIMEOUT_S (a signal sent to the whole process group may have ended Ray's GCS and raylet too,
-    and every Ray call would then wait for them); errors of Ray going down are ignored there."""
+    """End the workers and the local Ray cluster; True when done. On a stop this waits at most
+    STOP_RELEASE_TIMEOUT_S, after a failure RELEASE_TIMEOUT_S, and not at all once the local cluster's
+    GCS or raylet is gone (a signal sent to the whole process group reaches them too, and every Ray call
+    would then wait for them); errors of Ray going down are ignored there."""
 
     def release() -> None:
         if trainer is not None:
@@ -732,7 +790,7 @@ def _release(trainer: Trainer | None, stopping: bool, failed: bool) -> bool:
     if not (stopping or failed):
         release()
         return True
-    if stopping and not failed and trainer is not None:
+    if stopping and not failed and trainer is not None and trainer.ckpt.pending_steps():
         # A save of a logged step is finished (unbounded: a large model's save takes what it takes), unless
         # the signal ended Ray's own processes too (a moment for them to go, then they are checked).
         time.sleep(1.0)
@@ -740,7 +798,9 @@ def _release(trainer: Trainer | None, stopping: bool, failed: bool) -> bool:
             trainer._settle_saves()
     worker = threading.Thread(target=release_reporting, name="rlplan-release", daemon=True)
     worker.start()
-    worker.join(RELEASE_TIMEOUT_S)
+    deadline = time.monotonic() + (RELEASE_TIMEOUT_S if failed else STOP_RELEASE_TIMEOUT_S)
+    while worker.is_alive() and time.monotonic() < deadline and not local_cluster_down():
+        worker.join(0.1)
     return not worker.is_alive()
 
 
@@ -760,7 +820,8 @@ def _worker_failure_fix(exc: WorkerError, folder: RunFolder | None) -> str:
 
 def run_training(config: RLConfig, plan: TrainerPlan) -> int:
     """Run a whole training job; returns the process exit code (0 done or nothing to do, 1 a worker failed,
-    130 / 143 stopped by SIGINT / SIGTERM; a ConfigError, exit 2, propagates).
+    3 (DIVERGED_EXIT) trainer.max_bad_steps bad steps in a row, 130 / 143 stopped by SIGINT / SIGTERM; a
+    ConfigError, exit 2, propagates).
 
     Before Ray starts: the device check, then the run folder is locked and checked (`RunFolder.open`: another
     run holding it, a changed config, a finished run). The lock is held until the process exits."""
@@ -780,6 +841,7 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
     code = 0
     failed = False
     released = True
+    diverged: DivergedError | None = None
     try:
         try:
             folder = RunFolder.open(config, plan)
@@ -791,6 +853,8 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
             trainer.fit()
         except KeyboardInterrupt:
             code = stop.exit_code()
+        except DivergedError as exc:  # the run stopped itself: workers are healthy, a normal release
+            diverged = exc
         except ConfigError:
             failed = trainer is not None  # raised by a worker: the other ranks may wait for it
             raise
@@ -825,5 +889,8 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
             os._exit(code or 1)
     if code:
         return code
+    if diverged is not None:
+        print(f"error: {diverged}", file=sys.stderr, flush=True)
+        return DIVERGED_EXIT
     print(f"done: {config.trainer.output_dir}/metrics.jsonl, {config.trainer.output_dir}/{REWARD_PLOT}")
     return 0

@@ -70,6 +70,11 @@ class Example:
     ground_truth: str
     index: int
     """Position in the source: row number over all files, or the synthetic stream index."""
+    data_source: str = ""
+    """verl's `data_source` column (which scorer reward.function default_compute_score picks); empty
+    when the data has none."""
+    extra_info: Any = None
+    """verl's `extra_info` column, handed to verl-style reward functions as is."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,8 @@ class PromptBatch:
     prompts: list[str]
     ground_truths: list[str]
     indices: list[int]
+    data_sources: list[str]
+    extra_infos: list[Any]
 
     def __len__(self) -> int:
         return len(self.input_ids)
@@ -198,6 +205,10 @@ class SyntheticPromptSource:
 
 
 # ------------------------------------------------------------------------------------------- files
+# verl's parquet columns beside the prompt and the ground truth, read when present (verl's own names).
+DATA_SOURCE_KEY, EXTRA_INFO_KEY = "data_source", "extra_info"
+
+
 def _lookup(record: dict[str, Any], key: str) -> tuple[bool, Any]:
     """record[key], or a nested lookup for dotted keys (verl's `reward_model.ground_truth`)."""
     if key in record:
@@ -242,8 +253,18 @@ def _read_rows(path: Path, files_key: str) -> tuple[list[dict[str, Any]], list[s
         return table.to_pylist(), list(table.column_names)
     if suffix == ".jsonl":
         rows = []
-        with path.open(encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
+        with path.open("rb") as fh:  # bytes: a line that is not UTF-8 is named, not a decode traceback
+            for lineno, raw in enumerate(fh, start=1):
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as exc:
+                    raise DataError(
+                        files_key,
+                        f"{path}:{lineno} is not UTF-8 text (byte {exc.start + 1} of the line: "
+                        f"{raw[exc.start : exc.start + 1]!r})",
+                        "save the file as UTF-8 (JSON lines are UTF-8)",
+                        rule="data-file-unreadable",
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -255,6 +276,13 @@ def _read_rows(path: Path, files_key: str) -> tuple[list[dict[str, Any]], list[s
                         "write one JSON object per line",
                         rule="data-file-unreadable",
                     ) from exc
+                except RecursionError:
+                    raise DataError(
+                        files_key,
+                        f"{path}:{lineno} is JSON nested too deeply to read",
+                        "write one flat JSON object per line (prompt, answer, chat messages)",
+                        rule="data-file-unreadable",
+                    ) from None
                 if not isinstance(row, dict):
                     raise DataError(
                         files_key,
@@ -345,7 +373,17 @@ def load_prompt_files(
             if fitted is None:
                 dropped += 1
             else:
-                examples.append(Example(fitted, messages_to_text(prompt), str(raw_answer), index))
+                source = row.get(DATA_SOURCE_KEY)
+                examples.append(
+                    Example(
+                        fitted,
+                        messages_to_text(prompt),
+                        str(raw_answer),
+                        index,
+                        "" if source is None else str(source),
+                        row.get(EXTRA_INFO_KEY),
+                    )
+                )
             index += 1
     if dropped:
         logger.warning(
@@ -450,6 +488,8 @@ class PromptDataloader:
             prompts=[e.prompt for e in examples],
             ground_truths=[e.ground_truth for e in examples],
             indices=[e.index for e in examples],
+            data_sources=[e.data_source for e in examples],
+            extra_infos=[e.extra_info for e in examples],
         )
 
     def __iter__(self) -> Iterator[PromptBatch]:

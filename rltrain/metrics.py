@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from rlconf.errors import ConfigError, error
+from rltrain import metrics_file
 
 METRICS_FILE = "metrics.jsonl"
 REWARD_PLOT = "reward_curve.png"
@@ -41,6 +42,8 @@ SHARE_PHASES = (
 reward is scored inside `generate` (timing/reward_s is part of it) and is not a share of its own. With a
 separate rollout pool generation overlaps the step: its share is the time the step waited for the batch
 (wait_rollout), not the generation's own time."""
+GUARD_CAUSE_KEY = "guard/cause"
+"""Metric of a bad step (rltrain/guard.py): the first quantity that was not finite; on the step line too."""
 MEMORY_KEY = "perf/max_memory_allocated_gib"
 """Peak device memory of the step over all roles and ranks; `MEMORY_KEY/<profile role>` per role call."""
 
@@ -169,17 +172,9 @@ class MetricsLogger:
             self._progress.start()
 
     def truncate_after(self, step: int) -> None:
-        if not self.path.exists():
-            return
-        kept = []
-        for line in self.path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # the half-written last line of a killed run
-            if record["step"] <= step:
-                kept.append(line)
-        self.path.write_text("".join(line + "\n" for line in kept))
+        """Drop the lines of steps after `step`, atomically (rltrain.metrics_file: a torn last line goes
+        too, a malformed line is a ConfigError naming the file and the line)."""
+        metrics_file.truncate_after(self.path, step)
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
 
@@ -198,6 +193,8 @@ class MetricsLogger:
             self._wandb.log(numbers, step=step)
         if "console" in self.backends:
             parts = [f"{key} {record[key]:.4g}" for key in CONSOLE_KEYS if record.get(key) is not None]
+            if record.get(GUARD_CAUSE_KEY):
+                parts.append(f"bad step: {record[GUARD_CAUSE_KEY]} not finite, update not applied")
             speed = self._speed(step, record)
             if self._progress is not None:
                 self._progress.update(
@@ -245,10 +242,8 @@ def progress_columns() -> tuple[Any, ...]:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    path = Path(path)
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The step records of metrics.jsonl (a torn last line left out; rltrain.metrics_file.parse)."""
+    return [record for _, _, record in metrics_file.parse(path).records]
 
 
 KL_KEYS = {

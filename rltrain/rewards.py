@@ -1,8 +1,12 @@
 """Rule-based reward functions and the resolution of `reward.function`.
 
-A reward function has the signature `(response: str, ground_truth: str, prompt: str) -> float`. The built-ins
-are registered in `REWARD_FUNCTIONS` under exactly the names of `rlconf.config.BUILTIN_REWARDS`; a user
-function is named as `package.module:function` and imported with importlib (the spec is never evaluated).
+A reward function has rlplan's signature `(response: str, ground_truth: str, prompt: str) -> float`, or
+verl's `compute_score(data_source, solution_str, ground_truth, extra_info=None)` returning a float or a
+dict with a `score` key (such a function is wrapped in `VerlStyleReward`, which is also callable the
+rlplan way). The built-ins are registered in `REWARD_FUNCTIONS` under exactly the names of
+`rlconf.config.BUILTIN_REWARDS` (verl's scorers from rltrain.reward_scores among them); a user function is
+named as `package.module:function` (imported with importlib, the spec is never evaluated) or, as verl's
+custom_reward_function, `path/to/file.py:function` (the file is imported from its path).
 Every resolution problem raises `RewardFunctionError`, a `ConfigError` on the path `reward.function` that
 says what to change; so does, during the run, a function that returns something other than a finite
 number or raises (`score_batch`): the run stops with exit 2 and a message naming the function and the row.
@@ -11,14 +15,22 @@ number or raises (`score_batch`): the run stops with exit 2 and a message naming
 from __future__ import annotations
 
 import difflib
+import hashlib
 import importlib
+import importlib.util
 import inspect
 import math
+import os
 import re
+import sys
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 from rlconf.errors import ConfigError, error
+from rlconf.reward_file import file_spec_issues, split_file_spec
+from rltrain.reward_scores import VERL_SCORERS
 
 RewardFunction = Callable[[str, str, str], float]
 
@@ -139,11 +151,34 @@ def digit_match(response: str, ground_truth: str, prompt: str) -> float:
     return hits / len(truth)
 
 
+@dataclass(frozen=True)
+class VerlStyleReward:
+    """A function with verl's signature, called as verl's reward managers call it (by keyword):
+    fn(data_source=..., solution_str=..., ground_truth=..., extra_info=...). Calling the wrapper with
+    rlplan's three arguments scores a row without a data_source."""
+
+    fn: Callable[..., Any]
+    name: str
+
+    def __call__(
+        self,
+        response: str,
+        ground_truth: str,
+        prompt: str = "",
+        data_source: str = "",
+        extra_info: Any = None,
+    ) -> Any:
+        return self.fn(
+            data_source=data_source, solution_str=response, ground_truth=ground_truth, extra_info=extra_info
+        )
+
+
 REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "exact_match": exact_match,
     "numeric_match": numeric_match,
     "format": format_reward,
     "digit_match": digit_match,
+    **{name: VerlStyleReward(fn, name) for name, fn in VERL_SCORERS.items()},
 }
 
 
@@ -151,11 +186,36 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
 _MODULE_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
+_VERL_PARAMS = ("data_source", "solution_str", "ground_truth", "extra_info")
+
+
+def _is_verl_style(fn: Callable) -> bool:
+    """verl's compute_score is told apart by its parameter names (verl passes them by keyword)."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return "solution_str" in params or (bool(params) and params[0] == "data_source")
+
+
 def _check_signature(fn: Callable, spec: str) -> None:
-    """Fail early when `fn` cannot be called as fn(response, ground_truth, prompt)."""
+    """Fail early when `fn` cannot be called as fn(response, ground_truth, prompt), or for verl's style as
+    fn(data_source=, solution_str=, ground_truth=, extra_info=)."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # builtins without signature metadata: trust them
+        return
+    if _is_verl_style(fn):
+        try:
+            sig.bind(**dict.fromkeys(_VERL_PARAMS, ""))
+        except TypeError as exc:
+            raise RewardFunctionError(
+                f"{spec!r} has signature {sig}, which verl's reward managers cannot call as "
+                f"fn(data_source=, solution_str=, ground_truth=, extra_info=) ({exc})",
+                "give it verl's parameters: compute_score(data_source, solution_str, ground_truth, "
+                "extra_info=None)",
+                rule="reward-function-signature",
+            ) from exc
         return
     try:
         sig.bind("", "", "")
@@ -183,6 +243,8 @@ def load_reward_function(spec: str) -> RewardFunction:
             rule="reward-function-unknown",
         )
     spec = spec.strip()
+    if split_file_spec(spec) is not None:
+        return _load_file_function(spec)
     if ":" not in spec:
         if spec in REWARD_FUNCTIONS:
             return REWARD_FUNCTIONS[spec]
@@ -239,12 +301,55 @@ def load_reward_function(spec: str) -> RewardFunction:
             "point reward.function at a function (response, ground_truth, prompt) -> float",
             rule="reward-function-not-callable",
         )
+    return _checked(obj, spec)
+
+
+def _checked(obj: Callable, spec: str) -> RewardFunction:
+    """`obj` after the signature check, wrapped when it has verl's signature."""
     _check_signature(obj, spec)
+    if _is_verl_style(obj):
+        return VerlStyleReward(obj, spec)  # type: ignore[return-value]
     return obj  # type: ignore[return-value]
+
+
+def _load_file_function(spec: str) -> RewardFunction:
+    """`path/to/file.py:function`: the file checked as `rlconf validate` checks it, then imported from
+    its path under a module name of its own (so two reward files named alike do not collide)."""
+    if issues := [*file_spec_issues(spec, filesystem=False), *file_spec_issues(spec, filesystem=True)]:
+        raise RewardFunctionError(issues[0].message, issues[0].fix, rule=issues[0].rule)
+    path, name = split_file_spec(spec)  # type: ignore[misc]
+    full = os.path.abspath(os.path.expanduser(path))
+    module_name = "rlplan_reward_" + hashlib.sha256(full.encode()).hexdigest()[:12]
+    module = sys.modules.get(module_name)
+    if module is None:
+        loader_spec = importlib.util.spec_from_file_location(module_name, full)
+        assert loader_spec is not None and loader_spec.loader is not None  # a .py path always has one
+        module = importlib.util.module_from_spec(loader_spec)
+        sys.modules[module_name] = module  # dataclasses and pickling look the module up by name
+        try:
+            loader_spec.loader.exec_module(module)
+        except Exception as exc:
+            del sys.modules[module_name]
+            raise RewardFunctionError(
+                f"importing reward file {path!r} of {spec!r} raised {type(exc).__name__}: {exc}",
+                f"fix the error in {path} (try `python {path}`)",
+                rule="reward-function-import",
+            ) from exc
+    obj = getattr(module, name, None)
+    if not callable(obj):
+        raise RewardFunctionError(
+            f"{name!r} in {path!r} is a {type(obj).__name__}, not a function",
+            "point reward.function at a function compute_score(data_source, solution_str, ground_truth, "
+            "extra_info=None)",
+            rule="reward-function-not-callable",
+        )
+    return _checked(obj, spec)
 
 
 def function_name(fn: Callable) -> str:
     """`module:qualname` of a reward function, as `reward.function` spells a user function."""
+    if isinstance(fn, VerlStyleReward):
+        return fn.name
     module = getattr(fn, "__module__", None) or "?"
     return f"{module}:{getattr(fn, '__qualname__', None) or type(fn).__qualname__}"
 
@@ -269,30 +374,52 @@ def _as_reward(value: object) -> float | None:
     return score if math.isfinite(score) else None
 
 
-def score_batch(
+def _split_result(value: object) -> tuple[object, dict[str, float]]:
+    """(score, extras) of a reward function's result: verl's dict results carry the score under `score`
+    and other values beside it; the numeric ones (bools included, verl's `acc`) become metrics."""
+    if not isinstance(value, Mapping):
+        return value, {}
+    extras = {}
+    for key, item in value.items():
+        if key != "score" and isinstance(key, str) and (number := _as_reward(item)) is not None:
+            extras[key] = number
+    return value.get("score"), extras
+
+
+def score_rows(
     fn: RewardFunction,
     responses: Sequence[str],
     ground_truths: Sequence[str],
     prompts: Sequence[str],
-) -> list[float]:
-    """Score each (response, ground truth, prompt) triple; the three sequences must have equal length.
+    data_sources: Sequence[str] | None = None,
+    extra_infos: Sequence[Any] | None = None,
+) -> tuple[list[float], dict[str, float]]:
+    """Scores of every row and the means of the extra values dict results carried (`reward_extra/KEY`,
+    over the rows that had the key). A verl-style function gets each row's data_source and extra_info
+    (empty / None when the data has none); rlplan's gets (response, ground_truth, prompt).
 
-    A function that returns something other than a finite real number (None, NaN, inf, a string, ...) or
-    raises is a RewardFunctionError on `reward.function` (exit 2): a NaN reward would silently poison every
-    advantage of its group. The message names the function (module:function), the row and its prompt and
-    response (shortened).
+    A function that returns something other than a finite real number (None, NaN, inf, a string, a dict
+    without `score`, ...) or raises is a RewardFunctionError on `reward.function` (exit 2): a NaN reward
+    would silently poison every advantage of its group. The message names the function, the row and its
+    prompt and response (shortened).
     """
-    if not len(responses) == len(ground_truths) == len(prompts):
+    rows = len(responses)
+    sources = list(data_sources) if data_sources is not None else [""] * rows
+    infos = list(extra_infos) if extra_infos is not None else [None] * rows
+    if not rows == len(ground_truths) == len(prompts) == len(sources) == len(infos):
         raise ValueError(
             f"score_batch needs equally long inputs, got {len(responses)} responses, "
-            f"{len(ground_truths)} ground truths and {len(prompts)} prompts"
+            f"{len(ground_truths)} ground truths, {len(prompts)} prompts, {len(sources)} data sources and "
+            f"{len(infos)} extra_infos"
         )
     name = function_name(fn)
-    scores = []
+    verl_style = isinstance(fn, VerlStyleReward)
+    scores: list[float] = []
+    sums: dict[str, list[float]] = {}
     for i, (resp, truth, prompt) in enumerate(zip(responses, ground_truths, prompts, strict=True)):
         row = f"row {i} (prompt {_shorten(prompt)}, response {_shorten(resp)})"
         try:
-            value = fn(resp, truth, prompt)
+            value = fn(resp, truth, prompt, sources[i], infos[i]) if verl_style else fn(resp, truth, prompt)  # type: ignore[call-arg]
         except Exception as exc:
             where = traceback.extract_tb(exc.__traceback__)[-1]
             raise RewardFunctionError(
@@ -302,14 +429,48 @@ def score_batch(
                 "response to reproduce)",
                 rule="reward-function-raised",
             ) from exc
-        score = _as_reward(value)
+        raw, extras = _split_result(value)
+        score = _as_reward(raw)
         if score is None:
             shown = f"{value!r} ({type(value).__name__})"
             raise RewardFunctionError(
-                f"reward function {name} returned {shown[:80]} for {row}; a reward must be a finite number",
+                f"reward function {name} returned {shown[:80]} for {row}; a reward must be a finite number "
+                "(or a dict with a finite `score`)",
                 f"make {name} return a finite float for every response (e.g. 0.0 for a response it cannot "
                 "score)",
                 rule="reward-function-value",
             )
         scores.append(score)
-    return scores
+        for key, number in extras.items():
+            sums.setdefault(key, []).append(number)
+    return scores, {f"reward_extra/{k}": sum(v) / len(v) for k, v in sums.items()}
+
+
+def score_batch(
+    fn: RewardFunction,
+    responses: Sequence[str],
+    ground_truths: Sequence[str],
+    prompts: Sequence[str],
+) -> list[float]:
+    """Score each (response, ground truth, prompt) triple (no data_source): `score_rows`' scores."""
+    return score_rows(fn, responses, ground_truths, prompts)[0]
+
+
+def check_data_sources(fn: RewardFunction, data_sources: Sequence[str]) -> None:
+    """Before a run starts: every row's data_source has a scorer under `default_compute_score` (else the
+    first step would stop on the first such row). Other reward functions take any data_source."""
+    from rltrain.reward_scores import default_compute_score, scorer_for
+
+    if not isinstance(fn, VerlStyleReward) or fn.fn is not default_compute_score:
+        return
+    unknown = sorted({s for s in data_sources if scorer_for(s) is None})
+    if unknown:
+        shown = ", ".join(repr(s) for s in unknown[:5]) + (
+            f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
+        )
+        raise RewardFunctionError(
+            f"default_compute_score has no scorer for data_source {shown} of the prompt files",
+            "set reward.function to path/to/reward.py:compute_score (a verl reward function for these "
+            "sources), or to a built-in scorer for every row (gsm8k, math, math_dapo)",
+            rule="reward-function-data-source",
+        )

@@ -57,6 +57,7 @@ from rlconf.fields import get_path, replace_paths
 from rlconf.load import config_from_dict, config_to_dict, dump_yaml, parse_yaml
 from rlconf.plan import compile_plan, plan_to_dict
 from rlconf.render import diff_dicts, flatten
+from rltrain import metrics_file
 from rltrain.run_record import DataChange, RunRecord, checkpoint_record, record_file, unflatten
 
 if TYPE_CHECKING:
@@ -362,6 +363,10 @@ class RunFolder:
             ckpt = CheckpointRegistry.from_plan(plan)
             ckpt.cleanup_incomplete()
             resume = ckpt.resolve_resume(plan) if plan.checkpoint.roles else None
+            if resume is not None:
+                from rltrain.checkpoint.safe_load import check_resume
+
+                check_resume(resume.folder, ckpt.roles, config.trainer.resume_mode)
             folder = cls(path, lock, ckpt, resume)
             folder.record = RunRecord.of(config)
             ckpt.run_record = folder.record.to_json()  # every checkpoint of this start carries it
@@ -399,8 +404,14 @@ class RunFolder:
         real = [c for c in self.changes if c.free is None]
         if config.trainer.resume_mode == "disable":
             return  # a fresh start: anything may change, it is recorded as a restart
+        # Before anything is started: a malformed line is exit 2 naming it; a torn last line is removed.
+        metrics_file.repair(self.path / METRICS_FILE)
         logged = last_logged_step(self.path)
         if done >= total or (not self.ckpt.step_folders() and not real and 0 < total <= logged):
+            # A finished folder gets the same check as an unfinished one: a changed command must not be
+            # swallowed by "nothing to do" (a longer total_steps never reaches here: it resumes).
+            if done and real and not config.trainer.accept_config_changes:
+                self._refuse(real, done)
             self.finished = self._finished_message(config, done if done >= total else logged, total)
             return
         if done and (real or self.data_changes) and not config.trainer.accept_config_changes:
@@ -444,7 +455,7 @@ class RunFolder:
     def _finished_message(self, config: RLConfig, done: int, total: int) -> str:
         where = f"checkpoint {self.resume.folder}" if self.resume is not None else f"{METRICS_FILE}"
         epochs = config.trainer.total_epochs
-        further = f"--trainer.total_steps N (N > {total})" if epochs is None else (
+        further = f"--trainer.total_steps N (N > {max(done, total)})" if epochs is None else (
             f"--trainer.total_epochs N (N > {epochs}) --trainer.accept_config_changes true")  # fmt: skip
         if self.resume is None:
             further += " (there is no checkpoint to continue from: it trains again from step 1)"

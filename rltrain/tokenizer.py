@@ -31,6 +31,7 @@ from rlconf.config import ModelConfig
 from rlconf.errors import ConfigError, error
 from rlconf.model_files import tokenizer_size
 from rlconf.render_budget import RenderBudgetExceeded, render_budget
+from rlconf.safe_paths import FOLDER_PATHS_RULE, model_folder_escapes
 
 # A prompt is plain text or a list of chat messages ({"role": ..., "content": ...}).
 Prompt = str | Sequence[dict[str, Any]]
@@ -450,10 +451,19 @@ def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
             )
         return tok
     key = "model.tokenizer_path" if model_cfg.tokenizer_path is not None else "model.path"
+    # transformers opens the folder's files by name, following symlinks: none may lead outside the folder.
+    if escapes := model_folder_escapes(path):
+        raise ConfigError([error(key, str(e), "use a tokenizer folder whose files are all inside it (copy the "
+                                 "files in instead of linking them)", FOLDER_PATHS_RULE) for e in escapes])  # fmt: skip
+    from rlconf.tokenizer_check import tokenizer_issues
+
+    # The fix that fits the cause (a package, the files, a broken file), as `rlconf validate` gives it;
+    # checked first because transformers 5 builds an empty tokenizer from a folder with config.json only.
+    if found := list(tokenizer_issues(model_cfg)):
+        raise ConfigError(found)
     if os.path.isdir(path):
         # The files transformers is about to read, read first with rlconf.files' bounds (no FIFO, device or
-        # oversized file reaches it); a folder without tokenizer files is a named error, not a 1-token
-        # tokenizer.
+        # oversized file reaches it).
         tokenizer_size(path, key)
     try:
         from transformers import AutoTokenizer
@@ -465,8 +475,9 @@ def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
                 error(
                     key,
                     f"cannot load a tokenizer from {path!r}: {type(exc).__name__}: {exc}",
-                    "point it at a local Hugging Face folder holding tokenizer files (tokenizer.json or "
-                    "vocab files); nothing is downloaded",
+                    "the folder has tokenizer files that transformers' AutoTokenizer could not open: check "
+                    "tokenizer_config.json's tokenizer_class against the installed transformers; nothing "
+                    "is downloaded",
                     rule="tokenizer-load",
                 )
             ]

@@ -37,9 +37,17 @@ def load_initial_weights(engine: Any, megatron_cfg: Any, prefix: str) -> None:
     (`checkpoints/global_step_N/<role>`, megatron dist format, any TP/PP layout) instead of HF or random."""
     if not megatron_cfg.use_dist_checkpointing:
         return
-    from rltrain.checkpoint import load_engine
+    from rlconf.errors import ConfigError, error
+    from rltrain.checkpoint import UnsafeCheckpointError, load_engine
+    from rltrain.checkpoint.safe_load import UNSAFE_RULE
 
-    load_engine(engine, megatron_cfg.dist_checkpointing_path, ("model",), role=prefix)
+    try:
+        load_engine(engine, megatron_cfg.dist_checkpointing_path, ("model",), role=prefix)
+    except UnsafeCheckpointError as exc:
+        # A setting that names a forged checkpoint: exit 2 naming it, not a worker failure to resume from.
+        path = f"{prefix}.megatron.dist_checkpointing_path"
+        raise ConfigError([error(path, str(exc), f"point {path} at a checkpoint rlplan wrote and nobody changed",
+                                 UNSAFE_RULE)]) from None  # fmt: skip
 
 
 def check_rows_match_plan(plan: TrainerPlan, role: str, batch: dict[str, torch.Tensor]) -> None:
@@ -133,6 +141,11 @@ class MegatronWorker:
         return {}
 
     # ------------------------------------------------------------------ checkpoints (rltrain.checkpoint)
+    def weights_finite(self) -> bool:
+        """Whether every weight of this rank's trained engines is finite (the controller asks before a save:
+        a checkpoint of non-finite weights is never written)."""
+        return all(engine.weights_finite() for engine in self.engines().values())
+
     def save_checkpoint(self, folders: dict[str, str], extra: dict[str, Any]) -> bool:
         """Write this rank's part of each engine's checkpoint; True when complete, False while async."""
         from rltrain.checkpoint import role_contents, save_engine

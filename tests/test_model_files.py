@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import struct
 import subprocess
 import sys
@@ -278,7 +279,10 @@ def test_config_json_that_is_not_a_regular_file(folder, kind):
     )  # a hang fails the timeout
     assert result.returncode == 2, result.stderr
     assert time.perf_counter() - start < 10
-    assert f"{cfg} is not a regular file" in result.stderr and "] model.path:" in result.stderr
+    # A link out of the folder is refused first by path containment (rule model-folder-paths), before any
+    # read; a FIFO inside it by the bounded reader.
+    refusal = "[model-folder-paths]" if kind == "symlink-dev-zero" else f"{cfg} is not a regular file"
+    assert refusal in result.stderr and "] model.path:" in result.stderr
     assert "Traceback" not in result.stderr
 
 
@@ -293,6 +297,9 @@ def test_config_json_too_large_or_too_deep(folder, capsys):
 def test_tokenizer_json_symlink_to_dev_zero(folder, capsys):
     (folder / "tokenizer.json").unlink()
     (folder / "tokenizer.json").symlink_to("/dev/zero")
+    _rejects(folder, capsys, "tokenizer.json", "[model-folder-paths]")  # a link out: refused before any read
+    (folder / "tokenizer.json").unlink()
+    os.mknod(folder / "tokenizer.json", stat.S_IFCHR | 0o666, os.makedev(1, 5))  # /dev/zero's node, inside
     _rejects(folder, capsys, "tokenizer.json is not a regular file")
 
 

@@ -16,6 +16,7 @@ from rlconf.config import MegatronConfig, ModelArch, ModelConfig, RLConfig, Rope
 from rlconf.errors import ConfigError
 from rlconf.model_spec import FAMILIES, arch_from_config, count_parameters, hf_config, read_model_arch
 from rlconf.plan import compile_plan, plan_to_dict
+from rltrain.tokenizer import CharTokenizer
 
 from .hf_folders import complete_folder
 
@@ -66,6 +67,7 @@ def folder(tmp_path: Path, name: str, cfg: dict, **changes: object) -> str:
     path = tmp_path / name
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps({**cfg, **changes}))
+    CharTokenizer().save_pretrained(path)  # rule tokenizer-load: a model folder has its tokenizer
     return str(path)
 
 

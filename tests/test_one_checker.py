@@ -183,6 +183,7 @@ QWEN_SMALL = {
 
 
 def _model_folder(tmp_path: Path, cfg: dict) -> str:
+
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     return complete_folder(tmp_path)  # weights and tokenizer too: rlconf validate checks them (model-files)
 

@@ -24,6 +24,7 @@ from rltrain.rewards import (
     load_reward_function,
     numeric_match,
     score_batch,
+    score_rows,
 )
 
 
@@ -31,7 +32,9 @@ def test_registry_is_exactly_the_builtin_names():
     assert tuple(REWARD_FUNCTIONS) == BUILTIN_REWARDS
     for name in BUILTIN_REWARDS:
         assert load_reward_function(name) is REWARD_FUNCTIONS[name]
-        assert isinstance(REWARD_FUNCTIONS[name]("1", "1", ""), float)
+        # verl's scorers get each row's data_source (default_compute_score dispatches on it).
+        scores, _ = score_rows(REWARD_FUNCTIONS[name], ["#### 1"], ["1"], [""], ["openai/gsm8k"], [None])
+        assert isinstance(scores[0], float)
 
 
 @pytest.mark.parametrize(

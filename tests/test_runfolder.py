@@ -158,6 +158,36 @@ def test_finished_run_exits_0_before_ray_and_says_how_to_extend(tmp_path):
     assert "total_steps: 4" in (out / "config.yaml").read_text()
 
 
+def test_finished_run_checks_a_changed_command_like_an_unfinished_one(tmp_path):
+    """A finished folder does not swallow a changed command: a shorter total_steps is still finished (and
+    the hint names a total that would train), another change is refused (run-config-changed) or, when
+    accepted explicitly, nothing is left to train."""
+    out = tmp_path / "run"
+    started(out, [2, 4])
+    config, plan = tiny(out, trainer__total_steps=3)  # shorter than what is done
+    folder = RunFolder.open(config, plan)
+    folder.close()
+    assert folder.finished is not None and "--trainer.total_steps N (N > 4)" in folder.finished
+
+    config, plan = tiny(out, actor__optim__lr=5e-4)
+    with pytest.raises(ConfigError) as exc:
+        RunFolder.open(config, plan)
+    assert exc.value.issues[0].rule == "run-config-changed" and exc.value.issues[0].path == "actor.optim.lr"
+    assert "--trainer.accept_config_changes true" in exc.value.format()
+
+    config, plan = tiny(out, actor__optim__lr=5e-4, trainer__accept_config_changes=True)
+    folder = RunFolder.open(config, plan)
+    folder.close()
+    assert folder.finished is not None
+
+    # The real command: exit 2 before Ray, the folder untouched.
+    result = rltrain("--trainer.output_dir", str(out), "--trainer.save_freq", "2", "--trainer.total_steps", "4",
+                     "--rollout.temperature", "0.5")  # fmt: skip
+    assert result.returncode == 2, result.stdout + result.stderr[-2000:]
+    assert "run-config-changed" in result.stderr and "rollout.temperature" in result.stderr
+    assert "nothing to do" not in result.stdout and "Traceback" not in result.stderr
+
+
 def test_run_without_checkpoints_is_finished_when_its_metrics_are(tmp_path):
     out = tmp_path / "run"
     config, plan = tiny(out, trainer__save_freq=0)

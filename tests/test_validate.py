@@ -131,6 +131,16 @@ CASES = [
     (["actor.megatron.tensor_model_parallel_size=0"], "actor.megatron.tensor_model_parallel_size", "positive-size", "error"),
     (["rollout.temperature=0"], "rollout.temperature", "sampling", "error"),
     (["rollout.top_k=0"], "rollout.top_k", "sampling", "error"),
+    # issue 31: a temperature that overflows logits / temperature, or that samples noise
+    (["rollout.temperature=1e-300"], "rollout.temperature", "sampling", "error"),
+    (["rollout.temperature=1e6"], "rollout.temperature", "sampling", "error"),
+    (["rollout.temperature=.nan"], "rollout.temperature", "type", "error"),
+    (["rollout.val.temperature=1e-9"], "rollout.val.temperature", "sampling", "error"),
+    (["rollout.top_p=0"], "rollout.top_p", "sampling", "error"),
+    (["rollout.top_k=-2"], "rollout.top_k", "sampling", "error"),
+    (["trainer.max_bad_steps=0"], "trainer.max_bad_steps", "trainer", "error"),
+    (["trainer.output_dir="], "trainer.output_dir", "trainer", "error"),
+    (["trainer.output_dir=  "], "trainer.output_dir", "trainer", "error"),
     (["rollout.engine=vllm"], "rollout.engine", "rollout-engine", "error"),
     (["rollout.engine=vllm", "cluster.device=cuda"], "rollout.engine", "rollout-engine", "error"),
     (["rollout.max_response_length=1000"], "rollout.max_response_length", "sampling", "error"),
@@ -153,6 +163,8 @@ CASES = [
     (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/nonexistent/checkpoints/global_step_3"],
      "trainer.resume_from_path", "resume-path", "error"),
     (["trainer.output_dir=/dev/null"], "trainer.output_dir", "output-dir", "error"),
+    (["reward.function=/nonexistent/reward.py:compute_score"], "reward.function", "reward-function-file", "error"),
+    (["model.tokenizer_path=/nonexistent/tokenizer"], "model.tokenizer_path", "tokenizer-load", "error"),
     (["model.arch.family=qwen2_moe", "model.arch.num_moe_experts=3", "actor.megatron.expert_model_parallel_size=2",
       "cluster.gpus_per_node=2"], "actor.megatron.expert_model_parallel_size", "engine-support", "error"),
     (["model.arch.rope_scaling.type=yarn", "model.arch.rope_scaling.factor=2.0"], "model.arch.rope_scaling.type",
@@ -219,8 +231,10 @@ def test_every_rule_has_an_example():
     covered = {c[2] for c in CASES}
     covered |= {"batch-layout"}  # batch-layout reports under the specific names used above
     covered |= {"total-epochs-prompts"}  # needs prompt files: tests/test_run_length.py
+    covered |= {"model-folder-paths"}  # needs a hostile model folder on disk: tests/test_safe_paths.py
     covered |= {"type"}  # files are typed by the loader: test_a_config_built_in_python_is_typed_by_a_rule
     covered |= {"model-files"}  # needs a damaged model folder: tests/test_model_files.py
+    covered |= {"tool-sandbox"}  # needs a machine that cannot isolate: tests/test_sandbox.py
     assert set(RULES) - covered == set()
 
 

@@ -57,7 +57,7 @@ from rlconf.plan.types import (
     _by_role,
     _megatron_of,
 )
-from rlconf.validate import rollout_tp, sliding_window_issue, uses_ref
+from rlconf.validate import engine_gap_issues, rollout_tp, sliding_window_issue, uses_ref
 
 
 # ========================================================================================= roles
@@ -87,10 +87,12 @@ def _present_roles(c: RLConfig) -> tuple[str, ...]:
 
 # ============================================================================================ model
 def _check_sequence_fits(c: RLConfig, arch: ModelArch, source: str, path: str) -> None:
-    """rlconf.validate's sliding-window check (rule model-unsupported) on an architecture read from
-    config.json."""
+    """rlconf.validate's sliding-window check (rule model-unsupported) and engine gaps (model-engine-support,
+    e.g. YaRN) on an architecture read from config.json: `rlconf plan` refuses what `rlconf validate` does."""
     if (issue := sliding_window_issue(c, arch, source, path)) is not None:
         raise ConfigError([issue])
+    if gaps := engine_gap_issues(arch, path):
+        raise ConfigError(gaps)
 
 
 def _kv_channels(arch: ModelArch) -> int:
@@ -130,6 +132,8 @@ def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
         _check_sequence_fits(c, policy_arch, source, "model.path")
     else:
         policy_arch, source = c.model.arch, "model.arch"  # rlconf.validate checked it (model-unsupported)
+        if gaps := engine_gap_issues(policy_arch, None):  # validate's filesystem-free part does not ask
+            raise ConfigError(gaps)
     policy_users = tuple(r for r in ("actor", "rollout", "ref") if r in roles)
 
     def value_model(name: str, path: str | None, path_name: str) -> ModelSpec:

@@ -105,6 +105,14 @@ def _files(value: Any, _: Mapping[str, Any]) -> Any:
     return [os.path.expanduser(f) if isinstance(f, str) else f for f in items]
 
 
+def _reward_file(value: Any, values: Mapping[str, Any]) -> Any:
+    """custom_reward_function.path (+ .name) -> reward.function `path:name`; null keeps the default."""
+    if value is None:
+        return SKIP
+    name = values.get("custom_reward_function.name") or "compute_score"
+    return f"{os.path.expanduser(value)}:{name}" if isinstance(value, str) else value
+
+
 def _not(value: Any, _: Mapping[str, Any]) -> Any:
     return not value if isinstance(value, bool) else value
 
@@ -512,8 +520,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("data.seed", "data.seed", ""),
     _m("data.tokenizer", "model.tokenizer_path", "", _expand),
     _u("data.filter_overlong_prompts_workers", "not-needed", "rlplan filters while tokenizing"),
-    _u("data.reward_fn_key", "not-needed", "rlplan's reward is reward.function for every row (no data_source "
-       "dispatch)"),
+    _u("data.reward_fn_key", "not-needed", "rlplan reads verl's data_source column (reward.function "
+       "default_compute_score dispatches on it, as verl's default does)"),
     _u("data.use_shm", "not-needed", "rlplan reads local files"),
     _u("data.train_max_samples", "unsupported", "trim the file instead"),
     _u("data.val_max_samples", "unsupported", "trim the file instead"),
@@ -794,10 +802,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("reward_model.sandbox_fusion.*", "unsupported", "no code-execution sandbox"),
     _u("reward_model.nccl_timeout", "not-needed", "rlplan uses torch's default timeout"),
     _u("reward_model.load_weight", "not-needed", "weights come from reward.reward_model.path"),
-    _u("custom_reward_function.path", "unsupported", "rlplan imports reward.function as `package.module:"
-       "function` with the signature (response, ground_truth, prompt) -> float; wrap verl's compute_score "
-       "(see below)"),
-    _u("custom_reward_function.name", "unsupported", "part of reward.function (`module:function`)"),
+    _m("custom_reward_function.path", "reward.function", "reward.function is `path:name` (the name from "
+       "custom_reward_function.name, verl's default compute_score); verl's signature compute_score("
+       "data_source, solution_str, ground_truth, extra_info) is called as is", _reward_file),
+    _u("custom_reward_function.name", "not-needed", "joined into reward.function (`path/to/file.py:name`)"),
     _u("custom_reward_function.reward_kwargs.*", "unsupported", "bind them in the wrapper function"),
     # ------------------------------------------------------------------------------------- algorithm
     _m("algorithm.adv_estimator", "algorithm.adv_estimator",

@@ -438,10 +438,9 @@ def translate(
             derive(row.rlplan, new, f"verl's default {row.verl} = {_show(ctx[row.verl])}")
     _derive_rlplan_rules(values, settings, derive)
     if "reward.function" not in settings and ("data.train_files" in settings):
-        notes.append(
-            "verl scores each row by its data_source (gsm8k, math, ...); rlplan scores with reward.function "
-            "(default digit_match): set reward.function, e.g. numeric_match for GSM8K-style answers"
-        )
+        # verl's default reward manager scores each row by its data_source: so does this built-in.
+        derive("reward.function", "default_compute_score", "verl scores each row by its data_source "
+               "(default_compute_score: gsm8k, MATH, DAPO-math / AIME)")  # fmt: skip
 
     _missing_backends(settings, mapped, issues, origin)
 

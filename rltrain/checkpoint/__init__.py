@@ -6,6 +6,7 @@ One module per responsibility:
                   latest file (no torch)
     engine_io.py  worker side: a role's collective save_engine / finalize_pending / load_engine
     registry.py   controller side: CheckpointRegistry (staging, commit, resume, retention, clean-up), Resume
+    safe_load.py  the restricted loaders of every pickle-based file (nothing in a checkpoint runs code)
     tools.py      `rltrain inspect` and `rltrain export-hf` (imported by the CLI only, not here)
     faults.py     test-only fault points (a no-op unless RLPLAN_CHECKPOINT_FAULT is set)
 
@@ -46,6 +47,7 @@ from rltrain.checkpoint.manifest import (
     write_manifest,
 )
 from rltrain.checkpoint.registry import CheckpointRegistry, Resume, role_contents
+from rltrain.checkpoint.safe_load import REFUSED, UnsafeCheckpointError, role_problems
 
 __all__ = [
     "COMPLETE",
@@ -59,12 +61,14 @@ __all__ = [
     "MANIFEST",
     "META",
     "OPTIM_SHARDING",
+    "REFUSED",
     "RNG_DIR",
     "STEP_DIR",
     "WORK_DIR",
     "CheckpointError",
     "CheckpointRegistry",
     "Resume",
+    "UnsafeCheckpointError",
     "build_manifest",
     "copy_tokenizer_files",
     "damaged_error",
@@ -78,6 +82,7 @@ __all__ = [
     "read_marker",
     "read_role_meta",
     "role_contents",
+    "role_problems",
     "save_engine",
     "verify_manifest",
     "write_manifest",

@@ -9,6 +9,7 @@
                          (distributed optimizer in the `fully_reshardable` format, or the plain optimizer
                          in parameter space): both reload under another TP / PP / DP layout
     rng/rank_NNNNN.pt    python, numpy, torch, device (cuda / npu) and megatron tracker RNG states of each rank
+                         (tensors and plain data: loaded with torch.load(weights_only=True), see safe_load.py)
     extra.json           the controller's `extra` dict and the lr scheduler state (rank 0)
     huggingface/         safetensors + config.json (+ tokenizer files) when hf_model is saved
     manifest.json        written last, after every file above is verified: the role's completion mark
@@ -51,6 +52,13 @@ from rltrain.checkpoint.manifest import (
     write_atomic,
     write_json,
     write_manifest,
+)
+from rltrain.checkpoint.safe_load import (
+    REFUSED,
+    UnsafeCheckpointError,
+    guarded_dist_load,
+    load_rng_file,
+    role_problems,
 )
 
 if TYPE_CHECKING:
@@ -275,9 +283,12 @@ def _rng_state(engine: MegatronEngine) -> dict[str, Any]:
     tracker = {}
     for name, state in get_cuda_rng_tracker().get_states().items():
         tracker[name] = state.get_state() if isinstance(state, torch.Generator) else state.clone()
+    # Tensors and plain Python data only, so that a load needs nothing but torch.load(weights_only=True)
+    # (safe_load.py): numpy's key array travels as a tensor.
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     out: dict[str, Any] = {
         "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (kind, torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(gauss)),
         "torch": torch.get_rng_state(),
         "tracker": tracker,
     }
@@ -295,7 +306,9 @@ def _set_rng_state(engine: MegatronEngine, state: dict[str, Any]) -> None:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, *rest = state["numpy"]
+    # A tensor since RNG files hold only tensors; an ndarray in files of older rlplan versions.
+    np.random.set_state((kind, keys.numpy() if isinstance(keys, torch.Tensor) else keys, *rest))
     torch.set_rng_state(state["torch"])
     if (
         engine.device in state
@@ -706,6 +719,11 @@ def load_engine(
     problems = _bcast_from_rank0(verify_manifest(folder, full=True) if _dist_rank() == 0 else None)
     if problems:
         raise damaged_error(folder, problems)
+    # Intact is not trustworthy (a CRC is no signature): every pickle-based file must load with the
+    # restricted loaders before megatron opens any of them (which then uses them as well).
+    unsafe = _bcast_from_rank0(role_problems(folder) if _dist_rank() == 0 else None)
+    if unsafe:
+        raise (UnsafeCheckpointError if REFUSED in unsafe[0] else CheckpointError)(unsafe[0])
     verify_s = time.perf_counter() - t_verify
     from megatron.core import dist_checkpointing
 
@@ -756,7 +774,8 @@ def load_engine(
             if "optimizer" in contents:
                 _ensure_optimizer_state(engine)
                 state["optimizer"] = _optimizer_sharded_state_dict(engine, model_sd, loading=True)
-            loaded = dist_checkpointing.load(state, str(folder / DIST_DIR))
+            with guarded_dist_load():  # what megatron unpickles goes through safe_load's loaders too
+                loaded = dist_checkpointing.load(state, str(folder / DIST_DIR))
             for key, module in zip(model_sd, engine.modules(), strict=True):
                 module.load_state_dict(loaded[key], strict=True)
             if "optimizer" in contents:
@@ -782,8 +801,7 @@ def load_engine(
         if payload["lr_scheduler"] is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(payload["lr_scheduler"])
         if saved_layout == layout:
-            rng = torch.load(folder / RNG_DIR / f"rank_{_dist_rank():05d}.pt", weights_only=False)
-            _set_rng_state(engine, rng)
+            _set_rng_state(engine, load_rng_file(folder / RNG_DIR / f"rank_{_dist_rank():05d}.pt"))
         elif _dist_rank() == 0:
             warnings.warn(
                 f"{role}: RNG states not restored: saved under {_fmt_layout(saved_layout)}, loading under "

@@ -30,6 +30,7 @@ from typing import Any
 from rlconf.errors import ConfigError
 from rlconf.files import MAX_MANIFEST_BYTES
 from rlconf.files import read_json as read_json_bounded
+from rlconf.safe_paths import PathEscapeError, resolve_inside
 
 FORMAT = "rlplan-megatron-checkpoint/1"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -309,6 +310,12 @@ def verify_manifest(folder: str | os.PathLike, full: bool = True) -> list[str]:
     intact: dict[str, tuple[Path, int]] = {}
     for rel, entry in files.items():
         path = root / rel
+        try:
+            # A listed name is relative without '..' (checked above); a symlink must not lead elsewhere.
+            resolve_inside(root, rel, MANIFEST)
+        except PathEscapeError as exc:
+            problems.append(f"{path}: {exc}")
+            continue
         try:
             size = path.stat().st_size if path.is_file() else None
         except OSError as exc:

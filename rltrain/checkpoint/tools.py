@@ -17,8 +17,10 @@
         replaces an export folder). Files get the modes of a plain write (0666 less the umask).
 
 Errors (no such folder, an incomplete or damaged checkpoint, a malformed marker, manifest or latest file, a
-non-empty OUT, an OUT in a run) are one line naming the file and the fix, exit code 2; `inspect` of an incomplete or damaged checkpoint prints its report and then the
-error. Only `export-hf` imports megatron (~10 s); `inspect` reads JSON and hashes files.
+non-empty OUT, an OUT in a run, a file that would run code when loaded: safe_load.py) are one line naming
+the file and the fix, exit code 2; `inspect` of an incomplete or damaged checkpoint prints its report and then the
+error. Only `export-hf` imports megatron (~10 s); `inspect` reads JSON, hashes files and loads the pickle-based
+ones (RNG states, dist checkpoint metadata) with the restricted loaders of safe_load.py (imports torch).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from rltrain.checkpoint import (
     LATEST_FILE,
     MANIFEST,
     META,
+    REFUSED,
     STEP_DIR,
     WORK_DIR,
     CheckpointError,
@@ -190,6 +193,12 @@ def _role_report(folder: Path) -> dict[str, Any]:
             "sampled_sha256": sum(1 for e in entries if "sampled_sha256" in e),
         }
     role["problems"] = verify_manifest(folder, full=True)
+    if not role["problems"]:
+        # Intact files are what was saved, or a forgery with recomputed CRCs: load every pickle-based one
+        # with the restricted loaders the resume uses (safe_load.py), so that "ok" means loadable.
+        from rltrain.checkpoint.safe_load import role_problems
+
+        role["problems"] = role_problems(folder)
     return role
 
 
@@ -407,6 +416,8 @@ def _step_error(report: dict[str, Any]) -> CheckpointError:
             f"{_newest_complete(report)} > {Path(report['path']) / LATEST_FILE}`) or delete it"
         )
     damaged = [p for r in report["roles"].values() for p in r["problems"]]
+    if report["complete"] and damaged and REFUSED in damaged[0]:
+        return CheckpointError(damaged[0])  # a forgery, not damage: its message says what to do
     if report["complete"] and damaged:
         return damaged_error(report["path"], damaged)
     problems = report["problems"]
@@ -508,6 +519,9 @@ def _require_loadable(step_dir: Path, role: str) -> dict[str, Any]:
     problems = verify_manifest(step_dir / role, full=True)
     if problems:
         raise damaged_error(step_dir / role, problems)
+    from rltrain.checkpoint.safe_load import check_role
+
+    check_role(step_dir / role)  # a file that would run code: refused before anything is built
     meta, meta_error = _read_json(step_dir / role / META)
     if not isinstance(meta, dict):
         raise CheckpointError(f"{meta_error}; export another checkpoint")

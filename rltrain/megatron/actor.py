@@ -202,6 +202,7 @@ class MegatronActor(MegatronEngine):
         sums: dict[str, float] = dict.fromkeys(names, 0.0)
         count = 0
         grad_norms: list[float] = []
+        skipped = 0  # optimizer steps the divergence guard did not apply (MegatronEngine.optimizer_step)
         tokens = 0
         # On-policy: [largest |rollout - update log-prob|, entropy sum, response tokens] of this rank.
         rollout_stats = [0.0, 0.0, 0.0] if on_policy and "rollout_log_probs" in batch else None
@@ -229,12 +230,14 @@ class MegatronActor(MegatronEngine):
                         )
                     )
                     with self._routing_replay(mbs):
-                        grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
+                        grad_norm, counted, applied = self.optimizer_step_on(mbs, loss_fn, names, sums)
                     grad_norms.append(grad_norm)
+                    skipped += not applied
                     count += counted
             self.lr_scheduler.step(1)
         metrics = self.reduce_metrics(sums, count, names)
         metrics["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        metrics["actor/skipped_updates"] = float(skipped)
         metrics["actor/lr"] = lr
         metrics.update(routing.metrics)
         if rollout_stats is not None:

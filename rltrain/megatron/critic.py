@@ -88,6 +88,7 @@ class MegatronCritic(MegatronEngine):
         sums = dict.fromkeys(names, 0.0)
         count = 0
         grad_norms: list[float] = []
+        skipped = 0  # optimizer steps the divergence guard did not apply (MegatronEngine.optimizer_step)
         start = time.perf_counter()
         with self._ctx():
             self.reload()
@@ -119,12 +120,14 @@ class MegatronCritic(MegatronEngine):
                     ), extra
 
                 self.zero_grad()
-                grad_norm, counted = self.optimizer_step_on(mbs, loss_fn, names, sums)
+                grad_norm, counted, applied = self.optimizer_step_on(mbs, loss_fn, names, sums)
                 grad_norms.append(grad_norm)
+                skipped += not applied
                 count += counted
             self.lr_scheduler.step(1)
         metrics = self.reduce_metrics(sums, count, names)
         metrics["critic/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
+        metrics["critic/skipped_updates"] = float(skipped)
         metrics["critic/lr"] = lr
         metrics["timing/critic_update_s"] = time.perf_counter() - start
         return metrics

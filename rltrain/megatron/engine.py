@@ -46,6 +46,10 @@ if TYPE_CHECKING:
 
 OFFLOAD_GROUPS = ("params", "grads", "optimizer")
 
+# The setting a model's weights folder comes from (errors about the folder name it); a critic without a
+# folder of its own loads the policy's (model.path).
+_WEIGHTS_SETTING = {"policy": "model.path", "reward_model": "reward.reward_model.path"}
+
 
 @dataclass
 class MicroBatch:
@@ -275,7 +279,8 @@ class MegatronEngine:
             if init_from is not None:
                 self.copy_weights_from(init_from)
             elif spec.model.weights is not None:
-                load_hf_weights(self._chunks, spec.model.weights, value_head=value_head)
+                load_hf_weights(self._chunks, spec.model.weights, value_head=value_head,
+                                config_path=_WEIGHTS_SETTING.get(spec.model.name, "model.path"))  # fmt: skip
             if not self.trainable:
                 for chunk in self._chunks:
                     chunk.requires_grad_(False)
@@ -721,22 +726,38 @@ class MegatronEngine:
         loss_fn: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
         names: list[str],
         sums: dict[str, float],
-    ) -> tuple[float, int]:
+    ) -> tuple[float, int, bool]:
         """One optimizer step over one mini-batch's micro-batches: forward+backward through the schedule,
-        the step, and the micro-batch metrics added into `sums`. Returns (grad_norm, outputs counted)."""
+        the step (`optimizer_step`: not applied when the loss `names[0]` or the gradient norm is not
+        finite), and the micro-batch metrics added into `sums`. Returns (grad_norm, outputs counted,
+        applied)."""
         outs = self.run_schedule(micro_batches, loss_fn, forward_only=False)
-        _, grad_norm = self.optimizer_step()
+        # Outputs exist on the last pipeline stage only; optimizer_step agrees on them with every rank.
+        loss_finite = all(math.isfinite(float(o[names[0]])) for o in outs)
+        applied, grad_norm = self.optimizer_step(loss_finite)
         for o in outs:
             for k in names:
                 sums[k] += float(o[k])
-        return grad_norm, len(outs)
+        return grad_norm, len(outs), applied
 
-    def optimizer_step(self) -> tuple[bool, float]:
-        """One optimizer step on the accumulated gradients; returns (applied, grad_norm)."""
+    def optimizer_step(self, loss_finite: bool = True) -> tuple[bool, float]:
+        """One optimizer step on the accumulated gradients; returns (applied, grad_norm).
+
+        The divergence guard: the step is not applied (the weights and the optimizer state stay as they
+        were) when megatron's own check finds inf / NaN in the gradients (`prepare_grads`: the fp16 loss
+        scaler's found_inf), when megatron's gradient norm is not finite, or when `loss_finite` is False on
+        any rank. megatron's `step()` has no such check for bf16 / fp32 (a NaN norm even slips through
+        its clipping, as `clip_coeff < 1` is False for NaN), so the step is ChainedOptimizer.step's body
+        with the check between the norm and the update. Every rank of this engine decides together (one
+        all-reduce of a flag), so no replica steps while another does not."""
         assert self._optimizer is not None, "this engine was built without an optimizer"
         self.reload()
-        ok, grad_norm, _ = self._optimizer.step()
-        return bool(ok), float(grad_norm) if grad_norm is not None else float("nan")
+        return mmodel.guarded_optimizer_step(self._optimizer, loss_finite, self.torch_device)
+
+    def weights_finite(self) -> bool:
+        """Whether every parameter of this rank is finite (offloaded parameters are brought back first)."""
+        with torch.no_grad():
+            return all(bool(torch.isfinite(p).all()) for c in self.chunks for p in c.parameters())
 
     def zero_grad(self) -> None:
         assert self._optimizer is not None, "this engine was built without an optimizer"

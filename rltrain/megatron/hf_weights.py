@@ -7,8 +7,9 @@ safetensors, and fill this rank's megatron parameters
 layout ([q heads of group g, k_g, v_g] for each g), gate/up fused into `linear_fc1` per TP shard
 ([gate_r; up_r] on rank r), vocabulary rows padded with zeros (they are masked in log-probs).
 Export: gather TP shards, each pipeline stage writes its own safetensors file (DP rank 0, TP rank 0), and
-global rank 0 writes the index and a config.json (the family's model_type and class, rlconf.model_spec.
-hf_config) that `transformers.AutoModelForCausalLM` loads. Qwen3's per-head QK-norm weights are
+global rank 0 writes the index and a config.json that `transformers.AutoModelForCausalLM` loads
+(rlconf.model_spec.hf_config: the source folder's own config.json when `base_config` is the file the model
+was read from, which callers exporting a trained model pass; else one written from the arch). Qwen3's per-head QK-norm weights are
 `self_attn.q_norm` / `k_norm` in HF and `self_attention.q_layernorm` / `k_layernorm` in megatron.
 Layers are matched by megatron's global `layer_number`, so any PP / virtual-PP split maps correctly.
 
@@ -36,9 +37,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from rlconf.config import ModelArch
-from rlconf.errors import ConfigError
+from rlconf.errors import ConfigError, error
 from rlconf.model_files import weights_issues
 from rlconf.model_spec import hf_config, read_model_arch
+from rlconf.safe_paths import FOLDER_PATHS_RULE, INDEX_FILE, PathEscapeError, resolve_inside
 from rltrain.megatron.model import unwrap
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
@@ -118,30 +120,46 @@ def _pad_vocab(w: torch.Tensor, rows: int) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ reading
 class _HFReader:
-    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint."""
+    """Lazy access to the tensors of a (possibly sharded) safetensors checkpoint.
 
-    def __init__(self, path: str | os.PathLike) -> None:
+    Every file it opens is a name from the folder (index entries, the *.safetensors it holds) resolved by
+    `resolve_inside`: a name or symlink pointing outside the folder is ConfigError naming `config_path`
+    (exit 2), before any file is opened."""
+
+    def __init__(self, path: str | os.PathLike, config_path: str = "model.path") -> None:
         root = Path(path)
-        index = root / "model.safetensors.index.json"
-        if index.exists():
-            with open(index) as f:
-                weight_map: dict[str, str] = json.load(f)["weight_map"]
-        else:
-            files = sorted(root.glob("*.safetensors"))
-            if not files:
-                raise FileNotFoundError(f"{path}: no safetensors files")
-            weight_map = {}
-            for fname in files:
-                with safe_open(fname, "pt") as f:
-                    weight_map.update(dict.fromkeys(f.keys(), fname.name))
+        index = root / INDEX_FILE
+        try:
+            if index.exists():
+                resolve_inside(root, INDEX_FILE, INDEX_FILE)
+                with open(index) as f:
+                    names: dict[str, str] = json.load(f)["weight_map"]
+                files = {
+                    entry: resolve_inside(root, entry, f"{INDEX_FILE} weight_map entry {name!r}")
+                    for name, entry in names.items()
+                }
+                weight_map = {name: files[entry] for name, entry in names.items()}
+            else:
+                found = sorted(root.glob("*.safetensors"))
+                if not found:
+                    raise FileNotFoundError(f"{path}: no safetensors files")
+                weight_map = {}
+                for fname in found:
+                    real = resolve_inside(root, fname.name, f"the weights file {fname.name}")
+                    with safe_open(real, "pt") as f:
+                        weight_map.update(dict.fromkeys(f.keys(), real))
+        except PathEscapeError as exc:
+            raise ConfigError([error(config_path, str(exc), "use a model folder whose files are all inside "
+                                     "it (copy the files in instead of naming them)", FOLDER_PATHS_RULE)]
+                              ) from None  # fmt: skip
         self.root = root
-        self.weight_map = weight_map
+        self.weight_map: dict[str, Path] = weight_map
 
     def __contains__(self, name: str) -> bool:
         return name in self.weight_map
 
     def get(self, name: str) -> torch.Tensor:
-        with safe_open(self.root / self.weight_map[name], "pt") as f:
+        with safe_open(self.weight_map[name], "pt") as f:
             return f.get_tensor(name)
 
 
@@ -254,13 +272,17 @@ def _expert_tp() -> tuple[int, int]:
 
 @torch.no_grad()
 def load_hf_weights(
-    chunks: Sequence[torch.nn.Module], path: str | os.PathLike, value_head: bool = False
+    chunks: Sequence[torch.nn.Module],
+    path: str | os.PathLike,
+    value_head: bool = False,
+    config_path: str = "model.path",
 ) -> None:
     """Copy an HF checkpoint into this rank's model chunks (DDP-wrapped or bare). A critic's value head
-    keeps its fresh init (an HF causal LM has none)."""
+    keeps its fresh init (an HF causal LM has none). `config_path` is the setting errors name (a file name
+    in the folder that points outside it)."""
+    reader = _HFReader(path, config_path)  # refuses index entries outside the folder before anything opens
     arch = arch_from_hf(path)
     check_hf_folder(path, arch, value_head=value_head)  # a named error, not a KeyError mid-load
-    reader = _HFReader(path)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
     etp, etp_rank = _expert_tp()

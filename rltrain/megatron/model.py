@@ -754,6 +754,33 @@ def build_optimizer(
     return optimizer
 
 
+def guarded_optimizer_step(
+    optimizer: MegatronOptimizer, loss_finite: bool, device: torch.device
+) -> tuple[bool, float]:
+    """megatron's optimizer step (ChainedOptimizer.step: prepare grads, global norm, clip, update) that is
+    not applied when megatron's found_inf check fires, the global gradient norm is not finite, or
+    `loss_finite` is False on any rank of the default process group (the engine's world). Returns
+    (applied, grad_norm); grad_norm is NaN when found_inf fired before a norm was computed."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    found_inf = optimizer.prepare_grads()  # megatron's own inf / NaN check (fp16 loss scaling)
+    grad_norm = float("nan") if found_inf else float(optimizer.get_grad_norm())
+    bad = torch.tensor([0.0 if loss_finite and math.isfinite(grad_norm) else 1.0], device=device)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+    if bad.item() > 0:
+        return False, grad_norm
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    for opt in chained:
+        params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
+        if params and opt.config.clip_grad > 0.0:
+            clip_grad_by_total_norm_fp32(
+                params, max_norm=opt.config.clip_grad, total_norm=grad_norm,
+                use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
+            )  # fmt: skip
+    return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
 def use_fused_torch_adam(optimizer: MegatronOptimizer) -> int:
     """Switch megatron's torch AdamW fallback to torch's fused kernel on accelerator params; returns how many
     param groups were switched.

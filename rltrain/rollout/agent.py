@@ -275,7 +275,11 @@ class AgentLoop:
     """Runs multi-turn rollouts with one set of tools (built once per run)."""
 
     def __init__(
-        self, tokenizer: Any, cfg: MultiTurnConfig, max_total_tokens: int, interaction: Interaction | None = None
+        self,
+        tokenizer: Any,
+        cfg: MultiTurnConfig,
+        max_total_tokens: int,
+        interaction: Interaction | None = None,
     ) -> None:
         self.tok, self.cfg = tokenizer, cfg
         self.max_total_tokens = max_total_tokens

@@ -2,7 +2,8 @@
 
 The expression is parsed with Python's `ast` and evaluated node by node over int and float only: no names,
 calls or attributes, so nothing a model writes can run code. Sizes are bounded (exponents, digits) so that
-`9**9**9` is an error, not a hang.
+`9**9**9` is an error, not a hang; every result is a finite int or float (`(-1)**0.5`, complex in Python,
+and anything that overflows to inf are errors).
 """
 
 from __future__ import annotations
@@ -31,7 +32,11 @@ class CalculatorError(ValueError):
     """The expression is not plain arithmetic, or its result is out of bounds."""
 
 
-def _check(value: int | float) -> int | float:
+def _check(value: object) -> int | float:
+    """`value` when it is a finite int or float in bounds; a negative base to a fractional power gives a
+    complex number in Python, which is not a calculator result."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise CalculatorError(f"result is not a real number ({type(value).__name__})")
     if isinstance(value, int) and abs(value) >= 10**_MAX_DIGITS:
         raise CalculatorError(f"result has more than {_MAX_DIGITS} digits")
     if isinstance(value, float) and not math.isfinite(value):
@@ -45,7 +50,7 @@ def _eval(node: ast.AST) -> int | float:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return _check(node.value)
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_eval(node.operand))
+        return _check(_UNARY[type(node.op)](_eval(node.operand)))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _eval(node.left), _eval(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > _MAX_EXPONENT:

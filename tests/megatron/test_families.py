@@ -149,6 +149,8 @@ def test_tiny_grpo_on_a_family_folder_trains_and_exports(tmp_path, family):
     before = transformers.AutoConfig.from_pretrained(str(src)).to_dict()
     after = transformers.AutoConfig.from_pretrained(str(exported)).to_dict()
     assert {k: after.get(k) for k in KEPT_KEYS} == {k: before.get(k) for k in KEPT_KEYS}
+    # The export's config.json is the source's own file (fp32 weights, as the source's dtype says).
+    assert json.loads((exported / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     model = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32)
     assert type(model).__name__ == FAMILY_CONFIGS[family][1]
 

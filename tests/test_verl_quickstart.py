@@ -1,0 +1,72 @@
+"""verl's GSM8K quickstart in small, as docs/migrating-from-verl.md prints it: a Qwen2-shaped Hugging Face
+folder with a byte-level BPE tokenizer trained on the task's text and a chat template, verl-format parquet
+files (data_source openai/gsm8k, chat prompts, reward_model.ground_truth), `rlconf import-verl` of a verl
+command line, then `rltrain --config` on the CPU through Ray and megatron-core, scored by verl's GSM8K rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_AUTH_MODE": "disabled"}
+
+
+def walkthrough() -> list[str]:
+    page = (ROOT / "docs" / "migrating-from-verl.md").read_text()
+    section = page[page.index("## verl's GSM8K quickstart, in small") :]
+    block = re.search(r"```bash\n(.*?)```", section, re.DOTALL).group(1)
+    return [c.strip() for c in block.replace("\\\n", " ").splitlines() if c.strip()]
+
+
+def test_verl_gsm8k_quickstart_in_small_runs_as_printed(tmp_path):
+    commands = walkthrough()
+    assert [c.split()[0] for c in commands] == [".venv/bin/python", ".venv/bin/rlconf", ".venv/bin/rltrain"]
+    # The repository root's .venv and bench/ as the page assumes them, in a folder of the test's own.
+    os.symlink(Path(sys.executable).parent.parent, tmp_path / ".venv")
+    os.symlink(ROOT / "bench", tmp_path / "bench")
+    outputs = []
+    for command in commands:
+        result = subprocess.run(
+            command, shell=True, executable="/bin/bash", cwd=tmp_path, env=ENV, capture_output=True, text=True,
+            timeout=900,
+        )  # fmt: skip
+        assert result.returncode == 0, f"{command}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+        outputs.append(result.stdout + result.stderr)
+
+    # The model folder is what a verl user brings: config.json, safetensors, a BPE tokenizer, a template.
+    model = tmp_path / "verl-small" / "models" / "tiny-qwen2"
+    tokenizer = json.loads((model / "tokenizer.json").read_text())
+    assert tokenizer["model"]["type"] == "BPE" and tokenizer["pre_tokenizer"]["type"] == "ByteLevel"
+    # transformers 5 writes the template to chat_template.jinja (4.x into tokenizer_config.json).
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    assert (model / "chat_template.jinja").is_file() or "chat_template" in config
+    assert (model / "model.safetensors").is_file()
+
+    # The import: verl's default scorer, a complete file, the command that runs it.
+    imported = yaml.safe_load((tmp_path / "verl-small" / "rlplan.yaml").read_text())
+    assert "preset" not in imported and imported["reward"]["function"] == "default_compute_score"
+    assert imported["data"]["answer_key"] == "reward_model.ground_truth"
+    assert "run:  rltrain --config verl-small/rlplan.yaml" in outputs[1]
+
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "outputs" / "rlplan" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == list(range(1, 21))
+    rewards = [r["reward/mean"] for r in rows]
+    # verl's strict GSM8K rule: 1 for the right `#### N`, else 0. The warmed-up policy writes the format,
+    # so some answers are right from the start (a policy without the format would score 0 throughout).
+    assert all(0.0 <= x <= 1.0 for x in rewards) and sum(rewards) > 0
+    assert rows[0]["val_before/reward/mean"] > 0
+    assert any("val/reward/mean" in r for r in rows)
+    print("reward/mean by step:", [round(x, 3) for x in rewards])
