@@ -111,7 +111,7 @@ def _tyro_cli(default: RLConfig, args: Sequence[str], prog: str) -> RLConfig:
             _join_lines(text))  # fmt: skip
     try:
         with contextlib.redirect_stderr(err):
-            return tyro.cli(
+            parsed = tyro.cli(
                 RLConfig,
                 args=list(args),
                 default=default,
@@ -120,6 +120,9 @@ def _tyro_cli(default: RLConfig, args: Sequence[str], prog: str) -> RLConfig:
                 use_underscores=True,
                 config=(tyro.conf.FlagConversionOff,),
             )
+        if err.getvalue():  # anything tyro said on a successful parse is passed on
+            print(err.getvalue(), end="", file=sys.stderr)
+        return parsed
     except SystemExit as exc:
         if exc.code in (0, None):
             raise
