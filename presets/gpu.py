@@ -134,8 +134,11 @@ def qwen25_7b_grpo_tp4pp2() -> RLConfig:
 
 def qwen25_05b_dapo() -> RLConfig:
     """DAPO on the qwen2.5-0.5b-grpo setup: clip-higher (0.2 / 0.28), token-mean loss, dynamic sampling on
-    the score (at most 10 generation batches per step), the overlong penalty over the last 256 of 1024
-    response tokens, and no KL (the DAPO recipe drops it)."""
+    the score, the overlong penalty over the last 256 of 1024 response tokens, and no KL (the DAPO recipe
+    drops it). Dynamic sampling needs groups whose scores differ: the reward is digit_match's partial credit
+    (numeric_match's all-or-nothing left 2 of 64 groups varying on the random-init shape, so the step stopped
+    at its generation-batch bound), and the number of generation batches per step is unbounded, as in verl
+    (max_num_gen_batches 0): a step generates until 64 groups are kept, however many batches that takes."""
     return replace_paths(
         qwen25_05b_grpo(),
         {
@@ -146,7 +149,8 @@ def qwen25_05b_dapo() -> RLConfig:
             "actor.loss_agg_mode": "token-mean",
             "algorithm.filter_groups.enable": True,
             "algorithm.filter_groups.metric": "score",
-            "algorithm.filter_groups.max_num_gen_batches": 10,
+            "algorithm.filter_groups.max_num_gen_batches": 0,
+            "reward.function": "digit_match",
             "reward.overlong_buffer.enable": True,
             "reward.overlong_buffer.len": 256,
             "reward.overlong_buffer.penalty_factor": 1.0,

@@ -38,21 +38,33 @@ def tiny_grpo() -> RLConfig:
 
 
 def tiny_ppo() -> RLConfig:
-    """PPO with GAE and a critic on the same model and task; the KL penalty in the reward uses the ref."""
+    """PPO with GAE and a critic on the same model and task; the KL penalty in the reward uses the ref.
+
+    One response per prompt, so 64 prompts a step give the 64 responses tiny-grpo's 8 x 8 do; lam 1.0 (the
+    only reward is at the last token: the advantage is that reward minus the critic's value, not a sum
+    discounted through the critic's early, wrong values), the critic at 3e-3 and trained alone for its
+    first 5 steps, so that its values mean something before the actor follows them. Measured on 2 cores
+    (100 steps, ~40 s of steps): train reward 0.03 -> 0.49 (mean of the first and last 10 steps),
+    validation 0.00 -> 0.47; with lam 0.95, critic lr 1e-3, no warmup and 16 prompts a step it was
+    0.03 -> 0.15 and validation flat at 0.18 from step 25. An actor lr of 2e-3 reaches 0.70 / 0.75 but with
+    a dip (0.67 -> 0.30) where one update's KL jumped to 0.2, so the lr stays tiny-grpo's 1e-3. Micro-batches of 8 responses keep whole
+    micro-batches on each of two data-parallel ranks (--cluster.gpus_per_node 2)."""
     return replace_paths(
         tiny_grpo(),
         {
             "algorithm.adv_estimator": "gae",
-            "algorithm.lam": 0.95,
+            "algorithm.lam": 1.0,
             "algorithm.use_kl_in_reward": True,
             "rollout.n": 1,
-            "data.train_batch_size": 16,
-            "actor.ppo_micro_batch_size_per_gpu": 4,
-            "actor.log_prob_micro_batch_size_per_gpu": 16,
+            "data.train_batch_size": 64,
+            "actor.ppo_mini_batch_size": 16,
+            "actor.ppo_micro_batch_size_per_gpu": 8,
+            "actor.log_prob_micro_batch_size_per_gpu": 64,
             "critic.enable": True,
-            "critic.optim.lr": 1e-3,
-            "critic.ppo_mini_batch_size": 4,
-            "critic.ppo_micro_batch_size_per_gpu": 4,
+            "critic.optim.lr": 3e-3,
+            "critic.ppo_mini_batch_size": 16,
+            "critic.ppo_micro_batch_size_per_gpu": 8,
+            "trainer.critic_warmup": 5,
             "trainer.output_dir": "outputs/tiny-ppo",
             "trainer.experiment_name": "tiny-ppo",
         },

@@ -148,7 +148,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if args.plan:
         from rlconf.plan import compile_plan, diff_plans
 
-        lines = format_plan_diff(diff_plans(compile_plan(a), compile_plan(b)))
+        lines = format_plan_diff(diff_plans(compile_plan(a), compile_plan(b), collapse_records=True))
     else:
         lines = [change.format() for change in diff_dicts(config_to_dict(a), config_to_dict(b))]
     print("\n".join(lines) if lines else "(no differences)")
@@ -384,9 +384,28 @@ def run_guarded(fn: Callable[[], int]) -> int:
         return EXIT_CRASH
 
 
+def _source_of(args: argparse.Namespace) -> str | None:
+    """What an error raised without a source came from: the command's config file (or preset:NAME), else
+    its --preset, else None (docs/troubleshooting.md: every error names its source)."""
+    file = getattr(args, "file", None) or getattr(args, "a", None)
+    if file:
+        return str(file)
+    preset = getattr(args, "preset", None)
+    return f"{PRESET_PREFIX}{preset}" if preset else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_guarded(lambda: args.fn(args))
+
+    def with_source() -> int:
+        try:
+            return args.fn(args)
+        except ConfigError as exc:
+            if exc.source or _source_of(args) is None:
+                raise
+            raise ConfigError(exc.issues, _source_of(args)) from None
+
+    return run_guarded(with_source)
 
 
 if __name__ == "__main__":

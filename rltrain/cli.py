@@ -10,6 +10,7 @@ the plan compiled before anything starts. This module stays light (no torch, ray
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -41,23 +42,95 @@ RUN_OPTIONS = """run options (rltrain's own; every other flag below sets one con
                        files it reads, the length of the paths it writes, free space for a checkpoint, and
                        the Ray cluster at cluster.ray_address / RAY_ADDRESS: reachable, enough nodes; with
                        no address only that the plan fits one node), print the config and the plan, exit
-  -h, --help           this help: the run options, then every field with this preset's value as its default
 
 Precedence: flags > --config file > preset > defaults. Check a file alone with `rlconf validate FILE`."""
 
 
-def _tyro_cli(default: RLConfig, args: Sequence[str], prog: str) -> RLConfig:
-    import tyro
+def _join_lines(text: str) -> str:
+    """A field docstring as one paragraph per blank-line-separated block (tyro keeps the break before any
+    line that does not start with a letter, which leaves `--help` ragged); list items keep their line."""
+    paragraphs = []
+    for block in text.split("\n\n"):
+        lines = [line.strip() for line in block.splitlines() if line.strip()]
+        out: list[str] = []
+        for line in lines:
+            if out and not line.startswith(("- ", "* ")):
+                out[-1] += " " + line
+            else:
+                out.append(line)
+        paragraphs.append("\n".join(out))
+    return "\n\n".join(paragraphs)
 
-    return tyro.cli(
-        RLConfig,
-        args=list(args),
-        default=default,
-        prog=prog,
-        description=RUN_OPTIONS,
-        use_underscores=True,
-        config=(tyro.conf.FlagConversionOff,),
-    )
+
+_FLAG = re.compile(r"--[A-Za-z_][\w.\-]*")
+
+
+def _tyro_issue(text: str) -> Issue:
+    """tyro's boxed parse error (its first paragraph) as rlplan's error: path, message, fix, rule."""
+    raw = text.splitlines()
+
+    # rich draws the box in unicode, or in ASCII / without borders on a stream it cannot tell the encoding of.
+    def separator(line: str) -> bool:
+        return set(line.strip()) <= set("─-+│|╭╮╰╯ ")
+
+    title, body = "", []
+    for line in raw:
+        if separator(line):
+            if body:
+                break  # the first paragraph under the title ended
+            continue
+        inner = line.strip().strip("│|╭╮╰╯").strip().strip("─").strip()
+        if not title:
+            title = inner
+        else:
+            body.append(inner)
+    message = " ".join(body) or title or "cannot read the flags"
+    flag = _FLAG.search(message)
+    if flag is None:
+        return error("", message, "run `rltrain PRESET --help` for every flag and its type", "type")
+    message = re.sub(r"^Error parsing --[\w.\-]+[^:]*:\s*", "", message)
+    return error(flag.group(0)[2:].replace("-", "_"), f"{flag.group(0)}: {message}",
+                 f"give {flag.group(0)} a value of its type (`rltrain PRESET --help` lists each flag's type)",
+                 "type")  # fmt: skip
+
+
+_RUN_OPTIONS_HEAD = RUN_OPTIONS.splitlines()[0]
+
+
+def _tyro_cli(default: RLConfig, args: Sequence[str], prog: str) -> RLConfig:
+    import contextlib
+    import io
+
+    import tyro
+    from tyro import _strings  # the helptext cleaner tyro applies to every field docstring
+
+    err = io.StringIO()
+    joined = getattr(_strings, "remove_single_line_breaks", None)
+    if joined is not None:
+        # Field docstrings are joined; the run options (the description) are laid out by hand and kept.
+        _strings.remove_single_line_breaks = lambda text: joined(text) if _RUN_OPTIONS_HEAD in text else (
+            _join_lines(text))  # fmt: skip
+    try:
+        with contextlib.redirect_stderr(err):
+            parsed = tyro.cli(
+                RLConfig,
+                args=list(args),
+                default=default,
+                prog=prog,
+                description=RUN_OPTIONS,
+                use_underscores=True,
+                config=(tyro.conf.FlagConversionOff,),
+            )
+        if err.getvalue():  # anything tyro said on a successful parse is passed on
+            print(err.getvalue(), end="", file=sys.stderr)
+        return parsed
+    except SystemExit as exc:
+        if exc.code in (0, None):
+            raise
+        raise ConfigError([_tyro_issue(err.getvalue())], "command line") from None
+    finally:
+        if joined is not None:
+            _strings.remove_single_line_breaks = joined
 
 
 def _flag_issues(args: Sequence[str]) -> list[Issue]:
@@ -232,9 +305,34 @@ def _run(argv: Sequence[str]) -> int:
     return run_training(config, plan)
 
 
+def _source_of(argv: Sequence[str]) -> str:
+    """What an error raised without a source came from (docs/troubleshooting.md: the file, preset:NAME or
+    command line): the --config file when there is one, else the command line when it sets anything beyond
+    the preset (or names no known preset), else the preset."""
+    from presets import PRESETS
+
+    for i, token in enumerate(argv):
+        if token.startswith("--config="):
+            return token.split("=", 1)[1]
+        if token == "--config" and i + 1 < len(argv):
+            return argv[i + 1]
+    if argv and argv[0] in PRESETS and all(t == "--dry-run" for t in argv[1:]):
+        return f"preset:{argv[0]}"
+    return "command line"
+
+
+def _with_source(argv: Sequence[str]) -> int:
+    try:
+        return _run(argv)
+    except ConfigError as exc:
+        if exc.source:
+            raise
+        raise ConfigError(exc.issues, _source_of(argv)) from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    return run_guarded(lambda: _run(args))
+    return run_guarded(lambda: _with_source(args))
 
 
 if __name__ == "__main__":

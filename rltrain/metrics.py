@@ -165,12 +165,9 @@ class MetricsLogger:
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             self._wandb = wandb.init(project=project, name=experiment, dir=str(output_dir), mode=mode)
         if "console" in self.backends and sys.stdout.isatty() and total_steps:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+            from rich.progress import Progress
 
-            self._progress = Progress(
-                TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                TextColumn("{task.description}"),
-            )  # fmt: skip
+            self._progress = Progress(*progress_columns(), expand=True)
             self._task = self._progress.add_task("", total=total_steps)
             self._progress.start()
 
@@ -229,12 +226,45 @@ class MetricsLogger:
             self._wandb.finish()
 
 
+def progress_columns() -> tuple[Any, ...]:
+    """The console progress line's columns: on a narrow terminal (80 columns) the metrics text is cut with
+    an ellipsis and the bar shrinks, never the step count or the time left."""
+    from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
+    from rich.table import Column
+
+    return (
+        TextColumn("[bold]train", table_column=Column(no_wrap=True)),
+        BarColumn(bar_width=None, table_column=Column(ratio=1, min_width=10)),
+        MofNCompleteColumn(table_column=Column(no_wrap=True, min_width=7)),
+        TimeRemainingColumn(table_column=Column(no_wrap=True, min_width=7)),
+        TextColumn("{task.description}", table_column=Column(ratio=3, no_wrap=True, overflow="ellipsis")),
+    )
+
+
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
     """The step records of metrics.jsonl (a torn last line left out; rltrain.metrics_file.parse)."""
     return [record for _, _, record in metrics_file.parse(path).records]
 
 
-KL_KEYS = ("actor/reward_kl", "actor/kl_loss", "actor/ppo_kl")
+KL_KEYS = {
+    "actor/kl_loss": "KL(policy || ref), the kl_loss estimator",
+    "actor/reward_kl": "KL(policy || ref) in the reward",
+    "actor/ppo_kl_k3": "KL(old policy || policy) per update, k3",
+}
+"""What the plot's KL panel draws, by metric: the KL to the reference policy where the run has one, else the
+k3 estimate of each update's step (>= 0; actor/ppo_kl is a k1 mean that dips below 0, so it is not drawn)."""
+
+
+def kl_series(rows: list[dict[str, Any]]) -> tuple[list[tuple[str, list[int], list[float]]], str]:
+    """The KL panel's curves (metric, steps, values) and title: the KL to the reference when logged, else the
+    per-update k3 KL."""
+    ref = [key for key in KL_KEYS if key != "actor/ppo_kl_k3" and any(r.get(key) is not None for r in rows)]
+    series = []
+    for key in ref or ["actor/ppo_kl_k3"]:
+        kl = [r for r in rows if r.get(key) is not None]
+        if kl:
+            series.append((key, [r["step"] for r in kl], [r[key] for r in kl]))
+    return series, "KL to the reference" if ref else "KL per update"
 
 
 def plot_reward_curve(metrics_path: str | Path, png_path: str | Path, title: str = "reward") -> Path | None:
@@ -260,11 +290,10 @@ def plot_reward_curve(metrics_path: str | Path, png_path: str | Path, title: str
     ax_r.set(xlabel="step", ylabel="reward", title=title)
     ax_r.grid(alpha=0.3)
     ax_r.legend()
-    for key in KL_KEYS:
-        kl = [r for r in rows if r.get(key) is not None]
-        if kl:
-            ax_kl.plot([r["step"] for r in kl], [r[key] for r in kl], marker=".", label=key)
-    ax_kl.set(xlabel="step", ylabel="KL", title="KL")
+    series, title = kl_series(rows)
+    for key, steps, values in series:
+        ax_kl.plot(steps, values, marker=".", label=f"{key}: {KL_KEYS[key]}")
+    ax_kl.set(xlabel="step", ylabel="KL (nats per token)", title=title)
     ax_kl.grid(alpha=0.3)
     if ax_kl.lines:
         ax_kl.legend()

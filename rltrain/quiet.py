@@ -50,6 +50,12 @@ RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 RAY_TOKEN_AUTH_MESSAGE = "Token authentication is enabled for this Ray cluster"
 
 
+# Ray logs this at every local `ray.init`, on whatever line the console is on (the progress bar's): the run
+# started Ray itself, so it says nothing. "Connected to Ray cluster" (cluster.ray_address) is kept.
+RAY_WORKER_LOGGER = "ray._private.worker"
+RAY_LOCAL_MESSAGE = "Started a local Ray instance"
+
+
 class _DropMessages(logging.Filter):
     def __init__(self, *prefixes: str) -> None:
         super().__init__()
@@ -97,4 +103,7 @@ def quiet_driver(device: str) -> str | None:
     ray_auth = logging.getLogger(RAY_TOKEN_AUTH_LOGGER)
     if not any(isinstance(f, _DropMessages) for f in ray_auth.filters):
         ray_auth.addFilter(_DropMessages(RAY_TOKEN_AUTH_MESSAGE))
+    ray_worker = logging.getLogger(RAY_WORKER_LOGGER)
+    if not any(isinstance(f, _DropMessages) for f in ray_worker.filters):
+        ray_worker.addFilter(_DropMessages(RAY_LOCAL_MESSAGE))
     return kernel_note(device)

@@ -738,3 +738,30 @@ def test_value_loss_ignores_observation_tokens(agg_mode):
         _compact(mask, mask)[1], 0.5, agg_mode,
     )  # fmt: skip
     close(loss.detach(), c_loss)
+
+
+def test_gpu_dapo_preset_keeps_groups_whose_scores_vary_on_a_random_policy():
+    """qwen2.5-0.5b-dapo on the random-init shape: with numeric_match 2 of 64 groups varied and the step
+    stopped at its generation-batch bound. Its reward gives partial credit, so a random policy's groups vary
+    (dynamic sampling keeps them), and the bound is off, as in verl."""
+    import random
+
+    from presets import get_preset
+    from rltrain.data import synthetic_sample
+    from rltrain.rewards import digit_match, numeric_match
+
+    c = get_preset("qwen2.5-0.5b-dapo")
+    assert c.algorithm.filter_groups.enable and c.algorithm.filter_groups.max_num_gen_batches == 0
+    assert c.reward.function == "digit_match"
+    rng = random.Random(0)
+
+    def varying(score) -> int:
+        n = 0
+        for i in range(64):
+            prompt, answer = synthetic_sample(c.data.synthetic_task, 0, i)
+            scores = {score("".join(rng.choice("0123456789 +=") for _ in range(8)), answer, prompt)
+                      for _ in range(c.rollout.n)}  # fmt: skip
+            n += len(scores) > 1
+        return n
+
+    assert varying(digit_match) >= 32 > 4 >= varying(numeric_match)

@@ -59,11 +59,14 @@ def test_tiny_grpo_run_writes_the_run_folder(tmp_path):
 
 def test_tiny_ppo_trains_critic_and_uses_kl_in_reward(tmp_path):
     out = tmp_path / "ppo"
-    result = rltrain("tiny-ppo", "--trainer.total_steps", "2", "--trainer.output_dir", str(out))
+    # critic_warmup 0: the preset trains its critic alone for 5 steps; here the actor updates from step 1.
+    result = rltrain("tiny-ppo", "--trainer.total_steps", "2", "--trainer.critic_warmup", "0",
+                     "--trainer.output_dir", str(out))  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     rows = metrics(out)
     assert len(rows) == 2
     assert all("critic/vf_loss" in r and "actor/reward_kl" in r for r in rows)
+    assert all(r["actor/ppo_kl_k3"] >= 0 for r in rows)  # the plot's per-update KL: k3 is never negative
 
 
 def test_data_parallel_and_tensor_parallel_runs(tmp_path):
@@ -88,6 +91,22 @@ def test_reward_rises_on_the_tiny_task(tmp_path):
     rewards = [r["reward/mean"] for r in metrics(out)]
     first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
     assert last > 2 * first and last > first + 0.1, (first, last)
+
+
+def test_tiny_ppo_reward_rises(tmp_path):
+    """tiny-ppo learns as visibly as tiny-grpo (the README lists both among presets that learn in minutes):
+    on 2 cores the last 10 of 60 steps averaged 0.32 against 0.03 for the first 10, and validation rose."""
+    out = tmp_path / "ppo-learn"
+    result = rltrain("tiny-ppo", "--trainer.total_steps", "60", "--trainer.test_freq", "30",
+                     "--trainer.save_freq", "0", "--trainer.output_dir", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(out)
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > 2 * first and last > first + 0.1, (first, last)
+    val = [r["val/reward/mean"] for r in rows if "val/reward/mean" in r]
+    before = [r["val_before/reward/mean"] for r in rows if "val_before/reward/mean" in r]
+    assert before and val and val[-1] > before[0], (before, val)
 
 
 # Wall-clock measurements; every other metric of a step is a function of (seed, step) on one machine.

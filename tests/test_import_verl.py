@@ -8,6 +8,7 @@ is all the plan reads.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import re
 import subprocess
@@ -129,7 +130,11 @@ def test_qwen25_grpo_megatron_overrides_translate_to_the_plan_layout(qwen7b: Pat
     assert c.data.answer_key == "reward_model.ground_truth"
     assert c.actor.log_prob_micro_batch_size_per_gpu == 4
     assert c.actor.megatron.override_transformer_config.recompute_granularity == "full"
-    assert c.logging.backends == ("console", "wandb", "jsonl")
+    if importlib.util.find_spec("wandb") is not None:
+        assert c.logging.backends == ("console", "wandb", "jsonl")
+    else:  # the run would stop at its first step: the import drops it and says so
+        assert c.logging.backends == ("console", "jsonl")
+        assert [w.path for w in tr.warnings if w.rule == "logging"] == ["logging.backends"]
     assert (c.trainer.save_freq, c.trainer.test_freq, c.trainer.project_name) == (
         0, 5, "verl_grpo_example_gsm8k_math")  # fmt: skip
     # The ref runs in the actor's processes: it takes the actor's layout (derived, and said so).

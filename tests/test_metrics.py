@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rlconf.errors import ConfigError
-from rltrain.metrics import MetricsLogger, plot_reward_curve, read_metrics
+from rltrain.metrics import MetricsLogger, kl_series, plot_reward_curve, progress_columns, read_metrics
 
 
 def test_jsonl_appends_and_truncates(tmp_path, capsys):
@@ -57,3 +57,36 @@ def test_plot_has_reward_and_kl(tmp_path):
     png = plot_reward_curve(path, tmp_path / "curve.png")
     assert png is not None and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_reward_curve(tmp_path / "missing.jsonl", tmp_path / "none.png") is None
+
+
+def test_kl_panel_plots_a_kl_never_the_k1_ppo_kl():
+    # ppo_kl is a k1 mean: it dips below 0. The panel shows the KL to the reference when there is one, else
+    # the k3 per-update KL (>= 0), each labelled with what it is.
+    rows = [{"step": s, "actor/ppo_kl": -0.01, "actor/ppo_kl_k3": 0.002} for s in (1, 2)]
+    series, title = kl_series(rows)
+    assert [key for key, _, _ in series] == ["actor/ppo_kl_k3"] and title == "KL per update"
+    assert all(v >= 0 for _, _, values in series for v in values)
+    rows = [{**r, "actor/kl_loss": 0.01} for r in rows]
+    series, title = kl_series(rows)
+    assert [key for key, _, _ in series] == ["actor/kl_loss"] and title == "KL to the reference"
+
+
+@pytest.mark.parametrize("width", [80, 60])
+def test_progress_line_keeps_step_count_and_eta_on_a_narrow_terminal(width):
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    out = io.StringIO()
+    console = Console(file=out, width=width, force_terminal=True, color_system=None)
+    progress = Progress(*progress_columns(), console=console, auto_refresh=False, expand=True)
+    task = progress.add_task("reward/mean 0.1234  actor/loss 0.5432  critic/vf_loss 0.0012  tokens/s 1234",
+                             total=100)  # fmt: skip
+    progress.update(task, completed=37)
+    progress.start()
+    progress.refresh()
+    progress.stop()
+    line = out.getvalue().split("\x1b[2K")[-1].splitlines()[0]
+    assert "37/100" in line and "-:--:--" in line and len(line.rstrip()) <= width
+    assert "reward/mean 0.1234" in line  # the metrics are cut at the end, with an ellipsis

@@ -35,3 +35,12 @@ def test_resume_deprecations_are_ignored_only_where_megatron_raises_them():
             warnings.warn_explicit("`load_state_dict` is deprecated and will be removed", FutureWarning,
                                    "x.py", 1, module=module)  # fmt: skip
     assert [str(w.message) for w in seen] == ["`load_state_dict` is deprecated and will be removed"]
+
+
+def test_rays_local_instance_line_is_dropped_and_a_cluster_connection_kept(caplog):
+    quiet.quiet_driver("cpu")
+    log = logging.getLogger(quiet.RAY_WORKER_LOGGER)
+    with caplog.at_level(logging.INFO, logger=quiet.RAY_WORKER_LOGGER):
+        log.info("Started a local Ray instance.")
+        log.info("Connected to Ray cluster.")
+    assert [r.getMessage() for r in caplog.records] == ["Connected to Ray cluster."]

@@ -22,7 +22,10 @@ import pytest
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = ("README.md", "docs/quickstart.md")
+PAGES = ("README.md", "docs/quickstart.md", "docs/concepts.md", "docs/checkpoints.md")
+"""Pages whose commands run here, in this order, in one folder (README's my_run.yaml serves concepts.md, the
+short run's checkpoints serve checkpoints.md); every other page's commands are marked skip-test with the
+reason (tests/test_docs_excerpts.py checks that)."""
 RECORD = ROOT / "docs" / "_generated" / "tiny-grpo-run.json"
 SHORT_STEPS = 4
 # The main job saves its last step; the short run's last checkpoint stands in for the full run's.
@@ -131,7 +134,7 @@ def test_main_job_output_is_quiet_and_shows_speed(short_run):
     te_lines = [line for line in text.splitlines() if "Transformer Engine" in line]
     assert len(te_lines) <= 1 and all(line.startswith("note: ") for line in te_lines), te_lines
     assert "Apex is not installed" not in text and "full scope is deprecated" not in text
-    assert "Token authentication is enabled" not in text
+    assert "Token authentication is enabled" not in text and "Started a local Ray instance" not in text
     assert not re.search(r"rltrain/\S+\.py:\d+: \w*Warning", text), text[-3000:]
     steps = [line for line in short_run["stdout"].splitlines() if line.startswith("step ")]
     assert len(steps) == SHORT_STEPS, short_run["stdout"]

@@ -167,3 +167,48 @@ def test_preset_help_starts_with_the_run_options():
     head = "\n".join(result.stdout.splitlines()[:12])
     assert "--config FILE.yaml" in head and "--dry-run" in head
     assert "--model.path" not in head  # the 900 lines of fields come after
+
+
+def test_preset_help_is_wrapped_and_lists_help_once():
+    result = subprocess.run(
+        [sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--help"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "100"},
+    )  # fmt: skip
+    assert result.returncode == 0
+    assert result.stdout.count("-h, --help") == 1
+    # A docstring's line breaks are joined: the sentence reflows to the terminal, not to the source file
+    # (tyro kept the docstring's break after "(Transformer").
+    assert any("(Transformer Engine)" in line for line in result.stdout.splitlines())
+    # The run options are laid out by hand: their lines stay as written.
+    assert "\n  --config FILE.yaml   overlay this YAML/JSON file" in result.stdout
+
+
+def test_bad_flag_value_gets_rlplans_error_format(capsys):
+    assert main(["tiny-grpo", "--actor.optim.lr", "abc"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("command line: invalid config: 1 error")
+    assert "error [type] actor.optim.lr: --actor.optim.lr: could not convert string to float: 'abc'" in err
+    assert "fix: give --actor.optim.lr a value of its type" in err and "╭" not in err
+    assert main(["tiny-grpo", "--model.params_dtype", "f16"]) == 2
+    err = capsys.readouterr().err
+    assert "error [type] model.params_dtype:" in err and "'float32', 'bfloat16', 'float16'" in err
+
+
+def test_every_error_names_its_source(capsys):
+    assert main(["tiny-grpoo"]) == 2
+    assert capsys.readouterr().err.startswith("command line: invalid config: 1 error\nerror [unknown-preset]")
+    assert main(["tiny-grpo", "--cluster.nnodes", "2", "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("command line: invalid config:") and "[ray-cluster] cluster.nnodes" in err
+
+
+def test_a_tokenizer_that_fails_to_load_names_the_source(tmp_path):
+    # Raised by the controller as the run starts (before Ray): still `SOURCE: invalid config`.
+    (tmp_path / "tok").mkdir()
+    (tmp_path / "tok" / "tokenizer.json").write_text("{}")
+    result = rltrain("tiny-grpo", "--model.tokenizer_path", str(tmp_path / "tok"),
+                     "--trainer.output_dir", str(tmp_path / "out"))  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert (
+        "command line: invalid config: 1 error\nerror [tokenizer-load] model.tokenizer_path" in result.stderr
+    )

@@ -266,7 +266,7 @@ def format_plan(plan: TrainerPlan) -> str:
         out += [
             "",
             f"lr schedule {o.role}: {o.optimizer}, lr {o.lr:g} -> min {o.min_lr:g}, warmup {o.warmup_steps} steps "
-            f"from {o.lr_warmup_init:g}, {o.decay_style} decay over {o.decay_steps} steps{wsd}; "
+            f"from {o.lr_warmup_init:g}, {_after_warmup(o.decay_style, o.decay_steps)}{wsd}; "
             f"weight decay {o.weight_decay:g}; one lr per training step",
         ]
         rows = [
@@ -284,11 +284,11 @@ def format_plan(plan: TrainerPlan) -> str:
         last = -1
         for i in sorted(k for k in keep if 0 <= k < len(rows)):
             if i > last + 1:
-                shown.append(f"    ... ({i - last - 1} rows)")
+                shown.append(f"    ... ({_rows(i - last - 1)})")
             shown.append(lines[i + 1])
             last = i
         if last < len(rows) - 1:
-            shown.append(f"    ... ({len(rows) - 1 - last} rows)")
+            shown.append(f"    ... ({_rows(len(rows) - 1 - last)})")
         out += shown
 
     p = plan.profile
@@ -362,3 +362,12 @@ def _size_text(nbytes: int) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes / 1024:.0f} KiB"
+
+
+def _rows(n: int) -> str:
+    return f"{n} row" if n == 1 else f"{n} rows"
+
+
+def _after_warmup(style: str, steps: int) -> str:
+    """The lr schedule after warmup: a constant lr holds, it does not decay."""
+    return f"then constant for {steps} steps" if style == "constant" else f"{style} decay over {steps} steps"

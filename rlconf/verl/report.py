@@ -215,6 +215,7 @@ _SECTION_TITLES = (
     ("critic.", "critic"),
     ("reward_model.", "reward_model and custom_reward_function"),
     ("custom_reward_function.", "reward_model and custom_reward_function"),
+    ("reward.", "reward (verl's current schema; the same translation as the older names)"),
     ("algorithm.", "algorithm"),
     ("trainer.", "trainer"),
     ("global_profiler.", "global_profiler"),
@@ -302,6 +303,7 @@ maps every key it knows, lists every key it cannot map with the reason, and vali
 rlplan's rules and plan, so that settings which would fail late in verl (after Ray has started and the
 model has loaded) fail now.
 
+<!-- skip-test: a downloaded Qwen2.5-7B folder and GSM8K parquet files; the same commands run in small below -->
 ```bash
 rlconf import-verl \\
     algorithm.adv_estimator=grpo data.train_files=$HOME/data/gsm8k/train.parquet \\
@@ -353,6 +355,7 @@ tokenizer trained with `tokenizers` on the task's text, a ChatML chat template, 
 writes (`data_source: openai/gsm8k`, chat-message prompts, `reward_model.ground_truth`). From the
 repository root:
 
+<!-- skip-test: run by tests/test_verl_quickstart.py, which reads this block -->
 ```bash
 .venv/bin/python bench/verl_gsm8k_small.py verl-small
 .venv/bin/rlconf import-verl \\

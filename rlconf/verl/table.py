@@ -10,6 +10,7 @@ dataclasses (`VerlKey.default_note`), never restated here.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 from collections.abc import Callable, Mapping
@@ -458,6 +459,68 @@ def _profiler_rows() -> list[VerlKey]:
     return rows
 
 
+_VLLM_ONLY = (
+    "read by rollout.engine: vllm only; the import runs the embedded engine, which does not read "
+    "it, so rlplan's default is kept (set it again with rollout.engine: vllm)"
+)
+
+
+def _vllm_only(value: Any, _: Mapping[str, Any]) -> Any:
+    # verl's rollout is vLLM / SGLang; the import picks the embedded engine (actor_rollout_ref.rollout.name).
+    return SKIP
+
+
+_RS_KEY = "algorithm.rollout_correction.rollout_rs"
+_RS_THRESHOLD_KEY = "algorithm.rollout_correction.rollout_rs_threshold"
+_RS_MODES = {"token": "token", "sequence": "sequence", "token_k1": "token", "token_k2": "token",
+             "seq_sum_k1": "sequence"}  # fmt: skip
+_RS_FIX = (
+    "use token_k1 or token_k2 (rlplan's token), seq_sum_k1 (rlplan's sequence), one mode at a time, or "
+    "drop rollout_rs"
+)
+
+
+def _rollout_rs(value: Any, values: Mapping[str, Any]) -> Any:
+    if value is None or not isinstance(value, str):
+        return value
+    if value not in _RS_MODES:
+        raise VerlValueError(f"rejection mode {value!r} has no rlplan equivalent (rlplan bounds |log rho| of "
+                             "each token or of the summed response)", _RS_FIX)  # fmt: skip
+    if value not in ("token", "sequence") and values.get(_RS_THRESHOLD_KEY) is None:
+        raise VerlValueError(f"{value} without rollout_rs_threshold (verl raises at its first step)",
+                             "set algorithm.rollout_correction.rollout_rs_threshold, e.g. 2.0")  # fmt: skip
+    return _RS_MODES[value]
+
+
+def _rollout_rs_threshold(value: Any, values: Mapping[str, Any]) -> Any:
+    """verl's threshold spec -> rlplan's symmetric ratio bound t (tokens kept while |log rho| <= log t)."""
+    import math
+
+    if value is None:
+        return SKIP
+    mode = values.get(_RS_KEY)
+    if isinstance(mode, str) and mode not in _RS_MODES:
+        return SKIP  # a bound of another statistic: the mode itself is refused (_rollout_rs)
+    if isinstance(value, str):
+        low, sep, high = value.partition("_")
+        try:
+            lo, hi = (float(low), float(high)) if sep else (None, float(value))
+        except ValueError:
+            raise VerlValueError(f"cannot read the threshold {value!r}", "write t or 1/t_t (lower_upper), "
+                                 "one threshold for one mode") from None  # fmt: skip
+        if lo is not None:
+            if lo <= 0 or hi <= 0 or not math.isclose(lo * hi, 1.0, rel_tol=1e-3):
+                raise VerlValueError(f"the bounds {value!r} are not symmetric (lower x upper != 1); rlplan "
+                                     "keeps ratios in [1/t, t]", "use t alone, or 1/t_t")  # fmt: skip
+            value = hi
+        else:
+            value = hi
+    if mode == "token_k2" and isinstance(value, int | float) and value > 0:
+        # 0.5 (log rho)^2 <= u  <=>  |log rho| <= sqrt(2u): the same token set as rlplan's bound exp(sqrt(2u))
+        return math.exp(math.sqrt(2.0 * float(value)))
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
 _ROLLOUT_UNSUPPORTED = "rlplan's embedded rollout has no such engine option"
 
 VERL_KEYS: tuple[VerlKey, ...] = (
@@ -490,7 +553,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("data.return_full_prompt", "not-needed", "rlplan keeps the prompt with each response"),
     _u("data.dataloader_num_workers", "not-needed", "prompts are tokenized once, up front"),
     _u("data.validation_shuffle", "not-needed", "validation order is fixed"),
-    _u("data.tool_config_path", "unsupported", "no multi-turn tool use"),
+    _u("data.tool_config_path", "unsupported", "verl's per-dataset tool YAML is not read: list the tools in "
+       "rollout.multi_turn.tools"),
     _u("data.image_key", "unsupported", "text-only models"),
     _u("data.video_key", "unsupported", "text-only models"),
     _u("data.image_patch_size", "unsupported", "text-only models"),
@@ -519,7 +583,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.model.external_lib", "unsupported", "rlplan imports no model code"),
     _u("actor_rollout_ref.model.trust_remote_code", "unsupported", "rlplan runs no code from model folders"),
     _u("actor_rollout_ref.model.custom_chat_template", "unsupported", "the tokenizer's chat template is used"),
-    _u("actor_rollout_ref.model.use_fused_kernels", "not-needed", "rlplan's log-prob kernel is always chunked"),
+    _u("actor_rollout_ref.model.use_fused_kernels", "not-needed", "the log-prob / entropy reductions are fused by "
+       "model.fused_kernels (auto: compiled on cuda)"),
     _u("actor_rollout_ref.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
     # LoRA: verl's FSDP keys (lora_rank, ...) and its Megatron-Bridge section (model.lora.*).
     _m("actor_rollout_ref.model.lora_rank", "actor.lora.rank", "0 = off (verl's and rlplan's)"),
@@ -594,7 +659,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.actor.freeze_vision_tower", "unsupported", "text-only models"),
     _u("actor_rollout_ref.actor.load_weight", "not-needed", "weights come from model.path, or random init "
        "without it"),
-    _u("actor_rollout_ref.actor.use_fused_kernels", "not-needed", "rlplan's log-prob kernel is always chunked"),
+    _u("actor_rollout_ref.actor.use_fused_kernels", "not-needed", "the log-prob / entropy reductions are fused by "
+       "model.fused_kernels (auto: compiled on cuda)"),
     _u("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "unsupported", "FSDP only; megatron "
        "context parallel is *.megatron.context_parallel_size"),
     _u("actor_rollout_ref.actor.profile.*", "deprecated-in-verl", "use global_profiler.* and "
@@ -609,7 +675,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.ref.strategy", "not-needed", "the ref runs on megatron in the actor's processes"),
     _u("actor_rollout_ref.ref.use_torch_compile", "not-needed", "rlplan compiles nothing by default"),
     _u("actor_rollout_ref.ref.load_weight", "not-needed", "the ref loads the actor's initial weights"),
-    _u("actor_rollout_ref.ref.use_fused_kernels", "not-needed", "rlplan's log-prob kernel is always chunked"),
+    _u("actor_rollout_ref.ref.use_fused_kernels", "not-needed", "the log-prob / entropy reductions are fused by "
+       "model.fused_kernels (auto: compiled on cuda)"),
     _u("actor_rollout_ref.ref.profile.*", "deprecated-in-verl", "use global_profiler.*"),
     _u("actor_rollout_ref.ref.sync_actor", "unsupported", "the reference policy stays frozen"),
     _u("actor_rollout_ref.ref.sync_actor_alpha", "unsupported", "the reference policy stays frozen"),
@@ -631,10 +698,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
        "the rollout generates at this tp without pipeline parallel (dp = actor devices / tp), the actor's weights "
        "resharded into it before each generation; it must divide or be a multiple of the actor's tp (rule "
        "rollout-engine); unset: null, the actor's layout (no weight copy)"),
-    _m("actor_rollout_ref.rollout.gpu_memory_utilization", "rollout.gpu_memory_utilization", ""),
-    _m("actor_rollout_ref.rollout.free_cache_engine", "rollout.free_cache_engine", ""),
-    _m("actor_rollout_ref.rollout.max_num_seqs", "rollout.max_num_seqs", "",
-       verl_default=1024),
+    _m("actor_rollout_ref.rollout.gpu_memory_utilization", "rollout.gpu_memory_utilization", _VLLM_ONLY, _vllm_only),
+    _m("actor_rollout_ref.rollout.free_cache_engine", "rollout.free_cache_engine", _VLLM_ONLY, _vllm_only),
+    _m("actor_rollout_ref.rollout.max_num_seqs", "rollout.max_num_seqs", _VLLM_ONLY, _vllm_only),
     _m("actor_rollout_ref.rollout.enforce_eager", "rollout.cuda_graph", "inverted", _not),
     _m("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu",
        "verl's actor recomputes old log-probs with the rollout's micro-batch size"),
@@ -693,11 +759,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
        "user turns come from an interaction plugin, bounded by max_assistant_turns"),
     _u("actor_rollout_ref.rollout.multi_turn.*", "unsupported",
        "no rlplan equivalent for this multi-turn option"),
-    _u("actor_rollout_ref.rollout.agent.*", "unsupported", "no agent loop"),
+    _u("actor_rollout_ref.rollout.agent.*", "unsupported", "rlplan's agent loop is rollout.multi_turn (enable, tools, "
+       "interaction); verl's agent-loop classes and servers are not loaded"),
     _u("actor_rollout_ref.rollout.calculate_log_probs", "not-needed", "old log-probs are recomputed by the "
        "actor"),
-    _u("actor_rollout_ref.rollout.update_weights_bucket_megabytes", "not-needed", "no weight transfer: the "
-       "rollout uses the actor's weights"),
+    _u("actor_rollout_ref.rollout.update_weights_bucket_megabytes", "not-needed", "the colocated embedded "
+       "rollout generates with the actor's own weights (nothing moves); a separate rollout sizes its weight-sync "
+       "buckets itself"),
     _u("actor_rollout_ref.rollout.trace.*", "unsupported", "no rollout tracing backend"),
     _u("actor_rollout_ref.rollout.skip_rollout", "unsupported", "rollouts are always generated"),
     _u("actor_rollout_ref.rollout.skip_dump_dir", "unsupported", "rollouts are always generated"),
@@ -806,10 +874,13 @@ VERL_KEYS: tuple[VerlKey, ...] = (
        "the embedded rollout samples with the actor's own weights, so the weights stay near 1"),
     _m("algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.rollout_is_threshold",
        ""),
-    _m("algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs", "token / sequence "
-       "(rejected tokens leave the loss mask: means over accepted tokens, as verl)"),
+    _m("algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs", "token_k1 and "
+       "token_k2 -> token, seq_sum_k1 -> sequence (older names token / sequence kept); rejected tokens leave "
+       "the loss mask: means over accepted tokens, as verl. Other modes and chained lists are refused",
+       _rollout_rs),
     _m("algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold",
-       "the lower bound is its inverse"),
+       "the ratio bound t (the lower bound is 1/t): verl's `1/t_t` or t for *_k1; token_k2's bound u becomes "
+       "t = exp(sqrt(2u))", _rollout_rs_threshold),
     _m("algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.bypass_mode", ""),
     _u("algorithm.rollout_correction.*", "unsupported", "rlplan has rollout_is, rollout_is_threshold, "
        "rollout_rs, rollout_rs_threshold and bypass_mode"),
@@ -880,6 +951,154 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     *_checkpoint_rows(),
     *_profiler_rows(),
 )  # fmt: skip
+
+_FSDP = (
+    "translated from FSDP: megatron shards by its tp / pp / dp layout and the distributed optimizer "
+    "(*.megatron.*), so FSDP's sharding options are not needed"
+)
+_FSDP_ROLES = (
+    ("actor_rollout_ref.actor.fsdp_config", "actor.megatron"),
+    ("actor_rollout_ref.ref.fsdp_config", "ref.megatron"),
+    ("critic.model.fsdp_config", "critic.megatron"),
+    ("reward_model.model.fsdp_config", "reward.reward_model.megatron"),
+)
+FSDP_KEYS = ("actor_rollout_ref.actor.strategy", "actor_rollout_ref.ref.strategy", "critic.strategy",
+             "reward_model.strategy")  # fmt: skip
+"""Keys naming a verl worker's training backend: fsdp / fsdp2 there means the import translates FSDP."""
+
+
+def _fsdp_rows() -> list[VerlKey]:
+    """verl's FSDP workers (ppo_trainer.yaml) translated to megatron: offloads map, sharding is megatron's."""
+    rows = []
+    for verl_prefix, ours in _FSDP_ROLES:
+        rows.append(_m(f"{verl_prefix}.param_offload", f"{ours}.param_offload",
+                       "FSDP's parameter offload -> megatron's"))  # fmt: skip
+        if ours != "ref.megatron" and ours != "reward.reward_model.megatron":
+            rows.append(_m(f"{verl_prefix}.optimizer_offload", f"{ours}.optimizer_offload",
+                           "FSDP's optimizer-state offload -> megatron's"))  # fmt: skip
+        rows.append(_u(f"{verl_prefix}.offload_policy", "unsupported", "FSDP2's CPUOffloadPolicy (parameters, "
+                       f"gradients and the optimizer step on the CPU) has no megatron form: set "
+                       f"{ours}.param_offload / optimizer_offload"))  # fmt: skip
+        rows.append(_u(f"{verl_prefix}.*", "not-needed", _FSDP))
+    rows += [
+        _u("actor_rollout_ref.model.enable_activation_offload", "unsupported", "FSDP only: use "
+           "actor.megatron.override_transformer_config.recompute_* to save activation memory"),
+        _u("critic.model.enable_activation_offload", "unsupported", "FSDP only: use "
+           "critic.megatron.override_transformer_config.recompute_*"),
+        _u("actor_rollout_ref.model.use_liger", "not-needed", "FSDP's Liger kernels; megatron has its own"),
+        _u("critic.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
+        _u("actor_rollout_ref.actor.entropy_from_logits_with_chunking", "not-needed", "rlplan's log-prob and "
+           "entropy kernel is chunked by the vocabulary"),
+        _u("actor_rollout_ref.actor.entropy_checkpointing", "not-needed", "rlplan's log-prob and entropy kernel "
+           "is chunked by the vocabulary"),
+        _u("actor_rollout_ref.ref.entropy_from_logits_with_chunking", "not-needed", "the ref computes no "
+           "entropy"),
+        _u("actor_rollout_ref.ref.entropy_checkpointing", "not-needed", "the ref computes no entropy"),
+        _u("actor_rollout_ref.actor.optim.num_cycles", "unsupported", "rlplan's cosine decays once (verl's "
+           "default 0.5 cycles)"),
+        _u("critic.optim.num_cycles", "unsupported", "rlplan's cosine decays once (verl's default 0.5 cycles)"),
+    ]  # fmt: skip
+    return rows
+
+
+FSDP_ROWS: dict[str, VerlKey] = {
+    f"{prefix}.betas": _m(f"{prefix}.betas", f"{ours}.betas", "verl's FSDP optimizer uses them (its megatron "
+                          "one does not)")
+    for prefix, ours in (("actor_rollout_ref.actor.optim", "actor.optim"), ("critic.optim", "critic.optim"))
+}  # fmt: skip
+"""Rows that replace the table's for an FSDP script (where verl's FSDP workers read a key its megatron ones
+ignore)."""
+
+
+def _rm_devices_current(value: Any, values: Mapping[str, Any]) -> Any:
+    nnodes = _ctx(values, "reward.reward_model.nnodes", 1)
+    if isinstance(value, int) and isinstance(nnodes, int) and not isinstance(value, bool):
+        return value * max(nnodes, 1)
+    return value
+
+
+# verl's current schema moved the reward settings under `reward.` (verl/trainer/config/reward/reward.yaml):
+# each old row is repeated under its new name, so both spellings translate the same way.
+_CURRENT_PREFIXES = (
+    ("reward.custom_reward_function.", "custom_reward_function."),
+    ("reward.reward_kwargs.", "reward_model.reward_kwargs."),
+    ("reward.sandbox_fusion.", "reward_model.sandbox_fusion."),
+)
+_CURRENT_RENAMES = (
+    ("reward.reward_model.enable", "reward_model.enable"),
+    ("reward.reward_model.model_path", "reward_model.model.path"),
+    ("reward.reward_model.enable_resource_pool", "reward_model.enable_resource_pool"),
+    ("reward.reward_model.nnodes", "reward_model.nnodes"),
+    ("reward.reward_manager.name", "reward_model.reward_manager"),
+)
+
+
+def _current_schema_rows(rows: tuple[VerlKey, ...]) -> list[VerlKey]:
+    by_key = {r.verl: r for r in rows}
+    out = []
+    for new, old in _CURRENT_PREFIXES:
+        for r in rows:
+            if r.verl.startswith(old):
+                out.append(dataclasses.replace(r, verl=new + r.verl[len(old) :]))
+    out += [dataclasses.replace(by_key[old], verl=new) for new, old in _CURRENT_RENAMES]
+    out += [
+        _m("reward.reward_model.n_gpus_per_node", "reward.reward_model.num_devices", "x reward.reward_model."
+           "nnodes: the devices of its own pool", _rm_devices_current),
+        _u("reward.reward_model.rollout.*", "unsupported", "rlplan runs a reward model as a megatron forward "
+           "pass (reward.reward_model.*), not through a rollout engine"),
+        _u("reward.reward_manager.*", "unsupported", "rlplan loads no reward manager class: reward.function "
+           "scores each response"),
+        _u("reward.num_workers", "not-needed", "rule rewards run in the controller"),
+        _u("reward.compute_score_kwargs.*", "unsupported", "keyword arguments of verl's built-in scorers: bind "
+           "them in a reward function of your own"),
+    ]  # fmt: skip
+    return out
+
+
+def _router_replay(value: Any, _: Mapping[str, Any]) -> Any:
+    if value in ("disabled", None):
+        return False
+    if value == "R3":
+        return True
+    raise VerlValueError(f"router_replay.mode {value!r} has no rlplan equivalent (rlplan replays the rollout's "
+                         "routing, verl's R3)", "use R3 or disabled")  # fmt: skip
+
+
+def _newer_rows() -> list[VerlKey]:
+    """Keys of verl's current run scripts (examples/) that the rows above do not name."""
+    return [
+        _m("actor_rollout_ref.actor.router_replay.mode", "actor.router_replay", "R3 -> true (the rollout's "
+           "routing replayed in the old log-prob and update passes), disabled -> false; R2 is refused",
+           _router_replay),
+        _u("actor_rollout_ref.actor.router_replay.*", "not-needed", "rlplan keeps the recorded routing in memory "
+           "with the batch"),
+        _u("actor_rollout_ref.ref.router_replay.*", "not-needed", "the reference policy routes on its own"),
+        _u("actor_rollout_ref.rollout.enable_rollout_routing_replay", "not-needed", "the embedded rollout "
+           "records the routing whenever actor.router_replay is on"),
+        _u("actor_rollout_ref.rollout.checkpoint_engine.*", "not-needed", "the colocated embedded rollout "
+           "generates with the actor's own weights; a separate rollout sizes its weight-sync buckets itself"),
+        _u("actor_rollout_ref.model.mtp.*", "unsupported", "no multi-token-prediction heads"),
+        _u("actor_rollout_ref.model.fused_kernel_options.*", "not-needed", "the log-prob / entropy reductions "
+           "are fused by model.fused_kernels (auto: compiled on cuda)"),
+        _u("actor_rollout_ref.actor.use_prefix_grouper", "unsupported", "prompts are not shared across a "
+           "group's forward passes"),
+        _u("actor_rollout_ref.actor.calculate_sum_pi_squared", "unsupported", "no such metric"),
+        _u("reward_model.use_reward_loop", "not-needed", "rule rewards run in the controller; a reward model "
+           "runs as a megatron forward pass"),
+        _u("reward_model.num_workers", "not-needed", "rule rewards run in the controller"),
+        _u("reward_model.rollout.*", "unsupported", "rlplan runs a reward model as a megatron forward pass "
+           "(reward.reward_model.*), not through a rollout engine"),
+        _u("reward_model.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
+        _u("reward_model.reward_loop_source", "not-needed", "rlplan loads no reward loop class"),
+        _u("reward_model.reward_loop_module_path", "unsupported", "rlplan loads no reward loop class: "
+           "reward.function scores each response"),
+        _u("reward_model.reward_loop_class_name", "unsupported", "rlplan loads no reward loop class: "
+           "reward.function scores each response"),
+    ]  # fmt: skip
+
+
+VERL_KEYS = VERL_KEYS + tuple(_fsdp_rows()) + tuple(_newer_rows())
+VERL_KEYS = VERL_KEYS + tuple(_current_schema_rows(VERL_KEYS))
 
 _INDEX: dict[str, int] = {row.verl: i for i, row in enumerate(VERL_KEYS)}
 _PATTERNS: tuple[tuple[str, int], ...] = tuple(

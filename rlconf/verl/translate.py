@@ -24,6 +24,8 @@ from rlconf.verl.table import (
     _IN_ACTOR,
     _MEGATRON_ROLES,
     _NO_DEFAULT,
+    FSDP_KEYS,
+    FSDP_ROWS,
     SKIP,
     VERL_KEYS,
     VerlKey,
@@ -384,7 +386,13 @@ def translate(
         settings[path] = value
         origin[path] = source
 
-    located = [(find_row(k), k) for k in values]
+    fsdp = _fsdp_source(values)
+    if fsdp:
+        notes.insert(0, f"translated from FSDP to megatron ({fsdp}): FSDP shards every weight over all devices; "
+                     "rlplan runs megatron with the layout in *.megatron.* (unset: tp = pp = 1, data parallel "
+                     "over all devices, distributed optimizer); fsdp_config.param_offload / optimizer_offload "
+                     "become *.megatron.param_offload / optimizer_offload. Check the plan's memory per device")  # fmt: skip
+    located = [((-1, FSDP_ROWS[k]) if fsdp and k in FSDP_ROWS else find_row(k), k) for k in values]
     order = sorted(range(len(located)), key=lambda i: (located[i][0] is None, (located[i][0] or (0,))[0], i))
     for i in order:
         found, key = located[i]
@@ -434,6 +442,8 @@ def translate(
         derive("reward.function", "default_compute_score", "verl scores each row by its data_source "
                "(default_compute_score: gsm8k, MATH, DAPO-math / AIME)")  # fmt: skip
 
+    _missing_backends(settings, mapped, issues, origin)
+
     position = {key: i for i, key in enumerate(values)}
     mapped.sort(key=lambda m: position[m.verl])
     unmapped.sort(key=lambda u: position.get(u.verl, -1))
@@ -444,6 +454,48 @@ def translate(
         notes=tuple(notes), issues=tuple(issues), origin=origin, config=config,
         plan_checked=check_plan and not any(i.severity == "error" for i in issues), sources=tuple(sources),
     )  # fmt: skip
+
+
+def _fsdp_source(values: Mapping[str, Any]) -> str:
+    """`key = value` that makes the input an FSDP script ('' for a megatron one)."""
+    for key in FSDP_KEYS:
+        if str(values.get(key, "")).startswith("fsdp"):
+            return f"{key} = {values[key]}"
+    for key in values:
+        if ".fsdp_config." in key:
+            return f"{key} is set"
+    return ""
+
+
+_BACKEND_MODULES = {"wandb": "wandb", "tensorboard": "tensorboard"}
+"""logging.backends that need a package rlplan does not depend on (rltrain/metrics.py imports them)."""
+
+
+def _missing_backends(
+    settings: dict[str, Any], mapped: list[Mapped], issues: list[Issue], origin: Mapping[str, str]
+) -> None:
+    """Drop logger backends whose package is not importable here (the run would stop at its first step),
+    keeping console and jsonl, with a warning that says how to get them back."""
+    import importlib.util
+
+    backends = settings.get("logging.backends")
+    if not isinstance(backends, list):
+        return
+    missing = [
+        b for b in backends if b in _BACKEND_MODULES and importlib.util.find_spec(_BACKEND_MODULES[b]) is None
+    ]
+    if not missing:
+        return
+    settings["logging.backends"] = [b for b in backends if b not in missing]
+    names = ", ".join(missing)
+    for i, m in enumerate(mapped):  # the report shows what the file gets
+        if m.rlplan == "logging.backends" and m.applied:
+            mapped[i] = dataclasses.replace(m, value=settings["logging.backends"],
+                                            note=f"{m.note}; {names} dropped: not installed here")  # fmt: skip
+    issues.append(warning(
+        "logging.backends", f"{origin.get('logging.backends', 'trainer.logger')} asks for {names}, which is not "
+        f"installed here: dropped (the run logs to {', '.join(settings['logging.backends'])})",
+        f"pip install {' '.join(missing)} and add it back to logging.backends to log there", "logging"))  # fmt: skip
 
 
 def _derive_rlplan_rules(

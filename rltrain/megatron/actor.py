@@ -196,7 +196,8 @@ class MegatronActor(MegatronEngine):
         clip_high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
         use_kl = cfg.use_kl_loss and "ref_log_prob" in batch
         n = batch["input_ids"].shape[0]
-        names = ["actor/loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/entropy"]
+        names = ["actor/loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/ppo_kl_k3",
+                 "actor/entropy"]  # fmt: skip
         if use_kl:
             names.append("actor/kl_loss")
         sums: dict[str, float] = dict.fromkeys(names, 0.0)
@@ -302,6 +303,11 @@ class MegatronActor(MegatronEngine):
             "actor/pg_loss": pg_loss.detach(),
             "actor/pg_clipfrac": pg_metrics["pg_clipfrac"],
             "actor/ppo_kl": pg_metrics["ppo_kl"],
+            # KL(pi_old || pi) by k3 = r - 1 - log r (r = pi / pi_old, samples from pi_old): >= 0 token by token,
+            # unlike ppo_kl's k1 mean, so the plot's KL panel can show it.
+            "actor/ppo_kl_k3": algorithms.masked_mean(
+                algorithms.kl_penalty(old_log_probs, logp.detach(), "low_var_kl"), mask
+            ),
             "actor/entropy": entropy.detach(),
         }
         if use_kl:
