@@ -108,9 +108,9 @@ def hf_tensors(arch: ModelArch, *, lm_head: bool = True) -> dict[str, tuple[int,
         fs = arch.moe_shared_expert_intermediate_size
         if arch.multi_latent_attention:  # DeepseekV3MoE: shared_experts, the router's score bias
             out[p + "mlp.gate.e_score_correction_bias"] = (arch.num_moe_experts,)
-            if fs is not None:
-                out.update({p + "mlp.shared_experts.gate_proj.weight": (fs, h), p + "mlp.shared_experts.up_proj."
-                            "weight": (fs, h), p + "mlp.shared_experts.down_proj.weight": (h, fs)})  # fmt: skip
+            w = fs or 0  # n_shared_experts 0: transformers still builds (and saves) zero-width ones
+            out.update({p + "mlp.shared_experts.gate_proj.weight": (w, h), p + "mlp.shared_experts.up_proj."
+                        "weight": (w, h), p + "mlp.shared_experts.down_proj.weight": (h, w)})  # fmt: skip
         elif fs is not None:
             out.update({p + "mlp.shared_expert.gate_proj.weight": (fs, h), p + "mlp.shared_expert.up_proj.weight":
                         (fs, h), p + "mlp.shared_expert.down_proj.weight": (h, fs)})  # fmt: skip

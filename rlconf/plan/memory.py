@@ -11,8 +11,8 @@ from rlconf.config import (
     RLConfig,
 )
 from rlconf.model_spec import (
-    kv_cache_width,
     is_moe_layer,
+    kv_cache_width,
     layer_params,
 )
 from rlconf.plan.compile import _cdiv, _kv_channels, _Models, rollout_resharded, rollout_tp
