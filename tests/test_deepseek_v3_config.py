@@ -114,7 +114,7 @@ def test_tiny_config_reads_as_transformers_builds_it(name: str):
         from safetensors import safe_open
 
         with safe_open(str(Path(tmp) / "model.safetensors"), "pt") as f:
-            saved_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+            saved_shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118 - safe_open is not iterable
     assert saved_shapes == hf_tensors(arch)
 
 
@@ -161,9 +161,9 @@ def test_rlconf_plan_json_reports_the_counts(tmp_path: Path, cfg: dict[str, Any]
 def test_plan_sizes_the_latent_kv_cache(tmp_path: Path):
     """The rollout KV cache of an MLA model holds kv_lora_rank + qk_rope_head_dim per token and layer (the
     compressed latent), not 2 x heads x head_dim: 576 vs 32768 elements for DeepSeek-V3."""
-    from rlconf.plan import compile_plan
     from presets import PRESETS
     from rlconf.load import load_config
+    from rlconf.plan import compile_plan
     from rlconf.plan.memory import rollout_prompt_tokens
 
     folder = model_folder(tmp_path, "m", MOONLIGHT)
