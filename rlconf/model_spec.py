@@ -868,8 +868,20 @@ def training_gaps(arch: ModelArch) -> list[tuple[str, str]]:
     gaps = []
     if arch.multi_latent_attention:
         gaps.append(("multi_latent_attention", "multi-head latent attention (deepseek_v3) is planned but not "
-                     "built in the megatron engine yet: megatron-core 0.16.1's MLASelfAttention, DeepSeek routing "
-                     "and the HF <-> megatron weight mapping for it are not wired into rltrain"))  # fmt: skip
+                     "built in the megatron engine yet: megatron-core 0.16.1's MLASelfAttention and DeepSeek "
+                     "routing match transformers (rltrain.megatron.mla) but are not wired into the actor, the "
+                     "embedded rollout's KV cache or checkpoint export"))  # fmt: skip
+        # Where megatron-core 0.16.1's router is not transformers' DeepseekV3TopkRouter (moe_utils.topk_routing_
+        # with_score_function / group_limited_topk): it always renormalises sigmoid top-k weights, and scores
+        # a group by its top (topk / group_topk) experts where transformers takes the top 2.
+        if not arch.moe_norm_topk_prob and arch.moe_router_topk > 1:
+            gaps.append(("moe_norm_topk_prob", "norm_topk_prob: false with sigmoid routing: megatron-core always "
+                         "renormalises sigmoid top-k weights, transformers does not here"))  # fmt: skip
+        groups, group_topk = arch.moe_router_num_groups or 1, arch.moe_router_group_topk or 1
+        if groups > 1 and arch.moe_router_topk // group_topk != 2:
+            gaps.append(("moe_router_group_topk", f"group-limited routing with num_experts_per_tok / topk_group = "
+                         f"{arch.moe_router_topk} / {group_topk}: megatron-core scores each group by its top "
+                         f"{arch.moe_router_topk // group_topk} experts, transformers by its top 2"))  # fmt: skip
     if arch.num_mtp_layers:
         gaps.append(("num_mtp_layers", f"{arch.num_mtp_layers} multi-token prediction layer(s) "
                      "(num_nextn_predict_layers) are not trained (transformers does not build them either)"))  # fmt: skip

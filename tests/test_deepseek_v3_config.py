@@ -231,3 +231,23 @@ def test_rltrain_refuses_mla_by_name_before_writing_anything(tmp_path: Path):
     assert "multi-token prediction" in run.stderr  # num_nextn_predict_layers = 1: named, not dropped
     assert "Traceback" not in run.stderr and not out.exists()
     assert read_model_arch(str(folder)).num_mtp_layers == 1
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"norm_topk_prob": False}, "moe_norm_topk_prob"),
+        ({"num_experts_per_tok": 2}, "moe_router_group_topk"),
+    ],
+    ids=["no-renormalisation", "group-score-width"],
+)
+def test_routing_megatron_builds_differently_is_named(changes: dict[str, Any], field: str):
+    """Where megatron-core's router would compute another model than transformers' (sigmoid weights always
+    renormalised; a group scored by its top topk / topk_group experts, not 2), the gap is named; DeepSeek-V3
+    (8 / 4 = 2, renormalised) and Moonlight (one group) have none of them."""
+    from rlconf.model_spec import training_gaps
+
+    assert field in {f for f, _ in training_gaps(arch_from_config({**saved(), **changes}, "config.json"))}
+    for cfg in (DEEPSEEK_V3, MOONLIGHT, saved(num_experts_per_tok=4)):
+        fields = {f for f, _ in training_gaps(arch_from_config(cfg, "config.json"))}
+        assert not fields & {"moe_norm_topk_prob", "moe_router_group_topk"}
