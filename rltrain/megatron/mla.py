@@ -123,3 +123,39 @@ def hf_to_megatron(arch: ModelArch, hf: dict[str, torch.Tensor]) -> dict[str, to
         if arch.moe_shared_expert_intermediate_size is not None:
             fc(s + "mlp.shared_experts.", d + "mlp.shared_experts.")
     return out
+
+
+def megatron_to_hf(arch: ModelArch, meg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The inverse of `hf_to_megatron`: DeepseekV3ForCausalLM safetensors names (per-expert, as
+    transformers saves them) from a megatron GPTModel state (TP = EP = 1); `_extra_state` entries dropped."""
+    attn = {"linear_q_proj": "q_proj", "linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm",
+            "linear_q_up_proj": "q_b_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa",
+            "kv_layernorm": "kv_a_layernorm", "linear_kv_up_proj": "kv_b_proj", "linear_proj": "o_proj"}  # fmt: skip
+    out = {"model.embed_tokens.weight": meg["embedding.word_embeddings.weight"],
+           "model.norm.weight": meg["decoder.final_layernorm.weight"]}  # fmt: skip
+    if not arch.share_embeddings_and_output_weights:
+        out["lm_head.weight"] = meg["output_layer.weight"]
+
+    def fc(src: str, dst: str) -> None:
+        gate, up = meg[src + "linear_fc1.weight"].chunk(2)
+        out.update({dst + "gate_proj.weight": gate.contiguous(), dst + "up_proj.weight": up.contiguous(),
+                    dst + "down_proj.weight": meg[src + "linear_fc2.weight"]})  # fmt: skip
+
+    for i in range(arch.num_layers):
+        s, d = f"decoder.layers.{i}.", f"model.layers.{i}."
+        out[d + "input_layernorm.weight"] = meg[s + "input_layernorm.weight"]
+        out[d + "post_attention_layernorm.weight"] = meg[s + "pre_mlp_layernorm.weight"]
+        for name, hf in attn.items():
+            if s + f"self_attention.{name}.weight" in meg:
+                out[d + f"self_attn.{hf}.weight"] = meg[s + f"self_attention.{name}.weight"]
+        if i in arch.moe_dense_layers:
+            fc(s + "mlp.", d + "mlp.")
+            continue
+        assert arch.num_moe_experts is not None
+        out[d + "mlp.gate.weight"] = meg[s + "mlp.router.weight"]
+        out[d + "mlp.gate.e_score_correction_bias"] = meg[s + "mlp.router.expert_bias"]
+        for e in range(arch.num_moe_experts):
+            fc(s + f"mlp.experts.local_experts.{e}.", d + f"mlp.experts.{e}.")
+        if arch.moe_shared_expert_intermediate_size is not None:
+            fc(s + "mlp.shared_experts.", d + "mlp.shared_experts.")
+    return out
