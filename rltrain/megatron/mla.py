@@ -89,8 +89,11 @@ def local_mla_block_spec(config: Any) -> Any:
     return spec
 
 
-def hf_to_megatron(arch: ModelArch, hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """megatron GPTModel state (TP = EP = 1) from a DeepseekV3ForCausalLM state dict: names mapped, SwiGLU
+def hf_to_megatron(
+    arch: ModelArch, hf: dict[str, torch.Tensor], ep_rank: int = 0, ep_size: int = 1
+) -> dict[str, torch.Tensor]:
+    """megatron GPTModel state (TP = 1; expert parallel rank `ep_rank` of `ep_size`, holding the contiguous
+    block of num_moe_experts / ep_size experts) from a DeepseekV3ForCausalLM state dict: names mapped, SwiGLU
     gate / up concatenated into linear_fc1, the router's e_score_correction_bias into expert_bias."""
     out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
            "decoder.final_layernorm.weight": hf["model.norm.weight"]}  # fmt: skip
@@ -118,8 +121,9 @@ def hf_to_megatron(arch: ModelArch, hf: dict[str, torch.Tensor]) -> dict[str, to
         assert arch.num_moe_experts is not None
         out[d + "mlp.router.weight"] = hf[s + "mlp.gate.weight"]
         out[d + "mlp.router.expert_bias"] = hf[s + "mlp.gate.e_score_correction_bias"]
-        for e in range(arch.num_moe_experts):
-            fc(s + f"mlp.experts.{e}.", d + f"mlp.experts.local_experts.{e}.")
+        local = arch.num_moe_experts // ep_size
+        for e in range(local):
+            fc(s + f"mlp.experts.{ep_rank * local + e}.", d + f"mlp.experts.local_experts.{e}.")
         if arch.moe_shared_expert_intermediate_size is not None:
             fc(s + "mlp.shared_experts.", d + "mlp.shared_experts.")
     return out

@@ -83,3 +83,68 @@ def test_megatron_mla_logits_match_transformers(mp_world, q_lora_rank):
         assert again.config.model_type == "deepseek_v3"
         with torch.no_grad():
             assert torch.equal(again(ids).logits, want)
+
+
+def _ep_worker(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, out: str) -> None:
+    from ._common import run_spawned
+
+    run_spawned(_ep_forward, rank, world, port, folder, ids, out)
+
+
+def _ep_forward(rank: int, world: int, port: int, folder: str, ids: torch.Tensor, out: str) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.transformer.transformer_config import MLATransformerConfig
+    from safetensors.torch import load_file
+
+    from rlconf.config import MegatronConfig
+    from rlconf.model_spec import read_model_arch
+    from rltrain.megatron.cpu_compat import cuda_to_cpu
+    from rltrain.megatron.mla import hf_to_megatron, local_mla_block_spec, mla_config_kwargs
+    from rltrain.megatron.parallel import destroy_parallel, init_parallel
+
+    init_parallel(MegatronConfig(expert_model_parallel_size=2), "cpu", rank=rank, world_size=world,
+                  master_port=port)  # fmt: skip
+    assert parallel_state.get_expert_model_parallel_world_size() == 2
+    arch = read_model_arch(folder)
+    mcfg = MLATransformerConfig(**mla_config_kwargs(arch), expert_model_parallel_size=2,
+                                use_cpu_initialization=True, params_dtype=torch.float32)  # fmt: skip
+    state = hf_to_megatron(arch, load_file(str(Path(folder) / "model.safetensors")), rank, 2)
+    with cuda_to_cpu():
+        model = GPTModel(mcfg, local_mla_block_spec(mcfg), vocab_size=64, max_sequence_length=64,
+                         position_embedding_type="none", share_embeddings_and_output_weights=False).eval()  # fmt: skip
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
+        with torch.no_grad():
+            logits = model(
+                ids, torch.arange(ids.shape[1])[None].expand(ids.shape[0], -1), attention_mask=None
+            )
+    torch.save(logits, f"{out}/logits{rank}.pt")
+    destroy_parallel()
+
+
+@pytest.mark.multiproc
+def test_megatron_mla_logits_match_transformers_at_ep2(tmp_path):
+    """Experts split over two expert-parallel ranks (4 each; tokens exchanged by megatron's alltoall
+    dispatcher over gloo): both ranks' logits equal transformers' within fp32 rounding."""
+    import torch.multiprocessing as mp
+
+    from ._common import free_port
+
+    torch.manual_seed(0)
+    cfg = transformers.DeepseekV3Config(**TINY, q_lora_rank=24, attn_implementation="eager")
+    hf = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for layer in hf.model.layers[2:]:
+            layer.mlp.gate.e_score_correction_bias.copy_(torch.randn(8) * 0.05)
+            layer.mlp.gate.weight.normal_(0, 0.5)
+    folder = tmp_path / "hf"
+    hf.save_pretrained(folder)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = hf(ids).logits
+    mp.spawn(_ep_worker, args=(2, free_port(), str(folder), ids, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        diff = (torch.load(tmp_path / f"logits{rank}.pt") - want).abs().max().item()
+        print(f"EP=2 rank {rank}: max |logit diff| vs transformers {diff:.3g}")
+        assert diff < 1e-5
