@@ -869,8 +869,8 @@ def training_gaps(arch: ModelArch) -> list[tuple[str, str]]:
     if arch.multi_latent_attention:
         gaps.append(("multi_latent_attention", "multi-head latent attention (deepseek_v3) is planned but not "
                      "built in the megatron engine yet: megatron-core 0.16.1's MLASelfAttention and DeepSeek "
-                     "routing match transformers (rltrain.megatron.mla) but are not wired into the actor, the "
-                     "embedded rollout's KV cache or checkpoint export"))  # fmt: skip
+                     "routing match transformers at TP = 1 and EP = 2 (rltrain.megatron.mla) but are not wired "
+                     "into the actor, the embedded rollout's KV cache or checkpoint export"))  # fmt: skip
         # Where megatron-core 0.16.1's router is not transformers' DeepseekV3TopkRouter (moe_utils.topk_routing_
         # with_score_function / group_limited_topk): it always renormalises sigmoid top-k weights, and scores
         # a group by its top (topk / group_topk) experts where transformers takes the top 2.
