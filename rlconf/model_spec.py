@@ -801,9 +801,9 @@ def _deepseek_v3_keys(arch: ModelArch) -> dict[str, Any]:
         "num_experts_per_tok": arch.moe_router_topk,
         "moe_intermediate_size": arch.moe_ffn_hidden_size,
         "n_shared_experts": shared // arch.moe_ffn_hidden_size,
-        "n_group": arch.moe_router_num_groups,
-        "topk_group": arch.moe_router_group_topk,
-        "routed_scaling_factor": arch.moe_router_topk_scaling_factor,
+        "n_group": arch.moe_router_num_groups or 1,  # None: no groups, which transformers spells 1
+        "topk_group": arch.moe_router_group_topk or 1,
+        "routed_scaling_factor": arch.moe_router_topk_scaling_factor or 1.0,
         "norm_topk_prob": arch.moe_norm_topk_prob,
         "first_k_dense_replace": len(arch.moe_dense_layers),
         "num_nextn_predict_layers": arch.num_mtp_layers,
