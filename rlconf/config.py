@@ -42,7 +42,9 @@ BUILTIN_REWARDS: tuple[str, ...] = (
 
 
 # --------------------------------------------------------------------------------------------- model
-ModelFamily = Literal["llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral"]
+ModelFamily = Literal[
+    "llama", "mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v3"
+]
 """Hugging Face model_type values rlplan reads and writes (rlconf.model_spec.FAMILIES has their features)."""
 
 
@@ -66,6 +68,11 @@ class RopeScaling:
     """yarn: rotations above which frequencies are kept (extrapolated)."""
     beta_slow: float = 1.0
     """yarn: rotations below which frequencies are interpolated."""
+    mscale: float | None = None
+    """yarn (DeepSeek): the attention factor's mscale (rope_scaling.mscale); None: 0.1 ln(factor) + 1."""
+    mscale_all_dim: float | None = None
+    """yarn (DeepSeek): mscale_all_dim; the softmax scale is multiplied by (0.1 mscale_all_dim ln(factor) + 1)^2
+    and the rope attention factor divided by the same term."""
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,34 @@ class ModelArch:
     and the layers decoder_sparse_step skips)."""
     moe_aux_loss_coeff: float = 0.0
     """Router load-balancing loss coefficient (router_aux_loss_coef)."""
+    multi_latent_attention: bool = False
+    """Multi-head latent attention (DeepSeek-V3 MLA): low-rank q / kv projections and a decoupled rope head;
+    the q_lora_rank ... v_head_dim fields below apply."""
+    q_lora_rank: int | None = None
+    """MLA: rank of the query down-projection (q_a_proj); None: a full-rank q_proj."""
+    kv_lora_rank: int = 512
+    """MLA: rank of the compressed key/value latent (kv_a_proj_with_mqa), what the latent KV cache holds."""
+    qk_head_dim: int = 128
+    """MLA: per-head query/key width without rope (qk_nope_head_dim)."""
+    qk_pos_emb_head_dim: int = 64
+    """MLA: per-head query/key rope width, one rope key shared by all heads (qk_rope_head_dim)."""
+    v_head_dim: int = 128
+    """MLA: per-head value width."""
+    rotary_interleaved: bool = False
+    """RoPE on interleaved (even, odd) pairs instead of the two halves (DeepSeek-V3's rope_interleave)."""
+    moe_router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    """Router scores: softmax over experts, or a sigmoid per expert (DeepSeek-V3)."""
+    moe_router_enable_expert_bias: bool = False
+    """A per-expert bias added to the scores for choosing experts only (DeepSeek-V3 e_score_correction_bias)."""
+    moe_router_num_groups: int | None = None
+    """Group-limited routing: experts split into this many groups (n_group); None: no groups."""
+    moe_router_group_topk: int | None = None
+    """Group-limited routing: groups each token may choose experts from (topk_group)."""
+    moe_router_topk_scaling_factor: float | None = None
+    """Routing weights multiplied by this after top-k (routed_scaling_factor); None: 1."""
+    num_mtp_layers: int = 0
+    """Multi-token prediction layers stored after the decoder (num_nextn_predict_layers); transformers does not
+    build them, and neither the parameter count nor training includes them."""
 
 
 @dataclass(frozen=True)

@@ -80,11 +80,14 @@ def hf_tensors(arch: ModelArch, *, lm_head: bool = True) -> dict[str, tuple[int,
         p = f"model.layers.{i}."
         out[p + "input_layernorm.weight"] = (h,)
         out[p + "post_attention_layernorm.weight"] = (h,)
-        for x, rows in (("q", q), ("k", g), ("v", g)):
-            out[f"{p}self_attn.{x}_proj.weight"] = (rows, h)
-            if arch.add_qkv_bias:
-                out[f"{p}self_attn.{x}_proj.bias"] = (rows,)
-        out[p + "self_attn.o_proj.weight"] = (h, q)
+        if arch.multi_latent_attention:
+            out.update(_mla_tensors(arch, p + "self_attn."))
+        else:
+            for x, rows in (("q", q), ("k", g), ("v", g)):
+                out[f"{p}self_attn.{x}_proj.weight"] = (rows, h)
+                if arch.add_qkv_bias:
+                    out[f"{p}self_attn.{x}_proj.bias"] = (rows,)
+            out[p + "self_attn.o_proj.weight"] = (h, q)
         if arch.qk_layernorm:
             out[p + "self_attn.q_norm.weight"] = (d,)
             out[p + "self_attn.k_norm.weight"] = (d,)
@@ -104,11 +107,36 @@ def hf_tensors(arch: ModelArch, *, lm_head: bool = True) -> dict[str, tuple[int,
                 {f"{x}{gate}.weight": (fe, h), f"{x}{up}.weight": (fe, h), f"{x}{down}.weight": (h, fe)}
             )
         fs = arch.moe_shared_expert_intermediate_size
-        if fs is not None:
+        if arch.multi_latent_attention:  # DeepseekV3MoE: shared_experts, the router's score bias
+            out[p + "mlp.gate.e_score_correction_bias"] = (arch.num_moe_experts,)
+            w = fs or 0  # n_shared_experts 0: transformers still builds (and saves) zero-width ones
+            out.update({p + "mlp.shared_experts.gate_proj.weight": (w, h), p + "mlp.shared_experts.up_proj."
+                        "weight": (w, h), p + "mlp.shared_experts.down_proj.weight": (h, w)})  # fmt: skip
+        elif fs is not None:
             out.update({p + "mlp.shared_expert.gate_proj.weight": (fs, h), p + "mlp.shared_expert.up_proj.weight":
                         (fs, h), p + "mlp.shared_expert.down_proj.weight": (h, fs)})  # fmt: skip
             if arch.moe_shared_expert_gate:
                 out[p + "mlp.shared_expert_gate.weight"] = (1, h)
+    return out
+
+
+def _mla_tensors(arch: ModelArch, p: str) -> dict[str, tuple[int, ...]]:
+    """DeepseekV3Attention's tensors under prefix `p` (q_a / q_b with q_lora_rank, else q_proj)."""
+    h, n = arch.hidden_size, arch.num_attention_heads
+    qk = n * (arch.qk_head_dim + arch.qk_pos_emb_head_dim)
+    out: dict[str, tuple[int, ...]] = {
+        p + "kv_a_proj_with_mqa.weight": (arch.kv_lora_rank + arch.qk_pos_emb_head_dim, h),
+        p + "kv_a_layernorm.weight": (arch.kv_lora_rank,),
+        p + "kv_b_proj.weight": (n * (arch.qk_head_dim + arch.v_head_dim), arch.kv_lora_rank),
+        p + "o_proj.weight": (h, n * arch.v_head_dim),
+    }
+    r = arch.q_lora_rank
+    if r is None:
+        out[p + "q_proj.weight"] = (qk, h)
+    else:
+        out.update(
+            {p + "q_a_proj.weight": (r, h), p + "q_a_layernorm.weight": (r,), p + "q_b_proj.weight": (qk, r)}
+        )
     return out
 
 

@@ -4,7 +4,10 @@ Pure standard library, like all of rlconf: the plan compiler, `rlconf validate` 
 weight import / export (rltrain.megatron.hf_weights) all read a folder through `read_model_arch`, so they
 cannot disagree about what a config.json means.
 
-Families (`FAMILIES`): llama (Llama 3 / 3.1 / 3.2), mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral.
+Families (`FAMILIES`): llama (Llama 3 / 3.1 / 3.2), mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral,
+deepseek_v3 (DeepSeek-V3, Moonlight-16B-A3B, Kimi-K2: multi-head latent attention, sigmoid group-limited
+routing with an expert-score bias, shared experts, first_k_dense_replace dense layers, YaRN with mscale; read,
+planned and exported, not yet trained: `training_gaps`).
 A key missing from config.json takes the default of that family's transformers config class (e.g. a
 missing tie_word_embeddings is false for every family here, a missing Qwen3 head_dim is 128), because that
 is what transformers builds from the same file. Everything else, and every feature of a supported family
@@ -117,6 +120,16 @@ FAMILIES: Mapping[str, Family] = {
                       {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
                        "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
                        "router_jitter_noise": 0.0, "sliding_window": None}, "all", False, frozenset({"head_dim"})),
+    # DeepseekV3Config (DeepSeek-V3, Moonlight, Kimi-K2): MLA, sigmoid group-limited routing, shared experts.
+    "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", False, False, True,
+                          {**_COMMON, "num_key_value_heads": 128, "attention_bias": False, "vocab_size": 129280,
+                           "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
+                           "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
+                           "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
+                           "first_k_dense_replace": 3, "norm_topk_prob": True, "moe_intermediate_size": 2048,
+                           "rope_interleave": True, "num_nextn_predict_layers": 1, "max_position_embeddings": 4096,
+                           "intermediate_size": 18432},
+                          "none", False, frozenset({"num_key_value_heads", "q_lora_rank"})),
 }  # fmt: skip
 SUPPORTED = ", ".join(FAMILIES)
 # model_types people try whose defining feature rlplan does not build (the message names it).
@@ -132,7 +145,6 @@ _KNOWN_UNSUPPORTED: Mapping[str, str] = {
     "qwen3_next": "hybrid linear attention (Gated DeltaNet layers)",
     "gpt_oss": "attention sinks, alternating sliding-window layers and MXFP4 experts",
     "deepseek_v2": "multi-head latent attention (MLA)",
-    "deepseek_v3": "multi-head latent attention (MLA) and multi-token prediction",
     "kimi_k2": "multi-head latent attention (MLA)",
     "glm4_moe": "multi-token prediction and partial rotary embeddings",
 }
@@ -204,6 +216,14 @@ class _Reader:
             raise self.fail(f": {key} must be a positive integer, got {v!r}", "fix config.json")
         return v
 
+    def sized(self, key: str) -> int:
+        """A size transformers' class defaults when the key is missing (Family.defaults) and refuses null."""
+        v = self.size(key)
+        if v is None:
+            raise self.fail(f": {key} is null, which transformers cannot build for model_type {self.model_type!r}",
+                            f"set {key} to an integer in config.json (or remove the key)")  # fmt: skip
+        return v
+
     def need(self, key: str) -> int:
         v = self.size(key, required=True)
         assert v is not None
@@ -239,6 +259,8 @@ class _Reader:
             )
         self.family = FAMILIES[mt]
         self._reject_features()
+        if mt == "deepseek_v3":
+            return self._deepseek_v3()
         heads = self.need("num_attention_heads")
         hidden = self.need("hidden_size")
         for key in ("num_key_value_heads", "head_dim"):
@@ -294,7 +316,7 @@ class _Reader:
             if key in raw:
                 raise self.unsupported(f"{key} (a multimodal model)")
         mtp = raw.get("num_nextn_predict_layers") or raw.get("mtp_num_hidden_layers")
-        if mtp:
+        if mtp and self.family.model_type != "deepseek_v3":  # deepseek_v3: read into num_mtp_layers
             raise self.unsupported(f"multi-token prediction layers (num_nextn_predict_layers = {mtp})")
         if self.present("quantization_config"):
             method = raw["quantization_config"]
@@ -381,8 +403,11 @@ class _Reader:
             raise self.unsupported("partial_rotary_factor (RoPE on part of each head)")
         if _ROPE_TYPES[kind] == "none":
             return RopeScaling()
-        for extra in ("mscale", "mscale_all_dim", "attention_factor"):
-            if params.get(extra) is not None:
+        deepseek = self.family.model_type == "deepseek_v3"  # DeepSeek's YaRN attention factor
+        for extra in ("mscale", "mscale_all_dim", "attention_factor", "truncate"):
+            if params.get(extra) is not None and not (
+                deepseek and kind == "yarn" and extra.startswith("mscale")
+            ):
                 raise self.unsupported(f"rope scaling {kind!r} with {extra}")
         # transformers refuses (KeyError) a rope type without its required keys rather than default them.
         required = {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor"),
@@ -403,6 +428,10 @@ class _Reader:
             original_max_position_embeddings=orig,
             beta_fast=self.number("beta_fast", params, 32.0),
             beta_slow=self.number("beta_slow", params, 1.0),
+            mscale=self.number("mscale", params) if params.get("mscale") is not None else None,
+            mscale_all_dim=(
+                self.number("mscale_all_dim", params) if params.get("mscale_all_dim") is not None else None
+            ),
         )
         if scaling.factor <= 0 or (
             scaling.type == "llama3" and scaling.high_freq_factor <= scaling.low_freq_factor
@@ -481,6 +510,92 @@ class _Reader:
                 "full_attention in layer_types",
             )
         return window
+
+    def _deepseek_v3(self) -> ModelArch:
+        """DeepseekV3Config and DeepseekV3ForCausalLM's reading: MLA widths, routing, dense first layers.
+        Keys DeepSeek's own files carry that transformers ignores (it always builds sigmoid scores, the
+        noaux_tc bias and experts in every layer from first_k_dense_replace on) are refused when they say
+        otherwise, so a file never means two models."""
+        for key, built in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
+            if key in self.raw and self.raw[key] != built:
+                raise self.fail(
+                    f": {key} = {self.raw[key]!r}, but transformers' DeepseekV3 ignores {key} and builds "
+                    f"{built!r}: the file describes a model transformers does not build",
+                    f"set {key}: {built!r} or remove it (a DeepSeek-V2-style model is not deepseek_v3)",
+                )
+        heads, hidden = self.need("num_attention_heads"), self.need("hidden_size")
+        num_layers = self.need("num_hidden_layers")
+        if num_layers > MAX_LAYERS:
+            raise self.fail(
+                f": num_hidden_layers = {num_layers} is more than {MAX_LAYERS}", "fix config.json"
+            )
+        nope, rope_dim, v = (self.sized(k) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        if rope_dim % 2:
+            raise self.fail(f": qk_rope_head_dim = {rope_dim} is odd (RoPE rotates pairs)", "fix config.json")
+        experts, topk = self.sized("n_routed_experts"), self.sized("num_experts_per_tok")
+        groups, group_topk = self.sized("n_group"), self.sized("topk_group")
+        if experts % groups or group_topk > groups or experts // groups < 2:
+            raise self.fail(
+                f": n_routed_experts = {experts}, n_group = {groups}, topk_group = {group_topk}: transformers "
+                "scores each group by its best two experts, so n_group must divide the experts into groups of "
+                "at least 2 and topk_group <= n_group",
+                "fix config.json",
+            )
+        if topk > group_topk * (experts // groups):
+            raise self.fail(f": num_experts_per_tok = {topk} is more than the {group_topk} x "
+                            f"{experts // groups} experts of the chosen groups", "fix config.json")  # fmt: skip
+        dense = self.value("first_k_dense_replace")
+        if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
+            raise self.fail(f": first_k_dense_replace must be a non-negative integer, got {dense!r}",
+                            "fix config.json")  # fmt: skip
+        shared = self.value("n_shared_experts")
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise self.fail(
+                f": n_shared_experts must be a non-negative integer, got {shared!r}", "fix config.json"
+            )
+        mtp = self.value("num_nextn_predict_layers")
+        if isinstance(mtp, bool) or not isinstance(mtp, int) or mtp < 0:
+            raise self.fail(f": num_nextn_predict_layers must be a non-negative integer, got {mtp!r}",
+                            "fix config.json")  # fmt: skip
+        moe_width = self.sized("moe_intermediate_size")
+        rope = self._rope()
+        scaling = self.number("routed_scaling_factor")
+        return ModelArch(
+            family="deepseek_v3",
+            num_layers=num_layers,
+            hidden_size=hidden,
+            ffn_hidden_size=self.sized("intermediate_size"),
+            num_attention_heads=heads,
+            num_query_groups=heads,  # MLA: every head has its own key / value, expanded from the latent
+            vocab_size=self.sized("vocab_size"),
+            max_position_embeddings=self.sized("max_position_embeddings"),
+            kv_channels=nope + rope_dim,
+            rotary_base=self._rope_theta(rope),
+            norm_epsilon=self.number("rms_norm_eps"),
+            add_qkv_bias=False,
+            share_embeddings_and_output_weights=self.flag("tie_word_embeddings"),
+            qk_layernorm=False,
+            rope_scaling=self._rope_scaling(rope),
+            num_moe_experts=experts,
+            moe_router_topk=topk,
+            moe_ffn_hidden_size=moe_width,
+            moe_shared_expert_intermediate_size=shared * moe_width if shared else None,
+            moe_norm_topk_prob=self.flag("norm_topk_prob"),
+            moe_dense_layers=tuple(range(min(dense, num_layers))),
+            multi_latent_attention=True,
+            q_lora_rank=self.size("q_lora_rank"),
+            kv_lora_rank=self.sized("kv_lora_rank"),
+            qk_head_dim=nope,
+            qk_pos_emb_head_dim=rope_dim,
+            v_head_dim=v,
+            rotary_interleaved=self.flag("rope_interleave"),
+            moe_router_score_function="sigmoid",
+            moe_router_enable_expert_bias=True,
+            moe_router_num_groups=groups,
+            moe_router_group_topk=group_topk,
+            moe_router_topk_scaling_factor=scaling,
+            num_mtp_layers=mtp,
+        )
 
     def _moe(self, num_layers: int) -> dict[str, Any]:
         if not self.family.moe:
@@ -563,6 +678,9 @@ _ARCH_KEYS = frozenset({
     "max_window_layers", "layer_types", "num_experts", "num_local_experts", "num_experts_per_tok",
     "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
     "mlp_only_layers", "router_aux_loss_coef", "router_jitter_noise", "dtype", "torch_dtype",
+    "n_shared_experts", "n_routed_experts", "routed_scaling_factor", "kv_lora_rank", "q_lora_rank",
+    "qk_rope_head_dim", "v_head_dim", "qk_nope_head_dim", "n_group", "topk_group", "first_k_dense_replace",
+    "rope_interleave", "num_nextn_predict_layers", "scoring_func", "topk_method", "moe_layer_freq", "qk_head_dim",
 })  # fmt: skip
 
 
@@ -607,6 +725,8 @@ def _fresh_config(arch: ModelArch, dtype: str) -> dict[str, Any]:
             rope.update(low_freq_factor=rs.low_freq_factor, high_freq_factor=rs.high_freq_factor)
         if rs.type == "yarn":
             rope.update(beta_fast=rs.beta_fast, beta_slow=rs.beta_slow)
+            rope.update({k: v for k, v in (("mscale", rs.mscale), ("mscale_all_dim", rs.mscale_all_dim))
+                         if v is not None})  # fmt: skip
     cfg: dict[str, Any] = {
         "architectures": [family.hf_architecture],
         "model_type": family.model_type,
@@ -623,6 +743,8 @@ def _fresh_config(arch: ModelArch, dtype: str) -> dict[str, Any]:
         "rope_parameters": rope,
         "dtype": dtype,
     }
+    if arch.multi_latent_attention:
+        return {**cfg, **_deepseek_v3_keys(arch)}
     if "head_dim" in family.defaults or arch.kv_channels is not None:
         # Where the config class has the field (Qwen3's default is 128, not hidden / heads) or the width is
         # not hidden / heads; Qwen2's class derives it. Mixtral keeps a derived width null, as its class does.
@@ -662,6 +784,32 @@ def _fresh_config(arch: ModelArch, dtype: str) -> dict[str, Any]:
     return cfg
 
 
+def _deepseek_v3_keys(arch: ModelArch) -> dict[str, Any]:
+    """DeepseekV3Config's own keys of an MLA `arch` (written whole: its class defaults are DeepSeek-V3's)."""
+    assert arch.num_moe_experts is not None and arch.moe_ffn_hidden_size is not None
+    shared = arch.moe_shared_expert_intermediate_size or 0
+    return {
+        "num_key_value_heads": arch.num_attention_heads,
+        "attention_bias": False,
+        "q_lora_rank": arch.q_lora_rank,
+        "kv_lora_rank": arch.kv_lora_rank,
+        "qk_nope_head_dim": arch.qk_head_dim,
+        "qk_rope_head_dim": arch.qk_pos_emb_head_dim,
+        "v_head_dim": arch.v_head_dim,
+        "rope_interleave": arch.rotary_interleaved,
+        "n_routed_experts": arch.num_moe_experts,
+        "num_experts_per_tok": arch.moe_router_topk,
+        "moe_intermediate_size": arch.moe_ffn_hidden_size,
+        "n_shared_experts": shared // arch.moe_ffn_hidden_size,
+        "n_group": arch.moe_router_num_groups or 1,  # None: no groups, which transformers spells 1
+        "topk_group": arch.moe_router_group_topk or 1,
+        "routed_scaling_factor": arch.moe_router_topk_scaling_factor or 1.0,
+        "norm_topk_prob": arch.moe_norm_topk_prob,
+        "first_k_dense_replace": len(arch.moe_dense_layers),
+        "num_nextn_predict_layers": arch.num_mtp_layers,
+    }
+
+
 # ============================================================================================ checks
 def family_issues(arch: ModelArch, prefix: str) -> list[tuple[str, str, str]]:
     """(path, message, fix) for every way `arch` contradicts its family (a built-in `model.arch` can say
@@ -689,6 +837,15 @@ def family_issues(arch: ModelArch, prefix: str) -> list[tuple[str, str, str]]:
         out.append((f"{prefix}.moe_router_topk", "top-1 routing renormalised to weight 1 (moe_norm_topk_prob) is "
                     "not built: megatron-core routes top-1 only with weight p",
                     "use moe_router_topk >= 2, or moe_norm_topk_prob: false"))  # fmt: skip
+    if (arch.family == "deepseek_v3") != arch.multi_latent_attention:
+        out.append((f"{prefix}.multi_latent_attention", f"family {arch.family} "
+                    f"{'has' if arch.family == 'deepseek_v3' else 'has no'} multi-head latent attention, "
+                    f"multi_latent_attention = {arch.multi_latent_attention}",
+                    "set family: deepseek_v3 with multi_latent_attention: true, or neither"))  # fmt: skip
+    if arch.multi_latent_attention and arch.moe_dense_layers != tuple(range(len(arch.moe_dense_layers))):
+        out.append((f"{prefix}.moe_dense_layers", "deepseek_v3 has dense layers only first "
+                    f"(first_k_dense_replace), moe_dense_layers = {list(arch.moe_dense_layers)}",
+                    "list the layers 0 .. k-1"))  # fmt: skip
     if any(not 0 <= i < arch.num_layers for i in arch.moe_dense_layers):
         out.append((f"{prefix}.moe_dense_layers", f"layers {list(arch.moe_dense_layers)} are not all in "
                     f"[0, {arch.num_layers})", "list 0-based layer numbers"))  # fmt: skip
@@ -699,8 +856,35 @@ def engine_gaps(arch: ModelArch) -> list[tuple[str, str]]:
     """(ModelArch field, message) for each feature of `arch` that the plan accepts but the megatron engine
     does not build yet; rlconf.validate's engine-support rule turns them into errors before a run starts."""
     gaps = []
-    if arch.rope_scaling.type == "yarn":
+    if arch.rope_scaling.type == "yarn" and not arch.multi_latent_attention:  # MLA: training_gaps refuses
         gaps.append(("rope_scaling.type", "YaRN rope scaling is not built in the megatron engine yet"))
+    return gaps
+
+
+def training_gaps(arch: ModelArch) -> list[tuple[str, str]]:
+    """(ModelArch field, message) for each feature of `arch` that the plan reads, counts and sizes but the
+    megatron engine cannot train yet: `rlconf plan` shows such a model, `rltrain` refuses it at start
+    (rltrain.preflight.check_engine, rule model-engine-support) before anything is written."""
+    gaps = []
+    if arch.multi_latent_attention:
+        gaps.append(("multi_latent_attention", "multi-head latent attention (deepseek_v3) is planned but not "
+                     "built in the megatron engine yet: megatron-core 0.16.1's MLASelfAttention and DeepSeek "
+                     "routing match transformers at TP = 1 and EP = 2 (rltrain.megatron.mla) but are not wired "
+                     "into the actor, the embedded rollout's KV cache or checkpoint export"))  # fmt: skip
+        # Where megatron-core 0.16.1's router is not transformers' DeepseekV3TopkRouter (moe_utils.topk_routing_
+        # with_score_function / group_limited_topk): it always renormalises sigmoid top-k weights, and scores
+        # a group by its top (topk / group_topk) experts where transformers takes the top 2.
+        if not arch.moe_norm_topk_prob and arch.moe_router_topk > 1:
+            gaps.append(("moe_norm_topk_prob", "norm_topk_prob: false with sigmoid routing: megatron-core always "
+                         "renormalises sigmoid top-k weights, transformers does not here"))  # fmt: skip
+        groups, group_topk = arch.moe_router_num_groups or 1, arch.moe_router_group_topk or 1
+        if groups > 1 and arch.moe_router_topk // group_topk != 2:
+            gaps.append(("moe_router_group_topk", f"group-limited routing with num_experts_per_tok / topk_group = "
+                         f"{arch.moe_router_topk} / {group_topk}: megatron-core scores each group by its top "
+                         f"{arch.moe_router_topk // group_topk} experts, transformers by its top 2"))  # fmt: skip
+    if arch.num_mtp_layers:
+        gaps.append(("num_mtp_layers", f"{arch.num_mtp_layers} multi-token prediction layer(s) "
+                     "(num_nextn_predict_layers) are not trained (transformers does not build them either)"))  # fmt: skip
     return gaps
 
 
@@ -770,21 +954,51 @@ def layer_params(arch: ModelArch, moe: bool) -> LayerParams:
     MLPs: gate, up and down projections)."""
     h, kv = arch.hidden_size, head_dim(arch)
     q, g = arch.num_attention_heads * kv, arch.num_query_groups * kv
-    sharded = h * (q + 2 * g) + q * h
-    if arch.add_qkv_bias:
-        sharded += q + 2 * g
-    replicated = 2 * h + (2 * kv if arch.qk_layernorm else 0)
+    if arch.multi_latent_attention:
+        sharded, replicated = _mla_params(arch)
+    else:
+        sharded = h * (q + 2 * g) + q * h
+        if arch.add_qkv_bias:
+            sharded += q + 2 * g
+        replicated = 2 * h + (2 * kv if arch.qk_layernorm else 0)
     experts = active = 0
     if moe and arch.num_moe_experts is not None:
         expert = 3 * h * (arch.moe_ffn_hidden_size or arch.ffn_hidden_size)
         experts, active = arch.num_moe_experts * expert, arch.moe_router_topk * expert
-        replicated += arch.num_moe_experts * h  # router
+        # the router (DeepSeek's e_score_correction_bias is a buffer in transformers: not a parameter)
+        replicated += arch.num_moe_experts * h
         if arch.moe_shared_expert_intermediate_size is not None:
             sharded += 3 * h * arch.moe_shared_expert_intermediate_size
             replicated += h if arch.moe_shared_expert_gate else 0
     else:
         sharded += 3 * h * arch.ffn_hidden_size
     return LayerParams(sharded, replicated, experts, active)
+
+
+def _mla_params(arch: ModelArch) -> tuple[int, int]:
+    """(tp-sharded, replicated) parameters of one MLA attention block with its two layer norms, as
+    DeepseekV3Attention builds it: q_a_proj + q_a_layernorm + q_b_proj (or one q_proj without q_lora_rank),
+    kv_a_proj_with_mqa (latent + the shared rope key), kv_a_layernorm, kv_b_proj (per-head nope keys and
+    values) and o_proj. The down-projections and their norms are replicated across TP ranks (megatron)."""
+    h, n = arch.hidden_size, arch.num_attention_heads
+    qk = arch.qk_head_dim + arch.qk_pos_emb_head_dim
+    replicated = 2 * h + h * (arch.kv_lora_rank + arch.qk_pos_emb_head_dim) + arch.kv_lora_rank
+    sharded = arch.kv_lora_rank * n * (arch.qk_head_dim + arch.v_head_dim) + n * arch.v_head_dim * h
+    if arch.q_lora_rank is None:
+        sharded += h * n * qk
+    else:
+        replicated += h * arch.q_lora_rank + arch.q_lora_rank
+        sharded += arch.q_lora_rank * n * qk
+    return sharded, replicated
+
+
+def kv_cache_width(arch: ModelArch, tp: int = 1) -> int:
+    """Cached elements per token per layer on one TP rank: MLA's compressed latent (kv_lora_rank + the shared
+    rope key, whole on every rank, as vLLM and SGLang cache it), else keys and values of num_query_groups / tp
+    heads (at least one)."""
+    if arch.multi_latent_attention:
+        return arch.kv_lora_rank + arch.qk_pos_emb_head_dim
+    return 2 * max(arch.num_query_groups // tp, 1) * head_dim(arch)
 
 
 def count_parameters(arch: ModelArch, head: str) -> tuple[int, int]:

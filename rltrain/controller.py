@@ -832,8 +832,9 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
         devices.check_available(config.cluster.device)
     # Before the run folder is touched: a cluster that does not answer or is too small (rltrain --dry-run
     # checks the same, and the disk).
-    from rltrain.preflight import check_cluster, check_disk
+    from rltrain.preflight import check_cluster, check_disk, check_engine
 
+    check_engine(plan)  # a model the plan sizes but the engine cannot train (deepseek_v3 MLA)
     check_cluster(plan)
     stop = StopSignals()
     stop.install()

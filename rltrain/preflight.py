@@ -174,7 +174,35 @@ def check_start(plan: TrainerPlan) -> list[str]:
     """What a run checks before it writes anything (`rltrain --dry-run` too): the Ray cluster it joins
     answers within cluster.connect_timeout_s and holds the plan's nodes, and the run folder's filesystem has
     room for one checkpoint. Raises ConfigError (exit 2); returns what was checked, one line each."""
+    check_engine(plan)
     return [check_cluster(plan), *check_disk(plan)]
+
+
+ENGINE_RULE = "model-engine-support"
+_MODEL_PATHS = {
+    "policy": "model.path",
+    "critic": "critic.model_path",
+    "reward_model": "reward.reward_model.path",
+}
+
+
+def check_engine(plan: TrainerPlan) -> None:
+    """Models the plan reads, counts and sizes but the megatron engine cannot train yet
+    (rlconf.model_spec.training_gaps: deepseek_v3's multi-head latent attention, multi-token prediction
+    layers) are refused here, before Ray starts or anything is written: ConfigError naming the model's
+    config path (exit 2), never a model trained without them."""
+    from rlconf.model_spec import training_gaps
+
+    issues = [
+        error(_MODEL_PATHS[m.name] if m.source != "model.arch" else f"model.arch.{field}",
+              f"{m.source}: {gap}",
+              "`rlconf plan` shows this model's parameters and memory; to train now, choose a model of "
+              "another family (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral)", ENGINE_RULE)
+        for m in plan.models
+        for field, gap in training_gaps(m.arch)
+    ]  # fmt: skip
+    if issues:
+        raise ConfigError(issues)
 
 
 def check_disk(plan: TrainerPlan) -> list[str]:

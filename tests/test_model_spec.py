@@ -163,14 +163,14 @@ def test_qwen3_and_llama31_features_are_read(tmp_path: Path):
         ({**QWEN3_8B, "num_nextn_predict_layers": 1}, "multi-token prediction"),
         ({**QWEN3_30B_A3B, "model_type": "qwen3_next"}, "linear attention"),
         ({**QWEN3_30B_A3B, "model_type": "gpt_oss"}, "attention sinks"),
-        ({**QWEN3_8B, "model_type": "deepseek_v3"}, "latent attention"),
+        ({**QWEN3_8B, "model_type": "deepseek_v2"}, "latent attention"),
         ({**QWEN3_8B, "model_type": "falcon"}, "falcon"),
         ({**QWEN3_8B, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
         ({**QWEN3_8B, "quantization_config": {"quant_method": "fp8"}}, "fp8"),
         ({**LLAMA_31_8B, "mlp_bias": True}, "mlp_bias"),
         ({**LLAMA_31_8B, "hidden_act": "gelu"}, "gelu"),
     ],
-    ids=["qwen2_5_vl", "qwen3_vl", "mtp", "qwen3_next", "gpt_oss", "deepseek_v3", "unknown", "rope-dynamic",
+    ids=["qwen2_5_vl", "qwen3_vl", "mtp", "qwen3_next", "gpt_oss", "deepseek_v2", "unknown", "rope-dynamic",
          "fp8", "mlp-bias", "gelu"],
 )  # fmt: skip
 def test_unsupported_models_are_named_errors_never_reduced(tmp_path: Path, cfg: dict, feature: str):

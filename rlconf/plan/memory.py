@@ -13,6 +13,7 @@ from rlconf.config import (
 from rlconf.lora import COLUMN_PARALLEL, LoraPlan, part_dims, stage_adapter_params
 from rlconf.model_spec import (
     is_moe_layer,
+    kv_cache_width,
     layer_params,
 )
 from rlconf.plan.compile import _cdiv, _kv_channels, _Models, rollout_resharded, rollout_tp
@@ -248,7 +249,9 @@ def _rollout_kv_bytes(c: RLConfig, lay: RoleLayout, arch: ModelArch, num_layers:
     """The embedded engine's KV cache on one actor device: keys and values of every layer of this stage,
     kv_heads / tp heads, over the prompt width (`rollout_prompt_tokens`) + max_response_length columns, for
     the rows one DP rank generates (rltrain/megatron/inference.py allocates [P + N, rows, groups/tp,
-    head_dim] twice per layer in params_dtype, P the batch's padded prompt width).
+    head_dim] twice per layer in params_dtype, P the batch's padded prompt width). MLA models (deepseek_v3) are
+    sized with the compressed latent cache (kv_lora_rank + qk_rope_head_dim per token and layer, whole on
+    each TP rank), the cache an MLA engine keeps; the embedded engine does not run MLA yet.
 
     0 for vLLM (its own pool, capped by rollout.gpu_memory_utilization) and with context parallel (the
     engine then falls back to the cache-less path).
@@ -257,10 +260,8 @@ def _rollout_kv_bytes(c: RLConfig, lay: RoleLayout, arch: ModelArch, num_layers:
         return 0.0
     rows = _cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
     seq = rollout_prompt_tokens(c) + c.rollout.max_response_length
-    kv_heads = max(arch.num_query_groups // lay.tp, 1)
-    return float(
-        2 * num_layers * kv_heads * _kv_channels(arch) * seq * rows * DTYPE_BYTES[c.model.params_dtype]
-    )
+    # MLA (deepseek_v3): the compressed latent + shared rope key per token, whole on every TP rank.
+    return float(num_layers * kv_cache_width(arch, lay.tp) * seq * rows * DTYPE_BYTES[c.model.params_dtype])
 
 
 def _rollout_sampling_bytes(c: RLConfig, lay: RoleLayout, vocab: int) -> float:
