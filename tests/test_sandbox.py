@@ -427,3 +427,19 @@ def test_sigkill_of_a_sandboxed_program_is_reported_as_such():
     out = run_python("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", timeout_s=3)
     assert out.error and "SIGKILL" in out.text
     assert signal.SIGKILL  # (the program is PID 2: its own signals work, unlike PID 1's)
+
+
+def test_sandbox_none_runs_trusted_code_with_the_limits_and_warns(capfd):
+    """The explicit opt-out (rollout.multi_turn.sandbox: none): the code runs, without isolation, still under
+    the time and output limits, and the runner says so on every run."""
+    out = run_python("import os; print(os.path.exists('/etc/passwd'))", isolate=False)
+    assert (out.text.strip(), out.error) == ("True", False)  # the host's files: no isolation
+    slow = run_python("import time; time.sleep(30)", timeout_s=1.0, isolate=False)
+    assert slow.error and "timed out" in slow.text
+    runner = ToolRunner(MultiTurnConfig(tools=("python",), sandbox="none", max_parallel_tools=1))
+    try:
+        (res,) = runner.run_many([ToolCall("python", {"code": "print(1 + 1)"})])
+        assert (res.text.strip(), res.error) == ("2", False)
+    finally:
+        runner.close()
+    assert "WITHOUT isolation" in capfd.readouterr().err

@@ -71,12 +71,7 @@ def _unisolated(work: Path, timeout_s: float, memory_mib: int, max_output_bytes:
     proc = subprocess.Popen([sandbox.interpreter(), "-I", "-S", "main.py"], cwd=work, env=env,
                             stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
                             preexec_fn=limit)  # fmt: skip
-    try:
-        return proc.wait(timeout=timeout_s), False
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return proc.returncode, True
+    return sandbox.wait_or_kill_group(proc, timeout_s)
 
 
 def run_python(

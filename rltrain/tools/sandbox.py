@@ -480,6 +480,12 @@ def run_isolated(spec: SandboxSpec, stdout: int, stderr: int, timeout_s: float) 
         start_new_session=True,
         close_fds=True,
     )
+    return wait_or_kill_group(proc, timeout_s)
+
+
+def wait_or_kill_group(proc: subprocess.Popen, timeout_s: float) -> tuple[int | None, bool]:
+    """Wait for `proc` (started with start_new_session) up to `timeout_s`; past it, SIGKILL its whole process
+    group. Returns (its return code as Popen gives it, timed out?)."""
     try:
         return proc.wait(timeout=timeout_s), False
     except subprocess.TimeoutExpired:
