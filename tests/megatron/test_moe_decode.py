@@ -1,0 +1,124 @@
+"""The KV-cache engine's static-shape MoE layer (rltrain/megatron/moe_decode.py) on tiny random MoE models
+(CPU, fp32): it computes what megatron's MoELayer computes, so MoE generation can take the static decode
+step (CUDA graphs on a GPU; eager here) and give the tokens and log-probs of megatron's MoELayer on the
+dynamic path; router replay records the same routing through the static step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .test_moe import _actor, _batch, make_tiny_moe
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
+]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def moe_model(request, tmp_path_factory):
+    """Qwen3-MoE (normalised top-k, a dense layer) and Qwen2-MoE (gated shared expert, unnormalised top-k)."""
+    return make_tiny_moe(tmp_path_factory.mktemp(request.param) / "hf", request.param)
+
+
+def _moe_layers(actor):
+    from rltrain.megatron import moe_decode
+    from rltrain.megatron.model import unwrap
+
+    return [layer for layer in unwrap(actor.chunks[0]).decoder.layers if moe_decode.is_moe(layer.mlp)]
+
+
+def test_static_moe_layer_equals_megatrons_moe_layer(mp_world, moe_model):
+    """Same output as MoELayer.forward on random hidden states (fp32 rounding only), and the top-k it
+    reports is the router's own choice (the experts that received each token)."""
+    from rltrain.megatron import moe_decode
+
+    actor = _actor(moe_model)
+    actor.eval()
+    layers = _moe_layers(actor)
+    assert layers
+    weights = moe_decode.ExpertWeights()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in layers:
+            assert moe_decode.unsupported(layer.mlp) is None
+            hidden = torch.randn(5, 3, layer.config.hidden_size, generator=gen)
+            want, _ = layer.mlp(hidden)
+            (got, bias), index = moe_decode.moe_forward(layer.mlp, hidden, weights)
+            assert bias is None and got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            _, routing_map = layer.mlp.router(hidden)
+            chosen = torch.zeros_like(routing_map).scatter(1, index, True)
+            assert torch.equal(chosen, routing_map)
+            # Not a trivially equal pair: another routing gives another output.
+            assert not torch.allclose(got, torch.zeros_like(got))
+
+
+def test_grouped_mm_with_device_offsets_skips_empty_groups():
+    from rltrain.megatron.moe_decode import grouped_mm
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(7, 4, generator=gen, dtype=torch.float64)
+    b = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    offsets = torch.tensor([3, 3, 7], dtype=torch.int32)  # group 1 has no rows
+    want = torch.cat([a[:3] @ b[0], a[3:] @ b[2]])
+    torch.testing.assert_close(grouped_mm(a, b, offsets), want)
+
+
+def _generate(actor, prompts, static: bool, megatron_moe: bool, **kw):
+    from rltrain.megatron import inference
+
+    inference.KVCacheGenerator.static_moe = not megatron_moe
+    try:
+        return actor.generate(prompts, 8, pad_id=0, cuda_graph=static, seed=3, **kw)
+    finally:
+        inference.KVCacheGenerator.static_moe = True
+
+
+@pytest.mark.slow
+def test_moe_generation_takes_the_static_step_with_megatrons_results(mp_world, moe_model, monkeypatch):
+    """Static decode (the path CUDA graphs capture) of a MoE model equals the dynamic path through megatron's
+    MoELayer: the same tokens and log-probs up to fp32 rounding, greedy and sampled with stop tokens (rows
+    leave the batch: the step is rebuilt over the compacted cache)."""
+    from rltrain.megatron import inference
+
+    actor = _actor(moe_model)
+    assert inference.static_moe_unsupported(actor) is None
+    steps = []
+    original = inference.StaticDecodeStep.__call__
+    monkeypatch.setattr(
+        inference.StaticDecodeStep, "__call__", lambda s, *a: (steps.append(1), original(s, *a))[1]
+    )
+    prompts = _batch()["input_ids"][:4, :12].repeat(2, 1)
+    for kw in ({"temperature": 0.0}, {"temperature": 1.0, "eos_id": 7, "stop_token_ids": (11, 13, 17, 19)}):
+        steps.clear()
+        want = _generate(actor, prompts, static=False, megatron_moe=True, **kw)
+        assert not steps
+        got = _generate(actor, prompts, static=True, megatron_moe=False, **kw)
+        assert steps, "the static step did not run"
+        assert torch.equal(got["responses"], want["responses"]), kw
+        assert torch.equal(got["response_mask"], want["response_mask"])
+        torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], rtol=1e-4, atol=1e-5)
+    assert bool((got["response_mask"].sum(-1) < 8).any()), "no row stopped early: compaction not exercised"
+
+
+@pytest.mark.slow
+def test_static_step_records_the_routing_of_megatrons_path(mp_world, moe_model):
+    """Router replay's recording through the static step (no router Python runs when a graph replays) is
+    the routing megatron's MoELayer records on the dynamic path, row for row and column for column."""
+    from rltrain.megatron.moe_replay import record_routing
+
+    actor = _actor(moe_model)
+    prompts = _batch()["input_ids"][:4, :12].repeat(2, 1)
+    kw = {"temperature": 1.0, "eos_id": 7, "stop_token_ids": (11, 13, 17, 19)}
+    routed = {}
+    for static in (False, True):
+        with record_routing(actor) as recorder:
+            out = _generate(actor, prompts, static=static, megatron_moe=not static, **kw)
+        routed[static] = (recorder.routed_experts(out), out)
+    (want, out_d), (got, out_s) = routed[False], routed[True]
+    assert torch.equal(out_s["responses"], out_d["responses"])
+    assert bool((want >= 0).any())
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
