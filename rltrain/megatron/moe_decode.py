@@ -90,7 +90,9 @@ class _TopkTap:
         default_compute_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.inner is not None and not self.silent:
-            values, index = self.inner.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+            values, index = self.inner.get_replay_topk(
+                scores, topk, num_groups, group_topk, default_compute_topk
+            )
         else:
             assert default_compute_topk is not None
             values, index = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)

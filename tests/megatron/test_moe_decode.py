@@ -122,3 +122,64 @@ def test_static_step_records_the_routing_of_megatrons_path(mp_world, moe_model):
     assert torch.equal(out_s["responses"], out_d["responses"])
     assert bool((want >= 0).any())
     assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read device values on the host (`.item()`, `.tolist()`, `bool(t)`) or size an
+    output from them (`nonzero`, `bincount`, `unique`): what a CUDA graph cannot capture."""
+
+    OPS = ("_local_scalar_dense", "nonzero", "bincount", "_unique2", "unique_dim", "masked_select")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in self.OPS:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _grouped_mm_without_host_reads(a, b, offsets):
+    """The grouped product as masked dense products (what the CUDA kernel computes from device offsets)."""
+    row = torch.arange(a.shape[0]).unsqueeze(1)
+    ends = offsets.long().unsqueeze(0)
+    group = (row >= ends).sum(1)  # [M]: the group of each row
+    full = torch.einsum("mk,gkn->gmn", a, b)
+    return full.gather(0, group.view(1, -1, 1).expand(1, -1, b.shape[2])).squeeze(0)
+
+
+def test_static_moe_step_reads_nothing_on_the_host(mp_world, moe_model, monkeypatch):
+    """The static decode step of a MoE model, whole (embedding, attention, MoE layers, logits, sampling),
+    makes no host read of a device value besides the grouped GEMM's CPU loop (on CUDA, torch._grouped_mm
+    takes the offsets on the device): it can live in a CUDA graph. megatron's MoELayer, the old decode
+    path, makes such reads (the counter sees them)."""
+    from rltrain.megatron import inference, moe_decode
+
+    monkeypatch.setattr(moe_decode, "grouped_mm", _grouped_mm_without_host_reads)
+    actor = _actor(moe_model)
+    b, p, n = 4, 6, 10
+    ids = torch.randint(1, 90, (b, p), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(p + n).expand(b, p + n).contiguous()
+    with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
+        actor.eval()
+        engine = inference.KVCacheGenerator(actor, positions, zero_cache=True)
+        engine.forward(ids, 0, torch.arange(b), None)
+        key_masked = torch.zeros((b, p + n), dtype=torch.bool)
+        key_masked[:, p:] = True
+        step = inference.StaticDecodeStep(engine, torch.arange(b), key_masked, (1.0, 1.0, -1, 0.0))
+        step.tokens.copy_(ids[:, -1:])
+        step.col.fill_(p)
+        step.uniform.copy_(torch.rand(b))
+        with _HostReads() as reads:
+            tok, lp, routing = step._body(p + n)
+        assert reads.seen == [], reads.seen
+        assert tok.shape == (b,) and sorted(routing) == [
+            layer.mlp.router.layer_number for layer in _moe_layers(actor)
+        ]
+        # The megatron layer on the same input does read the host.
+        layer = _moe_layers(actor)[0]
+        with _HostReads() as reads:
+            layer.mlp(torch.randn(1, b, layer.config.hidden_size))
+        assert reads.seen, "the counter saw no host read in megatron's MoELayer"
