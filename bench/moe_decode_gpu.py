@@ -149,7 +149,8 @@ def main() -> int:
             tokens = torch.randint(0, actor.vocab_size, (b,), device=dev)
             uniform = torch.rand(b, device=dev)
             for bucket in [int(x) for x in a.buckets.split(",")]:
-                fn = lambda col=min(bucket, max_len) - 1: step(tokens, col, uniform)  # noqa: E731
+                col = min(bucket, max_len) - 1
+                fn = lambda col=col: step(tokens, col, uniform)  # noqa: E731
                 for _ in range(3):
                     fn()
                 sync(dev)

@@ -173,7 +173,7 @@ def test_static_moe_step_reads_nothing_on_the_host(mp_world, moe_model, monkeypa
         step.col.fill_(p)
         step.uniform.copy_(torch.rand(b))
         with _HostReads() as reads:
-            tok, lp, routing = step._body(p + n)
+            tok, _, routing = step._body(p + n)
         assert reads.seen == [], reads.seen
         assert tok.shape == (b,) and sorted(routing) == [
             layer.mlp.router.layer_number for layer in _moe_layers(actor)
