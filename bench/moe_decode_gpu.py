@@ -63,6 +63,7 @@ def main() -> int:
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
     from rltrain.megatron import inference
     from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.moe_decode import GroupedMoELayer
     from rltrain.megatron.parallel import free_port, init_parallel
 
     init_parallel(MegatronConfig(), dev, rank=0, world_size=1, master_port=free_port())
@@ -95,6 +96,7 @@ def main() -> int:
     def generate(case: str, n: int, temperature: float = 1.0) -> tuple[dict, dict]:
         static_moe, graph = cases[case]
         inference.KVCacheGenerator.static_moe = static_moe
+        GroupedMoELayer.static = static_moe  # before: megatron's MoELayer.forward (its token dispatcher)
         try:
             sync(dev)
             t0 = time.perf_counter()
@@ -103,7 +105,7 @@ def main() -> int:
             sync(dev)
             s = time.perf_counter() - t0
         finally:
-            inference.KVCacheGenerator.static_moe = True
+            inference.KVCacheGenerator.static_moe = GroupedMoELayer.static = True
         return {"s": s, "tokens_per_s": int(out["response_mask"].sum()) / s}, out
 
     report["generate"] = {}
@@ -169,6 +171,7 @@ def main() -> int:
 
             static_layers = set(engine.moe_static)
             for name, static_moe in (("before", False), ("after", True)):
+                GroupedMoELayer.static = static_moe
                 # Eager dynamic decode steps of 1 token over the prefilled rows (what `before` runs per token).
                 engine.moe_static = static_layers if static_moe else set()
                 run = lambda: engine.forward(tokens[:, None], p, rows, None)  # noqa: E731

@@ -1,5 +1,6 @@
-"""The KV-cache engine's mixture-of-experts layer with static shapes: no host round trip, so a MoE model's
-decode step can be captured in a CUDA graph like a dense one (issue 36 item 1).
+"""Mixture-of-experts layers with static shapes: no host round trip, so a MoE model's decode step can be
+captured in a CUDA graph like a dense one (issue 36 item 1), and training passes skip megatron's token
+dispatcher (item 4).
 
 Why: megatron's MoELayer sizes its expert batches from the routing (the token dispatcher copies the token
 counts per expert to the host, SequentialMLP / the grouped experts split by a Python list of them): at
@@ -23,8 +24,11 @@ no expert parallel, no expert tensor parallel, no token dropping):
   4. The k outputs of each token put back in token order and summed (a [T, k, H] sum, deterministic, where
      megatron scatter-adds); shared experts, when the model has them, added as megatron does.
 
-Every shape depends only on T, so the step is graph-capturable. The expert weights are stacked once per
-engine ([E, 2F, H] and [E, H, F], `ExpertWeights`): the copy lives as long as one `generate` call.
+Every shape depends only on T, so the step is graph-capturable. The KV-cache engine stacks the expert
+weights once ([E, 2F, H] and [E, H, F], `ExpertWeights`): the copy lives as long as one `generate` call.
+Training passes (`GroupedMoELayer`, the MoE layer of `model.moe_grouped_gemm`) stack them through autograd
+on every call, as `GroupedGemmExperts` does, and `GroupedSwiGLU` gives the gradients; the router's
+load-balancing loss, z-loss and replay are the router's own, so they are unchanged.
 """
 
 from __future__ import annotations
@@ -35,13 +39,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from rltrain.megatron.moe_experts import GroupedGemmExperts
+from rltrain.megatron.moe_experts import GroupedGemmExperts, GroupedSwiGLU
 
 
 def is_moe(mlp: torch.nn.Module) -> bool:
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
     return isinstance(mlp, MoELayer)
 
 
@@ -100,20 +103,6 @@ class _TopkTap:
         return values, index
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows of `a` [M, K] in consecutive groups ending at `offsets` [G] (int32, on a's device; the last is M)
-    times their group's `b` [G, K, N]: [M, N]. No host sync on CUDA (bf16); a loop over groups elsewhere."""
-    if a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        return torch._grouped_mm(a, b, offs=offsets)
-    out = a.new_zeros((a.shape[0], b.shape[2]))
-    start = 0
-    for g, end in enumerate(offsets.tolist()):
-        if end > start:
-            out[start:end] = a[start:end] @ b[g]
-        start = end
-    return out
-
-
 class ExpertWeights:
     """Each MoE layer's local expert weights stacked once ([E, 2F, H], [E, H, F]), by layer module."""
 
@@ -132,41 +121,80 @@ class ExpertWeights:
 
 
 def moe_forward(
-    mlp: torch.nn.Module, hidden: torch.Tensor, weights: ExpertWeights, silent: bool = False
+    mlp: torch.nn.Module,
+    hidden: torch.Tensor,
+    weights: ExpertWeights | None = None,
+    silent: bool = False,
+    padding_mask: torch.Tensor | None = None,
 ) -> tuple[tuple[torch.Tensor, None], torch.Tensor]:
-    """megatron's MoELayer.forward (eval) on `hidden` [s, n, H] with static shapes: ((output, None), the
-    router's top-k expert indices [s x n, k] in megatron's token order). `silent`: the router's replay
-    object (recording) does not see this call (a captured step hands the indices out itself)."""
+    """megatron's MoELayer.forward on `hidden` [s, n, H] with static shapes: ((output, None), the router's
+    top-k expert indices [s x n, k] in megatron's token order).
+
+    `weights`: the engine's stacked expert weights (generation); None stacks the experts' parameters through
+    autograd on every call (training: gradients reach each expert's own parameters, as with
+    `GroupedGemmExperts`). `silent`: the router's replay object (recording) does not see this call (a
+    captured step hands the indices out itself). `padding_mask` [s, n] True on padding, for the router's
+    load-balancing loss (MoELayer.route's argument)."""
     router = mlp.router
     saved = router.router_replay
     tap = router.router_replay = _TopkTap(saved, silent)
     try:
-        probs, _ = router(hidden)  # [T, E] dense: zero off the top k
+        # [T, E] dense probabilities (zero off the top k), the load-balancing loss attached in training.
+        probs, _ = router(hidden) if padding_mask is None else router(hidden, padding_mask)
     finally:
         router.router_replay = saved
     index = tap.index
     assert index is not None
     tokens, k = index.shape
     x = hidden.reshape(tokens, -1)
-    w1, w2 = weights(mlp)
-    experts = w1.shape[0]
+    if weights is not None:
+        w1, w2 = weights(mlp)
+    else:
+        w1 = torch.stack([e.linear_fc1.weight for e in mlp.experts.local_experts])
+        w2 = torch.stack([e.linear_fc2.weight for e in mlp.experts.local_experts])
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # expert-major, token order within an expert
-    rows = order // k
-    counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
+    counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = counts.cumsum(0, dtype=torch.int32)
-    h = grouped_mm(x.index_select(0, rows), w1.transpose(1, 2), offsets)  # [T k, 2F]
-    gate, up = h.chunk(2, dim=-1)
-    act = F.silu(gate) * up
-    p = probs.gather(1, index).reshape(-1)[order]
-    y = grouped_mm((act * p.unsqueeze(-1)).to(act.dtype), w2.transpose(1, 2), offsets)  # [T k, H]
-    back = torch.empty_like(y)
-    back[order] = y  # (token, slot) order again
-    out = back.view(tokens, k, -1).sum(1, dtype=torch.float32).to(hidden.dtype).view_as(hidden)
+    p = probs.gather(1, index).reshape(-1).index_select(0, order)
+    y = GroupedSwiGLU.apply(x.index_select(0, order // k), w1, w2, p, offsets)  # [T k, H]
+    # Back to (token, slot) order through the inverse permutation, then each token's k outputs summed.
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    out = y.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)
+    out = out.to(hidden.dtype).view_as(hidden)
     if mlp.use_shared_expert:
         out = out + mlp.shared_experts(hidden)
     return (out, None), index
 
 
-__all__ = ["ExpertWeights", "grouped_mm", "is_moe", "moe_forward", "unsupported"]
+class GroupedMoELayer(MoELayer):
+    """megatron's MoELayer (same submodules, parameters, checkpoints) whose forward is `moe_forward` where
+    `unsupported` accepts the layer (`model.moe_grouped_gemm`): no token-count copy to the host, the
+    permutation an argsort on the device, all experts in `GroupedSwiGLU` with device offsets. megatron's
+    own forward runs otherwise (expert parallel, expert TP, recomputation of the MoE layer, ...) and while
+    the class switch `static` is off (benchmarks time megatron's path with it)."""
+
+    static = True
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        intermediate_tensors: Any = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> Any:
+        if (
+            not self.static
+            or intermediate_tensors is not None
+            or self.moe_layer_recompute
+            or self.shared_experts_recompute
+            or unsupported(self) is not None
+        ):
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()  # [b, s] -> [s, b], as MoELayer.forward
+        (out, bias), _ = moe_forward(self, hidden_states, padding_mask=padding_mask)
+        return out, bias
+
+
+__all__ = ["ExpertWeights", "GroupedMoELayer", "is_moe", "moe_forward", "unsupported"]

@@ -56,8 +56,8 @@ def test_static_moe_layer_equals_megatrons_moe_layer(mp_world, moe_model):
             assert not torch.allclose(got, torch.zeros_like(got))
 
 
-def test_grouped_mm_with_device_offsets_skips_empty_groups():
-    from rltrain.megatron.moe_decode import grouped_mm
+def test_grouped_mm_takes_device_offsets_and_skips_empty_groups():
+    from rltrain.megatron.moe_experts import grouped_mm, grouped_mm_weight
 
     gen = torch.Generator().manual_seed(1)
     a = torch.randn(7, 4, generator=gen, dtype=torch.float64)
@@ -65,6 +65,12 @@ def test_grouped_mm_with_device_offsets_skips_empty_groups():
     offsets = torch.tensor([3, 3, 7], dtype=torch.int32)  # group 1 has no rows
     want = torch.cat([a[:3] @ b[0], a[3:] @ b[2]])
     torch.testing.assert_close(grouped_mm(a, b, offsets), want)
+    torch.testing.assert_close(grouped_mm(a, b, [3, 0, 4]), want)
+    dy = torch.randn(7, 5, generator=gen, dtype=torch.float64)
+    dw = grouped_mm_weight(a.t(), dy, offsets)
+    torch.testing.assert_close(
+        dw, torch.stack([a[:3].t() @ dy[:3], torch.zeros(4, 5, dtype=a.dtype), a[3:].t() @ dy[3:]])
+    )
 
 
 def _generate(actor, prompts, static: bool, megatron_moe: bool, **kw):
@@ -155,9 +161,9 @@ def test_static_moe_step_reads_nothing_on_the_host(mp_world, moe_model, monkeypa
     makes no host read of a device value besides the grouped GEMM's CPU loop (on CUDA, torch._grouped_mm
     takes the offsets on the device): it can live in a CUDA graph. megatron's MoELayer, the old decode
     path, makes such reads (the counter sees them)."""
-    from rltrain.megatron import inference, moe_decode
+    from rltrain.megatron import inference, moe_experts
 
-    monkeypatch.setattr(moe_decode, "grouped_mm", _grouped_mm_without_host_reads)
+    monkeypatch.setattr(moe_experts, "grouped_mm", _grouped_mm_without_host_reads)
     actor = _actor(moe_model)
     b, p, n = 4, 6, 10
     ids = torch.randint(1, 90, (b, p), generator=torch.Generator().manual_seed(0))
@@ -183,3 +189,90 @@ def test_static_moe_step_reads_nothing_on_the_host(mp_world, moe_model, monkeypa
         with _HostReads() as reads:
             layer.mlp(torch.randn(1, b, layer.config.hidden_size))
         assert reads.seen, "the counter saw no host read in megatron's MoELayer"
+
+
+def _grouped_actor(path, cfg=None):
+    from rlconf.config import ModelConfig
+    from rltrain.megatron.actor import MegatronActor
+
+    from .test_moe import _layout_cfg
+
+    model = ModelConfig(path=str(path), attention_backend="sdpa", moe_grouped_gemm=True)
+    return MegatronActor(model, cfg or _layout_cfg(aux=0.01), "cpu", trainable=True, total_steps=4)
+
+
+def test_grouped_moe_layer_trains_as_megatrons_moe_layer(mp_world, moe_model, monkeypatch):
+    """model.moe_grouped_gemm's MoE layer (GroupedMoELayer: moe_forward, no token dispatcher) in training
+    mode, load-balancing loss on: the output and every gradient (hidden states, router, each expert's own
+    weights, shared expert) equal megatron's MoELayer.forward on the same module (fp32 rounding)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from rltrain.megatron.moe_decode import GroupedMoELayer
+
+    # A backward outside megatron's schedule sets the loss scale megatron keeps process-wide: undone after.
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
+    actor = _grouped_actor(moe_model)
+    layer = _moe_layers(actor)[0]
+    assert isinstance(layer.mlp, GroupedMoELayer)
+    layer.mlp.train()
+    params = [p for p in layer.mlp.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 3, layer.config.hidden_size, generator=gen)
+    dy = torch.randn(6, 3, layer.config.hidden_size, generator=gen)
+    results = {}
+    for static in (False, True):
+        GroupedMoELayer.static = static
+        try:
+            x = hidden.clone().requires_grad_()
+            out, bias = layer.mlp(x)
+            assert bias is None
+            grads = torch.autograd.grad(out, [x, *params], dy, allow_unused=True)
+        finally:
+            GroupedMoELayer.static = True
+        results[static] = (out.detach(), grads)
+    (want, want_grads), (got, got_grads) = results[False], results[True]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    names = ["hidden"] + [n for n, p in layer.mlp.named_parameters() if p.requires_grad]
+    for name, g, w in zip(names, got_grads, want_grads, strict=True):
+        assert (g is None) == (w is None), name
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
+    router_grad = got_grads[1 + names[1:].index(next(n for n in names[1:] if n.startswith("router")))]
+    assert router_grad is not None and bool(router_grad.abs().sum() > 0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return make_tiny_moe(tmp_path_factory.mktemp("replay_grouped") / "hf", "qwen3_moe")
+
+
+@pytest.mark.slow
+def test_replay_routes_the_grouped_moe_layer_to_the_recorded_experts(mp_world, qwen3_moe):
+    """Router replay through GroupedMoELayer: the old log-prob and update passes route every token to the
+    recorded (random) experts, as through megatron's layer (tests/megatron/test_router_replay.py)."""
+    from dataclasses import replace
+
+    from .test_router_replay import RoutingSpy, _assert_used, _numbered, _random_routing, _replay_cfg
+
+    cfg = _replay_cfg(ppo_micro_batch_size_per_gpu=3, shuffle=True)
+    actor = _grouped_actor(qwen3_moe, cfg)
+    batch = _numbered(_batch())
+    routed = _random_routing(batch)
+    actor.cfg = replace(cfg, router_replay=False)
+    plain = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+    actor.cfg = cfg
+    spy = RoutingSpy(actor)
+    replayed = actor.compute_log_prob({**batch, "routed_experts": routed}, with_entropy=False)["log_probs"]
+    _assert_used(spy, routed, batch, "old log-prob pass")
+    assert not torch.allclose(replayed, plain)
+    spy = RoutingSpy(actor)
+    sign = torch.tensor([1.0 if i % 2 else -1.0 for i in range(8)]).unsqueeze(1)
+    rl = {
+        **batch,
+        "routed_experts": routed,
+        "old_log_probs": replayed,
+        "advantages": sign * batch["response_mask"],
+    }
+    metrics = actor.update_policy(rl)
+    _assert_used(spy, routed, batch, "update pass")
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
