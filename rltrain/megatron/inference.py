@@ -57,6 +57,7 @@ own inference does the same) and restored afterwards. Context parallel is not su
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -277,6 +278,30 @@ def static_moe_unsupported(actor) -> str | None:
                 if reason is not None:
                     return reason
     return None
+
+
+FORCE_EOS_ENV = "RLPLAN_BENCH_FORCE_EOS"
+"""Benchmarks only (bench/grpo_step_gpu.py's `realistic` workload): a share of max_new_tokens, e.g. 0.4. Each
+row of a generate call then emits its first stop token at a length drawn from a long-tailed distribution
+(`forced_lengths`) whose mean is that share: a random-init model never samples EOS, so without it every
+benchmark decodes every row to the maximum and never measures the padding of a real run. The forced token
+keeps the log-prob of the token sampled in its place."""
+
+
+def forced_lengths(rows: int, max_new_tokens: int, seed: int) -> torch.Tensor | None:
+    """[rows] response lengths in [1, max_new_tokens] under `FORCE_EOS_ENV` (None when it is unset): log-normal
+    (sigma 1, a long right tail) clipped to the range, its scale set so the clipped mean is the share."""
+    share = os.environ.get(FORCE_EOS_ENV)
+    if not share:
+        return None
+    target = float(share) * max_new_tokens
+    z = torch.randn(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    lo, hi = -10.0, 20.0
+    for _ in range(60):  # bisection on the log-scale: the clipped mean grows with it
+        mid = (lo + hi) / 2
+        mean = float((mid + z).exp().clamp(1, max_new_tokens).mean())
+        lo, hi = (mid, hi) if mean < target else (lo, mid)
+    return ((lo + hi) / 2 + z).exp().clamp(1, max_new_tokens).round().long()
 
 
 # ------------------------------------------------------------------------------------ the engine
@@ -771,7 +796,7 @@ def generate_with_kv_cache(
             )
             harvest = _decode(
                 engine, left, left_mask, responses, resp_mask, logps, stops, uniform,
-                (temperature, top_p, top_k, min_p), static, reuse,
+                (temperature, top_p, top_k, min_p), static, reuse, forced_lengths(b, n_new, seed),
             )  # fmt: skip
             if reuse is not None:
                 generated = [responses[i][resp_mask[i].bool()].tolist() for i in range(b)]
@@ -793,6 +818,7 @@ def _decode(
     sampling: tuple[float, float, int, float],
     static: bool,
     reuse: tuple[KVSession, list[int], list[list[int]], int] | None = None,
+    forced: torch.Tensor | None = None,
 ) -> list[tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]]:
     """The generation loop; fills responses / resp_mask / logps (CPU, [B, N]) in place.
 
@@ -835,7 +861,10 @@ def _decode(
     resp_dev = torch.zeros((b, n_new), dtype=torch.long, device=dev)
     lp_dev = torch.zeros((b, n_new), dtype=torch.float32, device=dev)
     mask_dev = torch.zeros((b, n_new), dtype=torch.bool, device=dev)
+    forced_dev = forced.to(dev) if forced is not None and stops else None
     for t in range(n_new):
+        if forced_dev is not None:  # FORCE_EOS_ENV (benchmarks): the row's stop token at its drawn length
+            tok = torch.where(forced_dev[active] == t + 1, stop_t[0], tok)
         # Writes through integer indices and masks, not boolean indexing (which syncs with the device).
         live = ~done[active]
         resp_dev[active, t] = torch.where(live, tok, 0)
@@ -885,10 +914,12 @@ def _decode(
 
 
 __all__ = [
+    "FORCE_EOS_ENV",
     "KVCacheGenerator",
     "KVSession",
     "StaticDecodeStep",
     "block_mask",
+    "forced_lengths",
     "generate_with_kv_cache",
     "inverse_cdf",
     "kv_cache_unsupported",
