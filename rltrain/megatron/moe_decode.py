@@ -15,9 +15,9 @@ no expert parallel, no expert tensor parallel, no token dropping):
      (`_TopkTap`), which forwards to a replay object already attached (`moe_replay.record_routing`), so
      recording keeps working on the dynamic path; inside a captured step the tap records nothing itself and
      the step hands the indices out instead (`StaticDecodeStep.routing`).
-  2. The T x k (token, expert) pairs sorted by expert (a stable counting sort: token order within an
-     expert, as megatron's permutation), rows gathered, per-expert counts (not bincount, which sizes its
-     output on the host) and their cumulative offsets *on the device*.
+  2. The T x k (token, expert) pairs sorted by expert (a stable sort: token order within an expert, as
+     megatron's permutation), rows gathered, per-expert counts by a scatter-add (not bincount, which sizes
+     its output on the host) and their cumulative offsets *on the device*.
   3. All experts in two grouped matrix products (`torch._grouped_mm` with device offsets, bf16 on CUDA; a
      per-expert loop elsewhere) with megatron's SwiGLU and probability product in between, in the order and
      dtypes of `moe_experts.GroupedSwiGLU` / megatron's `MLP.forward`.
@@ -153,21 +153,15 @@ def moe_forward(
         w1 = torch.stack([e.linear_fc1.weight for e in mlp.experts.local_experts])
         w2 = torch.stack([e.linear_fc2.weight for e in mlp.experts.local_experts])
     flat = index.reshape(-1)
-    # A counting sort of the (token, slot) pairs by expert, stable (token order within an expert, as
-    # megatron's permutation): each pair's slot = its expert's first row + how many pairs before it chose
-    # that expert. One cumulative sum over [T k, E] instead of a radix sort (a third of a decode step's
-    # MoE glue on the H200), and the inverse permutation comes with it.
-    hits = (flat.unsqueeze(1) == torch.arange(w1.shape[0], device=flat.device)).to(torch.int32)  # [T k, E]
-    before = hits.cumsum(0, dtype=torch.int32)
-    counts = before[-1]
+    order = torch.argsort(flat, stable=True)  # expert-major, token order within an expert
+    counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = counts.cumsum(0, dtype=torch.int32)
-    slot = (offsets - counts).index_select(0, flat) + before.gather(1, flat.unsqueeze(1)).squeeze(1) - 1
-    slot = slot.long()  # sorted position of every pair
-    order = torch.empty_like(slot).scatter_(0, slot, torch.arange(slot.numel(), device=slot.device))
     p = probs.gather(1, index).reshape(-1).index_select(0, order)
     y = GroupedSwiGLU.apply(x.index_select(0, order // k), w1, w2, p, offsets)  # [T k, H]
-    # Back to (token, slot) order, then each token's k outputs summed.
-    out = y.index_select(0, slot).view(tokens, k, -1).sum(1, dtype=torch.float32)
+    # Back to (token, slot) order through the inverse permutation, then each token's k outputs summed.
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    out = y.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)
     out = out.to(hidden.dtype).view_as(hidden)
     if mlp.use_shared_expert:
         out = out + mlp.shared_experts(hidden)
