@@ -4,6 +4,10 @@ a process of its own; one JSON report (issue 22 item 4; the numbers go to docs/b
 Workloads (`--workloads`, comma-separated):
 - preset: the preset as it is. qwen2.5-1.5b-grpo: 64 prompts x 8 responses x up to 1,024 tokens, 4
   mini-batches per step (the old log-prob pass runs), KL loss with the ref: the issue's 37 s step.
+- realistic: the preset with responses of real-run lengths: every row ends (its EOS forced) at a length
+  drawn from a long-tailed distribution whose mean is `--realistic-share` (0.4) of the maximum
+  (rltrain/megatron/inference.py FORCE_EOS_ENV; a random-init model never samples EOS itself). Issue 36's
+  goal: tokens/s per GPU within 15% of the preset's (`realistic_over_preset`).
 - onestep: 16 prompts x 8 responses x up to 512 tokens (`--onestep-response-length`; capped at the
   preset's own), one mini-batch (one optimizer step per rollout: the plan skips the old log-prob pass),
   KL loss coefficient 0.001. TRL runs this one (`--trl`, when `trl` is importable).
@@ -59,7 +63,7 @@ def preset_config(name: str) -> Any:
 
 
 def workload_flags(name: str, cfg: Any, response_length: int) -> list[str]:
-    if name == "preset":
+    if name in ("preset", "realistic"):
         return []
     if name == "onestep":
         length = min(response_length, cfg.rollout.max_response_length)
@@ -91,13 +95,15 @@ def memory_table(plan: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[
     return out
 
 
-def run_rlplan(preset: str, workload: str, flags: list[str], steps: int, out: Path) -> dict[str, Any]:
+def run_rlplan(
+    preset: str, workload: str, flags: list[str], steps: int, out: Path, env: dict[str, str] | None = None
+) -> dict[str, Any]:
     folder = out / f"rlplan_{workload}"
     cmd = [sys.executable, "-m", "rltrain.cli", preset, "--trainer.total_steps", str(steps), "--trainer.test_freq",
            "0", "--trainer.val_before_train", "false", "--trainer.save_freq", "0", "--trainer.output_dir",
            str(folder), *flags]  # fmt: skip
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, **(env or {})})
     wall = time.perf_counter() - t0
     (out / f"rlplan_{workload}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
@@ -109,7 +115,7 @@ def run_rlplan(preset: str, workload: str, flags: list[str], steps: int, out: Pa
     summary = {k: spread([r[k] for r in timed if isinstance(r.get(k), int | float)])
                for k in sorted({k for r in timed for k in r}) if k.startswith(keep)}  # fmt: skip
     return {
-        "command": "rltrain " + " ".join(cmd[3:]),
+        "command": " ".join(f"{k}={v}" for k, v in (env or {}).items()) + " rltrain " + " ".join(cmd[3:]),
         "wall_s_incl_startup": wall,
         "passes": plan["passes"],
         "steps": [{k: v for k, v in r.items() if k == "step" or k.startswith(keep)} for r in rows],
@@ -216,6 +222,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workloads", default="preset,onestep")
     parser.add_argument("--onestep-response-length", type=int, default=512)
+    parser.add_argument("--realistic-share", type=float, default=0.4, help="mean response length / maximum")
     parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="extra rltrain flag")
     parser.add_argument(
         "--trl", action="store_true", help="also run TRL's GRPOTrainer on the onestep workload"
@@ -243,7 +250,10 @@ def main() -> int:
         pass
     for workload in args.workloads.split(","):
         flags = workload_flags(workload, cfg, args.onestep_response_length) + extra
-        result = run_rlplan(args.preset, workload, flags, args.steps, out)
+        from rltrain.megatron.inference import FORCE_EOS_ENV
+
+        env = {FORCE_EOS_ENV: str(args.realistic_share)} if workload == "realistic" else None
+        result = run_rlplan(args.preset, workload, flags, args.steps, out, env)
         report[f"rlplan_{workload}"] = result
         s = result.get("summary_steps_2_n", {})
         if s:
@@ -254,6 +264,11 @@ def main() -> int:
                   f"tokens/s per device; {phases}", flush=True)  # fmt: skip
         else:
             print(f"{workload}: failed (see rlplan_{workload}.log)", flush=True)
+    tput = {w: report.get(f"rlplan_{w}", {}).get("summary_steps_2_n", {}).get("perf/throughput")
+            for w in ("preset", "realistic")}  # fmt: skip
+    if tput["preset"] and tput["realistic"]:
+        report["realistic_over_preset"] = tput["realistic"]["median"] / tput["preset"]["median"]
+        print(f"realistic / preset tokens/s per device: {report['realistic_over_preset']:.2f}", flush=True)
     if args.trl:
         report["trl"] = run_trl(args, cfg, out)
         ours = report.get("rlplan_onestep", {}).get("summary_steps_2_n", {}).get("timing/step_s")

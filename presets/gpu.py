@@ -193,7 +193,7 @@ scaled to one GPU: ~2.9B parameters, ~0.8B active per token."""
 
 def qwen3_moe_grpo() -> RLConfig:
     """GRPO with a KL loss on a Qwen3-MoE-shaped model (random init) on one H200: the 1.5B recipe with the
-    expert layers on grouped GEMM; rollout on the embedded engine (MoE decodes on its dynamic path)."""
+    expert layers on grouped GEMM; rollout on the embedded engine (MoE layers in its CUDA-graph decode step)."""
     return replace_paths(
         qwen25_05b_grpo(),
         {

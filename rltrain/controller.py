@@ -543,8 +543,9 @@ class Trainer:
         if not self.cfg.algorithm.filter_groups.enable and self.agent is None and gen_s > 0:
             # (Dynamic sampling and multi-turn generate more than the batch holds, or wait on tools.)
             out["perf/rollout_tokens_per_s"] = float(model_batch["response_mask"].sum()) / gen_s
-        per_token = {train: metrics_lib.flops_per_token(spec.params_active, a.num_layers, a.hidden_size, mean_len,
-                                                        train) for train in (True, False)}  # fmt: skip
+        active = metrics_lib.matmul_params(a, spec.params_active)
+        per_token = {train: metrics_lib.flops_per_token(active, a.num_layers, metrics_lib.attention_width(a),
+                                                        mean_len, train) for train in (True, False)}  # fmt: skip
         update_s = metrics.get("timing/update_actor_s", 0.0)
         epochs = self.plan.batch_plan("actor").ppo_epochs
         mfu = metrics_lib.model_flops_utilization(

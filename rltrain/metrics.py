@@ -48,12 +48,27 @@ MEMORY_KEY = "perf/max_memory_allocated_gib"
 """Peak device memory of the step over all roles and ranks; `MEMORY_KEY/<profile role>` per role call."""
 
 
-def flops_per_token(params_active: int, num_layers: int, hidden_size: int, mean_seq_len: float,
+def flops_per_token(params_active: int, num_layers: int, attention_width: int, mean_seq_len: float,
                     training: bool) -> float:  # fmt: skip
-    """Model FLOPs per token: 6 x active params + 6·L·h·s (attention scores and values over a sequence of
-    mean length s) for forward + backward, a third of that for a forward pass (bench/actor_gpu.py's count)."""
-    train = 6.0 * params_active + 6.0 * num_layers * hidden_size * mean_seq_len
+    """Model FLOPs per token: 6 x active params + 6·L·d·s (attention scores and values over a sequence of
+    mean length s, d = heads x head dim) for forward + backward, a third of that for a forward pass
+    (bench/actor_gpu.py's count); `params_active` as `matmul_params` counts them."""
+    train = 6.0 * params_active + 6.0 * num_layers * attention_width * mean_seq_len
     return train if training else train / 3.0
+
+
+def matmul_params(arch: Any, params_active: int) -> int:
+    """The active parameters a token's activations are multiplied by: all of `params_active` (one token's
+    routed experts, not every expert) but the input embedding, a lookup, unless it is also the output
+    layer (tied)."""
+    lookup = 0 if arch.share_embeddings_and_output_weights else arch.vocab_size * arch.hidden_size
+    return params_active - lookup
+
+
+def attention_width(arch: Any) -> int:
+    """heads x head dim: the width of the attention products (not the hidden size where kv_channels is
+    set apart from hidden / heads, as in Qwen3)."""
+    return arch.num_attention_heads * (arch.kv_channels or arch.hidden_size // arch.num_attention_heads)
 
 
 def model_flops_utilization(

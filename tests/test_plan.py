@@ -822,3 +822,27 @@ def test_memory_counts_embedded_rollout_kv_cache() -> None:
     assert _rollout_kv_bytes(half, lay, QWEN25_7B, 14) == 15_032_385_536 / 2
     vllm = replace(config, rollout=replace(config.rollout, engine="vllm"))
     assert _rollout_kv_bytes(vllm, lay, QWEN25_7B, 14) == 0.0
+
+
+def test_memory_counts_the_engines_stacked_expert_weights() -> None:
+    """A MoE actor generating on the embedded engine at ep = etp = 1 holds a stacked copy of its routed
+    expert weights (rltrain/megatron/moe_decode.py) through generate_sequences: qwen3-moe-grpo's 24 MoE
+    layers x 64 experts x 3 x 1024 x 512 bf16 = 4.5 GiB; at ep = 2 the engine's own MoE layers do not run
+    (megatron's MoELayer does) and nothing is stacked; a dense actor stacks nothing either."""
+    from presets import get_preset
+
+    def parts(config, phase="generate_sequences"):
+        pool = compile_plan(config).memory.pools[0]
+        return {p.label: p.gib for p in next(p for p in pool.phases if p.phase == phase).parts}
+
+    moe = get_preset("qwen3-moe-grpo")
+    assert parts(moe)["rollout stacked experts"] == pytest.approx(
+        24 * 64 * 3 * 1024 * 512 * 2 / 2**30, abs=1e-5
+    )
+    assert "rollout stacked experts" not in parts(moe, "actor_update")
+    cluster = replace(moe.cluster, gpus_per_node=2)
+    mcfg = replace(moe.actor.megatron, expert_model_parallel_size=2)
+    ep2 = replace(moe, cluster=cluster, actor=replace(moe.actor, megatron=mcfg),
+                  ref=replace(moe.ref, megatron=replace(moe.ref.megatron, expert_model_parallel_size=2)))  # fmt: skip
+    assert "rollout stacked experts" not in parts(ep2)
+    assert "rollout stacked experts" not in parts(get_preset("qwen2.5-1.5b-grpo"))

@@ -168,6 +168,25 @@ def test_flops_and_mfu():
     assert devices.peak_flops("cpu", "bfloat16") is None
 
 
+def test_mfu_counts_the_active_matmul_flops_of_a_moe_model():
+    """qwen3-moe-grpo (untied, head_dim 128 x 16 heads = 2048 over a hidden size of 1024): the FLOPs count
+    one token's 8 routed experts of 64, not the input embedding lookup, and attention at heads x head dim."""
+    from presets.gpu import QWEN3_MOE_3B, QWEN25_15B
+    from rlconf.model_spec import count_parameters
+
+    a = QWEN3_MOE_3B
+    total, active = count_parameters(a, "lm")
+    matmul = metrics_lib.matmul_params(a, active)
+    assert matmul == active - a.vocab_size * a.hidden_size
+    expert = 3 * a.hidden_size * a.moe_ffn_hidden_size
+    assert total - active == a.num_layers * (a.num_moe_experts - a.moe_router_topk) * expert
+    assert metrics_lib.attention_width(a) == 2048
+    # Tied (Qwen2.5-1.5B): the one embedding is the output layer's product and stays counted.
+    _, dense = count_parameters(QWEN25_15B, "lm")
+    assert metrics_lib.matmul_params(QWEN25_15B, dense) == dense
+    assert metrics_lib.attention_width(QWEN25_15B) == QWEN25_15B.hidden_size
+
+
 def test_phase_shares_cover_the_step():
     m = {
         "timing/step_s": 10.0,

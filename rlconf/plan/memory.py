@@ -62,6 +62,9 @@ class _StageMem:
     """The resharded rollout's own weights + one refit bucket during generate_sequences (actor only)."""
     rollout_sampling: float = 0.0
     """The decode step's [rows, V] logits and sampling temporaries (actor only, last stage)."""
+    rollout_experts: float = 0.0
+    """The embedded engine's stacked copy of this stage's routed expert weights (rltrain/megatron/moe_decode.py:
+    MoE at ep = etp = 1), held for one generate_sequences call."""
 
 
 @dataclass(frozen=True)
@@ -462,9 +465,13 @@ def _role_mem_model(
             kv = _rollout_kv_bytes(c, r_lay, spec.arch, spec.arch.num_layers)
             sampling = _rollout_sampling_bytes(c, r_lay, lay.padded_vocab_size) if kv > 0 else 0.0
             refit = _refit_extra_bytes(c, spec, r_tp)
+        # The engine's static-shape MoE layers stack the expert weights once per generate call (ep = etp = 1).
+        stacked = 0.0
+        if kv > 0 and lay.ep == 1 and lay.etp == 1 and refit == 0.0:
+            stacked = _stage_expert_params(spec.arch, lay, st) * DTYPE_BYTES[c.model.params_dtype]
         mem = _StageMem(
             params, pbytes, grads, optim, acts, logits_train, logits_infer, in_flight, tokens, chunk, kv, refit,
-            sampling,
+            sampling, stacked,
         )  # fmt: skip
         stages.append(mem)
     offload = (bool(m.param_offload), bool(m.grad_offload) and trained, bool(m.optimizer_offload) and trained)
@@ -514,6 +521,7 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
                 ("rollout kv cache", s.rollout_kv),
                 ("rollout kv compaction", s.rollout_kv / 2),
                 ("rollout sampling", s.rollout_sampling),
+                ("rollout stacked experts", s.rollout_experts),
             ]
             calls.append(("generate_sequences", gen))
         for name, own_parts in calls:
@@ -627,7 +635,8 @@ def _memory(
         f"kv_heads/tp x head_dim x (prompt width {rollout_prompt_tokens(c)} + max_response_length) x rows per DP "
         "rank x dtype bytes; the prompt width is data.max_prompt_length with prompt files, the synthetic "
         "task's own otherwise; +50% while compacting) and the sampler's [rows, V] logits (16-bit + 2 fp32 "
-        "temporaries) are counted in generate_sequences and freed after it; "
+        "temporaries) are counted in generate_sequences and freed after it, for MoE at ep = etp = 1 also "
+        "the engine's stacked copy of the routed expert weights; "
         "rollout.gpu_memory_utilization caps only a vLLM engine's pool and is not used here",
         "optimizer: fp32 master weights (when params are not fp32) + Adam m and v, sharded over dp x cp "
         "with use_distributed_optimizer; gradients in fp32 with grad_reduce_in_fp32",

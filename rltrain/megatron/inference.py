@@ -57,6 +57,7 @@ own inference does the same) and restored afterwards. Context parallel is not su
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -68,6 +69,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
 from rltrain import device as devices
+from rltrain.megatron import moe_decode
 from rltrain.megatron.lora import generation_weights
 from rltrain.megatron.model import fused_rotate, rotate
 from rltrain.rollout.batch import rollout_batch
@@ -265,13 +267,58 @@ def kv_cache_unsupported(actor) -> str | None:
     return None
 
 
+def static_moe_unsupported(actor) -> str | None:
+    """Why this actor's MoE layers cannot run inside the static (CUDA-graph) decode step (None: they can,
+    or the model has none): megatron's own MoELayer sizes its expert batches on the host."""
+    for model in actor.modules():
+        for layer in model.decoder.layers:
+            if moe_decode.is_moe(layer.mlp):
+                if not KVCacheGenerator.static_moe:
+                    return "static MoE layers switched off"
+                reason = moe_decode.unsupported(layer.mlp)
+                if reason is not None:
+                    return reason
+    return None
+
+
+FORCE_EOS_ENV = "RLPLAN_BENCH_FORCE_EOS"
+"""Benchmarks only (bench/grpo_step_gpu.py's `realistic` workload): a share of max_new_tokens, e.g. 0.4. Each
+row of a generate call then emits its first stop token at a length drawn from a long-tailed distribution
+(`forced_lengths`) whose mean is that share: a random-init model never samples EOS, so without it every
+benchmark decodes every row to the maximum and never measures the padding of a real run. The forced token
+keeps the log-prob of the token sampled in its place."""
+
+
+def forced_lengths(rows: int, max_new_tokens: int, seed: int) -> torch.Tensor | None:
+    """[rows] response lengths in [1, max_new_tokens] under `FORCE_EOS_ENV` (None when it is unset): log-normal
+    (sigma 1, a long right tail) clipped to the range, its scale set so the clipped mean is the share."""
+    share = os.environ.get(FORCE_EOS_ENV)
+    if not share:
+        return None
+    target = float(share) * max_new_tokens
+    z = torch.randn(rows, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    lo, hi = -10.0, 20.0
+    for _ in range(60):  # bisection on the log-scale: the clipped mean grows with it
+        mid = (lo + hi) / 2
+        mean = float((mid + z).exp().clamp(1, max_new_tokens).mean())
+        lo, hi = (mid, hi) if mean < target else (lo, mid)
+    return ((lo + hi) / 2 + z).exp().clamp(1, max_new_tokens).round().long()
+
+
 # ------------------------------------------------------------------------------------ the engine
 class KVCacheGenerator:
     """Per-layer KV cache and the cached forward through this rank's model chunks (all PP/VPP stages).
 
     Cache layout per layer: keys (after RoPE) and values [max_len, rows, groups/TP, head_dim], megatron's
     sequence-first layout, written at column offset `start` and read as the prefix [:start + s].
+
+    MoE layers run `moe_decode.moe_forward` (static shapes, no host sync) where `moe_decode.unsupported`
+    accepts them and `static_moe` is on (the class switch; benchmarks turn it off to time megatron's
+    MoELayer), else megatron's MoELayer. `routing` holds the top-k experts of the last forward's static MoE
+    layers (by router layer number); `silent_routing` keeps them from an attached replay recorder.
     """
+
+    static_moe = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
@@ -292,6 +339,16 @@ class KVCacheGenerator:
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
         self.rotate = fused_rotate if actor.fused_kernels else rotate
         self.cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.models]
+        self.expert_weights = moe_decode.ExpertWeights()
+        self.routing: dict[int, torch.Tensor] = {}
+        self.silent_routing = False
+        # Decided once per engine: the same MoE code in prefill, dynamic and static decode.
+        self.moe_static = {
+            id(layer.mlp)
+            for model in self.models
+            for layer in model.decoder.layers
+            if self.static_moe and moe_decode.is_moe(layer.mlp) and moe_decode.unsupported(layer.mlp) is None
+        }
 
     # --------------------------------------------------------------------------------- cache rows
     def _allocate(self, rows: int) -> None:
@@ -404,7 +461,13 @@ class KVCacheGenerator:
         out = attn.linear_proj(context)
         hidden = layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
         residual = hidden
-        out = layer.mlp(layer.pre_mlp_layernorm(hidden))
+        if id(layer.mlp) in self.moe_static:
+            out, index = moe_decode.moe_forward(
+                layer.mlp, layer.pre_mlp_layernorm(hidden), self.expert_weights, self.silent_routing
+            )
+            self.routing[layer.mlp.router.layer_number] = index
+        else:
+            out = layer.mlp(layer.pre_mlp_layernorm(hidden))
         return layer.mlp_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
 
     def sample(
@@ -467,24 +530,33 @@ class StaticDecodeStep:
             sampling,
             pool,
         )
+        self.rows_cpu = rows.cpu()  # for a routing recorder (moe_replay.record_routing), copied once
         self.tokens = torch.zeros((n, 1), dtype=torch.long, device=dev)
         self.pos = torch.zeros((n, 1), dtype=torch.long, device=dev)
         self.col = torch.zeros((1,), dtype=torch.long, device=dev)
         self.uniform = torch.zeros((n,), dtype=torch.float32, device=dev)
         self.device = engine.actor.device  # the `cluster.device` name, for the device layer
         self.capture = devices.graphs_supported(self.device)
-        self.graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]]] = {}
+        # The last call's top-k experts per MoE layer [rows, k] (buffers the next call rewrites).
+        self.routing: dict[int, torch.Tensor] = {}
 
-    def _body(self, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _body(self, keys: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         engine = self.engine
         (model,) = engine.models  # one chunk, first and last stage (no pipeline parallel)
         self.key_masked.index_fill_(1, self.col, False)
         mask = self.key_masked[:, None, None, :keys]
         rope = engine.rope_at(self.pos)
         hidden = model.embedding(input_ids=self.tokens, position_ids=self.pos)
-        for layer, kv in zip(model.decoder.layers, engine.cache[0], strict=True):
-            hidden = engine._layer(layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask)
-        return sample_tokens(engine.logits(hidden), *self.sampling, uniform=self.uniform)
+        # A recorder attached to the routers would keep the capture's buffers: the step hands them out.
+        engine.silent_routing, engine.routing = True, {}
+        try:
+            for layer, kv in zip(model.decoder.layers, engine.cache[0], strict=True):
+                hidden = engine._layer(layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask)
+        finally:
+            engine.silent_routing = False
+        tok, lp = sample_tokens(engine.logits(hidden), *self.sampling, uniform=self.uniform)
+        return tok, lp, dict(engine.routing)
 
     def __call__(
         self, tokens: torch.Tensor, start: int, uniform: torch.Tensor
@@ -496,12 +568,13 @@ class StaticDecodeStep:
         self.uniform.copy_(uniform)
         keys = min(-(-(start + 1) // KEY_BUCKET) * KEY_BUCKET, self.key_masked.shape[1])
         if not self.capture:
-            return self._body(keys)
+            tok, lp, self.routing = self._body(keys)
+            return tok, lp
         if keys not in self.graphs:
             # The warm-up and the capture both run the real step on the real buffers; it is idempotent: it
             # rewrites this column's keys/values and mask bit.
             self.graphs[keys] = devices.capture_graph(self.device, lambda: self._body(keys), self.pool)
-        graph, (tok, lp) = self.graphs[keys]
+        graph, (tok, lp, self.routing) = self.graphs[keys]
         graph.replay()
         return tok, lp
 
@@ -686,12 +759,12 @@ def generate_with_kv_cache(
     responses = torch.full((b, n_new), pad_id, dtype=torch.long)
     resp_mask = torch.zeros((b, n_new), dtype=torch.long)
     logps = torch.zeros((b, n_new), dtype=torch.float32)
-    # MoE layers size their expert batches from the routing (token counts copied to the host, alltoall
-    # splits): shapes a captured graph cannot replay, so MoE models decode on the dynamic path.
+    # megatron's MoELayer sizes its expert batches on the host (shapes a captured graph cannot replay):
+    # MoE models decode statically only on the engine's own MoE layers (rltrain/megatron/moe_decode.py).
     static = (
         static_decode
         and parallel_state.get_pipeline_model_parallel_world_size() == 1
-        and actor.config.num_moe_experts is None
+        and static_moe_unsupported(actor) is None
     )
     if n_new > 0 and b > 0:
         # Training's positions: 0 at each row's first real token (pads clamp to 0; they are masked).
@@ -724,7 +797,7 @@ def generate_with_kv_cache(
             )
             harvest = _decode(
                 engine, left, left_mask, responses, resp_mask, logps, stops, uniform,
-                (temperature, top_p, top_k, min_p), static, reuse,
+                (temperature, top_p, top_k, min_p), static, reuse, forced_lengths(b, n_new, seed),
             )  # fmt: skip
             if reuse is not None:
                 generated = [responses[i][resp_mask[i].bool()].tolist() for i in range(b)]
@@ -746,6 +819,7 @@ def _decode(
     sampling: tuple[float, float, int, float],
     static: bool,
     reuse: tuple[KVSession, list[int], list[list[int]], int] | None = None,
+    forced: torch.Tensor | None = None,
 ) -> list[tuple[torch.Tensor, list[list[tuple[torch.Tensor, torch.Tensor]]]]]:
     """The generation loop; fills responses / resp_mask / logps (CPU, [B, N]) in place.
 
@@ -788,7 +862,10 @@ def _decode(
     resp_dev = torch.zeros((b, n_new), dtype=torch.long, device=dev)
     lp_dev = torch.zeros((b, n_new), dtype=torch.float32, device=dev)
     mask_dev = torch.zeros((b, n_new), dtype=torch.bool, device=dev)
+    forced_dev = forced.to(dev) if forced is not None and stops else None
     for t in range(n_new):
+        if forced_dev is not None:  # FORCE_EOS_ENV (benchmarks): the row's stop token at its drawn length
+            tok = torch.where(forced_dev[active] == t + 1, stop_t[0], tok)
         # Writes through integer indices and masks, not boolean indexing (which syncs with the device).
         live = ~done[active]
         resp_dev[active, t] = torch.where(live, tok, 0)
@@ -838,10 +915,12 @@ def _decode(
 
 
 __all__ = [
+    "FORCE_EOS_ENV",
     "KVCacheGenerator",
     "KVSession",
     "StaticDecodeStep",
     "block_mask",
+    "forced_lengths",
     "generate_with_kv_cache",
     "inverse_cdf",
     "kv_cache_unsupported",
@@ -849,5 +928,6 @@ __all__ = [
     "prefill_mask",
     "sample_tokens",
     "sequence_parallel_off",
+    "static_moe_unsupported",
     "unique_rows",
 ]

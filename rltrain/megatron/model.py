@@ -150,7 +150,8 @@ def layer_spec(
     MoE layers use megatron's SequentialMLP (one ColumnParallelLinear / RowParallelLinear pair per local
     expert): its GroupedMLP needs the CUDA-only `grouped_gemm` package and TEGroupedMLP Transformer Engine,
     neither of which installs here; with `grouped_gemm` (`model.moe_grouped_gemm`) its subclass
-    `moe_experts.GroupedGemmExperts` computes them with torch's grouped GEMM instead."""
+    `moe_experts.GroupedGemmExperts` computes them with torch's grouped GEMM instead, and `build` makes the
+    layer a `moe_decode.GroupedMoELayer` (no token dispatcher host syncs where it applies)."""
     if backend == "te" or (backend == "auto" and te_available()):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -661,6 +662,14 @@ def build_model_chunks(
         elif post and not config.sequence_parallel:
             batch_first_logits(model.output_layer)
         mark_expert_params(model)
+        if model_cfg.moe_grouped_gemm:
+            from rltrain.megatron.moe_decode import GroupedMoELayer, is_moe
+
+            for layer in model.decoder.layers:
+                if is_moe(layer.mlp):
+                    # A subclass with only another forward, set on the built module: megatron's layer hands
+                    # its process groups only to a spec naming MoELayer itself.
+                    layer.mlp.__class__ = GroupedMoELayer
         if lora is not None:  # before Float16Module and DDP: the adapters are the only trainable parameters
             from rltrain.megatron.lora import adapt
 

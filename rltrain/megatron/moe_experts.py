@@ -35,27 +35,43 @@ def _use_grouped_kernel(t: torch.Tensor) -> bool:
     return t.is_cuda and t.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
 
 
-def _offsets(counts: list[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+Groups = list[int] | torch.Tensor
+"""Row groups of a grouped product: a list of row counts, or their cumulative offsets as an int32 tensor on
+the rows' device (the last one the row count), which the CUDA kernel takes without any host read."""
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Rows of `a` [M, K] in groups of `counts` (sum M) times their group's `b` [G, K, N]: [M, N]."""
+def _offsets(groups: Groups, device: torch.device) -> torch.Tensor:
+    if isinstance(groups, torch.Tensor):
+        return groups
+    return torch.tensor(groups, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
+
+
+def _counts(groups: Groups) -> list[int]:
+    if isinstance(groups, torch.Tensor):  # (the CPU loop: a host read of the offsets)
+        ends = groups.tolist()
+        return [e - s for s, e in zip([0, *ends[:-1]], ends, strict=True)]
+    return groups
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Rows of `a` [M, K] in consecutive `groups` (sum M) times their group's `b` [G, K, N]: [M, N]."""
     if _use_grouped_kernel(a):
-        return torch._grouped_mm(a, b, offs=_offsets(counts, a.device))
-    out = a.new_empty((a.shape[0], b.shape[2]))
+        return torch._grouped_mm(a, b, offs=_offsets(groups, a.device))
+    out = a.new_zeros((a.shape[0], b.shape[2]))
     start = 0
-    for g, n in enumerate(counts):
-        out[start : start + n] = a[start : start + n] @ b[g]
+    for g, n in enumerate(_counts(groups)):
+        if n:
+            out[start : start + n] = a[start : start + n] @ b[g]
         start += n
     return out
 
 
-def grouped_mm_weight(a: torch.Tensor, b: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """Per group g: a[:, rows_g] @ b[rows_g] for `a` [M, K_total], `b` [K_total, N] (rows in groups of
-    `counts`): [G, M, N] (weight gradients; an empty group gives zeros)."""
+def grouped_mm_weight(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """Per group g: a[:, rows_g] @ b[rows_g] for `a` [M, K_total], `b` [K_total, N] (rows in consecutive
+    `groups`): [G, M, N] (weight gradients; an empty group gives zeros)."""
     if _use_grouped_kernel(a):
-        return torch._grouped_mm(a, b, offs=_offsets(counts, a.device))
+        return torch._grouped_mm(a, b, offs=_offsets(groups, a.device))
+    counts = _counts(groups)
     out = a.new_zeros((len(counts), a.shape[0], b.shape[1]))
     start = 0
     for g, n in enumerate(counts):
@@ -70,7 +86,7 @@ class GroupedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor, counts: list[int]
+        ctx: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor, counts: Groups
     ) -> torch.Tensor:
         # w1 [E, 2F, H], w2 [E, H, F]; the transposed views are what the products take (no copy).
         h = grouped_mm(x, w1.transpose(1, 2), counts)  # [M, 2F]
@@ -125,12 +141,16 @@ class GroupedGemmExperts(SequentialMLP):
     ) -> tuple[torch.Tensor, None]:
         if self.config.moe_apply_probs_on_input or self.config.fp8 or self.config.fp4:
             return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        counts = [int(n) for n in tokens_per_expert.tolist()]
+        x = permuted_local_hidden_states
+        groups: Groups
+        if _use_grouped_kernel(x) and tokens_per_expert.device == x.device:
+            groups = tokens_per_expert.cumsum(0).to(torch.int32)  # the kernel reads them on the device
+        else:
+            groups = [int(n) for n in tokens_per_expert.tolist()]
         w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
         w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
-        x = permuted_local_hidden_states
-        out = GroupedSwiGLU.apply(x.reshape(-1, x.shape[-1]), w1, w2, permuted_probs, counts)
+        out = GroupedSwiGLU.apply(x.reshape(-1, x.shape[-1]), w1, w2, permuted_probs, groups)
         return out.view(*x.shape[:-1], out.shape[-1]), None
 
 
-__all__ = ["GroupedGemmExperts", "GroupedSwiGLU", "grouped_mm", "grouped_mm_weight"]
+__all__ = ["GroupedGemmExperts", "GroupedSwiGLU", "Groups", "grouped_mm", "grouped_mm_weight"]

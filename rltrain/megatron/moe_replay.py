@@ -25,7 +25,9 @@ response token, so their experts cannot change a trained log-prob).
 Recording (`record_routing`) wraps one `MegatronActor.generate` call on the KV-cache engine
 (rltrain/megatron/inference.py): it notes the batch rows and cache columns of every
 `KVCacheGenerator.forward` call (the only place that knows them; wrapped for the duration of the context,
-the generation code is unchanged) and what each router chose in it. Identical prompts are prefilled once,
+the generation code is unchanged) and what each router chose in it. The static decode step (CUDA graphs,
+MoE layers of rltrain/megatron/moe_decode.py) runs no router Python when it replays: it hands out each
+layer's top-k instead (`StaticDecodeStep.routing`), copied after every step. Identical prompts are prefilled once,
 so rows without a prefill of their own take their representative's routing. Pipeline stages hold other
 layers: their records are merged with a MAX all-reduce over the pipeline group. Generation without the
 KV cache (context parallel, `use_cache=False`) re-runs whole sequences and is refused.
@@ -188,6 +190,7 @@ def record_routing(actor: Any) -> Iterator[RoutingRecorder]:
     from rltrain.megatron import inference
 
     original = inference.KVCacheGenerator.forward
+    original_step = inference.StaticDecodeStep.__call__
 
     with _attached(actor.modules(), "record") as states:
         recorder = RoutingRecorder(actor, states)
@@ -196,11 +199,22 @@ def record_routing(actor: Any) -> Iterator[RoutingRecorder]:
             recorder.calls.append((start, rows.detach().cpu(), tokens.shape[1]))
             return original(engine, tokens, start, rows, mask)
 
+        def step(decode: Any, tokens: torch.Tensor, start: int, uniform: torch.Tensor) -> Any:
+            # The static (CUDA-graph) decode step: its routers record nothing themselves (a replayed graph
+            # runs no Python); it hands out each MoE layer's top-k, rewritten by the next replay: copied.
+            out = original_step(decode, tokens, start, uniform)
+            recorder.calls.append((start, decode.rows_cpu, 1))
+            for number, state in states.items():
+                state.recorded.append(decode.routing[number].to(_DTYPE))
+            return out
+
         inference.KVCacheGenerator.forward = forward  # type: ignore[method-assign]
+        inference.StaticDecodeStep.__call__ = step  # type: ignore[method-assign]
         try:
             yield recorder
         finally:
             inference.KVCacheGenerator.forward = original  # type: ignore[method-assign]
+            inference.StaticDecodeStep.__call__ = original_step  # type: ignore[method-assign]
 
 
 # ------------------------------------------------------------------------------------ replay

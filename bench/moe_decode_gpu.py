@@ -1,0 +1,222 @@
+"""MoE generation on one GPU (issue 36 item 1): megatron's MoELayer on the dynamic decode path (before) vs the
+engine's static-shape MoE layer (rltrain/megatron/moe_decode.py) on the dynamic path and in the captured
+CUDA-graph decode step (after), side by side in one process, with the profile of each and their parity.
+
+The model is qwen3-moe-grpo's (presets/gpu.py QWEN3_MOE_3B: 24 layers, 64 experts, top 8; random init,
+bf16, SDPA, grouped-GEMM experts), the rollout shape its preset runs (32 prompts x 8 samples), EOS ignored
+so every row decodes to the end. Reported (decode_moe.json in --out):
+
+  generate[case]   MegatronActor.generate of --new-tokens (`before`, `dynamic` = static MoE layer without
+                   graphs, `graph` = static MoE layer in the CUDA-graph step): s, tokens/s
+  generate_full    `graph` over --full-tokens (the preset's 1,024): s, tokens/s
+  step_ms[bucket]  one captured decode step (replay) at `bucket` cached columns
+  parity           greedy tokens of `before` vs `graph` over --new-tokens: the first column where any row
+                   differs, the share of equal tokens, the largest log-prob gap before the first difference
+  profile_*.txt    torch.profiler of 3 eager decode steps (host and device time; syncs show as
+                   cudaStreamSynchronize / aten::item / aten::_local_scalar_dense)
+
+    python3 bench/moe_decode_gpu.py --out $OUT
+CPU smoke: OMP_NUM_THREADS=1 .venv/bin/python bench/moe_decode_gpu.py --device cpu --tiny --groups 2 --samples 2 \
+               --prompt 8 --new-tokens 8 --full-tokens 16 --buckets 16 --out /tmp/moe_decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+import warnings
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def sync(dev: str) -> None:
+    if dev == "cuda":
+        torch.cuda.synchronize()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer, 8-expert model of the same family")
+    ap.add_argument("--groups", type=int, default=32)
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--full-tokens", type=int, default=1024)
+    ap.add_argument("--buckets", default="256,1024")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    dev = a.device
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    from presets.gpu import QWEN3_MOE_3B
+    from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
+    from rltrain.megatron import inference
+    from rltrain.megatron.actor import MegatronActor
+    from rltrain.megatron.moe_decode import GroupedMoELayer
+    from rltrain.megatron.parallel import free_port, init_parallel
+
+    init_parallel(MegatronConfig(), dev, rank=0, world_size=1, master_port=free_port())
+    b, p = a.groups * a.samples, a.prompt
+    arch = QWEN3_MOE_3B
+    if a.tiny:
+        arch = replace(arch, num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                       num_query_groups=2, kv_channels=16, vocab_size=128, num_moe_experts=8,
+                       moe_router_topk=2, moe_ffn_hidden_size=32)  # fmt: skip
+    arch = replace(arch, max_position_embeddings=max(arch.max_position_embeddings, p + a.full_tokens))
+    model_cfg = ModelConfig(arch=arch, params_dtype="bfloat16" if dev == "cuda" else "float32",
+                            attention_backend="sdpa", moe_grouped_gemm=True)  # type: ignore[arg-type]  # fmt: skip
+    actor = MegatronActor(model_cfg, ActorConfig(megatron=MegatronConfig()), dev, trainable=False)
+    report: dict = {"rows": b, "prompt": p, "new_tokens": a.new_tokens, "torch": torch.__version__,
+                    "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
+                    "fused_kernels": actor.fused_kernels, "errors": {}}  # fmt: skip
+
+    def attempt(name, fn):
+        try:
+            return fn()
+        except Exception as exc:  # one failing case must not lose the others
+            traceback.print_exc()
+            report["errors"][name] = f"{type(exc).__name__}: {exc}"
+            return None
+
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(1, actor.vocab_size, (a.groups, p), generator=gen).repeat_interleave(a.samples, 0)
+    cases = {"before": (False, False), "dynamic": (True, False), "graph": (True, True)}
+
+    def generate(case: str, n: int, temperature: float = 1.0) -> tuple[dict, dict]:
+        static_moe, graph = cases[case]
+        inference.KVCacheGenerator.static_moe = static_moe
+        GroupedMoELayer.static = static_moe  # before: megatron's MoELayer.forward (its token dispatcher)
+        try:
+            sync(dev)
+            t0 = time.perf_counter()
+            out = actor.generate(ids, n, temperature=temperature, eos_id=None, pad_id=0,
+                                 prompt_mask=torch.ones_like(ids), cuda_graph=graph, seed=3)  # fmt: skip
+            sync(dev)
+            s = time.perf_counter() - t0
+        finally:
+            inference.KVCacheGenerator.static_moe = GroupedMoELayer.static = True
+        return {"s": s, "tokens_per_s": int(out["response_mask"].sum()) / s}, out
+
+    report["generate"] = {}
+    for case in cases:
+        attempt(f"warm_{case}", lambda case=case: generate(case, 4))  # compile, allocator, cuBLAS handles
+        res = attempt(case, lambda case=case: generate(case, a.new_tokens)[0])
+        report["generate"][case] = res
+        print(f"generate {case} ({a.new_tokens} new): {res}", flush=True)
+    g, before = report["generate"].get("graph"), report["generate"].get("before")
+    if g and before:
+        report["graph_over_before"] = g["tokens_per_s"] / before["tokens_per_s"]
+        print(f"graph / before: {report['graph_over_before']:.2f}x", flush=True)
+
+    def parity() -> dict:
+        _, want = generate("before", a.new_tokens, temperature=0.0)
+        _, got = generate("graph", a.new_tokens, temperature=0.0)
+        same = got["responses"] == want["responses"]
+        cols = (~same).any(0).nonzero()
+        first = int(cols[0]) if cols.numel() else a.new_tokens
+        gap = (got["rollout_log_probs"][:, :first] - want["rollout_log_probs"][:, :first]).abs()
+        return {"first_differing_column": first, "equal_token_share": float(same.float().mean()),
+                "max_logprob_gap_before_first": float(gap.max()) if first else None}  # fmt: skip
+
+    report["parity"] = attempt("parity", parity)
+    print(f"parity: {report['parity']}", flush=True)
+
+    # One captured step per bucket, and the profiles of eager decode steps (before / after).
+    def steps() -> None:
+        max_len = p + a.full_tokens
+        positions = torch.arange(max_len, device=dev).expand(b, max_len).contiguous()
+        report["step_ms"] = {}
+        with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
+            actor.eval()
+            engine = inference.KVCacheGenerator(actor, positions, zero_cache=True)
+            engine.forward(
+                ids.to(dev), 0, torch.arange(b, device=dev), None
+            )  # prefill: cache, stacked experts
+            key_masked = torch.zeros((b, max_len), dtype=torch.bool, device=dev)
+            key_masked[:, p:] = True
+            rows = torch.arange(b, device=dev)
+            step = inference.StaticDecodeStep(engine, rows, key_masked, (1.0, 1.0, -1, 0.0),
+                                              inference.devices.graph_pool(dev))  # fmt: skip
+            tokens = torch.randint(0, actor.vocab_size, (b,), device=dev)
+            uniform = torch.rand(b, device=dev)
+            for bucket in [int(x) for x in a.buckets.split(",")]:
+                col = min(bucket, max_len) - 1
+                fn = lambda col=col: step(tokens, col, uniform)  # noqa: E731
+                for _ in range(3):
+                    fn()
+                sync(dev)
+                t0 = time.perf_counter()
+                for _ in range(20):
+                    fn()
+                sync(dev)
+                ms = (time.perf_counter() - t0) / 20 * 1e3
+                report["step_ms"][bucket] = ms
+                print(
+                    f"graph step at {bucket} columns: {ms:.2f} ms ({b / ms * 1e3:.0f} tokens/s)", flush=True
+                )
+            if dev != "cuda":
+                return
+            from torch.profiler import ProfilerActivity, profile
+
+            static_layers = set(engine.moe_static)
+            for name, static_moe in (("before", False), ("after", True)):
+                GroupedMoELayer.static = static_moe
+                # Eager dynamic decode steps of 1 token over the prefilled rows (what `before` runs per token).
+                engine.moe_static = static_layers if static_moe else set()
+                run = lambda: engine.forward(tokens[:, None], p, rows, None)  # noqa: E731
+                run()
+                sync(dev)
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        run()
+                    sync(dev)
+                avg = prof.key_averages()
+                table = avg.table(sort_by="self_cpu_time_total", row_limit=25)
+                table += "\n" + avg.table(sort_by="self_cuda_time_total", row_limit=25)
+                (out_dir / f"profile_{name}.txt").write_text(table)
+                syncs = {e.key: e.count for e in avg if e.key in ("cudaStreamSynchronize", "aten::item",
+                         "aten::_local_scalar_dense", "cudaMemcpyAsync", "aten::nonzero")}  # fmt: skip
+                launches = sum(e.count for e in avg if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                 "cudaLaunchKernelExC"))  # fmt: skip
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    run()
+                sync(dev)
+                eager_ms = (time.perf_counter() - t0) / 5 * 1e3
+                report[f"eager_step_{name}"] = {
+                    "ms": eager_ms,
+                    "per_3_steps": syncs,
+                    "launches_per_3": launches,
+                }
+                print(f"eager dynamic step {name}: {eager_ms:.1f} ms; per 3 steps {syncs}, {launches} launches",
+                      flush=True)  # fmt: skip
+                print(avg.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+
+    attempt("steps", steps)
+    if dev == "cuda":
+        torch.cuda.empty_cache()
+
+    def full() -> dict:
+        res, _ = generate("graph", a.full_tokens)
+        return res
+
+    report["generate_full"] = attempt("full", full)
+    print(f"generate graph ({a.full_tokens} new): {report['generate_full']}", flush=True)
+    (out_dir / "decode_moe.json").write_text(json.dumps(report, indent=1, default=str))
+    print(json.dumps(report, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,200 @@
+"""Mixture-of-experts layers with static shapes: no host round trip, so a MoE model's decode step can be
+captured in a CUDA graph like a dense one (issue 36 item 1), and training passes skip megatron's token
+dispatcher (item 4).
+
+Why: megatron's MoELayer sizes its expert batches from the routing (the token dispatcher copies the token
+counts per expert to the host, SequentialMLP / the grouped experts split by a Python list of them): at
+least one device -> host sync per MoE layer per decode step, and shapes a graph cannot replay. So the
+engine decoded MoE models on its dynamic path, ~2 host syncs and ~100 kernel launches per layer per token.
+
+What runs instead (`moe_forward`), for the layers `unsupported` accepts (routed SwiGLU experts on this rank,
+no expert parallel, no expert tensor parallel, no token dropping):
+
+  1. megatron's own router module (`TopKRouter.forward`: gating, score function, top-k, its scaling), so the
+     choice of experts is the router's. Its top-k indices are taken through megatron's router-replay hook
+     (`_TopkTap`), which forwards to a replay object already attached (`moe_replay.record_routing`), so
+     recording keeps working on the dynamic path; inside a captured step the tap records nothing itself and
+     the step hands the indices out instead (`StaticDecodeStep.routing`).
+  2. The T x k (token, expert) pairs sorted by expert (a stable sort: token order within an expert, as
+     megatron's permutation), rows gathered, per-expert counts by a scatter-add (not bincount, which sizes
+     its output on the host) and their cumulative offsets *on the device*.
+  3. All experts in two grouped matrix products (`torch._grouped_mm` with device offsets, bf16 on CUDA; a
+     per-expert loop elsewhere) with megatron's SwiGLU and probability product in between, in the order and
+     dtypes of `moe_experts.GroupedSwiGLU` / megatron's `MLP.forward`.
+  4. The k outputs of each token put back in token order and summed (a [T, k, H] sum, deterministic, where
+     megatron scatter-adds); shared experts, when the model has them, added as megatron does.
+
+Every shape depends only on T, so the step is graph-capturable. The KV-cache engine stacks the expert
+weights once ([E, 2F, H] and [E, H, F], `ExpertWeights`): the copy lives as long as one `generate` call.
+Training passes (`GroupedMoELayer`, the MoE layer of `model.moe_grouped_gemm`) stack them through autograd
+on every call, as `GroupedGemmExperts` does, and `GroupedSwiGLU` gives the gradients; the router's
+load-balancing loss, z-loss and replay are the router's own, so they are unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.moe.moe_layer import MoELayer
+
+from rltrain.megatron.moe_experts import GroupedGemmExperts, GroupedSwiGLU
+
+
+def is_moe(mlp: torch.nn.Module) -> bool:
+    return isinstance(mlp, MoELayer)
+
+
+def unsupported(mlp: torch.nn.Module) -> str | None:
+    """Why `moe_forward` cannot run this MoE layer (None: it can; megatron's MoELayer runs otherwise)."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    cfg = mlp.config
+    if parallel_state.get_expert_model_parallel_world_size() > 1:
+        return "expert parallel"
+    if parallel_state.get_expert_tensor_parallel_world_size() > 1:
+        return "expert tensor parallel"
+    if type(mlp.experts) not in (SequentialMLP, GroupedGemmExperts):
+        return f"experts module {type(mlp.experts).__name__}"
+    if not (cfg.gated_linear_unit and cfg.activation_func is F.silu and not cfg.add_bias_linear):
+        return "experts other than SwiGLU without bias"
+    if cfg.activation_func_clamp_value is not None or cfg.glu_linear_offset != 0.0:
+        return "GLU clamp or offset"
+    if cfg.moe_apply_probs_on_input or cfg.fp8 or cfg.fp4:
+        return "probabilities on the input, fp8 or fp4"
+    if cfg.moe_expert_capacity_factor is not None:
+        return "token dropping (moe_expert_capacity_factor)"
+    if getattr(cfg, "moe_latent_size", None):
+        return "latent projections"
+    if mlp.use_shared_expert and mlp.shared_expert_overlap:
+        return "overlapped shared experts"
+    if mlp.router.routing_type == "sinkhorn" or cfg.moe_router_fusion:
+        return "sinkhorn or fused routing"
+    return None
+
+
+class _TopkTap:
+    """Stands in for the router's replay object during one call: keeps the top-k indices the router chose
+    (`index` [T, k]); forwards to the replay object attached before (`inner`), unless `silent`."""
+
+    def __init__(self, inner: Any, silent: bool) -> None:
+        self.inner, self.silent = inner, silent
+        self.index: torch.Tensor | None = None
+
+    def get_replay_topk(
+        self,
+        scores: torch.Tensor,
+        topk: int,
+        num_groups: int | None = None,
+        group_topk: int | None = None,
+        default_compute_topk: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.inner is not None and not self.silent:
+            values, index = self.inner.get_replay_topk(
+                scores, topk, num_groups, group_topk, default_compute_topk
+            )
+        else:
+            assert default_compute_topk is not None
+            values, index = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        self.index = index
+        return values, index
+
+
+class ExpertWeights:
+    """Each MoE layer's local expert weights stacked once ([E, 2F, H], [E, H, F]), by layer module."""
+
+    def __init__(self) -> None:
+        self._stacked: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, mlp: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(mlp)
+        if key not in self._stacked:
+            experts = mlp.experts.local_experts
+            self._stacked[key] = (
+                torch.stack([e.linear_fc1.weight.detach() for e in experts]),
+                torch.stack([e.linear_fc2.weight.detach() for e in experts]),
+            )
+        return self._stacked[key]
+
+
+def moe_forward(
+    mlp: torch.nn.Module,
+    hidden: torch.Tensor,
+    weights: ExpertWeights | None = None,
+    silent: bool = False,
+    padding_mask: torch.Tensor | None = None,
+) -> tuple[tuple[torch.Tensor, None], torch.Tensor]:
+    """megatron's MoELayer.forward on `hidden` [s, n, H] with static shapes: ((output, None), the router's
+    top-k expert indices [s x n, k] in megatron's token order).
+
+    `weights`: the engine's stacked expert weights (generation); None stacks the experts' parameters through
+    autograd on every call (training: gradients reach each expert's own parameters, as with
+    `GroupedGemmExperts`). `silent`: the router's replay object (recording) does not see this call (a
+    captured step hands the indices out itself). `padding_mask` [s, n] True on padding, for the router's
+    load-balancing loss (MoELayer.route's argument)."""
+    router = mlp.router
+    saved = router.router_replay
+    tap = router.router_replay = _TopkTap(saved, silent)
+    try:
+        # [T, E] dense probabilities (zero off the top k), the load-balancing loss attached in training.
+        probs, _ = router(hidden) if padding_mask is None else router(hidden, padding_mask)
+    finally:
+        router.router_replay = saved
+    index = tap.index
+    assert index is not None
+    tokens, k = index.shape
+    x = hidden.reshape(tokens, -1)
+    if weights is not None:
+        w1, w2 = weights(mlp)
+    else:
+        w1 = torch.stack([e.linear_fc1.weight for e in mlp.experts.local_experts])
+        w2 = torch.stack([e.linear_fc2.weight for e in mlp.experts.local_experts])
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # expert-major, token order within an expert
+    counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offsets = counts.cumsum(0, dtype=torch.int32)
+    p = probs.gather(1, index).reshape(-1).index_select(0, order)
+    y = GroupedSwiGLU.apply(x.index_select(0, order // k), w1, w2, p, offsets)  # [T k, H]
+    # Back to (token, slot) order through the inverse permutation, then each token's k outputs summed.
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    out = y.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)
+    out = out.to(hidden.dtype).view_as(hidden)
+    if mlp.use_shared_expert:
+        out = out + mlp.shared_experts(hidden)
+    return (out, None), index
+
+
+class GroupedMoELayer(MoELayer):
+    """megatron's MoELayer (same submodules, parameters, checkpoints) whose forward is `moe_forward` where
+    `unsupported` accepts the layer (`model.moe_grouped_gemm`): no token-count copy to the host, the
+    permutation an argsort on the device, all experts in `GroupedSwiGLU` with device offsets. megatron's
+    own forward runs otherwise (expert parallel, expert TP, recomputation of the MoE layer, ...) and while
+    the class switch `static` is off (benchmarks time megatron's path with it)."""
+
+    static = True
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        intermediate_tensors: Any = None,
+        padding_mask: torch.Tensor | None = None,
+    ) -> Any:
+        if (
+            not self.static
+            or intermediate_tensors is not None
+            or self.moe_layer_recompute
+            or self.shared_experts_recompute
+            or unsupported(self) is not None
+        ):
+            return super().forward(hidden_states, intermediate_tensors, padding_mask)
+        if padding_mask is not None:
+            padding_mask = padding_mask.transpose(0, 1).bool()  # [b, s] -> [s, b], as MoELayer.forward
+        (out, bias), _ = moe_forward(self, hidden_states, padding_mask=padding_mask)
+        return out, bias
+
+
+__all__ = ["ExpertWeights", "GroupedMoELayer", "is_moe", "moe_forward", "unsupported"]

@@ -1,0 +1,278 @@
+"""The KV-cache engine's static-shape MoE layer (rltrain/megatron/moe_decode.py) on tiny random MoE models
+(CPU, fp32): it computes what megatron's MoELayer computes, so MoE generation can take the static decode
+step (CUDA graphs on a GPU; eager here) and give the tokens and log-probs of megatron's MoELayer on the
+dynamic path; router replay records the same routing through the static step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .test_moe import _actor, _batch, make_tiny_moe
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
+]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def moe_model(request, tmp_path_factory):
+    """Qwen3-MoE (normalised top-k, a dense layer) and Qwen2-MoE (gated shared expert, unnormalised top-k)."""
+    return make_tiny_moe(tmp_path_factory.mktemp(request.param) / "hf", request.param)
+
+
+def _moe_layers(actor):
+    from rltrain.megatron import moe_decode
+    from rltrain.megatron.model import unwrap
+
+    return [layer for layer in unwrap(actor.chunks[0]).decoder.layers if moe_decode.is_moe(layer.mlp)]
+
+
+def test_static_moe_layer_equals_megatrons_moe_layer(mp_world, moe_model):
+    """Same output as MoELayer.forward on random hidden states (fp32 rounding only), and the top-k it
+    reports is the router's own choice (the experts that received each token)."""
+    from rltrain.megatron import moe_decode
+
+    actor = _actor(moe_model)
+    actor.eval()
+    layers = _moe_layers(actor)
+    assert layers
+    weights = moe_decode.ExpertWeights()
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for layer in layers:
+            assert moe_decode.unsupported(layer.mlp) is None
+            hidden = torch.randn(5, 3, layer.config.hidden_size, generator=gen)
+            want, _ = layer.mlp(hidden)
+            (got, bias), index = moe_decode.moe_forward(layer.mlp, hidden, weights)
+            assert bias is None and got.shape == want.shape
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+            _, routing_map = layer.mlp.router(hidden)
+            chosen = torch.zeros_like(routing_map).scatter(1, index, True)
+            assert torch.equal(chosen, routing_map)
+            # Not a trivially equal pair: another routing gives another output.
+            assert not torch.allclose(got, torch.zeros_like(got))
+
+
+def test_grouped_mm_takes_device_offsets_and_skips_empty_groups():
+    from rltrain.megatron.moe_experts import grouped_mm, grouped_mm_weight
+
+    gen = torch.Generator().manual_seed(1)
+    a = torch.randn(7, 4, generator=gen, dtype=torch.float64)
+    b = torch.randn(3, 4, 5, generator=gen, dtype=torch.float64)
+    offsets = torch.tensor([3, 3, 7], dtype=torch.int32)  # group 1 has no rows
+    want = torch.cat([a[:3] @ b[0], a[3:] @ b[2]])
+    torch.testing.assert_close(grouped_mm(a, b, offsets), want)
+    torch.testing.assert_close(grouped_mm(a, b, [3, 0, 4]), want)
+    dy = torch.randn(7, 5, generator=gen, dtype=torch.float64)
+    dw = grouped_mm_weight(a.t(), dy, offsets)
+    torch.testing.assert_close(
+        dw, torch.stack([a[:3].t() @ dy[:3], torch.zeros(4, 5, dtype=a.dtype), a[3:].t() @ dy[3:]])
+    )
+
+
+def _generate(actor, prompts, static: bool, megatron_moe: bool, **kw):
+    from rltrain.megatron import inference
+
+    inference.KVCacheGenerator.static_moe = not megatron_moe
+    try:
+        return actor.generate(prompts, 8, pad_id=0, cuda_graph=static, seed=3, **kw)
+    finally:
+        inference.KVCacheGenerator.static_moe = True
+
+
+@pytest.mark.slow
+def test_moe_generation_takes_the_static_step_with_megatrons_results(mp_world, moe_model, monkeypatch):
+    """Static decode (the path CUDA graphs capture) of a MoE model equals the dynamic path through megatron's
+    MoELayer: the same tokens and log-probs up to fp32 rounding, greedy and sampled with stop tokens (rows
+    leave the batch: the step is rebuilt over the compacted cache)."""
+    from rltrain.megatron import inference
+
+    actor = _actor(moe_model)
+    assert inference.static_moe_unsupported(actor) is None
+    steps = []
+    original = inference.StaticDecodeStep.__call__
+    monkeypatch.setattr(
+        inference.StaticDecodeStep, "__call__", lambda s, *a: (steps.append(1), original(s, *a))[1]
+    )
+    prompts = _batch()["input_ids"][:4, :12].repeat(2, 1)
+    for kw in ({"temperature": 0.0}, {"temperature": 1.0, "eos_id": 7, "stop_token_ids": (11, 13, 17, 19)}):
+        steps.clear()
+        want = _generate(actor, prompts, static=False, megatron_moe=True, **kw)
+        assert not steps
+        got = _generate(actor, prompts, static=True, megatron_moe=False, **kw)
+        assert steps, "the static step did not run"
+        assert torch.equal(got["responses"], want["responses"]), kw
+        assert torch.equal(got["response_mask"], want["response_mask"])
+        torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], rtol=1e-4, atol=1e-5)
+    assert bool((got["response_mask"].sum(-1) < 8).any()), "no row stopped early: compaction not exercised"
+
+
+@pytest.mark.slow
+def test_static_step_records_the_routing_of_megatrons_path(mp_world, moe_model):
+    """Router replay's recording through the static step (no router Python runs when a graph replays) is
+    the routing megatron's MoELayer records on the dynamic path, row for row and column for column."""
+    from rltrain.megatron.moe_replay import record_routing
+
+    actor = _actor(moe_model)
+    prompts = _batch()["input_ids"][:4, :12].repeat(2, 1)
+    kw = {"temperature": 1.0, "eos_id": 7, "stop_token_ids": (11, 13, 17, 19)}
+    routed = {}
+    for static in (False, True):
+        with record_routing(actor) as recorder:
+            out = _generate(actor, prompts, static=static, megatron_moe=not static, **kw)
+        routed[static] = (recorder.routed_experts(out), out)
+    (want, out_d), (got, out_s) = routed[False], routed[True]
+    assert torch.equal(out_s["responses"], out_d["responses"])
+    assert bool((want >= 0).any())
+    assert torch.equal(got.sort(-1).values, want.sort(-1).values)
+
+
+class _HostReads(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ops that read device values on the host (`.item()`, `.tolist()`, `bool(t)`) or size an
+    output from them (`nonzero`, `bincount`, `unique`): what a CUDA graph cannot capture."""
+
+    OPS = ("_local_scalar_dense", "nonzero", "bincount", "_unique2", "unique_dim", "masked_select")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name in self.OPS:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+def _grouped_mm_without_host_reads(a, b, offsets):
+    """The grouped product as masked dense products (what the CUDA kernel computes from device offsets)."""
+    row = torch.arange(a.shape[0]).unsqueeze(1)
+    ends = offsets.long().unsqueeze(0)
+    group = (row >= ends).sum(1)  # [M]: the group of each row
+    full = torch.einsum("mk,gkn->gmn", a, b)
+    return full.gather(0, group.view(1, -1, 1).expand(1, -1, b.shape[2])).squeeze(0)
+
+
+def test_static_moe_step_reads_nothing_on_the_host(mp_world, moe_model, monkeypatch):
+    """The static decode step of a MoE model, whole (embedding, attention, MoE layers, logits, sampling),
+    makes no host read of a device value besides the grouped GEMM's CPU loop (on CUDA, torch._grouped_mm
+    takes the offsets on the device): it can live in a CUDA graph. megatron's MoELayer, the old decode
+    path, makes such reads (the counter sees them)."""
+    from rltrain.megatron import inference, moe_experts
+
+    monkeypatch.setattr(moe_experts, "grouped_mm", _grouped_mm_without_host_reads)
+    actor = _actor(moe_model)
+    b, p, n = 4, 6, 10
+    ids = torch.randint(1, 90, (b, p), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(p + n).expand(b, p + n).contiguous()
+    with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
+        actor.eval()
+        engine = inference.KVCacheGenerator(actor, positions, zero_cache=True)
+        engine.forward(ids, 0, torch.arange(b), None)
+        key_masked = torch.zeros((b, p + n), dtype=torch.bool)
+        key_masked[:, p:] = True
+        step = inference.StaticDecodeStep(engine, torch.arange(b), key_masked, (1.0, 1.0, -1, 0.0))
+        step.tokens.copy_(ids[:, -1:])
+        step.col.fill_(p)
+        step.uniform.copy_(torch.rand(b))
+        with _HostReads() as reads:
+            tok, _, routing = step._body(p + n)
+        assert reads.seen == [], reads.seen
+        assert tok.shape == (b,) and sorted(routing) == [
+            layer.mlp.router.layer_number for layer in _moe_layers(actor)
+        ]
+        # The megatron layer on the same input does read the host.
+        layer = _moe_layers(actor)[0]
+        with _HostReads() as reads:
+            layer.mlp(torch.randn(1, b, layer.config.hidden_size))
+        assert reads.seen, "the counter saw no host read in megatron's MoELayer"
+
+
+def _grouped_actor(path, cfg=None):
+    from rlconf.config import ModelConfig
+    from rltrain.megatron.actor import MegatronActor
+
+    from .test_moe import _layout_cfg
+
+    model = ModelConfig(path=str(path), attention_backend="sdpa", moe_grouped_gemm=True)
+    return MegatronActor(model, cfg or _layout_cfg(aux=0.01), "cpu", trainable=True, total_steps=4)
+
+
+def test_grouped_moe_layer_trains_as_megatrons_moe_layer(mp_world, moe_model, monkeypatch):
+    """model.moe_grouped_gemm's MoE layer (GroupedMoELayer: moe_forward, no token dispatcher) in training
+    mode, load-balancing loss on: the output and every gradient (hidden states, router, each expert's own
+    weights, shared expert) equal megatron's MoELayer.forward on the same module (fp32 rounding)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from rltrain.megatron.moe_decode import GroupedMoELayer
+
+    # A backward outside megatron's schedule sets the loss scale megatron keeps process-wide: undone after.
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
+    actor = _grouped_actor(moe_model)
+    layer = _moe_layers(actor)[0]
+    assert isinstance(layer.mlp, GroupedMoELayer)
+    layer.mlp.train()
+    params = [p for p in layer.mlp.parameters() if p.requires_grad]
+    gen = torch.Generator().manual_seed(2)
+    hidden = torch.randn(6, 3, layer.config.hidden_size, generator=gen)
+    dy = torch.randn(6, 3, layer.config.hidden_size, generator=gen)
+    results = {}
+    for static in (False, True):
+        GroupedMoELayer.static = static
+        try:
+            x = hidden.clone().requires_grad_()
+            out, bias = layer.mlp(x)
+            assert bias is None
+            grads = torch.autograd.grad(out, [x, *params], dy, allow_unused=True)
+        finally:
+            GroupedMoELayer.static = True
+        results[static] = (out.detach(), grads)
+    (want, want_grads), (got, got_grads) = results[False], results[True]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    names = ["hidden"] + [n for n, p in layer.mlp.named_parameters() if p.requires_grad]
+    for name, g, w in zip(names, got_grads, want_grads, strict=True):
+        assert (g is None) == (w is None), name
+        if g is not None:
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
+    router_grad = got_grads[1 + names[1:].index(next(n for n in names[1:] if n.startswith("router")))]
+    assert router_grad is not None and bool(router_grad.abs().sum() > 0)
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe(tmp_path_factory):
+    return make_tiny_moe(tmp_path_factory.mktemp("replay_grouped") / "hf", "qwen3_moe")
+
+
+@pytest.mark.slow
+def test_replay_routes_the_grouped_moe_layer_to_the_recorded_experts(mp_world, qwen3_moe):
+    """Router replay through GroupedMoELayer: the old log-prob and update passes route every token to the
+    recorded (random) experts, as through megatron's layer (tests/megatron/test_router_replay.py)."""
+    from dataclasses import replace
+
+    from .test_router_replay import RoutingSpy, _assert_used, _numbered, _random_routing, _replay_cfg
+
+    cfg = _replay_cfg(ppo_micro_batch_size_per_gpu=3, shuffle=True)
+    actor = _grouped_actor(qwen3_moe, cfg)
+    batch = _numbered(_batch())
+    routed = _random_routing(batch)
+    actor.cfg = replace(cfg, router_replay=False)
+    plain = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+    actor.cfg = cfg
+    spy = RoutingSpy(actor)
+    replayed = actor.compute_log_prob({**batch, "routed_experts": routed}, with_entropy=False)["log_probs"]
+    _assert_used(spy, routed, batch, "old log-prob pass")
+    assert not torch.allclose(replayed, plain)
+    spy = RoutingSpy(actor)
+    sign = torch.tensor([1.0 if i % 2 else -1.0 for i in range(8)]).unsqueeze(1)
+    rl = {
+        **batch,
+        "routed_experts": routed,
+        "old_log_probs": replayed,
+        "advantages": sign * batch["response_mask"],
+    }
+    metrics = actor.update_policy(rl)
+    _assert_used(spy, routed, batch, "update pass")
+    assert metrics["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-6)
