@@ -125,7 +125,9 @@ class Recorder:
         self.mini_batches: list[list[int]] = []  # per optimizer step: rows of each micro-batch
         self.tokens: list[list[int]] = []  # per optimizer step: padded tokens of each micro-batch
         optimizer = engine._optimizer
-        inner_step = optimizer.step
+        # The engine's guarded step (rltrain.megatron.model.guarded_optimizer_step) applies an update through
+        # megatron's step_with_ready_grads: one call per optimizer step that is applied.
+        inner_step = optimizer.step_with_ready_grads
 
         def step():
             self.opt_steps.append(
@@ -133,7 +135,7 @@ class Recorder:
             )
             return inner_step()
 
-        optimizer.step = step
+        optimizer.step_with_ready_grads = step
         inner_run = engine.run_schedule
 
         def run_schedule(micro_batches, loss_fn, forward_only):
