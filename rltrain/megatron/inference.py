@@ -891,8 +891,11 @@ def _decode(
                 engine.select_rows(keep)
                 active = active[keep]
                 if step is not None:
-                    # New cache tensors: new buffers and graphs (the old ones are freed with the old step).
-                    step = StaticDecodeStep(engine, active, step.key_masked[keep], sampling, step.pool)
+                    # New cache tensors: new buffers and graphs in a pool of their own. Not the old pool:
+                    # freeing the old step's graphs drops that pool's use count to 0, and capturing into it
+                    # again trips the CUDA caching allocator's `use_count > 0` assert.
+                    pool = devices.graph_pool(engine.actor.device)
+                    step = StaticDecodeStep(engine, active, step.key_masked[keep], sampling, pool)
         if step is not None:
             tok, lp = step(last_tok[active], p + t, uniform[t + 1, active])
             continue
