@@ -137,13 +137,13 @@ def _plan_only_group_check(c: RLConfig) -> None:
 def test_the_property_fails_when_the_plan_checks_something_of_its_own(monkeypatch):
     """The guarantee has teeth: a check made only in the plan (here: a made-up limit on rollout.n) makes the
     property above fail on configs the validator passes."""
-    original = rlconf.plan.assemble._present_roles
+    original = rlconf.plan.assemble.present_roles
 
     def present_roles_with_a_check(c: RLConfig) -> tuple[str, ...]:
         _plan_only_group_check(c)
         return original(c)
 
-    monkeypatch.setattr(rlconf.plan.assemble, "_present_roles", present_roles_with_a_check)
+    monkeypatch.setattr(rlconf.plan.assemble, "present_roles", present_roles_with_a_check)
 
     @settings(max_examples=200, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
@@ -162,7 +162,7 @@ def test_a_family_check_left_in_the_plan_alone_would_disagree(monkeypatch):
         get_preset("tiny-grpo"), {"model.arch.family": "qwen3", "model.arch.add_qkv_bias": False}
     )
     assert _disagreement(cfg) is None  # today: both refuse it with model-unsupported
-    original = rlconf.plan.assemble._present_roles
+    original = rlconf.plan.assemble.present_roles
 
     def with_family_check(c: RLConfig) -> tuple[str, ...]:
         if issues := family_issues(c.model.arch, "model.arch"):
@@ -170,7 +170,7 @@ def test_a_family_check_left_in_the_plan_alone_would_disagree(monkeypatch):
         return original(c)
 
     monkeypatch.delitem(RULES, "model-unsupported")
-    monkeypatch.setattr(rlconf.plan.assemble, "_present_roles", with_family_check)
+    monkeypatch.setattr(rlconf.plan.assemble, "present_roles", with_family_check)
     assert "the validator passes it, the plan refuses it" in (_disagreement(cfg) or "")
 
 

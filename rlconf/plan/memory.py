@@ -12,11 +12,13 @@ from rlconf.config import (
 )
 from rlconf.lora import COLUMN_PARALLEL, LoraPlan, part_dims, stage_adapter_params
 from rlconf.model_spec import (
+    head_dim,
     is_moe_layer,
     kv_cache_width,
     layer_params,
 )
-from rlconf.plan.compile import _cdiv, _kv_channels, _Models, rollout_resharded, rollout_tp
+from rlconf.plan.compile import Models, cdiv
+from rlconf.plan.roles import megatron_of, rollout_resharded, rollout_tp
 from rlconf.plan.types import (
     DTYPE_BYTES,
     GIB,
@@ -31,8 +33,7 @@ from rlconf.plan.types import (
     RoleMemory,
     RolloutRefit,
     StageLayers,
-    _by_role,
-    _megatron_of,
+    by_role,
     forward_batching,
     fused_kernels,
 )
@@ -82,7 +83,7 @@ def _stage_expert_params(arch: ModelArch, lay: RoleLayout, stage: StageLayers) -
     moe_layers = sum(
         is_moe_layer(arch, layer) for ch in stage.chunks for layer in range(ch.first_layer, ch.first_layer + ch.num_layers)
     )  # fmt: skip
-    return moe_layers * _cdiv(layer_params(arch, True).experts, lay.ep * lay.etp)
+    return moe_layers * cdiv(layer_params(arch, True).experts, lay.ep * lay.etp)
 
 
 def _stage_params(arch: ModelArch, lay: RoleLayout, stage: StageLayers, head: str) -> int:
@@ -95,7 +96,7 @@ def _stage_params(arch: ModelArch, lay: RoleLayout, stage: StageLayers, head: st
     n = 0
     for moe, count in ((True, moe_layers), (False, stage.num_layers - moe_layers)):
         p = layer_params(arch, moe)
-        n += count * (_cdiv(p.tp_sharded, tp) + p.replicated + _cdiv(p.experts, lay.ep * lay.etp))
+        n += count * (cdiv(p.tp_sharded, tp) + p.replicated + cdiv(p.experts, lay.ep * lay.etp))
     emb = lay.padded_vocab_size * arch.hidden_size // tp
     if stage.embedding:
         n += emb
@@ -144,7 +145,7 @@ def _layer_activations(
     parallel. Selective recompute drops what its modules recompute. Dropout masks (1 byte) when
     hidden_dropout > 0."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
-    kv = _kv_channels(arch)
+    kv = head_dim(arch)
     q, g = arch.num_attention_heads * kv, arch.num_query_groups * kv
     selective = ov.recompute_modules if ov.recompute_granularity == "selective" else ()
     norms = 4 * h
@@ -163,8 +164,8 @@ def _layer_activations(
         if arch.moe_shared_expert_intermediate_size is not None:
             mlp += (3 + silu) * arch.moe_shared_expert_intermediate_size
         if grouped_gemm:
-            local = _cdiv(arch.num_moe_experts, lay.ep)
-            per_layer = float(local * 3 * h * _cdiv(fe, lay.etp) * elem)
+            local = cdiv(arch.num_moe_experts, lay.ep)
+            per_layer = float(local * 3 * h * cdiv(fe, lay.etp) * elem)
     else:
         mlp = (3 + silu) * f
     if "mlp" in selective:
@@ -189,7 +190,7 @@ def _in_flight(lay: RoleLayout, stage: int, micro_batches: int) -> tuple[int, fl
         return n, float(n)
     # Interleaved 1F1B (megatron get_pp_rank_microbatches): warmup chunks + 1, each a 1/vpp share.
     chunks = min((lay.pp - stage - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, m * lay.vpp)
-    return _cdiv(chunks, lay.vpp), chunks / lay.vpp
+    return cdiv(chunks, lay.vpp), chunks / lay.vpp
 
 
 def _stage_activation_bytes(
@@ -220,7 +221,7 @@ def _stage_activation_bytes(
         working = largest if recomputed else 0.0  # one layer re-materialised during backward
     else:  # uniform (megatron's default when a method is missing)
         group = ov.recompute_num_layers or 1
-        stored = sum(_cdiv(ch.num_layers, group) for ch in stage.chunks) * inp
+        stored = sum(cdiv(ch.num_layers, group) for ch in stage.chunks) * inp
         working = min(group, layers) * largest  # one group re-materialised during backward
     return held * stored + working
 
@@ -261,7 +262,7 @@ def _rollout_kv_bytes(c: RLConfig, lay: RoleLayout, arch: ModelArch, num_layers:
     """
     if c.rollout.engine != "embedded" or lay.cp > 1:
         return 0.0
-    rows = _cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
+    rows = cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
     seq = rollout_prompt_tokens(c) + c.rollout.max_response_length
     # MLA (deepseek_v3): the compressed latent + shared rope key per token, whole on every TP rank.
     return float(num_layers * kv_cache_width(arch, lay.tp) * seq * rows * DTYPE_BYTES[c.model.params_dtype])
@@ -271,7 +272,7 @@ def _rollout_sampling_bytes(c: RLConfig, lay: RoleLayout, vocab: int) -> float:
     """The decode step's last-position logits on the last stage: the [rows, V] 16-bit output, its fp32 copy,
     inverse_cdf's fp32 weights, and one more fp32 [rows, V] when the temperature divides them (inference.py
     sample_tokens); the output layer gathers the whole vocabulary on every TP rank."""
-    rows = _cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
+    rows = cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
     per = DTYPE_BYTES[c.model.params_dtype] + 4 + 4 + (4 if c.rollout.temperature not in (0.0, 1.0) else 0)
     return float(rows * vocab * per)
 
@@ -305,8 +306,8 @@ def _refit_extra_bytes(c: RLConfig, spec: ModelSpec, r_tp: int) -> float:
     return full / r_tp + 2 * min(REFIT_BUCKET_MIB * 2**20, full)
 
 
-def _rollout_refit(c: RLConfig, layouts: tuple[RoleLayout, ...], models: _Models) -> RolloutRefit:
-    actor, rollout = _by_role(layouts, "actor"), _by_role(layouts, "rollout")
+def rollout_refit(c: RLConfig, layouts: tuple[RoleLayout, ...], models: Models) -> RolloutRefit:
+    actor, rollout = by_role(layouts, "actor"), by_role(layouts, "rollout")
     spec = models.for_role("actor")
     mode = (
         "push"
@@ -401,7 +402,7 @@ def _role_mem_model(
     batch: BatchPlan | None,
     lora: LoraPlan | None = None,
 ) -> _RoleMemModel:
-    _, m = _megatron_of(c, role)
+    _, m = megatron_of(c, role)
     elem = DTYPE_BYTES[c.model.params_dtype]
     trained = role in ("actor", "critic")
     # A micro-batch is padded to its longest row: the rollout's prompt width + the response at most.
@@ -410,7 +411,7 @@ def _role_mem_model(
     ddp = m.override_ddp_config
     infer_micro, dynamic, budget = forward_batching(c, role)
     infer_phase = _INFER_PHASE[role]
-    infer_tokens = budget if dynamic else _cdiv(infer_micro * seq, lay.cp)
+    infer_tokens = budget if dynamic else cdiv(infer_micro * seq, lay.cp)
     out_width = lay.padded_vocab_size / lay.tp if spec.head == "lm" else 1.0
     fused = fused_kernels(c)
     grouped = bool(c.model.moe_grouped_gemm)
@@ -440,7 +441,7 @@ def _role_mem_model(
             tokens = (
                 batch.tokens_per_micro_batch_per_rank
                 if batch.use_dynamic_bsz
-                else _cdiv(batch.tokens_per_micro_batch_per_rank * seq, batch.max_seq_len)
+                else cdiv(batch.tokens_per_micro_batch_per_rank * seq, batch.max_seq_len)
             )
             in_flight, held = _in_flight(lay, st.stage, batch.max_micro_batches_per_mini_batch)
             acts = _stage_activation_bytes(spec.arch, lay, st, ov, elem, tokens, held, fused, grouped)
@@ -534,11 +535,11 @@ def _gib(nbytes: float) -> float:
     return round(nbytes / GIB, 6)
 
 
-def _memory(
+def memory_plan(
     c: RLConfig,
     resources: Resources,
     layouts: tuple[RoleLayout, ...],
-    models: _Models,
+    models: Models,
     batches: tuple[BatchPlan, ...],
     lora: LoraPlan | None = None,
 ) -> MemoryPlan:
@@ -625,7 +626,7 @@ def _memory(
         )
     if c.rollout.placement == "separate":
         pools.append(
-            _separate_rollout_memory(c, resources, _by_role(layouts, "rollout"), models.for_role("actor"))
+            _separate_rollout_memory(c, resources, by_role(layouts, "rollout"), models.for_role("actor"))
         )
     peak = max(p.peak_gib for p in pools)
     notes = [

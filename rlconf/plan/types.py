@@ -543,16 +543,16 @@ class TrainerPlan:
     """The policy's LoRA adapters (actor.lora; None: full fine-tuning)."""
 
     def layout(self, role: str) -> RoleLayout:
-        return _by_role(self.layouts, role)
+        return by_role(self.layouts, role)
 
     def placement(self, role: str) -> Placement:
-        return _by_role(self.resources.placements, role)
+        return by_role(self.resources.placements, role)
 
     def batch_plan(self, role: str) -> BatchPlan:
-        return _by_role(self.batch, role)
+        return by_role(self.batch, role)
 
     def optim_plan(self, role: str) -> OptimPlan:
-        return _by_role(self.optim, role)
+        return by_role(self.optim, role)
 
     def model(self, name: str) -> ModelSpec:
         for m in self.models:
@@ -684,7 +684,7 @@ def forward_batching(c: RLConfig, role: str) -> tuple[int, bool, int | None]:
     return c.reward.reward_model.micro_batch_size_per_gpu, False, None
 
 
-def _by_role(items: tuple[_T, ...], role: str) -> _T:
+def by_role(items: tuple[_T, ...], role: str) -> _T:
     for item in items:
         if item.role == role:  # type: ignore[attr-defined]
             return item
