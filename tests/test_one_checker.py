@@ -235,11 +235,34 @@ def _rlconf_imports(path: Path) -> set[str]:
     return {m for m in out if m.startswith("rlconf")}
 
 
-def test_the_validator_imports_nothing_of_the_plan():
-    """The plan calls the validator; the reverse import (even of rlconf.plan.types, which runs the package)
-    would be a cycle."""
-    imported = _rlconf_imports(ROOT / "rlconf" / "validate.py")
-    assert not [m for m in imported if m == "rlconf.plan" or m.startswith("rlconf.plan.")], imported
+# The plan's modules that derive the facts both sides check and import nothing of the compiler.
+PLAN_FACTS = {"rlconf.plan.roles", "rlconf.plan.model_fit"}
+
+
+def test_the_validator_imports_nothing_of_the_compiler():
+    """The plan calls the validator; the reverse import of the compiler would be a cycle. The validator and
+    its checks import from rlconf.plan only the modules of the facts both derive (the role table, what an
+    architecture must fit), and importing it loads no compiler module (rlconf.plan loads its names lazily)."""
+    for path in [
+        ROOT / "rlconf" / "validate.py",
+        ROOT / "rlconf" / "rules.py",
+        *(ROOT / "rlconf" / "checks").glob("*.py"),
+    ]:
+        imported = _rlconf_imports(path)
+        plan = {m for m in imported if m == "rlconf.plan" or m.startswith("rlconf.plan.")}
+        assert plan <= PLAN_FACTS, (path.name, plan)
+    for fact in PLAN_FACTS:
+        imported = _rlconf_imports(ROOT / Path(*fact.split(".")).with_suffix(".py"))
+        assert not [m for m in imported if m.startswith("rlconf.plan") or m.startswith("rlconf.validate")], (
+            fact
+        )
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, rlconf.validate; print(sorted(m for m in sys.modules if m.startswith('rlconf.plan')))"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=True,
+    ).stdout  # fmt: skip
+    assert not [
+        m for m in ("assemble", "compile", "memory", "advice", "types") if f"rlconf.plan.{m}'" in loaded
+    ], loaded
     assert "rlconf.validate" in _rlconf_imports(ROOT / "rlconf" / "plan" / "assemble.py")
     # The limits the validator enforces are the ones the plan exports.
     assert rlconf.plan.MAX_DEVICES == rlconf.validate.MAX_DEVICES

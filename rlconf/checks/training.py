@@ -15,6 +15,7 @@ from rlconf.config import (
     RolloutConfig,
 )
 from rlconf.errors import Issue, error, warning
+from rlconf.plan.roles import checkpointed_roles
 from rlconf.rules import rule
 
 
@@ -104,8 +105,8 @@ def optim(c: RLConfig) -> Iterator[Issue]:
 @rule("checkpoint-contents", "*.checkpoint.*", "trainer.save_freq")
 def checkpoint_contents(c: RLConfig) -> Iterator[Issue]:
     """load_contents is within save_contents; no duplicates; the actor saves the model."""
-    roles = [("actor", c.actor.checkpoint)] + ([("critic", c.critic.checkpoint)] if c.critic.enable else [])
-    for prefix, ck in roles:
+    for spec, ck in checkpointed_roles(c):
+        prefix = spec.section
         for name in ("save_contents", "load_contents"):
             items = getattr(ck, name)
             for i, item in enumerate(items):

@@ -9,6 +9,7 @@ from rlconf.config import (
     RLConfig,
 )
 from rlconf.errors import ConfigError, error
+from rlconf.fields import replace_paths
 from rlconf.lora import resolve as resolve_lora
 from rlconf.plan.compile import (
     Models,
@@ -23,7 +24,7 @@ from rlconf.plan.compile import (
     step_passes,
 )
 from rlconf.plan.memory import memory_plan, rollout_refit
-from rlconf.plan.roles import present_roles
+from rlconf.plan.roles import ROLE_TABLE, present_roles
 from rlconf.plan.types import PLAN_VERSION, TrainerPlan
 from rlconf.run_length import run_length, with_run_length
 from rlconf.seeding import resolve_seed
@@ -42,28 +43,18 @@ def _effective_megatron(m: MegatronConfig, trainer_seed: int) -> MegatronConfig:
 
 
 def _effective_config(c: RLConfig, models: Models, roles: tuple[str, ...]) -> RLConfig:
-    total = c.trainer.total_steps
     seed = c.trainer.seed  # seeds left None derive from it (rlconf.seeding)
-    actor = replace(
-        c.actor,
-        megatron=_effective_megatron(c.actor.megatron, seed),
-        optim=resolved_optim(c.actor.optim, total),
-    )
-    critic = c.critic
-    if "critic" in roles:
-        critic = replace(
-            critic,
-            megatron=_effective_megatron(critic.megatron, seed),
-            optim=resolved_optim(critic.optim, total),
-        )
-    ref = replace(c.ref, megatron=_effective_megatron(c.ref.megatron, seed)) if "ref" in roles else c.ref
-    reward = c.reward
-    if "reward_model" in roles:
-        rm = replace(reward.reward_model, megatron=_effective_megatron(reward.reward_model.megatron, seed))
-        reward = replace(reward, reward_model=rm)
-    model = replace(c.model, arch=models.policy.arch)
-    data = replace(c.data, seed=resolve_seed(c.data.seed, seed))
-    return replace(c, model=model, data=data, actor=actor, critic=critic, ref=ref, reward=reward)
+    updates: dict[str, object] = {
+        "model.arch": models.policy.arch,
+        "data.seed": resolve_seed(c.data.seed, seed),
+    }
+    for spec in ROLE_TABLE:
+        if spec.name not in roles or spec.name == "rollout":  # the rollout builds with the actor's section
+            continue
+        updates[f"{spec.section}.megatron"] = _effective_megatron(spec.megatron_of(c), seed)
+        if spec.trained:
+            updates[f"{spec.section}.optim"] = resolved_optim(spec.section_of(c).optim, c.trainer.total_steps)
+    return replace_paths(c, updates)
 
 
 def compile_parts(config: RLConfig, check: bool = True) -> TrainerPlan:

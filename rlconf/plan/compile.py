@@ -33,12 +33,14 @@ from rlconf.pipeline_split import chunk_layer_counts, chunk_starts, split_errors
 from rlconf.plan.checkpoint_size import checkpoint_bytes
 from rlconf.plan.model_fit import engine_gap_issues, sliding_window_issue
 from rlconf.plan.roles import (
+    checkpointed_roles,
     head_issues,
     layer_split_issues,
     megatron_of,
     pipeline_split,
     pool_sizes,
     ref_from_adapters,
+    role_spec,
     rollout_resharded,
     rollout_tp,
 )
@@ -482,7 +484,7 @@ def optim_plans(c: RLConfig, batches: tuple[BatchPlan, ...]) -> tuple[OptimPlan,
     plans = []
     total = c.trainer.total_steps
     for b in batches:
-        o = c.actor.optim if b.role == "actor" else c.critic.optim
+        o = role_spec(b.role).section_of(c).optim
         r = resolved_optim(o, total)
         rows = []
         for step in range(1, total + 1):
@@ -601,10 +603,8 @@ def checkpoint_plan(
     else:
         steps = []
     role_cks = []
-    for role in ("actor", "critic"):
-        if role not in roles:
-            continue
-        ck = c.actor.checkpoint if role == "actor" else c.critic.checkpoint
+    for spec, ck in checkpointed_roles(c, roles):
+        role = spec.name
         hf = "hf_model" in ck.save_contents
         tmpl = f"{root}/global_step_{{step}}/{role}"
         role_cks.append(

@@ -27,6 +27,7 @@ from rlconf.plan.types import (
     MemoryPlan,
     ModelSpec,
     PhaseMemory,
+    Pool,
     PoolMemory,
     Resources,
     RoleLayout,
@@ -535,100 +536,78 @@ def _gib(nbytes: float) -> float:
     return round(nbytes / GIB, 6)
 
 
-def memory_plan(
-    c: RLConfig,
-    resources: Resources,
-    layouts: tuple[RoleLayout, ...],
-    models: Models,
-    batches: tuple[BatchPlan, ...],
-    lora: LoraPlan | None = None,
-) -> MemoryPlan:
-    mem_roles = [lay for lay in layouts if lay.role != "rollout"]
-    role_models = {
-        lay.role: _role_mem_model(
-            c,
-            lay.role,
-            lay,
-            models.for_role(lay.role),
-            next((b for b in batches if b.role == lay.role), None),
-            lora,
-        )
-        for lay in mem_roles
-    }
-    role_mems = []
-    for lay in mem_roles:
-        rm = role_models[lay.role]
+def _own_bytes(s: _StageMem) -> float:
+    """A role's own bytes at one stage (weights, gradients, optimizer, activations, the larger logits)."""
+    return (
+        s.param_bytes
+        + s.grad_bytes
+        + s.optim_bytes
+        + s.act_bytes
+        + max(s.logits_train + s.logprob_chunk, s.logits_infer)
+    )
 
-        def own(s: _StageMem) -> float:
-            return (
-                s.param_bytes
-                + s.grad_bytes
-                + s.optim_bytes
-                + s.act_bytes
-                + max(s.logits_train + s.logprob_chunk, s.logits_infer)
-            )
 
-        idx = max(range(len(rm.stages)), key=lambda i: own(rm.stages[i]))
-        s = rm.stages[idx]
-        role_mems.append(
-            RoleMemory(
-                role=lay.role,
-                pool=lay.pool,
-                stage=idx,
-                trained=rm.trained,
-                params_per_device=s.params,
-                params_gib=_gib(s.param_bytes),
-                grads_gib=_gib(s.grad_bytes),
-                optimizer_gib=_gib(s.optim_bytes),
-                activations_gib=_gib(s.act_bytes),
-                logits_gib=_gib(max(s.logits_train + s.logprob_chunk, s.logits_infer)),
-                total_gib=_gib(own(s)),
-                in_flight_micro_batches=s.in_flight,
-                tokens_per_micro_batch=s.tokens,
-                offloaded=tuple(
-                    name
-                    for name, flag in zip(("params", "grads", "optimizer"), rm.offload, strict=True)
-                    if flag
-                ),
-                stage_totals_gib=tuple(_gib(own(st)) for st in rm.stages),
-            )
-        )
-    dev = c.cluster.device_memory_gib
-    pools = []
-    for pool in resources.pools:
-        members = [lay for lay in mem_roles if lay.pool == pool.name]
-        if not members:
-            continue
-        # Each device is at one pipeline stage per role; evaluate every distinct combination once.
-        combos: dict[tuple[int, ...], int] = {}
-        for rank in range(pool.num_devices):
-            combos.setdefault(tuple(lay.grid[rank].pp for lay in members), rank)
-        best: tuple[float, int, list[PhaseMemory]] | None = None
-        for combo, rank in combos.items():
-            stage_of = {lay.role: st for lay, st in zip(members, combo, strict=True)}
-            phases = _phases([role_models[lay.role] for lay in members], stage_of)
-            peak = max(p.total_gib for p in phases)
-            if best is None or peak > best[0]:
-                best = (peak, rank, phases)
-        assert best is not None
-        peak, rank, phases = best
-        top = max(phases, key=lambda p: p.total_gib)
-        pools.append(
-            PoolMemory(
-                pool=pool.name,
-                roles=tuple(lay.role for lay in members),
-                rank=rank,
-                peak_phase=top.phase,
-                peak_gib=peak,
-                phases=tuple(phases),
-                fits=None if dev is None else peak <= dev,
-            )
-        )
-    if c.rollout.placement == "separate":
-        pools.append(
-            _separate_rollout_memory(c, resources, by_role(layouts, "rollout"), models.for_role("actor"))
-        )
-    peak = max(p.peak_gib for p in pools)
+def _role_memory(lay: RoleLayout, rm: _RoleMemModel) -> RoleMemory:
+    """A role's memory on its most loaded stage."""
+    idx = max(range(len(rm.stages)), key=lambda i: _own_bytes(rm.stages[i]))
+    s = rm.stages[idx]
+    return RoleMemory(
+        role=lay.role,
+        pool=lay.pool,
+        stage=idx,
+        trained=rm.trained,
+        params_per_device=s.params,
+        params_gib=_gib(s.param_bytes),
+        grads_gib=_gib(s.grad_bytes),
+        optimizer_gib=_gib(s.optim_bytes),
+        activations_gib=_gib(s.act_bytes),
+        logits_gib=_gib(max(s.logits_train + s.logprob_chunk, s.logits_infer)),
+        total_gib=_gib(_own_bytes(s)),
+        in_flight_micro_batches=s.in_flight,
+        tokens_per_micro_batch=s.tokens,
+        offloaded=tuple(
+            name for name, flag in zip(("params", "grads", "optimizer"), rm.offload, strict=True) if flag
+        ),
+        stage_totals_gib=tuple(_gib(_own_bytes(st)) for st in rm.stages),
+    )
+
+
+def _pool_memory(
+    pool: Pool, mem_roles: list[RoleLayout], role_models: dict[str, _RoleMemModel], dev: float | None
+) -> PoolMemory | None:
+    """The peak of a pool over its phases, at the rank whose stages load it most (None: no role of the estimate)."""
+    members = [lay for lay in mem_roles if lay.pool == pool.name]
+    if not members:
+        return None
+    # Each device is at one pipeline stage per role; evaluate every distinct combination once.
+    combos: dict[tuple[int, ...], int] = {}
+    for rank in range(pool.num_devices):
+        combos.setdefault(tuple(lay.grid[rank].pp for lay in members), rank)
+    best: tuple[float, int, list[PhaseMemory]] | None = None
+    for combo, rank in combos.items():
+        stage_of = {lay.role: st for lay, st in zip(members, combo, strict=True)}
+        phases = _phases([role_models[lay.role] for lay in members], stage_of)
+        peak = max(p.total_gib for p in phases)
+        if best is None or peak > best[0]:
+            best = (peak, rank, phases)
+    assert best is not None
+    peak, rank, phases = best
+    top = max(phases, key=lambda p: p.total_gib)
+    return PoolMemory(
+        pool=pool.name,
+        roles=tuple(lay.role for lay in members),
+        rank=rank,
+        peak_phase=top.phase,
+        peak_gib=peak,
+        phases=tuple(phases),
+        fits=None if dev is None else peak <= dev,
+    )
+
+
+def _memory_notes(
+    c: RLConfig, pools: list[PoolMemory], role_mems: list[RoleMemory], lora: LoraPlan | None
+) -> list[str]:
+    """What the estimate counts and how, with each pool's phases."""
     notes = [
         "estimate per device; parameters on the most loaded pipeline stage; megatron's allocator overhead, "
         "NCCL buffers and fragmentation are not included (keep ~10-20% headroom)",
@@ -681,6 +660,42 @@ def memory_plan(
             "offloaded to host while other roles run (counted only in the role's own calls): "
             + "; ".join(offloaded)
         )
+    return notes
+
+
+def memory_plan(
+    c: RLConfig,
+    resources: Resources,
+    layouts: tuple[RoleLayout, ...],
+    models: Models,
+    batches: tuple[BatchPlan, ...],
+    lora: LoraPlan | None = None,
+) -> MemoryPlan:
+    """The memory estimate per device: each role's most loaded stage, each pool's peak phase, the notes."""
+    mem_roles = [lay for lay in layouts if lay.role != "rollout"]
+    role_models = {
+        lay.role: _role_mem_model(
+            c,
+            lay.role,
+            lay,
+            models.for_role(lay.role),
+            next((b for b in batches if b.role == lay.role), None),
+            lora,
+        )
+        for lay in mem_roles
+    }
+    role_mems = [_role_memory(lay, role_models[lay.role]) for lay in mem_roles]
+    dev = c.cluster.device_memory_gib
+    pools = []
+    for pool in resources.pools:
+        if (pm := _pool_memory(pool, mem_roles, role_models, dev)) is not None:
+            pools.append(pm)
+    if c.rollout.placement == "separate":
+        pools.append(
+            _separate_rollout_memory(c, resources, by_role(layouts, "rollout"), models.for_role("actor"))
+        )
+    peak = max(p.peak_gib for p in pools)
+    notes = _memory_notes(c, pools, role_mems, lora)
     return MemoryPlan(
         device_memory_gib=dev,
         peak_gib=peak,

@@ -251,3 +251,12 @@ def builds_model_arch(c: RLConfig, prefix: str) -> bool:
     (model.path, critic.model_path, reward.reward_model.path) the plan reads and checks that instead."""
     own = {"critic": c.critic.model_path, "reward.reward_model": c.reward.reward_model.path}.get(prefix)
     return c.model.path is None and own is None
+
+
+def checkpointed_roles(
+    c: RLConfig, roles: tuple[str, ...] | None = None
+) -> list[tuple[RoleSpec, Checkpoint]]:
+    """(role, checkpoint section) of every role present (of `roles`, or that the config enables) whose
+    state a checkpoint saves, in table order: the actor and a critic."""
+    present = configured_roles(c) if roles is None else roles
+    return [(r, ck) for r in ROLE_TABLE if r.name in present and (ck := r.checkpoint_of(c)) is not None]

@@ -39,7 +39,7 @@ class _Skip:
 
 
 SKIP: Any = _Skip()
-_NO_DEFAULT: Any = object()
+NO_DEFAULT: Any = object()
 
 
 class VerlValueError(ValueError):
@@ -69,7 +69,7 @@ class VerlKey:
     note: str = ""
     convert: Converter | None = None
     reason: Reason | None = None
-    verl_default: Any = _NO_DEFAULT
+    verl_default: Any = NO_DEFAULT
     family: str = ""
 
     def __post_init__(self) -> None:
@@ -78,7 +78,7 @@ class VerlKey:
 
     @property
     def has_default(self) -> bool:
-        return self.verl_default is not _NO_DEFAULT
+        return self.verl_default is not NO_DEFAULT
 
 
 # ------------------------------------------------------------------------------------------ converters
@@ -271,7 +271,7 @@ def _u(verl: str, reason: Reason, note: str, **kw: Any) -> VerlKey:
 
 
 _SAME = object()  # the rlplan suffix equals the verl suffix
-_IN_ACTOR = "rlplan runs the reference policy in the actor's processes, so it uses the actor's layout"
+IN_ACTOR = "rlplan runs the reference policy in the actor's processes, so it uses the actor's layout"
 
 # (verl suffix, rlplan suffix | _SAME | None, note, converter, reason, {role: override})
 _MEGATRON_FIELDS: tuple[tuple[str, Any, str, Converter | None, Reason | None], ...] = (
@@ -329,7 +329,7 @@ _MEGATRON_FIELDS: tuple[tuple[str, Any, str, Converter | None, Reason | None], .
     ("dtype", None, "rlplan has one compute dtype for every role: model.params_dtype (see the actor row)", None,
      "not-needed"),
 )  # fmt: skip
-_MEGATRON_ROLES = (
+MEGATRON_ROLES = (
     ("actor_rollout_ref.actor.megatron", "actor.megatron"),
     ("actor_rollout_ref.ref.megatron", "ref.megatron"),
     ("critic.megatron", "critic.megatron"),
@@ -339,7 +339,7 @@ _MEGATRON_ROLES = (
 
 def _megatron_rows() -> list[VerlKey]:
     rows = []
-    for verl_prefix, ours in _MEGATRON_ROLES:
+    for verl_prefix, ours in MEGATRON_ROLES:
         for suffix, target, note, convert, reason in _MEGATRON_FIELDS:
             key = f"{verl_prefix}.{suffix}"
             if ours == "actor.megatron" and suffix == "dtype":
@@ -355,7 +355,7 @@ def _megatron_rows() -> list[VerlKey]:
                 row_note = note
                 dest = suffix if target is _SAME else target
                 if ours == "ref.megatron" and dest in LAYOUT_FIELDS:
-                    row_note = f"must equal the actor's: {_IN_ACTOR}; when unset, the actor's value is used"
+                    row_note = f"must equal the actor's: {IN_ACTOR}; when unset, the actor's value is used"
                 rows.append(_m(key, f"{ours}.{dest}", row_note, convert, family="megatron"))
     return rows
 
@@ -1120,7 +1120,7 @@ def find_row(key: str) -> tuple[int, VerlKey] | None:
     return None
 
 
-def _did_you_mean(key: str) -> str:
+def did_you_mean_key(key: str) -> str:
     names = [r.verl for r in VERL_KEYS]
     close = difflib.get_close_matches(key, names, n=2, cutoff=0.75)
     if not close:
