@@ -10,7 +10,8 @@ from typing import Any
 from rlconf.config import RLConfig
 from rlconf.errors import Issue
 from rlconf.fields import leaf_paths
-from rlconf.verl.table import IN_ACTOR, REASONS, VERL_KEYS, VerlKey
+from rlconf.verl.keys import REASONS, VerlKey
+from rlconf.verl.table import IN_ACTOR, VERL_KEYS
 from rlconf.verl.translate import Translation, nest, plain, rlplan_default, show
 
 # --------------------------------------------------------------------------------------------- report

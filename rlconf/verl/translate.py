@@ -20,16 +20,13 @@ from typing import Any, Literal
 from rlconf.config import LAYOUT_FIELDS, RLConfig
 from rlconf.errors import ConfigError, Issue, IssueSet, error, warning
 from rlconf.fields import field_types, strip_optional
+from rlconf.verl.keys import NO_DEFAULT, SKIP, VerlKey, VerlValueError
 from rlconf.verl.table import (
     FSDP_KEYS,
     FSDP_ROWS,
     IN_ACTOR,
     MEGATRON_ROLES,
-    NO_DEFAULT,
-    SKIP,
     VERL_KEYS,
-    VerlKey,
-    VerlValueError,
     did_you_mean_key,
     find_row,
 )
@@ -423,19 +420,7 @@ def translate(
         origin[path] = f"derived: {note}"
         derived.append(Derived(path, value, note))
 
-    # verl's defaults where they differ from rlplan's (the critic's only when the run has one).
-    estimator = _current(settings, "algorithm.adv_estimator", ctx["algorithm.adv_estimator"])
-    with_critic = _current(settings, "critic.enable", estimator == "gae") is True
-    for row in VERL_KEYS:
-        if row.rlplan is not None and row.rlplan.startswith("critic.") and not with_critic:
-            continue
-        if not row.has_default or row.rlplan is None or row.verl in values or row.rlplan in settings:
-            continue
-        if row.verl not in ctx:  # an interpolated default whose source is unset: rlplan's default holds
-            continue
-        new = _convert(row, ctx[row.verl], ctx)
-        if new is not SKIP and new != rlplan_default(row.rlplan):
-            derive(row.rlplan, new, f"verl's default {row.verl} = {show(ctx[row.verl])}")
+    _derive_verl_defaults(values, settings, ctx, derive)
     _derive_rlplan_rules(values, settings, derive)
     if "reward.function" not in settings and ("data.train_files" in settings):
         # verl's default reward manager scores each row by its data_source: so does this built-in.
@@ -454,6 +439,28 @@ def translate(
         notes=tuple(notes), issues=tuple(issues), origin=origin, config=config,
         plan_checked=check_plan and not any(i.severity == "error" for i in issues), sources=tuple(sources),
     )  # fmt: skip
+
+
+def _derive_verl_defaults(
+    values: Mapping[str, Any],
+    settings: dict[str, Any],
+    ctx: dict[str, Any],
+    derive: Callable[[str, Any, str], None],
+) -> None:
+    """verl's defaults where they differ from rlplan's, for keys the input leaves unset (the critic's only
+    when the run has one)."""
+    estimator = _current(settings, "algorithm.adv_estimator", ctx["algorithm.adv_estimator"])
+    with_critic = _current(settings, "critic.enable", estimator == "gae") is True
+    for row in VERL_KEYS:
+        if row.rlplan is not None and row.rlplan.startswith("critic.") and not with_critic:
+            continue
+        if not row.has_default or row.rlplan is None or row.verl in values or row.rlplan in settings:
+            continue
+        if row.verl not in ctx:  # an interpolated default whose source is unset: rlplan's default holds
+            continue
+        new = _convert(row, ctx[row.verl], ctx)
+        if new is not SKIP and new != rlplan_default(row.rlplan):
+            derive(row.rlplan, new, f"verl's default {row.verl} = {show(ctx[row.verl])}")
 
 
 def _fsdp_source(values: Mapping[str, Any]) -> str:
