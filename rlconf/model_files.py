@@ -40,6 +40,7 @@ from rlconf.files import (
     read_text,
 )
 from rlconf.model_spec import head_dim, is_moe_layer, read_model_arch
+from rlconf.plan.roles import model_folders
 from rlconf.render_budget import RenderBudgetExceeded, render_budget
 from rlconf.safe_paths import model_folder_escapes
 from rlconf.tokenizer_check import no_tokenizer_files
@@ -470,11 +471,7 @@ def tokenizer_issues(folder: str, vocab_size: int, key: str, vocab_source: str) 
 def model_files_issues(c: RLConfig) -> Iterator[Issue]:
     """Rule model-files: each model folder's weights and tokenizer agree with its config.json, and the
     run's sequences fit max_position_embeddings."""
-    sources: list[tuple[str, str | None, bool]] = [("model.path", c.model.path, True)]
-    if c.critic.enable:
-        sources.append(("critic.model_path", c.critic.model_path, False))
-    if c.reward.reward_model.enable:
-        sources.append(("reward.reward_model.path", c.reward.reward_model.path, False))
+    sources = [(key, folder, spec.model == "policy") for key, folder, spec in model_folders(c)]
     seq = c.data.max_prompt_length + c.rollout.max_response_length
     policy_arch: ModelArch | None = c.model.arch if c.model.path is None else None
     for key, folder, lm_head in sources:

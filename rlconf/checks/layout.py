@@ -22,14 +22,17 @@ from rlconf.model_spec import (
 from rlconf.plan.roles import (
     actor_world,
     builds_model_arch,
+    data_parallel,
     head_issues,
     layer_split_issues,
     megatron_roles,
     model_parallel,
     pipeline_split,
+    role_world,
     rollout_tp,
     separate_devices,
     total_devices,
+    trained_roles,
     uses_ref,
 )
 from rlconf.rules import rule
@@ -426,7 +429,9 @@ def _batch_checks(
 ) -> Iterator[Issue]:
     n = c.rollout.n
     tbs = c.data.train_batch_size
-    dp = world // model_parallel(m) if world % model_parallel(m) == 0 else 0
+    dp = data_parallel(
+        world, m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.context_parallel_size
+    )
     if tbs % mini:
         yield error(
             f"{prefix}.ppo_mini_batch_size",
@@ -490,16 +495,10 @@ def batch_layout(c: RLConfig) -> Iterator[Issue]:
     mini-batch covers a micro-batch per rank; the token budget fits one full sequence."""
     if not sizes_ok(c) or actor_world(c) < 1:
         return
-    a = c.actor
-    yield from _batch_checks(
-        c, "actor", a.ppo_mini_batch_size, a.ppo_micro_batch_size_per_gpu, a.use_dynamic_bsz,
-        a.ppo_max_token_len_per_gpu, actor_world(c), a.megatron,
-    )  # fmt: skip
-    if c.critic.enable:
-        cr = c.critic
-        world = cr.num_devices if cr.placement == "separate" else actor_world(c)
-        if world >= 1:
+    for spec in trained_roles(c):
+        r = spec.section_of(c)
+        if (world := role_world(c, spec.name)) >= 1:
             yield from _batch_checks(
-                c, "critic", cr.ppo_mini_batch_size, cr.ppo_micro_batch_size_per_gpu, cr.use_dynamic_bsz,
-                cr.ppo_max_token_len_per_gpu, world, cr.megatron,
+                c, spec.section, r.ppo_mini_batch_size, r.ppo_micro_batch_size_per_gpu, r.use_dynamic_bsz,
+                r.ppo_max_token_len_per_gpu, world, r.megatron,
             )  # fmt: skip

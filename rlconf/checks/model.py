@@ -20,6 +20,7 @@ from rlconf.model_spec import (
     read_model_arch,
 )
 from rlconf.plan.model_fit import engine_gap_issues, sliding_window_issue
+from rlconf.plan.roles import model_folders
 from rlconf.rules import rule
 
 
@@ -29,11 +30,8 @@ def model_engine_support(c: RLConfig) -> Iterator[Issue]:
     """Models rlconf.model_spec reads but the megatron engine does not build yet (YaRN rope scaling): refused
     before a run's workers start, and by `rlconf plan` too (the plan reads a config.json and asks
     `engine_gap_issues` the same)."""
-    sources = [("model.path", c.model.path, "model.arch")]
-    sources += [("critic.model_path", c.critic.model_path, None)] if c.critic.enable else []
-    rm = c.reward.reward_model
-    sources += [("reward.reward_model.path", rm.path, None)] if rm.enable else []
-    for path, folder, builtin in sources:
+    for path, folder, spec in model_folders(c):
+        builtin = "model.arch" if spec.model == "policy" else None
         if folder is None and builtin is None:
             continue
         try:

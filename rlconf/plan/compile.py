@@ -34,6 +34,7 @@ from rlconf.plan.checkpoint_size import checkpoint_bytes
 from rlconf.plan.model_fit import engine_gap_issues, sliding_window_issue
 from rlconf.plan.roles import (
     checkpointed_roles,
+    data_parallel,
     head_issues,
     layer_split_issues,
     megatron_of,
@@ -241,7 +242,6 @@ def role_layouts(
         etp = etp or tp
         # rlconf.validate's world-divisible-by-model-parallel, cluster and rollout-placement rules made the
         # world a whole number of tp x pp x cp (and expert tp x ep x pp) groups.
-        mp = tp * pp * cp
         if spec.source != "model.arch":
             # validate.py checks model.arch; an architecture read from config.json is checked here, under
             # the same rule names.
@@ -251,7 +251,7 @@ def role_layouts(
             ):
                 path = tp_path.replace("tensor_model_parallel_size", field)
                 issues.append(error(path, message, fix, "engine-support"))
-        dp = world // mp
+        dp = data_parallel(world, tp, pp, cp)
         stages, even = _split_layers(arch.num_layers, pp, vpp, m)
         layouts.append(
             RoleLayout(

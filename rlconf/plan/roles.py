@@ -49,6 +49,8 @@ class RoleSpec:
     """Whether it has an optimizer and updates (batch and lr plans)."""
     model: str
     """The plan's model it runs (ModelSpec.name)."""
+    model_path: str
+    """Config path of the folder its model is read from (model.path for the policy's roles)."""
 
     def section_of(self, c: RLConfig) -> Any:
         """The role's config section."""
@@ -65,15 +67,17 @@ class RoleSpec:
 
 ROLE_TABLE: tuple[RoleSpec, ...] = (
     RoleSpec("actor", "actor", "actor.megatron", "actor_pool", False,
-             ("actor_compute_log_prob", "actor_update"), "actor.checkpoint", "PolicyWorker", True, "policy"),
+             ("actor_compute_log_prob", "actor_update"), "actor.checkpoint", "PolicyWorker", True, "policy", "model.path"),
     RoleSpec("rollout", "rollout", "actor.megatron", "rollout_pool", True,
-             ("generate_sequences",), None, "RolloutWorker", False, "policy"),
+             ("generate_sequences",), None, "RolloutWorker", False, "policy", "model.path"),
     RoleSpec("ref", "ref", "ref.megatron", "actor_pool", False,
-             ("ref_compute_log_prob",), None, "PolicyWorker", False, "policy"),
+             ("ref_compute_log_prob",), None, "PolicyWorker", False, "policy", "model.path"),
     RoleSpec("critic", "critic", "critic.megatron", "critic_pool", True,
-             ("critic_compute_values", "critic_update"), "critic.checkpoint", "CriticWorker", True, "critic"),
+             ("critic_compute_values", "critic_update"), "critic.checkpoint", "CriticWorker", True, "critic",
+             "critic.model_path"),
     RoleSpec("reward_model", "reward.reward_model", "reward.reward_model.megatron", "reward_model_pool", True,
-             ("reward_compute",), None, "RewardModelWorker", False, "reward_model"),
+             ("reward_compute",), None, "RewardModelWorker", False, "reward_model",
+             "reward.reward_model.path"),
 )  # fmt: skip
 """Every worker role, in the order the plan lists them (rlconf.plan.types.WORKER_ROLES)."""
 
@@ -182,6 +186,19 @@ def model_parallel(m: MegatronConfig) -> int:
     return m.tensor_model_parallel_size * m.pipeline_model_parallel_size * m.context_parallel_size
 
 
+def data_parallel(world: int, tp: int, pp: int, cp: int) -> int:
+    """The data-parallel size of a role of `world` devices at tp x pp x cp: the validator's batch checks and
+    the plan's layouts. 0 when the layout does not divide the world (rule world-divisible-by-model-parallel
+    reports that)."""
+    mp = tp * pp * cp
+    return world // mp if world % mp == 0 else 0
+
+
+def trained_roles(c: RLConfig) -> list[RoleSpec]:
+    """The roles the config enables that train (the actor and a critic), in table order."""
+    return [ROLE_SPECS[r] for r in configured_roles(c) if ROLE_SPECS[r].trained]
+
+
 def megatron_roles(c: RLConfig) -> Iterator[tuple[str, MegatronConfig, int]]:
     """(config prefix, layout, world size) for every trained or frozen Megatron role the config enables."""
     for role in configured_roles(c):
@@ -246,11 +263,21 @@ def layer_split_issues(split: PipelineSplit, path: str, note: str) -> list[Issue
     ]
 
 
+def model_folders(c: RLConfig) -> list[tuple[str, str | None, RoleSpec]]:
+    """(config path, folder or None, first role) of each model the config enables, in table order: the
+    policy's (model.path), a critic's (critic.model_path) and a reward model's (reward.reward_model.path)."""
+    seen: dict[str, tuple[str, str | None, RoleSpec]] = {}
+    for role in configured_roles(c):
+        spec = ROLE_SPECS[role]
+        seen.setdefault(spec.model, (spec.model_path, get_path(c, spec.model_path), spec))
+    return list(seen.values())
+
+
 def builds_model_arch(c: RLConfig, prefix: str) -> bool:
     """Whether the role at config `prefix` builds the built-in `model.arch`; with a config.json of its own
     (model.path, critic.model_path, reward.reward_model.path) the plan reads and checks that instead."""
-    own = {"critic": c.critic.model_path, "reward.reward_model": c.reward.reward_model.path}.get(prefix)
-    return c.model.path is None and own is None
+    spec = next(r for r in ROLE_TABLE if r.section == prefix)
+    return c.model.path is None and (spec.model_path == "model.path" or get_path(c, spec.model_path) is None)
 
 
 def checkpointed_roles(
