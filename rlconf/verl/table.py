@@ -14,9 +14,9 @@ import dataclasses
 import difflib
 from typing import Any
 
+import rlconf.verl.converters as cv
 from rlconf.config import LAYOUT_FIELDS, AdvEstimator, RLConfig
 from rlconf.fields import get_path, literal_values
-from rlconf.verl import converters as cv
 from rlconf.verl.keys import Converter, Reason, VerlKey
 
 
