@@ -36,7 +36,7 @@ class RoleSpec:
     megatron: str
     """Config path of the megatron section its engine is built with (a separate rollout: the actor's)."""
     pool: str
-    """Name of the role's own device pool when it is placed `separate`."""
+    """The device pool it runs on when placed `separate` (actor_pool for a role that cannot be)."""
     separable: bool
     """Whether the section has `placement` / `num_devices` (it may run on a pool of its own)."""
     passes: tuple[str, ...]
@@ -66,19 +66,72 @@ class RoleSpec:
 
 
 ROLE_TABLE: tuple[RoleSpec, ...] = (
-    RoleSpec("actor", "actor", "actor.megatron", "actor_pool", False,
-             ("actor_compute_log_prob", "actor_update"), "actor.checkpoint", "PolicyWorker", True, "policy", "model.path"),
-    RoleSpec("rollout", "rollout", "actor.megatron", "rollout_pool", True,
-             ("generate_sequences",), None, "RolloutWorker", False, "policy", "model.path"),
-    RoleSpec("ref", "ref", "ref.megatron", "actor_pool", False,
-             ("ref_compute_log_prob",), None, "PolicyWorker", False, "policy", "model.path"),
-    RoleSpec("critic", "critic", "critic.megatron", "critic_pool", True,
-             ("critic_compute_values", "critic_update"), "critic.checkpoint", "CriticWorker", True, "critic",
-             "critic.model_path"),
-    RoleSpec("reward_model", "reward.reward_model", "reward.reward_model.megatron", "reward_model_pool", True,
-             ("reward_compute",), None, "RewardModelWorker", False, "reward_model",
-             "reward.reward_model.path"),
-)  # fmt: skip
+    RoleSpec(
+        name="actor",
+        section="actor",
+        megatron="actor.megatron",
+        pool="actor_pool",
+        separable=False,
+        passes=("actor_compute_log_prob", "actor_update"),
+        checkpoint="actor.checkpoint",
+        worker="PolicyWorker",
+        trained=True,
+        model="policy",
+        model_path="model.path",
+    ),
+    RoleSpec(
+        name="rollout",
+        section="rollout",
+        megatron="actor.megatron",
+        pool="rollout_pool",
+        separable=True,
+        passes=("generate_sequences",),
+        checkpoint=None,
+        worker="RolloutWorker",
+        trained=False,
+        model="policy",
+        model_path="model.path",
+    ),
+    RoleSpec(
+        name="ref",
+        section="ref",
+        megatron="ref.megatron",
+        pool="actor_pool",
+        separable=False,
+        passes=("ref_compute_log_prob",),
+        checkpoint=None,
+        worker="PolicyWorker",
+        trained=False,
+        model="policy",
+        model_path="model.path",
+    ),
+    RoleSpec(
+        name="critic",
+        section="critic",
+        megatron="critic.megatron",
+        pool="critic_pool",
+        separable=True,
+        passes=("critic_compute_values", "critic_update"),
+        checkpoint="critic.checkpoint",
+        worker="CriticWorker",
+        trained=True,
+        model="critic",
+        model_path="critic.model_path",
+    ),
+    RoleSpec(
+        name="reward_model",
+        section="reward.reward_model",
+        megatron="reward.reward_model.megatron",
+        pool="reward_model_pool",
+        separable=True,
+        passes=("reward_compute",),
+        checkpoint=None,
+        worker="RewardModelWorker",
+        trained=False,
+        model="reward_model",
+        model_path="reward.reward_model.path",
+    ),
+)
 """Every worker role, in the order the plan lists them (rlconf.plan.types.WORKER_ROLES)."""
 
 ROLE_SPECS: dict[str, RoleSpec] = {r.name: r for r in ROLE_TABLE}
