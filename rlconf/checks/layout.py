@@ -22,12 +22,14 @@ from rlconf.model_spec import (
 from rlconf.plan.roles import (
     actor_world,
     builds_model_arch,
+    configured_roles,
     data_parallel,
     head_issues,
     layer_split_issues,
     megatron_roles,
     model_parallel,
     pipeline_split,
+    role_spec,
     role_world,
     rollout_tp,
     separate_devices,
@@ -237,20 +239,20 @@ def ref_layout(c: RLConfig) -> Iterator[Issue]:
 @rule("device-pools", "*.placement", "*.num_devices", "cluster.gpus_per_node", "cluster.nnodes")
 def device_pools(c: RLConfig) -> Iterator[Issue]:
     """Separate rollout / critic / reward-model pools have devices and leave some for the actor."""
-    for prefix, enabled, placement, n in (
-        ("rollout", True, c.rollout.placement, c.rollout.num_devices),
-        ("critic", c.critic.enable, c.critic.placement, c.critic.num_devices),
-        ("reward.reward_model", c.reward.reward_model.enable, c.reward.reward_model.placement,
-         c.reward.reward_model.num_devices),
-    ):  # fmt: skip
-        if enabled and placement == "separate" and n < 1:
+    for role in configured_roles(c):
+        spec = role_spec(role)
+        if not spec.separable:
+            continue
+        prefix, section = spec.section, spec.section_of(c)
+        placement, n = section.placement, section.num_devices
+        if placement == "separate" and n < 1:
             yield error(
                 f"{prefix}.num_devices",
                 f"{prefix} has its own pool (placement: separate) but num_devices = {n}",
                 "give it at least 1 device, or use placement: colocated",
                 "device-pools",
             )
-        if enabled and placement == "colocated" and n:
+        if placement == "colocated" and n:
             yield warning(
                 f"{prefix}.num_devices",
                 f"num_devices = {n} is ignored with placement: colocated",

@@ -15,7 +15,7 @@ from rlconf.config import (
     RolloutConfig,
 )
 from rlconf.errors import Issue, error, warning
-from rlconf.plan.roles import checkpointed_roles
+from rlconf.plan.roles import checkpointed_roles, trained_roles
 from rlconf.rules import rule
 
 
@@ -97,9 +97,8 @@ def _optim_checks(prefix: str, o: Optim, total_steps: int) -> Iterator[Issue]:
 @rule("optim", "*.optim.*")
 def optim(c: RLConfig) -> Iterator[Issue]:
     """lr > 0, min_lr <= lr, warmup within the run, sane Adam settings (actor, and critic when enabled)."""
-    yield from _optim_checks("actor", c.actor.optim, c.trainer.total_steps)
-    if c.critic.enable:
-        yield from _optim_checks("critic", c.critic.optim, c.trainer.total_steps)
+    for spec in trained_roles(c):
+        yield from _optim_checks(spec.section, spec.section_of(c).optim, c.trainer.total_steps)
 
 
 @rule("checkpoint-contents", "*.checkpoint.*", "trainer.save_freq")
