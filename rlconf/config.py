@@ -3,13 +3,25 @@
 Each section is a small dataclass owned by the component that reads it. The string literal under a field
 is its documentation: it becomes CLI help (tyro), the JSON Schema description and the reference docs.
 Derived values (effective layouts, resolved paths, schedules) are not stored here; they live in the
-trainer plan (`rlconf.plan`). This module imports nothing beyond the standard library.
+trainer plan (`rlconf.plan`). This module imports nothing beyond the standard library and its own sections (rlconf.profile_config),
+which it re-exports.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+# Sections in modules of their own, re-exported (`from rlconf.config import ProfileConfig` keeps working).
+from rlconf.profile_config import (  # noqa: F401
+    LoggingConfig,
+    NpuProfileOptions,
+    NsysProfileOptions,
+    ProfileConfig,
+    ProfileTool,
+    Role,
+    TorchProfileOptions,
+)
 
 # Names shared by validation, the plan and the workers. Kept here so that the whole vocabulary of the
 # config lives in one module.
@@ -20,16 +32,6 @@ AdvEstimator = Literal[
 PolicyLossMode = Literal["vanilla", "gspo", "gpg", "clip-cov", "kl-cov", "cispo", "sapo"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
-ProfileTool = Literal["none", "torch", "nsys", "npu"]
-Role = Literal[
-    "generate_sequences",
-    "actor_compute_log_prob",
-    "ref_compute_log_prob",
-    "actor_update",
-    "critic_compute_values",
-    "critic_update",
-    "reward_compute",
-]
 ROLES: tuple[str, ...] = Role.__args__
 CHECKPOINT_CONTENTS: tuple[str, ...] = CheckpointContent.__args__
 # Rule-based reward functions shipped with rltrain (rltrain.rewards registers exactly these names).
@@ -854,82 +856,6 @@ class ClusterConfig:
     """CPUs Ray reserves for each worker process."""
 
 
-@dataclass(frozen=True)
-class TorchProfileOptions:
-    """torch.profiler options."""
-
-    activities: tuple[Literal["cpu", "cuda", "npu"], ...] = ("cpu", "cuda")
-    """Activities recorded (cuda is dropped on cpu runs)."""
-    record_shapes: bool = False
-    """Record operator input shapes."""
-    profile_memory: bool = False
-    """Track tensor allocations."""
-    with_stack: bool = False
-    """Record Python stacks (large traces)."""
-    with_flops: bool = False
-    """Estimate FLOPs of matmuls and convolutions."""
-
-
-@dataclass(frozen=True)
-class NpuProfileOptions:
-    """Ascend (torch_npu / MindSpeed) profiler options."""
-
-    level: Literal["level_none", "level0", "level1", "level2"] = "level1"
-    """Collection level."""
-    contents: tuple[Literal["npu", "cpu", "memory", "shapes", "module", "stack"], ...] = ("npu", "cpu")
-    """What is collected."""
-    analysis: bool = True
-    """Run the offline analysis after collection."""
-
-
-@dataclass(frozen=True)
-class NsysProfileOptions:
-    """Nsight Systems options (capture through cudaProfilerApi, NVTX ranges named by role)."""
-
-    trace: tuple[Literal["cuda", "nvtx", "cublas", "cudnn", "osrt"], ...] = ("cuda", "nvtx")
-    """APIs traced by nsys."""
-    cuda_memory_usage: bool = False
-    """Track CUDA memory usage."""
-
-
-@dataclass(frozen=True)
-class ProfileConfig:
-    """Per-role profiling."""
-
-    tool: ProfileTool = "none"
-    """none, torch, nsys (CUDA) or npu (Ascend)."""
-    discrete: bool = True
-    """true: one profile per role call (save_path/step_N/ROLE); false: one per step (save_path/step_N/e2e)."""
-    steps: tuple[int, ...] = ()
-    """Steps to profile (steps count from 1)."""
-    ranks: tuple[int, ...] = (0,)
-    """Ranks to profile, counted within each role's world (rank r of the actor, of the critic, ...)."""
-    all_ranks: bool = False
-    """Profile every rank (ranks is ignored)."""
-    roles: tuple[Role, ...] = ()
-    """Roles to profile; empty means all."""
-    save_path: str = "profile"
-    """Output folder; a relative path is under trainer.output_dir."""
-    torch: TorchProfileOptions = field(default_factory=TorchProfileOptions)
-    """Options used when tool = torch."""
-    npu: NpuProfileOptions = field(default_factory=NpuProfileOptions)
-    """Options used when tool = npu."""
-    nsys: NsysProfileOptions = field(default_factory=NsysProfileOptions)
-    """Options used when tool = nsys."""
-
-
-@dataclass(frozen=True)
-class LoggingConfig:
-    """Metrics and logs."""
-
-    backends: tuple[Literal["console", "jsonl", "tensorboard", "wandb"], ...] = ("console", "jsonl")
-    """Where metrics go (jsonl writes trainer.output_dir/metrics.jsonl)."""
-    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    """Log level of the controller and workers."""
-    plot_reward: bool = True
-    """Write reward_curve.png to trainer.output_dir at the end of the run."""
-
-
 # ---------------------------------------------------------------------------------------------- root
 @dataclass(frozen=True)
 class RLConfig:
@@ -959,3 +885,10 @@ class RLConfig:
     """Per-role profiling."""
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     """Metrics and logs."""
+
+
+__all__ = [
+    name
+    for name in dir()
+    if not name.startswith("_") and name not in ("annotations", "dataclass", "field", "Literal")
+]

@@ -48,9 +48,12 @@ few GB)."""
 class FileProblem(Exception):
     """Why a path cannot be read as a regular file (message, fix, rule)."""
 
-    def __init__(self, message: str, fix: str, rule: str = FILE_RULE) -> None:
+    def __init__(self, message: str, fix: str, rule: str = FILE_RULE, kind: str = "other") -> None:
         super().__init__(message)
         self.message, self.fix, self.rule = message, fix, rule
+        self.kind = kind
+        """Which check failed: missing, unreadable (stat failed), folder, too-large or other (not a regular
+        file, open or read failed); a reader words its own errors by it."""
 
 
 def _describe(mode: int) -> str:
@@ -68,13 +71,15 @@ def open_regular(path: Path) -> int:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise FileProblem(f"{path} does not exist", "check the path") from None
+        raise FileProblem(f"{path} does not exist", "check the path", kind="missing") from None
     except OSError as exc:
         raise FileProblem(
-            f"cannot read {path}: {exc.strerror or exc}", "check the path and its permissions"
+            f"cannot read {path}: {exc.strerror or exc}",
+            "check the path and its permissions",
+            kind="unreadable",
         ) from None
     if stat.S_ISDIR(mode):
-        raise FileProblem(f"{path} is a folder, not a file", "name a file inside it")
+        raise FileProblem(f"{path} is a folder, not a file", "name a file inside it", kind="folder")
     if not stat.S_ISREG(mode):
         # Checked before opening too: opening some devices has effects of its own.
         raise FileProblem(
@@ -124,20 +129,42 @@ class _Reader:
     def read(self, fd: int, offset: int, length: int) -> bytes:
         """Up to `length` bytes from `offset` (fewer at the end of the file)."""
         try:
-            if offset:
-                os.lseek(fd, offset, os.SEEK_SET)
-            chunks, got = [], 0
-            while got < length:
-                chunk = os.read(fd, min(length - got, 8 * MIB))
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                got += len(chunk)
-        except OSError as exc:
-            raise self.fail(
-                f"cannot read {self.path}: {exc.strerror or exc}", "check the file", FILE_RULE
-            ) from None
-        return b"".join(chunks)
+            return read_fd(fd, self.path, offset, length)
+        except FileProblem as exc:
+            raise self.fail(exc.message, exc.fix, exc.rule) from None
+
+
+def read_fd(fd: int, path: Path, offset: int, length: int) -> bytes:
+    """Up to `length` bytes from `offset` of the open file `fd` at `path` (fewer at the end of the file)."""
+    try:
+        if offset:
+            os.lseek(fd, offset, os.SEEK_SET)
+        chunks, got = [], 0
+        while got < length:
+            chunk = os.read(fd, min(length - got, 8 * MIB))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            got += len(chunk)
+    except OSError as exc:
+        raise FileProblem(f"cannot read {path}: {exc.strerror or exc}", "check the file") from None
+    return b"".join(chunks)
+
+
+def read_limited(path: Path, max_bytes: int) -> bytes:
+    """The bytes of the regular file at `path`, at most `max_bytes` (reading at most one more); FileProblem,
+    whose `kind` says which check failed, otherwise. read_regular words its errors as ConfigErrors."""
+    fd = open_regular(path)
+    try:
+        data = read_fd(fd, path, 0, max_bytes + 1)
+    finally:
+        os.close(fd)
+    if len(data) > max_bytes:
+        raise FileProblem(
+            f"{path} is larger than {_size_text(max_bytes)}", "check that this is the file you meant", LIMIT_RULE,
+            kind="too-large",
+        )  # fmt: skip
+    return data
 
 
 def check_regular(
@@ -176,15 +203,10 @@ def read_regular(
     naming config path `key` and the file (`what` says what the file is: "config.json of model.path") when
     it is missing, not a regular file, or longer. `rule` replaces the rule names of the errors (a reader's
     own rule, e.g. model-config-json)."""
-    r = _Reader(path, key, what, rule, source)
-    fd = r.open()
     try:
-        data = r.read(fd, 0, max_bytes + 1)
-    finally:
-        os.close(fd)
-    if len(data) > max_bytes:
-        raise r.too_large(max_bytes)
-    return data
+        return read_limited(Path(path), max_bytes)
+    except FileProblem as exc:
+        raise _Reader(path, key, what, rule, source).fail(exc.message, exc.fix, exc.rule) from None
 
 
 def read_span(

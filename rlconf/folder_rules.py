@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 from rlconf.config import RLConfig
 from rlconf.errors import Issue, error
+from rlconf.plan.roles import model_folders
 from rlconf.safe_paths import FOLDER_PATHS_RULE, model_folder_escapes
 
 
@@ -18,10 +19,8 @@ def model_folder_paths(c: RLConfig) -> Iterator[Issue]:
     """Every file a model folder names (model.safetensors.index.json weight_map entries) and every symlink in
     it (weights, config.json, tokenizer files) resolves inside the folder: no `..`, no absolute path, no
     symlink to elsewhere (a Hugging Face hub cache snapshot's links into its own blobs/ are inside)."""
-    folders = [("model.path", c.model.path), ("model.tokenizer_path", c.model.tokenizer_path)]
-    folders += [("critic.model_path", c.critic.model_path)] if c.critic.enable else []
-    rm = c.reward.reward_model
-    folders += [("reward.reward_model.path", rm.path)] if rm.enable else []
+    models = [(key, folder) for key, folder, _ in model_folders(c)]
+    folders = [models[0], ("model.tokenizer_path", c.model.tokenizer_path), *models[1:]]
     for path, folder in folders:
         if folder is None:
             continue

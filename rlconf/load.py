@@ -20,9 +20,7 @@ import dataclasses
 import difflib
 import json
 import math
-import os
 import re
-import stat
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
@@ -42,7 +40,7 @@ from rlconf.fields import (
     tuple_item_types,
     type_name,
 )
-from rlconf.files import LIMIT_RULE, read_regular
+from rlconf.files import LIMIT_RULE, FileProblem, read_limited
 
 PRESET_KEY = "preset"
 
@@ -554,35 +552,29 @@ def apply_overrides(data: Mapping[str, Any], overrides: Sequence[str]) -> dict[s
 # ---------------------------------------------------------------------------------------------- files
 def _read_limited(path: Path, source: str) -> str:
     """The text of a regular file of at most MAX_CONFIG_BYTES (rlconf.files: opened without blocking,
-    fstat-checked, reading at most one byte more)."""
+    fstat-checked, reading at most one byte more), its problems worded for a config file."""
 
     def fail(message: str, fix: str, rule: str = "file") -> ConfigError:
         return ConfigError([error("", message, fix, rule)], source)
 
     try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise fail(f"config file {source} does not exist", "check the path") from None
-    except OSError as exc:
-        raise fail(
-            f"cannot read {source}: {exc.strerror or exc}", "check the path and its permissions"
-        ) from None
-    if stat.S_ISDIR(mode):
-        raise fail(f"{source} is a folder, not a config file", "name a .yaml or .json file inside it")
-    try:
-        raw = read_regular(path, MAX_CONFIG_BYTES, key="", what="config file")
-    except ConfigError as exc:
-        issue = exc.issues[0]
-        if issue.rule == LIMIT_RULE:
+        raw = read_limited(path, MAX_CONFIG_BYTES)
+    except FileProblem as exc:
+        if exc.kind == "missing":
+            raise fail(f"config file {source} does not exist", "check the path") from None
+        if exc.kind == "unreadable":
+            raise fail(exc.message, exc.fix) from None
+        if exc.kind == "folder":
+            raise fail(
+                f"{source} is a folder, not a config file", "name a .yaml or .json file inside it"
+            ) from None
+        if exc.kind == "too-large":
             raise fail(
                 f"{source} is larger than {MAX_CONFIG_BYTES // 1024} KiB; a config is a few KiB",
                 "check that this is the config file you meant",
                 LIMIT_RULE,
             ) from None
-        raise fail(
-            issue.message.removeprefix("config file: "),
-            "save the config to a .yaml or .json file and pass that",
-        ) from None
+        raise fail(exc.message, "save the config to a .yaml or .json file and pass that") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:

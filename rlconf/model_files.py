@@ -40,8 +40,10 @@ from rlconf.files import (
     read_text,
 )
 from rlconf.model_spec import head_dim, is_moe_layer, read_model_arch
+from rlconf.plan.roles import model_folders
 from rlconf.render_budget import RenderBudgetExceeded, render_budget
 from rlconf.safe_paths import model_folder_escapes
+from rlconf.tokenizer_check import no_tokenizer_files
 
 RULE = "model-files"
 INDEX_FILE = "model.safetensors.index.json"
@@ -341,13 +343,12 @@ def _max_id(values: Any) -> int:
 def tokenizer_size(folder: str, key: str) -> tuple[int, str] | None:
     """(largest token id + 1, the file that holds it) of the tokenizer files in `folder`, read bounded;
     None when the format does not say it without parsing (tokenizer.model, a sentencepiece protobuf).
-    Raises ConfigError naming `key` when there are no tokenizer files or one cannot be read."""
+    Raises ConfigError naming `key` when there are no tokenizer files (rlconf.tokenizer_check's error) or
+    one cannot be read."""
     what = f"tokenizer of {key}"
+    if (no_files := no_tokenizer_files(folder, folder, key)) is not None:
+        raise ConfigError([no_files])
     present = [f for f in TOKENIZER_FILES if os.path.lexists(os.path.join(folder, f))]
-    if not present:
-        raise ConfigError([error(key, f"{folder} has no tokenizer files ({', '.join(TOKENIZER_FILES)})",
-                                 "save the tokenizer beside the model (tokenizer.save_pretrained(dir)) or set "
-                                 "model.tokenizer_path to the folder that has it", RULE)])  # fmt: skip
     best, source = -1, ""
 
     def note(n: int, fname: str) -> None:
@@ -450,7 +451,10 @@ def check_chat_template(template: str, path: str, key: str) -> None:
 
 
 def tokenizer_issues(folder: str, vocab_size: int, key: str, vocab_source: str) -> list[Issue]:
-    """Errors for the tokenizer in `folder`: missing, unreadable, or with token ids >= vocab_size."""
+    """Errors for the tokenizer in `folder`: unreadable, or with token ids >= vocab_size (a folder without
+    tokenizer files is rule tokenizer-load's, reported once there)."""
+    if no_tokenizer_files(folder, folder, key) is not None:
+        return []
     try:
         found = tokenizer_size(folder, key)
     except ConfigError as exc:
@@ -467,11 +471,7 @@ def tokenizer_issues(folder: str, vocab_size: int, key: str, vocab_source: str) 
 def model_files_issues(c: RLConfig) -> Iterator[Issue]:
     """Rule model-files: each model folder's weights and tokenizer agree with its config.json, and the
     run's sequences fit max_position_embeddings."""
-    sources: list[tuple[str, str | None, bool]] = [("model.path", c.model.path, True)]
-    if c.critic.enable:
-        sources.append(("critic.model_path", c.critic.model_path, False))
-    if c.reward.reward_model.enable:
-        sources.append(("reward.reward_model.path", c.reward.reward_model.path, False))
+    sources = [(key, folder, spec.model == "policy") for key, folder, spec in model_folders(c)]
     seq = c.data.max_prompt_length + c.rollout.max_response_length
     policy_arch: ModelArch | None = c.model.arch if c.model.path is None else None
     for key, folder, lm_head in sources:

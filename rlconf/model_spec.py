@@ -4,7 +4,7 @@ Pure standard library, like all of rlconf: the plan compiler, `rlconf validate` 
 weight import / export (rltrain.megatron.hf_weights) all read a folder through `read_model_arch`, so they
 cannot disagree about what a config.json means.
 
-Families (`FAMILIES`): llama (Llama 3 / 3.1 / 3.2), mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral,
+Families (`FAMILIES`, rlconf.model_families): llama (Llama 3 / 3.1 / 3.2), mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral,
 deepseek_v3 (DeepSeek-V3, Moonlight-16B-A3B, Kimi-K2: multi-head latent attention, sigmoid group-limited
 routing with an expert-score bias, shared experts, first_k_dense_replace dense layers, YaRN with mscale; read,
 planned and exported, not yet trained: `training_gaps`).
@@ -26,7 +26,7 @@ than pick one. tests/test_hf_config_json.py checks every case against transforme
 Writing (`hf_config`) is the inverse for exports: the source's own config.json back (only its dtype key
 rewritten, in the source's style) when it describes the trained model, else a complete transformers 5 file.
 
-Parameter counts (`count_parameters`) live here too: the plan reports them (total and, for MoE, active
+Parameter counts (`count_parameters`, rlconf.model_count) are re-exported here: the plan reports them (total and, for MoE, active
 per token) and sizes its memory estimate with the same per-layer pieces.
 """
 
@@ -36,119 +36,27 @@ import math
 import os
 from collections.abc import Mapping
 from copy import deepcopy
-from dataclasses import dataclass, field
 from typing import Any
 
 from rlconf.config import ModelArch, RopeScaling
 from rlconf.errors import ConfigError, error
 from rlconf.files import MAX_MODEL_CONFIG_BYTES, read_json
+from rlconf.model_count import (
+    LayerParams,
+    count_parameters,
+    head_dim,
+    is_moe_layer,
+    kv_cache_width,
+    layer_params,
+    num_moe_layers,
+)
+from rlconf.model_families import FAMILIES, KNOWN_UNSUPPORTED, ROPE_TYPES, SUPPORTED, Family
 
 MAX_SIZE = 1 << 40
 """Bound on any size read from config.json (absurd values become errors, not hours of arithmetic)."""
 MAX_LAYERS = 1 << 16
 UNSUPPORTED_RULE = "model-unsupported"
 READ_RULE = "model-config-json"
-
-
-@dataclass(frozen=True)
-class Family:
-    """What one Hugging Face model_type fixes about the architecture."""
-
-    model_type: str
-    hf_architecture: str
-    """The transformers class an exported checkpoint names in `architectures`."""
-    qkv_bias: bool | None
-    """q/k/v projections have biases: always (True), never (False), or per config (None: qwen2_moe's
-    qkv_bias key)."""
-    qk_layernorm: bool
-    """RMSNorm per query / key head (q_norm, k_norm)."""
-    moe: bool
-    defaults: Mapping[str, Any] = field(default_factory=dict)
-    """transformers' class defaults for the keys config.json may omit (tests/test_model_spec.py checks them
-    against the installed transformers)."""
-    windows: str = "none"
-    """Which layers attend within `sliding_window` when config.json has no `layer_types` (the family's config
-    class): none (llama), all (mistral, mixtral; qwen3_moe with use_sliding_window), from_max_window_layers
-    (qwen2, qwen3: layers i >= max_window_layers), odd_below_max_window_layers (qwen2_moe: layers with
-    (i + 1) % 2 and i < max_window_layers)."""
-    layer_types: bool = False
-    """The config class has `layer_types` (and its modeling code reads it): the per-layer attention pattern
-    comes from it first. Elsewhere transformers ignores the key."""
-    derives: frozenset[str] = frozenset()
-    """Keys whose JSON null transformers replaces (head_dim -> hidden / heads, num_key_value_heads -> heads);
-    a null elsewhere makes transformers fail, so the reader refuses it."""
-
-
-_COMMON = {
-    "tie_word_embeddings": False,
-    "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
-    "hidden_act": "silu",
-}
-_HEAD_DIM = {"head_dim": None}  # the class has the field; None: hidden_size / num_attention_heads
-_QWEN_MOE = {
-    "decoder_sparse_step": 1,
-    "mlp_only_layers": [],
-    "norm_topk_prob": False,
-    "router_aux_loss_coef": 0.001,
-    "use_sliding_window": False,
-}
-FAMILIES: Mapping[str, Family] = {
-    "llama": Family("llama", "LlamaForCausalLM", False, False, False,
-                    {**_COMMON, **_HEAD_DIM, "num_key_value_heads": None, "attention_bias": False, "mlp_bias": False},
-                    "none", False, frozenset({"head_dim", "num_key_value_heads"})),
-    "mistral": Family("mistral", "MistralForCausalLM", False, False, False,
-                      {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "sliding_window": 4096},
-                      "all", False, frozenset({"head_dim"})),
-    "qwen2": Family("qwen2", "Qwen2ForCausalLM", True, False, False,
-                    {**_COMMON, "num_key_value_heads": 32, "use_sliding_window": False, "sliding_window": 4096,
-                     "max_window_layers": 28}, "from_max_window_layers", True, frozenset({"num_key_value_heads"})),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM", False, True, False,
-                    {**_COMMON, "num_key_value_heads": 32, "head_dim": 128, "attention_bias": False,
-                     "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28},
-                    "from_max_window_layers", True, frozenset({"num_key_value_heads"})),
-    "qwen2_moe": Family("qwen2_moe", "Qwen2MoeForCausalLM", None, False, True,
-                        {**_COMMON, **_QWEN_MOE, "num_key_value_heads": 16, "qkv_bias": True, "num_experts": 60,
-                         "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
-                         "shared_expert_intermediate_size": 5632, "sliding_window": 4096,
-                         "max_window_layers": 28}, "odd_below_max_window_layers", True),
-    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", False, True, True,
-                        {**_COMMON, **_QWEN_MOE, "num_key_value_heads": 4, "attention_bias": False,
-                         "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768,
-                         "sliding_window": 4096}, "all"),
-    "mixtral": Family("mixtral", "MixtralForCausalLM", False, False, True,
-                      {**_COMMON, **_HEAD_DIM, "num_key_value_heads": 8, "rms_norm_eps": 1e-5, "rope_theta": 1e6,
-                       "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.001,
-                       "router_jitter_noise": 0.0, "sliding_window": None}, "all", False, frozenset({"head_dim"})),
-    # DeepseekV3Config (DeepSeek-V3, Moonlight, Kimi-K2): MLA, sigmoid group-limited routing, shared experts.
-    "deepseek_v3": Family("deepseek_v3", "DeepseekV3ForCausalLM", False, False, True,
-                          {**_COMMON, "num_key_value_heads": 128, "attention_bias": False, "vocab_size": 129280,
-                           "n_shared_experts": 1, "n_routed_experts": 256, "routed_scaling_factor": 2.5,
-                           "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64, "v_head_dim": 128,
-                           "qk_nope_head_dim": 128, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8,
-                           "first_k_dense_replace": 3, "norm_topk_prob": True, "moe_intermediate_size": 2048,
-                           "rope_interleave": True, "num_nextn_predict_layers": 1, "max_position_embeddings": 4096,
-                           "intermediate_size": 18432},
-                          "none", False, frozenset({"num_key_value_heads", "q_lora_rank"})),
-}  # fmt: skip
-SUPPORTED = ", ".join(FAMILIES)
-# model_types people try whose defining feature rlplan does not build (the message names it).
-_KNOWN_UNSUPPORTED: Mapping[str, str] = {
-    "qwen2_vl": "a vision encoder (vision-language model)",
-    "qwen2_5_vl": "a vision encoder (vision-language model)",
-    "qwen3_vl": "a vision encoder (vision-language model)",
-    "qwen3_vl_moe": "a vision encoder (vision-language model)",
-    "qwen2_5_omni": "audio and vision encoders (omni model)",
-    "llava": "a vision encoder (vision-language model)",
-    "mllama": "cross-attention to a vision encoder (vision-language model)",
-    "gemma3": "a vision encoder and local / global attention layers",
-    "qwen3_next": "hybrid linear attention (Gated DeltaNet layers)",
-    "gpt_oss": "attention sinks, alternating sliding-window layers and MXFP4 experts",
-    "deepseek_v2": "multi-head latent attention (MLA)",
-    "kimi_k2": "multi-head latent attention (MLA)",
-    "glm4_moe": "multi-token prediction and partial rotary embeddings",
-}
-_ROPE_TYPES = {"default": "none", "linear": "linear", "llama3": "llama3", "yarn": "yarn"}
 
 
 # ============================================================================================ reading
@@ -249,8 +157,8 @@ class _Reader:
         mt = self.model_type
         if mt is None:
             raise self.fail("has no model_type", f"use the config.json written by transformers ({SUPPORTED})")
-        if mt in _KNOWN_UNSUPPORTED:
-            raise self.unsupported(_KNOWN_UNSUPPORTED[mt])
+        if mt in KNOWN_UNSUPPORTED:
+            raise self.unsupported(KNOWN_UNSUPPORTED[mt])
         if mt not in FAMILIES:
             raise self.fail(
                 f"has model_type {mt!r}, which rlplan does not support",
@@ -397,11 +305,11 @@ class _Reader:
 
     def _rope_scaling(self, params: Mapping[str, Any]) -> RopeScaling:
         kind = params["rope_type"]
-        if kind not in _ROPE_TYPES:
+        if kind not in ROPE_TYPES:
             raise self.unsupported(f"rope scaling {kind!r} (supported: linear, llama3, yarn)")
         if self.number("partial_rotary_factor", params, 1.0) != 1.0:
             raise self.unsupported("partial_rotary_factor (RoPE on part of each head)")
-        if _ROPE_TYPES[kind] == "none":
+        if ROPE_TYPES[kind] == "none":
             return RopeScaling()
         deepseek = self.family.model_type == "deepseek_v3"  # DeepSeek's YaRN attention factor
         for extra in ("mscale", "mscale_all_dim", "attention_factor", "truncate"):
@@ -421,7 +329,7 @@ class _Reader:
             raise self.fail(f": original_max_position_embeddings must be a positive integer, got {orig!r}",
                             "fix config.json")  # fmt: skip
         scaling = RopeScaling(
-            type=_ROPE_TYPES[kind],
+            type=ROPE_TYPES[kind],
             factor=self.number("factor", params, 1.0),
             low_freq_factor=self.number("low_freq_factor", params, 1.0),
             high_freq_factor=self.number("high_freq_factor", params, 4.0),
@@ -916,105 +824,26 @@ def expert_layout_issues(
     return out
 
 
-# ============================================================================================ counting
-def head_dim(arch: ModelArch) -> int:
-    """Per-head width (kv_channels, else hidden_size / num_attention_heads)."""
-    return arch.kv_channels if arch.kv_channels is not None else arch.hidden_size // arch.num_attention_heads
-
-
-def is_moe_layer(arch: ModelArch, layer: int) -> bool:
-    """Whether 0-based `layer` has routed experts."""
-    return arch.num_moe_experts is not None and layer not in arch.moe_dense_layers
-
-
-def num_moe_layers(arch: ModelArch) -> int:
-    """Layers with routed experts."""
-    if arch.num_moe_experts is None:
-        return 0
-    return arch.num_layers - len({i for i in arch.moe_dense_layers if 0 <= i < arch.num_layers})
-
-
-@dataclass(frozen=True)
-class LayerParams:
-    """Parameters of one transformer layer, split by how megatron distributes them."""
-
-    tp_sharded: int
-    """Split across tensor-parallel ranks: q/k/v (+ biases), output projection, a dense MLP or the
-    shared expert."""
-    replicated: int
-    """On every tensor-parallel rank: RMSNorm weights, QK-norm weights, the router, the shared-expert gate."""
-    experts: int
-    """All routed experts (split across expert-parallel x expert-tensor-parallel ranks)."""
-    active_experts: int
-    """The routed experts one token passes through (moe_router_topk of them)."""
-
-
-def layer_params(arch: ModelArch, moe: bool) -> LayerParams:
-    """Parameter counts of one layer with routed experts (`moe`, see is_moe_layer) or a dense MLP (SwiGLU
-    MLPs: gate, up and down projections)."""
-    h, kv = arch.hidden_size, head_dim(arch)
-    q, g = arch.num_attention_heads * kv, arch.num_query_groups * kv
-    if arch.multi_latent_attention:
-        sharded, replicated = _mla_params(arch)
-    else:
-        sharded = h * (q + 2 * g) + q * h
-        if arch.add_qkv_bias:
-            sharded += q + 2 * g
-        replicated = 2 * h + (2 * kv if arch.qk_layernorm else 0)
-    experts = active = 0
-    if moe and arch.num_moe_experts is not None:
-        expert = 3 * h * (arch.moe_ffn_hidden_size or arch.ffn_hidden_size)
-        experts, active = arch.num_moe_experts * expert, arch.moe_router_topk * expert
-        # the router (DeepSeek's e_score_correction_bias is a buffer in transformers: not a parameter)
-        replicated += arch.num_moe_experts * h
-        if arch.moe_shared_expert_intermediate_size is not None:
-            sharded += 3 * h * arch.moe_shared_expert_intermediate_size
-            replicated += h if arch.moe_shared_expert_gate else 0
-    else:
-        sharded += 3 * h * arch.ffn_hidden_size
-    return LayerParams(sharded, replicated, experts, active)
-
-
-def _mla_params(arch: ModelArch) -> tuple[int, int]:
-    """(tp-sharded, replicated) parameters of one MLA attention block with its two layer norms, as
-    DeepseekV3Attention builds it: q_a_proj + q_a_layernorm + q_b_proj (or one q_proj without q_lora_rank),
-    kv_a_proj_with_mqa (latent + the shared rope key), kv_a_layernorm, kv_b_proj (per-head nope keys and
-    values) and o_proj. The down-projections and their norms are replicated across TP ranks (megatron)."""
-    h, n = arch.hidden_size, arch.num_attention_heads
-    qk = arch.qk_head_dim + arch.qk_pos_emb_head_dim
-    replicated = 2 * h + h * (arch.kv_lora_rank + arch.qk_pos_emb_head_dim) + arch.kv_lora_rank
-    sharded = arch.kv_lora_rank * n * (arch.qk_head_dim + arch.v_head_dim) + n * arch.v_head_dim * h
-    if arch.q_lora_rank is None:
-        sharded += h * n * qk
-    else:
-        replicated += h * arch.q_lora_rank + arch.q_lora_rank
-        sharded += arch.q_lora_rank * n * qk
-    return sharded, replicated
-
-
-def kv_cache_width(arch: ModelArch, tp: int = 1) -> int:
-    """Cached elements per token per layer on one TP rank: MLA's compressed latent (kv_lora_rank + the shared
-    rope key, whole on every rank, as vLLM and SGLang cache it), else keys and values of num_query_groups / tp
-    heads (at least one)."""
-    if arch.multi_latent_attention:
-        return arch.kv_lora_rank + arch.qk_pos_emb_head_dim
-    return 2 * max(arch.num_query_groups // tp, 1) * head_dim(arch)
-
-
-def count_parameters(arch: ModelArch, head: str) -> tuple[int, int]:
-    """(total, active per token) parameters of the unpadded, unsharded model: embedding, layers, final norm
-    and the output layer (`head` lm: vocabulary logits, untied unless share_embeddings_and_output_weights;
-    value: hidden -> 1). Equal for dense models."""
-    total = active = arch.vocab_size * arch.hidden_size + arch.hidden_size
-    if head == "value":
-        total += arch.hidden_size
-        active += arch.hidden_size
-    elif not arch.share_embeddings_and_output_weights:
-        total += arch.vocab_size * arch.hidden_size
-        active += arch.vocab_size * arch.hidden_size
-    moe_layers = num_moe_layers(arch)
-    for moe, count in ((True, moe_layers), (False, arch.num_layers - moe_layers)):
-        p = layer_params(arch, moe)
-        total += count * (p.tp_sharded + p.replicated + p.experts)
-        active += count * (p.tp_sharded + p.replicated + p.active_experts)
-    return total, active
+__all__ = [
+    "FAMILIES",
+    "MAX_LAYERS",
+    "MAX_SIZE",
+    "READ_RULE",
+    "SUPPORTED",
+    "UNSUPPORTED_RULE",
+    "Family",
+    "LayerParams",
+    "arch_from_config",
+    "count_parameters",
+    "engine_gaps",
+    "expert_layout_issues",
+    "family_issues",
+    "head_dim",
+    "hf_config",
+    "is_moe_layer",
+    "kv_cache_width",
+    "layer_params",
+    "num_moe_layers",
+    "read_model_arch",
+    "training_gaps",
+]

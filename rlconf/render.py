@@ -32,10 +32,10 @@ class Change:
 
     def format(self) -> str:
         if self.kind == "changed":
-            return f"~ {self.path}: {_scalar(self.old)} -> {_scalar(self.new)}"
+            return f"~ {self.path}: {scalar_text(self.old)} -> {scalar_text(self.new)}"
         if self.kind == "added":
-            return f"+ {self.path}: {_scalar(self.new)}"
-        return f"- {self.path}: {_scalar(self.old)}"
+            return f"+ {self.path}: {scalar_text(self.new)}"
+        return f"- {self.path}: {scalar_text(self.old)}"
 
 
 _ABSENT = object()
@@ -60,7 +60,7 @@ def _same_number(a: Any, b: Any) -> bool:
     return isinstance(a, int | float) and isinstance(b, int | float) and a == b and not isinstance(a, bool)
 
 
-def _scalar(value: Any) -> str:
+def scalar_text(value: Any) -> str:
     text = dump_yaml(value).strip()
     return text.removesuffix("\n...").removesuffix("...").strip()
 
@@ -84,9 +84,9 @@ def render_config(config: RLConfig, issues: Iterable[Issue] = (), *, mark_change
                 continue
             comments = []
             if mark_changes and path in defaults and defaults[path] != value:
-                comments.append(f"default: {_scalar(defaults[path])}")
+                comments.append(f"default: {scalar_text(defaults[path])}")
             comments += notes.get(path, [])
-            line = f"{pad}{key}: {_scalar(value)}"
+            line = f"{pad}{key}: {scalar_text(value)}"
             lines.append(line + (f"  # {'; '.join(comments)}" if comments else ""))
 
     walk(config_to_dict(config), "", 0)

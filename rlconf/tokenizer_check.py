@@ -62,6 +62,21 @@ def _templates(folder: str, config: dict[str, Any]) -> Iterator[tuple[str, str]]
                 yield f"tokenizer_config.json chat_template {item.get('name')!r}", item["template"]
 
 
+def no_tokenizer_files(folder: str, path: str, key: str) -> Issue | None:
+    """The error (rule tokenizer-load, at config path `key`) for a folder that holds none of the file sets
+    AutoTokenizer builds a tokenizer from; None when it holds one. The one check of it: rlconf.model_files
+    reads the files only when they are there. A path that is not a folder is its caller's to report."""
+    if not os.path.isdir(folder):
+        return None
+    present = set(os.listdir(folder))
+    if any(all(name in present for name in names) for names in FILE_SETS):
+        return None
+    shown = ", ".join(sorted(present)[:12]) or "(empty)"
+    return error(key, f"{path!r} holds no tokenizer files (it has: {shown})",
+                 "copy the model's tokenizer.json and tokenizer_config.json into it, or set "
+                 "model.tokenizer_path to a folder that has them", RULE)  # fmt: skip
+
+
 def tokenizer_issues(model: ModelConfig) -> Iterator[Issue]:
     """Why the tokenizer of `model` would not load (nothing for the built-in tokenizer)."""
     path = model.tokenizer_path if model.tokenizer_path is not None else model.path
@@ -81,13 +96,10 @@ def tokenizer_issues(model: ModelConfig) -> Iterator[Issue]:
                     "reinstall rlplan (`pip install -e .` installs them), or `pip install "
                     f"{' '.join(missing)}`", RULE)  # fmt: skip
         return
-    present = set(os.listdir(folder))
-    if not any(all(name in present for name in names) for names in FILE_SETS):
-        shown = ", ".join(sorted(present)[:12]) or "(empty)"
-        yield error(key, f"{path!r} holds no tokenizer files (it has: {shown})",
-                    "copy the model's tokenizer.json and tokenizer_config.json into it, or set "
-                    "model.tokenizer_path to a folder that has them", RULE)  # fmt: skip
+    if (no_files := no_tokenizer_files(folder, path, key)) is not None:
+        yield no_files
         return
+    present = set(os.listdir(folder))
     if "tokenizer.json" in present:
         from tokenizers import Tokenizer
 

@@ -137,13 +137,13 @@ def _plan_only_group_check(c: RLConfig) -> None:
 def test_the_property_fails_when_the_plan_checks_something_of_its_own(monkeypatch):
     """The guarantee has teeth: a check made only in the plan (here: a made-up limit on rollout.n) makes the
     property above fail on configs the validator passes."""
-    original = rlconf.plan.assemble._present_roles
+    original = rlconf.plan.assemble.present_roles
 
     def present_roles_with_a_check(c: RLConfig) -> tuple[str, ...]:
         _plan_only_group_check(c)
         return original(c)
 
-    monkeypatch.setattr(rlconf.plan.assemble, "_present_roles", present_roles_with_a_check)
+    monkeypatch.setattr(rlconf.plan.assemble, "present_roles", present_roles_with_a_check)
 
     @settings(max_examples=200, deadline=None, database=None, phases=[Phase.generate],
               suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
@@ -162,15 +162,18 @@ def test_a_family_check_left_in_the_plan_alone_would_disagree(monkeypatch):
         get_preset("tiny-grpo"), {"model.arch.family": "qwen3", "model.arch.add_qkv_bias": False}
     )
     assert _disagreement(cfg) is None  # today: both refuse it with model-unsupported
-    original = rlconf.plan.assemble._present_roles
+    original = rlconf.plan.assemble.present_roles
 
     def with_family_check(c: RLConfig) -> tuple[str, ...]:
         if issues := family_issues(c.model.arch, "model.arch"):
             raise ConfigError([error(p, m, f, "model-unsupported") for p, m, f in issues])
         return original(c)
 
-    monkeypatch.delitem(RULES, "model-unsupported")
-    monkeypatch.setattr(rlconf.plan.assemble, "_present_roles", with_family_check)
+    # The rule switched off in place (deleting it would re-add it last, changing RULES' order for later tests).
+    monkeypatch.setitem(
+        RULES, "model-unsupported", replace(RULES["model-unsupported"], fn=lambda c: iter(()))
+    )
+    monkeypatch.setattr(rlconf.plan.assemble, "present_roles", with_family_check)
     assert "the validator passes it, the plan refuses it" in (_disagreement(cfg) or "")
 
 
@@ -235,11 +238,34 @@ def _rlconf_imports(path: Path) -> set[str]:
     return {m for m in out if m.startswith("rlconf")}
 
 
-def test_the_validator_imports_nothing_of_the_plan():
-    """The plan calls the validator; the reverse import (even of rlconf.plan.types, which runs the package)
-    would be a cycle."""
-    imported = _rlconf_imports(ROOT / "rlconf" / "validate.py")
-    assert not [m for m in imported if m == "rlconf.plan" or m.startswith("rlconf.plan.")], imported
+# The plan's modules that derive the facts both sides check and import nothing of the compiler.
+PLAN_FACTS = {"rlconf.plan.roles", "rlconf.plan.model_fit"}
+
+
+def test_the_validator_imports_nothing_of_the_compiler():
+    """The plan calls the validator; the reverse import of the compiler would be a cycle. The validator and
+    its checks import from rlconf.plan only the modules of the facts both derive (the role table, what an
+    architecture must fit), and importing it loads no compiler module (rlconf.plan loads its names lazily)."""
+    for path in [
+        ROOT / "rlconf" / "validate.py",
+        ROOT / "rlconf" / "rules.py",
+        *(ROOT / "rlconf" / "checks").glob("*.py"),
+    ]:
+        imported = _rlconf_imports(path)
+        plan = {m for m in imported if m == "rlconf.plan" or m.startswith("rlconf.plan.")}
+        assert plan <= PLAN_FACTS, (path.name, plan)
+    for fact in PLAN_FACTS:
+        imported = _rlconf_imports(ROOT / Path(*fact.split(".")).with_suffix(".py"))
+        assert not [m for m in imported if m.startswith("rlconf.plan") or m.startswith("rlconf.validate")], (
+            fact
+        )
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, rlconf.validate; print(sorted(m for m in sys.modules if m.startswith('rlconf.plan')))"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT, check=True,
+    ).stdout  # fmt: skip
+    assert not [
+        m for m in ("assemble", "compile", "memory", "advice", "types") if f"rlconf.plan.{m}'" in loaded
+    ], loaded
     assert "rlconf.validate" in _rlconf_imports(ROOT / "rlconf" / "plan" / "assemble.py")
     # The limits the validator enforces are the ones the plan exports.
     assert rlconf.plan.MAX_DEVICES == rlconf.validate.MAX_DEVICES

@@ -145,14 +145,14 @@ def _config(*overrides: str):
 
 def _vllm_plan(*overrides: str):
     """The plan of tiny-grpo with rollout.engine: vllm on cpu (validated as embedded, see the docstring)."""
-    from rlconf.plan.assemble import _compile
+    from rlconf.plan.assemble import compile_parts
     from rlconf.validate import check_config
 
     cfg = _config(*overrides)
     # Validated as embedded (the validator refuses vLLM on cpu: the stand-in exists only here), then planned
     # as vllm without the run-level rules.
     assert not [i for i in check_config(cfg) if i.severity == "error"]
-    return _compile(replace(cfg, rollout=replace(cfg.rollout, engine="vllm")), check=False)
+    return compile_parts(replace(cfg, rollout=replace(cfg.rollout, engine="vllm")), check=False)
 
 
 # ------------------------------------------------------------------------------------------- the worker

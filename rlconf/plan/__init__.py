@@ -36,73 +36,55 @@ Design choices
 Modules: `types` (the plan's dataclasses and limits), `compile` (checks, models, pools, grids, batches,
 lr table, profile, checkpoints), `memory` (the estimate), `assemble` (parts + memory -> TrainerPlan),
 `advice` (the memory check and its fixes, re-compiling variants), `render` (text), `diff` (JSON and
-plan diffs). `compile_plan` (here) is assemble + memory check.
+plan diffs), `roles` (the role table and the cross-section facts the validator checks too).
+`compile_plan` (here) is assemble + memory check. The names below are loaded on first use, so that
+`rlconf.plan.roles` imports without the compiler (rlconf.validate imports it).
 """
 
 from __future__ import annotations
 
-from rlconf.config import RLConfig
-from rlconf.plan.advice import _check_memory
-from rlconf.plan.assemble import _compile
-from rlconf.plan.compile import (
-    lr_at,
-    rollout_resharded,
-    rollout_tp,
-)
-from rlconf.plan.diff import (
-    MISSING,
-    diff_plans,
-    plan_to_dict,
-)
-from rlconf.plan.memory import (
-    REFIT_BUCKET_MIB,
-    REFIT_BYTES_PER_S,
-)
-from rlconf.plan.render import (
-    format_plan,
-)
-from rlconf.plan.types import (
-    CONTROLLER,
-    DTYPE_BYTES,
-    ENGINE_ROLES,
-    GIB,
-    MEGATRON_ORDER,
-    PLAN_VERSION,
-    PROFILE_ROLE_WORKER,
-    VOCAB_DIVISIBLE_BY,
-    WORKER_ROLES,
-    BatchPlan,
-    CheckpointPlan,
-    CheckpointSave,
-    EnginePlan,
-    LayerChunk,
-    LrRow,
-    MemoryPart,
-    MemoryPlan,
-    ModelSpec,
-    OptimPlan,
-    PhaseMemory,
-    Placement,
-    Pool,
-    PoolMemory,
-    ProfilePlan,
-    ProfileTarget,
-    RankCoord,
-    Resources,
-    RoleCheckpoint,
-    RoleLayout,
-    RoleMemory,
-    RolePath,
-    RolloutRefit,
-    StageLayers,
-    StepPasses,
-    TrainerPlan,
-)
-from rlconf.validate import (  # the plan's limits are enforced by the checker (rule plan-limits)
-    MAX_DEVICES,
-    MAX_INT,
-    MAX_TOTAL_STEPS,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlconf.config import RLConfig
+    from rlconf.plan.types import TrainerPlan
+
+# Each public name and the module that defines it (the plan's limits are enforced by the checker, rule
+# plan-limits, and live with it).
+_HOMES: dict[str, str] = {
+    **dict.fromkeys(("lr_at",), "compile"),
+    **dict.fromkeys(("rollout_resharded", "rollout_tp"), "roles"),
+    **dict.fromkeys(("MISSING", "diff_plans", "plan_to_dict"), "diff"),
+    **dict.fromkeys(("REFIT_BUCKET_MIB", "REFIT_BYTES_PER_S"), "memory"),
+    **dict.fromkeys(("format_plan",), "render"),
+    **dict.fromkeys(("MAX_DEVICES", "MAX_INT", "MAX_TOTAL_STEPS"), "rlconf.validate"),
+    **dict.fromkeys(
+        (
+            "CONTROLLER", "DTYPE_BYTES", "ENGINE_ROLES", "GIB", "MEGATRON_ORDER", "PLAN_VERSION",
+            "PROFILE_ROLE_WORKER", "VOCAB_DIVISIBLE_BY", "WORKER_ROLES", "BatchPlan", "CheckpointPlan",
+            "CheckpointSave", "EnginePlan", "LayerChunk", "LrRow", "MemoryPart", "MemoryPlan", "ModelSpec",
+            "OptimPlan", "PhaseMemory", "Placement", "Pool", "PoolMemory", "ProfilePlan", "ProfileTarget",
+            "RankCoord", "Resources", "RoleCheckpoint", "RoleLayout", "RoleMemory", "RolePath", "RolloutRefit",
+            "StageLayers", "StepPasses", "TrainerPlan",
+        ),
+        "types",
+    ),
+}  # fmt: skip
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(home if home.startswith("rlconf.") else f"{__name__}.{home}")
+    value = getattr(module, name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_HOMES))
 
 
 # ========================================================================================= entry points
@@ -110,58 +92,12 @@ def compile_plan(config: RLConfig) -> TrainerPlan:
     """Derive the trainer plan of a config; raises ConfigError, and nothing else, when rlconf.validate
     finds an error in it, when it cannot be planned (a config.json it reads) or when its memory estimate
     exceeds cluster.device_memory_gib."""
-    plan = _compile(config)
-    _check_memory(config, plan)
+    from rlconf.plan.advice import check_memory
+    from rlconf.plan.assemble import compile_parts
+
+    plan = compile_parts(config)
+    check_memory(config, plan)
     return plan
 
 
-__all__ = [
-    "CONTROLLER",
-    "DTYPE_BYTES",
-    "ENGINE_ROLES",
-    "GIB",
-    "MAX_DEVICES",
-    "MAX_INT",
-    "MAX_TOTAL_STEPS",
-    "MEGATRON_ORDER",
-    "MISSING",
-    "PLAN_VERSION",
-    "PROFILE_ROLE_WORKER",
-    "REFIT_BUCKET_MIB",
-    "REFIT_BYTES_PER_S",
-    "VOCAB_DIVISIBLE_BY",
-    "WORKER_ROLES",
-    "BatchPlan",
-    "CheckpointPlan",
-    "CheckpointSave",
-    "EnginePlan",
-    "LayerChunk",
-    "LrRow",
-    "MemoryPart",
-    "MemoryPlan",
-    "ModelSpec",
-    "OptimPlan",
-    "PhaseMemory",
-    "Placement",
-    "Pool",
-    "PoolMemory",
-    "ProfilePlan",
-    "ProfileTarget",
-    "RankCoord",
-    "Resources",
-    "RoleCheckpoint",
-    "RoleLayout",
-    "RoleMemory",
-    "RolePath",
-    "RolloutRefit",
-    "StageLayers",
-    "StepPasses",
-    "TrainerPlan",
-    "compile_plan",
-    "diff_plans",
-    "format_plan",
-    "lr_at",
-    "plan_to_dict",
-    "rollout_resharded",
-    "rollout_tp",
-]
+__all__ = sorted([*_HOMES, "compile_plan"])

@@ -11,12 +11,13 @@ from rlconf.config import (
 from rlconf.errors import ConfigError, error
 from rlconf.fields import get_path
 from rlconf.host_memory import memory_budget
-from rlconf.plan.assemble import _compile
-from rlconf.plan.types import TrainerPlan, _megatron_of
+from rlconf.plan.assemble import compile_parts
+from rlconf.plan.roles import megatron_of
+from rlconf.plan.types import TrainerPlan
 
 
 # ============================================================================================ memory check
-def _check_memory(config: RLConfig, plan: TrainerPlan) -> None:
+def check_memory(config: RLConfig, plan: TrainerPlan) -> None:
     budget = memory_budget(config)  # on cpu without device_memory_gib: this host's RAM per worker
     if budget is None:
         return
@@ -55,7 +56,7 @@ def _role_variants(
     """Single changes that lower one role's memory on its devices: (flag text, changed config)."""
     lay = plan.layout(role)
     arch = plan.model(lay.model).arch
-    prefix, m = _megatron_of(config, role)
+    prefix, m = megatron_of(config, role)
     tp2, pp2 = lay.tp * 2, lay.pp * 2
     if (
         lay.world_size % (tp2 * lay.pp * lay.cp) == 0
@@ -126,7 +127,7 @@ def _role_variants(
 
 def _evaluate_variants(config: RLConfig, pool: str) -> list[tuple[float, str, RLConfig]]:
     """Every single change that lowers the pool's peak: (new peak, flag text, changed config), best first."""
-    base = _compile(config)
+    base = compile_parts(config)
     current = next(p.peak_gib for p in base.memory.pools if p.pool == pool)
     members = next(p for p in base.resources.pools if p.name == pool).roles
     shared = len([r for r in members if r != "rollout"]) > 1
@@ -136,7 +137,7 @@ def _evaluate_variants(config: RLConfig, pool: str) -> list[tuple[float, str, RL
             continue
         for label, changed in _role_variants(config, base, role, shared):
             try:
-                plan = _compile(changed)
+                plan = compile_parts(changed)
             except ConfigError:
                 continue  # the change breaks another rule (e.g. a batch no longer divides): not offered
             peak = next(p.peak_gib for p in plan.memory.pools if p.pool == pool)

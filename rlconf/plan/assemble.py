@@ -9,21 +9,22 @@ from rlconf.config import (
     RLConfig,
 )
 from rlconf.errors import ConfigError, error
+from rlconf.fields import replace_paths
 from rlconf.lora import resolve as resolve_lora
 from rlconf.plan.compile import (
-    _batch_plans,
-    _checkpoint,
-    _layouts,
-    _Models,
-    _optim_plans,
-    _present_roles,
-    _profile,
-    _resolve_models,
-    _resolved_optim,
-    _resources,
-    _step_passes,
+    Models,
+    batch_plans,
+    checkpoint_plan,
+    optim_plans,
+    plan_resources,
+    profile_plan,
+    resolve_models,
+    resolved_optim,
+    role_layouts,
+    step_passes,
 )
-from rlconf.plan.memory import _memory, _rollout_refit
+from rlconf.plan.memory import memory_plan, rollout_refit
+from rlconf.plan.roles import ROLE_TABLE, present_roles
 from rlconf.plan.types import PLAN_VERSION, TrainerPlan
 from rlconf.run_length import run_length, with_run_length
 from rlconf.seeding import resolve_seed
@@ -41,32 +42,22 @@ def _effective_megatron(m: MegatronConfig, trainer_seed: int) -> MegatronConfig:
     )
 
 
-def _effective_config(c: RLConfig, models: _Models, roles: tuple[str, ...]) -> RLConfig:
-    total = c.trainer.total_steps
+def _effective_config(c: RLConfig, models: Models, roles: tuple[str, ...]) -> RLConfig:
     seed = c.trainer.seed  # seeds left None derive from it (rlconf.seeding)
-    actor = replace(
-        c.actor,
-        megatron=_effective_megatron(c.actor.megatron, seed),
-        optim=_resolved_optim(c.actor.optim, total),
-    )
-    critic = c.critic
-    if "critic" in roles:
-        critic = replace(
-            critic,
-            megatron=_effective_megatron(critic.megatron, seed),
-            optim=_resolved_optim(critic.optim, total),
-        )
-    ref = replace(c.ref, megatron=_effective_megatron(c.ref.megatron, seed)) if "ref" in roles else c.ref
-    reward = c.reward
-    if "reward_model" in roles:
-        rm = replace(reward.reward_model, megatron=_effective_megatron(reward.reward_model.megatron, seed))
-        reward = replace(reward, reward_model=rm)
-    model = replace(c.model, arch=models.policy.arch)
-    data = replace(c.data, seed=resolve_seed(c.data.seed, seed))
-    return replace(c, model=model, data=data, actor=actor, critic=critic, ref=ref, reward=reward)
+    updates: dict[str, object] = {
+        "model.arch": models.policy.arch,
+        "data.seed": resolve_seed(c.data.seed, seed),
+    }
+    for spec in ROLE_TABLE:
+        if spec.name not in roles or spec.name == "rollout":  # the rollout builds with the actor's section
+            continue
+        updates[f"{spec.section}.megatron"] = _effective_megatron(spec.megatron_of(c), seed)
+        if spec.trained:
+            updates[f"{spec.section}.optim"] = resolved_optim(spec.section_of(c).optim, c.trainer.total_steps)
+    return replace_paths(c, updates)
 
 
-def _compile(config: RLConfig, check: bool = True) -> TrainerPlan:
+def compile_parts(config: RLConfig, check: bool = True) -> TrainerPlan:
     """The plan of `config`. `check=False` only for `plan_of_sections` (engines built outside a run)."""
     if not isinstance(config, RLConfig):
         raise ConfigError(
@@ -81,14 +72,14 @@ def _compile(config: RLConfig, check: bool = True) -> TrainerPlan:
     # trainer.total_epochs becomes a step count here, once: every table below and the workers read it.
     length = run_length(config)
     config = with_run_length(config, length)
-    roles = _present_roles(config)
-    models = _resolve_models(config, roles)
+    roles = present_roles(config)
+    models = resolve_models(config, roles)
     lora = resolve_lora(config, models.policy.arch)
     if lora is not None:
         models = replace(models, policy=replace(models.policy, params_trainable=lora.params))
-    resources = _resources(config, roles)
-    layouts = _layouts(config, roles, resources, models)
-    batches = _batch_plans(config, roles, layouts)
+    resources = plan_resources(config, roles)
+    layouts = role_layouts(config, roles, resources, models)
+    batches = batch_plans(config, roles, layouts)
     return TrainerPlan(
         version=PLAN_VERSION,
         roles=roles,
@@ -96,14 +87,14 @@ def _compile(config: RLConfig, check: bool = True) -> TrainerPlan:
         resources=resources,
         layouts=layouts,
         batch=batches,
-        optim=_optim_plans(config, batches),
-        profile=_profile(config, roles, layouts),
-        checkpoint=_checkpoint(config, roles, models, layouts),
-        memory=_memory(config, resources, layouts, models, batches, lora),
+        optim=optim_plans(config, batches),
+        profile=profile_plan(config, roles, layouts),
+        checkpoint=checkpoint_plan(config, roles, models, layouts),
+        memory=memory_plan(config, resources, layouts, models, batches, lora),
         config=_effective_config(config, models, roles),
-        refit=_rollout_refit(config, layouts, models),
+        refit=rollout_refit(config, layouts, models),
         length=length,
-        passes=_step_passes(config, roles, batches),
+        passes=step_passes(config, roles, batches),
         lora=lora,
     )
 
@@ -114,4 +105,4 @@ def plan_of_sections(config: RLConfig) -> TrainerPlan:
     passes, not a run's step (a critic fixture may take a micro-batch larger than its mini-batch), so the
     run-level rules of rlconf.validate are not applied; a user's config never takes this path
     (`compile_plan`, `rlconf validate` and `rltrain` all check it)."""
-    return _compile(config, check=False)
+    return compile_parts(config, check=False)

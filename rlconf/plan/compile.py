@@ -1,7 +1,7 @@
 """Compiling a config into the plan's parts: models, device pools, rank grids and layer splits, batch
 schedules, the lr table, profile targets and checkpoint steps.
 
-The config arrives checked by rlconf.validate (assemble._compile runs it first), the one checker of what
+The config arrives checked by rlconf.validate (assemble.compile_parts runs it first), the one checker of what
 depends on the config alone. The checks here need what only the plan reads or derives: a config.json's
 architecture (model-config-json, model-unsupported) against the resolved layouts (heads-divisible-by-tp,
 layers-divisible-by-pp, engine-support), under the validator's rule names.
@@ -27,17 +27,29 @@ from rlconf.errors import ConfigError, Issue, error
 from rlconf.model_spec import (
     count_parameters,
     expert_layout_issues,
-    head_dim,
     read_model_arch,
 )
-from rlconf.pipeline_split import PipelineSplit, chunk_layer_counts, chunk_starts, split_errors
+from rlconf.pipeline_split import chunk_layer_counts, chunk_starts, split_errors
 from rlconf.plan.checkpoint_size import checkpoint_bytes
+from rlconf.plan.model_fit import engine_gap_issues, sliding_window_issue
+from rlconf.plan.roles import (
+    checkpointed_roles,
+    data_parallel,
+    head_issues,
+    layer_split_issues,
+    megatron_of,
+    pipeline_split,
+    pool_sizes,
+    ref_from_adapters,
+    role_spec,
+    rollout_resharded,
+    rollout_tp,
+)
 from rlconf.plan.types import (
     CONTROLLER,
     MEGATRON_ORDER,
     PROFILE_ROLE_WORKER,
     VOCAB_DIVISIBLE_BY,
-    WORKER_ROLES,
     BatchPlan,
     CheckpointPlan,
     CheckpointSave,
@@ -56,37 +68,14 @@ from rlconf.plan.types import (
     RolePath,
     StageLayers,
     StepPasses,
-    _by_role,
-    _megatron_of,
+    by_role,
 )
-from rlconf.tp_heads import tp_head_errors
-from rlconf.validate import engine_gap_issues, rollout_tp, sliding_window_issue, uses_ref
-
 
 # ========================================================================================= roles
-# The config was checked by rlconf.validate (assemble._compile runs it first): sizes the arithmetic below
+# The config was checked by rlconf.validate (assemble.compile_parts runs it first): sizes the arithmetic below
 # divides by are positive and the layouts divide the pools. The checks left here need what the plan reads
 # or derives: a config.json's architecture against the resolved layouts.
-def rollout_resharded(c: RLConfig) -> bool:
-    """Whether the rollout runs in a layout of its own (tp = rollout_tp, pp 1): always for vLLM and on a
-    separate rollout pool; for the embedded engine when its tp differs from the actor's. Otherwise it generates on the actor's weights in
-    the actor's layout, pipeline stages included (zero copy), as configs that set the actor's tp here
-    always have."""
-    if c.rollout.engine != "embedded" or c.rollout.placement == "separate":
-        return True
-    return rollout_tp(c) != c.actor.megatron.tensor_model_parallel_size
-
-
-def _present_roles(c: RLConfig) -> tuple[str, ...]:
-    present = {"actor", "rollout"}
-    if uses_ref(c) and c.actor.lora.rank <= 0:
-        # With LoRA the reference policy is the actor's engine with its adapters off (StepPasses.ref_from).
-        present.add("ref")
-    if c.critic.enable:
-        present.add("critic")
-    if c.reward.reward_model.enable:
-        present.add("reward_model")
-    return tuple(r for r in WORKER_ROLES if r in present)
+# The roles of a plan and their pools are the role table's (rlconf.plan.roles), which the validator reads too.
 
 
 # ============================================================================================ model
@@ -99,10 +88,6 @@ def _check_sequence_fits(c: RLConfig, arch: ModelArch, source: str, path: str) -
         raise ConfigError(gaps)
 
 
-def _kv_channels(arch: ModelArch) -> int:
-    return head_dim(arch)
-
-
 def _model_spec(
     name: str, source: str, arch: ModelArch, head: str, used_by: tuple[str, ...], weights: str | None
 ) -> ModelSpec:
@@ -111,7 +96,7 @@ def _model_spec(
 
 
 @dataclass(frozen=True)
-class _Models:
+class Models:
     policy: ModelSpec
     critic: ModelSpec | None
     reward_model: ModelSpec | None
@@ -127,7 +112,7 @@ class _Models:
         return tuple(m for m in (self.policy, self.critic, self.reward_model) if m is not None)
 
 
-def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
+def resolve_models(c: RLConfig, roles: tuple[str, ...]) -> Models:
     if c.model.path is not None:
         policy_arch, source = (
             read_model_arch(c.model.path, "model.path"),
@@ -156,36 +141,15 @@ def _resolve_models(c: RLConfig, roles: tuple[str, ...]) -> _Models:
         else None
     )
     policy = _model_spec("policy", source, policy_arch, "lm", policy_users, c.model.path)
-    return _Models(policy, critic, rm)
+    return Models(policy, critic, rm)
 
 
 # ============================================================================================ resources
-def _pool_sizes(c: RLConfig, roles: tuple[str, ...]) -> list[tuple[str, int, tuple[str, ...]]]:
-    total = c.cluster.nnodes * c.cluster.gpus_per_node
-    separate: list[tuple[str, int, tuple[str, ...]]] = []
-    actor_roles = [r for r in roles if r in ("actor", "rollout", "ref")]
-    if c.rollout.placement == "separate":
-        actor_roles.remove("rollout")
-        separate.append(("rollout_pool", c.rollout.num_devices, ("rollout",)))
-    if "critic" in roles:
-        if c.critic.placement == "separate":
-            separate.append(("critic_pool", c.critic.num_devices, ("critic",)))
-        else:
-            actor_roles.append("critic")
-    if "reward_model" in roles:
-        if c.reward.reward_model.placement == "separate":
-            separate.append(("reward_model_pool", c.reward.reward_model.num_devices, ("reward_model",)))
-        else:
-            actor_roles.append("reward_model")
-    actor_devices = total - sum(n for _, n, _ in separate)  # >= 1: rlconf.validate's device-pools rule
-    return [("actor_pool", actor_devices, tuple(actor_roles)), *separate]
-
-
-def _resources(c: RLConfig, roles: tuple[str, ...]) -> Resources:
+def plan_resources(c: RLConfig, roles: tuple[str, ...]) -> Resources:
     gpn = c.cluster.gpus_per_node
     pools: list[Pool] = []
     first = 0
-    for name, n, members in _pool_sizes(c, roles):
+    for name, n, members in pool_sizes(c, roles):
         nodes = tuple(range(first // gpn, (first + n - 1) // gpn + 1))
         pools.append(Pool(name, first, n, nodes, members))
         first += n
@@ -216,7 +180,7 @@ def _split_layers(
     (rlconf.pipeline_split); an even split that does not divide (only possible without validation) gives
     the earlier chunks one layer more. The flag: every chunk holds the same number of layers."""
     v = vpp or 1
-    split = _pipeline_split(num_layers, pp, vpp, m)
+    split = pipeline_split(num_layers, pp, vpp, m)
     if split.uneven and not split_errors(split):
         counts = chunk_layer_counts(split)
         starts = chunk_starts(counts)
@@ -235,15 +199,6 @@ def _split_layers(
     return tuple(stages), even
 
 
-def _pipeline_split(num_layers: int, pp: int, vpp: int | None, m: MegatronConfig | None) -> PipelineSplit:
-    if m is None:
-        return PipelineSplit(num_layers, pp, vpp)
-    return PipelineSplit(
-        num_layers, pp, vpp, m.num_layers_in_first_pipeline_stage, m.num_layers_in_last_pipeline_stage,
-        m.account_for_embedding_in_pipeline_split, m.account_for_loss_in_pipeline_split,
-    )  # fmt: skip
-
-
 def _grid(world: int, tp: int, cp: int, dp: int) -> tuple[RankCoord, ...]:
     coords = []
     for rank in range(world):
@@ -259,8 +214,8 @@ def _padded_vocab(vocab: int, tp: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def _layouts(
-    c: RLConfig, roles: tuple[str, ...], resources: Resources, models: _Models
+def role_layouts(
+    c: RLConfig, roles: tuple[str, ...], resources: Resources, models: Models
 ) -> tuple[RoleLayout, ...]:
     issues: list[Issue] = []
     layouts: list[RoleLayout] = []
@@ -275,7 +230,7 @@ def _layouts(
             tp_path = "rollout.tensor_model_parallel_size"
         else:
             # Zero-copy: the embedded engine generates with the actor's own weights in the actor's layout.
-            prefix, m = _megatron_of(c, "actor" if role == "rollout" else role)
+            prefix, m = megatron_of(c, "actor" if role == "rollout" else role)
             tp, pp, vpp = (
                 m.tensor_model_parallel_size,
                 m.pipeline_model_parallel_size,
@@ -287,7 +242,6 @@ def _layouts(
         etp = etp or tp
         # rlconf.validate's world-divisible-by-model-parallel, cluster and rollout-placement rules made the
         # world a whole number of tp x pp x cp (and expert tp x ep x pp) groups.
-        mp = tp * pp * cp
         if spec.source != "model.arch":
             # validate.py checks model.arch; an architecture read from config.json is checked here, under
             # the same rule names.
@@ -297,7 +251,7 @@ def _layouts(
             ):
                 path = tp_path.replace("tensor_model_parallel_size", field)
                 issues.append(error(path, message, fix, "engine-support"))
-        dp = world // mp
+        dp = data_parallel(world, tp, pp, cp)
         stages, even = _split_layers(arch.num_layers, pp, vpp, m)
         layouts.append(
             RoleLayout(
@@ -332,28 +286,25 @@ def _arch_layout_issues(
     spec: ModelSpec, role: str, tp_path: str, tp: int, pp: int, vpp: int | None, m: MegatronConfig | None
 ) -> list[Issue]:
     """rlconf.validate's heads-divisible-by-tp and layers-divisible-by-pp, on a config.json's architecture."""
-    issues: list[Issue] = []
     a = spec.arch
-    for _, message, fix in tp_head_errors(a.num_attention_heads, a.num_query_groups, tp):
-        issues.append(error(tp_path, f"{message} ({spec.source}, {role})", fix, "heads-divisible-by-tp"))
+    issues = head_issues(
+        a.num_attention_heads, a.num_query_groups, tp, tp_path, suffix=f" ({spec.source}, {role})"
+    )
     if role != "rollout":
-        for message in split_errors(_pipeline_split(a.num_layers, pp, vpp, m)):
-            issues.append(error(
-                tp_path.replace("tensor_model_parallel_size", "pipeline_model_parallel_size"),
-                f"{message} (num_layers = {a.num_layers} from {spec.source})",
-                "choose pp (and vpp, num_layers_in_first/last_pipeline_stage or account_for_embedding/"
-                "loss_in_pipeline_split) that split the layers as megatron requires",
-                "layers-divisible-by-pp",
-            ))  # fmt: skip
+        issues += layer_split_issues(
+            pipeline_split(a.num_layers, pp, vpp, m),
+            tp_path.replace("tensor_model_parallel_size", "pipeline_model_parallel_size"),
+            f"num_layers = {a.num_layers} from {spec.source}",
+        )
     return issues
 
 
 # ============================================================================================ batches
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _batch_plans(
+def batch_plans(
     c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...]
 ) -> tuple[BatchPlan, ...]:
     plans = []
@@ -362,27 +313,27 @@ def _batch_plans(
         if role not in roles:
             continue
         rc = c.actor if role == "actor" else c.critic
-        lay = _by_role(layouts, role)
+        lay = by_role(layouts, role)
         prompts, n = c.data.train_batch_size, c.rollout.n
         mini = rc.ppo_mini_batch_size
         mini_batches = prompts // mini
         per_mini = mini * n
-        per_rank = _cdiv(per_mini, lay.dp)
+        per_rank = cdiv(per_mini, lay.dp)
         even = prompts % mini == 0 and per_mini % lay.dp == 0
         if rc.use_dynamic_bsz:
             budget = rc.ppo_max_token_len_per_gpu
             # verl packs sequences (before the cp split) up to budget x cp tokens; each cp rank then holds
             # about `budget` tokens. Worst case: every sequence has full length.
             seqs_per_micro = max(1, budget * lay.cp // max_seq)
-            micro, micro_batches, max_micro_batches = None, None, _cdiv(per_rank, seqs_per_micro)
+            micro, micro_batches, max_micro_batches = None, None, cdiv(per_rank, seqs_per_micro)
             tokens = budget
             log_prob_micro = None
         else:
             micro = rc.ppo_micro_batch_size_per_gpu
-            micro_batches = _cdiv(per_rank, micro)
+            micro_batches = cdiv(per_rank, micro)
             max_micro_batches = micro_batches
             even = even and per_rank % micro == 0
-            tokens = _cdiv(micro * max_seq, lay.cp)
+            tokens = cdiv(micro * max_seq, lay.cp)
             log_prob_micro = c.actor.log_prob_micro_batch_size_per_gpu if role == "actor" else micro
         steps_per = mini_batches * rc.ppo_epochs
         first_update = 1
@@ -419,11 +370,11 @@ def _batch_plans(
     return tuple(plans)
 
 
-def _step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, ...]) -> StepPasses:
-    actor = _by_role(batches, "actor")
+def step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, ...]) -> StepPasses:
+    actor = by_role(batches, "actor")
     on_policy = actor.mini_batches_per_step == 1 and actor.ppo_epochs == 1
     rc = c.algorithm.rollout_correction
-    ref = "ref" in roles or (uses_ref(c) and c.actor.lora.rank > 0)
+    ref = "ref" in roles or ref_from_adapters(c)
     old = "recompute"
     stale = c.algorithm.off_policy_steps
     rollout_is, rollout_rs = rc.rollout_is, rc.rollout_rs
@@ -478,7 +429,7 @@ def _warmup_steps(o: Optim, total_steps: int) -> int:
     return round(o.lr_warmup_steps_ratio * total_steps)
 
 
-def _resolved_optim(o: Optim, total_steps: int) -> Optim:
+def resolved_optim(o: Optim, total_steps: int) -> Optim:
     decay = o.lr_decay_steps if o.lr_decay_steps is not None else total_steps
     wsd = o.lr_wsd_decay_steps if o.lr_wsd_decay_steps is not None else max(1, round(0.1 * decay))
     return replace(
@@ -492,7 +443,7 @@ def lr_at(o: Optim, num_steps: int, total_steps: int) -> float:
     Follows megatron exactly, plus two guards where megatron asserts instead: a decay span of zero
     steps (warmup >= decay steps) gives min_lr after warmup, and the result is clamped to >= min_lr.
     """
-    r = _resolved_optim(o, total_steps)
+    r = resolved_optim(o, total_steps)
     warmup, decay, wsd = r.lr_warmup_steps or 0, r.lr_decay_steps or 0, r.lr_wsd_decay_steps or 0
     max_lr, min_lr, init = float(o.lr), float(o.min_lr), float(o.lr_warmup_init)
     if warmup > 0 and num_steps <= warmup:
@@ -529,12 +480,12 @@ def lr_at(o: Optim, num_steps: int, total_steps: int) -> float:
     return max(min_lr, min_lr + coeff * (max_lr - min_lr))
 
 
-def _optim_plans(c: RLConfig, batches: tuple[BatchPlan, ...]) -> tuple[OptimPlan, ...]:
+def optim_plans(c: RLConfig, batches: tuple[BatchPlan, ...]) -> tuple[OptimPlan, ...]:
     plans = []
     total = c.trainer.total_steps
     for b in batches:
-        o = c.actor.optim if b.role == "actor" else c.critic.optim
-        r = _resolved_optim(o, total)
+        o = role_spec(b.role).section_of(c).optim
+        r = resolved_optim(o, total)
         rows = []
         for step in range(1, total + 1):
             updates = step >= b.first_update_step
@@ -569,7 +520,7 @@ def _join(base: str, path: str) -> str:
     return os.path.normpath(os.path.join(base, path))
 
 
-def _profile(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...]) -> ProfilePlan:
+def profile_plan(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...]) -> ProfilePlan:
     p = c.profile
     save_path = _join(c.trainer.output_dir, p.save_path)
     mode = "discrete" if p.discrete else "continuous"
@@ -586,7 +537,7 @@ def _profile(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...
     if dropped:
         notes.append(f"steps {dropped} are outside the run's steps 1..{c.trainer.total_steps}; not profiled")
     # LoRA: the ref log-probs run in the actor's worker (its adapters off), there is no ref worker.
-    lora_ref = "ref" not in roles and uses_ref(c) and c.actor.lora.rank > 0
+    lora_ref = "ref" not in roles and ref_from_adapters(c)
     worker_of = {**PROFILE_ROLE_WORKER, **({"ref_compute_log_prob": "actor"} if lora_ref else {})}
     present = tuple(r for r in ROLES if worker_of[r] in roles or r == "reward_compute")
     wanted = tuple(dict.fromkeys(p.roles)) or present
@@ -612,11 +563,11 @@ def _profile(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...
                 targets.append(ProfileTarget(role, CONTROLLER, (0,)))
             else:
                 targets.append(
-                    ProfileTarget(role, worker, ranks_of(_by_role(layouts, worker).world_size, role))
+                    ProfileTarget(role, worker, ranks_of(by_role(layouts, worker).world_size, role))
                 )
     else:
         # One trace per step over the actor pool's processes (they run actor, rollout and ref).
-        targets.append(ProfileTarget("e2e", "actor", ranks_of(_by_role(layouts, "actor").world_size, "e2e")))
+        targets.append(ProfileTarget("e2e", "actor", ranks_of(by_role(layouts, "actor").world_size, "e2e")))
         if any(lay.pool != "actor_pool" for lay in layouts):
             notes.append("continuous mode records the actor pool's processes; separate pools are not traced")
     enabled = p.tool != "none" and bool(steps)
@@ -642,8 +593,8 @@ def _profile(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...
 
 
 # ============================================================================================ checkpoint
-def _checkpoint(
-    c: RLConfig, roles: tuple[str, ...], models: _Models, layouts: tuple[RoleLayout, ...]
+def checkpoint_plan(
+    c: RLConfig, roles: tuple[str, ...], models: Models, layouts: tuple[RoleLayout, ...]
 ) -> CheckpointPlan:
     t = c.trainer
     root = _join(t.output_dir, "checkpoints")
@@ -652,10 +603,8 @@ def _checkpoint(
     else:
         steps = []
     role_cks = []
-    for role in ("actor", "critic"):
-        if role not in roles:
-            continue
-        ck = c.actor.checkpoint if role == "actor" else c.critic.checkpoint
+    for spec, ck in checkpointed_roles(c, roles):
+        role = spec.name
         hf = "hf_model" in ck.save_contents
         tmpl = f"{root}/global_step_{{step}}/{role}"
         role_cks.append(

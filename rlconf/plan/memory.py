@@ -12,11 +12,13 @@ from rlconf.config import (
 )
 from rlconf.lora import COLUMN_PARALLEL, LoraPlan, part_dims, stage_adapter_params
 from rlconf.model_spec import (
+    head_dim,
     is_moe_layer,
     kv_cache_width,
     layer_params,
 )
-from rlconf.plan.compile import _cdiv, _kv_channels, _Models, rollout_resharded, rollout_tp
+from rlconf.plan.compile import Models, cdiv
+from rlconf.plan.roles import megatron_of, rollout_resharded, rollout_tp
 from rlconf.plan.types import (
     DTYPE_BYTES,
     GIB,
@@ -25,14 +27,14 @@ from rlconf.plan.types import (
     MemoryPlan,
     ModelSpec,
     PhaseMemory,
+    Pool,
     PoolMemory,
     Resources,
     RoleLayout,
     RoleMemory,
     RolloutRefit,
     StageLayers,
-    _by_role,
-    _megatron_of,
+    by_role,
     forward_batching,
     fused_kernels,
 )
@@ -82,7 +84,7 @@ def _stage_expert_params(arch: ModelArch, lay: RoleLayout, stage: StageLayers) -
     moe_layers = sum(
         is_moe_layer(arch, layer) for ch in stage.chunks for layer in range(ch.first_layer, ch.first_layer + ch.num_layers)
     )  # fmt: skip
-    return moe_layers * _cdiv(layer_params(arch, True).experts, lay.ep * lay.etp)
+    return moe_layers * cdiv(layer_params(arch, True).experts, lay.ep * lay.etp)
 
 
 def _stage_params(arch: ModelArch, lay: RoleLayout, stage: StageLayers, head: str) -> int:
@@ -95,7 +97,7 @@ def _stage_params(arch: ModelArch, lay: RoleLayout, stage: StageLayers, head: st
     n = 0
     for moe, count in ((True, moe_layers), (False, stage.num_layers - moe_layers)):
         p = layer_params(arch, moe)
-        n += count * (_cdiv(p.tp_sharded, tp) + p.replicated + _cdiv(p.experts, lay.ep * lay.etp))
+        n += count * (cdiv(p.tp_sharded, tp) + p.replicated + cdiv(p.experts, lay.ep * lay.etp))
     emb = lay.padded_vocab_size * arch.hidden_size // tp
     if stage.embedding:
         n += emb
@@ -144,7 +146,7 @@ def _layer_activations(
     parallel. Selective recompute drops what its modules recompute. Dropout masks (1 byte) when
     hidden_dropout > 0."""
     h, f = arch.hidden_size, arch.ffn_hidden_size
-    kv = _kv_channels(arch)
+    kv = head_dim(arch)
     q, g = arch.num_attention_heads * kv, arch.num_query_groups * kv
     selective = ov.recompute_modules if ov.recompute_granularity == "selective" else ()
     norms = 4 * h
@@ -163,8 +165,8 @@ def _layer_activations(
         if arch.moe_shared_expert_intermediate_size is not None:
             mlp += (3 + silu) * arch.moe_shared_expert_intermediate_size
         if grouped_gemm:
-            local = _cdiv(arch.num_moe_experts, lay.ep)
-            per_layer = float(local * 3 * h * _cdiv(fe, lay.etp) * elem)
+            local = cdiv(arch.num_moe_experts, lay.ep)
+            per_layer = float(local * 3 * h * cdiv(fe, lay.etp) * elem)
     else:
         mlp = (3 + silu) * f
     if "mlp" in selective:
@@ -189,7 +191,7 @@ def _in_flight(lay: RoleLayout, stage: int, micro_batches: int) -> tuple[int, fl
         return n, float(n)
     # Interleaved 1F1B (megatron get_pp_rank_microbatches): warmup chunks + 1, each a 1/vpp share.
     chunks = min((lay.pp - stage - 1) * 2 + (lay.vpp - 1) * lay.pp + 1, m * lay.vpp)
-    return _cdiv(chunks, lay.vpp), chunks / lay.vpp
+    return cdiv(chunks, lay.vpp), chunks / lay.vpp
 
 
 def _stage_activation_bytes(
@@ -220,7 +222,7 @@ def _stage_activation_bytes(
         working = largest if recomputed else 0.0  # one layer re-materialised during backward
     else:  # uniform (megatron's default when a method is missing)
         group = ov.recompute_num_layers or 1
-        stored = sum(_cdiv(ch.num_layers, group) for ch in stage.chunks) * inp
+        stored = sum(cdiv(ch.num_layers, group) for ch in stage.chunks) * inp
         working = min(group, layers) * largest  # one group re-materialised during backward
     return held * stored + working
 
@@ -261,7 +263,7 @@ def _rollout_kv_bytes(c: RLConfig, lay: RoleLayout, arch: ModelArch, num_layers:
     """
     if c.rollout.engine != "embedded" or lay.cp > 1:
         return 0.0
-    rows = _cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
+    rows = cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
     seq = rollout_prompt_tokens(c) + c.rollout.max_response_length
     # MLA (deepseek_v3): the compressed latent + shared rope key per token, whole on every TP rank.
     return float(num_layers * kv_cache_width(arch, lay.tp) * seq * rows * DTYPE_BYTES[c.model.params_dtype])
@@ -271,7 +273,7 @@ def _rollout_sampling_bytes(c: RLConfig, lay: RoleLayout, vocab: int) -> float:
     """The decode step's last-position logits on the last stage: the [rows, V] 16-bit output, its fp32 copy,
     inverse_cdf's fp32 weights, and one more fp32 [rows, V] when the temperature divides them (inference.py
     sample_tokens); the output layer gathers the whole vocabulary on every TP rank."""
-    rows = _cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
+    rows = cdiv(c.data.train_batch_size * c.rollout.n, lay.dp)
     per = DTYPE_BYTES[c.model.params_dtype] + 4 + 4 + (4 if c.rollout.temperature not in (0.0, 1.0) else 0)
     return float(rows * vocab * per)
 
@@ -305,8 +307,8 @@ def _refit_extra_bytes(c: RLConfig, spec: ModelSpec, r_tp: int) -> float:
     return full / r_tp + 2 * min(REFIT_BUCKET_MIB * 2**20, full)
 
 
-def _rollout_refit(c: RLConfig, layouts: tuple[RoleLayout, ...], models: _Models) -> RolloutRefit:
-    actor, rollout = _by_role(layouts, "actor"), _by_role(layouts, "rollout")
+def rollout_refit(c: RLConfig, layouts: tuple[RoleLayout, ...], models: Models) -> RolloutRefit:
+    actor, rollout = by_role(layouts, "actor"), by_role(layouts, "rollout")
     spec = models.for_role("actor")
     mode = (
         "push"
@@ -401,7 +403,7 @@ def _role_mem_model(
     batch: BatchPlan | None,
     lora: LoraPlan | None = None,
 ) -> _RoleMemModel:
-    _, m = _megatron_of(c, role)
+    _, m = megatron_of(c, role)
     elem = DTYPE_BYTES[c.model.params_dtype]
     trained = role in ("actor", "critic")
     # A micro-batch is padded to its longest row: the rollout's prompt width + the response at most.
@@ -410,7 +412,7 @@ def _role_mem_model(
     ddp = m.override_ddp_config
     infer_micro, dynamic, budget = forward_batching(c, role)
     infer_phase = _INFER_PHASE[role]
-    infer_tokens = budget if dynamic else _cdiv(infer_micro * seq, lay.cp)
+    infer_tokens = budget if dynamic else cdiv(infer_micro * seq, lay.cp)
     out_width = lay.padded_vocab_size / lay.tp if spec.head == "lm" else 1.0
     fused = fused_kernels(c)
     grouped = bool(c.model.moe_grouped_gemm)
@@ -440,7 +442,7 @@ def _role_mem_model(
             tokens = (
                 batch.tokens_per_micro_batch_per_rank
                 if batch.use_dynamic_bsz
-                else _cdiv(batch.tokens_per_micro_batch_per_rank * seq, batch.max_seq_len)
+                else cdiv(batch.tokens_per_micro_batch_per_rank * seq, batch.max_seq_len)
             )
             in_flight, held = _in_flight(lay, st.stage, batch.max_micro_batches_per_mini_batch)
             acts = _stage_activation_bytes(spec.arch, lay, st, ov, elem, tokens, held, fused, grouped)
@@ -534,100 +536,78 @@ def _gib(nbytes: float) -> float:
     return round(nbytes / GIB, 6)
 
 
-def _memory(
-    c: RLConfig,
-    resources: Resources,
-    layouts: tuple[RoleLayout, ...],
-    models: _Models,
-    batches: tuple[BatchPlan, ...],
-    lora: LoraPlan | None = None,
-) -> MemoryPlan:
-    mem_roles = [lay for lay in layouts if lay.role != "rollout"]
-    role_models = {
-        lay.role: _role_mem_model(
-            c,
-            lay.role,
-            lay,
-            models.for_role(lay.role),
-            next((b for b in batches if b.role == lay.role), None),
-            lora,
-        )
-        for lay in mem_roles
-    }
-    role_mems = []
-    for lay in mem_roles:
-        rm = role_models[lay.role]
+def _own_bytes(s: _StageMem) -> float:
+    """A role's own bytes at one stage (weights, gradients, optimizer, activations, the larger logits)."""
+    return (
+        s.param_bytes
+        + s.grad_bytes
+        + s.optim_bytes
+        + s.act_bytes
+        + max(s.logits_train + s.logprob_chunk, s.logits_infer)
+    )
 
-        def own(s: _StageMem) -> float:
-            return (
-                s.param_bytes
-                + s.grad_bytes
-                + s.optim_bytes
-                + s.act_bytes
-                + max(s.logits_train + s.logprob_chunk, s.logits_infer)
-            )
 
-        idx = max(range(len(rm.stages)), key=lambda i: own(rm.stages[i]))
-        s = rm.stages[idx]
-        role_mems.append(
-            RoleMemory(
-                role=lay.role,
-                pool=lay.pool,
-                stage=idx,
-                trained=rm.trained,
-                params_per_device=s.params,
-                params_gib=_gib(s.param_bytes),
-                grads_gib=_gib(s.grad_bytes),
-                optimizer_gib=_gib(s.optim_bytes),
-                activations_gib=_gib(s.act_bytes),
-                logits_gib=_gib(max(s.logits_train + s.logprob_chunk, s.logits_infer)),
-                total_gib=_gib(own(s)),
-                in_flight_micro_batches=s.in_flight,
-                tokens_per_micro_batch=s.tokens,
-                offloaded=tuple(
-                    name
-                    for name, flag in zip(("params", "grads", "optimizer"), rm.offload, strict=True)
-                    if flag
-                ),
-                stage_totals_gib=tuple(_gib(own(st)) for st in rm.stages),
-            )
-        )
-    dev = c.cluster.device_memory_gib
-    pools = []
-    for pool in resources.pools:
-        members = [lay for lay in mem_roles if lay.pool == pool.name]
-        if not members:
-            continue
-        # Each device is at one pipeline stage per role; evaluate every distinct combination once.
-        combos: dict[tuple[int, ...], int] = {}
-        for rank in range(pool.num_devices):
-            combos.setdefault(tuple(lay.grid[rank].pp for lay in members), rank)
-        best: tuple[float, int, list[PhaseMemory]] | None = None
-        for combo, rank in combos.items():
-            stage_of = {lay.role: st for lay, st in zip(members, combo, strict=True)}
-            phases = _phases([role_models[lay.role] for lay in members], stage_of)
-            peak = max(p.total_gib for p in phases)
-            if best is None or peak > best[0]:
-                best = (peak, rank, phases)
-        assert best is not None
-        peak, rank, phases = best
-        top = max(phases, key=lambda p: p.total_gib)
-        pools.append(
-            PoolMemory(
-                pool=pool.name,
-                roles=tuple(lay.role for lay in members),
-                rank=rank,
-                peak_phase=top.phase,
-                peak_gib=peak,
-                phases=tuple(phases),
-                fits=None if dev is None else peak <= dev,
-            )
-        )
-    if c.rollout.placement == "separate":
-        pools.append(
-            _separate_rollout_memory(c, resources, _by_role(layouts, "rollout"), models.for_role("actor"))
-        )
-    peak = max(p.peak_gib for p in pools)
+def _role_memory(lay: RoleLayout, rm: _RoleMemModel) -> RoleMemory:
+    """A role's memory on its most loaded stage."""
+    idx = max(range(len(rm.stages)), key=lambda i: _own_bytes(rm.stages[i]))
+    s = rm.stages[idx]
+    return RoleMemory(
+        role=lay.role,
+        pool=lay.pool,
+        stage=idx,
+        trained=rm.trained,
+        params_per_device=s.params,
+        params_gib=_gib(s.param_bytes),
+        grads_gib=_gib(s.grad_bytes),
+        optimizer_gib=_gib(s.optim_bytes),
+        activations_gib=_gib(s.act_bytes),
+        logits_gib=_gib(max(s.logits_train + s.logprob_chunk, s.logits_infer)),
+        total_gib=_gib(_own_bytes(s)),
+        in_flight_micro_batches=s.in_flight,
+        tokens_per_micro_batch=s.tokens,
+        offloaded=tuple(
+            name for name, flag in zip(("params", "grads", "optimizer"), rm.offload, strict=True) if flag
+        ),
+        stage_totals_gib=tuple(_gib(_own_bytes(st)) for st in rm.stages),
+    )
+
+
+def _pool_memory(
+    pool: Pool, mem_roles: list[RoleLayout], role_models: dict[str, _RoleMemModel], dev: float | None
+) -> PoolMemory | None:
+    """The peak of a pool over its phases, at the rank whose stages load it most (None: no role of the estimate)."""
+    members = [lay for lay in mem_roles if lay.pool == pool.name]
+    if not members:
+        return None
+    # Each device is at one pipeline stage per role; evaluate every distinct combination once.
+    combos: dict[tuple[int, ...], int] = {}
+    for rank in range(pool.num_devices):
+        combos.setdefault(tuple(lay.grid[rank].pp for lay in members), rank)
+    best: tuple[float, int, list[PhaseMemory]] | None = None
+    for combo, rank in combos.items():
+        stage_of = {lay.role: st for lay, st in zip(members, combo, strict=True)}
+        phases = _phases([role_models[lay.role] for lay in members], stage_of)
+        peak = max(p.total_gib for p in phases)
+        if best is None or peak > best[0]:
+            best = (peak, rank, phases)
+    assert best is not None
+    peak, rank, phases = best
+    top = max(phases, key=lambda p: p.total_gib)
+    return PoolMemory(
+        pool=pool.name,
+        roles=tuple(lay.role for lay in members),
+        rank=rank,
+        peak_phase=top.phase,
+        peak_gib=peak,
+        phases=tuple(phases),
+        fits=None if dev is None else peak <= dev,
+    )
+
+
+def _memory_notes(
+    c: RLConfig, pools: list[PoolMemory], role_mems: list[RoleMemory], lora: LoraPlan | None
+) -> list[str]:
+    """What the estimate counts and how, with each pool's phases."""
     notes = [
         "estimate per device; parameters on the most loaded pipeline stage; megatron's allocator overhead, "
         "NCCL buffers and fragmentation are not included (keep ~10-20% headroom)",
@@ -680,6 +660,42 @@ def _memory(
             "offloaded to host while other roles run (counted only in the role's own calls): "
             + "; ".join(offloaded)
         )
+    return notes
+
+
+def memory_plan(
+    c: RLConfig,
+    resources: Resources,
+    layouts: tuple[RoleLayout, ...],
+    models: Models,
+    batches: tuple[BatchPlan, ...],
+    lora: LoraPlan | None = None,
+) -> MemoryPlan:
+    """The memory estimate per device: each role's most loaded stage, each pool's peak phase, the notes."""
+    mem_roles = [lay for lay in layouts if lay.role != "rollout"]
+    role_models = {
+        lay.role: _role_mem_model(
+            c,
+            lay.role,
+            lay,
+            models.for_role(lay.role),
+            next((b for b in batches if b.role == lay.role), None),
+            lora,
+        )
+        for lay in mem_roles
+    }
+    role_mems = [_role_memory(lay, role_models[lay.role]) for lay in mem_roles]
+    dev = c.cluster.device_memory_gib
+    pools = []
+    for pool in resources.pools:
+        if (pm := _pool_memory(pool, mem_roles, role_models, dev)) is not None:
+            pools.append(pm)
+    if c.rollout.placement == "separate":
+        pools.append(
+            _separate_rollout_memory(c, resources, by_role(layouts, "rollout"), models.for_role("actor"))
+        )
+    peak = max(p.peak_gib for p in pools)
+    notes = _memory_notes(c, pools, role_mems, lora)
     return MemoryPlan(
         device_memory_gib=dev,
         peak_gib=peak,

@@ -156,7 +156,20 @@ def _refit_lines(plan: TrainerPlan) -> list[str]:
 def format_plan(plan: TrainerPlan) -> str:
     """A compact, readable rendering of the plan (what `rlconf plan FILE` prints)."""
     out: list[str] = [f"rlplan trainer plan (v{plan.version}): roles {', '.join(plan.roles)}", ""]
+    out += _model_lines(plan)
+    out += _placement_lines(plan)
+    out += _batch_lines(plan)
+    out += _passes_lines(plan)
+    out += _optim_lines(plan)
+    out += _profile_lines(plan)
+    out += _checkpoint_lines(plan)
+    out += _memory_lines(plan)
+    return "\n".join(out) + "\n"
 
+
+def _model_lines(plan: TrainerPlan) -> list[str]:
+    """The models: parameters, architecture, LoRA."""
+    out: list[str] = []
     out.append("models")
     for m in plan.models:
         a = m.arch
@@ -182,6 +195,12 @@ def format_plan(plan: TrainerPlan) -> str:
                 f"{_fmt_count(m.params_trainable)} trainable ({share:.2%}) on {len(lo.modules)} linears "
                 f"({', '.join(lo.hf_targets)}); base weights frozen (no gradients, no optimizer state)"
             )
+    return out
+
+
+def _placement_lines(plan: TrainerPlan) -> list[str]:
+    """Resources, pools, layouts, rank grids, refit and kernels."""
+    out: list[str] = []
     r = plan.resources
     out += ["", f"resources: {r.total_devices} x {r.device} ({r.nnodes} node(s) x {r.gpus_per_node})"]
     out += _table(
@@ -219,7 +238,12 @@ def format_plan(plan: TrainerPlan) -> str:
             out += _expert_grid_lines(lay)
     out += _refit_lines(plan)
     out.append(_kernels_line(plan))
+    return out
 
+
+def _batch_lines(plan: TrainerPlan) -> list[str]:
+    """The run length and the batch schedule."""
+    out: list[str] = []
     if plan.length is not None:
         out += ["", f"run: {plan.length.describe()}"]
     if plan.batch:
@@ -242,7 +266,12 @@ def format_plan(plan: TrainerPlan) -> str:
              "max seq", "epochs", "opt steps/step", "opt steps", ""),
             rows,
         )  # fmt: skip
+    return out
 
+
+def _passes_lines(plan: TrainerPlan) -> list[str]:
+    """The log-prob passes of a step."""
+    out: list[str] = []
     if plan.passes is not None:
         sp = plan.passes
         old = {"recompute": "an actor forward pass", "rollout": "the rollout's", "update": "no pass"}
@@ -256,7 +285,12 @@ def format_plan(plan: TrainerPlan) -> str:
             "",
             f"log-prob passes per step: old log-probs {old[sp.old_log_prob]} ({sp.reason}); ref log-probs {ref}",
         ]
+    return out
 
+
+def _optim_lines(plan: TrainerPlan) -> list[str]:
+    """The lr schedules, with their table elided to the rows that change."""
+    out: list[str] = []
     for o in plan.optim:
         wsd = (
             f", WSD tail {o.wsd_decay_steps} steps {o.wsd_decay_style}"
@@ -290,7 +324,12 @@ def format_plan(plan: TrainerPlan) -> str:
         if last < len(rows) - 1:
             shown.append(f"    ... ({_rows(len(rows) - 1 - last)})")
         out += shown
+    return out
 
+
+def _profile_lines(plan: TrainerPlan) -> list[str]:
+    """The profile targets and folders."""
+    out: list[str] = []
     p = plan.profile
     out += [
         "",
@@ -303,7 +342,12 @@ def format_plan(plan: TrainerPlan) -> str:
         )
         out += _elide([f"    {f}" for f in p.folders], 6, 2)
     out += [f"  note: {n}" for n in p.notes]
+    return out
 
+
+def _checkpoint_lines(plan: TrainerPlan) -> list[str]:
+    """Checkpoint steps, contents and resume."""
+    out: list[str] = []
     ck = plan.checkpoint
     out += [""]
     if ck.enabled:
@@ -322,7 +366,12 @@ def format_plan(plan: TrainerPlan) -> str:
     else:
         out.append("checkpoints: none (trainer.save_freq = 0)")
     out.append(f"  resume ({ck.resume_mode}): {ck.resume}")
+    return out
 
+
+def _memory_lines(plan: TrainerPlan) -> list[str]:
+    """The memory estimate per device, stage and pool."""
+    out: list[str] = []
     mem = plan.memory
     if mem.device_memory_gib is not None:
         dev = f"{mem.device_memory_gib:g} GiB"
@@ -354,7 +403,7 @@ def format_plan(plan: TrainerPlan) -> str:
             f"  {pm.pool}: peak {pm.peak_gib:.2f} GiB during {pm.peak_phase} (rank {pm.rank}){verdict}"
         )
     out += [f"  note: {n}" for n in mem.notes]
-    return "\n".join(out) + "\n"
+    return out
 
 
 def _size_text(nbytes: int) -> str:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from rlconf.config import (
+    ROLES,
     MegatronConfig,
     ModelArch,
     ModelConfig,
@@ -16,6 +17,7 @@ from rlconf.config import (
     TorchProfileOptions,
 )
 from rlconf.lora import LoraPlan
+from rlconf.plan.roles import ROLE_TABLE
 from rlconf.run_length import RunLength
 
 PLAN_VERSION = 1
@@ -25,26 +27,13 @@ MEGATRON_ORDER = "tp-cp-ep-dp-pp"
 VOCAB_DIVISIBLE_BY = 128
 """megatron pads the vocabulary to a multiple of this x tp (make_vocab_size_divisible_by)."""
 DTYPE_BYTES: Mapping[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
-# Bounds that keep the plan's tables (rank grids, lr rows) to a size a controller can hold; far beyond any
-# real run, they only turn absurd inputs into a ConfigError instead of an hour of list building.
-MAX_DEVICES = 1 << 17
-MAX_TOTAL_STEPS = 100_000
-MAX_INT = 1 << 40
 
-WORKER_ROLES: tuple[str, ...] = ("actor", "rollout", "ref", "critic", "reward_model")
+WORKER_ROLES: tuple[str, ...] = tuple(r.name for r in ROLE_TABLE)
 """Worker roles in the order the plan lists them."""
 CONTROLLER = "controller"
 """Where the rule-based reward runs when no reward model is enabled (one process, rank 0)."""
 # Which worker role executes each profiled role (rlconf.config.ROLES).
-PROFILE_ROLE_WORKER: Mapping[str, str] = {
-    "generate_sequences": "rollout",
-    "actor_compute_log_prob": "actor",
-    "ref_compute_log_prob": "ref",
-    "actor_update": "actor",
-    "critic_compute_values": "critic",
-    "critic_update": "critic",
-    "reward_compute": "reward_model",
-}
+PROFILE_ROLE_WORKER: Mapping[str, str] = {p: next(r.name for r in ROLE_TABLE if p in r.passes) for p in ROLES}
 
 
 # ============================================================================================ the plan
@@ -543,16 +532,16 @@ class TrainerPlan:
     """The policy's LoRA adapters (actor.lora; None: full fine-tuning)."""
 
     def layout(self, role: str) -> RoleLayout:
-        return _by_role(self.layouts, role)
+        return by_role(self.layouts, role)
 
     def placement(self, role: str) -> Placement:
-        return _by_role(self.resources.placements, role)
+        return by_role(self.resources.placements, role)
 
     def batch_plan(self, role: str) -> BatchPlan:
-        return _by_role(self.batch, role)
+        return by_role(self.batch, role)
 
     def optim_plan(self, role: str) -> OptimPlan:
-        return _by_role(self.optim, role)
+        return by_role(self.optim, role)
 
     def model(self, name: str) -> ModelSpec:
         for m in self.models:
@@ -684,7 +673,7 @@ def forward_batching(c: RLConfig, role: str) -> tuple[int, bool, int | None]:
     return c.reward.reward_model.micro_batch_size_per_gpu, False, None
 
 
-def _by_role(items: tuple[_T, ...], role: str) -> _T:
+def by_role(items: tuple[_T, ...], role: str) -> _T:
     for item in items:
         if item.role == role:  # type: ignore[attr-defined]
             return item

@@ -22,6 +22,7 @@ reverse.
 - Pure: standard library, PyYAML and rlconf only (no torch, ray or megatron).
 """
 
+from rlconf.verl.keys import REASONS, SKIP, Converter, Reason, VerlKey, VerlValueError
 from rlconf.verl.report import (
     PAGE_HEADER,
     RLPLAN_ONLY_RULES,
@@ -32,16 +33,7 @@ from rlconf.verl.report import (
     translation_to_dict,
     verl_context,
 )
-from rlconf.verl.table import (
-    REASONS,
-    SKIP,
-    VERL_KEYS,
-    Converter,
-    Reason,
-    VerlKey,
-    VerlValueError,
-    find_row,
-)
+from rlconf.verl.table import VERL_KEYS, find_row
 from rlconf.verl.translate import (
     Derived,
     Mapped,

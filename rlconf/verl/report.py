@@ -10,8 +10,9 @@ from typing import Any
 from rlconf.config import RLConfig
 from rlconf.errors import Issue
 from rlconf.fields import leaf_paths
-from rlconf.verl.table import _IN_ACTOR, REASONS, VERL_KEYS, VerlKey
-from rlconf.verl.translate import Translation, _nest, _plain, _rlplan_default, _show
+from rlconf.verl.keys import REASONS, VerlKey
+from rlconf.verl.table import IN_ACTOR, VERL_KEYS
+from rlconf.verl.translate import Translation, nest, plain, rlplan_default, show
 
 # --------------------------------------------------------------------------------------------- report
 # What each rlplan rule means for a verl user: where verl would have failed (late), or that the rule is
@@ -41,7 +42,7 @@ for _sub, _parent in (
 RLPLAN_ONLY_RULES: dict[str, str] = {
     "rollout-engine": "rlplan regroups tensor-parallel shards (rollout tp divides or is a multiple of the actor's) "
     "and runs vLLM only where it is installed",
-    "ref-layout-matches-actor": _IN_ACTOR,
+    "ref-layout-matches-actor": IN_ACTOR,
     "engine-support": "rlplan's megatron engine does not run this layout yet",
     "verl-import": "the verl value has no rlplan translation",
     "unknown-key": "the value does not fit rlplan's field",
@@ -85,14 +86,14 @@ def format_report(tr: Translation) -> str:
     ]
     for m in tr.mapped:
         target = (
-            f"{m.rlplan} = {_show(m.value)}" if m.applied else f"{m.rlplan} (default {_show(m.value)} kept)"
+            f"{m.rlplan} = {show(m.value)}" if m.applied else f"{m.rlplan} (default {show(m.value)} kept)"
         )
-        out.append(f"  {m.verl} = {_show(m.verl_value)} -> {target}")
-        if m.note and (_show(m.verl_value) != _show(m.value) or not m.applied):
+        out.append(f"  {m.verl} = {show(m.verl_value)} -> {target}")
+        if m.note and (show(m.verl_value) != show(m.value) or not m.applied):
             out.append(f"      {m.note}")
     if tr.derived:
         out += ["", "derived (verl defaults that differ from rlplan's, and what rlplan's design needs)"]
-        out += [f"  {d.rlplan} = {_show(d.value)}: {d.note}" for d in tr.derived]
+        out += [f"  {d.rlplan} = {show(d.value)}: {d.note}" for d in tr.derived]
     out += ["", f"not mapped ({len(tr.unmapped)})"]
     if not tr.unmapped:
         out.append("  (none)")
@@ -107,7 +108,7 @@ def format_report(tr: Translation) -> str:
         group = [u for u in tr.unmapped if u.reason == reason]
         if group:
             out.append(f"  {reason} ({REASONS[reason]}):")
-            out += [f"    {u.verl} = {_show(u.verl_value)}: {u.note}" for u in group]
+            out += [f"    {u.verl} = {show(u.verl_value)}: {u.note}" for u in group]
     if tr.notes:
         out += ["", "notes"] + [f"  {n}" for n in tr.notes]
     out.append("")
@@ -152,7 +153,7 @@ def translation_to_dict(tr: Translation) -> dict[str, Any]:
 
     return {
         "valid": tr.valid,
-        "settings": {k: _plain(v) for k, v in tr.settings.items()},
+        "settings": {k: plain(v) for k, v in tr.settings.items()},
         "mapped": [dataclasses.asdict(m) for m in tr.mapped],
         "unmapped": [dataclasses.asdict(u) for u in tr.unmapped],
         "derived": [dataclasses.asdict(d) for d in tr.derived],
@@ -165,7 +166,7 @@ def translation_to_dict(tr: Translation) -> dict[str, Any]:
 def to_yaml(tr: Translation) -> str:
     """The rlplan config: every imported setting that differs from rlplan's default, each with the verl key
     it came from as a comment."""
-    changed = {p: v for p, v in tr.settings.items() if _plain(v) != _plain(_rlplan_default(p))}
+    changed = {p: v for p, v in tr.settings.items() if plain(v) != plain(rlplan_default(p))}
     order = {p: i for i, p in enumerate(leaf_paths(RLConfig))}
     ordered = dict(sorted(changed.items(), key=lambda kv: order[kv[0]] if kv[0] in order else len(order)))
     head = [
@@ -188,9 +189,9 @@ def to_yaml(tr: Translation) -> str:
                 continue
             src = tr.origin.get(path, "")
             comment = f"  # {src}" if src else ""
-            lines.append(f"{pad}{key}: {_show(value)}{comment}")
+            lines.append(f"{pad}{key}: {show(value)}{comment}")
 
-    walk(_nest(ordered), "", 0)
+    walk(nest(ordered), "", 0)
     return "\n".join(head + lines) + "\n"
 
 
@@ -239,7 +240,7 @@ def _default_cell(row: VerlKey) -> str:
         return ""
     if "verl's default" in row.note:
         return "; applied when unset"
-    return f"{'; ' if row.note else ''}verl's default `{_show(row.verl_default)}` applied when unset"
+    return f"{'; ' if row.note else ''}verl's default `{show(row.verl_default)}` applied when unset"
 
 
 def migration_page() -> str:

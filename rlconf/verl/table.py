@@ -12,233 +12,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import os
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
+import rlconf.verl.converters as cv
 from rlconf.config import LAYOUT_FIELDS, AdvEstimator, RLConfig
 from rlconf.fields import get_path, literal_values
-
-Reason = Literal["unsupported", "ignored-by-verl", "not-needed", "deprecated-in-verl"]
-REASONS: dict[str, str] = {
-    "unsupported": "rlplan has no such feature",
-    "ignored-by-verl": "verl itself ignores this key",
-    "not-needed": "rlplan derives or does not need it",
-    "deprecated-in-verl": "an older verl name",
-    "unknown": "unknown verl key",
-    "unresolved": "an interpolation that cannot be resolved",
-}
-
-
-class _Skip:
-    """Returned by a converter when the verl value asks for nothing to be set (rlplan's default holds)."""
-
-    def __repr__(self) -> str:
-        return "SKIP"
-
-
-SKIP: Any = _Skip()
-_NO_DEFAULT: Any = object()
-
-
-class VerlValueError(ValueError):
-    """A verl value with no rlplan translation; the message says why and the fix what to do."""
-
-    def __init__(self, message: str, fix: str) -> None:
-        super().__init__(message)
-        self.fix = fix
-
-
-Converter = Callable[[Any, Mapping[str, Any]], Any]
-
-
-@dataclass(frozen=True)
-class VerlKey:
-    """One verl key and its rlplan translation.
-
-    `verl` is the dotted verl key (a trailing `.*` covers every key under it). `rlplan` is the dotted
-    rlplan path, or None when there is none; then `reason` says why. `convert(value, verl_values)` turns
-    the verl value into the rlplan value (it may return SKIP, or raise VerlValueError). `verl_default` is
-    verl's default, applied when the input leaves the key unset (only where it differs from rlplan's and
-    changes the run; it may be a `${...}` interpolation of another verl key).
-    """
-
-    verl: str
-    rlplan: str | None
-    note: str = ""
-    convert: Converter | None = None
-    reason: Reason | None = None
-    verl_default: Any = _NO_DEFAULT
-    family: str = ""
-
-    def __post_init__(self) -> None:
-        if (self.rlplan is None) != (self.reason is not None):
-            raise ValueError(f"{self.verl}: a row has either an rlplan path or a reason, not both")
-
-    @property
-    def has_default(self) -> bool:
-        return self.verl_default is not _NO_DEFAULT
-
-
-# ------------------------------------------------------------------------------------------ converters
-def _ctx(values: Mapping[str, Any], key: str, default: Any) -> Any:
-    return values.get(key, default)
-
-
-def _negative_to_zero(value: Any, _: Mapping[str, Any]) -> Any:
-    return 0 if isinstance(value, int) and not isinstance(value, bool) and value < 0 else value
-
-
-def _negative_to_none(value: Any, _: Mapping[str, Any]) -> Any:
-    return None if isinstance(value, int) and not isinstance(value, bool) and value < 0 else value
-
-
-def _expand(value: Any, _: Mapping[str, Any]) -> Any:
-    return os.path.expanduser(value) if isinstance(value, str) else value
-
-
-def _files(value: Any, _: Mapping[str, Any]) -> Any:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list | tuple):
-        return value
-    return [os.path.expanduser(f) if isinstance(f, str) else f for f in items]
-
-
-def _reward_file(value: Any, values: Mapping[str, Any]) -> Any:
-    """custom_reward_function.path (+ .name) -> reward.function `path:name`; null keeps the default."""
-    if value is None:
-        return SKIP
-    name = values.get("custom_reward_function.name") or "compute_score"
-    return f"{os.path.expanduser(value)}:{name}" if isinstance(value, str) else value
-
-
-def _not(value: Any, _: Mapping[str, Any]) -> Any:
-    return not value if isinstance(value, bool) else value
-
-
-def _rollout_engine(value: Any, _: Mapping[str, Any]) -> Any:
-    if value in ("vllm", "sglang", "hf", "trtllm"):
-        return "embedded"
-    return value
-
-
-_BACKENDS = ("console", "jsonl", "tensorboard", "wandb")
-
-
-def _logger(value: Any, _: Mapping[str, Any]) -> Any:
-    items = [value] if isinstance(value, str) else value
-    if not isinstance(items, list | tuple):
-        return value
-    unsupported = [b for b in items if b not in _BACKENDS]
-    if unsupported:
-        raise VerlValueError(
-            f"logger {', '.join(map(str, unsupported))} is not available in rlplan",
-            f"use {', '.join(_BACKENDS)}",
-        )
-    return [*items, "jsonl"] if "jsonl" not in items else list(items)
-
-
-_KL_ALIASES = {"k1": "kl", "k2": "mse", "k3": "low_var_kl"}
-
-
-def _lora_targets(value: Any, _: Mapping[str, Any]) -> Any:
-    """verl's target_modules / exclude_modules: a string (all-linear, one name) or a list."""
-    return [value] if isinstance(value, str) else value
-
-
-def _lora_a_init(value: Any, _: Mapping[str, Any]) -> Any:
-    init = {"kaiming": "kaiming", "kaiming_uniform": "kaiming", "normal": "gaussian", "gaussian": "gaussian"}
-    if value not in init:
-        raise VerlValueError(
-            f"lora_A_init_method {value} is not built in rlplan", "use kaiming (PEFT's default)"
-        )
-    return init[value]
-
-
-def _kl_type(value: Any, _: Mapping[str, Any]) -> Any:
-    return _KL_ALIASES.get(value, value) if isinstance(value, str) else value
-
-
-def _truncation(value: Any, _: Mapping[str, Any]) -> Any:
-    if value == "middle":
-        raise VerlValueError("truncation `middle` is not available", "use error, left, right or filter")
-    return value
-
-
-def _filter_overlong(value: Any, _: Mapping[str, Any]) -> Any:
-    return "filter" if value is True else SKIP
-
-
-def _recompute_on(value: Any, _: Mapping[str, Any]) -> Any:
-    return "full" if value is True else SKIP
-
-
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
-           "fp32": "float32", "float32": "float32"}  # fmt: skip
-
-
-def _dtype(value: Any, _: Mapping[str, Any]) -> Any:
-    return _DTYPES.get(value, value) if isinstance(value, str) else value
-
-
-_ATTENTION = {"flash": "auto", "fused": "auto", "auto": "auto", "unfused": "local", "local": "local"}
-
-
-def _attention(value: Any, _: Mapping[str, Any]) -> Any:
-    return _ATTENTION.get(value, value) if isinstance(value, str) else value
-
-
-def _profile_tool(value: Any, _: Mapping[str, Any]) -> Any:
-    if value is None:
-        return "none"
-    if value == "torch_memory":
-        raise VerlValueError("the torch_memory profiler is not available", "use profile.tool: torch")
-    return value
-
-
-def _placement(value: Any, _: Mapping[str, Any]) -> Any:
-    return ("separate" if value else "colocated") if isinstance(value, bool) else value
-
-
-def _rm_devices(value: Any, values: Mapping[str, Any]) -> Any:
-    nnodes = _ctx(values, "reward_model.nnodes", 1)
-    if isinstance(value, int) and isinstance(nnodes, int) and not isinstance(value, bool):
-        return value * max(nnodes, 1)
-    return value
-
-
-def _filter_metric(value: Any, _: Mapping[str, Any]) -> Any:
-    # rlplan's reward functions return one number: verl's `acc` (the correctness flag) is that score.
-    if value in ("acc", "score"):
-        return "score"
-    if value == "seq_reward" or value is None:
-        return "seq_reward" if value else SKIP
-    raise VerlValueError(
-        f"filter_groups.metric {value!r} has no rlplan equivalent",
-        "use acc / score (the reward function's value) or seq_reward (with the overlong penalty)",
-    )
-
-
-def _total_epochs(value: Any, values: Mapping[str, Any]) -> Any:
-    # verl's trainer runs total_training_steps when it is set, whatever total_epochs says.
-    return SKIP if value is None or _ctx(values, "trainer.total_training_steps", None) is not None else value
-
-
-def _min_lr_ratio(lr_key: str, lr_default: float) -> Converter:
-    def convert(value: Any, values: Mapping[str, Any]) -> Any:
-        if value is None:
-            return SKIP
-        lr = _ctx(values, lr_key, lr_default)
-        if isinstance(value, int | float) and isinstance(lr, int | float):
-            return float(value) * float(lr)
-        return value
-
-    return convert
-
-
-def _skip_none(value: Any, _: Mapping[str, Any]) -> Any:
-    return SKIP if value is None else value
+from rlconf.verl.keys import Converter, Reason, VerlKey
 
 
 # ---------------------------------------------------------------------------------------------- table
@@ -271,7 +50,7 @@ def _u(verl: str, reason: Reason, note: str, **kw: Any) -> VerlKey:
 
 
 _SAME = object()  # the rlplan suffix equals the verl suffix
-_IN_ACTOR = "rlplan runs the reference policy in the actor's processes, so it uses the actor's layout"
+IN_ACTOR = "rlplan runs the reference policy in the actor's processes, so it uses the actor's layout"
 
 # (verl suffix, rlplan suffix | _SAME | None, note, converter, reason, {role: override})
 _MEGATRON_FIELDS: tuple[tuple[str, Any, str, Converter | None, Reason | None], ...] = (
@@ -329,7 +108,7 @@ _MEGATRON_FIELDS: tuple[tuple[str, Any, str, Converter | None, Reason | None], .
     ("dtype", None, "rlplan has one compute dtype for every role: model.params_dtype (see the actor row)", None,
      "not-needed"),
 )  # fmt: skip
-_MEGATRON_ROLES = (
+MEGATRON_ROLES = (
     ("actor_rollout_ref.actor.megatron", "actor.megatron"),
     ("actor_rollout_ref.ref.megatron", "ref.megatron"),
     ("critic.megatron", "critic.megatron"),
@@ -339,23 +118,23 @@ _MEGATRON_ROLES = (
 
 def _megatron_rows() -> list[VerlKey]:
     rows = []
-    for verl_prefix, ours in _MEGATRON_ROLES:
+    for verl_prefix, ours in MEGATRON_ROLES:
         for suffix, target, note, convert, reason in _MEGATRON_FIELDS:
             key = f"{verl_prefix}.{suffix}"
             if ours == "actor.megatron" and suffix == "dtype":
                 rows.append(_m(key, "model.params_dtype", "",
-                               _dtype, verl_default="bfloat16", family="megatron"))  # fmt: skip
+                               cv.dtype, verl_default="bfloat16", family="megatron"))  # fmt: skip
             elif ours == "actor.megatron" and suffix == "override_transformer_config.attention_backend":
                 rows.append(_m(key, "model.attention_backend",
                                "flash and fused -> auto (Transformer Engine when installed, else sdpa), "
-                               "unfused -> local", _attention, family="megatron"))  # fmt: skip
+                               "unfused -> local", cv.attention, family="megatron"))  # fmt: skip
             elif target is None:
                 rows.append(_u(key, reason or "unsupported", note, family="megatron"))
             else:
                 row_note = note
                 dest = suffix if target is _SAME else target
                 if ours == "ref.megatron" and dest in LAYOUT_FIELDS:
-                    row_note = f"must equal the actor's: {_IN_ACTOR}; when unset, the actor's value is used"
+                    row_note = f"must equal the actor's: {IN_ACTOR}; when unset, the actor's value is used"
                 rows.append(_m(key, f"{ours}.{dest}", row_note, convert, family="megatron"))
     return rows
 
@@ -364,7 +143,7 @@ _OPTIM_FIELDS: tuple[tuple[str, Any, str, Converter | None, Reason | None], ...]
     ("optimizer", _SAME, "adam is AdamW (decoupled weight decay), as in megatron", None, None),
     ("lr", _SAME, "", None, None),
     ("min_lr", _SAME, "", None, None),
-    ("lr_warmup_steps", _SAME, "verl's -1 (use the ratio) becomes null", _negative_to_none, None),
+    ("lr_warmup_steps", _SAME, "verl's -1 (use the ratio) becomes null", cv.negative_to_none, None),
     ("lr_warmup_steps_ratio", _SAME, "", None, None),
     ("lr_warmup_init", _SAME, "", None, None),
     ("lr_decay_steps", _SAME, "", None, None),
@@ -405,7 +184,7 @@ def _optim_rows() -> list[VerlKey]:
             )  # fmt: skip
         rows.append(
             _m(f"{verl_prefix}.min_lr_ratio", f"{ours}.min_lr", "absolute in rlplan: min_lr_ratio x lr",
-               _min_lr_ratio(f"{verl_prefix}.lr", lr_default), family="optim")
+               cv.min_lr_ratio(f"{verl_prefix}.lr", lr_default), family="optim")
         )  # fmt: skip
     return rows
 
@@ -444,7 +223,7 @@ def _profiler_rows() -> list[VerlKey]:
             _m(f"{prefix}.all_ranks", "profile.all_ranks", one, family="profiler"),
             _m(f"{prefix}.ranks", "profile.ranks", "ranks count within each role's world; " + one,
                family="profiler"),
-            _m(f"{prefix}.tool", "profile.tool", "null -> none", _profile_tool, family="profiler"),
+            _m(f"{prefix}.tool", "profile.tool", "null -> none", cv.profile_tool, family="profiler"),
             _m(f"{prefix}.save_path", "profile.save_path", "", family="profiler"),
             _m(f"{prefix}.tool_config.nsys.discrete", "profile.discrete", "", family="profiler"),
             _m(f"{prefix}.tool_config.npu.discrete", "profile.discrete", "", family="profiler"),
@@ -465,69 +244,13 @@ _VLLM_ONLY = (
 )
 
 
-def _vllm_only(value: Any, _: Mapping[str, Any]) -> Any:
-    # verl's rollout is vLLM / SGLang; the import picks the embedded engine (actor_rollout_ref.rollout.name).
-    return SKIP
-
-
-_RS_KEY = "algorithm.rollout_correction.rollout_rs"
-_RS_THRESHOLD_KEY = "algorithm.rollout_correction.rollout_rs_threshold"
-_RS_MODES = {"token": "token", "sequence": "sequence", "token_k1": "token", "token_k2": "token",
-             "seq_sum_k1": "sequence"}  # fmt: skip
-_RS_FIX = (
-    "use token_k1 or token_k2 (rlplan's token), seq_sum_k1 (rlplan's sequence), one mode at a time, or "
-    "drop rollout_rs"
-)
-
-
-def _rollout_rs(value: Any, values: Mapping[str, Any]) -> Any:
-    if value is None or not isinstance(value, str):
-        return value
-    if value not in _RS_MODES:
-        raise VerlValueError(f"rejection mode {value!r} has no rlplan equivalent (rlplan bounds |log rho| of "
-                             "each token or of the summed response)", _RS_FIX)  # fmt: skip
-    if value not in ("token", "sequence") and values.get(_RS_THRESHOLD_KEY) is None:
-        raise VerlValueError(f"{value} without rollout_rs_threshold (verl raises at its first step)",
-                             "set algorithm.rollout_correction.rollout_rs_threshold, e.g. 2.0")  # fmt: skip
-    return _RS_MODES[value]
-
-
-def _rollout_rs_threshold(value: Any, values: Mapping[str, Any]) -> Any:
-    """verl's threshold spec -> rlplan's symmetric ratio bound t (tokens kept while |log rho| <= log t)."""
-    import math
-
-    if value is None:
-        return SKIP
-    mode = values.get(_RS_KEY)
-    if isinstance(mode, str) and mode not in _RS_MODES:
-        return SKIP  # a bound of another statistic: the mode itself is refused (_rollout_rs)
-    if isinstance(value, str):
-        low, sep, high = value.partition("_")
-        try:
-            lo, hi = (float(low), float(high)) if sep else (None, float(value))
-        except ValueError:
-            raise VerlValueError(f"cannot read the threshold {value!r}", "write t or 1/t_t (lower_upper), "
-                                 "one threshold for one mode") from None  # fmt: skip
-        if lo is not None:
-            if lo <= 0 or hi <= 0 or not math.isclose(lo * hi, 1.0, rel_tol=1e-3):
-                raise VerlValueError(f"the bounds {value!r} are not symmetric (lower x upper != 1); rlplan "
-                                     "keeps ratios in [1/t, t]", "use t alone, or 1/t_t")  # fmt: skip
-            value = hi
-        else:
-            value = hi
-    if mode == "token_k2" and isinstance(value, int | float) and value > 0:
-        # 0.5 (log rho)^2 <= u  <=>  |log rho| <= sqrt(2u): the same token set as rlplan's bound exp(sqrt(2u))
-        return math.exp(math.sqrt(2.0 * float(value)))
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
-
-
 _ROLLOUT_UNSUPPORTED = "rlplan's embedded rollout has no such engine option"
 
 VERL_KEYS: tuple[VerlKey, ...] = (
     # ------------------------------------------------------------------------------------------ data
     _m("data.train_files", "data.train_files", ".parquet or .jsonl; verl's ground-truth column is read through "
-       "data.answer_key (set to reward_model.ground_truth)", _files),
-    _m("data.val_files", "data.val_files", "", _files),
+       "data.answer_key (set to reward_model.ground_truth)", cv.files),
+    _m("data.val_files", "data.val_files", "", cv.files),
     _m("data.prompt_key", "data.prompt_key", "text or a list of chat messages"),
     _m("data.train_batch_size", "data.train_batch_size", "prompts per step, as in verl", verl_default=1024),
     _u("data.gen_batch_size", "not-needed", "with algorithm.filter_groups rlplan generates batches of "
@@ -536,12 +259,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("data.max_prompt_length", "data.max_prompt_length", "", verl_default=512),
     _m("data.max_response_length", "rollout.max_response_length", "moved to rollout", verl_default=512),
     _m("data.truncation", "data.truncation", "no `middle`",
-       _truncation, verl_default="error"),
+       cv.truncation, verl_default="error"),
     _m("data.filter_overlong_prompts", "data.truncation", "true -> filter (wins over data.truncation)",
-       _filter_overlong),
+       cv.filter_overlong),
     _m("data.shuffle", "data.shuffle", ""),
     _m("data.seed", "data.seed", ""),
-    _m("data.tokenizer", "model.tokenizer_path", "", _expand),
+    _m("data.tokenizer", "model.tokenizer_path", "", cv.expand),
     _u("data.filter_overlong_prompts_workers", "not-needed", "rlplan filters while tokenizing"),
     _u("data.reward_fn_key", "not-needed", "rlplan reads verl's data_source column (reward.function "
        "default_compute_score dispatches on it, as verl's default does)"),
@@ -567,11 +290,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("data.apply_chat_template_kwargs.*", "unsupported", "the tokenizer's chat template is applied as is"),
     # ----------------------------------------------------------------------------------------- model
     _m("actor_rollout_ref.model.path", "model.path", "a local folder: rlplan downloads nothing (a hub id such "
-       "as Qwen/Qwen2.5-7B-Instruct fails the plan until it points at a downloaded copy)", _expand),
-    _m("actor_rollout_ref.model.tokenizer_path", "model.tokenizer_path", "", _expand),
+       "as Qwen/Qwen2.5-7B-Instruct fails the plan until it points at a downloaded copy)", cv.expand),
+    _m("actor_rollout_ref.model.tokenizer_path", "model.tokenizer_path", "", cv.expand),
     _m("actor_rollout_ref.model.enable_gradient_checkpointing",
        "actor.megatron.override_transformer_config.recompute_granularity",
-       "true -> full (megatron uniform recompute, 1 layer per chunk, as verl does)", _recompute_on),
+       "true -> full (megatron uniform recompute, 1 layer per chunk, as verl does)", cv.recompute_on),
     _m("actor_rollout_ref.model.gradient_checkpointing_kwargs.activations_checkpoint_granularity",
        "actor.megatron.override_transformer_config.recompute_granularity", ""),
     _m("actor_rollout_ref.model.gradient_checkpointing_kwargs.activations_checkpoint_method",
@@ -590,18 +313,18 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("actor_rollout_ref.model.lora_rank", "actor.lora.rank", "0 = off (verl's and rlplan's)"),
     _m("actor_rollout_ref.model.lora_alpha", "actor.lora.alpha", ""),
     _m("actor_rollout_ref.model.target_modules", "actor.lora.target_modules", "all-linear or module names "
-       "(HF q_proj.. or megatron linear_qkv..)", _lora_targets),
-    _m("actor_rollout_ref.model.exclude_modules", "actor.lora.exclude_modules", "fnmatch patterns", _lora_targets),
-    _m("actor_rollout_ref.model.lora_adapter_path", "actor.lora.adapter_path", "a local PEFT folder", _expand),
+       "(HF q_proj.. or megatron linear_qkv..)", cv.lora_targets),
+    _m("actor_rollout_ref.model.exclude_modules", "actor.lora.exclude_modules", "fnmatch patterns", cv.lora_targets),
+    _m("actor_rollout_ref.model.lora_adapter_path", "actor.lora.adapter_path", "a local PEFT folder", cv.expand),
     _m("actor_rollout_ref.model.lora.rank", "actor.lora.rank", "0 = off; without lora.alpha the import sets "
        "verl's Megatron default alpha 32"),
     _m("actor_rollout_ref.model.lora.alpha", "actor.lora.alpha", ""),
     _m("actor_rollout_ref.model.lora.dropout", "actor.lora.dropout", ""),
-    _m("actor_rollout_ref.model.lora.target_modules", "actor.lora.target_modules", "", _lora_targets),
-    _m("actor_rollout_ref.model.lora.exclude_modules", "actor.lora.exclude_modules", "", _lora_targets),
-    _m("actor_rollout_ref.model.lora.adapter_path", "actor.lora.adapter_path", "a local PEFT folder", _expand),
+    _m("actor_rollout_ref.model.lora.target_modules", "actor.lora.target_modules", "", cv.lora_targets),
+    _m("actor_rollout_ref.model.lora.exclude_modules", "actor.lora.exclude_modules", "", cv.lora_targets),
+    _m("actor_rollout_ref.model.lora.adapter_path", "actor.lora.adapter_path", "a local PEFT folder", cv.expand),
     _m("actor_rollout_ref.model.lora.lora_A_init_method", "actor.lora.init", "kaiming or normal/gaussian "
-       "(B always starts at zero)", _lora_a_init),
+       "(B always starts at zero)", cv.lora_a_init),
     _u("actor_rollout_ref.model.lora.lora_B_init_method", "not-needed", "B starts at zero (verl's zero)"),
     _u("actor_rollout_ref.model.lora.type", "not-needed", "plain LoRA (verl's lora / canonical_lora: PEFT's "
        "per-projection adapters either way); dora is not built"),
@@ -637,7 +360,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("actor_rollout_ref.actor.use_kl_loss", "actor.use_kl_loss", ""),
     _m("actor_rollout_ref.actor.kl_loss_coef", "actor.kl_loss_coef", ""),
     _m("actor_rollout_ref.actor.kl_loss_type", "actor.kl_loss_type", "k1 -> kl, k2 -> mse, k3 -> low_var_kl",
-       _kl_type),
+       cv.kl_type),
     _m("actor_rollout_ref.actor.grad_clip", "actor.optim.clip_grad", "verl's FSDP name"),
     _m("actor_rollout_ref.actor.policy_loss.loss_mode", "actor.policy_loss.loss_mode",
        "vanilla, gspo, gpg, clip-cov, kl-cov, cispo, sapo (gspo and sapo aggregate seq-mean-token-mean, as "
@@ -686,7 +409,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("actor_rollout_ref.rollout.name", "rollout.engine",
        "vllm, sglang, hf and trtllm -> embedded: rlplan's generator on megatron weights (no extra install; in "
        "the rollout's own tp when it differs, resharded each step); rollout.engine: vllm is the optional "
-       "adapter", _rollout_engine),
+       "adapter", cv.rollout_engine),
     _m("actor_rollout_ref.rollout.n", "rollout.n", "responses per prompt",
        verl_default=1),
     _m("actor_rollout_ref.rollout.temperature", "rollout.temperature", ""),
@@ -698,10 +421,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
        "the rollout generates at this tp without pipeline parallel (dp = actor devices / tp), the actor's weights "
        "resharded into it before each generation; it must divide or be a multiple of the actor's tp (rule "
        "rollout-engine); unset: null, the actor's layout (no weight copy)"),
-    _m("actor_rollout_ref.rollout.gpu_memory_utilization", "rollout.gpu_memory_utilization", _VLLM_ONLY, _vllm_only),
-    _m("actor_rollout_ref.rollout.free_cache_engine", "rollout.free_cache_engine", _VLLM_ONLY, _vllm_only),
-    _m("actor_rollout_ref.rollout.max_num_seqs", "rollout.max_num_seqs", _VLLM_ONLY, _vllm_only),
-    _m("actor_rollout_ref.rollout.enforce_eager", "rollout.cuda_graph", "inverted", _not),
+    _m("actor_rollout_ref.rollout.gpu_memory_utilization", "rollout.gpu_memory_utilization", _VLLM_ONLY, cv.vllm_only),
+    _m("actor_rollout_ref.rollout.free_cache_engine", "rollout.free_cache_engine", _VLLM_ONLY, cv.vllm_only),
+    _m("actor_rollout_ref.rollout.max_num_seqs", "rollout.max_num_seqs", _VLLM_ONLY, cv.vllm_only),
+    _m("actor_rollout_ref.rollout.enforce_eager", "rollout.cuda_graph", "inverted", cv.negate),
     _m("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu", "actor.log_prob_micro_batch_size_per_gpu",
        "verl's actor recomputes old log-probs with the rollout's micro-batch size"),
     _u("actor_rollout_ref.rollout.log_prob_micro_batch_size", "deprecated-in-verl",
@@ -743,7 +466,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
        "tool calls parsed from the model's output, tool output appended as observation tokens (never trained on)",
        verl_default=False),
     _m("actor_rollout_ref.rollout.multi_turn.max_assistant_turns", "rollout.multi_turn.max_assistant_turns",
-       "verl's null (no bound) keeps rlplan's default", _skip_none),
+       "verl's null (no bound) keeps rlplan's default", cv.skip_none),
     _m("actor_rollout_ref.rollout.multi_turn.max_tool_response_length",
        "rollout.multi_turn.max_tool_response_length", "", verl_default=256),
     _m("actor_rollout_ref.rollout.multi_turn.max_parallel_calls", "rollout.multi_turn.max_parallel_tools",
@@ -780,9 +503,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     # ---------------------------------------------------------------------------------------- critic
     _m("critic.enable", "critic.enable", "null (verl's default) -> enabled exactly when "
        "algorithm.adv_estimator is gae"),
-    _m("critic.model.path", "critic.model_path", "null: the actor's model with a fresh value head", _expand),
+    _m("critic.model.path", "critic.model_path", "null: the actor's model with a fresh value head", cv.expand),
     _m("critic.model.enable_gradient_checkpointing",
-       "critic.megatron.override_transformer_config.recompute_granularity", "true -> full", _recompute_on),
+       "critic.megatron.override_transformer_config.recompute_granularity", "true -> full", cv.recompute_on),
     _u("critic.model.tokenizer_path", "not-needed", "the critic reads the policy's tokens"),
     _u("critic.model.override_config.*", "unsupported", "the architecture comes from config.json"),
     _u("critic.model.external_lib", "unsupported", "rlplan imports no model code"),
@@ -812,12 +535,12 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("critic.ulysses_sequence_parallel_size", "unsupported", "FSDP only"),
     # ---------------------------------------------------------------------------------------- reward
     _m("reward_model.enable", "reward.reward_model.enable", ""),
-    _m("reward_model.model.path", "reward.reward_model.path", "", _expand),
+    _m("reward_model.model.path", "reward.reward_model.path", "", cv.expand),
     _m("reward_model.micro_batch_size_per_gpu", "reward.reward_model.micro_batch_size_per_gpu", ""),
     _m("reward_model.enable_resource_pool", "reward.reward_model.placement", "true -> separate, false -> "
-       "colocated", _placement),
+       "colocated", cv.placement),
     _m("reward_model.n_gpus_per_node", "reward.reward_model.num_devices", "x reward_model.nnodes: the devices "
-       "of its own pool", _rm_devices),
+       "of its own pool", cv.reward_model_devices("reward_model.nnodes")),
     _u("reward_model.nnodes", "not-needed", "folded into reward.reward_model.num_devices"),
     _u("reward_model.micro_batch_size", "deprecated-in-verl", "set micro_batch_size_per_gpu"),
     _u("reward_model.strategy", "not-needed", "megatron only"),
@@ -848,7 +571,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("reward_model.load_weight", "not-needed", "weights come from reward.reward_model.path"),
     _m("custom_reward_function.path", "reward.function", "reward.function is `path:name` (the name from "
        "custom_reward_function.name, verl's default compute_score); verl's signature compute_score("
-       "data_source, solution_str, ground_truth, extra_info) is called as is", _reward_file),
+       "data_source, solution_str, ground_truth, extra_info) is called as is", cv.reward_file),
     _u("custom_reward_function.name", "not-needed", "joined into reward.function (`path/to/file.py:name`)"),
     _u("custom_reward_function.reward_kwargs.*", "unsupported", "bind them in the wrapper function"),
     # ------------------------------------------------------------------------------------- algorithm
@@ -858,7 +581,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("algorithm.lam", "algorithm.lam", ""),
     _m("algorithm.norm_adv_by_std_in_grpo", "algorithm.norm_adv_by_std_in_grpo", ""),
     _m("algorithm.use_kl_in_reward", "algorithm.use_kl_in_reward", ""),
-    _m("algorithm.kl_penalty", "algorithm.kl_penalty", "k1 -> kl, k2 -> mse, k3 -> low_var_kl", _kl_type),
+    _m("algorithm.kl_penalty", "algorithm.kl_penalty", "k1 -> kl, k2 -> mse, k3 -> low_var_kl", cv.kl_type),
     _m("algorithm.kl_ctrl.type", "algorithm.kl_ctrl.type", ""),
     _m("algorithm.kl_ctrl.kl_coef", "algorithm.kl_ctrl.kl_coef", ""),
     _m("algorithm.kl_ctrl.target_kl", "algorithm.kl_ctrl.target_kl", ""),
@@ -867,7 +590,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("algorithm.pf_ppo.*", "unsupported", "no preference-feedback PPO reweighting"),
     _m("algorithm.filter_groups.enable", "algorithm.filter_groups.enable", "DAPO dynamic sampling"),
     _m("algorithm.filter_groups.metric", "algorithm.filter_groups.metric", "acc / score -> score (the reward "
-       "function's value), seq_reward -> seq_reward", _filter_metric),
+       "function's value), seq_reward -> seq_reward", cv.filter_metric),
     _m("algorithm.filter_groups.max_num_gen_batches", "algorithm.filter_groups.max_num_gen_batches",
        "0 = unbounded, as in verl"),
     _m("algorithm.rollout_correction.rollout_is", "algorithm.rollout_correction.rollout_is",
@@ -877,10 +600,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("algorithm.rollout_correction.rollout_rs", "algorithm.rollout_correction.rollout_rs", "token_k1 and "
        "token_k2 -> token, seq_sum_k1 -> sequence (older names token / sequence kept); rejected tokens leave "
        "the loss mask: means over accepted tokens, as verl. Other modes and chained lists are refused",
-       _rollout_rs),
+       cv.rollout_rs),
     _m("algorithm.rollout_correction.rollout_rs_threshold", "algorithm.rollout_correction.rollout_rs_threshold",
        "the ratio bound t (the lower bound is 1/t): verl's `1/t_t` or t for *_k1; token_k2's bound u becomes "
-       "t = exp(sqrt(2u))", _rollout_rs_threshold),
+       "t = exp(sqrt(2u))", cv.rollout_rs_threshold),
     _m("algorithm.rollout_correction.bypass_mode", "algorithm.rollout_correction.bypass_mode", ""),
     _u("algorithm.rollout_correction.*", "unsupported", "rlplan has rollout_is, rollout_is_threshold, "
        "rollout_rs, rollout_rs_threshold and bypass_mode"),
@@ -890,23 +613,23 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("trainer.total_training_steps", "trainer.total_steps", "steps count from 1 across resumes"),
     _m("trainer.total_epochs", "trainer.total_epochs", "the plan counts steps = epochs x (rows of "
        "data.train_files // data.train_batch_size); kept out when trainer.total_training_steps is set (verl "
-       "then runs that many steps)", _total_epochs),
+       "then runs that many steps)", cv.total_epochs),
     _m("trainer.nnodes", "cluster.nnodes", ""),
     _m("trainer.n_gpus_per_node", "cluster.gpus_per_node", "", verl_default=8),
     _m("trainer.device", "cluster.device", "", verl_default="cuda"),
     _m("trainer.project_name", "trainer.project_name", ""),
     _m("trainer.experiment_name", "trainer.experiment_name", ""),
     _m("trainer.logger", "logging.backends", "jsonl is added: rlplan writes metrics.jsonl for its plots",
-       _logger),
+       cv.logger),
     _m("trainer.save_freq", "trainer.save_freq", "-1 (off in verl) -> 0; rlplan also saves at the last step",
-       _negative_to_zero),
-    _m("trainer.test_freq", "trainer.test_freq", "-1 (off in verl) -> 0", _negative_to_zero),
+       cv.negative_to_zero),
+    _m("trainer.test_freq", "trainer.test_freq", "-1 (off in verl) -> 0", cv.negative_to_zero),
     _m("trainer.val_before_train", "trainer.val_before_train", "",
        verl_default=True),
     _m("trainer.resume_mode", "trainer.resume_mode", "same modes"),
     _m("trainer.resume_from_path", "trainer.resume_from_path", "an rlplan checkpoints/global_step_N folder",
-       _expand),
-    _m("trainer.default_local_dir", "trainer.output_dir", "checkpoints go to output_dir/checkpoints", _expand),
+       cv.expand),
+    _m("trainer.default_local_dir", "trainer.output_dir", "checkpoints go to output_dir/checkpoints", cv.expand),
     _m("trainer.max_actor_ckpt_to_keep", "trainer.max_ckpt_to_keep", "one limit for the whole checkpoint"),
     _m("trainer.max_critic_ckpt_to_keep", "trainer.max_ckpt_to_keep", "one limit for the whole checkpoint"),
     _m("trainer.critic_warmup", "trainer.critic_warmup", ""),
@@ -927,7 +650,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("trainer.controller_nsight_options.*", "deprecated-in-verl", "use global_profiler.global_tool_config"),
     _u("trainer.worker_nsight_options.*", "deprecated-in-verl", "use global_profiler.global_tool_config"),
     # -------------------------------------------------------------------------------------- profiler
-    _m("global_profiler.tool", "profile.tool", "null -> none", _profile_tool),
+    _m("global_profiler.tool", "profile.tool", "null -> none", cv.profile_tool),
     _m("global_profiler.steps", "profile.steps", "steps count from 1, as in verl"),
     _m("global_profiler.save_path", "profile.save_path", "a relative path is under trainer.output_dir"),
     _m("global_profiler.global_tool_config.nsys.discrete", "profile.discrete",
@@ -1010,13 +733,6 @@ FSDP_ROWS: dict[str, VerlKey] = {
 ignore)."""
 
 
-def _rm_devices_current(value: Any, values: Mapping[str, Any]) -> Any:
-    nnodes = _ctx(values, "reward.reward_model.nnodes", 1)
-    if isinstance(value, int) and isinstance(nnodes, int) and not isinstance(value, bool):
-        return value * max(nnodes, 1)
-    return value
-
-
 # verl's current schema moved the reward settings under `reward.` (verl/trainer/config/reward/reward.yaml):
 # each old row is repeated under its new name, so both spellings translate the same way.
 _CURRENT_PREFIXES = (
@@ -1043,25 +759,15 @@ def _current_schema_rows(rows: tuple[VerlKey, ...]) -> list[VerlKey]:
     out += [dataclasses.replace(by_key[old], verl=new) for new, old in _CURRENT_RENAMES]
     out += [
         _m("reward.reward_model.n_gpus_per_node", "reward.reward_model.num_devices", "x reward.reward_model."
-           "nnodes: the devices of its own pool", _rm_devices_current),
-        _u("reward.reward_model.rollout.*", "unsupported", "rlplan runs a reward model as a megatron forward "
-           "pass (reward.reward_model.*), not through a rollout engine"),
+           "nnodes: the devices of its own pool", cv.reward_model_devices("reward.reward_model.nnodes")),
+        dataclasses.replace(by_key["reward_model.rollout.*"], verl="reward.reward_model.rollout.*"),
         _u("reward.reward_manager.*", "unsupported", "rlplan loads no reward manager class: reward.function "
            "scores each response"),
-        _u("reward.num_workers", "not-needed", "rule rewards run in the controller"),
+        dataclasses.replace(by_key["reward_model.num_workers"], verl="reward.num_workers"),
         _u("reward.compute_score_kwargs.*", "unsupported", "keyword arguments of verl's built-in scorers: bind "
            "them in a reward function of your own"),
     ]  # fmt: skip
     return out
-
-
-def _router_replay(value: Any, _: Mapping[str, Any]) -> Any:
-    if value in ("disabled", None):
-        return False
-    if value == "R3":
-        return True
-    raise VerlValueError(f"router_replay.mode {value!r} has no rlplan equivalent (rlplan replays the rollout's "
-                         "routing, verl's R3)", "use R3 or disabled")  # fmt: skip
 
 
 def _newer_rows() -> list[VerlKey]:
@@ -1069,7 +775,7 @@ def _newer_rows() -> list[VerlKey]:
     return [
         _m("actor_rollout_ref.actor.router_replay.mode", "actor.router_replay", "R3 -> true (the rollout's "
            "routing replayed in the old log-prob and update passes), disabled -> false; R2 is refused",
-           _router_replay),
+           cv.router_replay),
         _u("actor_rollout_ref.actor.router_replay.*", "not-needed", "rlplan keeps the recorded routing in memory "
            "with the batch"),
         _u("actor_rollout_ref.ref.router_replay.*", "not-needed", "the reference policy routes on its own"),
@@ -1120,7 +826,7 @@ def find_row(key: str) -> tuple[int, VerlKey] | None:
     return None
 
 
-def _did_you_mean(key: str) -> str:
+def did_you_mean_key(key: str) -> str:
     names = [r.verl for r in VERL_KEYS]
     close = difflib.get_close_matches(key, names, n=2, cutoff=0.75)
     if not close:

@@ -20,17 +20,14 @@ from typing import Any, Literal
 from rlconf.config import LAYOUT_FIELDS, RLConfig
 from rlconf.errors import ConfigError, Issue, IssueSet, error, warning
 from rlconf.fields import field_types, strip_optional
+from rlconf.verl.keys import NO_DEFAULT, SKIP, VerlKey, VerlValueError
 from rlconf.verl.table import (
-    _IN_ACTOR,
-    _MEGATRON_ROLES,
-    _NO_DEFAULT,
     FSDP_KEYS,
     FSDP_ROWS,
-    SKIP,
+    IN_ACTOR,
+    MEGATRON_ROLES,
     VERL_KEYS,
-    VerlKey,
-    VerlValueError,
-    _did_you_mean,
+    did_you_mean_key,
     find_row,
 )
 
@@ -135,7 +132,7 @@ def _subtree(values: Mapping[str, Any], path: str) -> dict[str, Any] | None:
 
 def _lookup(expr: str, key: str, values: Mapping[str, Any]) -> Any:
     """The value of one interpolation `${expr}` written at `key`."""
-    default: Any = _NO_DEFAULT
+    default: Any = NO_DEFAULT
     if expr.startswith("oc.select:"):
         path, comma, dflt = expr.removeprefix("oc.select:").partition(",")
         default = parse_value(dflt) if comma else None
@@ -151,7 +148,7 @@ def _lookup(expr: str, key: str, values: Mapping[str, Any]) -> Any:
     sub = _subtree(values, expr)
     if sub is not None:
         return sub
-    if default is not _NO_DEFAULT:
+    if default is not NO_DEFAULT:
         return default
     raise _Unresolved(f"`{expr}` is not set")
 
@@ -266,30 +263,30 @@ def _rlplan_type(path: str) -> Any:
     return cls
 
 
-def _rlplan_default(path: str) -> Any:
+def rlplan_default(path: str) -> Any:
     from rlconf.fields import get_path
 
     return get_path(RLConfig(), path)
 
 
-def _current(settings: Mapping[str, Any], path: str, default: Any = _NO_DEFAULT) -> Any:
+def _current(settings: Mapping[str, Any], path: str, default: Any = NO_DEFAULT) -> Any:
     """The value an rlplan path gets: the imported setting, else `default`, else rlplan's own default."""
     if path in settings:
         return settings[path]
-    return _rlplan_default(path) if default is _NO_DEFAULT else default
+    return rlplan_default(path) if default is NO_DEFAULT else default
 
 
-def _plain(value: Any) -> Any:
+def plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def _show(value: Any) -> str:
-    from rlconf.render import _scalar
+def show(value: Any) -> str:
+    from rlconf.render import scalar_text
 
-    return _scalar(_plain(value))
+    return scalar_text(plain(value))
 
 
-def _nest(settings: Mapping[str, Any]) -> dict[str, Any]:
+def nest(settings: Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for path, value in settings.items():
         node = out
@@ -382,7 +379,7 @@ def translate(
 
     def put(path: str, value: Any, source: str) -> None:
         if path in settings and settings[path] != value:
-            notes.append(f"{origin[path]} and {source} both set {path}: {source} = {_show(value)} is used")
+            notes.append(f"{origin[path]} and {source} both set {path}: {source} = {show(value)} is used")
         settings[path] = value
         origin[path] = source
 
@@ -398,7 +395,7 @@ def translate(
         found, key = located[i]
         value = values[key]
         if found is None:
-            unmapped.append(Unmapped(key, value, "unknown", _did_you_mean(key) or "not a key of verl's "
+            unmapped.append(Unmapped(key, value, "unknown", did_you_mean_key(key) or "not a key of verl's "
                                      "ppo_megatron_trainer config known to rlplan"))  # fmt: skip
             continue
         _, row = found
@@ -408,11 +405,11 @@ def translate(
         try:
             new = _convert(row, value, ctx)
         except VerlValueError as exc:
-            issues.append(error(row.rlplan, f"{key} = {_show(value)}: {exc}", exc.fix, "verl-import"))
+            issues.append(error(row.rlplan, f"{key} = {show(value)}: {exc}", exc.fix, "verl-import"))
             origin.setdefault(row.rlplan, key)
             continue
         if new is SKIP:
-            mapped.append(Mapped(key, value, row.rlplan, _plain(_rlplan_default(row.rlplan)),
+            mapped.append(Mapped(key, value, row.rlplan, plain(rlplan_default(row.rlplan)),
                                  row.note or "null in verl: rlplan's default is kept", applied=False))  # fmt: skip
             continue
         mapped.append(Mapped(key, value, row.rlplan, new, row.note))
@@ -423,19 +420,7 @@ def translate(
         origin[path] = f"derived: {note}"
         derived.append(Derived(path, value, note))
 
-    # verl's defaults where they differ from rlplan's (the critic's only when the run has one).
-    estimator = _current(settings, "algorithm.adv_estimator", ctx["algorithm.adv_estimator"])
-    with_critic = _current(settings, "critic.enable", estimator == "gae") is True
-    for row in VERL_KEYS:
-        if row.rlplan is not None and row.rlplan.startswith("critic.") and not with_critic:
-            continue
-        if not row.has_default or row.rlplan is None or row.verl in values or row.rlplan in settings:
-            continue
-        if row.verl not in ctx:  # an interpolated default whose source is unset: rlplan's default holds
-            continue
-        new = _convert(row, ctx[row.verl], ctx)
-        if new is not SKIP and new != _rlplan_default(row.rlplan):
-            derive(row.rlplan, new, f"verl's default {row.verl} = {_show(ctx[row.verl])}")
+    _derive_verl_defaults(values, settings, ctx, derive)
     _derive_rlplan_rules(values, settings, derive)
     if "reward.function" not in settings and ("data.train_files" in settings):
         # verl's default reward manager scores each row by its data_source: so does this built-in.
@@ -454,6 +439,28 @@ def translate(
         notes=tuple(notes), issues=tuple(issues), origin=origin, config=config,
         plan_checked=check_plan and not any(i.severity == "error" for i in issues), sources=tuple(sources),
     )  # fmt: skip
+
+
+def _derive_verl_defaults(
+    values: Mapping[str, Any],
+    settings: dict[str, Any],
+    ctx: dict[str, Any],
+    derive: Callable[[str, Any, str], None],
+) -> None:
+    """verl's defaults where they differ from rlplan's, for keys the input leaves unset (the critic's only
+    when the run has one)."""
+    estimator = _current(settings, "algorithm.adv_estimator", ctx["algorithm.adv_estimator"])
+    with_critic = _current(settings, "critic.enable", estimator == "gae") is True
+    for row in VERL_KEYS:
+        if row.rlplan is not None and row.rlplan.startswith("critic.") and not with_critic:
+            continue
+        if not row.has_default or row.rlplan is None or row.verl in values or row.rlplan in settings:
+            continue
+        if row.verl not in ctx:  # an interpolated default whose source is unset: rlplan's default holds
+            continue
+        new = _convert(row, ctx[row.verl], ctx)
+        if new is not SKIP and new != rlplan_default(row.rlplan):
+            derive(row.rlplan, new, f"verl's default {row.verl} = {show(ctx[row.verl])}")
 
 
 def _fsdp_source(values: Mapping[str, Any]) -> str:
@@ -508,8 +515,8 @@ def _derive_rlplan_rules(
     for name in LAYOUT_FIELDS:
         actor_path, ref_path = f"actor.megatron.{name}", f"ref.megatron.{name}"
         if actor_path in settings and ref_path not in settings:
-            derive(ref_path, settings[actor_path], _IN_ACTOR)
-    for verl_prefix, ours in _MEGATRON_ROLES:
+            derive(ref_path, settings[actor_path], IN_ACTOR)
+    for verl_prefix, ours in MEGATRON_ROLES:
         tp_key = f"{ours}.tensor_model_parallel_size"
         tp = _current(settings, tp_key)
         if f"{verl_prefix}.sequence_parallel" not in values and isinstance(tp, int) and tp > 1:
@@ -542,7 +549,7 @@ def _check(settings: Mapping[str, Any], check_plan: bool) -> tuple[RLConfig, lis
     from rlconf.load import build_config
     from rlconf.validate import check_config
 
-    config, structural = build_config(_nest(settings))
+    config, structural = build_config(nest(settings))
     issues = list(structural) + list(check_config(config))
     if check_plan and not any(i.severity == "error" for i in issues):
         from rlconf.plan import compile_plan

@@ -1,0 +1,94 @@
+"""The profile and logging sections of the configuration (re-exported by rlconf.config, where RLConfig holds
+them), with the names of the profiled roles and tools."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+ProfileTool = Literal["none", "torch", "nsys", "npu"]
+Role = Literal[
+    "generate_sequences",
+    "actor_compute_log_prob",
+    "ref_compute_log_prob",
+    "actor_update",
+    "critic_compute_values",
+    "critic_update",
+    "reward_compute",
+]
+
+
+@dataclass(frozen=True)
+class TorchProfileOptions:
+    """torch.profiler options."""
+
+    activities: tuple[Literal["cpu", "cuda", "npu"], ...] = ("cpu", "cuda")
+    """Activities recorded (cuda is dropped on cpu runs)."""
+    record_shapes: bool = False
+    """Record operator input shapes."""
+    profile_memory: bool = False
+    """Track tensor allocations."""
+    with_stack: bool = False
+    """Record Python stacks (large traces)."""
+    with_flops: bool = False
+    """Estimate FLOPs of matmuls and convolutions."""
+
+
+@dataclass(frozen=True)
+class NpuProfileOptions:
+    """Ascend (torch_npu / MindSpeed) profiler options."""
+
+    level: Literal["level_none", "level0", "level1", "level2"] = "level1"
+    """Collection level."""
+    contents: tuple[Literal["npu", "cpu", "memory", "shapes", "module", "stack"], ...] = ("npu", "cpu")
+    """What is collected."""
+    analysis: bool = True
+    """Run the offline analysis after collection."""
+
+
+@dataclass(frozen=True)
+class NsysProfileOptions:
+    """Nsight Systems options (capture through cudaProfilerApi, NVTX ranges named by role)."""
+
+    trace: tuple[Literal["cuda", "nvtx", "cublas", "cudnn", "osrt"], ...] = ("cuda", "nvtx")
+    """APIs traced by nsys."""
+    cuda_memory_usage: bool = False
+    """Track CUDA memory usage."""
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    """Per-role profiling."""
+
+    tool: ProfileTool = "none"
+    """none, torch, nsys (CUDA) or npu (Ascend)."""
+    discrete: bool = True
+    """true: one profile per role call (save_path/step_N/ROLE); false: one per step (save_path/step_N/e2e)."""
+    steps: tuple[int, ...] = ()
+    """Steps to profile (steps count from 1)."""
+    ranks: tuple[int, ...] = (0,)
+    """Ranks to profile, counted within each role's world (rank r of the actor, of the critic, ...)."""
+    all_ranks: bool = False
+    """Profile every rank (ranks is ignored)."""
+    roles: tuple[Role, ...] = ()
+    """Roles to profile; empty means all."""
+    save_path: str = "profile"
+    """Output folder; a relative path is under trainer.output_dir."""
+    torch: TorchProfileOptions = field(default_factory=TorchProfileOptions)
+    """Options used when tool = torch."""
+    npu: NpuProfileOptions = field(default_factory=NpuProfileOptions)
+    """Options used when tool = npu."""
+    nsys: NsysProfileOptions = field(default_factory=NsysProfileOptions)
+    """Options used when tool = nsys."""
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Metrics and logs."""
+
+    backends: tuple[Literal["console", "jsonl", "tensorboard", "wandb"], ...] = ("console", "jsonl")
+    """Where metrics go (jsonl writes trainer.output_dir/metrics.jsonl)."""
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    """Log level of the controller and workers."""
+    plot_reward: bool = True
+    """Write reward_curve.png to trainer.output_dir at the end of the run."""
