@@ -11,6 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+# Leaf vocabulary the plan carries verbatim (profiling options, roles, built-in tools): rlconf.profile_vocab,
+# re-exported here so the config's whole vocabulary still imports from this module.
+from rlconf.profile_vocab import (
+    NpuProfileOptions,
+    NsysProfileOptions,
+    ProfileTool,
+    Role,
+    TorchProfileOptions,
+)
+
 # Names shared by validation, the plan and the workers. Kept here so that the whole vocabulary of the
 # config lives in one module.
 Device = Literal["cpu", "cuda", "npu"]
@@ -20,17 +30,6 @@ AdvEstimator = Literal[
 PolicyLossMode = Literal["vanilla", "gspo", "gpg", "clip-cov", "kl-cov", "cispo", "sapo"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
-ProfileTool = Literal["none", "torch", "nsys", "npu"]
-Role = Literal[
-    "generate_sequences",
-    "actor_compute_log_prob",
-    "ref_compute_log_prob",
-    "actor_update",
-    "critic_compute_values",
-    "critic_update",
-    "reward_compute",
-]
-ROLES: tuple[str, ...] = Role.__args__
 CHECKPOINT_CONTENTS: tuple[str, ...] = CheckpointContent.__args__
 # Rule-based reward functions shipped with rltrain (rltrain.rewards registers exactly these names).
 BUILTIN_REWARDS: tuple[str, ...] = (
@@ -553,11 +552,6 @@ class SamplingConfig:
     """Nucleus sampling mass."""
 
 
-BUILTIN_TOOLS: tuple[str, ...] = ("calculator", "python")
-"""Tools rltrain ships (rltrain/tools/): `calculator` (arithmetic on numbers, no names) and `python` (code
-run in a sandboxed subprocess)."""
-
-
 @dataclass(frozen=True)
 class MultiTurnConfig:
     """Multi-turn, tool-using rollouts (verl's rollout.multi_turn): the model writes a tool call, the tool's
@@ -852,44 +846,6 @@ class ClusterConfig:
     run stops with an error naming the address, before anything is written."""
     cpus_per_worker: float = 1.0
     """CPUs Ray reserves for each worker process."""
-
-
-@dataclass(frozen=True)
-class TorchProfileOptions:
-    """torch.profiler options."""
-
-    activities: tuple[Literal["cpu", "cuda", "npu"], ...] = ("cpu", "cuda")
-    """Activities recorded (cuda is dropped on cpu runs)."""
-    record_shapes: bool = False
-    """Record operator input shapes."""
-    profile_memory: bool = False
-    """Track tensor allocations."""
-    with_stack: bool = False
-    """Record Python stacks (large traces)."""
-    with_flops: bool = False
-    """Estimate FLOPs of matmuls and convolutions."""
-
-
-@dataclass(frozen=True)
-class NpuProfileOptions:
-    """Ascend (torch_npu / MindSpeed) profiler options."""
-
-    level: Literal["level_none", "level0", "level1", "level2"] = "level1"
-    """Collection level."""
-    contents: tuple[Literal["npu", "cpu", "memory", "shapes", "module", "stack"], ...] = ("npu", "cpu")
-    """What is collected."""
-    analysis: bool = True
-    """Run the offline analysis after collection."""
-
-
-@dataclass(frozen=True)
-class NsysProfileOptions:
-    """Nsight Systems options (capture through cudaProfilerApi, NVTX ranges named by role)."""
-
-    trace: tuple[Literal["cuda", "nvtx", "cublas", "cudnn", "osrt"], ...] = ("cuda", "nvtx")
-    """APIs traced by nsys."""
-    cuda_memory_usage: bool = False
-    """Track CUDA memory usage."""
 
 
 @dataclass(frozen=True)

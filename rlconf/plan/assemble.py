@@ -24,6 +24,7 @@ from rlconf.plan.compile import (
     _step_passes,
 )
 from rlconf.plan.memory import _memory, _rollout_refit
+from rlconf.plan.run import data_plan, reward_plan, rollout_plan, run_plan, tokenizer_plan
 from rlconf.plan.types import PLAN_VERSION, TrainerPlan
 from rlconf.run_length import run_length, with_run_length
 from rlconf.seeding import resolve_seed
@@ -89,6 +90,8 @@ def _compile(config: RLConfig, check: bool = True) -> TrainerPlan:
     resources = _resources(config, roles)
     layouts = _layouts(config, roles, resources, models)
     batches = _batch_plans(config, roles, layouts)
+    effective = _effective_config(config, models, roles)
+    rollout_tp = next(lay.tp for lay in layouts if lay.role == "rollout")
     return TrainerPlan(
         version=PLAN_VERSION,
         roles=roles,
@@ -100,11 +103,16 @@ def _compile(config: RLConfig, check: bool = True) -> TrainerPlan:
         profile=_profile(config, roles, layouts),
         checkpoint=_checkpoint(config, roles, models, layouts),
         memory=_memory(config, resources, layouts, models, batches, lora),
-        config=_effective_config(config, models, roles),
+        config=effective,
         refit=_rollout_refit(config, layouts, models),
         length=length,
         passes=_step_passes(config, roles, batches),
         lora=lora,
+        run=run_plan(effective, length.total_steps),
+        rollout=rollout_plan(effective.rollout, rollout_tp, effective.actor.router_replay),
+        data=data_plan(effective.data, effective.trainer.seed),
+        reward=reward_plan(effective.reward),
+        tokenizer=tokenizer_plan(effective.model),
     )
 
 

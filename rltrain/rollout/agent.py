@@ -49,8 +49,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from rlconf.config import MultiTurnConfig
 from rlconf.errors import ConfigError, error
+from rlconf.plan.run import ToolPlan
 from rlconf.seeding import derive_seed
 from rltrain.tokenizer import ToolCallParseError
 from rltrain.tools import PendingCall, Tool, ToolResult, ToolRunner
@@ -277,12 +277,12 @@ class AgentLoop:
     def __init__(
         self,
         tokenizer: Any,
-        cfg: MultiTurnConfig,
-        max_total_tokens: int,
+        cfg: ToolPlan,
         interaction: Interaction | None = None,
     ) -> None:
+        """`cfg`: the plan's tools and limits (its max_total_tokens bounds each row's response)."""
         self.tok, self.cfg = tokenizer, cfg
-        self.max_total_tokens = max_total_tokens
+        self.max_total_tokens = cfg.max_total_tokens
         self.interaction = interaction
         self.runner = ToolRunner(cfg)  # the tools run in its worker processes
         self.tools: list[Tool] = self.runner.tool_list
@@ -498,11 +498,11 @@ class AgentLoop:
         }
 
 
-def build_agent_loop(tokenizer: Any, cfg: MultiTurnConfig, max_response_length: int) -> AgentLoop:
-    """The agent loop of `rollout.multi_turn` (tools and interaction loaded; ConfigError when unusable)."""
+def build_agent_loop(tokenizer: Any, cfg: ToolPlan) -> AgentLoop:
+    """The agent loop of the plan's multi-turn tools (tools and interaction loaded; ConfigError when
+    unusable)."""
     interaction = load_interaction(cfg.interaction) if cfg.interaction is not None else None
-    total = cfg.max_total_tokens if cfg.max_total_tokens is not None else max_response_length
-    return AgentLoop(tokenizer, cfg, total, interaction)
+    return AgentLoop(tokenizer, cfg, interaction)
 
 
 def rows_from_rollout(batch: dict[str, torch.Tensor]) -> list[tuple[list[int], list[float]]]:
