@@ -13,6 +13,8 @@ from typing import Literal
 
 # Leaf vocabulary the plan carries verbatim (profiling options, roles, built-in tools): rlconf.profile_vocab,
 # re-exported here so the config's whole vocabulary still imports from this module.
+from rlconf.profile_vocab import BUILTIN_TOOLS as BUILTIN_TOOLS
+from rlconf.profile_vocab import ROLES as ROLES
 from rlconf.profile_vocab import (
     NpuProfileOptions,
     NsysProfileOptions,
