@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from rlconf.config import (
     DataConfig,
+    MegatronConfig,
     ModelConfig,
     MultiTurnConfig,
     RewardConfig,
@@ -204,11 +205,15 @@ class RolloutPlan:
         return self.val if validate else self.train
 
 
-def rollout_plan(r: RolloutConfig, rollout_tp: int | None = None, router_replay: bool = False) -> RolloutPlan:
-    """The RolloutPlan of `r`; `rollout_tp`: the plan's rollout layout tp (default: the section's, null
-    meaning an actor tp of 1, as the default actor section has)."""
+def rollout_plan(
+    r: RolloutConfig, rollout_tp: int | None = None, router_replay: bool = False, actor_tp: int | None = None
+) -> RolloutPlan:
+    """The RolloutPlan of `r`; `rollout_tp`: the plan's rollout layout tp (a run's). Without it (an engine
+    built outside a run): the section's, null meaning the actor's `actor_tp` (default: MegatronConfig's)."""
     if rollout_tp is None:
-        rollout_tp = r.tensor_model_parallel_size or 1
+        if actor_tp is None:
+            actor_tp = MegatronConfig.tensor_model_parallel_size
+        rollout_tp = r.tensor_model_parallel_size or actor_tp
     return RolloutPlan(
         engine=r.engine,
         max_response_length=r.max_response_length,

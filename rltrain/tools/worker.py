@@ -54,8 +54,8 @@ def main() -> None:
 
     try:
         fields = config["multi_turn"]
-        cfg = ToolPlan(**{**fields, "tools": tuple(fields["tools"])})
-        tools = {t.name: t for t in load_tools(cfg)}
+        plan = ToolPlan(**{**fields, "tools": tuple(fields["tools"])})
+        tools = {t.name: t for t in load_tools(plan)}
     except Exception as exc:  # reported to the runner, which turns every call into an error observation
         send({"error": f"{type(exc).__name__}: {exc}"})
         return
