@@ -13,11 +13,15 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # Sections in modules of their own, re-exported (`from rlconf.config import ProfileConfig` keeps working).
-from rlconf.profile_config import (  # noqa: F401
-    LoggingConfig,
+from rlconf.profile_config import LoggingConfig, ProfileConfig
+
+# Leaf vocabulary the plan carries verbatim (profiling options, roles, built-in tools): rlconf.profile_vocab,
+# re-exported here so the config's whole vocabulary still imports from this module.
+from rlconf.profile_vocab import BUILTIN_TOOLS as BUILTIN_TOOLS
+from rlconf.profile_vocab import ROLES as ROLES
+from rlconf.profile_vocab import (  # noqa: F401
     NpuProfileOptions,
     NsysProfileOptions,
-    ProfileConfig,
     ProfileTool,
     Role,
     TorchProfileOptions,
@@ -32,7 +36,6 @@ AdvEstimator = Literal[
 PolicyLossMode = Literal["vanilla", "gspo", "gpg", "clip-cov", "kl-cov", "cispo", "sapo"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
-ROLES: tuple[str, ...] = Role.__args__
 CHECKPOINT_CONTENTS: tuple[str, ...] = CheckpointContent.__args__
 # Rule-based reward functions shipped with rltrain (rltrain.rewards registers exactly these names).
 BUILTIN_REWARDS: tuple[str, ...] = (
@@ -553,11 +556,6 @@ class SamplingConfig:
     """0 means greedy decoding; otherwise in [0.001, 100]."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
-
-
-BUILTIN_TOOLS: tuple[str, ...] = ("calculator", "python")
-"""Tools rltrain ships (rltrain/tools/): `calculator` (arithmetic on numbers, no names) and `python` (code
-run in a sandboxed subprocess)."""
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,13 @@ def tokenizer_issues(model: ModelConfig) -> Iterator[Issue]:
     path = model.tokenizer_path if model.tokenizer_path is not None else model.path
     if path is None:
         return
-    key = "model.tokenizer_path" if model.tokenizer_path is not None else "model.path"
+    yield from folder_issues(
+        path, "model.tokenizer_path" if model.tokenizer_path is not None else "model.path"
+    )
+
+
+def folder_issues(path: str, key: str) -> Iterator[Issue]:
+    """Why the tokenizer folder `path`, named by the config path `key`, would not load."""
     folder = os.path.expanduser(path)
     if not os.path.isdir(folder):
         if key == "model.tokenizer_path":  # a missing model.path is reported by the config.json rule

@@ -300,9 +300,10 @@ def _run(argv: Sequence[str]) -> int:
 
     if note := quiet_driver(config.cluster.device):  # third-party noise filtered; what it meant, said once
         print(note, file=sys.stderr, flush=True)
+    from rlconf.run_config import ConfigDocument
     from rltrain.controller import run_training
 
-    return run_training(config, plan)
+    return run_training(plan, ConfigDocument.of(config))
 
 
 def _source_of(argv: Sequence[str]) -> str:

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
-from rlconf.config import RLConfig
 from rlconf.errors import ConfigError, error
 from rlconf.plan import TrainerPlan
+from rlconf.run_config import ConfigDocument
 from rlconf.seeding import ROLLOUT, VALIDATE, derive_seed
 from rltrain import algorithms
 from rltrain import device as devices
@@ -60,13 +60,14 @@ class Trainer:
 
     def __init__(
         self,
-        config: RLConfig,
         plan: TrainerPlan,
+        document: ConfigDocument,
         ray_temp_dir: str | None = None,
         run_folder: RunFolder | None = None,
         stop_signals: StopSignals | None = None,
     ) -> None:
-        """`run_folder`: the folder `run_training` locked and checked (opened here when not given; its
+        """`document`: the run's config as the run folder records it (config.yaml, the resume check).
+        `run_folder`: the folder `run_training` locked and checked (opened here when not given; its
         checkpoints were cleaned and the resume point found under the lock). `stop_signals` are put back in
         place once Ray has started (ray.init installs its own SIGTERM handler)."""
         from rltrain.data import ListPromptSource, build_dataloaders
@@ -75,38 +76,39 @@ class Trainer:
         from rltrain.workers import CriticWorker, PolicyWorker, RewardModelWorker, RolloutWorker
 
         self.plan = plan
-        self.cfg = cfg = plan.config
+        self.run = run = plan.run
+        # Read only by the step methods (train_step, _advantages_and_updates, _step_perf, dynamic_sampling)
+        # until they read the plan's loss and batch parts.
+        self.cfg = plan.config
         self._own_folder = run_folder is None
-        self.run_folder = run_folder if run_folder is not None else RunFolder.open(config, plan)
+        self.run_folder = run_folder if run_folder is not None else RunFolder.open(document, plan)
         self.out = self.run_folder.path
-        self.run_folder.record_start(config, plan)
+        self.run_folder.record_start(document, plan)
         self.ckpt, self.resume = self.run_folder.ckpt, self.run_folder.resume
         # The last step whose metrics line is written: a stop keeps only saves of steps up to it.
         self._logged_step = 0
-        self.guard = DivergenceGuard(cfg.trainer.max_bad_steps)
+        self.guard = DivergenceGuard(run.max_bad_steps)
 
-        self.tokenizer = load_tokenizer(cfg.model)
-        self.reward_fn = load_reward_function(cfg.reward.function)
-        self.train_data, self.val_data = build_dataloaders(cfg.data, self.tokenizer)
+        self.tokenizer = load_tokenizer(plan.tokenizer)
+        self.reward_fn = load_reward_function(plan.reward.function)
+        self.train_data, self.val_data = build_dataloaders(plan.data, self.tokenizer)
         for loader in (self.train_data, self.val_data):  # before Ray starts: rows no scorer can score
             if loader is not None and isinstance(loader.source, ListPromptSource):
                 check_data_sources(self.reward_fn, [e.data_source for e in loader.source.examples])
         self.agent = None
-        if cfg.rollout.multi_turn.enable:  # tools run here, between the turns the workers generate
+        if plan.rollout.multi_turn is not None:  # tools run here, between the turns the workers generate
             from rltrain.rollout.agent import build_agent_loop
 
-            self.agent = build_agent_loop(
-                self.tokenizer, cfg.rollout.multi_turn, cfg.rollout.max_response_length
-            )
-        self.kl_ctrl = algorithms.build_kl_controller(cfg.algorithm.kl_ctrl)
-        self.logger = MetricsLogger(self.out, cfg.logging.backends, cfg.trainer.total_steps,
-                                    cfg.trainer.project_name, cfg.trainer.experiment_name)  # fmt: skip
+            self.agent = build_agent_loop(self.tokenizer, plan.rollout.multi_turn)
+        self.kl_ctrl = algorithms.build_kl_controller(self.cfg.algorithm.kl_ctrl)
+        self.logger = MetricsLogger(self.out, run.logging.backends, run.total_steps, run.project_name,
+                                    run.experiment_name)  # fmt: skip
         # Rule rewards run here in the controller; they are profiled as rank 0 of the `reward_compute` role.
         self.reward_profiler = Profiler(plan.profile, worker="controller", rank=0, device="cpu")
 
         # Ray: one placement group per plan pool; each process-role (policy = actor + rollout + ref, critic,
         # reward model) puts rank r on device r of its pool, so colocated roles share devices.
-        device, cpus = cfg.cluster.device, cfg.cluster.cpus_per_worker
+        device, cpus = run.cluster.device, run.cluster.cpus_per_worker
         process_roles = {"actor": PolicyWorker, "critic": CriticWorker, "reward_model": RewardModelWorker}
         assert plan.refit is not None and plan.passes is not None
         self.separate_rollout = plan.refit.mode == "push"
@@ -116,7 +118,7 @@ class Trainer:
         sharing = {p.name: sum(1 for r in present if r in p.roles) for p in plan.resources.pools}
         need = sum(p.num_devices * sharing[p.name] for p in plan.resources.pools)
         # ray.init replaces the SIGTERM handler: ours goes back at once (start_ray's on_started).
-        start_ray(cfg.cluster.ray_address, num_cpus=max(int(need * cpus), 1), temp_dir=ray_temp_dir,
+        start_ray(run.cluster.ray_address, num_cpus=max(int(need * cpus), 1), temp_dir=ray_temp_dir,
                   on_started=stop_signals.install if stop_signals is not None else None)  # fmt: skip
         pools = {p.name: Pool.for_plan(p, plan.resources, cpus, sharing[p.name])
                  for p in plan.resources.pools if sharing[p.name]}  # fmt: skip
@@ -153,7 +155,7 @@ class Trainer:
             self._join_push_groups()
             version = self.start_step - 1  # the weights after that many updates (the checkpoint's)
             self._push_weights(version)
-            self.pipeline = RolloutPipeline(self._produce, self.start_step, cfg.trainer.total_steps,
+            self.pipeline = RolloutPipeline(self._produce, self.start_step, run.total_steps,
                                             plan.passes.off_policy_steps, version)  # fmt: skip
 
     # ------------------------------------------------------------------------------------ checkpoints
@@ -203,7 +205,7 @@ class Trainer:
         for step in self.ckpt.pending_steps():
             if self.ckpt.ready(step):
                 self.ckpt.commit(step)
-                self.ckpt.apply_retention(self.cfg.trainer.max_ckpt_to_keep)
+                self.ckpt.apply_retention(self.plan.checkpoint.max_ckpt_to_keep)
 
     # ------------------------------------------------------------------------------------ dispatch
     def _dispatch(
@@ -281,10 +283,11 @@ class Trainer:
             rule_mean = float(sum(scores) / len(scores))
         batch["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
         lengths = batch["response_mask"].sum(-1).float()
-        overlong = self.cfg.reward.overlong_buffer
-        if overlong.enable and not validate:  # DAPO reward shaping: training rewards only
+        overlong = self.plan.reward.overlong
+        max_response_length = self.plan.rollout.max_response_length
+        if overlong is not None and not validate:  # DAPO reward shaping: training rewards only
             batch["overlong_penalty"] = algorithms.overlong_penalty(
-                lengths, self.cfg.rollout.max_response_length, overlong.len, overlong.penalty_factor
+                lengths, max_response_length, overlong.length, overlong.penalty_factor
             )
             task_mean = batch["scores"].mean().item()
             batch["scores"] = batch["scores"] + batch["overlong_penalty"]
@@ -294,7 +297,7 @@ class Trainer:
             "reward/min": batch["scores"].min().item(),
             "response/length_mean": lengths.mean().item(),
             # Responses cut at the length limit (no EOS): what the overlong buffer penalises.
-            "response/clip_ratio": (lengths >= self.cfg.rollout.max_response_length).float().mean().item(),
+            "response/clip_ratio": (lengths >= max_response_length).float().mean().item(),
             "timing/reward_s": time.perf_counter() - t0,
         }
         if "overlong_penalty" in batch:
@@ -332,16 +335,15 @@ class Trainer:
 
     def generate_batch(self, step: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The rollout part of step `step`: its prompts, generated responses and rewards (timing/generate_s)."""
-        cfg = self.cfg
         prompts = next(self.train_data)
         t0 = time.perf_counter()
         # Each random stream of the step is keyed by (seed, step, purpose), never by what ran before (a
         # validation pass, a restart): a resumed run repeats the uninterrupted one exactly.
-        seed = derive_seed(cfg.trainer.seed, step, ROLLOUT)
-        if cfg.algorithm.filter_groups.enable:
+        seed = derive_seed(self.run.seed, step, ROLLOUT)
+        if self.cfg.algorithm.filter_groups.enable:
             batch, metrics = self.dynamic_sampling(step, prompts)
         else:
-            batch, metrics = self.rollout(prompts, cfg.rollout.n, seed)
+            batch, metrics = self.rollout(prompts, self.plan.batch_plan("actor").responses_per_prompt, seed)
         self._data_states[step] = self.train_data.state_dict()
         metrics["timing/generate_s"] = time.perf_counter() - t0
         return batch, metrics
@@ -353,7 +355,7 @@ class Trainer:
             self.rollout_group.call("set_step", per_rank_args=[(step,)] * self.rollout_group.world_size)
         batch, metrics = self.generate_batch(step)
         if devices.is_accelerator(
-            self.cfg.cluster.device
+            self.run.cluster.device
         ):  # the rollout pool's peaks, read here (it is ours)
             metrics["_rollout_memory"] = self.rollout_group.call("step_memory")
         if "weight_version" in batch and bool((batch["weight_version"] != version).any()):
@@ -368,7 +370,7 @@ class Trainer:
         from rltrain.ray_group import wait_all
         from rltrain.rollout.push import PushEndpoint
 
-        timeout = self.cfg.rollout.push_timeout_s
+        timeout = self.plan.rollout.push_timeout_s
         host, port = self.policy.wait([self.policy.workers[0].push_endpoint.remote(timeout)])[0]
         endpoint = PushEndpoint(host, port, timeout, self.plan.refit.senders, self.rollout_group.world_size)
         wait_all([(self.policy, self.policy.submit("join_push", [(endpoint,)] * self.policy.world_size)),
@@ -638,8 +640,8 @@ class Trainer:
             return {}
         scores, lengths = [], []
         for i, prompts in enumerate(self.val_data):
-            seed = derive_seed(self.cfg.trainer.seed, step, f"{VALIDATE}/{i}")
-            batch, _ = self.rollout(prompts, self.cfg.rollout.val.n, seed, validate=True)
+            seed = derive_seed(self.run.seed, step, f"{VALIDATE}/{i}")
+            batch, _ = self.rollout(prompts, self.plan.rollout.val_responses_per_prompt, seed, validate=True)
             scores.append(batch["scores"])
             lengths.append(batch["response_mask"].sum(-1).float())
         return {
@@ -649,7 +651,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ the loop
     def fit(self) -> None:
-        cfg = self.cfg.trainer
+        run = self.run
         start = self.start_step
         # A resumed run redoes the steps after its checkpoint: their old lines go, so no step appears twice.
         self.logger.truncate_after(start - 1)
@@ -657,13 +659,13 @@ class Trainer:
         # Validation before training is logged with the first step, as `val_before/...`, so every line of
         # metrics.jsonl is a training step.
         before = {f"val_before/{k.removeprefix('val/')}": v for k, v in self.validate(start - 1).items()} if (
-            cfg.val_before_train) else {}  # fmt: skip
-        for step in range(start, cfg.total_steps + 1):
+            run.val_before_train) else {}  # fmt: skip
+        for step in range(start, run.total_steps + 1):
             t0 = time.perf_counter()
             metrics = self.train_step(step)
             if step == start:
                 metrics.update(before)
-            if cfg.test_freq and (step % cfg.test_freq == 0 or step == cfg.total_steps):
+            if run.test_freq and (step % run.test_freq == 0 or step == run.total_steps):
                 with self.pipeline.exclusive() if self.pipeline is not None else contextlib.nullcontext():
                     metrics.update(self.validate(step))
             self._finalize_saves(blocking=False)  # commit background saves that finished meanwhile
@@ -700,8 +702,8 @@ class Trainer:
                 group.call("finish")  # flush continuous profiles before the summary reads them
             summary = write_summary(self.plan.profile.save_path)
             print(f"profile summary: {summary}\n{summary.read_text()}", flush=True)
-        if self.cfg.logging.plot_reward:
-            plot_reward_curve(self.out / "metrics.jsonl", self.out / REWARD_PLOT, title=cfg.experiment_name)
+        if run.logging.plot_reward:
+            plot_reward_curve(self.out / "metrics.jsonl", self.out / REWARD_PLOT, title=run.experiment_name)
 
     def _settle_saves(self) -> None:
         """On a stop: staged saves of steps whose metrics line is written are finished (each worker first
@@ -716,7 +718,7 @@ class Trainer:
             for step in keep:
                 if self.ckpt.ready(step):
                     self.ckpt.commit(step)
-                    self.ckpt.apply_retention(self.cfg.trainer.max_ckpt_to_keep)
+                    self.ckpt.apply_retention(self.plan.checkpoint.max_ckpt_to_keep)
         except (WorkerError, CheckpointError) as exc:
             print(f"stopping: the checkpoint could not be finished ({exc}); it is removed", file=sys.stderr)
 
@@ -819,18 +821,20 @@ def _worker_failure_fix(exc: WorkerError, folder: RunFolder | None) -> str:
             f"command resumes from {where} (trainer.resume_mode: auto)")  # fmt: skip
 
 
-def run_training(config: RLConfig, plan: TrainerPlan) -> int:
+def run_training(plan: TrainerPlan, document: ConfigDocument) -> int:
     """Run a whole training job; returns the process exit code (0 done or nothing to do, 1 a worker failed,
     3 (DIVERGED_EXIT) trainer.max_bad_steps bad steps in a row, 130 / 143 stopped by SIGINT / SIGTERM; a
     ConfigError, exit 2, propagates).
 
     Before Ray starts: the device check, then the run folder is locked and checked (`RunFolder.open`: another
-    run holding it, a changed config, a finished run). The lock is held until the process exits."""
-    if not (config.cluster.ray_address or os.environ.get("RAY_ADDRESS")):
+    run holding it, a changed config, a finished run). The lock is held until the process exits.
+    `document`: the run's config as the run folder records and compares it (the CLI layer makes it)."""
+    run = plan.run
+    if not (run.cluster.ray_address or os.environ.get("RAY_ADDRESS")):
         # The local Ray cluster's workers run on this machine: a device it lacks (no GPU, no torch_npu /
         # CANN / MindSpeed) is a config error with what to install (exit 2), found before Ray starts, not
         # a placement group that never fills. A remote cluster's nodes are other machines.
-        devices.check_available(config.cluster.device)
+        devices.check_available(run.cluster.device)
     # Before the run folder is touched: a cluster that does not answer or is too small (rltrain --dry-run
     # checks the same, and the disk).
     from rltrain.preflight import check_cluster, check_disk, check_engine
@@ -846,12 +850,12 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
     diverged: DivergedError | None = None
     try:
         try:
-            folder = RunFolder.open(config, plan)
+            folder = RunFolder.open(document, plan)
             if folder.finished:
                 print(folder.finished, flush=True)
                 return 0
             check_disk(plan)  # room for a checkpoint, before config.yaml / plan.json are written
-            trainer = Trainer(config, plan, run_folder=folder, stop_signals=stop)
+            trainer = Trainer(plan, document, run_folder=folder, stop_signals=stop)
             trainer.fit()
         except KeyboardInterrupt:
             code = stop.exit_code()
@@ -861,11 +865,11 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
             failed = trainer is not None  # raised by a worker: the other ranks may wait for it
             raise
         except OSError as exc:  # the run folder's filesystem (full, read-only): one line, not a crash
-            if (errno_ := storage_errno(exc, config.trainer.output_dir)) is None:
+            if (errno_ := storage_errno(exc, run.output_dir)) is None:
                 raise
             failed = trainer is not None
-            raise storage_error(errno_, f"a file of the run could not be written to {config.trainer.output_dir}",
-                                config.trainer.output_dir, plan.checkpoint.size_bytes,
+            raise storage_error(errno_, f"a file of the run could not be written to {run.output_dir}",
+                                run.output_dir, plan.checkpoint.size_bytes,
                                 "every complete checkpoint is intact") from None  # fmt: skip
         except WorkerError as exc:
             if stop.signum is not None:  # a worker ended by the same signal (Ctrl-C reaches the whole group)
@@ -894,5 +898,5 @@ def run_training(config: RLConfig, plan: TrainerPlan) -> int:
     if diverged is not None:
         print(f"error: {diverged}", file=sys.stderr, flush=True)
         return DIVERGED_EXIT
-    print(f"done: {config.trainer.output_dir}/metrics.jsonl, {config.trainer.output_dir}/{REWARD_PLOT}")
+    print(f"done: {run.output_dir}/metrics.jsonl, {run.output_dir}/{REWARD_PLOT}")
     return 0

@@ -32,11 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlconf.config import DataConfig
 from rlconf.errors import ConfigError, error
 from rlconf.files import MAX_DATA_BYTES, check_regular
+from rlconf.plan.run import DataPlan
 from rlconf.run_length import batches_per_epoch
-from rlconf.seeding import run_seed
 from rltrain.tokenizer import Prompt, Tokenizer, messages_to_text
 
 logger = logging.getLogger(__name__)
@@ -178,16 +177,16 @@ class SyntheticPromptSource:
         task: str,
         seed: int,
         tokenizer: Tokenizer,
-        data_cfg: DataConfig,
+        data: DataPlan,
         split: str = "train",
         size: int | None = None,
     ) -> None:
         synthetic_sample(task, seed, 0, split)  # validates task and split up front
         self.task, self.seed, self.split, self.size = task, seed, split, size
         self.tokenizer = tokenizer
-        self.max_prompt_length = data_cfg.max_prompt_length
-        self.truncation = data_cfg.truncation
-        self.apply_chat_template = data_cfg.apply_chat_template
+        self.max_prompt_length = data.max_prompt_length
+        self.truncation = data.truncation
+        self.apply_chat_template = data.apply_chat_template
 
     def __len__(self) -> int:
         if self.size is None:
@@ -318,7 +317,7 @@ def _check_prompt(value: Any, where: str) -> Prompt:
 
 def load_prompt_files(
     files: Sequence[str],
-    data_cfg: DataConfig,
+    data: DataPlan,
     tokenizer: Tokenizer,
     files_key: str = "data.train_files",
 ) -> list[Example]:
@@ -334,8 +333,8 @@ def load_prompt_files(
         path = Path(name)
         rows, columns = _read_rows(path, files_key)
         for key_path, key in (
-            ("data.prompt_key", data_cfg.prompt_key),
-            ("data.answer_key", data_cfg.answer_key),
+            ("data.prompt_key", data.prompt_key),
+            ("data.answer_key", data.answer_key),
         ):
             # Parquet has a schema: report a missing column once, with the columns there are.
             if columns is not None and key not in columns and key.split(".")[0] not in columns:
@@ -347,11 +346,11 @@ def load_prompt_files(
                 )
         for row_no, row in enumerate(rows):
             where = f"{path}:{row_no + 1}" if columns is None else f"{path} row {row_no}"
-            found_p, raw_prompt = _lookup(row, data_cfg.prompt_key)
-            found_a, raw_answer = _lookup(row, data_cfg.answer_key)
+            found_p, raw_prompt = _lookup(row, data.prompt_key)
+            found_a, raw_answer = _lookup(row, data.answer_key)
             for found, key_path, key in (
-                (found_p, "data.prompt_key", data_cfg.prompt_key),
-                (found_a, "data.answer_key", data_cfg.answer_key),
+                (found_p, "data.prompt_key", data.prompt_key),
+                (found_a, "data.answer_key", data.answer_key),
             ):
                 if not found:
                     raise DataError(
@@ -363,13 +362,13 @@ def load_prompt_files(
             if raw_answer is None:
                 raise DataError(
                     "data.answer_key",
-                    f"{data_cfg.answer_key!r} is null in {where}",
+                    f"{data.answer_key!r} is null in {where}",
                     "give every row a ground truth (the reward function needs one)",
                     rule="data-missing-answer",
                 )
             prompt = _check_prompt(raw_prompt, where)
-            ids = tokenizer.encode_prompt(prompt, data_cfg.apply_chat_template)
-            fitted = fit_prompt(ids, data_cfg.max_prompt_length, data_cfg.truncation, where)
+            ids = tokenizer.encode_prompt(prompt, data.apply_chat_template)
+            fitted = fit_prompt(ids, data.max_prompt_length, data.truncation, where)
             if fitted is None:
                 dropped += 1
             else:
@@ -390,11 +389,11 @@ def load_prompt_files(
             "dropped %d of %d prompts longer than data.max_prompt_length=%d (data.truncation=filter)",
             dropped,
             index,
-            data_cfg.max_prompt_length,
+            data.max_prompt_length,
         )
     if not examples:
         reason = (
-            f"all {index} prompts are longer than data.max_prompt_length={data_cfg.max_prompt_length}"
+            f"all {index} prompts are longer than data.max_prompt_length={data.max_prompt_length}"
             if dropped
             else "the files hold no rows"
         )
@@ -583,25 +582,23 @@ class PromptDataloader:
 
 
 # ---------------------------------------------------------------------------------------- building
-def build_prompt_sources(
-    data_cfg: DataConfig, tokenizer: Tokenizer
-) -> tuple[PromptSource, PromptSource | None]:
+def build_prompt_sources(data: DataPlan, tokenizer: Tokenizer) -> tuple[PromptSource, PromptSource | None]:
     """(train, val) sources from `data`: files when data.train_files is set, else the synthetic task.
 
     Validation: data.val_files when set; else, for the synthetic task, SYNTHETIC_VAL_SIZE samples of a
     separately seeded stream; else (training files without validation files) None: no validation.
     """
-    seed = run_seed(data_cfg.seed)  # a run's plan has resolved it (None -> trainer.seed)
-    if data_cfg.train_files:
-        train: PromptSource = ListPromptSource(load_prompt_files(data_cfg.train_files, data_cfg, tokenizer))
+    seed = data.seed  # the plan resolved it (data.seed, null: trainer.seed)
+    if data.train_files:
+        train: PromptSource = ListPromptSource(load_prompt_files(data.train_files, data, tokenizer))
     else:
-        train = SyntheticPromptSource(data_cfg.synthetic_task, seed, tokenizer, data_cfg, "train")
+        train = SyntheticPromptSource(data.synthetic_task, seed, tokenizer, data, "train")
     val: PromptSource | None
-    if data_cfg.val_files:
-        val = ListPromptSource(load_prompt_files(data_cfg.val_files, data_cfg, tokenizer, "data.val_files"))
-    elif not data_cfg.train_files:
+    if data.val_files:
+        val = ListPromptSource(load_prompt_files(data.val_files, data, tokenizer, "data.val_files"))
+    elif not data.train_files:
         val = SyntheticPromptSource(
-            data_cfg.synthetic_task, seed, tokenizer, data_cfg, "val", size=SYNTHETIC_VAL_SIZE
+            data.synthetic_task, seed, tokenizer, data, "val", size=SYNTHETIC_VAL_SIZE
         )
     else:
         val = None
@@ -609,17 +606,15 @@ def build_prompt_sources(
 
 
 def build_dataloaders(
-    data_cfg: DataConfig, tokenizer: Tokenizer
+    data: DataPlan, tokenizer: Tokenizer
 ) -> tuple[PromptDataloader, PromptDataloader | None]:
     """(train loader, validation loader or None) for the `data` section."""
-    train_src, val_src = build_prompt_sources(data_cfg, tokenizer)
-    seed = run_seed(data_cfg.seed)
-    train = PromptDataloader(
-        train_src, data_cfg.train_batch_size, shuffle=data_cfg.shuffle, seed=seed, repeat=True
-    )
+    train_src, val_src = build_prompt_sources(data, tokenizer)
+    seed = data.seed
+    train = PromptDataloader(train_src, data.train_batch_size, shuffle=data.shuffle, seed=seed, repeat=True)
     val = (
         None
         if val_src is None
-        else PromptDataloader(val_src, data_cfg.val_batch_size, shuffle=False, seed=seed, repeat=False)
+        else PromptDataloader(val_src, data.val_batch_size, shuffle=False, seed=seed, repeat=False)
     )
     return train, val

@@ -149,7 +149,7 @@ def check_fits(info: ClusterInfo, plan: TrainerPlan) -> str:
 
 def check_cluster(plan: TrainerPlan) -> str:
     """Check the cluster the run would use (see the module docstring); returns what was checked, in words."""
-    cluster = plan.config.cluster
+    cluster = plan.run.cluster
     address, source = cluster_address(cluster.ray_address)
     if address is None:
         if plan.resources.nnodes > 1:
@@ -212,7 +212,7 @@ def check_disk(plan: TrainerPlan) -> list[str]:
     ck = plan.checkpoint
     if not ck.enabled:
         return []
-    where = existing_ancestor(plan.config.trainer.output_dir)
+    where = existing_ancestor(plan.run.output_dir)
     check_free_space(where, ck.size_bytes, f"a checkpoint of this run does not fit in {where}")
     return [
         f"disk: {free_bytes(where) / (1 << 30):.2f} GiB free at {where}; a checkpoint needs about "

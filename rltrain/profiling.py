@@ -45,8 +45,8 @@ from typing import Any, TypeVar
 
 import torch
 
-from rlconf.config import ROLES, NpuProfileOptions, NsysProfileOptions, TorchProfileOptions
 from rlconf.plan import ProfilePlan
+from rlconf.profile_vocab import ROLES, NpuProfileOptions, NsysProfileOptions, TorchProfileOptions
 from rltrain import device as devices
 from rltrain.checkpoint.manifest import JSON_ERRORS, read_json
 from rltrain.npu import MstxRange, load_torch_npu

@@ -25,9 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlconf.config import RLConfig
-from rlconf.load import config_to_dict
-from rlconf.render import flatten
+from rlconf.plan.run import DataPlan
+from rlconf.run_config import ConfigDocument, flatten, unflatten
 
 RECORD_KEY = "run"
 """The key of the record in a checkpoint's COMPLETE marker."""
@@ -106,12 +105,13 @@ class RunRecord:
     """{file as the config names it: (config path, identity or None when it could not be read)}."""
 
     @classmethod
-    def of(cls, config: RLConfig) -> RunRecord:
+    def of(cls, document: ConfigDocument, prompts: DataPlan) -> RunRecord:
+        """This start's record: its config and the identities of the plan's prompt files."""
         data: dict[str, tuple[str, FileIdentity | None]] = {}
-        for key, files in zip(_DATA_KEYS, (config.data.train_files, config.data.val_files), strict=True):
+        for key, files in zip(_DATA_KEYS, (prompts.train_files, prompts.val_files), strict=True):
             for name in files:
                 data.setdefault(name, (key, file_identity(name)))
-        return cls(config_to_dict(config), data)
+        return cls(document.values, data)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -201,13 +201,13 @@ def record_file(folder: str | os.PathLike) -> Path:
     return Path(folder) / COMPLETE
 
 
-def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
-    """{dotted path: value} -> nested dict (the inverse of rlconf.render.flatten)."""
-    out: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = out
-        *parents, leaf = path.split(".")
-        for part in parents:
-            node = node.setdefault(part, {})
-        node[leaf] = value
-    return out
+__all__ = [
+    "RECORD_KEY",
+    "DataChange",
+    "FileIdentity",
+    "RunRecord",
+    "checkpoint_record",
+    "file_identity",
+    "record_file",
+    "unflatten",
+]

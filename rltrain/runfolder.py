@@ -1,7 +1,7 @@
 """The run folder (`trainer.output_dir`) around a run: one run at a time, what the folder already holds, its
 config history, and a clean stop on SIGINT / SIGTERM.
 
-`RunFolder.open(config, plan)` runs in `run_training` before Ray starts (seconds, no workers):
+`RunFolder.open(document, plan)` runs in `run_training` before Ray starts (seconds, no workers):
   1. lock: `run.lock` is flock'ed for the whole run and names its holder (host, pid, start time, command);
      a second run on the folder is a ConfigError (exit 2) naming the holder. The kernel drops the lock when
      its holder dies; the next run reports that it takes over from the dead PID.
@@ -17,7 +17,8 @@ config history, and a clean stop on SIGINT / SIGTERM.
      checkpoint without a record (older rlplan versions) is compared with, with a warning.
   4. finished: a run whose steps are all done says so and exits 0 (nothing is written, Ray never starts).
 
-Fields that are not changes of the run (recorded in the history, never refused), see `free_reason`:
+Fields that are not changes of the run (recorded in the history, never refused), see
+`rlconf.run_config.free_reason`:
   logging.*, profile.*                                    what is observed, not what is trained
   trainer.output_dir, project_name, experiment_name       names
   trainer.resume_mode, resume_from_path, accept_config_changes    how this start resumes
@@ -46,22 +47,27 @@ import socket
 import sys
 import time
 import warnings
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rlconf.config import RLConfig
 from rlconf.errors import ConfigError, error
-from rlconf.fields import get_path, replace_paths
-from rlconf.load import config_from_dict, config_to_dict, dump_yaml, parse_yaml
-from rlconf.plan import compile_plan, plan_to_dict
-from rlconf.render import diff_dicts, flatten
+from rlconf.plan import plan_to_dict
+from rlconf.run_config import (
+    ConfigChange,
+    ConfigDocument,
+    canonical_yaml,
+    config_changes,
+    flatten,
+    parse_flat,
+    yaml_scalar,
+)
 from rltrain import metrics_file
-from rltrain.run_record import DataChange, RunRecord, checkpoint_record, record_file, unflatten
+from rltrain.run_record import DataChange, RunRecord, checkpoint_record, record_file
 
 if TYPE_CHECKING:
     from rlconf.plan import TrainerPlan
+    from rlconf.plan.run import RunPlan
     from rltrain.checkpoint import CheckpointRegistry, Resume
 
 LOCK_FILE = "run.lock"
@@ -71,34 +77,6 @@ HISTORY_FILE = "config_history.jsonl"
 METRICS_FILE = "metrics.jsonl"  # rltrain.metrics.METRICS_FILE, without importing torch through it
 
 EXIT_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}
-
-_FREE_PREFIXES = {"logging.": "logging", "profile.": "profiling"}
-_FREE_PATHS = {
-    "trainer.output_dir": "a name",
-    "trainer.project_name": "a name",
-    "trainer.experiment_name": "a name",
-    "trainer.resume_mode": "how this start resumes",
-    "trainer.resume_from_path": "how this start resumes",
-    "trainer.accept_config_changes": "how this start resumes",
-    "trainer.save_freq": "saving",
-    "trainer.max_ckpt_to_keep": "saving",
-    "trainer.test_freq": "validation",
-    "trainer.val_before_train": "validation",
-    "cluster.ray_address": "where it runs",
-    "cluster.cpus_per_worker": "where it runs",
-    "cluster.connect_timeout_s": "where it runs",
-    "cluster.device_memory_gib": "the memory check",
-    "rollout.push_timeout_s": "a failure timeout",
-}
-
-
-def free_reason(path: str) -> str | None:
-    """Why a changed field is not a change of the run (None when it is one); total_steps is judged apart."""
-    if path in _FREE_PATHS:
-        return _FREE_PATHS[path]
-    if path.endswith((".checkpoint.async_save", ".checkpoint.save_contents")):
-        return "saving"
-    return next((why for prefix, why in _FREE_PREFIXES.items() if path.startswith(prefix)), None)
 
 
 # ============================================================================================ the lock
@@ -206,7 +184,7 @@ def recorded_config(folder: str | os.PathLike) -> dict[str, Any] | None:
     folder = Path(folder)
     if not (folder / CONFIG_FILE).is_file():
         return None
-    flat = flatten(parse_yaml((folder / CONFIG_FILE).read_text(), source=str(folder / CONFIG_FILE)) or {})
+    flat = parse_flat((folder / CONFIG_FILE).read_text(), str(folder / CONFIG_FILE))
     for entry in read_history(folder):
         for change in entry["changes"]:
             if change["new"] is None and change.get("removed"):
@@ -226,93 +204,6 @@ def read_history(folder: str | os.PathLike) -> list[dict[str, Any]]:
         with contextlib.suppress(json.JSONDecodeError):
             entries.append(json.loads(line))
     return entries
-
-
-def _scalar(value: Any) -> str:
-    return dump_yaml(value).strip().removesuffix("...").strip()
-
-
-def _default(path: str) -> Any:
-    try:
-        return config_to_dict(get_path(RLConfig(), path))
-    except AttributeError:
-        return None
-
-
-@dataclass(frozen=True)
-class ConfigChange:
-    """A field whose value differs from the run folder's config."""
-
-    path: str
-    old: Any
-    new: Any
-    free: str | None = None
-    """Why it is not a change of the run (None: it is one)."""
-    note: str = ""
-    removed: bool = False
-
-    def describe(self) -> str:
-        return f"{self.path}: {_scalar(self.old)} -> {_scalar(self.new)}" + (
-            f" ({self.note})" if self.note else ""
-        )
-
-    def record(self, kind: str) -> dict[str, Any]:
-        out = {"path": self.path, "old": self.old, "new": self.new, "kind": kind}
-        if self.free:
-            out["why"] = self.free
-        if self.removed:
-            out["removed"] = True
-        return out
-
-
-def _lr_rows(config: RLConfig, first: int, last: int) -> dict[str, list[tuple]]:
-    """{role: [(step, scheduler step, update, lr, weight decay) for steps first..last]} of the plan."""
-    plan = compile_plan(config)
-    return {
-        o.role: [
-            (r.step, r.scheduler_step, r.update, r.lr, r.weight_decay) for r in o.table[first - 1 : last]
-        ]
-        for o in plan.optim
-    }
-
-
-def _total_steps_change(old_flat: Mapping[str, Any], config: RLConfig, done: int, old: int, new: int) -> str:
-    """'' when steps done+1..min(old, new) keep their learning rates under the new total_steps, else why
-    not (the schedule follows total_steps)."""
-    first, last = done + 1, min(old, new)
-    try:
-        recorded = config_from_dict(unflatten(old_flat))
-        before = _lr_rows(replace_paths(recorded, {"trainer.total_steps": old}), first, last)
-        after = _lr_rows(replace_paths(recorded, {"trainer.total_steps": new}), first, last)
-    except ConfigError:
-        return "the folder's config no longer compiles, so its lr schedule cannot be compared"
-    for role, rows in before.items():
-        for a, b in zip(rows, after.get(role, []), strict=False):
-            if a != b:
-                return (
-                    f"the {role} lr schedule follows total_steps: step {a[0]} would use lr {b[3]:.6g} instead of "
-                    f"{a[3]:.6g}"
-                )
-    return ""
-
-
-def config_changes(old_flat: Mapping[str, Any], config: RLConfig, done: int) -> list[ConfigChange]:
-    """Every field where `config` differs from the folder's config, classified; `done` is the step the run
-    resumes after (0: it starts at step 1)."""
-    changes = []
-    for ch in diff_dicts(dict(old_flat), flatten(config_to_dict(config))):
-        if ch.kind == "added" and ch.new == _default(ch.path):
-            continue  # a field newer than the folder's config.yaml, at its default: nothing changed
-        if ch.kind == "removed":
-            changes.append(ConfigChange(ch.path, ch.old, None, "no longer a config field", removed=True))
-            continue
-        if ch.path == "trainer.total_steps" and isinstance(ch.old, int):
-            why = _total_steps_change(old_flat, config, done, ch.old, ch.new)
-            free = None if why else ("an extension" if ch.new > ch.old else "a shorter run")
-            changes.append(ConfigChange(ch.path, ch.old, ch.new, free, why))
-            continue
-        changes.append(ConfigChange(ch.path, ch.old, ch.new, free_reason(ch.path)))
-    return changes
 
 
 def last_logged_step(folder: str | os.PathLike) -> int:
@@ -352,12 +243,14 @@ class RunFolder:
         return self.resume.step + 1 if self.resume is not None else 1
 
     @classmethod
-    def open(cls, config: RLConfig, plan: TrainerPlan) -> RunFolder:
-        """Lock the folder and check it against `config` (see the module docstring); ConfigError (exit 2)
-        when another run holds it, a resume path is bad, or the config changed without being accepted."""
+    def open(cls, document: ConfigDocument, plan: TrainerPlan) -> RunFolder:
+        """Lock the plan's run folder and check it against the run's config `document` (see the module
+        docstring); ConfigError (exit 2) when another run holds it, a resume path is bad, or the config
+        changed without being accepted."""
         from rltrain.checkpoint import CheckpointRegistry
 
-        path = Path(config.trainer.output_dir)
+        run = plan.run
+        path = Path(run.output_dir)
         lock = RunLock.acquire(path)
         try:
             ckpt = CheckpointRegistry.from_plan(plan)
@@ -366,23 +259,24 @@ class RunFolder:
             if resume is not None:
                 from rltrain.checkpoint.safe_load import check_resume
 
-                check_resume(resume.folder, ckpt.roles, config.trainer.resume_mode)
+                check_resume(resume.folder, ckpt.roles, run.resume_mode)
             folder = cls(path, lock, ckpt, resume)
-            folder.record = RunRecord.of(config)
+            folder.record = RunRecord.of(document, plan.data)
             ckpt.run_record = folder.record.to_json()  # every checkpoint of this start carries it
-            folder._check(config, plan.config.trainer.total_steps)
+            folder._check(document, run)
         except BaseException:
             lock.release()
             raise
         return folder
 
-    def _check(self, config: RLConfig, total: int) -> None:
-        """`total`: the run's steps as the plan counts them (trainer.total_epochs derives them)."""
+    def _check(self, document: ConfigDocument, run: RunPlan) -> None:
+        """`run.total_steps`: the run's steps as the plan counts them (trainer.total_epochs derives them)."""
+        total = run.total_steps
         done = self.resume.step if self.resume is not None else 0
         # A resume is compared with the record of the checkpoint it resumes from, whatever config.yaml says
         # (deleted or edited by hand); checkpoints of older versions have none: config.yaml, as before.
         self.saved = self.expected = None
-        if self.resume is not None and config.trainer.resume_mode != "disable":
+        if self.resume is not None and run.resume_mode != "disable":
             from rltrain.checkpoint.manifest import read_marker  # here: the package imports torch
 
             self.saved, why = checkpoint_record(read_marker(self.resume.folder)[0])
@@ -399,10 +293,10 @@ class RunFolder:
             recorded = flatten(self.expected.config)
         else:
             recorded = recorded_config(self.path)
-        self.changes = [] if recorded is None else config_changes(recorded, config, done)
+        self.changes = [] if recorded is None else config_changes(recorded, document.flat, done)
         self.data_changes = self.expected.data_changes(self.record) if self.expected is not None else []
         real = [c for c in self.changes if c.free is None]
-        if config.trainer.resume_mode == "disable":
+        if run.resume_mode == "disable":
             return  # a fresh start: anything may change, it is recorded as a restart
         # Before anything is started: a malformed line is exit 2 naming it; a torn last line is removed.
         metrics_file.repair(self.path / METRICS_FILE)
@@ -410,11 +304,11 @@ class RunFolder:
         if done >= total or (not self.ckpt.step_folders() and not real and 0 < total <= logged):
             # A finished folder gets the same check as an unfinished one: a changed command must not be
             # swallowed by "nothing to do" (a longer total_steps never reaches here: it resumes).
-            if done and real and not config.trainer.accept_config_changes:
+            if done and real and not run.accept_config_changes:
                 self._refuse(real, done)
-            self.finished = self._finished_message(config, done if done >= total else logged, total)
+            self.finished = self._finished_message(run.total_epochs, done if done >= total else logged, total)
             return
-        if done and (real or self.data_changes) and not config.trainer.accept_config_changes:
+        if done and (real or self.data_changes) and not run.accept_config_changes:
             self._refuse(real, done)
 
     def _refuse(self, real: list[ConfigChange], done: int) -> None:
@@ -424,9 +318,9 @@ class RunFolder:
             else f"the folder's config ({CONFIG_FILE} with {HISTORY_FILE} applied)"
         )
         issues = [
-            error(c.path, f"{_scalar(c.old)} -> {_scalar(c.new)}{f' ({c.note})' if c.note else ''}: differs from "
+            error(c.path, f"{yaml_scalar(c.old)} -> {yaml_scalar(c.new)}{f' ({c.note})' if c.note else ''}: differs from "
                   f"the run in {self.path}",
-                  f"set it back to {_scalar(c.old)}", "run-config-changed")
+                  f"set it back to {yaml_scalar(c.old)}", "run-config-changed")
             for c in real
         ]  # fmt: skip
         issues += [
@@ -452,9 +346,8 @@ class RunFolder:
         )
         raise ConfigError(issues, str(self.path))
 
-    def _finished_message(self, config: RLConfig, done: int, total: int) -> str:
+    def _finished_message(self, epochs: int | None, done: int, total: int) -> str:
         where = f"checkpoint {self.resume.folder}" if self.resume is not None else f"{METRICS_FILE}"
-        epochs = config.trainer.total_epochs
         further = f"--trainer.total_steps N (N > {max(done, total)})" if epochs is None else (
             f"--trainer.total_epochs N (N > {epochs}) --trainer.accept_config_changes true")  # fmt: skip
         if self.resume is None:
@@ -466,13 +359,13 @@ class RunFolder:
             "to start over: --trainer.resume_mode disable, or another --trainer.output_dir"
         )
 
-    def record_start(self, config: RLConfig, plan: TrainerPlan) -> None:
+    def record_start(self, document: ConfigDocument, plan: TrainerPlan) -> None:
         """Write what this start adds to the folder: config.yaml on the first start (never rewritten), a
         config_history.jsonl entry when the config changed, and plan.json (the plan of this start)."""
         if self.new and self.saved is not None:
             self._restore_config_yaml()
         if self.new and self.saved is None:
-            _write_text(self.path / CONFIG_FILE, dump_yaml(config_to_dict(config)))
+            _write_text(self.path / CONFIG_FILE, document.text)
         elif self.changes or self.data_changes:
             restart = self.start_step == 1
             entry = {
@@ -513,10 +406,7 @@ class RunFolder:
             aside = history.with_name(f"{HISTORY_FILE}.orphaned-{int(time.time())}")
             os.replace(history, aside)
             moved = f"; {HISTORY_FILE}, which had no {CONFIG_FILE} to apply to, is now {aside.name}"
-        try:  # the dataclasses' field order (the marker's JSON has its keys sorted)
-            text = dump_yaml(config_to_dict(config_from_dict(self.saved.config)))
-        except ConfigError:  # a field this version no longer has: the record as it is
-            text = dump_yaml(self.saved.config)
+        text = canonical_yaml(self.saved.config)  # the config's field order (the marker's keys are sorted)
         _write_text(self.path / CONFIG_FILE, text)
         print(f"run folder {self.path}: {CONFIG_FILE} was missing; written from the config recorded in the "
               f"checkpoint of step {self.resume.step}{moved}", file=sys.stderr, flush=True)  # fmt: skip

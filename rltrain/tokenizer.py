@@ -27,9 +27,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from rlconf.config import ModelConfig
 from rlconf.errors import ConfigError, error
 from rlconf.model_files import tokenizer_size
+from rlconf.plan.run import TokenizerPlan
 from rlconf.render_budget import RenderBudgetExceeded, render_budget
 from rlconf.safe_paths import FOLDER_PATHS_RULE, model_folder_escapes
 
@@ -428,21 +428,22 @@ class HFTokenizer:
         return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"
 
 
-def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
-    """The tokenizer of `model`: `tokenizer_path`, else `path`, else the built-in character tokenizer.
+def load_tokenizer(plan: TokenizerPlan) -> CharTokenizer | HFTokenizer:
+    """The tokenizer the plan names: its folder (model.tokenizer_path, else model.path), else the built-in
+    character tokenizer.
 
     Raises ConfigError naming the config path when the folder cannot be opened or the built-in vocabulary
     does not fit `model.arch.vocab_size`.
     """
-    path = model_cfg.tokenizer_path if model_cfg.tokenizer_path is not None else model_cfg.path
+    path, key = plan.path, plan.key
     if path is None:
         tok = CharTokenizer()
-        if model_cfg.arch.vocab_size < tok.vocab_size:
+        if plan.vocab_size < tok.vocab_size:
             raise ConfigError(
                 [
                     error(
                         "model.arch.vocab_size",
-                        f"{model_cfg.arch.vocab_size} is smaller than the built-in character tokenizer's "
+                        f"{plan.vocab_size} is smaller than the built-in character tokenizer's "
                         f"vocabulary ({tok.vocab_size} tokens)",
                         f"set model.arch.vocab_size >= {tok.vocab_size}, or set model.tokenizer_path",
                         rule="tokenizer-vocab",
@@ -450,16 +451,15 @@ def load_tokenizer(model_cfg: ModelConfig) -> CharTokenizer | HFTokenizer:
                 ]
             )
         return tok
-    key = "model.tokenizer_path" if model_cfg.tokenizer_path is not None else "model.path"
     # transformers opens the folder's files by name, following symlinks: none may lead outside the folder.
     if escapes := model_folder_escapes(path):
         raise ConfigError([error(key, str(e), "use a tokenizer folder whose files are all inside it (copy the "
                                  "files in instead of linking them)", FOLDER_PATHS_RULE) for e in escapes])  # fmt: skip
-    from rlconf.tokenizer_check import tokenizer_issues
+    from rlconf.tokenizer_check import folder_issues
 
     # The fix that fits the cause (a package, the files, a broken file), as `rlconf validate` gives it;
     # checked first because transformers 5 builds an empty tokenizer from a folder with config.json only.
-    if found := list(tokenizer_issues(model_cfg)):
+    if found := list(folder_issues(path, key)):
         raise ConfigError(found)
     if os.path.isdir(path):
         # The files transformers is about to read, read first with rlconf.files' bounds (no FIFO, device or

@@ -7,7 +7,7 @@ process groups are per process, so the ref shares the actor's layout; validation
 separate) holds a frozen copy of the policy in the rollout's own layout on the rollout pool and generates;
 the policy workers push their weights to it after every update (rltrain/rollout/push.py).
 
-Workers read the plan (its effective config), never raw user input: each engine is built from its role of
+Workers read the plan, never the config: each engine is built from its role of
 the plan (`TrainerPlan.engine(role)`: model, layout, batch schedule, lr table), the reward model from the
 plan's reward_model role. Each public method is one role's work
 and is wrapped by the profiler (`profiled(ROLE)`), a no-op unless the plan profiles that role and step.
@@ -34,7 +34,8 @@ from rltrain.rollout.generation import RolloutServer
 
 def load_initial_weights(engine: Any, megatron_cfg: Any, prefix: str) -> None:
     """`use_dist_checkpointing`: start from the model weights of a saved rlplan role checkpoint
-    (`checkpoints/global_step_N/<role>`, megatron dist format, any TP/PP layout) instead of HF or random."""
+    (`checkpoints/global_step_N/<role>`, megatron dist format, any TP/PP layout) instead of HF or random.
+    `megatron_cfg`: the role's megatron settings of the plan (`TrainerPlan.engine(role).megatron`)."""
     if not megatron_cfg.use_dist_checkpointing:
         return
     from rlconf.errors import ConfigError, error
@@ -71,8 +72,8 @@ class MegatronWorker:
     ) -> None:
         self.role, self.rank, self.world_size = role, rank, world_size
         self.plan = plan
-        self.cfg = plan.config
-        device = self.cfg.cluster.device
+        self.run = plan.run
+        device = self.run.cluster.device
         os.environ.update(
             RANK=str(rank),
             WORLD_SIZE=str(world_size),
@@ -87,28 +88,25 @@ class MegatronWorker:
         # Before anything in this process imports megatron: on npu, MindSpeed's adaptor patches megatron-core
         # when imported (with this role's options); on cuda the GPU is bound, on cpu megatron's redirects.
         devices.prepare_process(device, local_rank=0, megatron_cfg=self._megatron_cfg())
-        torch.set_num_threads(max(1, int(self.cfg.cluster.cpus_per_worker)))
+        torch.set_num_threads(max(1, int(self.run.cluster.cpus_per_worker)))
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
         # Every random draw of a run comes from a stream keyed by (seed, step, purpose) (rlconf.seeding);
         # this only makes anything that draws outside those streams reproducible too.
-        torch.manual_seed(derive_seed(self.cfg.trainer.seed, rank, "process"))
-        self.profiler = Profiler(plan.profile, worker=role, rank=rank, device=self.cfg.cluster.device)
+        torch.manual_seed(derive_seed(self.run.seed, rank, "process"))
+        self.profiler = Profiler(plan.profile, worker=role, rank=rank, device=device)
         self._memory_peaks: dict[str, float] = {}
         self.step = 0
 
     def _megatron_cfg(self) -> Any:
-        """The MegatronConfig of the model(s) this process holds (the ref shares the actor's layout)."""
-        if self.role == "critic":
-            return self.cfg.critic.megatron
-        if self.role == "reward_model":
-            return self.cfg.reward.reward_model.megatron
-        return self.cfg.actor.megatron
+        """The plan's megatron settings of the model(s) this process holds (the ref shares the actor's layout;
+        a separate rollout's process takes the actor's)."""
+        return self.plan.engine(self.role if self.role in ("critic", "reward_model") else "actor").megatron
 
     @contextlib.contextmanager
     def measured(self, phase: str) -> Iterator[None]:
         """One role call: profiled (a no-op unless the plan profiles it) and, on an accelerator, its peak
         device memory recorded for `step_memory` (the allocator's peak is reset when the call starts)."""
-        device = self.cfg.cluster.device
+        device = self.run.cluster.device
         track = devices.is_accelerator(device)
         if track:
             devices.reset_peak_memory_stats(device)
@@ -126,7 +124,7 @@ class MegatronWorker:
 
     def device_peak_flops(self) -> float | None:
         """Dense peak FLOP/s of this process's device at the model's dtype (rltrain.device.peak_flops)."""
-        return devices.peak_flops(self.cfg.cluster.device, self.cfg.model.params_dtype)
+        return devices.peak_flops(self.run.cluster.device, self.run.params_dtype)
 
     def set_step(self, step: int) -> None:
         """The training step the next calls belong to (profiling folders and schedules use it)."""
@@ -194,7 +192,7 @@ class PolicyWorker(MegatronWorker, RolloutServer):
         from rltrain.megatron.actor import MegatronActor
 
         self.actor = MegatronActor.from_plan(self.plan, "actor")
-        load_initial_weights(self.actor, self.cfg.actor.megatron, "actor")
+        load_initial_weights(self.actor, self._megatron_cfg(), "actor")
         self.ref = None
         if "ref" in self.plan.roles:
             # The reference policy is the actor's starting point: its weights are copied from the actor
@@ -212,10 +210,10 @@ class PolicyWorker(MegatronWorker, RolloutServer):
 
     def compute_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         with self.measured("actor_compute_log_prob"):
-            return self.actor.compute_log_prob(batch, temperature=self.cfg.rollout.temperature)
+            return self.actor.compute_log_prob(batch, temperature=self.plan.rollout.train.temperature)
 
     def _ref_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        temperature = self.cfg.rollout.temperature
+        temperature = self.plan.rollout.train.temperature
         if self.ref is not None:
             return self.ref.compute_log_prob(batch, temperature=temperature, with_entropy=False)
         # LoRA (the plan's StepPasses.ref_from adapters-off): the base model is the actor's engine with its
@@ -235,7 +233,7 @@ class PolicyWorker(MegatronWorker, RolloutServer):
     def compute_old_and_ref_log_prob(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         """Both passes on one scatter of the batch (the plan's `StepPasses.fused`): the actor's log-probs and
         entropy, the ref's log-probs as `ref_log_probs`, and the ref pass's seconds as `ref_seconds` [1, 1]."""
-        temperature = self.cfg.rollout.temperature
+        temperature = self.plan.rollout.train.temperature
         with self.measured("actor_compute_log_prob"):
             old = self.actor.compute_log_prob(batch, temperature=temperature)
         t_ref = time.perf_counter()
@@ -250,7 +248,7 @@ class PolicyWorker(MegatronWorker, RolloutServer):
         assert passes is not None
         with self.measured("actor_update"):
             # Old log-probs were computed at the rollout temperature: the PPO ratio must use the same.
-            metrics = self.actor.update_policy(batch, temperature=self.cfg.rollout.temperature, step=step,
+            metrics = self.actor.update_policy(batch, temperature=self.plan.rollout.train.temperature, step=step,
                                                on_policy=passes.old_log_prob == "update")  # fmt: skip
             # Grads and optimizer state may leave the device; the weights stay for the next rollout.
             self.actor.offload_for_other_roles(keep_params=True)
@@ -284,7 +282,7 @@ class PolicyWorker(MegatronWorker, RolloutServer):
         ):
             store = getattr(self, "_push_store", None) or connect_store(endpoint)
             self._push = PushGroup(store, ps.get_pipeline_model_parallel_rank(), 0, 1 + endpoint.receivers,
-                                   self.cfg.cluster.device, endpoint.timeout_s)  # fmt: skip
+                                   self.run.cluster.device, endpoint.timeout_s)  # fmt: skip
         return self._push is not None
 
     def push_weights(self, version: int) -> dict[str, float]:
@@ -328,7 +326,7 @@ class RolloutWorker(MegatronWorker, RolloutServer):
                 stage,
                 1 + self.rank,
                 1 + endpoint.receivers,
-                self.cfg.cluster.device,
+                self.run.cluster.device,
                 endpoint.timeout_s,
             )
             for stage in range(endpoint.senders)
@@ -370,7 +368,7 @@ class CriticWorker(MegatronWorker):
         from rltrain.megatron.critic import MegatronCritic
 
         self.critic = MegatronCritic.from_plan(self.plan, "critic")
-        load_initial_weights(self.critic, self.cfg.critic.megatron, "critic")
+        load_initial_weights(self.critic, self._megatron_cfg(), "critic")
         return {"dp_size": self.critic.dp_size}
 
     def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

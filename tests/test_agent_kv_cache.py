@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlconf.config import MultiTurnConfig
+from rlconf.plan.run import tool_plan
 from rltrain.rollout.agent import AgentLoop, WorkerRolloutClient
 from rltrain.rollout.generation import RolloutServer
 from rltrain.tokenizer import CharTokenizer
@@ -39,10 +40,11 @@ class _Worker(RolloutServer):
 
     def __init__(self, actor, temperature: float) -> None:
         from presets.tiny import tiny_tool
+        from rlconf.plan import compile_plan
 
         cfg = tiny_tool()
-        self.cfg = replace(cfg, rollout=replace(cfg.rollout, temperature=temperature))
-        self.plan = type("Plan", (), {"refit": None})()
+        plan = compile_plan(replace(cfg, rollout=replace(cfg.rollout, temperature=temperature)))
+        self.plan = replace(plan, refit=None)
         self.actor, self.vllm = actor, None
         self.measured = lambda name: contextlib.nullcontext()
 
@@ -64,7 +66,7 @@ def _client(worker: _Worker, cache: bool) -> WorkerRolloutClient:
 
 def _loop(turns: int = 4, total: int = 40) -> AgentLoop:
     mt = MultiTurnConfig(enable=True, tools=("calculator",), max_assistant_turns=turns, tool_timeout_s=5.0)
-    return AgentLoop(CharTokenizer(), mt, max_total_tokens=total)
+    return AgentLoop(CharTokenizer(), tool_plan(mt, total))
 
 
 def _prompts(n: int) -> list[str]:
@@ -187,7 +189,7 @@ def test_a_slow_tool_does_not_hold_up_the_other_rows(tmp_path, monkeypatch):
     tok = CharTokenizer()
     mt = MultiTurnConfig(enable=True, tools=("script_tools:calculator",), max_assistant_turns=4,
                          tool_timeout_s=30.0)  # fmt: skip
-    loop = AgentLoop(tok, mt, max_total_tokens=40)
+    loop = AgentLoop(tok, tool_plan(mt, 40))
     calls: list[dict[int, int]] = []  # per generation call: row -> its turn
     turns_of: dict[int, int] = {}
     scripts = {

@@ -129,6 +129,7 @@ def test_data_loader_refuses_what_is_not_a_regular_file(tmp_path, kind):
     """The loader itself (a library caller skips validate) refuses without blocking."""
     from rlconf.config import DataConfig
     from rlconf.errors import ConfigError
+    from rlconf.plan.run import data_plan
     from rltrain.data import build_dataloaders
     from rltrain.tokenizer import CharTokenizer
 
@@ -138,7 +139,7 @@ def test_data_loader_refuses_what_is_not_a_regular_file(tmp_path, kind):
     else:
         f.symlink_to("/dev/zero")
     with pytest.raises(ConfigError) as info:
-        build_dataloaders(DataConfig(train_files=(str(f),)), CharTokenizer())
+        build_dataloaders(data_plan(DataConfig(train_files=(str(f),))), CharTokenizer())
     assert (
         info.value.path.startswith("data.train_files")
         and "not a regular file" in info.value.issues[0].message

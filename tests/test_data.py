@@ -14,6 +14,7 @@ from torch import nn
 
 from rlconf.config import DataConfig, ModelArch, ModelConfig
 from rlconf.errors import ConfigError
+from rlconf.plan.run import data_plan, tokenizer_plan
 from rltrain.algorithms import compute_grpo_outcome_advantage, compute_policy_loss, outcome_to_token_level
 from rltrain.data import (
     SYNTHETIC_VAL_SIZE,
@@ -62,15 +63,15 @@ def test_char_tokenizer_chat_template_is_a_noop():
 
 
 def test_load_tokenizer_builtin_and_errors(tmp_path):
-    assert isinstance(load_tokenizer(ModelConfig()), CharTokenizer)
+    assert isinstance(load_tokenizer(tokenizer_plan(ModelConfig())), CharTokenizer)
     with pytest.raises(ConfigError) as info:
-        load_tokenizer(ModelConfig(arch=ModelArch(vocab_size=16)))
+        load_tokenizer(tokenizer_plan(ModelConfig(arch=ModelArch(vocab_size=16))))
     assert info.value.path == "model.arch.vocab_size"
     with pytest.raises(ConfigError) as info:
-        load_tokenizer(ModelConfig(path=str(tmp_path / "missing")))
+        load_tokenizer(tokenizer_plan(ModelConfig(path=str(tmp_path / "missing"))))
     assert info.value.path == "model.path"
     with pytest.raises(ConfigError) as info:
-        load_tokenizer(ModelConfig(path="/elsewhere", tokenizer_path=str(tmp_path)))
+        load_tokenizer(tokenizer_plan(ModelConfig(path="/elsewhere", tokenizer_path=str(tmp_path))))
     assert info.value.path == "model.tokenizer_path"
 
 
@@ -89,7 +90,7 @@ def test_load_tokenizer_hf_folder(tmp_path):
         "{% if add_generation_prompt %}</s>{% endif %}"
     )
     hf.save_pretrained(tmp_path)
-    tok = load_tokenizer(ModelConfig(tokenizer_path=str(tmp_path)))
+    tok = load_tokenizer(tokenizer_plan(ModelConfig(tokenizer_path=str(tmp_path))))
     assert isinstance(tok, HFTokenizer)
     assert (tok.pad_token_id, tok.eos_token_id, tok.bos_token_id, tok.vocab_size) == (0, 2, 1, 8)
     assert tok.encode("hello world") == [4, 5]
@@ -136,7 +137,7 @@ def test_synthetic_stream_is_deterministic_and_seeded():
 
 
 def test_synthetic_loaders_and_validation_split():
-    cfg = DataConfig(synthetic_task="add", train_batch_size=5, val_batch_size=16)
+    cfg = data_plan(DataConfig(synthetic_task="add", train_batch_size=5, val_batch_size=16))
     train, val = build_dataloaders(cfg, TOK)
     batch = next(train)
     assert len(batch) == 5 and batch.indices == [0, 1, 2, 3, 4]
@@ -174,7 +175,7 @@ def test_load_jsonl_with_strings_and_chat_messages(tmp_path):
             },
         ],
     )
-    cfg = DataConfig(train_files=(path,), prompt_key="question", answer_key="label")
+    cfg = data_plan(DataConfig(train_files=(path,), prompt_key="question", answer_key="label"))
     examples = load_prompt_files(cfg.train_files, cfg, TOK)
     assert [e.prompt for e in examples] == ["1+2=", "0\n4+4="]
     assert [e.ground_truth for e in examples] == ["3", "8"]  # numbers become strings
@@ -191,7 +192,9 @@ def test_load_parquet_with_nested_answer(tmp_path):
     )
     path = tmp_path / "train.parquet"
     pq.write_table(table, path)
-    cfg = DataConfig(train_files=(str(path),), answer_key="reward_model.ground_truth", train_batch_size=2)
+    cfg = data_plan(
+        DataConfig(train_files=(str(path),), answer_key="reward_model.ground_truth", train_batch_size=2)
+    )
     train, val = build_dataloaders(cfg, TOK)
     assert val is None  # training files without data.val_files: no validation
     batch = next(train)
@@ -201,7 +204,7 @@ def test_load_parquet_with_nested_answer(tmp_path):
 def test_missing_parquet_column_names_key_and_file(tmp_path):
     path = tmp_path / "q.parquet"
     pq.write_table(pa.table({"question": ["1"], "answer": ["1"]}), path)
-    cfg = DataConfig(train_files=(str(path),))
+    cfg = data_plan(DataConfig(train_files=(str(path),)))
     with pytest.raises(DataError) as info:
         load_prompt_files(cfg.train_files, cfg, TOK)
     err = info.value
@@ -212,14 +215,14 @@ def test_missing_parquet_column_names_key_and_file(tmp_path):
 
 def test_missing_jsonl_keys_name_key_file_and_line(tmp_path):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": "1", "answer": "1"}, {"prompt": "2"}])
-    cfg = DataConfig(train_files=(path,))
+    cfg = data_plan(DataConfig(train_files=(path,)))
     with pytest.raises(DataError) as info:
         load_prompt_files(cfg.train_files, cfg, TOK)
     assert info.value.path == "data.answer_key"
     assert f"{path}:2" in info.value.message
     path = _write_jsonl(tmp_path / "r.jsonl", [{"text": "1", "answer": "1"}])
     with pytest.raises(DataError) as info:
-        load_prompt_files((path,), DataConfig(), TOK)
+        load_prompt_files((path,), data_plan(DataConfig()), TOK)
     assert info.value.path == "data.prompt_key" and "r.jsonl" in info.value.message
 
 
@@ -240,7 +243,7 @@ def test_file_errors(tmp_path, name, content, path_key):
     if content is not None:
         path.write_text(content)
     with pytest.raises(DataError) as info:
-        load_prompt_files((str(path),), DataConfig(), TOK)
+        load_prompt_files((str(path),), data_plan(DataConfig()), TOK)
     assert info.value.path == path_key
     assert name in info.value.message
 
@@ -248,11 +251,13 @@ def test_file_errors(tmp_path, name, content, path_key):
 def test_validation_files(tmp_path):
     train = _write_jsonl(tmp_path / "t.jsonl", [{"prompt": str(i), "answer": str(i)} for i in range(4)])
     val = _write_jsonl(tmp_path / "v.jsonl", [{"prompt": "9", "answer": "9"}])
-    cfg = DataConfig(train_files=(train,), val_files=(val,), train_batch_size=2, val_batch_size=4)
+    cfg = data_plan(DataConfig(train_files=(train,), val_files=(val,), train_batch_size=2, val_batch_size=4))
     _, val_loader = build_dataloaders(cfg, TOK)
     assert [b.prompts for b in val_loader] == [["9"]]
     with pytest.raises(DataError) as info:
-        build_dataloaders(DataConfig(train_files=(train,), val_files=(str(tmp_path / "nope.jsonl"),)), TOK)
+        build_dataloaders(
+            data_plan(DataConfig(train_files=(train,), val_files=(str(tmp_path / "nope.jsonl"),))), TOK
+        )
     assert info.value.path == "data.val_files"
 
 
@@ -275,38 +280,40 @@ def test_truncation_modes_on_files(tmp_path):
     )
     base = {"train_files": (path,), "max_prompt_length": 5}
 
-    kept = load_prompt_files((path,), DataConfig(**base, truncation="filter"), TOK)
+    kept = load_prompt_files((path,), data_plan(DataConfig(**base, truncation="filter")), TOK)
     assert [e.ground_truth for e in kept] == ["a"]
-    left = load_prompt_files((path,), DataConfig(**base, truncation="left"), TOK)
+    left = load_prompt_files((path,), data_plan(DataConfig(**base, truncation="left")), TOK)
     assert left[1].input_ids == TOK.encode("45678")
-    right = load_prompt_files((path,), DataConfig(**base, truncation="right"), TOK)
+    right = load_prompt_files((path,), data_plan(DataConfig(**base, truncation="right")), TOK)
     assert right[1].input_ids == [TOK.bos_token_id, *TOK.encode("1234")]
     with pytest.raises(DataError) as info:
-        load_prompt_files((path,), DataConfig(**base, truncation="error"), TOK)
+        load_prompt_files((path,), data_plan(DataConfig(**base, truncation="error")), TOK)
     assert info.value.path == "data.max_prompt_length" and "p.jsonl:2" in info.value.message
     with pytest.raises(DataError) as info:  # everything filtered
-        load_prompt_files((path,), DataConfig(train_files=(path,), max_prompt_length=2), TOK)
+        load_prompt_files((path,), data_plan(DataConfig(train_files=(path,), max_prompt_length=2)), TOK)
     assert info.value.path == "data.max_prompt_length"
 
 
 def test_truncation_on_synthetic_stream():
     # add prompts ("7+3=", "42+3=") are 5-6 tokens with bos: with max 5, filter skips the two-digit ones
     # and right-truncation cuts them.
-    cfg = DataConfig(synthetic_task="add", max_prompt_length=5, truncation="filter", train_batch_size=8)
+    cfg = data_plan(
+        DataConfig(synthetic_task="add", max_prompt_length=5, truncation="filter", train_batch_size=8)
+    )
     batch = next(build_dataloaders(cfg, TOK)[0])
     assert len(batch) == 8 and all(len(ids) == 5 for ids in batch.input_ids)
     assert batch.indices[-1] > 8  # stream samples were skipped
-    cfg = DataConfig(synthetic_task="add", max_prompt_length=5, truncation="right")
+    cfg = data_plan(DataConfig(synthetic_task="add", max_prompt_length=5, truncation="right"))
     assert all(len(ids) == 5 for ids in next(build_dataloaders(cfg, TOK)[0]).input_ids)
     with pytest.raises(DataError) as info:
-        next(build_dataloaders(DataConfig(max_prompt_length=2), TOK)[0])
+        next(build_dataloaders(data_plan(DataConfig(max_prompt_length=2)), TOK)[0])
     assert info.value.path == "data.max_prompt_length"
 
 
 # ------------------------------------------------------------------------------------------- loader
 def _file_loader(tmp_path, n=10, batch_size=4, shuffle=True):
     path = _write_jsonl(tmp_path / "p.jsonl", [{"prompt": str(i % 10), "answer": str(i)} for i in range(n)])
-    cfg = DataConfig(train_files=(path,), train_batch_size=batch_size, shuffle=shuffle, seed=7)
+    cfg = data_plan(DataConfig(train_files=(path,), train_batch_size=batch_size, shuffle=shuffle, seed=7))
     return build_dataloaders(cfg, TOK)[0]
 
 
@@ -330,7 +337,9 @@ def test_resume_yields_the_same_next_batch(tmp_path, source):
     def make():
         if source == "file":
             return _file_loader(tmp_path)
-        return build_dataloaders(DataConfig(synthetic_task="count", train_batch_size=3, seed=5), TOK)[0]
+        return build_dataloaders(
+            data_plan(DataConfig(synthetic_task="count", train_batch_size=3, seed=5)), TOK
+        )[0]
 
     uninterrupted = make()
     for _ in range(3):  # crosses an epoch boundary for the file source
@@ -394,7 +403,7 @@ def _response_logp(policy: nn.Module, ids: torch.Tensor, valid: torch.Tensor, pl
 def _grpo_rewards(steps: int, lr: float, seed: int, n: int = 4, response_len: int = 16) -> list[float]:
     """Mean digit_match reward per step of a minimal GRPO loop on the default synthetic task."""
     torch.manual_seed(seed)
-    loader, _ = build_dataloaders(DataConfig(seed=seed), TOK)
+    loader, _ = build_dataloaders(data_plan(DataConfig(seed=seed)), TOK)
     policy = _TinyPolicy()
     opt = torch.optim.AdamW(policy.parameters(), lr=lr, weight_decay=0.01)
     curve = []

@@ -350,17 +350,18 @@ def test_chat_template_bomb_is_stopped_when_the_run_renders_it(folder):
     data is stopped there too), and a real template renders the same ids as transformers' own call."""
     from rlconf.config import ModelConfig
     from rlconf.errors import ConfigError
+    from rlconf.plan.run import tokenizer_plan
     from rltrain.tokenizer import load_tokenizer
 
     _set_template(folder, "{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    tok = load_tokenizer(ModelConfig(path=str(folder)))
+    tok = load_tokenizer(tokenizer_plan(ModelConfig(path=str(folder))))
     expected = tok.hf.apply_chat_template([{"role": "user", "content": "12+7="}], tokenize=True)
     expected = expected if isinstance(expected, list) else expected["input_ids"]
     assert tok.encode_prompt("12+7=") == list(expected)
     # Data-dependent: quick for a short prompt, 10^10 iterations for a 100000-character one.
     _set_template(folder, "{% for m in messages %}{% for c in m['content'] %}{% for d in m['content'] %}"
                   "{% endfor %}{% endfor %}{% endfor %}")  # fmt: skip
-    tok = load_tokenizer(ModelConfig(path=str(folder)))
+    tok = load_tokenizer(tokenizer_plan(ModelConfig(path=str(folder))))
     start = time.perf_counter()
     with pytest.raises(ConfigError) as info:
         tok.encode_prompt("1" * 100_000)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlconf.config import MultiTurnConfig
+from rlconf.plan.run import tool_plan
 from rltrain.data import left_pad
 from rltrain.rollout.agent import AgentLoop, rows_from_rollout
 from rltrain.tokenizer import CharTokenizer, ToolCallParseError
@@ -20,7 +21,7 @@ from .tolerance import assert_close
 
 def test_char_tool_call_format():
     tok = CharTokenizer()
-    tools = load_tools(MultiTurnConfig(tools=("calculator",)))
+    tools = load_tools(tool_plan(MultiTurnConfig(tools=("calculator",))))
     assert tok.parse_tool_call("<12*34>", tools) == ToolCall("calculator", {"expression": "12*34"})
     # A bare `>` asks about the question on the line before it.
     assert tok.parse_tool_call(">", tools, "47*8=>") == ToolCall("calculator", {"expression": "47*8"})
@@ -55,7 +56,7 @@ def actor():
 def _agent_rollout(actor, tools=("calculator",), n_rows=64, seed=3, **cfg):
     tok = CharTokenizer()
     mt = MultiTurnConfig(enable=True, tools=tools, max_assistant_turns=3, tool_timeout_s=1.0, **cfg)
-    loop = AgentLoop(tok, mt, max_total_tokens=24)
+    loop = AgentLoop(tok, tool_plan(mt, 24))
 
     def generate(contexts, max_new_tokens, stop_ids, turn_seed):
         ids, mask = left_pad(contexts, tok.pad_token_id)
@@ -198,7 +199,7 @@ def test_interaction_feedback_is_an_observation_and_its_rewards_reach_the_row():
     ends its row at once."""
     tok = CharTokenizer()
     mt = MultiTurnConfig(enable=True, tools=("calculator",), max_assistant_turns=3)
-    loop = AgentLoop(tok, mt, max_total_tokens=24, interaction=_Tutor())
+    loop = AgentLoop(tok, tool_plan(mt, 24), interaction=_Tutor())
     answers = ["4", "5", "5"]
     seen_contexts = []
 

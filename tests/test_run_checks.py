@@ -13,6 +13,7 @@ from rlconf.config import DataConfig
 from rlconf.errors import ConfigError
 from rlconf.load import load_config
 from rlconf.plan import compile_plan
+from rlconf.plan.run import data_plan, tokenizer_plan
 from rlconf.validate import CHECKPOINT_COMPLETE_MARKER, PROMPT_FILE_TYPES, SEED_LIMIT
 from rltrain.cli import main as rltrain_main
 
@@ -44,7 +45,9 @@ def test_json_prompt_files_are_rejected_by_validate_and_by_the_data_loader(tmp_p
 
     with pytest.raises(ConfigError, match="unsupported prompt file type"):
         load_prompt_files(
-            [str(prompts)], DataConfig(train_files=(str(prompts),)), load_tokenizer(ModelConfig())
+            [str(prompts)],
+            data_plan(DataConfig(train_files=(str(prompts),))),
+            load_tokenizer(tokenizer_plan(ModelConfig())),
         )
     assert ".json" not in PROMPT_FILE_TYPES
 

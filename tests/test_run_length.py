@@ -78,7 +78,7 @@ def test_the_loader_ends_its_epochs_where_the_plan_counts_them(tmp_path):
     f = write_jsonl(tmp_path / "train.jsonl", 21)
     c = config(f"data.train_files=[{f}]", "trainer.total_epochs=3")
     plan = compile_plan(c)
-    train, _ = build_dataloaders(plan.config.data, load_tokenizer(plan.config.model))
+    train, _ = build_dataloaders(plan.data, load_tokenizer(plan.tokenizer))
     assert len(train) == plan.length.batches_per_epoch == 2
     epochs = [train.epoch for _ in range(plan.config.trainer.total_steps) if next(train)]
     assert epochs == [0, 0, 1, 1, 2, 2]

@@ -18,6 +18,7 @@ from presets import get_preset
 from rlconf.errors import ConfigError
 from rlconf.fields import replace_paths
 from rlconf.plan import compile_plan
+from rlconf.run_config import ConfigDocument
 from rltrain import checkpoint as ck
 from rltrain.runfolder import HISTORY_FILE, LOCK_FILE, RunFolder, RunLock, read_history, recorded_config
 
@@ -32,13 +33,13 @@ HOLD = (
 
 
 def tiny(out: Path, **updates):
-    """(config, plan) of tiny-grpo in `out`; updates by dotted path with `__` for dots."""
+    """(config document, plan) of tiny-grpo in `out`; updates by dotted path with `__` for dots."""
     config = replace_paths(
         get_preset("tiny-grpo"),
         {"trainer.output_dir": str(out), "trainer.save_freq": 2, "trainer.total_steps": 4}
         | {k.replace("__", "."): v for k, v in updates.items()},
     )
-    return config, compile_plan(config)
+    return ConfigDocument.of(config), compile_plan(config)
 
 
 def commit_checkpoint(folder: RunFolder, step: int) -> None:

@@ -188,6 +188,7 @@ def test_weight_loader_refuses_it_before_opening_anything_outside(tmp_path, tiny
 
 
 def test_tokenizer_loader_refuses_a_tokenizer_file_linked_from_outside(tmp_path, tiny_model):
+    from rlconf.plan.run import tokenizer_plan
     from rltrain.tokenizer import load_tokenizer
 
     model, outside = tmp_path / "model", tmp_path / "outside"
@@ -197,7 +198,7 @@ def test_tokenizer_loader_refuses_a_tokenizer_file_linked_from_outside(tmp_path,
     (model / "tokenizer.json").symlink_to(outside / "tokenizer.json")
     _OPENED.clear()
     with pytest.raises(ConfigError) as info:
-        load_tokenizer(_config(model).model)
+        load_tokenizer(tokenizer_plan(_config(model).model))
     (issue,) = info.value.errors
     assert issue.path == "model.path" and "'tokenizer.json'" in issue.message
     assert f"resolves to {outside / 'tokenizer.json'}" in issue.message
@@ -205,7 +206,7 @@ def test_tokenizer_loader_refuses_a_tokenizer_file_linked_from_outside(tmp_path,
     # The same file inside the folder loads (the refusal is the link, not the file).
     (model / "tokenizer.json").unlink()
     shutil.move(outside / "tokenizer.json", model / "tokenizer.json")
-    assert load_tokenizer(_config(model).model).vocab_size > 0
+    assert load_tokenizer(tokenizer_plan(_config(model).model)).vocab_size > 0
 
 
 def test_the_untouched_folder_loads(tmp_path, tiny_model, safe_opens):

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from rlconf.config import MultiTurnConfig
+from rlconf.plan.run import tool_plan
 from rltrain.tools import ToolCall, ToolRunner
 from rltrain.tools.python_sandbox import run_python
 from rltrain.tools.sandbox import MAIN_PATH, isolation_problem
@@ -318,8 +319,8 @@ pid.schema = {"type": "function", "function": {"name": "pid", "parameters": {"ty
 def test_tools_run_outside_the_driver_and_a_dead_worker_costs_one_call(tmp_path, monkeypatch):
     (tmp_path / "killer_tools.py").write_text(_KILLER_TOOLS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = MultiTurnConfig(tools=("killer_tools:suicide", "killer_tools:pid", "calculator", "python"),
-                          tool_timeout_s=3.0, max_parallel_tools=2)  # fmt: skip
+    cfg = tool_plan(MultiTurnConfig(tools=("killer_tools:suicide", "killer_tools:pid", "calculator", "python"),
+                          tool_timeout_s=3.0, max_parallel_tools=2))  # fmt: skip
     runner = ToolRunner(cfg)
     try:
         (where,) = runner.run_many([ToolCall("pid", {"expression": ""})])
@@ -350,8 +351,9 @@ def test_a_tool_killing_its_workers_parent_is_contained(tmp_path):
         import sys
         sys.path.insert(0, {str(tmp_path)!r})
         from rlconf.config import MultiTurnConfig
+        from rlconf.plan.run import tool_plan
         from rltrain.tools import ToolCall, ToolRunner
-        runner = ToolRunner(MultiTurnConfig(tools=("killer_tools:suicide", "calculator"), tool_timeout_s=3.0))
+        runner = ToolRunner(tool_plan(MultiTurnConfig(tools=("killer_tools:suicide", "calculator"), tool_timeout_s=3.0)))
         for _ in range(3):
             print([r.error for r in runner.run_many([ToolCall("suicide", {{"expression": ""}}),
                                                     ToolCall("calculator", {{"expression": "2+2"}})])])
@@ -436,7 +438,7 @@ def test_sandbox_none_runs_trusted_code_with_the_limits_and_warns(capfd):
     assert (out.text.strip(), out.error) == ("True", False)  # the host's files: no isolation
     slow = run_python("import time; time.sleep(30)", timeout_s=1.0, isolate=False)
     assert slow.error and "timed out" in slow.text
-    runner = ToolRunner(MultiTurnConfig(tools=("python",), sandbox="none", max_parallel_tools=1))
+    runner = ToolRunner(tool_plan(MultiTurnConfig(tools=("python",), sandbox="none", max_parallel_tools=1)))
     try:
         (res,) = runner.run_many([ToolCall("python", {"code": "print(1 + 1)"})])
         assert (res.text.strip(), res.error) == ("2", False)

@@ -13,6 +13,7 @@ import pytest
 
 from rlconf.config import MultiTurnConfig
 from rlconf.errors import ConfigError
+from rlconf.plan.run import tool_plan
 from rltrain.tools import ToolCall, ToolRunner
 from rltrain.tools.calculator import CalculatorError, evaluate
 
@@ -79,8 +80,8 @@ def test_a_deeply_nested_config_json_is_exit_2_naming_file_and_line(tmp_path):
 def test_the_calculator_returns_only_finite_real_numbers(expression):
     with pytest.raises(CalculatorError):
         evaluate(expression)
-    runner = ToolRunner(MultiTurnConfig(tools=("calculator",), tool_timeout_s=5.0, max_tool_response_length=256,
-                                        max_parallel_tools=1))  # fmt: skip
+    runner = ToolRunner(tool_plan(MultiTurnConfig(tools=("calculator",), tool_timeout_s=5.0, max_tool_response_length=256,
+                                        max_parallel_tools=1)))  # fmt: skip
     pending = runner.submit(ToolCall("calculator", {"expression": expression}))
     runner.wait([pending])
     result = runner.poll(pending)

@@ -14,6 +14,7 @@ import pytest
 
 from rlconf.config import ModelConfig
 from rlconf.errors import ConfigError
+from rlconf.plan.run import tokenizer_plan
 from rlconf.tokenizer_check import tokenizer_issues
 from rltrain.tokenizer import CharTokenizer, HFTokenizer, load_tokenizer
 
@@ -47,7 +48,7 @@ def messages(folder: Path) -> list[str]:
 def test_a_good_folder_passes_and_loads(tmp_path):
     folder = model_folder(tmp_path)
     assert messages(folder) == []
-    tok = load_tokenizer(ModelConfig(path=str(folder)))
+    tok = load_tokenizer(tokenizer_plan(ModelConfig(path=str(folder))))
     assert isinstance(tok, HFTokenizer) and tok.has_chat_template
 
 
@@ -73,7 +74,7 @@ def test_each_cause_has_its_own_fix(tmp_path):
     assert "holds no tokenizer files (it has: config.json)" in msg and "model.tokenizer_path" in msg
     # The run gives the same message, not transformers' own.
     with pytest.raises(ConfigError) as info:
-        load_tokenizer(ModelConfig(path=str(folder)))
+        load_tokenizer(tokenizer_plan(ModelConfig(path=str(folder))))
     assert "holds no tokenizer files" in info.value.format()
 
 

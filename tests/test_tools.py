@@ -11,6 +11,7 @@ import pytest
 
 from rlconf.config import MultiTurnConfig
 from rlconf.errors import ConfigError
+from rlconf.plan.run import tool_plan
 from rltrain.tools import ToolCall, ToolRunner, load_tool
 from rltrain.tools.calculator import Calculator, CalculatorError, evaluate
 from rltrain.tools.python_sandbox import run_python
@@ -85,8 +86,8 @@ def test_runner_cuts_off_a_hanging_tool_without_holding_up_the_others(tmp_path, 
     """)
     )
     monkeypatch.syspath_prepend(str(tmp_path))
-    cfg = MultiTurnConfig(tools=("my_tools:slow", "my_tools:crash", "my_tools:loud", "calculator"),
-                          tool_timeout_s=1.0, max_tool_response_length=64, max_parallel_tools=4)  # fmt: skip
+    cfg = tool_plan(MultiTurnConfig(tools=("my_tools:slow", "my_tools:crash", "my_tools:loud", "calculator"),
+                          tool_timeout_s=1.0, max_tool_response_length=64, max_parallel_tools=4))  # fmt: skip
     runner = ToolRunner(cfg)
     t0 = time.perf_counter()
     hang, crash, loud, ok, unknown = runner.run_many([
@@ -109,17 +110,19 @@ def test_user_tool_without_schema_is_a_config_error(tmp_path, monkeypatch):
     (tmp_path / "bare_tools.py").write_text("def f(x):\n    return x\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(ConfigError) as exc:
-        load_tool("bare_tools:f", MultiTurnConfig())
+        load_tool("bare_tools:f", tool_plan(MultiTurnConfig()))
     assert exc.value.issues[0].path == "rollout.multi_turn.tools"
     with pytest.raises(ConfigError):
-        load_tool("not_a_module_xyz:f", MultiTurnConfig())
+        load_tool("not_a_module_xyz:f", tool_plan(MultiTurnConfig()))
     with pytest.raises(ConfigError):
-        load_tool("calc", MultiTurnConfig())
+        load_tool("calc", tool_plan(MultiTurnConfig()))
 
 
 def test_python_tool_through_the_runner():
-    cfg = MultiTurnConfig(
-        tools=("python",), tool_timeout_s=1.0, max_tool_response_length=256, max_parallel_tools=2
+    cfg = tool_plan(
+        MultiTurnConfig(
+            tools=("python",), tool_timeout_s=1.0, max_tool_response_length=256, max_parallel_tools=2
+        )
     )
     runner = ToolRunner(cfg, timeout_s=3.0)
     good, bad = runner.run_many([ToolCall("python", {"code": "print(sum(range(10)))"}),

@@ -15,6 +15,7 @@ import torch
 
 from rlconf.config import RolloutConfig
 from rlconf.errors import ConfigError
+from rlconf.plan.run import rollout_plan
 
 
 @dataclass
@@ -100,7 +101,7 @@ def test_missing_vllm_is_a_config_error_on_rollout_engine(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "vllm", None)  # import vllm -> ImportError
     with pytest.raises(ConfigError) as info:
-        VLLMRollout("/nowhere", RolloutConfig())
+        VLLMRollout("/nowhere", rollout_plan(RolloutConfig()))
     issue = info.value.errors[0]
     assert issue.path == "rollout.engine" and "pip install 'rlplan[vllm]'" in issue.fix
 
@@ -111,7 +112,7 @@ def test_engine_arguments_from_rollout_config(fake_vllm):
     r = RolloutConfig(
         tensor_model_parallel_size=2, gpu_memory_utilization=0.4, max_num_seqs=64, cuda_graph=False
     )
-    VLLMRollout("/models/qwen", r, dtype="bfloat16", seed=3)
+    VLLMRollout("/models/qwen", rollout_plan(r), dtype="bfloat16", seed=3)
     kw = _LLM.instances[-1].kwargs
     assert kw["model"] == "/models/qwen" and kw["tensor_parallel_size"] == 2
     assert kw["gpu_memory_utilization"] == 0.4 and kw["max_num_seqs"] == 64
@@ -125,7 +126,9 @@ def test_sampling_param_mapping(fake_vllm):
     r = RolloutConfig(
         temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, stop_token_ids=(7, 8), max_response_length=12
     )
-    kw = sampling_params(fake_vllm, replace(Sampling.from_rollout(r, eos_id=2, seed=5), n=4)).kwargs
+    kw = sampling_params(
+        fake_vllm, replace(Sampling.from_rollout(rollout_plan(r), eos_id=2, seed=5), n=4)
+    ).kwargs
     assert kw == dict(
         n=4, temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, max_tokens=12, stop_token_ids=[7, 8, 2],
         ignore_eos=False, logprobs=0, seed=5, detokenize=False,
@@ -137,14 +140,14 @@ def test_sampling_param_mapping(fake_vllm):
     kw = sampling_params(fake_vllm, Sampling(max_new_tokens=3, top_k=-1)).kwargs
     assert kw["top_k"] == 0 and kw["ignore_eos"] is True
     # Validation uses rollout.val and no top-k / min-p, as the embedded engine does.
-    val = Sampling.from_rollout(r, eos_id=2, validate=True)
+    val = Sampling.from_rollout(rollout_plan(r), eos_id=2, validate=True)
     assert (val.temperature, val.top_p, val.top_k, val.min_p) == (r.val.temperature, r.val.top_p, -1, 0.0)
 
 
 def test_generate_returns_the_embedded_engine_layout(fake_vllm):
     from rltrain.rollout.vllm_adapter import Sampling, VLLMRollout
 
-    rollout = VLLMRollout("/m", RolloutConfig())
+    rollout = VLLMRollout("/m", rollout_plan(RolloutConfig()))
     # Row 0 right-padded (length 2), row 1 full (length 3); pad 0.
     prompts = torch.tensor([[5, 6, 0], [7, 8, 9]])
     out = rollout.generate(prompts, Sampling(max_new_tokens=4, n=2), pad_id=0)
@@ -181,7 +184,7 @@ def test_generate_returns_the_embedded_engine_layout(fake_vllm):
 def test_sleep_wake_and_weight_streaming(fake_vllm):
     from rltrain.rollout.vllm_adapter import Sampling, VLLMRollout
 
-    rollout = VLLMRollout("/m", RolloutConfig())
+    rollout = VLLMRollout("/m", rollout_plan(RolloutConfig()))
     llm = rollout.llm
     rollout.sleep()
     rollout.sleep()  # idempotent: one call reaches vLLM
@@ -205,9 +208,9 @@ def test_bucketed_weight_load_and_rollout_tp_from_the_plan(fake_vllm):
     TP when given, else the config's (null: 1 here, the plan resolves it to the actor's in a run)."""
     from rltrain.rollout.vllm_adapter import VLLMRollout
 
-    rollout = VLLMRollout("/m", RolloutConfig(), tensor_parallel_size=2)
+    rollout = VLLMRollout("/m", rollout_plan(RolloutConfig()), tensor_parallel_size=2)
     assert _LLM.instances[-1].kwargs["tensor_parallel_size"] == 2
-    VLLMRollout("/m", RolloutConfig())
+    VLLMRollout("/m", rollout_plan(RolloutConfig()))
     assert _LLM.instances[-1].kwargs["tensor_parallel_size"] == 1
     weights = [(f"model.layers.{i}.mlp.down_proj.weight", torch.full((4, 4), float(i))) for i in range(5)]
     stats = rollout.update_weights_bucketed(iter(weights), bucket_bytes=2 * 4 * 4 * 4)  # two fp32 tensors

@@ -192,7 +192,7 @@ def _run_worker(rank: int, world: int, port: int, standin: str, overrides: list[
     host = plan.layout("rollout").grid[rank].tp == 0
     assert (policy.vllm.engine is not None) == host
     tok = policy._tokenizer()
-    r = plan.config.rollout
+    r = plan.rollout
     dp_rank = parallel_state.get_data_parallel_rank()
     # 2 prompts x n = 2 per actor DP shard, as the controller sends them (n copies are separate rows).
     prompts = [[5 + dp_rank, 6, 7], [8, 9, 10, 11, 12 + dp_rank]]
@@ -232,7 +232,7 @@ def _run_worker(rank: int, world: int, port: int, standin: str, overrides: list[
                               max_new_tokens=3, extra_stop_token_ids=(41,))  # fmt: skip
     if host:
         report["validate_params"] = next(d for name, d in vllm.EVENTS if name == "generate")
-    report.update(eos=tok.eos_token_id, temperature=r.temperature, val_temperature=r.val.temperature,
+    report.update(eos=tok.eos_token_id, temperature=r.train.temperature, val_temperature=r.val.temperature,
                   max_response_length=r.max_response_length, rollout_tp=plan.refit.rollout_tp)  # fmt: skip
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     destroy_parallel()

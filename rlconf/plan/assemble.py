@@ -25,6 +25,7 @@ from rlconf.plan.compile import (
 )
 from rlconf.plan.memory import memory_plan, rollout_refit
 from rlconf.plan.roles import ROLE_TABLE, present_roles
+from rlconf.plan.run import data_plan, reward_plan, rollout_plan, run_plan, tokenizer_plan
 from rlconf.plan.types import PLAN_VERSION, TrainerPlan
 from rlconf.run_length import run_length, with_run_length
 from rlconf.seeding import resolve_seed
@@ -80,6 +81,8 @@ def compile_parts(config: RLConfig, check: bool = True) -> TrainerPlan:
     resources = plan_resources(config, roles)
     layouts = role_layouts(config, roles, resources, models)
     batches = batch_plans(config, roles, layouts)
+    effective = _effective_config(config, models, roles)
+    rollout_tp = next(lay.tp for lay in layouts if lay.role == "rollout")
     return TrainerPlan(
         version=PLAN_VERSION,
         roles=roles,
@@ -91,11 +94,16 @@ def compile_parts(config: RLConfig, check: bool = True) -> TrainerPlan:
         profile=profile_plan(config, roles, layouts),
         checkpoint=checkpoint_plan(config, roles, models, layouts),
         memory=memory_plan(config, resources, layouts, models, batches, lora),
-        config=_effective_config(config, models, roles),
+        config=effective,
         refit=rollout_refit(config, layouts, models),
         length=length,
         passes=step_passes(config, roles, batches),
         lora=lora,
+        run=run_plan(effective, length.total_steps),
+        rollout=rollout_plan(effective.rollout, rollout_tp, effective.actor.router_replay),
+        data=data_plan(effective.data, effective.trainer.seed),
+        reward=reward_plan(effective.reward),
+        tokenizer=tokenizer_plan(effective.model),
     )
 
 

@@ -11,13 +11,12 @@ from rlconf.config import (
     MegatronConfig,
     ModelArch,
     ModelConfig,
-    NpuProfileOptions,
-    NsysProfileOptions,
     RLConfig,
-    TorchProfileOptions,
 )
 from rlconf.lora import LoraPlan
 from rlconf.plan.roles import ROLE_TABLE
+from rlconf.plan.run import DataPlan, RewardPlan, RolloutPlan, RunPlan, TokenizerPlan
+from rlconf.profile_vocab import NpuProfileOptions, NsysProfileOptions, TorchProfileOptions
 from rlconf.run_length import RunLength
 
 PLAN_VERSION = 1
@@ -519,6 +518,16 @@ class TrainerPlan:
     profile: ProfilePlan
     checkpoint: CheckpointPlan
     memory: MemoryPlan
+    run: RunPlan
+    """Names, folder, length, seed, validation, divergence guard, cluster and logging."""
+    rollout: RolloutPlan
+    """The rollout's sampling and engine settings and the multi-turn tools."""
+    data: DataPlan
+    """The prompts: files or synthetic task, keys, batch sizes, truncation, order."""
+    reward: RewardPlan
+    """The rule reward and its shaping."""
+    tokenizer: TokenizerPlan
+    """The tokenizer's folder, resolved."""
     config: RLConfig
     """The effective config (see the module docstring): settings the plan does not derive."""
     refit: RolloutRefit | None = None

@@ -49,8 +49,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from rlconf.config import MultiTurnConfig
 from rlconf.errors import ConfigError, error
+from rlconf.plan.run import ToolPlan
 from rlconf.seeding import derive_seed
 from rltrain.tokenizer import ToolCallParseError
 from rltrain.tools import PendingCall, Tool, ToolResult, ToolRunner
@@ -277,14 +277,14 @@ class AgentLoop:
     def __init__(
         self,
         tokenizer: Any,
-        cfg: MultiTurnConfig,
-        max_total_tokens: int,
+        plan: ToolPlan,
         interaction: Interaction | None = None,
     ) -> None:
-        self.tok, self.cfg = tokenizer, cfg
-        self.max_total_tokens = max_total_tokens
+        """`plan`: the plan's tools and limits (its max_total_tokens bounds each row's response)."""
+        self.tok, self.plan = tokenizer, plan
+        self.max_total_tokens = plan.max_total_tokens
         self.interaction = interaction
-        self.runner = ToolRunner(cfg)  # the tools run in its worker processes
+        self.runner = ToolRunner(plan)  # the tools run in its worker processes
         self.tools: list[Tool] = self.runner.tool_list
         self.stop_ids = tuple(tokenizer.tool_call_stop_ids())
 
@@ -368,7 +368,7 @@ class AgentLoop:
         """One generation call for rows `talk`; their tool calls are submitted. Returns (rows ready for
         another turn at once: an observation that needs no tool, rows that ended)."""
         eos = self.tok.eos_token_id
-        max_turns = self.cfg.max_assistant_turns
+        max_turns = self.plan.max_assistant_turns
         request = TurnRequest(
             row_ids=tuple(talk),
             contexts=[rows[i].context for i in talk],
@@ -498,11 +498,11 @@ class AgentLoop:
         }
 
 
-def build_agent_loop(tokenizer: Any, cfg: MultiTurnConfig, max_response_length: int) -> AgentLoop:
-    """The agent loop of `rollout.multi_turn` (tools and interaction loaded; ConfigError when unusable)."""
-    interaction = load_interaction(cfg.interaction) if cfg.interaction is not None else None
-    total = cfg.max_total_tokens if cfg.max_total_tokens is not None else max_response_length
-    return AgentLoop(tokenizer, cfg, total, interaction)
+def build_agent_loop(tokenizer: Any, plan: ToolPlan) -> AgentLoop:
+    """The agent loop of the plan's multi-turn tools (tools and interaction loaded; ConfigError when
+    unusable)."""
+    interaction = load_interaction(plan.interaction) if plan.interaction is not None else None
+    return AgentLoop(tokenizer, plan, interaction)
 
 
 def rows_from_rollout(batch: dict[str, torch.Tensor]) -> list[tuple[list[int], list[float]]]:

@@ -4,7 +4,7 @@ the rollout worker (separate placement: a model of its own, on its own devices, 
 pushes from the trainer).
 
 `RolloutServer` is a mixin of those Ray worker classes (rltrain/workers.py). It reads what the worker
-sets up: `self.plan`, `self.cfg`, `self.actor` (the engine that generates: `MegatronActor.generate`),
+sets up: `self.plan` (its `rollout` part: sampling and engine settings), `self.actor` (the engine that generates: `MegatronActor.generate`),
 `self.vllm` (a ColocatedVLLM or None) and `self.measured` (the profiler and memory tracker).
 """
 
@@ -23,7 +23,6 @@ class RolloutServer:
     """Generation for the rollout role (a mixin of a `MegatronWorker`)."""
 
     plan: Any
-    cfg: Any
     actor: Any
     vllm: Any
     measured: Any
@@ -44,10 +43,11 @@ class RolloutServer:
 
         from megatron.core import parallel_state
 
-        r = self.cfg.rollout
-        if max_new_tokens is not None or extra_stop_token_ids:
-            r = replace(r, max_response_length=max_new_tokens or r.max_response_length,
-                        stop_token_ids=(*r.stop_token_ids, *extra_stop_token_ids))  # fmt: skip
+        r = self.plan.rollout
+        max_new_tokens = max_new_tokens or r.max_response_length
+        stops = (*r.stop_token_ids, *extra_stop_token_ids)
+        sampling = r.sampling(validate)
+        graphs = r.cuda_graph and devices.graphs_supported(self.plan.run.cluster.device)
         prompt_ids, prompt_mask = prompts["prompt_ids"], prompts["prompt_mask"]
         tok = self._tokenizer()
         shard_seed = derive_seed(seed, parallel_state.get_data_parallel_rank(), DP_SHARD)
@@ -55,24 +55,22 @@ class RolloutServer:
             # vLLM refit from the actor (bucketed), generation on the hosts, sleep until the next refit.
             from rltrain.rollout.vllm_adapter import Sampling
 
-            sampling = Sampling.from_rollout(r, tok.eos_token_id, validate=validate, seed=seed)
+            sampling_v = replace(Sampling.from_rollout(r, tok.eos_token_id, validate=validate, seed=seed),
+                                 max_new_tokens=max_new_tokens, stop_token_ids=stops)  # fmt: skip
             with self.measured("generate_sequences"):
-                return self.vllm.generate(prompt_ids, prompt_mask, sampling, tok.pad_token_id,
+                return self.vllm.generate(prompt_ids, prompt_mask, sampling_v, tok.pad_token_id,
                                           parallel_state.get_data_parallel_rank())  # fmt: skip
         if self.plan.refit is not None and self.plan.refit.mode == "reshard":
             # The rollout's own layout (rltrain/rollout/reshard.py): refit, split over rollout DP, regather.
             with self.measured("generate_sequences"):
                 return self._rollout_replica().generate(
                     prompt_ids, prompt_mask, seed=seed, actor_dp_rank=parallel_state.get_data_parallel_rank(),
-                    max_new_tokens=r.max_response_length,
-                    temperature=r.val.temperature if validate else r.temperature,
-                    top_p=r.val.top_p if validate else r.top_p, top_k=-1 if validate else r.top_k,
-                    min_p=0.0 if validate else r.min_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                    stop_token_ids=r.stop_token_ids,
-                    static_decode=r.cuda_graph and devices.graphs_supported(self.cfg.cluster.device),
+                    max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
+                    top_k=sampling.top_k, min_p=sampling.min_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                    stop_token_ids=stops, static_decode=graphs,
                 )  # fmt: skip
         # actor.router_replay: record the experts each token was routed to (training replays them).
-        replay = self.cfg.actor.router_replay and not validate
+        replay = r.router_replay and not validate
         recording: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
         if replay:
             from rltrain.megatron.moe_replay import ROUTED_EXPERTS, record_routing
@@ -81,16 +79,16 @@ class RolloutServer:
         with self.measured("generate_sequences"), recording as recorder:
             out = self.actor.generate(
                 prompt_ids,
-                max_new_tokens=r.max_response_length,
-                temperature=r.val.temperature if validate else r.temperature,
-                top_p=r.val.top_p if validate else r.top_p,
-                top_k=-1 if validate else r.top_k,
-                min_p=0.0 if validate else r.min_p,
+                max_new_tokens=max_new_tokens,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                top_k=sampling.top_k,
+                min_p=sampling.min_p,
                 eos_id=tok.eos_token_id,
                 pad_id=tok.pad_token_id,
                 prompt_mask=prompt_mask,
-                stop_token_ids=r.stop_token_ids,
-                cuda_graph=r.cuda_graph and devices.graphs_supported(self.cfg.cluster.device),
+                stop_token_ids=stops,
+                cuda_graph=graphs,
                 seed=shard_seed,
             )
         if replay:
@@ -141,7 +139,8 @@ class RolloutServer:
         `rollout_log_probs` [rows, max_new_tokens] (filler rows: empty)."""
         from rltrain.megatron import inference
 
-        r = self.cfg.rollout
+        r = self.plan.rollout
+        sampling = r.sampling(validate)
         tok = self._tokenizer()
         ids, mask, row_ids = rows["prompt_ids"], rows["prompt_mask"], rows["row_ids"]
         real = (row_ids >= 0).nonzero().squeeze(1)
@@ -172,11 +171,10 @@ class RolloutServer:
             with self.measured("generate_sequences"):
                 got = inference.generate_with_kv_cache(
                     self.actor, prompts["prompt_ids"], prompts["prompt_mask"], max_new_tokens,
-                    temperature=r.val.temperature if validate else r.temperature,
-                    top_p=r.val.top_p if validate else r.top_p, top_k=-1 if validate else r.top_k,
-                    min_p=0.0 if validate else r.min_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                    temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                    min_p=sampling.min_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                     stop_token_ids=stops,
-                    static_decode=r.cuda_graph and devices.graphs_supported(self.cfg.cluster.device),
+                    static_decode=r.cuda_graph and devices.graphs_supported(self.plan.run.cluster.device),
                     session=kv, row_ids=row_ids[real].tolist(), row_seeds=rows["row_seeds"][real].tolist(),
                 )  # fmt: skip
         for key, value in out.items():
@@ -204,5 +202,5 @@ class RolloutServer:
         if not hasattr(self, "_tok"):
             from rltrain.tokenizer import load_tokenizer
 
-            self._tok = load_tokenizer(self.cfg.model)
+            self._tok = load_tokenizer(self.plan.tokenizer)
         return self._tok

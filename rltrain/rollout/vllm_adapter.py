@@ -59,9 +59,9 @@ from typing import Any
 
 import torch
 
-from rlconf.config import RolloutConfig
 from rlconf.errors import ConfigError, Issue
 from rlconf.files import MAX_MODEL_CONFIG_BYTES, read_json
+from rlconf.plan.run import RolloutPlan
 from rlconf.seeding import derive_seed
 from rltrain.rollout.batch import rollout_batch
 from rltrain.rollout.weight_sync import SyncStats
@@ -91,7 +91,7 @@ def import_vllm() -> Any:
 
 @dataclass(frozen=True)
 class Sampling:
-    """One rollout's sampling settings, in rlplan's terms (RolloutConfig's names)."""
+    """One rollout's sampling settings, in rlplan's terms (the plan's RolloutPlan names)."""
 
     max_new_tokens: int
     temperature: float = 1.0
@@ -105,15 +105,16 @@ class Sampling:
 
     @classmethod
     def from_rollout(
-        cls, r: RolloutConfig, eos_id: int | None, validate: bool = False, seed: int | None = None
+        cls, r: RolloutPlan, eos_id: int | None, validate: bool = False, seed: int | None = None
     ) -> Sampling:
-        """The same choice as PolicyWorker.generate_sequences makes for the embedded engine."""
+        """The same choice as RolloutServer.generate_sequences makes for the embedded engine."""
+        s = r.sampling(validate)
         return cls(
             max_new_tokens=r.max_response_length,
-            temperature=r.val.temperature if validate else r.temperature,
-            top_p=r.val.top_p if validate else r.top_p,
-            top_k=-1 if validate else r.top_k,
-            min_p=0.0 if validate else r.min_p,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            top_k=s.top_k,
+            min_p=s.min_p,
             stop_token_ids=tuple(r.stop_token_ids),
             eos_id=eos_id,
             seed=seed,
@@ -154,7 +155,7 @@ class VLLMRollout:
     def __init__(
         self,
         model_path: str | os.PathLike,
-        rollout: RolloutConfig,
+        rollout: RolloutPlan,
         dtype: str = "bfloat16",
         seed: int = 0,
         tensor_parallel_size: int | None = None,
@@ -162,13 +163,13 @@ class VLLMRollout:
     ) -> None:
         """Start vLLM on a local HF folder (config.json, and safetensors unless load_format="dummy").
 
-        `tensor_parallel_size`: vLLM's own TP, the plan's rollout layout (`plan.refit.rollout_tp`, which
-        resolves rollout.tensor_model_parallel_size: null to the actor's); default: the config's, else 1.
+        `tensor_parallel_size`: vLLM's own TP; default: the plan's (`RolloutPlan.tensor_parallel_size`,
+        the rollout layout's tp: rollout.tensor_model_parallel_size, null meaning the actor's).
         """
         self.vllm = import_vllm()
         self.rollout = rollout
         if tensor_parallel_size is None:
-            tensor_parallel_size = rollout.tensor_model_parallel_size or 1
+            tensor_parallel_size = rollout.tensor_parallel_size
         kwargs: dict[str, Any] = dict(
             model=str(model_path),
             tensor_parallel_size=tensor_parallel_size,
@@ -194,7 +195,7 @@ class VLLMRollout:
     def for_actor(
         cls,
         actor: Any,
-        rollout: RolloutConfig,
+        rollout: RolloutPlan,
         folder: str | os.PathLike,
         tensor_parallel_size: int,
         seed: int,
@@ -244,11 +245,11 @@ class VLLMRollout:
     ) -> SyncStats:
         """Load HF-named tensors in buckets of at most `bucket_bytes` (one `collective_rpc` each), so the
         extra memory of a refit is one bucket, not a model copy: the same bucketing as weight_sync."""
-        from rltrain.rollout.weight_sync import _buckets
+        from rltrain.rollout.weight_sync import buckets
 
         stats = SyncStats()
         t0 = time.perf_counter()
-        for bucket in _buckets(named_tensors, bucket_bytes):
+        for bucket in buckets(named_tensors, bucket_bytes):
             self.update_weights(bucket)
             stats.tensors += len(bucket)
             stats.bytes += sum(t.numel() * t.element_size() for _, t in bucket)
@@ -373,7 +374,7 @@ class ColocatedVLLM:
         self.actor = actor
         self.rollout_dp_rank, self.rollout_dp_size = coord.dp, layout.dp
         self.bucket_bytes = refit.bucket_mib * 2**20
-        self.free_cache_engine = plan.config.rollout.free_cache_engine
+        self.free_cache_engine = plan.rollout.free_cache_engine
         self.last_refit = SyncStats()
         self.engine: VLLMRollout | None = None
         if coord.tp == 0:
@@ -391,8 +392,8 @@ class ColocatedVLLM:
             # config.json only (vLLM loads dummy weights): local to this process, removed with it.
             self._folder = tempfile.TemporaryDirectory(prefix=f"rlplan-vllm-rank{rank}-")
             self.engine = VLLMRollout.for_actor(
-                actor, plan.config.rollout, self._folder.name, tensor_parallel_size=refit.rollout_tp,
-                seed=derive_seed(plan.config.trainer.seed, coord.dp, "vllm-engine"), base_config=base,
+                actor, plan.rollout, self._folder.name, tensor_parallel_size=refit.rollout_tp,
+                seed=derive_seed(plan.run.seed, coord.dp, "vllm-engine"), base_config=base,
             )  # fmt: skip
 
     @torch.no_grad()

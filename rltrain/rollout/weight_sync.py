@@ -119,7 +119,8 @@ def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: ModelArch) -> Itera
             yield from _to_hf(name, data, arch, tp).items()
 
 
-def _buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+def buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """`named` cut into lists of at most `bucket_bytes` (aligned sizes; a larger tensor is a bucket alone)."""
     bucket: list[tuple[str, torch.Tensor]] = []
     size = 0
     for name, t in named:
@@ -167,7 +168,7 @@ def send_weights(
     channel = _channel(group) if group is not None else None
     stats = SyncStats()
     t0 = time.perf_counter()
-    for bucket in _buckets(named, bucket_bytes):
+    for bucket in buckets(named, bucket_bytes):
         header, off = [], 0
         for name, t in bucket:
             header.append((name, tuple(t.shape), str(t.dtype).removeprefix("torch."), off))

@@ -41,8 +41,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from rlconf.config import BUILTIN_TOOLS, MultiTurnConfig
 from rlconf.errors import ConfigError, error
+from rlconf.plan.run import ToolPlan
+from rlconf.profile_vocab import BUILTIN_TOOLS
 
 CONFIG_PATH = "rollout.multi_turn.tools"
 
@@ -105,7 +106,7 @@ def _tool_error(message: str, fix: str, rule: str = "multi-turn-tools") -> Confi
     return ConfigError([error(CONFIG_PATH, message, fix, rule=rule)])
 
 
-def load_tool(spec: str, cfg: MultiTurnConfig) -> Tool:
+def load_tool(spec: str, plan: ToolPlan) -> Tool:
     """The tool named by `spec`: a built-in name or `package.module:function|Class` (ConfigError on
     `rollout.multi_turn.tools` naming the spec and the fix when it cannot be used)."""
     if spec == "calculator":
@@ -115,8 +116,8 @@ def load_tool(spec: str, cfg: MultiTurnConfig) -> Tool:
     if spec == "python":
         from rltrain.tools.python_sandbox import PythonSandbox
 
-        return PythonSandbox(timeout_s=cfg.tool_timeout_s, memory_mib=cfg.tool_memory_mib,
-                             isolate=cfg.sandbox != "none")  # fmt: skip
+        return PythonSandbox(timeout_s=plan.tool_timeout_s, memory_mib=plan.tool_memory_mib,
+                             isolate=plan.isolated)  # fmt: skip
     if not _SPEC.match(spec):
         raise _tool_error(
             f"{spec!r} is neither a built-in tool nor a package.module:function path",
@@ -144,9 +145,9 @@ def load_tool(spec: str, cfg: MultiTurnConfig) -> Tool:
     return _FunctionTool(obj, name, schema)
 
 
-def load_tools(cfg: MultiTurnConfig) -> list[Tool]:
+def load_tools(plan: ToolPlan) -> list[Tool]:
     """Every tool of `rollout.multi_turn.tools`, in order (the char tokenizer's bare calls use the first)."""
-    return [load_tool(spec, cfg) for spec in cfg.tools]
+    return [load_tool(spec, plan) for spec in plan.tools]
 
 
 @dataclass(frozen=True)
@@ -223,22 +224,22 @@ class ToolRunner:
     """Runs the tool calls of `rollout.multi_turn` in a pool of worker processes (rltrain/tools/worker.py),
     never in the driver, concurrently, under a wall-clock limit and an output limit per call."""
 
-    def __init__(self, cfg: MultiTurnConfig, timeout_s: float | None = None) -> None:
-        self.cfg = cfg
-        self.tool_list = load_tools(cfg)  # here only for the names and schemas the prompt shows
+    def __init__(self, plan: ToolPlan, timeout_s: float | None = None) -> None:
+        self.plan = plan
+        self.tool_list = load_tools(plan)  # here only for the names and schemas the prompt shows
         self.tools = {t.name: t for t in self.tool_list}
-        self.timeout_s = cfg.tool_timeout_s if timeout_s is None else timeout_s
-        self.max_chars = cfg.max_tool_response_length
+        self.timeout_s = plan.tool_timeout_s if timeout_s is None else timeout_s
+        self.max_chars = plan.max_tool_response_length
         self._max_bytes = 8 * self.max_chars + 4096  # a JSON line of max_chars + 16 characters, escaped
-        if cfg.sandbox == "none" and "python" in cfg.tools:
+        if not plan.isolated and "python" in plan.tools:
             from rltrain.tools.python_sandbox import UNISOLATED_WARNING
 
             print(UNISOLATED_WARNING, file=sys.stderr, flush=True)
         self._command = [sys.executable, "-m", "rltrain.tools.worker", json.dumps({
             "parent_pid": os.getpid(), "sys_path": list(sys.path), "max_chars": self.max_chars,
-            "multi_turn": {**dataclasses.asdict(cfg), "tools": list(cfg.tools)},
+            "multi_turn": {**dataclasses.asdict(plan), "tools": list(plan.tools)},
         })]  # fmt: skip
-        n = max(1, cfg.max_parallel_tools)
+        n = plan.max_parallel_tools
         self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._all: list[_Worker] = []

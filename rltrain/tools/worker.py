@@ -49,13 +49,13 @@ def main() -> None:
         proto.write(json.dumps(message) + "\n")
         proto.flush()
 
-    from rlconf.config import MultiTurnConfig
+    from rlconf.plan.run import ToolPlan
     from rltrain.tools import load_tools
 
     try:
         fields = config["multi_turn"]
-        cfg = MultiTurnConfig(**{**fields, "tools": tuple(fields["tools"])})
-        tools = {t.name: t for t in load_tools(cfg)}
+        plan = ToolPlan(**{**fields, "tools": tuple(fields["tools"])})
+        tools = {t.name: t for t in load_tools(plan)}
     except Exception as exc:  # reported to the runner, which turns every call into an error observation
         send({"error": f"{type(exc).__name__}: {exc}"})
         return
