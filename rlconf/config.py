@@ -3,7 +3,8 @@
 Each section is a small dataclass owned by the component that reads it. The string literal under a field
 is its documentation: it becomes CLI help (tyro), the JSON Schema description and the reference docs.
 Derived values (effective layouts, resolved paths, schedules) are not stored here; they live in the
-trainer plan (`rlconf.plan`). This module imports nothing beyond the standard library.
+trainer plan (`rlconf.plan`). This module imports nothing beyond the standard library and the leaf names of rlconf.vocab (re-exported
+here).
 """
 
 from __future__ import annotations
@@ -11,13 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rlconf.vocab import AdvEstimator, KLKind, LossAggMode, PolicyLossMode
+
 # Names shared by validation, the plan and the workers. Kept here so that the whole vocabulary of the
 # config lives in one module.
 Device = Literal["cpu", "cuda", "npu"]
-AdvEstimator = Literal[
-    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_passk", "gpg"
-]
-PolicyLossMode = Literal["vanilla", "gspo", "gpg", "clip-cov", "kl-cov", "cispo", "sapo"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
 ProfileTool = Literal["none", "torch", "nsys", "npu"]
@@ -480,9 +479,7 @@ class ActorConfig:
     """Dual-clip bound for negative advantages (must be > 1)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """The policy loss (loss_mode) and its options."""
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     """How per-token losses are averaged into the batch loss."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus."""
@@ -490,7 +487,7 @@ class ActorConfig:
     """Add a KL(actor || ref) term to the loss (GRPO style); needs the ref role."""
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
-    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
+    kl_loss_type: KLKind = "low_var_kl"
     """KL estimator used in the loss."""
     router_replay: bool = False
     """Mixture-of-experts models only: record the experts each token was routed to during rollout generation
@@ -766,7 +763,7 @@ class AlgorithmConfig:
     """GRPO: divide group-relative advantages by the group's std (false: Dr. GRPO)."""
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl.kl_coef x KL(actor || ref) from the token rewards; needs the ref role."""
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
+    kl_penalty: KLKind = "kl"
     """KL estimator used in the reward."""
     kl_ctrl: KLControl = field(default_factory=KLControl)
     """KL coefficient controller."""

@@ -10,6 +10,7 @@ from rlconf.config import (
 )
 from rlconf.errors import ConfigError, error
 from rlconf.lora import resolve as resolve_lora
+from rlconf.plan.algorithm import algorithm_plan
 from rlconf.plan.compile import (
     _batch_plans,
     _checkpoint,
@@ -105,6 +106,7 @@ def _compile(config: RLConfig, check: bool = True) -> TrainerPlan:
         length=length,
         passes=_step_passes(config, roles, batches),
         lora=lora,
+        algorithm=algorithm_plan(config),
     )
 
 

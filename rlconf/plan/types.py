@@ -16,6 +16,7 @@ from rlconf.config import (
     TorchProfileOptions,
 )
 from rlconf.lora import LoraPlan
+from rlconf.plan.algorithm import AlgorithmPlan
 from rlconf.run_length import RunLength
 
 PLAN_VERSION = 1
@@ -541,6 +542,9 @@ class TrainerPlan:
     """The log-prob passes of each training step (always set by compile_plan)."""
     lora: LoraPlan | None = None
     """The policy's LoRA adapters (actor.lora; None: full fine-tuning)."""
+    algorithm: AlgorithmPlan | None = None
+    """Losses, advantages, KL-in-reward, dynamic sampling and rollout-correction thresholds
+    (rlconf/plan/algorithm.py; always set by compile_plan)."""
 
     def layout(self, role: str) -> RoleLayout:
         return _by_role(self.layouts, role)
