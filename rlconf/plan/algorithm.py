@@ -196,13 +196,13 @@ def algorithm_plan(config: RLConfig) -> AlgorithmPlan:
 
 
 __all__ = [
+    "DEFAULT_POLICY_LOSS_OPTIONS",
     "AdvantagePlan",
     "AlgorithmPlan",
     "FilterGroupsPlan",
     "KLRewardPlan",
     "LossPlan",
     "PolicyLossOptions",
-    "DEFAULT_POLICY_LOSS_OPTIONS",
     "algorithm_plan",
     "loss_plan",
     "policy_loss_options",
