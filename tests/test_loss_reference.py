@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 
 from presets import get_preset
 from rlconf.config import PolicyLossConfig
-from rlconf.plan.algorithm import policy_loss_options
 from rlconf.fields import replace_paths
+from rlconf.plan.algorithm import policy_loss_options
 from rlconf.validate import check_config
 from rlconf.verl.report import format_report
 from rlconf.verl.translate import translate
