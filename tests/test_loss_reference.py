@@ -1,4 +1,4 @@
-"""Every loss and estimator of rltrain/algorithms.py against an independent reference of its paper formula.
+"""Every loss and estimator of rltrain/algorithms/ against an independent reference of its paper formula.
 
 Each reference below is written plainly from the formula (loops over rows and tokens, float64, no code
 shared with rltrain.algorithms) and compared with the implementation (float32) on random inputs with the
