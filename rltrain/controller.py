@@ -419,9 +419,8 @@ class Trainer:
             # The rollout gets the new weights; batches waiting for them start generating after the push.
             metrics.update(self.pipeline.push(step, lambda: self._push_weights(step)))
         metrics.update(timing)
-        metrics.update(
-            self._step_perf(generated, metrics)
-        )  # the batch as generated (before rejection sampling)
+        # Throughput and MFU of the batch as generated (before rejection sampling).
+        metrics.update(self._step_perf(generated, metrics))
         return metrics
 
     def _generated(

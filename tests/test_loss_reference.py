@@ -503,7 +503,9 @@ def test_sapo_aggregates_seq_mean_token_mean_whatever_is_configured():
     mask = T([[1.0, 1.0], [1.0, 0.0]])
     opts = PolicyLossConfig(loss_mode="sapo", tau_pos=1.0, tau_neg=1.05)
     for agg in LOSS_AGG_MODES:
-        loss, _ = compute_policy_loss(old, old, adv, mask, 0.2, 0.2, 3.0, agg, "sapo", policy_loss_options(opts))
+        loss, _ = compute_policy_loss(
+            old, old, adv, mask, 0.2, 0.2, 3.0, agg, "sapo", policy_loss_options(opts)
+        )
         assert float(loss) == pytest.approx((-2 + 2 / 1.05) / 2, abs=1e-6), agg
 
 
