@@ -143,7 +143,7 @@ def main() -> int:
     report["response_tokens_mean"] = float(batch["response_mask"].float().sum(-1).mean())
     b, r = batch["responses"].shape
     batch["old_log_probs"] = torch.zeros(b, r)
-    batch["ref_log_prob"] = torch.zeros(b, r)
+    batch["ref_log_probs"] = torch.zeros(b, r)
     batch["advantages"] = torch.randn(b, r, generator=g)
     t = cfg.rollout.temperature
     if "actor_compute_log_prob" in phases:
@@ -155,7 +155,7 @@ def main() -> int:
             lambda: ref.compute_log_prob(batch, temperature=t, with_entropy=False),
             report,
         )
-        batch["ref_log_prob"] = out["log_probs"]
+        batch["ref_log_probs"] = out["log_probs"]
     if "actor_update" in phases:
         measured("actor_update", lambda: actor.update_policy(batch, temperature=t, step=1), report)
         # The second update: the optimizer state exists from the start (the first one creates it lazily).

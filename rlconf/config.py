@@ -3,8 +3,8 @@
 Each section is a small dataclass owned by the component that reads it. The string literal under a field
 is its documentation: it becomes CLI help (tyro), the JSON Schema description and the reference docs.
 Derived values (effective layouts, resolved paths, schedules) are not stored here; they live in the
-trainer plan (`rlconf.plan`). This module imports nothing beyond the standard library and its own sections (rlconf.profile_config),
-which it re-exports.
+trainer plan (`rlconf.plan`). This module imports nothing beyond the standard library, its own sections
+(rlconf.profile_config) and the leaf names of rlconf.profile_vocab and rlconf.vocab, which it re-exports.
 """
 
 from __future__ import annotations
@@ -26,14 +26,11 @@ from rlconf.profile_vocab import (  # noqa: F401
     Role,
     TorchProfileOptions,
 )
+from rlconf.vocab import AdvEstimator, KLKind, LossAggMode, PolicyLossMode
 
 # Names shared by validation, the plan and the workers. Kept here so that the whole vocabulary of the
 # config lives in one module.
 Device = Literal["cpu", "cuda", "npu"]
-AdvEstimator = Literal[
-    "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "grpo_passk", "gpg"
-]
-PolicyLossMode = Literal["vanilla", "gspo", "gpg", "clip-cov", "kl-cov", "cispo", "sapo"]
 DecayStyle = Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"]
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
 CHECKPOINT_CONTENTS: tuple[str, ...] = CheckpointContent.__args__
@@ -485,9 +482,7 @@ class ActorConfig:
     """Dual-clip bound for negative advantages (must be > 1)."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     """The policy loss (loss_mode) and its options."""
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
+    loss_agg_mode: LossAggMode = "token-mean"
     """How per-token losses are averaged into the batch loss."""
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus."""
@@ -495,7 +490,7 @@ class ActorConfig:
     """Add a KL(actor || ref) term to the loss (GRPO style); needs the ref role."""
     kl_loss_coef: float = 0.001
     """Weight of the KL loss."""
-    kl_loss_type: Literal["kl", "abs", "mse", "low_var_kl"] = "low_var_kl"
+    kl_loss_type: KLKind = "low_var_kl"
     """KL estimator used in the loss."""
     router_replay: bool = False
     """Mixture-of-experts models only: record the experts each token was routed to during rollout generation
@@ -766,7 +761,7 @@ class AlgorithmConfig:
     """GRPO: divide group-relative advantages by the group's std (false: Dr. GRPO)."""
     use_kl_in_reward: bool = False
     """Subtract kl_ctrl.kl_coef x KL(actor || ref) from the token rewards; needs the ref role."""
-    kl_penalty: Literal["kl", "abs", "mse", "low_var_kl"] = "kl"
+    kl_penalty: KLKind = "kl"
     """KL estimator used in the reward."""
     kl_ctrl: KLControl = field(default_factory=KLControl)
     """KL coefficient controller."""

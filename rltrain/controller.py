@@ -55,6 +55,14 @@ _CONTROLLER_KEYS = ("scores", "group_index", "rollout_log_probs", "overlong_pena
                     *AGENT_STAT_KEYS)  # fmt: skip
 
 
+def _timed(timing: dict[str, float], name: str, fn: Any, *args: Any) -> Any:
+    """fn(*args), its seconds recorded as timing/{name}_s."""
+    t0 = time.perf_counter()
+    result = fn(*args)
+    timing[f"timing/{name}_s"] = time.perf_counter() - t0
+    return result
+
+
 class Trainer:
     """Owns the run: plan, workers, data, reward, KL controller, logger."""
 
@@ -77,9 +85,6 @@ class Trainer:
 
         self.plan = plan
         self.run = run = plan.run
-        # Read only by the step methods (train_step, _advantages_and_updates, _step_perf, dynamic_sampling)
-        # until they read the plan's loss and batch parts.
-        self.cfg = plan.config
         self._own_folder = run_folder is None
         self.run_folder = run_folder if run_folder is not None else RunFolder.open(document, plan)
         self.out = self.run_folder.path
@@ -100,7 +105,7 @@ class Trainer:
             from rltrain.rollout.agent import build_agent_loop
 
             self.agent = build_agent_loop(self.tokenizer, plan.rollout.multi_turn)
-        self.kl_ctrl = algorithms.build_kl_controller(self.cfg.algorithm.kl_ctrl)
+        self.kl_ctrl = algorithms.build_kl_controller(plan.algorithm.kl_reward)
         self.logger = MetricsLogger(self.out, run.logging.backends, run.total_steps, run.project_name,
                                     run.experiment_name)  # fmt: skip
         # Rule rewards run here in the controller; they are profiled as rank 0 of the `reward_compute` role.
@@ -340,7 +345,7 @@ class Trainer:
         # Each random stream of the step is keyed by (seed, step, purpose), never by what ran before (a
         # validation pass, a restart): a resumed run repeats the uninterrupted one exactly.
         seed = derive_seed(self.run.seed, step, ROLLOUT)
-        if self.cfg.algorithm.filter_groups.enable:
+        if self.plan.algorithm.filter_groups.enabled:
             batch, metrics = self.dynamic_sampling(step, prompts)
         else:
             batch, metrics = self.rollout(prompts, self.plan.batch_plan("actor").responses_per_prompt, seed)
@@ -392,144 +397,98 @@ class Trainer:
         return {"timing/weight_push_s": time.perf_counter() - t0, "rollout/weight_push_gib": nbytes / 2**30}
 
     def train_step(self, step: int) -> dict[str, Any]:
-        cfg = self.cfg
+        """One RL step as a sequence of passes: generate and score, the log-prob passes, the critic's values,
+        advantages and updates (rltrain.algorithms.step does the math between them), the weight sync.
+        Returns the step's metrics."""
         timing: dict[str, float] = {}
-
-        def timed(name: str, fn, *args):
-            t0 = time.perf_counter()
-            result = fn(*args)
-            timing[f"timing/{name}_s"] = time.perf_counter() - t0
-            return result
-
         self._set_step(step)
-        if self.pipeline is None:
-            batch, metrics = self.generate_batch(step)
-        else:
-            # The batch generated on the rollout pool (maybe while the previous steps trained) and the
-            # weight version it used: off_policy/staleness = updates it missed.
-            (batch, metrics), version = timed("wait_rollout", self.pipeline.take, step)
-            metrics["rollout/weight_version"] = version
-            metrics["off_policy/staleness"] = step - 1 - version
-        model_batch = {k: v for k, v in batch.items() if k not in _CONTROLLER_KEYS}
-        rc = cfg.algorithm.rollout_correction
-        passes = self.plan.passes
-        assert passes is not None
-        old = None
-        correction: algorithms.RolloutCorrectionResult | None = None
-        if passes.old_log_prob == "rollout":  # bypass mode: the rollout's own log-probs are the old policy
-            model_batch["old_log_probs"] = batch["rollout_log_probs"]
-        elif passes.old_log_prob == "update":
-            # On-policy (the plan): the update's own forward gives the old log-probs; it also reports the
-            # sampler gap and rollout entropy from the rollout's log-probs.
-            model_batch["rollout_log_probs"] = batch["rollout_log_probs"]
-        elif passes.fused:  # old and ref log-probs on one scatter of the batch, in one worker call
-            t0 = time.perf_counter()
-            both = self._dispatch_cat(self.policy, "actor", "compute_old_and_ref_log_prob", model_batch)
-            ref_s = float(both.pop("ref_seconds").max())
-            timing["timing/old_log_prob_s"] = time.perf_counter() - t0 - ref_s
-            timing["timing/ref_s"] = ref_s
-            model_batch["ref_log_prob"] = both.pop("ref_log_probs")
-            old = both
-        else:
-            old = timed(
-                "old_log_prob", self._dispatch_cat, self.policy, "actor", "compute_log_prob", model_batch
-            )
-        if old is not None:
-            model_batch["old_log_probs"] = old["log_probs"]
-            # The rollout sampled with the weights being trained (colocated, no copy): its log-probs must agree
-            # with the recomputation; a gap here means stale weights or a numerics problem in the sampler.
-            gap = (batch["rollout_log_probs"] - old["log_probs"]).abs()
-            metrics["rollout/logprob_diff_max"] = (gap * model_batch["response_mask"]).max().item()
-            metrics["actor/entropy_rollout"] = algorithms.masked_mean(
-                old["entropy"], model_batch["response_mask"]
-            ).item()
-            # The plan's weights (off-policy without a correction: token-level, algorithm.off_policy_steps).
-            if passes.rollout_is is not None or passes.rollout_rs is not None:
-                correction = algorithms.rollout_correction(
-                    old["log_probs"], batch["rollout_log_probs"], model_batch["response_mask"], passes.rollout_is,
-                    rc.rollout_is_threshold, passes.rollout_rs, rc.rollout_rs_threshold,
-                )  # fmt: skip
-                model_batch["rollout_is_weights"] = correction.weights
-                metrics.update(correction.metrics)
-        if passes.ref_log_prob and "ref_log_prob" not in model_batch:
-            ref = timed("ref", self._dispatch_cat, self.policy, "actor", "compute_ref_log_prob", model_batch)
-            model_batch["ref_log_prob"] = ref["log_probs"]
+        generated, metrics = self._generated(step, timing)
+        batch = algorithms.StepBatch.from_rollout(generated, _CONTROLLER_KEYS)
+        metrics.update(self._log_prob_passes(batch, timing))
         if self.critic is not None:
-            model_batch["values"] = timed(
-                "values", self._dispatch_cat, self.critic, "critic", "compute_values", model_batch
-            )
-
-        mask = model_batch["response_mask"]
+            batch.values = _timed(timing, "values", self._dispatch_cat, self.critic, "critic", "compute_values",
+                                  batch.worker_batch())  # fmt: skip
         # The divergence guard (rltrain/guard.py): an update with a non-finite input is not run.
-        bad = first_bad([
-            ("rewards", batch["scores"], None),
-            ("rollout/log_probs", batch.get("rollout_log_probs"), mask),
-            ("old_log_probs", model_batch.get("old_log_probs"), mask),
-            ("ref_log_probs", model_batch.get("ref_log_prob"), mask),
-            ("critic/values", model_batch.get("values"), mask),
-        ])  # fmt: skip
+        bad = first_bad(batch.guarded())
         if bad is None:
-            bad = self._advantages_and_updates(step, batch, model_batch, metrics, timed, correction)
+            bad = self._advantages_and_updates(step, batch, metrics, timing)
         if bad is not None:
             metrics[CAUSE_KEY] = bad
         if self.pipeline is not None:
             # The rollout gets the new weights; batches waiting for them start generating after the push.
             metrics.update(self.pipeline.push(step, lambda: self._push_weights(step)))
         metrics.update(timing)
-        metrics.update(self._step_perf(batch, metrics))  # the batch as generated (before rejection sampling)
+        # Throughput and MFU of the batch as generated (before rejection sampling).
+        metrics.update(self._step_perf(generated, metrics))
+        return metrics
+
+    def _generated(
+        self, step: int, timing: dict[str, float]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The generated and scored batch of step `step`: made here, or taken from the separate rollout pool's
+        producer (maybe generated while the previous steps trained) with the weight version it used
+        (off_policy/staleness: the updates it missed)."""
+        if self.pipeline is None:
+            return self.generate_batch(step)
+        (batch, metrics), version = _timed(timing, "wait_rollout", self.pipeline.take, step)
+        metrics["rollout/weight_version"] = version
+        metrics["off_policy/staleness"] = step - 1 - version
+        return batch, metrics
+
+    def _log_prob_passes(self, batch: algorithms.StepBatch, timing: dict[str, float]) -> dict[str, Any]:
+        """The plan's old and ref log-prob passes (StepPasses) into `batch`, with the rollout correction on a
+        recomputed old log-prob; returns their metrics."""
+        passes = self.plan.passes
+        assert passes is not None
+        metrics: dict[str, Any] = {}
+        if passes.old_log_prob == "rollout":  # bypass mode: the rollout's own log-probs are the old policy
+            batch.old_log_probs = batch.rollout_log_probs
+        elif passes.old_log_prob == "recompute":  # ("update": the update's own forward gives them)
+            if passes.fused:  # old and ref log-probs on one scatter of the batch, in one worker call
+                t0 = time.perf_counter()
+                old = self._dispatch_cat(
+                    self.policy, "actor", "compute_old_and_ref_log_prob", batch.worker_batch()
+                )
+                ref_s = float(old.pop("ref_seconds").max())
+                timing["timing/old_log_prob_s"] = time.perf_counter() - t0 - ref_s
+                timing["timing/ref_s"] = ref_s
+                batch.ref_log_probs = old["ref_log_probs"]
+            else:
+                old = _timed(timing, "old_log_prob", self._dispatch_cat, self.policy, "actor", "compute_log_prob",
+                             batch.worker_batch())  # fmt: skip
+            batch.old_log_probs, batch.entropy = old["log_probs"], old["entropy"]
+            metrics.update(algorithms.old_log_prob_metrics(batch))
+            metrics.update(algorithms.apply_rollout_correction(batch, passes, self.plan.algorithm))
+        if passes.ref_log_prob and batch.ref_log_probs is None:
+            ref = _timed(timing, "ref", self._dispatch_cat, self.policy, "actor", "compute_ref_log_prob",
+                         batch.worker_batch())  # fmt: skip
+            batch.ref_log_probs = ref["log_probs"]
         return metrics
 
     def _advantages_and_updates(
-        self, step: int, batch: dict[str, torch.Tensor], model_batch: dict[str, torch.Tensor],
-        metrics: dict[str, Any], timed: Any, correction: algorithms.RolloutCorrectionResult | None,
-    ) -> str | None:  # fmt: skip
-        """Rewards (KL penalty), advantages, then the critic and actor updates of step `step` into
-        `metrics`; returns the first non-finite quantity (None: all finite), and runs no update after it."""
-        cfg = self.cfg
-        mask = model_batch["response_mask"]
-        scores = algorithms.outcome_to_token_level(batch["scores"], mask)
-        if cfg.algorithm.use_kl_in_reward:
-            rewards, kl = algorithms.apply_kl_penalty(scores, model_batch["old_log_probs"], model_batch["ref_log_prob"],
-                                                      mask, self.kl_ctrl.value, cfg.algorithm.kl_penalty)  # fmt: skip
-            metrics["actor/reward_kl"], metrics["actor/kl_coef"] = float(kl), self.kl_ctrl.value
-            self.kl_ctrl.update(float(kl), n_steps=int(mask.shape[0]))
-        else:
-            rewards = scores
-        advantages, returns = algorithms.compute_advantage(
-            cfg.algorithm.adv_estimator,
-            token_level_rewards=rewards,
-            response_mask=mask,
-            group_index=batch["group_index"],
-            values=model_batch.get("values"),
-            gamma=cfg.algorithm.gamma,
-            lam=cfg.algorithm.lam,
-            norm_adv_by_std_in_grpo=cfg.algorithm.norm_adv_by_std_in_grpo,
-            accepted_mask=None if correction is None else correction.accepted,
-        )
-        model_batch["advantages"], model_batch["returns"] = advantages, returns
-        bad = first_bad([("advantages", advantages, mask),
-                         ("returns", returns if self.critic is not None else None, mask)])  # fmt: skip
+        self, step: int, batch: algorithms.StepBatch, metrics: dict[str, Any], timing: dict[str, float]
+    ) -> str | None:
+        """Rewards (KL penalty) and advantages, then the critic and actor updates of step `step` into
+        `metrics`; returns the first non-finite quantity (None: all finite), and runs no update after it.
+        The updates' losses are over the accepted tokens when rejection sampling removed some."""
+        alg, passes = self.plan.algorithm, self.plan.passes
+        assert alg is not None and passes is not None
+        metrics.update(algorithms.rewards_and_advantages(batch, alg, self.kl_ctrl))
+        mask = batch.response_mask
+        bad = first_bad([("advantages", batch.advantages, mask),
+                         ("returns", batch.returns if self.critic is not None else None, mask)])  # fmt: skip
         if bad is not None:
             return bad
-        if (
-            correction is not None
-            and self.plan.passes is not None
-            and self.plan.passes.rollout_rs is not None
-        ):
-            # Rejected tokens leave every loss of the update (actor and critic, each term, and the micro-batch
-            # weights): means are over the accepted tokens, as verl. The KL-in-reward, the values and the
-            # advantages above saw the whole response.
-            model_batch["response_mask"] = correction.accepted
         if self.critic is not None:
-            critic_metrics = timed(
-                "update_critic", self._dispatch, self.critic, "critic", "update_critic", model_batch, step
-            )
-            metrics.update(critic_metrics[0])
-        if step > cfg.trainer.critic_warmup:
-            actor_metrics = timed(
-                "update_actor", self._dispatch, self.policy, "actor", "update_actor", model_batch, step
-            )
-            metrics.update(actor_metrics[0])
+            critic_batch = batch.worker_batch("values", "returns")
+            metrics.update(_timed(timing, "update_critic", self._dispatch, self.critic, "critic", "update_critic",
+                                  critic_batch, step)[0])  # fmt: skip
+        if step > alg.critic_warmup:
+            on_policy = ("rollout_log_probs",) if passes.old_log_prob == "update" else ()
+            actor_batch = batch.worker_batch("old_log_probs", "advantages", "ref_log_probs", "rollout_is_weights",
+                                             *on_policy)  # fmt: skip
+            metrics.update(_timed(timing, "update_actor", self._dispatch, self.policy, "actor", "update_actor",
+                                  actor_batch, step)[0])  # fmt: skip
         return bad_update(metrics)
 
     def _step_perf(self, model_batch: dict[str, torch.Tensor], metrics: dict[str, Any]) -> dict[str, Any]:
@@ -542,7 +501,7 @@ class Trainer:
         tokens = float(model_batch["attention_mask"].sum())
         mean_len = tokens / max(int(model_batch["attention_mask"].shape[0]), 1)
         gen_s = metrics.get("timing/generate_s", 0.0) - metrics.get("timing/reward_s", 0.0)
-        if not self.cfg.algorithm.filter_groups.enable and self.agent is None and gen_s > 0:
+        if not self.plan.algorithm.filter_groups.enabled and self.agent is None and gen_s > 0:
             # (Dynamic sampling and multi-turn generate more than the batch holds, or wait on tools.)
             out["perf/rollout_tokens_per_s"] = float(model_batch["response_mask"].sum()) / gen_s
         active = metrics_lib.matmul_params(a, spec.params_active)
@@ -562,7 +521,7 @@ class Trainer:
         )
         if mfu is not None:
             out["perf/mfu/log_prob"] = mfu
-        if devices.is_accelerator(self.cfg.cluster.device):
+        if devices.is_accelerator(self.plan.resources.device):
             # A separate rollout pool is busy generating ahead: its peaks came with the batch.
             ranks = [m for g in self.groups.values() if self.pipeline is None or g is not self.rollout_group
                      for m in g.call("step_memory")]  # fmt: skip
@@ -578,8 +537,8 @@ class Trainer:
         the batch is their first train_batch_size groups. Generation batch i > 1 samples from
         (seed, step, "rollout/i"). Reward and length metrics cover every generated response (the policy's
         quality, not the filter's selection); filter/* count the groups and batches."""
-        cfg, fg = self.cfg, self.cfg.algorithm.filter_groups
-        n, want = cfg.rollout.n, cfg.data.train_batch_size
+        fg, sizes = self.plan.algorithm.filter_groups, self.plan.batch_plan("actor")
+        n, want = sizes.responses_per_prompt, sizes.prompts_per_step
         kept: list[dict[str, torch.Tensor]] = []
         generated: list[dict[str, torch.Tensor]] = []
         n_kept = 0
@@ -588,7 +547,7 @@ class Trainer:
             if generated:
                 prompts = next(self.train_data)
             seed = derive_seed(
-                cfg.trainer.seed, step, ROLLOUT if not generated else f"{ROLLOUT}/{len(generated) + 1}"
+                self.run.seed, step, ROLLOUT if not generated else f"{ROLLOUT}/{len(generated) + 1}"
             )
             batch, batch_metrics = self.rollout(prompts, n, seed)
             if not generated:
@@ -597,9 +556,9 @@ class Trainer:
                 metrics["perf/total_num_tokens"] += batch_metrics["perf/total_num_tokens"]
                 metrics["timing/reward_s"] += batch_metrics["timing/reward_s"]
             generated.append(batch)
-            score = batch["scores"] - batch.get("overlong_penalty", 0.0)
-            metric = batch["scores"] if fg.metric == "seq_reward" else score
-            rows = algorithms.groups_with_spread(metric, batch["group_index"])
+            rows = algorithms.groups_with_spread(
+                algorithms.filter_metric(batch, fg.metric), batch["group_index"]
+            )
             kept.append(algorithms.select_rows(batch, rows))
             n_kept += int(rows.sum()) // n
             if n_kept >= want:
@@ -620,7 +579,7 @@ class Trainer:
             "reward/max": everything["scores"].max().item(),
             "reward/min": everything["scores"].min().item(),
             "response/length_mean": lengths.mean().item(),
-            "response/clip_ratio": (lengths >= cfg.rollout.max_response_length).float().mean().item(),
+            "response/clip_ratio": (lengths >= self.plan.rollout.max_response_length).float().mean().item(),
             "filter/kept_groups": n_kept,
             "filter/gen_batches": len(generated),
             "filter/kept_ratio": n_kept / (len(generated) * want),

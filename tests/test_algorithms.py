@@ -9,7 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlconf.config import AdvEstimator, KLControl, PolicyLossConfig, PolicyLossMode
+from rlconf.config import AdvEstimator, AlgorithmConfig, KLControl, PolicyLossConfig, PolicyLossMode, RLConfig
+from rlconf.plan.algorithm import algorithm_plan, policy_loss_options
 from rltrain.algorithms import (
     ADV_ESTIMATOR_REGISTRY,
     LOSS_AGG_MODES,
@@ -261,9 +262,15 @@ def test_kl_controllers():
         AdaptiveKLController(0.1, 0.0, 100)
 
 
+def _kl_reward(kl_ctrl: KLControl):
+    return algorithm_plan(RLConfig(algorithm=AlgorithmConfig(kl_ctrl=kl_ctrl))).kl_reward
+
+
 def test_build_kl_controller():
-    assert isinstance(build_kl_controller(KLControl()), FixedKLController)
-    ctrl = build_kl_controller(KLControl(type="adaptive", kl_coef=0.2, target_kl=0.05, horizon=50))
+    assert isinstance(build_kl_controller(_kl_reward(KLControl())), FixedKLController)
+    ctrl = build_kl_controller(
+        _kl_reward(KLControl(type="adaptive", kl_coef=0.2, target_kl=0.05, horizon=50))
+    )
     assert isinstance(ctrl, AdaptiveKLController)
     assert (ctrl.value, ctrl.target, ctrl.horizon) == (0.2, 0.05, 50)
 
@@ -371,7 +378,9 @@ def test_every_configurable_name_is_registered():
 
 
 def _loss(mode: str, old, logp, adv, mask, low=0.2, high=0.2, agg="token-mean", **options):
-    return compute_policy_loss(old, logp, adv, mask, low, high, 3.0, agg, mode, PolicyLossConfig(**options))
+    return compute_policy_loss(
+        old, logp, adv, mask, low, high, 3.0, agg, mode, policy_loss_options(PolicyLossConfig(**options))
+    )
 
 
 # ------------------------------------------------------------------------------------ loss modes
@@ -701,7 +710,9 @@ def test_every_policy_loss_gives_observation_tokens_no_gradient(loss_mode, agg_m
     options = PolicyLossConfig(loss_mode=loss_mode, clip_cov_ratio=0.3, clip_cov_lb=-10.0, clip_cov_ub=10.0,
                                kl_cov_ratio=0.3)  # fmt: skip
     torch.manual_seed(0)
-    loss, _ = compute_policy_loss(old, logp, adv, mask, 0.2, 0.28, 3.0, agg_mode, loss_mode, options)
+    loss, _ = compute_policy_loss(
+        old, logp, adv, mask, 0.2, 0.28, 3.0, agg_mode, loss_mode, policy_loss_options(options)
+    )
     loss.backward()
     assert logp.grad is not None
     assert torch.count_nonzero(logp.grad * mask) > 0  # the model's own tokens do learn
@@ -720,7 +731,7 @@ def test_every_policy_loss_gives_observation_tokens_no_gradient(loss_mode, agg_m
         3.0,
         agg_mode,
         loss_mode,
-        options,
+        policy_loss_options(options),
     )
     close(loss.detach(), c_loss)
 

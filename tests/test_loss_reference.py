@@ -1,4 +1,4 @@
-"""Every loss and estimator of rltrain/algorithms.py against an independent reference of its paper formula.
+"""Every loss and estimator of rltrain/algorithms/ against an independent reference of its paper formula.
 
 Each reference below is written plainly from the formula (loops over rows and tokens, float64, no code
 shared with rltrain.algorithms) and compared with the implementation (float32) on random inputs with the
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from presets import get_preset
 from rlconf.config import PolicyLossConfig
 from rlconf.fields import replace_paths
+from rlconf.plan.algorithm import policy_loss_options
 from rlconf.validate import check_config
 from rlconf.verl.report import format_report
 from rlconf.verl.translate import translate
@@ -389,7 +390,7 @@ def test_policy_losses_and_gradients_match_their_papers(seed, mode, agg):
                             ppo_kl_coef=0.5, tau_pos=1.0, tau_neg=1.05)  # fmt: skip
     lo, hi, c = 0.2, 0.28, 3.0
     lp = x["logp"].clone().requires_grad_(True)
-    loss, _ = compute_policy_loss(old, lp, adv, mask, lo, hi, c, agg, mode, opts)
+    loss, _ = compute_policy_loss(old, lp, adv, mask, lo, hi, c, agg, mode, policy_loss_options(opts))
     loss.backward()
     lp64 = x["logp"].double().requires_grad_(True)
     per_token = ref_policy_losses(mode, old.double(), lp64, adv.double(), mask, lo, hi, c, opts)
@@ -502,7 +503,9 @@ def test_sapo_aggregates_seq_mean_token_mean_whatever_is_configured():
     mask = T([[1.0, 1.0], [1.0, 0.0]])
     opts = PolicyLossConfig(loss_mode="sapo", tau_pos=1.0, tau_neg=1.05)
     for agg in LOSS_AGG_MODES:
-        loss, _ = compute_policy_loss(old, old, adv, mask, 0.2, 0.2, 3.0, agg, "sapo", opts)
+        loss, _ = compute_policy_loss(
+            old, old, adv, mask, 0.2, 0.2, 3.0, agg, "sapo", policy_loss_options(opts)
+        )
         assert float(loss) == pytest.approx((-2 + 2 / 1.05) / 2, abs=1e-6), agg
 
 
@@ -591,7 +594,7 @@ def test_clip_cov_clamps_the_log_ratio_at_20():
     adv = T([[-1.0, 1.0]])
     opts = PolicyLossConfig(loss_mode="clip-cov", clip_cov_lb=100.0, clip_cov_ub=200.0)
     loss, _ = compute_policy_loss(
-        old, lp, adv, torch.ones(1, 2), 0.2, 0.2, 3.0, "token-mean", "clip-cov", opts
+        old, lp, adv, torch.ones(1, 2), 0.2, 0.2, 3.0, "token-mean", "clip-cov", policy_loss_options(opts)
     )
     assert float(loss.detach()) == pytest.approx((math.exp(20) - 1.0) / 2, rel=1e-6)
     loss.backward()
@@ -609,7 +612,7 @@ def test_kl_cov_penalty_and_ppo_kl_metric():
     adv = T([[1.0, -1.0, 0.0]])
     opts = PolicyLossConfig(loss_mode="kl-cov", kl_cov_ratio=0.34, ppo_kl_coef=0.1)
     loss, metrics = compute_policy_loss(
-        old, lp, adv, torch.ones(1, 3), 0.2, 0.2, 3.0, "token-mean", "kl-cov", opts
+        old, lp, adv, torch.ones(1, 3), 0.2, 0.2, 3.0, "token-mean", "kl-cov", policy_loss_options(opts)
     )
     assert float(loss) == pytest.approx((-math.exp(20) + 2.0 + math.exp(0.5)) / 3, rel=1e-6)
     assert float(metrics["ppo_kl"]) == pytest.approx(-20.2 / 3, rel=1e-6)

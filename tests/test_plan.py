@@ -151,6 +151,7 @@ def test_plan_dict_is_json_and_stable(config: RLConfig) -> None:
     assert set(d) == {
         "version", "roles", "models", "resources", "layouts", "batch", "optim", "profile", "checkpoint",
         "memory", "run", "rollout", "data", "reward", "tokenizer", "config", "refit", "length", "passes", "lora",
+        "algorithm",
     }  # fmt: skip
 
 

@@ -108,7 +108,7 @@ def test_on_policy_update_equals_the_update_with_an_old_log_prob_pass(world, tmp
     batch = _advantage_batch(seed=1)
     old = separate.compute_log_prob(batch)
     if use_kl:  # a reference that differs from the policy, so the KL term has a gradient
-        batch["ref_log_prob"] = old["log_probs"] + 0.1 * batch["response_mask"]
+        batch["ref_log_probs"] = old["log_probs"] + 0.1 * batch["response_mask"]
     # The sampler's log-probs, off by a known amount on one token: the on-policy update reports the gap.
     rollout = old["log_probs"].clone()
     rollout[2, 0] += 0.25

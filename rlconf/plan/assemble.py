@@ -11,6 +11,7 @@ from rlconf.config import (
 from rlconf.errors import ConfigError, error
 from rlconf.fields import replace_paths
 from rlconf.lora import resolve as resolve_lora
+from rlconf.plan.algorithm import algorithm_plan
 from rlconf.plan.compile import (
     Models,
     batch_plans,
@@ -104,6 +105,7 @@ def compile_parts(config: RLConfig, check: bool = True) -> TrainerPlan:
         data=data_plan(effective.data, effective.trainer.seed),
         reward=reward_plan(effective.reward),
         tokenizer=tokenizer_plan(effective.model),
+        algorithm=algorithm_plan(config),
     )
 
 

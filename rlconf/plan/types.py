@@ -14,6 +14,7 @@ from rlconf.config import (
     RLConfig,
 )
 from rlconf.lora import LoraPlan
+from rlconf.plan.algorithm import AlgorithmPlan
 from rlconf.plan.roles import ROLE_TABLE
 from rlconf.plan.run import DataPlan, RewardPlan, RolloutPlan, RunPlan, TokenizerPlan
 from rlconf.profile_vocab import NpuProfileOptions, NsysProfileOptions, TorchProfileOptions
@@ -528,6 +529,9 @@ class TrainerPlan:
     """The rule reward and its shaping."""
     tokenizer: TokenizerPlan
     """The tokenizer's folder, resolved."""
+    algorithm: AlgorithmPlan
+    """Losses, advantages, KL-in-reward, dynamic sampling and rollout-correction thresholds
+    (rlconf/plan/algorithm.py)."""
     config: RLConfig
     """The effective config (see the module docstring): settings the plan does not derive."""
     refit: RolloutRefit | None = None

@@ -428,7 +428,7 @@ _PAGE_DIFFERENCES = """\
   with `rlconf show`, which marks every value that differs from the defaults.
 ## Where the numbers differ
 
-The losses and estimators of `rltrain/algorithms.py` were compared with verl's `core_algos.py` and
+The losses and estimators of `rltrain/algorithms/` were compared with verl's `core_algos.py` and
 `rollout_corr_helper.py` on random inputs (`tests/test_loss_reference.py` checks each one against its
 paper's formula). Advantages (gae, grpo, rloo, reinforce_plus_plus_baseline, grpo_passk, gpg), the KL
 estimators, entropy, the vanilla, GSPO, GPG, CISPO and SAPO losses with their gradients, and the formulas of

@@ -30,13 +30,19 @@ from rltrain.megatron.inference import sample_tokens
 from rltrain.megatron.logprob import token_log_probs_and_entropy
 from rltrain.megatron.lora import generation_weights
 from rltrain.megatron.model import MoeRoutingStats
+from rltrain.megatron.update import TrainedEngine
 from rltrain.rollout.batch import rollout_batch
 
 if TYPE_CHECKING:
     from rlconf.plan import EnginePlan, TrainerPlan
+    from rlconf.plan.algorithm import LossPlan
 
 
-class MegatronActor(MegatronEngine):
+def _loss_plan(plan: TrainerPlan) -> LossPlan:
+    return plan.algorithm.loss
+
+
+class MegatronActor(TrainedEngine):
     """Policy (or reference policy when `optim` is None) on this rank."""
 
     def __init__(
@@ -62,6 +68,7 @@ class MegatronActor(MegatronEngine):
         plan = sections_plan(model_cfg, device, total_steps, arch=arch, actor=actor_cfg, rollout_n=rollout_n)
         spec = plan.engine("actor")
         self._build_actor(spec if trainable else spec.frozen("ref"), plan.config.actor, init_from)
+        self.loss = _loss_plan(plan)
 
     @classmethod
     def from_plan(
@@ -71,6 +78,7 @@ class MegatronActor(MegatronEngine):
         settings the plan does not derive come from its effective config (`plan.config.actor`)."""
         actor = cls.__new__(cls)
         actor._build_actor(plan.engine(role), plan.config.actor, init_from)
+        actor.loss = _loss_plan(plan)
         return actor
 
     def _build_actor(self, spec: EnginePlan, loss_cfg: ActorConfig, init_from: MegatronEngine | None) -> None:
@@ -87,11 +95,13 @@ class MegatronActor(MegatronEngine):
         """Benchmarks that vary batching on one engine: later calls use the batch schedule and forward
         sizes of a plan compiled from `actor_cfg` (`sections_plan`) and its loss settings; the weights,
         optimizer and lr table stay."""
-        planned = sections_plan(
+        plan = sections_plan(
             replace(self.spec.settings, arch=self.arch, path=None), self.device, actor=actor_cfg,
             rollout_n=rollout_n,
-        ).engine("actor")  # fmt: skip
+        )  # fmt: skip
+        planned = plan.engine("actor")
         self.cfg = actor_cfg
+        self.loss = _loss_plan(plan)
         self.spec = replace(
             self.spec,
             batch=planned.batch,
@@ -191,79 +201,42 @@ class MegatronActor(MegatronEngine):
             assert self.spec.batch is not None and self.spec.batch.optimizer_steps_per_training_step == 1, (
                 "on-policy update with more than one optimizer step per training step"
             )
-        cfg = self.cfg
-        clip_low = cfg.clip_ratio_low if cfg.clip_ratio_low is not None else cfg.clip_ratio
-        clip_high = cfg.clip_ratio_high if cfg.clip_ratio_high is not None else cfg.clip_ratio
-        use_kl = cfg.use_kl_loss and "ref_log_prob" in batch
-        n = batch["input_ids"].shape[0]
+        use_kl = self.loss.use_kl_loss and "ref_log_probs" in batch
         names = ["actor/loss", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/ppo_kl_k3",
-                 "actor/entropy"]  # fmt: skip
-        if use_kl:
-            names.append("actor/kl_loss")
-        sums: dict[str, float] = dict.fromkeys(names, 0.0)
-        count = 0
-        grad_norms: list[float] = []
-        skipped = 0  # optimizer steps the divergence guard did not apply (MegatronEngine.optimizer_step)
-        tokens = 0
+                 "actor/entropy"] + (["actor/kl_loss"] if use_kl else [])  # fmt: skip
         # On-policy: [largest |rollout - update log-prob|, entropy sum, response tokens] of this rank.
         rollout_stats = [0.0, 0.0, 0.0] if on_policy and "rollout_log_probs" in batch else None
-        start = time.perf_counter()
-        with self._ctx():
-            self.reload()
-            self.check_equal_rows(n)
-            self.train()
-            step, lr = self.begin_update(step)
-            routing = MoeRoutingStats(self.chunks, self.torch_device)  # MoE metrics; none for a dense model
-            with routing:
-                for mini_batch, mbs, totals in self.iter_mini_batches(batch, cfg.shuffle, step):
-                    tokens += int(mini_batch["attention_mask"].sum())
-                    self.zero_grad()
-                    loss_fn = cp.CpLocalLoss(
-                        functools.partial(
-                            self._policy_loss,
-                            clip_low=clip_low,
-                            clip_high=clip_high,
-                            use_kl=use_kl,
-                            totals=totals,
-                            temperature=temperature,
-                            on_policy=on_policy,
-                            rollout_stats=rollout_stats,
-                        )
-                    )
-                    with self._routing_replay(mbs):
-                        grad_norm, counted, applied = self.optimizer_step_on(mbs, loss_fn, names, sums)
-                    grad_norms.append(grad_norm)
-                    skipped += not applied
-                    count += counted
-            self.lr_scheduler.step(1)
-        metrics = self.reduce_metrics(sums, count, names)
-        metrics["actor/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        metrics["actor/skipped_updates"] = float(skipped)
-        metrics["actor/lr"] = lr
+        routing = MoeRoutingStats(self.chunks, self.torch_device)  # MoE metrics; none for a dense model
+
+        def loss_for(totals: tuple[float, float]) -> cp.CpLocalLoss:
+            return cp.CpLocalLoss(functools.partial(self._policy_loss, use_kl=use_kl, totals=totals,
+                                                    temperature=temperature, on_policy=on_policy,
+                                                    rollout_stats=rollout_stats))  # fmt: skip
+
+        result = self.run_update(batch, step, prefix="actor", names=names, shuffle=self.loss.shuffle,
+                                 loss_for=loss_for, around=routing, per_mini_batch=self._routing_replay)  # fmt: skip
+        metrics = result.metrics
         metrics.update(routing.metrics)
         if rollout_stats is not None:
             metrics.update(self._reduce_rollout_stats(rollout_stats))
-        elapsed = time.perf_counter() - start
         # Tokens (prompt + response) processed by forward+backward per second on this rank.
-        metrics["perf/actor_update_tokens_per_s"] = tokens / max(elapsed, 1e-9)
+        metrics["perf/actor_update_tokens_per_s"] = result.tokens / max(result.seconds, 1e-9)
         return metrics
 
     def _policy_loss(
         self,
         mb: MicroBatch,
         logits: torch.Tensor,
-        clip_low: float,
-        clip_high: float,
         use_kl: bool,
         totals: tuple[float, float],
         temperature: float,
         on_policy: bool = False,
         rollout_stats: list[float] | None = None,
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        cfg = self.cfg
+        lp = self.loss
         d = mb.data
         mask = d["response_mask"].float()
-        need_entropy_grad = cfg.entropy_coeff != 0.0
+        need_entropy_grad = lp.entropy_coeff != 0.0
         # The entropy is always computed (a metric); it adds to the gradient only with an entropy bonus.
         logp, ent = self._token_log_probs(mb, logits, temperature, with_entropy=True)
         assert ent is not None
@@ -280,25 +253,25 @@ class MegatronActor(MegatronEngine):
             logp,
             d["advantages"].float(),
             mask,
-            clip_low,
-            clip_high,
-            cfg.clip_ratio_c,
-            cfg.loss_agg_mode,
-            cfg.policy_loss.loss_mode,
-            cfg.policy_loss,
+            lp.clip_ratio_low,
+            lp.clip_ratio_high,
+            lp.clip_ratio_c,
+            lp.loss_agg_mode,
+            lp.loss_mode,
+            lp.options,
             d.get("rollout_is_weights"),
         )
-        entropy = algorithms.agg_loss(ent if need_entropy_grad else ent.detach(), mask, cfg.loss_agg_mode)
+        entropy = algorithms.agg_loss(ent if need_entropy_grad else ent.detach(), mask, lp.loss_agg_mode)
         # Each term is weighted by its own aggregation's share of the mini-batch: the policy term may use the
         # loss mode's own (GSPO, SAPO: seq-mean-token-mean) while entropy and KL follow actor.loss_agg_mode,
         # as verl aggregates them.
-        pg_mode = algorithms.policy_loss_agg_mode(cfg.policy_loss.loss_mode, cfg.loss_agg_mode)
+        pg_mode = algorithms.policy_loss_agg_mode(lp.loss_mode, lp.loss_agg_mode)
         pg_weight = self.micro_batch_weight(d["response_mask"], pg_mode, totals)
-        weight = self.micro_batch_weight(d["response_mask"], cfg.loss_agg_mode, totals)
+        weight = self.micro_batch_weight(d["response_mask"], lp.loss_agg_mode, totals)
         scaled = pg_loss * pg_weight
-        loss = pg_loss - cfg.entropy_coeff * entropy if need_entropy_grad else pg_loss
+        loss = pg_loss - lp.entropy_coeff * entropy if need_entropy_grad else pg_loss
         if need_entropy_grad:
-            scaled = scaled - cfg.entropy_coeff * entropy * weight
+            scaled = scaled - lp.entropy_coeff * entropy * weight
         extra = {
             "actor/pg_loss": pg_loss.detach(),
             "actor/pg_clipfrac": pg_metrics["pg_clipfrac"],
@@ -311,10 +284,10 @@ class MegatronActor(MegatronEngine):
             "actor/entropy": entropy.detach(),
         }
         if use_kl:
-            kl = algorithms.kl_penalty(logp, d["ref_log_prob"].float(), cfg.kl_loss_type)
-            kl_loss = algorithms.agg_loss(kl, mask, cfg.loss_agg_mode)
-            loss = loss + cfg.kl_loss_coef * kl_loss
-            scaled = scaled + cfg.kl_loss_coef * kl_loss * weight
+            kl = algorithms.kl_penalty(logp, d["ref_log_probs"].float(), lp.kl_loss_type)
+            kl_loss = algorithms.agg_loss(kl, mask, lp.loss_agg_mode)
+            loss = loss + lp.kl_loss_coef * kl_loss
+            scaled = scaled + lp.kl_loss_coef * kl_loss * weight
             extra["actor/kl_loss"] = kl_loss.detach()
         extra["actor/loss"] = loss.detach()
         return scaled, extra

@@ -8,20 +8,22 @@ verl. Losses come from rltrain.algorithms.compute_value_loss.
 
 from __future__ import annotations
 
-import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
 from rlconf.config import CriticConfig, ModelArch, ModelConfig
 from rltrain import algorithms
-from rltrain.megatron.engine import MegatronEngine, MicroBatch, sections_plan
+from rltrain.megatron.engine import MicroBatch, sections_plan
+from rltrain.megatron.update import LossFn, TrainedEngine
 
 if TYPE_CHECKING:
     from rlconf.plan import EnginePlan, TrainerPlan
+    from rlconf.plan.algorithm import LossPlan
 
 
-class MegatronCritic(MegatronEngine):
+class MegatronCritic(TrainedEngine):
     """Value model on this rank (`critic.model_path` or the actor's model, with a fresh value head)."""
 
     def __init__(
@@ -40,20 +42,18 @@ class MegatronCritic(MegatronEngine):
         plan = sections_plan(
             model_cfg, device, total_steps, arch=arch, critic=critic_cfg, rollout_n=rollout_n
         )
-        self._build_critic(plan.engine("critic"), critic_cfg.cliprange_value, loss_agg_mode)
+        self._build_critic(plan.engine("critic"), replace(plan.algorithm.loss, loss_agg_mode=loss_agg_mode))
 
     @classmethod
     def from_plan(cls, plan: TrainerPlan, role: str = "critic", init_from: None = None) -> MegatronCritic:
         """The critic (role "critic") or the reward model (role "reward_model": forward only) of a compiled
-        plan; the value loss settings come from its effective config."""
+        plan; the value loss settings come from the plan's LossPlan (value_clip, loss_agg_mode)."""
         critic = cls.__new__(cls)
-        cfg = plan.config
-        critic._build_critic(plan.engine(role), cfg.critic.cliprange_value, cfg.actor.loss_agg_mode)
+        critic._build_critic(plan.engine(role), plan.algorithm.loss)
         return critic
 
-    def _build_critic(self, spec: EnginePlan, cliprange_value: float, loss_agg_mode: str) -> None:
-        self.cliprange_value = cliprange_value
-        self.loss_agg_mode = loss_agg_mode
+    def _build_critic(self, spec: EnginePlan, loss: LossPlan) -> None:
+        self.loss = loss
         self._build(spec, None)
 
     def _values(self, mb: MicroBatch, out: torch.Tensor) -> torch.Tensor:
@@ -83,51 +83,28 @@ class MegatronCritic(MegatronEngine):
         critic/grad_norm, critic/lr. `step` (the training step) keys the update's dropout and shuffle
         streams (`seed_update`; None outside a run).
         """
-        n = batch["input_ids"].shape[0]
         names = ["critic/vf_loss", "critic/vf_clipfrac", "critic/vpred_mean"]
-        sums = dict.fromkeys(names, 0.0)
-        count = 0
-        grad_norms: list[float] = []
-        skipped = 0  # optimizer steps the divergence guard did not apply (MegatronEngine.optimizer_step)
-        start = time.perf_counter()
-        with self._ctx():
-            self.reload()
-            self.check_equal_rows(n)
-            self.train()
-            step, lr = self.begin_update(step)
-            # The critic always shuffles (CriticConfig has no shuffle switch).
-            for _, mbs, totals in self.iter_mini_batches(batch, True, step):
+        agg = self.loss.loss_agg_mode
 
-                def loss_fn(mb: MicroBatch, out: torch.Tensor, totals: tuple[float, float] = totals):
-                    d = mb.data
-                    mask = d["response_mask"].float()
-                    vpreds = self._values(mb, out)
-                    loss, m = algorithms.compute_value_loss(
-                        vpreds,
-                        d["values"].float(),
-                        d["returns"].float(),
-                        mask,
-                        self.cliprange_value,
-                        self.loss_agg_mode,
-                    )
-                    extra = {
-                        "critic/vf_loss": loss.detach(),
-                        "critic/vf_clipfrac": m["vf_clipfrac"],
-                        "critic/vpred_mean": algorithms.masked_mean(vpreds.detach(), mask),
-                    }
-                    return loss * self.micro_batch_weight(
-                        d["response_mask"], self.loss_agg_mode, totals
-                    ), extra
+        def loss_for(totals: tuple[float, float]) -> LossFn:
+            def loss_fn(mb: MicroBatch, out: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                d = mb.data
+                mask = d["response_mask"].float()
+                vpreds = self._values(mb, out)
+                loss, m = algorithms.compute_value_loss(
+                    vpreds, d["values"].float(), d["returns"].float(), mask, self.loss.value_clip, agg
+                )
+                extra = {
+                    "critic/vf_loss": loss.detach(),
+                    "critic/vf_clipfrac": m["vf_clipfrac"],
+                    "critic/vpred_mean": algorithms.masked_mean(vpreds.detach(), mask),
+                }
+                return loss * self.micro_batch_weight(d["response_mask"], agg, totals), extra
 
-                self.zero_grad()
-                grad_norm, counted, applied = self.optimizer_step_on(mbs, loss_fn, names, sums)
-                grad_norms.append(grad_norm)
-                skipped += not applied
-                count += counted
-            self.lr_scheduler.step(1)
-        metrics = self.reduce_metrics(sums, count, names)
-        metrics["critic/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        metrics["critic/skipped_updates"] = float(skipped)
-        metrics["critic/lr"] = lr
-        metrics["timing/critic_update_s"] = time.perf_counter() - start
+            return loss_fn
+
+        # The critic always shuffles (CriticConfig has no shuffle switch).
+        result = self.run_update(batch, step, prefix="critic", names=names, shuffle=True, loss_for=loss_for)
+        metrics = result.metrics
+        metrics["timing/critic_update_s"] = result.seconds
         return metrics

@@ -35,7 +35,7 @@ def _batch(actor) -> dict[str, torch.Tensor]:
     sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(8)]).unsqueeze(1)
     batch["old_log_probs"] = old
     batch["advantages"] = sign * mask
-    batch["ref_log_prob"] = (old - 0.3 * torch.linspace(-1, 1, 5)) * mask
+    batch["ref_log_probs"] = (old - 0.3 * torch.linspace(-1, 1, 5)) * mask
     return batch
 
 
