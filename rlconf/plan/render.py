@@ -177,7 +177,7 @@ def _model_lines(plan: TrainerPlan) -> list[str]:
             f"  {m.name}: {_fmt_count(m.params_total)} params"
             + (
                 f" ({_fmt_count(m.params_active)} active: {a.num_moe_experts} experts, {a.moe_router_topk} per token"
-                + (", router replay" if m.name == "policy" and plan.config.actor.router_replay else "")
+                + (", router replay" if m.name == "policy" and plan.rollout.router_replay else "")
                 + ")"
                 if a.num_moe_experts is not None
                 else ""
@@ -375,7 +375,7 @@ def _memory_lines(plan: TrainerPlan) -> list[str]:
     mem = plan.memory
     if mem.device_memory_gib is not None:
         dev = f"{mem.device_memory_gib:g} GiB"
-    elif plan.config.cluster.device == "cpu":  # rlconf.host_memory: the check uses this machine's RAM
+    elif plan.resources.device == "cpu":  # rlconf.host_memory: the check uses this machine's RAM
         dev = "cpu: checked against this machine's memory per worker"
     else:
         dev = "not checked (cluster.device_memory_gib: null)"
