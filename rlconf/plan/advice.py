@@ -12,7 +12,8 @@ from rlconf.errors import ConfigError, error
 from rlconf.fields import get_path
 from rlconf.host_memory import memory_budget
 from rlconf.plan.assemble import _compile
-from rlconf.plan.types import TrainerPlan, _megatron_of
+from rlconf.plan.engine import megatron_of
+from rlconf.plan.types import TrainerPlan
 
 
 # ============================================================================================ memory check
@@ -55,7 +56,7 @@ def _role_variants(
     """Single changes that lower one role's memory on its devices: (flag text, changed config)."""
     lay = plan.layout(role)
     arch = plan.model(lay.model).arch
-    prefix, m = _megatron_of(config, role)
+    prefix, m = megatron_of(config, role)
     tp2, pp2 = lay.tp * 2, lay.pp * 2
     if (
         lay.world_size % (tp2 * lay.pp * lay.cp) == 0

@@ -23,6 +23,7 @@ from rlconf.plan.compile import (
     _resources,
     _step_passes,
 )
+from rlconf.plan.engine import engine_settings
 from rlconf.plan.memory import _memory, _rollout_refit
 from rlconf.plan.types import PLAN_VERSION, TrainerPlan
 from rlconf.run_length import run_length, with_run_length
@@ -105,12 +106,13 @@ def _compile(config: RLConfig, check: bool = True) -> TrainerPlan:
         length=length,
         passes=_step_passes(config, roles, batches),
         lora=lora,
+        engines=engine_settings(config, roles, models.all()),
     )
 
 
 def plan_of_sections(config: RLConfig) -> TrainerPlan:
-    """The plan of one engine built outside a run from config sections (rltrain.megatron.engine
-    `sections_plan`: tests, benches, tools). Its batch fields size that engine's forward and backward
+    """The plan of one engine built outside a run from config sections (rlconf.plan.engine
+    `small_plan`: tests, benches, tools). Its batch fields size that engine's forward and backward
     passes, not a run's step (a critic fixture may take a micro-batch larger than its mini-batch), so the
     run-level rules of rlconf.validate are not applied; a user's config never takes this path
     (`compile_plan`, `rlconf validate` and `rltrain` all check it)."""

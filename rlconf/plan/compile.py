@@ -32,6 +32,7 @@ from rlconf.model_spec import (
 )
 from rlconf.pipeline_split import PipelineSplit, chunk_layer_counts, chunk_starts, split_errors
 from rlconf.plan.checkpoint_size import checkpoint_bytes
+from rlconf.plan.engine import megatron_of
 from rlconf.plan.types import (
     CONTROLLER,
     MEGATRON_ORDER,
@@ -57,7 +58,6 @@ from rlconf.plan.types import (
     StageLayers,
     StepPasses,
     _by_role,
-    _megatron_of,
 )
 from rlconf.tp_heads import tp_head_errors
 from rlconf.validate import engine_gap_issues, rollout_tp, sliding_window_issue, uses_ref
@@ -275,7 +275,7 @@ def _layouts(
             tp_path = "rollout.tensor_model_parallel_size"
         else:
             # Zero-copy: the embedded engine generates with the actor's own weights in the actor's layout.
-            prefix, m = _megatron_of(c, "actor" if role == "rollout" else role)
+            prefix, m = megatron_of(c, "actor" if role == "rollout" else role)
             tp, pp, vpp = (
                 m.tensor_model_parallel_size,
                 m.pipeline_model_parallel_size,

@@ -17,6 +17,7 @@ from rlconf.model_spec import (
     layer_params,
 )
 from rlconf.plan.compile import _cdiv, _kv_channels, _Models, rollout_resharded, rollout_tp
+from rlconf.plan.engine import forward_batching, fused_kernels, megatron_of
 from rlconf.plan.types import (
     DTYPE_BYTES,
     GIB,
@@ -32,9 +33,6 @@ from rlconf.plan.types import (
     RolloutRefit,
     StageLayers,
     _by_role,
-    _megatron_of,
-    forward_batching,
-    fused_kernels,
 )
 
 
@@ -401,7 +399,7 @@ def _role_mem_model(
     batch: BatchPlan | None,
     lora: LoraPlan | None = None,
 ) -> _RoleMemModel:
-    _, m = _megatron_of(c, role)
+    _, m = megatron_of(c, role)
     elem = DTYPE_BYTES[c.model.params_dtype]
     trained = role in ("actor", "critic")
     # A micro-batch is padded to its longest row: the rollout's prompt width + the response at most.

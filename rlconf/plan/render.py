@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rlconf.plan.types import VOCAB_DIVISIBLE_BY, ModelSpec, RoleLayout, TrainerPlan, fused_kernels
+from rlconf.plan.engine import fused_kernels
+from rlconf.plan.types import VOCAB_DIVISIBLE_BY, ModelSpec, RoleLayout, TrainerPlan
 
 
 # ============================================================================================ text
