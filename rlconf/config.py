@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlconf.arch import ModelArch, ModelFamily, RopeScaling  # re-exported: the architecture vocabulary
+from rlconf.arch import ModelArch  # re-exported: the architecture vocabulary
 
 # Names shared by validation, the plan and the workers. Kept here so that the whole vocabulary of the
 # config lives in one module.

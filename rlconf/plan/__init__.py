@@ -54,10 +54,6 @@ from rlconf.plan.diff import (
     diff_plans,
     plan_to_dict,
 )
-from rlconf.plan.memory import (
-    REFIT_BUCKET_MIB,
-    REFIT_BYTES_PER_S,
-)
 from rlconf.plan.engine import (
     ENGINE_ROLES,
     DdpSettings,
@@ -68,6 +64,10 @@ from rlconf.plan.engine import (
     Recompute,
     TransformerSettings,
     small_plan,
+)
+from rlconf.plan.memory import (
+    REFIT_BUCKET_MIB,
+    REFIT_BYTES_PER_S,
 )
 from rlconf.plan.render import (
     format_plan,

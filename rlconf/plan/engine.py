@@ -196,7 +196,9 @@ def engine_plan(plan: TrainerPlan, role: str) -> EnginePlan:
 
 
 # ============================================================================================ resolution
-def engine_settings(c: RLConfig, roles: tuple[str, ...], models: tuple[ModelSpec, ...]) -> tuple[EngineSettings, ...]:
+def engine_settings(
+    c: RLConfig, roles: tuple[str, ...], models: tuple[ModelSpec, ...]
+) -> tuple[EngineSettings, ...]:
     """The resolved engine settings of every megatron role present (compile_plan)."""
     return tuple(
         _settings(c, role, next(m.arch for m in models if role in m.used_by))
@@ -230,17 +232,25 @@ def _settings(c: RLConfig, role: str, arch: ModelArch) -> EngineSettings:
                 modules=tuple(ov.recompute_modules) if selective else (),
             ),
             # A separate rollout runs the whole model on one pipeline stage.
-            num_layers_in_first_pipeline_stage=None if separate_rollout else m.num_layers_in_first_pipeline_stage,
-            num_layers_in_last_pipeline_stage=None if separate_rollout else m.num_layers_in_last_pipeline_stage,
+            num_layers_in_first_pipeline_stage=None
+            if separate_rollout
+            else m.num_layers_in_first_pipeline_stage,
+            num_layers_in_last_pipeline_stage=None
+            if separate_rollout
+            else m.num_layers_in_last_pipeline_stage,
             account_for_embedding_in_pipeline_split=(
                 False if separate_rollout else m.account_for_embedding_in_pipeline_split
             ),
-            account_for_loss_in_pipeline_split=False if separate_rollout else m.account_for_loss_in_pipeline_split,
+            account_for_loss_in_pipeline_split=False
+            if separate_rollout
+            else m.account_for_loss_in_pipeline_split,
         ),
         moe=None
         if arch.num_moe_experts is None
         else MoeSettings(
-            aux_loss_coeff=arch.moe_aux_loss_coeff if ov.moe_aux_loss_coeff is None else ov.moe_aux_loss_coeff,
+            aux_loss_coeff=arch.moe_aux_loss_coeff
+            if ov.moe_aux_loss_coeff is None
+            else ov.moe_aux_loss_coeff,
             z_loss_coeff=ov.moe_z_loss_coeff,
             ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
         ),
@@ -374,3 +384,15 @@ def small_plan(
         models = tuple(replace(m, weights=weights) for m in plan.models)
         plan = replace(plan, models=models)
     return plan
+
+
+def export_engine(
+    arch: ModelArch, params_dtype: str, weights: str | None = None, lora: LoraPlan | None = None
+) -> EnginePlan:
+    """The frozen engine of a saved checkpoint's model for the checkpoint tools (export): one CPU process at
+    TP = PP = 1, megatron's local layer spec (sdpa: the parameter names every CPU and non-TE run saves),
+    weights from `weights` (an HF folder; None: random init, the checkpoint's load replaces them) and the
+    checkpoint's LoRA adapters."""
+    model = ModelConfig(path=weights, arch=arch, params_dtype=params_dtype, attention_backend="sdpa")  # type: ignore[arg-type]
+    spec = small_plan(model, "cpu", arch=arch).engine("actor").frozen("actor")
+    return replace(spec, lora=lora) if lora is not None else spec

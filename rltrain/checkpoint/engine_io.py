@@ -359,9 +359,8 @@ def _set_rng_state(engine: MegatronEngine, state: dict[str, Any]) -> None:
 def _hf_source(engine: MegatronEngine) -> tuple[Path | None, Path | None]:
     """(model folder, tokenizer folder) the engine was built from, when they exist: the role's weights folder
     from its plan, and the run's tokenizer (every role reads the policy's)."""
-    weights, settings = engine.spec.model.weights, engine.spec.settings
+    weights, tok_path = engine.spec.model.weights, engine.spec.settings.tokenizer_path
     model = Path(weights) if weights is not None else None
-    tok_path = settings.tokenizer_path if settings.tokenizer_path is not None else settings.path
     return model, Path(tok_path) if tok_path is not None else None
 
 
@@ -591,7 +590,7 @@ def save_engine(
                 if "optimizer" in contents
                 else None
             ),
-            "params_dtype": engine.spec.settings.params_dtype,
+            "params_dtype": engine.spec.settings.transformer.params_dtype,
             "arch": asdict(engine.arch),
             "value_head": _is_value_model(engine),
             "versions": _versions(),

@@ -36,7 +36,7 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlconf.config import ModelArch
+from rlconf.arch import ModelArch
 from rlconf.errors import ConfigError, error
 from rlconf.model_files import weights_issues
 from rlconf.model_spec import hf_config, read_model_arch

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlconf.config import ModelArch
+from rlconf.arch import ModelArch
 from rltrain import device as devices
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
