@@ -40,12 +40,18 @@ class MegatronActor(MegatronEngine):
 
     @classmethod
     def from_plan(
-        cls, plan: TrainerPlan, role: str = "actor", init_from: MegatronEngine | None = None
+        cls,
+        plan: TrainerPlan,
+        role: str = "actor",
+        init_from: MegatronEngine | None = None,
+        frozen: bool = False,
     ) -> MegatronActor:
-        """The actor (role "actor") or the frozen reference policy (role "ref") of a compiled plan. The loss
-        settings the plan does not derive come from its effective config (`plan.config.actor`)."""
+        """The actor (role "actor") or the frozen reference policy (role "ref") of a compiled plan; `frozen`:
+        the actor's engine without optimizer (a reference policy on the actor's layout). The loss settings
+        the plan does not derive come from its effective config (`plan.config.actor`)."""
+        spec = plan.engine(role)
         actor = cls.__new__(cls)
-        actor._build_actor(plan.engine(role), plan.config.actor, init_from)
+        actor._build_actor(spec.frozen("ref") if frozen else spec, plan.config.actor, init_from)
         return actor
 
     def _build_actor(self, spec: EnginePlan, loss_cfg: Any, init_from: MegatronEngine | None) -> None:
