@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from rlconf.arch import ModelArch  # re-exported: the architecture vocabulary
+# The architecture vocabulary lives in rlconf.arch (the plan carries it verbatim); re-exported here.
+from rlconf.arch import ModelArch as ModelArch
+from rlconf.arch import ModelFamily as ModelFamily
+from rlconf.arch import RopeScaling as RopeScaling
 
 # Names shared by validation, the plan and the workers. Kept here so that the whole vocabulary of the
 # config lives in one module.
