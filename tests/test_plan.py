@@ -150,7 +150,7 @@ def test_plan_dict_is_json_and_stable(config: RLConfig) -> None:
     assert diff_plans(plan, plan) == []
     assert set(d) == {
         "version", "roles", "models", "resources", "layouts", "batch", "optim", "profile", "checkpoint",
-        "memory", "config", "refit", "length", "passes", "lora",
+        "memory", "config", "refit", "length", "passes", "lora", "engines",
     }  # fmt: skip
 
 

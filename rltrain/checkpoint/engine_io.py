@@ -820,7 +820,7 @@ def load_engine(
         from rltrain.megatron.hf_weights import load_hf_weights
 
         with device_context(engine.device):
-            load_hf_weights(engine.chunks, folder / HF_DIR, value_head=_is_value_model(engine))
+            load_hf_weights(engine.chunks, folder / HF_DIR, engine.arch, value_head=_is_value_model(engine))
             if engine.optimizer is not None:
                 engine.optimizer.reload_model_params()
     extra: dict[str, Any] = {}

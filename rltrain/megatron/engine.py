@@ -196,7 +196,7 @@ class MegatronEngine:
             if init_from is not None:
                 self.copy_weights_from(init_from)
             elif spec.model.weights is not None:
-                load_hf_weights(self._chunks, spec.model.weights, value_head=value_head,
+                load_hf_weights(self._chunks, spec.model.weights, self.arch, value_head=value_head,
                                 config_path=_WEIGHTS_SETTING.get(spec.model.name, "model.path"))  # fmt: skip
             if spec.lora is not None and spec.lora.adapter_path is not None and init_from is None:
                 from rltrain.megatron.peft_io import load_peft_adapter
