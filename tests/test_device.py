@@ -435,7 +435,8 @@ def test_npu_check_needs_an_npu_and_the_real_mindspeed(
 
 def test_checkpoint_rng_state_keeps_the_npu_generator(torch_npu: StandInTorchNpu) -> None:
     """Stand-in torch_npu: the checkpoint's RNG record holds the NPU generator under "npu" and restores it."""
-    from rltrain.checkpoint.engine_io import _rng_state, _set_rng_state
+    from rltrain.checkpoint.engine_state import rng_state as _rng_state
+    from rltrain.checkpoint.engine_state import set_rng_state as _set_rng_state
 
     engine = types.SimpleNamespace(device="npu")
     state = _rng_state(engine)  # type: ignore[arg-type]
