@@ -114,7 +114,7 @@ def main() -> int:
     def use(mode: str) -> None:
         """Switch the engine between the eager ops and model.fused_kernels (what the plan sets at build)."""
         fused = mode == "fused"
-        actor.spec = replace(actor.spec, fused_kernels=fused)
+        actor.spec = replace(actor.spec, settings=replace(actor.spec.settings, fused_kernels=fused))
         if fused:
             use_compiled_rope()
         for chunk in actor.modules():

@@ -33,7 +33,8 @@ Design choices
   Nothing but `ConfigError` is raised. Mini-batches that do not split evenly over dp (possible with
   dynamic batch sizes) are planned with the largest share a rank gets (`BatchPlan.even` is false).
 
-Modules: `types` (the plan's dataclasses and limits), `compile` (checks, models, pools, grids, batches,
+Modules: `types` (the plan's dataclasses and limits), `engine` (what each megatron engine is built from:
+EngineSettings, EnginePlan, small_plan), `compile` (checks, models, pools, grids, batches,
 lr table, profile, checkpoints), `memory` (the estimate), `assemble` (parts + memory -> TrainerPlan),
 `advice` (the memory check and its fixes, re-compiling variants), `render` (text), `diff` (JSON and
 plan diffs). `compile_plan` (here) is assemble + memory check.
