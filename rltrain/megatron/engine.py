@@ -1,9 +1,9 @@
 """Shared machinery of the megatron roles (actor, ref, critic, reward model), built from the plan alone
 (`MegatronEngine.from_plan`: the role's `rlconf.plan.EnginePlan` gives the architecture, the weights folder,
 the layout, the engine settings, the batch schedule and the lr table; engines outside a run compile a small
-plan first, `rlconf.plan.small_plan`): model + optimizer ownership, batch layout, micro-batching (fixed or token-budget),
-DP-correct loss weights, running megatron's forward/backward schedules on this rank's data, and moving the
-role's state to host memory while other roles run.
+plan first, `rlconf.plan.small_plan`): model + optimizer ownership, batch layout, micro-batching (fixed or
+token-budget), DP-correct loss weights, running megatron's forward/backward schedules on this rank's data,
+and moving the role's state to host memory while other roles run.
 
 Batch layout (a dict of tensors, one data-parallel rank's share; every TP/PP rank of the same DP rank gets
 the same batch): `input_ids`, `attention_mask`, `position_ids` [B, S] hold prompt + response;
