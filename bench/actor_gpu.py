@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.megatron._common import actor_of, actor_plan, init_groups
 
 SPEC_PEAK, MATMUL_PEAK = 989e12, 760e12
 
@@ -162,7 +163,6 @@ def our_cases(cases: Cases, arch, dense: dict, grpo: dict, args) -> None:
     from megatron.core import parallel_state
 
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig, Optim
-    from rltrain.megatron.actor import MegatronActor
 
     b = dense["input_ids"].shape[0]
     rows = grpo["input_ids"].shape[0]
@@ -175,7 +175,7 @@ def our_cases(cases: Cases, arch, dense: dict, grpo: dict, args) -> None:
         log_prob_micro_batch_size_per_gpu=b,
         shuffle=False,
     )
-    actor = MegatronActor(model_cfg, cfg, "cuda", total_steps=100, rollout_n=1)
+    actor = actor_of(model_cfg, cfg, "cuda", total_steps=100, rollout_n=1)
     assert parallel_state.get_data_parallel_world_size() == 1
 
     # raw megatron-core: the model's own forward with labels (vocab-parallel CE) and backward
@@ -219,13 +219,17 @@ def our_cases(cases: Cases, arch, dense: dict, grpo: dict, args) -> None:
 
     # GRPO-shaped: dynamic batching by token budget, one optimizer step per update
     actor.use_batch_settings(
-        ActorConfig(
-            megatron=cfg.megatron,
-            optim=cfg.optim,
-            ppo_mini_batch_size=rows,
-            use_dynamic_bsz=True,
-            ppo_max_token_len_per_gpu=args.budget,
-            shuffle=False,
+        actor_plan(
+            model_cfg,
+            ActorConfig(
+                megatron=cfg.megatron,
+                optim=cfg.optim,
+                ppo_mini_batch_size=rows,
+                use_dynamic_bsz=True,
+                ppo_max_token_len_per_gpu=args.budget,
+                shuffle=False,
+            ),
+            "cuda",
         )
     )
     real = int(grpo["attention_mask"].sum())
@@ -251,7 +255,7 @@ def main() -> int:
 
     from presets.gpu import QWEN25_05B, QWEN25_15B
     from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import destroy_parallel, free_port, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, free_port
 
     archs = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B}
     report: dict[str, object] = {
@@ -270,7 +274,7 @@ def main() -> int:
         n_params = hf_cases(cases, arch, dense, grpo, args)
         gc.collect()  # the HF model goes before ours is built
         torch.cuda.empty_cache()
-        init_parallel(MegatronConfig(), "cuda", rank=0, world_size=1, master_port=port)
+        init_groups(MegatronConfig(), "cuda", rank=0, world_size=1, master_port=port)
         our_cases(cases, arch, dense, grpo, args)
         destroy_parallel(destroy_process_group=False)
         gc.collect()
@@ -327,13 +331,12 @@ def layout_worker(rank: int, world: int, port: int, shape: str, tp: int, args, q
 
     from presets.gpu import QWEN25_05B, QWEN25_15B
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig, Optim
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     arch = {"0.5b": QWEN25_05B, "1.5b": QWEN25_15B}[shape]
     init_distributed("cuda", rank=rank, world_size=world, master_port=port)
     mcfg = MegatronConfig(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
-    init_parallel(mcfg, "cuda")
+    init_groups(mcfg, "cuda")
     dp = world // tp
     dense = dense_rows(args.batch * dp, args.seq, arch.vocab_size)
     grpo = grpo_rows(args.rows, 256, 2048, arch.vocab_size)
@@ -343,7 +346,7 @@ def layout_worker(rank: int, world: int, port: int, shape: str, tp: int, args, q
         megatron=mcfg, optim=Optim(lr=1e-6), ppo_mini_batch_size=b, ppo_micro_batch_size_per_gpu=args.batch,
         log_prob_micro_batch_size_per_gpu=args.batch, shuffle=False,
     )  # fmt: skip
-    actor = MegatronActor(model_cfg, cfg, "cuda", total_steps=100, rollout_n=1)
+    actor = actor_of(model_cfg, cfg, "cuda", total_steps=100, rollout_n=1)
     dp_rank = rank // tp
     result: dict[str, float] = {}
     for name, batch, tokens, kw in (
@@ -355,7 +358,7 @@ def layout_worker(rank: int, world: int, port: int, shape: str, tp: int, args, q
             dict(ppo_mini_batch_size=args.rows, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=args.budget),
         ),
     ):
-        actor.use_batch_settings(replace(cfg, **kw))
+        actor.use_batch_settings(actor_plan(model_cfg, replace(cfg, **kw), "cuda"))
         mine = {k: v[dp_rank::dp] for k, v in batch.items()}
         old = actor.compute_log_prob(mine, with_entropy=False)["log_probs"]
         adv = torch.randn(old.shape[0], 1).expand_as(old).contiguous() * mine["response_mask"]

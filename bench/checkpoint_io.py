@@ -31,6 +31,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.megatron._common import actor_of, init_groups
+
 CONTENTS = ("model", "optimizer", "extra")
 
 
@@ -79,12 +82,11 @@ def build_actor(layers: int, dtype: str, distributed: bool = True):
 
     from presets.gpu import QWEN25_05B
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig, Optim
-    from rltrain.megatron.actor import MegatronActor
 
     arch = replace(QWEN25_05B, num_layers=layers)
     model = ModelConfig(arch=arch, params_dtype=dtype, attention_backend="sdpa")  # type: ignore[arg-type]
     actor = ActorConfig(megatron=MegatronConfig(use_distributed_optimizer=distributed), optim=Optim(lr=1e-6))
-    return MegatronActor(model, actor, "cpu", total_steps=10)
+    return actor_of(model, actor, "cpu", total_steps=10)
 
 
 def params_of(actor) -> int:
@@ -113,7 +115,7 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     from rlconf.config import MegatronConfig
     from rltrain import checkpoint as ck
-    from rltrain.megatron.parallel import destroy_parallel, free_port, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, free_port
 
     root = Path(args.dir)
     if root.exists():
@@ -128,7 +130,7 @@ def main() -> int:
     }
     try:
         results["dd"] = dd_write(root, args.dd_mb)
-        init_parallel(
+        init_groups(
             MegatronConfig(), "cpu", rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
         )
         t0 = time.perf_counter()

@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.rollout_gpu import get_arch
+from tests.megatron._common import actor_of, actor_plan, init_groups
 
 MODES = ("eager", "fused")
 
@@ -80,15 +81,14 @@ def main() -> int:
 
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
     from rltrain.megatron import inference
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.model import use_compiled_rope
-    from rltrain.megatron.parallel import free_port, init_parallel
+    from rltrain.megatron.parallel import free_port
 
-    init_parallel(MegatronConfig(), dev, rank=0, world_size=1, master_port=free_port())
+    init_groups(MegatronConfig(), dev, rank=0, world_size=1, master_port=free_port())
     b, p, n_new = args.rows, args.prompt, args.new_tokens
     arch = get_arch(args.arch, p + n_new)
     model_cfg = ModelConfig(arch=arch, params_dtype=dtype_name, attention_backend="sdpa")  # type: ignore[arg-type]
-    actor = MegatronActor(model_cfg, ActorConfig(megatron=MegatronConfig()), dev, trainable=False)
+    actor = actor_of(model_cfg, ActorConfig(megatron=MegatronConfig()), dev, trainable=False)
     report: dict = {
         "arch": args.arch,
         "rows": b,
@@ -114,7 +114,7 @@ def main() -> int:
     def use(mode: str) -> None:
         """Switch the engine between the eager ops and model.fused_kernels (what the plan sets at build)."""
         fused = mode == "fused"
-        actor.spec = replace(actor.spec, fused_kernels=fused)
+        actor.spec = replace(actor.spec, settings=replace(actor.spec.settings, fused_kernels=fused))
         if fused:
             use_compiled_rope()
         for chunk in actor.modules():
@@ -207,8 +207,12 @@ def main() -> int:
 
             def logprob(budget: int = budget, mode: str = mode, profile_it: bool = i < len(MODES)) -> dict:
                 actor.use_batch_settings(
-                    ActorConfig(
-                        megatron=MegatronConfig(), use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget
+                    actor_plan(
+                        model_cfg,
+                        ActorConfig(
+                            megatron=MegatronConfig(), use_dynamic_bsz=True, ppo_max_token_len_per_gpu=budget
+                        ),
+                        dev,
                     )
                 )
                 use(mode)

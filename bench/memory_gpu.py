@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.megatron._common import init_groups
 
 GIB = 2**30
 
@@ -109,7 +110,6 @@ def main() -> int:
     from presets import get_preset
     from rlconf.plan import compile_plan
     from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.parallel import init_parallel
 
     cfg = get_preset(args.preset)
     cfg = replace(cfg, model=replace(cfg.model, fused_kernels=args.fused))
@@ -118,7 +118,7 @@ def main() -> int:
         sect, key = path.split(".")
         cfg = replace(cfg, **{sect: replace(getattr(cfg, sect), **{key: int(value)})})
     plan = compile_plan(cfg)
-    init_parallel(cfg.actor.megatron, "cuda")
+    init_groups(cfg.actor.megatron, "cuda")
     actor = MegatronActor.from_plan(plan, "actor")
     ref = MegatronActor.from_plan(plan, "ref", init_from=actor) if "ref" in plan.roles else None
     if ref is not None:

@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.megatron._common import actor_of, init_groups
 
 
 def sync(dev: str) -> None:
@@ -62,11 +63,10 @@ def main() -> int:
     from presets.gpu import QWEN3_MOE_3B
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
     from rltrain.megatron import inference
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.moe_decode import GroupedMoELayer
-    from rltrain.megatron.parallel import free_port, init_parallel
+    from rltrain.megatron.parallel import free_port
 
-    init_parallel(MegatronConfig(), dev, rank=0, world_size=1, master_port=free_port())
+    init_groups(MegatronConfig(), dev, rank=0, world_size=1, master_port=free_port())
     b, p = a.groups * a.samples, a.prompt
     arch = QWEN3_MOE_3B
     if a.tiny:
@@ -76,7 +76,7 @@ def main() -> int:
     arch = replace(arch, max_position_embeddings=max(arch.max_position_embeddings, p + a.full_tokens))
     model_cfg = ModelConfig(arch=arch, params_dtype="bfloat16" if dev == "cuda" else "float32",
                             attention_backend="sdpa", moe_grouped_gemm=True)  # type: ignore[arg-type]  # fmt: skip
-    actor = MegatronActor(model_cfg, ActorConfig(megatron=MegatronConfig()), dev, trainable=False)
+    actor = actor_of(model_cfg, ActorConfig(megatron=MegatronConfig()), dev, trainable=False)
     report: dict = {"rows": b, "prompt": p, "new_tokens": a.new_tokens, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
                     "fused_kernels": actor.fused_kernels, "errors": {}}  # fmt: skip

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.megatron._common import actor_of, init_groups
 
 
 @dataclass(frozen=True)
@@ -73,7 +74,6 @@ class Worker:
 
 def build_actor(case: Case):
     from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.parallel import seed_parallel_rng
 
     arch = ModelArch(
@@ -83,7 +83,7 @@ def build_actor(case: Case):
     )  # fmt: skip
     seed_parallel_rng(1)
     model_cfg = ModelConfig(arch=arch, attention_backend="sdpa", init_method_std=0.1)  # type: ignore[arg-type]
-    return MegatronActor(model_cfg, ActorConfig(megatron=MegatronConfig()), "cpu", trainable=False)
+    return actor_of(model_cfg, ActorConfig(megatron=MegatronConfig()), "cpu", trainable=False)
 
 
 def rollout(worker, case: Case, cache: bool) -> tuple[float, list[list[int]]]:
@@ -132,9 +132,9 @@ def main() -> None:
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import free_port, init_parallel
+    from rltrain.megatron.parallel import free_port
 
-    init_parallel(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
+    init_groups(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
     results = {}
     for name in args.cases.split(","):
         case = CASES[name]

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.megatron._common import actor_of, init_groups
 
 
 def get_arch(name: str):
@@ -94,17 +95,15 @@ def plan_estimate(args: argparse.Namespace, world: int) -> float | None:
 
 def run(args: argparse.Namespace) -> dict:
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.parallel import init_parallel
     from rltrain.rollout.reshard import RolloutReplica
 
     mcfg = MegatronConfig(
         tensor_model_parallel_size=args.actor_tp, pipeline_model_parallel_size=args.actor_pp
     )
-    init_parallel(mcfg, args.device)
+    init_groups(mcfg, args.device)
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     model_cfg = ModelConfig(arch=get_arch(args.arch), params_dtype=args.dtype, attention_backend="sdpa")
-    actor = MegatronActor(model_cfg, ActorConfig(megatron=mcfg), args.device, trainable=False)
+    actor = actor_of(model_cfg, ActorConfig(megatron=mcfg), args.device, trainable=False)
     out: dict = {"arch": args.arch, "dtype": args.dtype, "world": world, "actor_tp": args.actor_tp,
                  "actor_pp": args.actor_pp, "rollout_tp": args.rollout_tp, "bucket_mib": args.bucket_mib}  # fmt: skip
     sync(args.device)

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.megatron._common import actor_of, init_groups
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,6 @@ DTYPE = "float32"
 def build_actor(case: Case):
     """A random-init actor of the case's shape on DEVICE in DTYPE."""
     from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.parallel import seed_parallel_rng
 
     arch = ModelArch(
@@ -84,7 +84,7 @@ def build_actor(case: Case):
     seed_parallel_rng(1)
     model_cfg = ModelConfig(arch=arch, attention_backend="sdpa", init_method_std=0.1, params_dtype=DTYPE)  # type: ignore[arg-type]
     actor_cfg = ActorConfig(megatron=MegatronConfig(), log_prob_micro_batch_size_per_gpu=case.batch)
-    return MegatronActor(model_cfg, actor_cfg, DEVICE, trainable=False)
+    return actor_of(model_cfg, actor_cfg, DEVICE, trainable=False)
 
 
 def make_prompts(case: Case) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,11 +273,11 @@ def main() -> int:
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
     from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import free_port, init_parallel
+    from rltrain.megatron.parallel import free_port
 
     global DEVICE, DTYPE
     DEVICE, DTYPE = args.device, args.dtype
-    init_parallel(MegatronConfig(), DEVICE, rank=0, world_size=1, master_port=free_port())
+    init_groups(MegatronConfig(), DEVICE, rank=0, world_size=1, master_port=free_port())
     report = {}
     names = ("nocache", "engine", "owncache", "megatron", "megatron_rowpos")
     print(f"{'case':<6} {'B':>3} {'P':>4} {'N':>3} {'n':>2} " + " ".join(f"{k:>15}" for k in names))

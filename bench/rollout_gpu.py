@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tests.megatron._common import actor_of, init_groups
 
 
 def sync(device: str) -> None:
@@ -99,11 +100,10 @@ def build_hf(arch, dtype: torch.dtype, device: str, folder: Path):
 
 def build_actor(folder: Path, dtype_name: str, device: str, batch: int):
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
-    from rltrain.megatron.actor import MegatronActor
 
     model_cfg = ModelConfig(path=str(folder), params_dtype=dtype_name, attention_backend="sdpa")  # type: ignore[arg-type]
     actor_cfg = ActorConfig(megatron=MegatronConfig(), log_prob_micro_batch_size_per_gpu=batch)
-    return MegatronActor(model_cfg, actor_cfg, device, trainable=False)
+    return actor_of(model_cfg, actor_cfg, device, trainable=False)
 
 
 def hf_generate(hf, ids: torch.Tensor, new_tokens: int, device: str) -> torch.Tensor:
@@ -174,10 +174,10 @@ def main() -> int:
     p, n = args.prompt, args.new_tokens
 
     from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import free_port, init_parallel
+    from rltrain.megatron.parallel import free_port
     from rltrain.rollout.weight_sync import send_weights, sync_weights
 
-    init_parallel(MegatronConfig(), args.device, rank=0, world_size=1, master_port=free_port())
+    init_groups(MegatronConfig(), args.device, rank=0, world_size=1, master_port=free_port())
     arch = get_arch(args.arch, p + n)
     report: dict[str, object] = {
         "arch": args.arch,

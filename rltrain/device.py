@@ -322,13 +322,13 @@ def configure_process_env(device: str) -> None:
         os.environ.setdefault(name, value)
 
 
-def prepare_process(device: str, local_rank: int | None = None, megatron_cfg: Any = None) -> None:
+def prepare_process(device: str, local_rank: int | None = None, engine: Any = None) -> None:
     """Per-process set-up for `device`; idempotent, and cheap after the first call.
 
     cpu: the megatron CPU compatibility layer (process-wide function redirects).
     cuda: bind the process to GPU `local_rank` (modulo the visible count; Ray gives each worker its own).
-    npu: torch_npu, NPU `local_rank`, then MindSpeed's megatron adaptor with the options of `megatron_cfg`
-    (the role's MegatronConfig; rltrain.npu.mindspeed_options). The adaptor patches megatron-core when
+    npu: torch_npu, NPU `local_rank`, then MindSpeed's megatron adaptor with the options of `engine`
+    (the role's rlconf.plan.EnginePlan; rltrain.npu.mindspeed_options). The adaptor patches megatron-core when
     imported, so the first call must come before the process imports megatron; the worker makes it in its
     constructor.
     """
@@ -349,7 +349,7 @@ def prepare_process(device: str, local_rank: int | None = None, megatron_cfg: An
     else:
         from rltrain.npu import mindspeed_options, prepare_npu
 
-        options = mindspeed_options(megatron_cfg) if megatron_cfg is not None else None
+        options = mindspeed_options(engine) if engine is not None else None
         prepare_npu(local_rank=local_rank, options=options)
 
 

@@ -13,8 +13,8 @@ that variable for every process of a cpu or cuda run.
   megatron-core for Ascend (and, through `torch_npu.contrib.transfer_to_npu`, redirects `torch.cuda` /
   `device="cuda"` to the NPU); its documentation asks for the import *before* megatron is imported,
   because a patch cannot reach a name that another module bound at import time under a different name, a
-  subclass, or a decorator that already ran. `mindspeed_options(megatron_cfg)` are the options: the role's
-  `override_transformer_config` plus `sequence_parallel` and `use_distributed_optimizer`, the keys verl
+  subclass, or a decorator that already ran. `mindspeed_options(engine)` are the options: the role's engine plan's
+  recompute and dropout settings plus `sequence_parallel` and `use_distributed_optimizer`, the keys verl
   hands to `repatch` and MindSpeed's verl guide documents.
 - `prepare_npu(local_rank, options)`: both of the above plus binding the process to its NPU; called through
   `rltrain.device.prepare_process("npu", ...)` from the worker's constructor (before any megatron import)
@@ -32,7 +32,6 @@ was and was not run.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
 import logging
@@ -84,16 +83,24 @@ def load_torch_npu() -> ModuleType:
         raise _unavailable("torch_npu with Ascend CANN (source CANN's set_env.sh)", exc, extra) from exc
 
 
-def mindspeed_options(megatron_cfg: Any) -> dict[str, Any]:
-    """The options a role's MegatronConfig hands to MindSpeed: every set `override_transformer_config`
-    field (recompute_*, dropouts; recompute_modules only with selective recompute, where megatron reads
-    it) plus `sequence_parallel` and `use_distributed_optimizer`. Plain values (tuples become lists)."""
-    override = dataclasses.asdict(megatron_cfg.override_transformer_config)
-    if override.get("recompute_granularity") != "selective":
-        override.pop("recompute_modules", None)
-    options = {k: list(v) if isinstance(v, tuple) else v for k, v in override.items() if v is not None}
-    options["sequence_parallel"] = bool(megatron_cfg.sequence_parallel)
-    options["use_distributed_optimizer"] = bool(megatron_cfg.use_distributed_optimizer)
+def mindspeed_options(engine: Any) -> dict[str, Any]:
+    """The options a role's engine plan (`rlconf.plan.EnginePlan`) hands to MindSpeed: the recompute
+    settings that are on (recompute_modules only with selective recompute, where megatron reads it), the
+    dropouts, `sequence_parallel` (the layout's) and `use_distributed_optimizer`. Plain values."""
+    t, r = engine.settings.transformer, engine.settings.transformer.recompute
+    options: dict[str, Any] = {}
+    if r.granularity is not None:
+        options["recompute_granularity"] = r.granularity
+    if r.method is not None:
+        options["recompute_method"] = r.method
+    if r.num_layers is not None:
+        options["recompute_num_layers"] = r.num_layers
+    if r.granularity == "selective":
+        options["recompute_modules"] = list(r.modules)
+    options["attention_dropout"] = t.attention_dropout
+    options["hidden_dropout"] = t.hidden_dropout
+    options["sequence_parallel"] = bool(engine.layout.sequence_parallel)
+    options["use_distributed_optimizer"] = bool(engine.settings.ddp.use_distributed_optimizer)
     return options
 
 

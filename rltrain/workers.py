@@ -32,18 +32,18 @@ from rltrain.profiling import Profiler
 from rltrain.rollout.generation import RolloutServer
 
 
-def load_initial_weights(engine: Any, megatron_cfg: Any, prefix: str) -> None:
+def load_initial_weights(engine: Any, path: str | None, prefix: str) -> None:
     """`use_dist_checkpointing`: start from the model weights of a saved rlplan role checkpoint
     (`checkpoints/global_step_N/<role>`, megatron dist format, any TP/PP layout) instead of HF or random.
-    `megatron_cfg`: the role's megatron settings of the plan (`TrainerPlan.engine(role).megatron`)."""
-    if not megatron_cfg.use_dist_checkpointing:
+    `path`: the plan's `EngineSettings.dist_checkpointing_path` of the role (None: nothing to load)."""
+    if path is None:
         return
     from rlconf.errors import ConfigError, error
     from rltrain.checkpoint import UnsafeCheckpointError, load_engine
     from rltrain.checkpoint.safe_load import UNSAFE_RULE
 
     try:
-        load_engine(engine, megatron_cfg.dist_checkpointing_path, ("model",), role=prefix)
+        load_engine(engine, path, ("model",), role=prefix)
     except UnsafeCheckpointError as exc:
         # A setting that names a forged checkpoint: exit 2 naming it, not a worker failure to resume from.
         path = f"{prefix}.megatron.dist_checkpointing_path"
@@ -87,7 +87,7 @@ class MegatronWorker:
         quiet.filter_third_party_warnings()
         # Before anything in this process imports megatron: on npu, MindSpeed's adaptor patches megatron-core
         # when imported (with this role's options); on cuda the GPU is bound, on cpu megatron's redirects.
-        devices.prepare_process(device, local_rank=0, megatron_cfg=self._megatron_cfg())
+        devices.prepare_process(device, local_rank=0, engine=self._engine_plan())
         torch.set_num_threads(max(1, int(self.run.cluster.cpus_per_worker)))
         warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")
         # Every random draw of a run comes from a stream keyed by (seed, step, purpose) (rlconf.seeding);
@@ -97,10 +97,10 @@ class MegatronWorker:
         self._memory_peaks: dict[str, float] = {}
         self.step = 0
 
-    def _megatron_cfg(self) -> Any:
-        """The plan's megatron settings of the model(s) this process holds (the ref shares the actor's layout;
-        a separate rollout's process takes the actor's)."""
-        return self.plan.engine(self.role if self.role in ("critic", "reward_model") else "actor").megatron
+    def _engine_plan(self) -> Any:
+        """The plan's engine of the model(s) this process holds (the ref shares the actor's layout; a
+        separate rollout's process takes the actor's)."""
+        return self.plan.engine(self.role if self.role in ("critic", "reward_model") else "actor")
 
     @contextlib.contextmanager
     def measured(self, phase: str) -> Iterator[None]:
@@ -192,7 +192,7 @@ class PolicyWorker(MegatronWorker, RolloutServer):
         from rltrain.megatron.actor import MegatronActor
 
         self.actor = MegatronActor.from_plan(self.plan, "actor")
-        load_initial_weights(self.actor, self._megatron_cfg(), "actor")
+        load_initial_weights(self.actor, self._engine_plan().settings.dist_checkpointing_path, "actor")
         self.ref = None
         if "ref" in self.plan.roles:
             # The reference policy is the actor's starting point: its weights are copied from the actor
@@ -368,7 +368,7 @@ class CriticWorker(MegatronWorker):
         from rltrain.megatron.critic import MegatronCritic
 
         self.critic = MegatronCritic.from_plan(self.plan, "critic")
-        load_initial_weights(self.critic, self._megatron_cfg(), "critic")
+        load_initial_weights(self.critic, self._engine_plan().settings.dist_checkpointing_path, "critic")
         return {"dp_size": self.critic.dp_size}
 
     def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

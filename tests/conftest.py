@@ -33,12 +33,12 @@ def world():
     import torch
 
     torch.set_num_threads(1)
-    from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import destroy_parallel, init_parallel
+
+    from rltrain.megatron.parallel import GroupSizes, destroy_parallel, init_parallel
     from tests.megatron._common import free_port
 
     owned = not torch.distributed.is_initialized()
-    init_parallel(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
+    init_parallel(GroupSizes(), "cpu", rank=0, world_size=1, master_port=free_port())
     yield
     if owned:
         destroy_parallel()

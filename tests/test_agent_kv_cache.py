@@ -23,8 +23,10 @@ from rltrain.tokenizer import CharTokenizer
 from .megatron._common import (
     CountForwards,
     actor_cfg,
+    actor_of,
     assert_tiny_close,
     free_port,
+    init_groups,
     run_spawned,
     tiny_model_cfg,
 )
@@ -91,9 +93,8 @@ def tiny_hf(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def actor(tiny_hf):
-    from rltrain.megatron.actor import MegatronActor
 
-    return MegatronActor(tiny_model_cfg(tiny_hf), actor_cfg(), "cpu", trainable=False)
+    return actor_of(tiny_model_cfg(tiny_hf), actor_cfg(), "cpu", trainable=False)
 
 
 def test_kept_cache_gives_the_re_prefill_rollout(actor, monkeypatch):
@@ -254,8 +255,7 @@ def _check_layouts(rank: int, port: int, hf_path: str, ref: dict) -> None:
     from megatron.core import parallel_state
 
     import rltrain.rollout.agent as agent
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     # Both processes run the whole agent loop and must make the same calls: give every wave of tool calls
     # time to come back together (the calculator answers in microseconds).
@@ -263,8 +263,8 @@ def _check_layouts(rank: int, port: int, hf_path: str, ref: dict) -> None:
     init_distributed("cpu", rank=rank, world_size=2, master_port=port)
     for name, tp, pp in LAYOUTS:
         cfg = actor_cfg(tp, pp)
-        init_parallel(cfg.megatron, "cpu")
-        actor = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
+        init_groups(cfg.megatron, "cpu")
+        actor = actor_of(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
         worker = _Worker(actor, temperature=1.0)
         dp = parallel_state.get_data_parallel_world_size()
         group = parallel_state.get_data_parallel_group()

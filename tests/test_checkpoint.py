@@ -20,6 +20,8 @@ from rlconf.plan import compile_plan
 from rltrain import checkpoint as ck
 from rltrain.checkpoint import CheckpointError, CheckpointRegistry, engine_io
 
+from .megatron._common import actor_of, critic_of
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # megatron warns about apex / Transformer Engine and deprecations on every build; torch about ShardedTensor.
@@ -236,13 +238,12 @@ def hf_dir(tmp_path_factory) -> Path:
 
 def _actor(path: str | None = None, **megatron_kw):
     from rlconf.config import Optim
-    from rltrain.megatron.actor import MegatronActor
 
     from .megatron._common import actor_cfg, tiny_model_cfg
 
     cfg = actor_cfg(ppo_mini_batch_size=4, optim=Optim(lr=1e-2, clip_grad=1.0))
     cfg = replace(cfg, megatron=replace(cfg.megatron, **megatron_kw))
-    return MegatronActor(tiny_model_cfg(path), cfg, "cpu", total_steps=8)
+    return actor_of(tiny_model_cfg(path), cfg, "cpu", total_steps=8)
 
 
 def _rl(actor) -> dict:
@@ -438,14 +439,13 @@ def test_loads_that_cannot_be_right_are_clear_errors(tmp_path):
 @pytest.mark.slow
 def test_critic_round_trip_and_no_hf_form(tmp_path):
     from rlconf.config import CriticConfig, Optim
-    from rltrain.megatron.critic import MegatronCritic
 
     from .megatron._common import tiny_model_cfg
 
     cfg = CriticConfig(enable=True, ppo_mini_batch_size=8, optim=Optim(lr=1e-2))
 
     def critic():
-        return MegatronCritic(tiny_model_cfg(), cfg, "cpu", total_steps=8)
+        return critic_of(tiny_model_cfg(), cfg, "cpu", total_steps=8)
 
     a = critic()
     rl = _rl(_actor())

@@ -26,6 +26,8 @@ from rlconf.plan import compile_plan
 from rltrain import checkpoint as ck
 from rltrain.checkpoint import CheckpointError, CheckpointRegistry, faults, manifest, tools
 
+from .megatron._common import actor_of
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 pytestmark = [
@@ -430,7 +432,6 @@ def test_export_hf_from_a_checkpoint_without_hf_model(tmp_path):
     """A run folder (config.yaml naming an HF model with a tokenizer) whose checkpoint has no hf_model: the
     export equals the trained actor (log-probs through transformers) and carries the tokenizer files."""
     from rlconf.config import Optim
-    from rltrain.megatron.actor import MegatronActor
 
     from .megatron._common import actor_cfg, hf_logits, make_batch, make_tiny_qwen2, reference_log_probs
 
@@ -442,7 +443,7 @@ def test_export_hf_from_a_checkpoint_without_hf_model(tmp_path):
     (out_dir / "config.yaml").write_text(dump_yaml(config_to_dict(RLConfig(model=model))))
 
     cfg = actor_cfg(ppo_mini_batch_size=4, optim=Optim(lr=1e-2, clip_grad=1.0))
-    actor = MegatronActor(model, cfg, "cpu", total_steps=4)
+    actor = actor_of(model, cfg, "cpu", total_steps=4)
     batch = make_batch(b=8)
     old = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
     sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(8)]).unsqueeze(1)
@@ -485,14 +486,13 @@ def test_export_hf_of_a_tiny_model_ships_the_builtin_tokenizer_and_normal_modes(
     folder, gives the same ids for text over the vocabulary, and the model generates through it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.tokenizer import CharTokenizer
 
     from .megatron._common import actor_cfg, tiny_model_cfg
 
     old_mask = os.umask(0o022)
     try:
-        actor = MegatronActor(tiny_model_cfg(), actor_cfg(), "cpu", total_steps=2)
+        actor = actor_of(tiny_model_cfg(), actor_cfg(), "cpu", total_steps=2)
         # No config.yaml next to checkpoints/: the tokenizer kind comes from meta.json.
         reg = CheckpointRegistry(tmp_path / "run" / "checkpoints", ["actor"])
         ck.save_engine(actor, reg.begin(1)["actor"], ("model", "extra", "hf_model"), {"step": 1})
@@ -543,7 +543,6 @@ def test_export_hf_of_a_tiny_model_ships_the_builtin_tokenizer_and_normal_modes(
 def test_never_stepped_plain_optimizer_round_trip(tmp_path, dtype):
     """A save before the first update (e.g. the actor during critic warmup) with the non-distributed
     optimizer: megatron drops the step-0 Adam step from it; the load puts it back instead of KeyError."""
-    from rltrain.megatron.actor import MegatronActor
 
     from .megatron._common import actor_cfg, tiny_model_cfg
 
@@ -551,8 +550,8 @@ def test_never_stepped_plain_optimizer_round_trip(tmp_path, dtype):
     cfg = actor_cfg()
     cfg = replace(cfg, megatron=replace(cfg.megatron, use_distributed_optimizer=False))
     folder = tmp_path / "global_step_1" / "actor"
-    ck.save_engine(MegatronActor(model, cfg, "cpu", total_steps=4), folder, ("model", "optimizer"), {})
-    fresh = MegatronActor(model, cfg, "cpu", total_steps=4)
+    ck.save_engine(actor_of(model, cfg, "cpu", total_steps=4), folder, ("model", "optimizer"), {})
+    fresh = actor_of(model, cfg, "cpu", total_steps=4)
     ck.load_engine(fresh, folder, ("model", "optimizer"))
     steps = {float(s["step"]) for s in fresh.optimizer.optimizer.state.values()}
     assert steps == {0.0}

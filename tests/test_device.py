@@ -327,13 +327,15 @@ def test_npu_prepare_binds_then_applies_mindspeed_with_the_role_options(
     hidden, the role's override_transformer_config handed to repatch; a second call changes nothing."""
     monkeypatch.setattr(sys, "argv", ["default_worker.py", "--node-ip-address=10.0.0.1"])
     cfg = MegatronConfig(
+        tensor_model_parallel_size=2,
         sequence_parallel=True,
         override_transformer_config=OverrideTransformerConfig(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         ),
     )
-    devices.prepare_process("npu", local_rank=9, megatron_cfg=cfg)
-    devices.prepare_process("npu", local_rank=9, megatron_cfg=cfg)
+    engine = _engine_plan(cfg, world_size=2)
+    devices.prepare_process("npu", local_rank=9, engine=engine)
+    devices.prepare_process("npu", local_rank=9, engine=engine)
     assert [c for c in mindspeed.calls if c[0] != "set_device"] == [
         ("mindspeed.megatron_adaptor", ["default_worker.py"])
     ]
@@ -352,9 +354,18 @@ def test_mindspeed_options_keep_recompute_modules_only_for_selective() -> None:
     sel = MegatronConfig(
         override_transformer_config=OverrideTransformerConfig(recompute_granularity="selective")
     )
-    assert npu.mindspeed_options(sel)["recompute_modules"] == ["core_attn"]
-    assert "recompute_modules" not in npu.mindspeed_options(MegatronConfig())
-    assert "recompute_granularity" not in npu.mindspeed_options(MegatronConfig())  # None: left to MindSpeed
+    assert npu.mindspeed_options(_engine_plan(sel))["recompute_modules"] == ["core_attn"]
+    assert "recompute_modules" not in npu.mindspeed_options(_engine_plan(MegatronConfig()))
+    # No recompute: left to MindSpeed.
+    assert "recompute_granularity" not in npu.mindspeed_options(_engine_plan(MegatronConfig()))
+
+
+def _engine_plan(megatron: MegatronConfig, world_size: int = 1):
+    """The actor's engine plan of a small plan with this megatron section (what a worker hands MindSpeed)."""
+    from rlconf.config import ModelConfig
+    from rlconf.plan import small_plan
+
+    return small_plan(ModelConfig(), "cpu", world_size=world_size, megatron=megatron).engine("actor")
 
 
 def test_mindspeed_without_repatch_warns_that_options_are_not_passed(
@@ -435,7 +446,8 @@ def test_npu_check_needs_an_npu_and_the_real_mindspeed(
 
 def test_checkpoint_rng_state_keeps_the_npu_generator(torch_npu: StandInTorchNpu) -> None:
     """Stand-in torch_npu: the checkpoint's RNG record holds the NPU generator under "npu" and restores it."""
-    from rltrain.checkpoint.engine_io import _rng_state, _set_rng_state
+    from rltrain.checkpoint.engine_state import rng_state as _rng_state
+    from rltrain.checkpoint.engine_state import set_rng_state as _set_rng_state
 
     engine = types.SimpleNamespace(device="npu")
     state = _rng_state(engine)  # type: ignore[arg-type]

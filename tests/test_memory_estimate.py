@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from presets import get_preset
 from rlconf.config import RLConfig
 from rlconf.plan import compile_plan
+from rlconf.plan.engine import fused_kernels
 from rlconf.plan.memory import SYNTHETIC_PROMPT_CHARS, rollout_prompt_tokens
-from rlconf.plan.types import GIB, fused_kernels
+from rlconf.plan.types import GIB
 
 WITHIN = 0.15
 

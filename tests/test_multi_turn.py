@@ -15,7 +15,7 @@ from rltrain.rollout.agent import AgentLoop, rows_from_rollout
 from rltrain.tokenizer import CharTokenizer, ToolCallParseError
 from rltrain.tools import ToolCall, load_tools
 
-from .megatron._common import TINY_DEPTH, TINY_REDUCTION, actor_cfg, tiny_model_cfg
+from .megatron._common import TINY_DEPTH, TINY_REDUCTION, actor_cfg, actor_of, tiny_model_cfg
 from .tolerance import assert_close
 
 
@@ -48,9 +48,8 @@ def test_hf_json_tool_call_format():
 
 @pytest.fixture(scope="module")
 def actor():
-    from rltrain.megatron.actor import MegatronActor
 
-    return MegatronActor(tiny_model_cfg(), actor_cfg(ppo_mini_batch_size=16), "cpu", total_steps=4)
+    return actor_of(tiny_model_cfg(), actor_cfg(ppo_mini_batch_size=16), "cpu", total_steps=4)
 
 
 def _agent_rollout(actor, tools=("calculator",), n_rows=64, seed=3, **cfg):
@@ -106,7 +105,6 @@ def test_agent_loop_masks_observations_on_the_tiny_model(actor):
 def test_observation_tokens_receive_no_gradient(actor):
     """Two updates from the same weights whose batches differ only on observation positions (advantages and
     old log-probs set to junk there) leave identical weights: no gradient reaches the actor from them."""
-    from rltrain.megatron.actor import MegatronActor
 
     b = _agent_rollout(actor, n_rows=16).batch
     observation = b["attention_mask"][:, -b["responses"].shape[1] :].bool() & ~b["response_mask"].bool()
@@ -121,7 +119,7 @@ def test_observation_tokens_receive_no_gradient(actor):
     weights = []
     for batch in (None, base, junk):
         torch.manual_seed(0)  # the same initial weights for each engine
-        engine = MegatronActor(tiny_model_cfg(), actor_cfg(ppo_mini_batch_size=16), "cpu", total_steps=4)
+        engine = actor_of(tiny_model_cfg(), actor_cfg(ppo_mini_batch_size=16), "cpu", total_steps=4)
         if batch is not None:
             engine.update_policy(batch, temperature=1.0, step=1)
         weights.append(

@@ -150,8 +150,8 @@ def test_plan_dict_is_json_and_stable(config: RLConfig) -> None:
     assert diff_plans(plan, plan) == []
     assert set(d) == {
         "version", "roles", "models", "resources", "layouts", "batch", "optim", "profile", "checkpoint",
-        "memory", "run", "rollout", "data", "reward", "tokenizer", "config", "refit", "length", "passes", "lora",
-        "algorithm",
+        "memory", "run", "rollout", "data", "reward", "tokenizer", "refit", "length", "passes", "lora",
+        "algorithm", "engines",
     }  # fmt: skip
 
 
@@ -534,7 +534,7 @@ def test_lr_values_cosine_linear_wsd() -> None:
     )
     o = plan.optim_plan("actor")
     assert (o.wsd_decay_steps, o.warmup_steps, o.granularity) == (2, 5, "training_step")
-    assert plan.config.actor.optim.lr_warmup_steps == 5 and plan.config.actor.optim.lr_decay_steps == 20
+    assert o.warmup_steps == 5 and o.decay_steps == 20
     # inverse square root after 4 warmup steps: lr x sqrt(4 / 9) at step 10
     assert lr_at(
         Optim(lr=1e-3, lr_warmup_steps=4, lr_decay_style="inverse-square-root"), 9, 20
@@ -586,7 +586,7 @@ def test_model_path_reads_config_json(tmp_path: Path) -> None:
     assert (arch.num_attention_heads, arch.num_query_groups, arch.vocab_size) == (4, 2, 300)
     assert arch.rotary_base == 1e6 and arch.share_embeddings_and_output_weights and arch.add_qkv_bias
     assert plan.model("policy").source == str(folder / "config.json")
-    assert plan.config.model.arch == arch  # the effective config carries the architecture read
+    assert plan.model("policy").arch == arch  # the plan carries the architecture read
     assert plan.layout("actor").layers_per_stage == (4,)
     # A missing num_key_value_heads means multi-head attention.
     folder = _write_config_json(tmp_path / "mha", num_key_value_heads=_DROP, model_type="llama")
@@ -727,8 +727,8 @@ def test_checkpoint_steps_paths_and_retention() -> None:
 def test_effective_config_and_diff() -> None:
     config = RLConfig(actor=ActorConfig(megatron=MegatronConfig(sequence_parallel=True)))
     plan = compile_plan(config)
-    assert plan.config.actor.megatron.sequence_parallel is False  # tp = 1: megatron switches it off
-    assert plan.config.actor.megatron.expert_tensor_parallel_size == 1
+    assert plan.layout("actor").sequence_parallel is False  # tp = 1: megatron switches it off
+    assert plan.layout("actor").etp == 1
     other = replace(config, cluster=ClusterConfig(gpus_per_node=2), actor=replace(config.actor, megatron=MegatronConfig(tensor_model_parallel_size=2)))  # fmt: skip
     diff = dict((path, (a, b)) for path, a, b in diff_plans(plan, compile_plan(other)))
     assert diff["layouts[role=actor].tp"] == (1, 2)

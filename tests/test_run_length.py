@@ -43,7 +43,7 @@ def test_jsonl_epochs_give_the_steps_every_table_uses(tmp_path):
     c = config(f"data.train_files=[{f}]", "data.train_batch_size=64", "actor.ppo_mini_batch_size=16",
                "trainer.total_epochs=15", "trainer.save_freq=40")  # fmt: skip
     plan = compile_plan(c)
-    assert plan.config.trainer.total_steps == 150 and plan.config.trainer.total_epochs == 15
+    assert plan.run.total_steps == 150 and plan.run.total_epochs == 15
     table = plan.optim_plan("actor").table
     assert [r.step for r in table] == list(range(1, 151))
     assert plan.checkpoint.save_steps == (40, 80, 120, 150)
@@ -61,7 +61,7 @@ def test_parquet_rows_are_counted_over_all_files(tmp_path):
     b = write_parquet(tmp_path / "b.parquet", 21)
     c = config(f"data.train_files=[{a},{b}]", "trainer.total_epochs=3")  # 51 prompts, batch 8: 6 per epoch
     plan = compile_plan(c)
-    assert (plan.length.prompts, plan.length.batches_per_epoch, plan.config.trainer.total_steps) == (
+    assert (plan.length.prompts, plan.length.batches_per_epoch, plan.run.total_steps) == (
         51,
         6,
         18,
@@ -80,7 +80,7 @@ def test_the_loader_ends_its_epochs_where_the_plan_counts_them(tmp_path):
     plan = compile_plan(c)
     train, _ = build_dataloaders(plan.data, load_tokenizer(plan.tokenizer))
     assert len(train) == plan.length.batches_per_epoch == 2
-    epochs = [train.epoch for _ in range(plan.config.trainer.total_steps) if next(train)]
+    epochs = [train.epoch for _ in range(plan.run.total_steps) if next(train)]
     assert epochs == [0, 0, 1, 1, 2, 2]
     next(train)
     assert train.epoch == 3
@@ -156,4 +156,4 @@ def test_rltrain_runs_the_derived_steps(tmp_path):
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     plan = json.loads((out / "plan.json").read_text())
-    assert plan["length"]["total_steps"] == 4 and plan["config"]["trainer"]["total_steps"] == 4
+    assert plan["length"]["total_steps"] == 4 and plan["run"]["total_steps"] == 4

@@ -29,6 +29,8 @@ from rltrain import checkpoint as ck
 from rltrain.checkpoint import CheckpointRegistry, UnsafeCheckpointError, engine_io, safe_load
 from rltrain.checkpoint.manifest import write_manifest
 
+from .megatron._common import actor_of
+
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning"),
@@ -118,13 +120,12 @@ def plant(role: Path, where: str, marker: Path) -> Path:
 # ============================================================================================ in-process
 def _actor(path: str | None = None, **megatron_kw):
     from rlconf.config import Optim
-    from rltrain.megatron.actor import MegatronActor
 
     from .megatron._common import actor_cfg, tiny_model_cfg
 
     cfg = actor_cfg(ppo_mini_batch_size=4, optim=Optim(lr=1e-2, clip_grad=1.0))
     cfg = replace(cfg, megatron=replace(cfg.megatron, **megatron_kw))
-    return MegatronActor(tiny_model_cfg(path), cfg, "cpu", total_steps=8)
+    return actor_of(tiny_model_cfg(path), cfg, "cpu", total_steps=8)
 
 
 @pytest.fixture(scope="module")

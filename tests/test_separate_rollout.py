@@ -38,7 +38,7 @@ def test_plan_gives_the_rollout_its_own_pool_layout_and_push():
     # The rollout's engine: the policy's model, frozen, in the rollout's layout.
     engine = plan.engine("rollout")
     assert engine.optim is None and engine.layout.pool == "rollout_pool"
-    assert engine.megatron.pipeline_model_parallel_size == 1
+    assert engine.layout.pp == 1 and engine.settings.dist_checkpointing_path is None
     # The trainer's pool holds no KV cache; the rollout pool has its own estimate.
     mem = {p.pool: p for p in plan.memory.pools}
     assert not any("kv" in part.label for ph in mem["actor_pool"].phases for part in ph.parts)

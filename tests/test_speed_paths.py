@@ -25,6 +25,7 @@ from .megatron._common import (
     TINY_REDUCTION,
     UPDATE_DEPTH,
     actor_cfg,
+    actor_of,
     assert_tiny_close,
     make_batch,
     tiny_model_cfg,
@@ -92,7 +93,6 @@ def test_on_policy_update_equals_the_update_with_an_old_log_prob_pass(world, tmp
     the weights that a separate old log-prob pass gives (SGD: the step is linear in the gradient, so equal
     gradients mean equal weights), with nothing clipped and no PPO KL."""
     from rlconf.config import MegatronConfig, Optim
-    from rltrain.megatron.actor import MegatronActor
 
     from .megatron._common import make_tiny_qwen2
 
@@ -103,8 +103,8 @@ def test_on_policy_update_equals_the_update_with_an_old_log_prob_pass(world, tmp
                   use_kl_loss=use_kl, kl_loss_coef=0.1),
         megatron=MegatronConfig(use_distributed_optimizer=False),
     )  # fmt: skip
-    separate = MegatronActor(tiny_model_cfg(str(hf)), cfg, "cpu")
-    on_policy = MegatronActor(tiny_model_cfg(str(hf)), cfg, "cpu")
+    separate = actor_of(tiny_model_cfg(str(hf)), cfg, "cpu")
+    on_policy = actor_of(tiny_model_cfg(str(hf)), cfg, "cpu")
     batch = _advantage_batch(seed=1)
     old = separate.compute_log_prob(batch)
     if use_kl:  # a reference that differs from the policy, so the KL term has a gradient
@@ -129,7 +129,7 @@ def test_on_policy_update_equals_the_update_with_an_old_log_prob_pass(world, tmp
     moved = 0.0
     for a, b, before in zip(
         on_policy.chunks[0].parameters(), separate.chunks[0].parameters(),
-        MegatronActor(tiny_model_cfg(str(hf)), cfg, "cpu").chunks[0].parameters(), strict=True,
+        actor_of(tiny_model_cfg(str(hf)), cfg, "cpu").chunks[0].parameters(), strict=True,
     ):  # fmt: skip
         assert_tiny_close(a.detach(), b.detach(), depth=UPDATE_DEPTH)
         moved = max(moved, float((a.detach() - before.detach()).abs().max()))
@@ -142,10 +142,9 @@ def test_on_policy_update_equals_the_update_with_an_old_log_prob_pass(world, tmp
 
 
 def test_on_policy_update_refuses_a_schedule_with_several_optimizer_steps(world, tiny_path):
-    from rltrain.megatron.actor import MegatronActor
 
     cfg = actor_cfg(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4, ppo_epochs=2)  # 2 optimizer steps
-    actor = MegatronActor(tiny_model_cfg(str(tiny_path)), cfg, "cpu")
+    actor = actor_of(tiny_model_cfg(str(tiny_path)), cfg, "cpu")
     with pytest.raises(AssertionError, match="more than one optimizer step"):
         actor.update_policy(_advantage_batch(seed=0), on_policy=True)
 

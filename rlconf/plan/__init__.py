@@ -10,15 +10,15 @@ Design choices
 - Pure: standard library only (`rlconf` never imports torch, ray or megatron). The only input besides the
   config is `config.json` of `model.path` (and of `critic.model_path` / `reward.reward_model.path` when
   set), read to learn the architecture.
-- Settings the plan does not derive (seeds, DDP and TransformerConfig overrides, sampling parameters,
-  loss coefficients, ...) travel in `plan.config`: the *effective* config. It is the input config with
-  the derived values resolved so that a worker reading it cannot disagree with the plan:
-  `sequence_parallel` is off at tp = 1 (megatron switches it off), `expert_tensor_parallel_size` is the
-  tp size when None, `model.arch` holds the architecture read from config.json when `model.path` is set,
-  each `optim` has `lr_warmup_steps`, `lr_decay_steps` and `lr_wsd_decay_steps` resolved to numbers, and
-  `data.seed` and every `megatron.seed` left None hold `trainer.seed` (rlconf.seeding), and with
-  `trainer.total_epochs` `trainer.total_steps` holds the steps it derives (rlconf.run_length). Everything else
-  equals the input. (The user's own config is saved separately as config.yaml.)
+- Resolved values only: the plan holds no copy of the config. Every value a worker reads is a field of a
+  plan part with its "None means X" decided here: `engines` (EngineSettings: TransformerConfig, MoE, DDP,
+  offload and seed settings of each megatron role), `algorithm` (losses, advantages, KL, dynamic sampling),
+  `run` (names, seed, length, validation, cluster, logging), `rollout` (sampling, engine and tool
+  settings), `data`, `reward`, `tokenizer`, next to the layouts, batches, lr tables, checkpoints and memory.
+  `sequence_parallel` is off at tp = 1 (megatron switches it off), the expert tp is the tp size when None,
+  lr warm-up / decay steps are numbers, seeds left None hold `trainer.seed` (rlconf.seeding), and with
+  `trainer.total_epochs` the run length is the steps it derives (rlconf.run_length). The run folder keeps
+  the user's own config as config.yaml (rlconf.run_config).
 - Conventions: ranks are 0-based within a role's world (= the process index inside its device pool);
   layers are 0-based; steps are 1-based training steps (step N is the N-th step of the run, across
   resumes); memory is in GiB (2**30 bytes).
@@ -33,7 +33,8 @@ Design choices
   Nothing but `ConfigError` is raised. Mini-batches that do not split evenly over dp (possible with
   dynamic batch sizes) are planned with the largest share a rank gets (`BatchPlan.even` is false).
 
-Modules: `types` (the plan's dataclasses and limits), `compile` (checks, models, pools, grids, batches,
+Modules: `types` (the plan's dataclasses and limits), `engine` (what each megatron engine is built from:
+EngineSettings, EnginePlan, small_plan), `compile` (checks, models, pools, grids, batches,
 lr table, profile, checkpoints), `memory` (the estimate), `assemble` (parts + memory -> TrainerPlan),
 `advice` (the memory check and its fixes, re-compiling variants), `render` (text), `diff` (JSON and
 plan diffs), `roles` (the role table and the cross-section facts the validator checks too).
@@ -54,6 +55,13 @@ if TYPE_CHECKING:
 # plan-limits, and live with it).
 _HOMES: dict[str, str] = {
     **dict.fromkeys(("lr_at",), "compile"),
+    **dict.fromkeys(
+        (
+            "ENGINE_ROLES", "DdpSettings", "EnginePlan", "EngineSettings", "MoeSettings", "OffloadSettings",
+            "Recompute", "TransformerSettings", "small_plan",
+        ),
+        "engine",
+    ),
     **dict.fromkeys(("rollout_resharded", "rollout_tp"), "roles"),
     **dict.fromkeys(("MISSING", "diff_plans", "plan_to_dict"), "diff"),
     **dict.fromkeys(("REFIT_BUCKET_MIB", "REFIT_BYTES_PER_S"), "memory"),
@@ -61,9 +69,9 @@ _HOMES: dict[str, str] = {
     **dict.fromkeys(("MAX_DEVICES", "MAX_INT", "MAX_TOTAL_STEPS"), "rlconf.validate"),
     **dict.fromkeys(
         (
-            "CONTROLLER", "DTYPE_BYTES", "ENGINE_ROLES", "GIB", "MEGATRON_ORDER", "PLAN_VERSION",
+            "CONTROLLER", "DTYPE_BYTES", "GIB", "MEGATRON_ORDER", "PLAN_VERSION",
             "PROFILE_ROLE_WORKER", "VOCAB_DIVISIBLE_BY", "WORKER_ROLES", "BatchPlan", "CheckpointPlan",
-            "CheckpointSave", "EnginePlan", "LayerChunk", "LrRow", "MemoryPart", "MemoryPlan", "ModelSpec",
+            "CheckpointSave", "LayerChunk", "LrRow", "MemoryPart", "MemoryPlan", "ModelSpec",
             "OptimPlan", "PhaseMemory", "Placement", "Pool", "PoolMemory", "ProfilePlan", "ProfileTarget",
             "RankCoord", "Resources", "RoleCheckpoint", "RoleLayout", "RoleMemory", "RolePath", "RolloutRefit",
             "StageLayers", "StepPasses", "TrainerPlan",

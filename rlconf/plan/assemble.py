@@ -24,6 +24,7 @@ from rlconf.plan.compile import (
     role_layouts,
     step_passes,
 )
+from rlconf.plan.engine import engine_settings
 from rlconf.plan.memory import memory_plan, rollout_refit
 from rlconf.plan.roles import ROLE_TABLE, present_roles
 from rlconf.plan.run import data_plan, reward_plan, rollout_plan, run_plan, tokenizer_plan
@@ -95,7 +96,6 @@ def compile_parts(config: RLConfig, check: bool = True) -> TrainerPlan:
         profile=profile_plan(config, roles, layouts),
         checkpoint=checkpoint_plan(config, roles, models, layouts),
         memory=memory_plan(config, resources, layouts, models, batches, lora),
-        config=effective,
         refit=rollout_refit(config, layouts, models),
         length=length,
         passes=step_passes(config, roles, batches),
@@ -106,12 +106,13 @@ def compile_parts(config: RLConfig, check: bool = True) -> TrainerPlan:
         reward=reward_plan(effective.reward),
         tokenizer=tokenizer_plan(effective.model),
         algorithm=algorithm_plan(config),
+        engines=engine_settings(config, roles, models.all()),
     )
 
 
 def plan_of_sections(config: RLConfig) -> TrainerPlan:
-    """The plan of one engine built outside a run from config sections (rltrain.megatron.engine
-    `sections_plan`: tests, benches, tools). Its batch fields size that engine's forward and backward
+    """The plan of one engine built outside a run from config sections (rlconf.plan.engine
+    `small_plan`: tests, benches, tools). Its batch fields size that engine's forward and backward
     passes, not a run's step (a critic fixture may take a micro-batch larger than its mini-batch), so the
     run-level rules of rlconf.validate are not applied; a user's config never takes this path
     (`compile_plan`, `rlconf validate` and `rltrain` all check it)."""

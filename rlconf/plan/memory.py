@@ -18,6 +18,7 @@ from rlconf.model_spec import (
     layer_params,
 )
 from rlconf.plan.compile import Models, cdiv
+from rlconf.plan.engine import forward_batching, fused_kernels
 from rlconf.plan.roles import megatron_of, rollout_resharded, rollout_tp
 from rlconf.plan.types import (
     DTYPE_BYTES,
@@ -35,8 +36,6 @@ from rlconf.plan.types import (
     RolloutRefit,
     StageLayers,
     by_role,
-    forward_batching,
-    fused_kernels,
 )
 
 

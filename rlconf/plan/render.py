@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlconf.plan.types import VOCAB_DIVISIBLE_BY, ModelSpec, RoleLayout, TrainerPlan, fused_kernels
+from rlconf.plan.types import VOCAB_DIVISIBLE_BY, ModelSpec, RoleLayout, TrainerPlan
 
 
 # ============================================================================================ text
@@ -118,9 +118,10 @@ def _vocab_lines(plan: TrainerPlan) -> list[str]:
 
 def _kernels_line(plan: TrainerPlan) -> str:
     """Which kernels every megatron engine runs (`EnginePlan.fused_kernels`), and why."""
-    setting = plan.config.model.fused_kernels
+    settings = plan.engines[0]  # one setting for every engine of the run
+    setting = settings.fused_kernels_setting
     why = f"model.fused_kernels {setting}" + (f": {plan.resources.device}" if setting == "auto" else "")
-    if fused_kernels(plan.config):
+    if settings.fused_kernels:
         return f"  kernels: fused (torch.compile'd SwiGLU, RoPE, log-prob / entropy; {why})"
     return f"  kernels: eager (one torch op at a time; {why})"
 

@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
-from rlconf.config import (
-    ROLES,
-    MegatronConfig,
-    ModelArch,
-    ModelConfig,
-    RLConfig,
-)
+from rlconf.config import ROLES, ModelArch
 from rlconf.lora import LoraPlan
 from rlconf.plan.algorithm import AlgorithmPlan
 from rlconf.plan.roles import ROLE_TABLE
 from rlconf.plan.run import DataPlan, RewardPlan, RolloutPlan, RunPlan, TokenizerPlan
 from rlconf.profile_vocab import NpuProfileOptions, NsysProfileOptions, TorchProfileOptions
 from rlconf.run_length import RunLength
+
+if TYPE_CHECKING:
+    from rlconf.plan.engine import EnginePlan, EngineSettings
 
 PLAN_VERSION = 1
 GIB = 2**30
@@ -532,8 +529,6 @@ class TrainerPlan:
     algorithm: AlgorithmPlan
     """Losses, advantages, KL-in-reward, dynamic sampling and rollout-correction thresholds
     (rlconf/plan/algorithm.py)."""
-    config: RLConfig
-    """The effective config (see the module docstring): settings the plan does not derive."""
     refit: RolloutRefit | None = None
     """How the rollout gets the actor's weights (always set by compile_plan)."""
     length: RunLength | None = None
@@ -543,6 +538,8 @@ class TrainerPlan:
     """The log-prob passes of each training step (always set by compile_plan)."""
     lora: LoraPlan | None = None
     """The policy's LoRA adapters (actor.lora; None: full fine-tuning)."""
+    engines: tuple[EngineSettings, ...] = ()
+    """The resolved engine settings of every megatron role (always set by compile_plan; rlconf.plan.engine)."""
 
     def layout(self, role: str) -> RoleLayout:
         return by_role(self.layouts, role)
@@ -563,127 +560,14 @@ class TrainerPlan:
         raise KeyError(name)
 
     def engine(self, role: str) -> EnginePlan:
-        """What the megatron engine of `role` (actor, ref, critic, reward_model) is built from."""
-        return _engine_plan(self, role)
+        """What the megatron engine of `role` (actor, ref, critic, reward_model, a separate rollout) is built
+        from (rlconf.plan.engine)."""
+        from rlconf.plan.engine import engine_plan
 
-
-@dataclass(frozen=True)
-class EnginePlan:
-    """Everything one megatron role's engine is built from (rltrain.megatron.engine): the plan's own model,
-    layout, batch schedule and lr table of that role, gathered by `TrainerPlan.engine(role)`. The engine
-    builds TransformerConfig, GPTModel, DDP, optimizer, lr and batch iteration from it and nothing else."""
-
-    role: str
-    """actor, ref, critic or reward_model."""
-    model: ModelSpec
-    """Architecture, head (lm / value) and the folder the weights load from."""
-    settings: ModelConfig
-    """The effective model section, for what the plan does not derive (params_dtype, attention_backend,
-    init_method_std); its path and arch are the policy's: use `model` for this role's."""
-    layout: RoleLayout
-    megatron: MegatronConfig
-    """The role's effective megatron section (sequence_parallel, expert tp and seed resolved)."""
-    device: str
-    batch: BatchPlan | None
-    """The update's batch schedule (trained roles: actor, critic)."""
-    optim: OptimPlan | None
-    """Optimizer settings and the lr of every training step (trained roles)."""
-    forward_micro_batch_size: int
-    """Rows per forward micro-batch of log-prob / value / reward passes (the sampler's too)."""
-    forward_use_dynamic_bsz: bool
-    forward_max_token_len: int | None
-    """With forward_use_dynamic_bsz: the token budget of a forward micro-batch."""
-    fused_kernels: bool
-    """torch.compile'd fused kernels for SwiGLU, log-prob / entropy, sampling and RoPE (`fused_kernels`)."""
-    lora: LoraPlan | None = None
-    """LoRA adapters on this engine's linears (the actor with actor.lora), base weights frozen."""
-
-    @property
-    def trainable(self) -> bool:
-        return self.optim is not None
-
-    def frozen(self, role: str) -> EnginePlan:
-        """The same engine without optimizer and update (a reference policy built on this layout)."""
-        return replace(self, role=role, batch=None, optim=None)
+        return engine_plan(self, role)
 
 
 _T = TypeVar("_T")
-
-ENGINE_ROLES: tuple[str, ...] = ("actor", "ref", "critic", "reward_model", "rollout")
-"""Roles with a megatron engine of their own."""
-
-
-def _engine_plan(plan: TrainerPlan, role: str) -> EnginePlan:
-    if role not in ENGINE_ROLES or role not in plan.roles:
-        raise KeyError(f"role {role!r} has no engine in this plan (roles: {', '.join(plan.roles)})")
-    if role == "rollout" and plan.placement("rollout").pool == plan.placement("actor").pool:
-        raise KeyError("the colocated rollout generates on the actor's engine; it has no engine of its own")
-    micro, dynamic, budget = forward_batching(plan.config, role)
-    trained = role in ("actor", "critic")
-    layout = plan.layout(role)
-    megatron = _megatron_of(plan.config, role)[1]
-    if role == "rollout":  # a separate rollout: the actor's model settings in the rollout's own layout
-        megatron = replace(
-            megatron,
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=1,
-            virtual_pipeline_model_parallel_size=None,
-            context_parallel_size=1,
-            expert_model_parallel_size=1,
-            expert_tensor_parallel_size=None,
-            sequence_parallel=False,
-            param_offload=False,
-            grad_offload=False,
-            optimizer_offload=False,
-            use_dist_checkpointing=False,
-        )
-    return EnginePlan(
-        role=role,
-        model=next(m for m in plan.models if role in m.used_by),
-        settings=plan.config.model,
-        layout=layout,
-        megatron=megatron,
-        device=plan.resources.device,
-        batch=plan.batch_plan(role) if trained else None,
-        optim=plan.optim_plan(role) if trained else None,
-        forward_micro_batch_size=micro,
-        forward_use_dynamic_bsz=bool(dynamic),
-        forward_max_token_len=budget if dynamic else None,
-        fused_kernels=fused_kernels(plan.config),
-        lora=plan.lora if role == "actor" else None,
-    )
-
-
-def fused_kernels(c: RLConfig) -> bool:
-    """Whether the engines run torch.compile'd fused kernels: `model.fused_kernels`, auto = on cuda."""
-    if c.model.fused_kernels == "auto":
-        return c.cluster.device == "cuda"
-    return c.model.fused_kernels == "compiled"
-
-
-def forward_batching(c: RLConfig, role: str) -> tuple[int, bool, int | None]:
-    """(rows per forward micro-batch, token-budget batching on, the token budget) of a megatron role's
-    log-prob / value / reward passes: what its engine runs and what the memory estimate sizes. The actor and
-    the ref cut by the actor's token budget when use_dynamic_bsz (verl)."""
-    if role in ("actor", "rollout"):
-        return (
-            c.actor.log_prob_micro_batch_size_per_gpu,
-            c.actor.use_dynamic_bsz,
-            c.actor.ppo_max_token_len_per_gpu,
-        )
-    if role == "ref":
-        return (
-            c.ref.log_prob_micro_batch_size_per_gpu,
-            c.actor.use_dynamic_bsz,
-            c.actor.ppo_max_token_len_per_gpu,
-        )
-    if role == "critic":
-        return (
-            c.critic.ppo_micro_batch_size_per_gpu,
-            c.critic.use_dynamic_bsz,
-            c.critic.ppo_max_token_len_per_gpu,
-        )
-    return c.reward.reward_model.micro_batch_size_per_gpu, False, None
 
 
 def by_role(items: tuple[_T, ...], role: str) -> _T:
@@ -691,14 +575,3 @@ def by_role(items: tuple[_T, ...], role: str) -> _T:
         if item.role == role:  # type: ignore[attr-defined]
             return item
     raise KeyError(f"role {role!r} is not in this plan")
-
-
-def _megatron_of(c: RLConfig, role: str) -> tuple[str, MegatronConfig]:
-    """(config path prefix, megatron section) of a megatron role (a separate rollout's: the actor's)."""
-    if role in ("actor", "rollout"):
-        return "actor.megatron", c.actor.megatron
-    if role == "ref":
-        return "ref.megatron", c.ref.megatron
-    if role == "critic":
-        return "critic.megatron", c.critic.megatron
-    return "reward.reward_model.megatron", c.reward.reward_model.megatron

@@ -22,19 +22,30 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import random
 import shutil
 import time
 import uuid
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rltrain import device as devices
+from rltrain.checkpoint.engine_state import (
+    OPTIM_SHARDING,
+    adapters_only,
+    check_optimizer_supported,
+    ensure_optimizer_state,
+    fill_missing_common_step,
+    model_sharded_state_dict,
+    optimizer_sharded_state_dict,
+    restore_step_per_param,
+    rng_state,
+    set_rng_state,
+    uses_distributed_optimizer,
+)
 from rltrain.checkpoint.faults import fault_point
 from rltrain.checkpoint.manifest import (
     COMPLETE,
@@ -64,8 +75,6 @@ from rltrain.checkpoint.safe_load import (
 if TYPE_CHECKING:
     from rltrain.megatron.engine import MegatronEngine
 
-# The distributed optimizer's format that reloads under any TP / PP / DP layout (model-space tensors).
-OPTIM_SHARDING = "fully_reshardable"
 _TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -144,224 +153,12 @@ _MODEL_SPLIT_KEYS = (
 )
 
 
-def _sub_optimizers(engine: MegatronEngine) -> list[Any]:
-    from megatron.core.optimizer import ChainedOptimizer
-
-    opt = engine.optimizer
-    if opt is None:
-        return []
-    return list(opt.chained_optimizers) if isinstance(opt, ChainedOptimizer) else [opt]
-
-
-def _uses_distributed_optimizer(engine: MegatronEngine) -> bool:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    return any(isinstance(o, DistributedOptimizer) for o in _sub_optimizers(engine))
-
-
-def _optim_metadata() -> dict[str, Any]:
-    # fully_reshardable stores optimizer state in model space (one tensor per parameter, like the model's
-    # own sharded tensors), so TP / PP / DP changes reshard it exactly as they reshard the weights.
-    # mem_efficient gathers the DP shards over gloo into DP rank 0 only; the default all-gathers them into
-    # every DP rank's host memory (DP copies of the state on one host) although only DP rank 0 writes them
-    # (the model's replica ids decide). Same files, same speed (measured on H200 at DP=1), less memory.
-    # avoid_prefix keeps keys independent of how many chained optimizers a layout has.
-    return {
-        "distrib_optim_sharding_type": OPTIM_SHARDING,
-        "distrib_optim_fully_reshardable_mem_efficient": True,
-        "chained_optim_avoid_prefix": True,
-    }
-
-
-def _adapters_only(engine: MegatronEngine) -> bool:
-    """A LoRA engine whose base weights come from a Hugging Face folder saves and loads its adapters only."""
-    return getattr(engine, "lora", None) is not None and engine.spec.model.weights is not None
-
-
-def _model_sharded_state_dict(engine: MegatronEngine) -> dict[str, Any]:
-    """megatron's convention: "model" for one chunk, "model0", "model1", ... for virtual pipeline chunks."""
-    modules = engine.modules()
-    sds = [m.sharded_state_dict() for m in modules]
-    if _adapters_only(engine):
-        # LoRA: the adapters are the trained content; the frozen base weights reload from model.path.
-        from rltrain.megatron.lora import is_adapter_name
-
-        sds = [{k: v for k, v in sd.items() if is_adapter_name(k)} for sd in sds]
-    if len(modules) == 1:
-        return {"model": sds[0]}
-    return {f"model{i}": sd for i, sd in enumerate(sds)}
-
-
-def _ensure_optimizer_state(engine: MegatronEngine) -> None:
-    """Give every parameter of a never-stepped torch Adam/AdamW its state (step 0, zero moments).
-
-    The distributed optimizer's `state_dict()` reads the common `step` from the per-parameter state and
-    asserts that one exists; torch creates that state lazily at the first step, so a fresh engine (the
-    resume case, or an actor saved before its first update) has none. Zeros at step 0 are exactly what
-    torch's first step would create, so this changes no update; a load overwrites them.
-    """
-    for sub in _sub_optimizers(engine):
-        inner = sub.optimizer
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                state = inner.state[p]
-                if "step" not in state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-
-
-def _check_optimizer_supported(engine: MegatronEngine, role: str) -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    for sub in _sub_optimizers(engine):
-        if isinstance(sub, DistributedOptimizer) and isinstance(sub.optimizer, torch.optim.SGD):
-            # megatron-core 0.16.1 gathers exactly (param, exp_avg, exp_avg_sq) for the distributed
-            # optimizer: SGD's momentum_buffer has no place there (KeyError deep inside the save).
-            raise CheckpointError(
-                f"{role}: megatron-core cannot checkpoint the state of {type(sub.optimizer).__name__} under "
-                f"the distributed optimizer; set {role}.megatron.use_distributed_optimizer: false or drop "
-                f"optimizer from {role}.checkpoint.save_contents"
-            )
-
-
-def _optimizer_sharded_state_dict(engine: MegatronEngine, model_sd: dict[str, Any], loading: bool) -> Any:
-    # The optimizer finds its parameters' sharded keys in the model's sharded state dict (every chunk; it
-    # walks nested dicts, so the model / model0, model1 nesting does not matter).
-    return engine.optimizer.sharded_state_dict(model_sd, is_loading=loading, metadata=_optim_metadata())
-
-
-@contextlib.contextmanager
-def _restore_step_per_param(engine: MegatronEngine) -> Iterator[None]:
-    """Work around two defects of megatron-core 0.16.1 when it loads torch Adam/AdamW state:
-
-    * `fully_reshardable` load copies every per-parameter state tensor from the checkpoint, but the
-      checkpoint (by design) has no per-parameter `step` (it is kept once, in param_groups):
-      `KeyError: 'step'` in `_set_main_param_and_optimizer_states`. Here a missing `step` is taken from the
-      state the load has just restored from param_groups, i.e. it is left as is.
-    * the distributed optimizer's `load_state_dict` gives every parameter the *same* step tensor object;
-      torch AdamW increments each parameter's step in place, so one shared tensor advances once per
-      parameter per step and bias correction goes wrong after a resume. Each parameter gets its own copy.
-    """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-
-    patched = []
-    for sub in _sub_optimizers(engine):
-        if not isinstance(sub, DistributedOptimizer):
-            continue
-        original = sub._set_main_param_and_optimizer_states
-
-        def set_states(model_param, tensors, _sub=sub, _original=original):
-            if "step" not in tensors:
-                current = _sub._get_main_param_and_optimizer_states(model_param)
-                if "step" in current:
-                    tensors = {**tensors, "step": current["step"]}
-            return _original(model_param, tensors)
-
-        # An instance attribute shadows the method for this load only (removed in `finally`).
-        sub._set_main_param_and_optimizer_states = set_states
-        patched.append(sub)
-    try:
-        yield
-    finally:
-        for sub in patched:
-            del sub._set_main_param_and_optimizer_states
-        for sub in _sub_optimizers(engine):
-            seen: set[int] = set()
-            for state in sub.optimizer.state.values():
-                step = state.get("step") if isinstance(state, dict) else None
-                if isinstance(step, torch.Tensor):
-                    if id(step) in seen:
-                        state["step"] = step.clone()
-                    seen.add(id(state["step"]))
-
-
-def _fill_missing_common_step(obj: Any) -> None:
-    """Put back the step of a never-stepped plain (non-distributed) optimizer before megatron loads it.
-
-    megatron-core 0.16.1 saves the Adam step shared by all parameters only when it is truthy (`if step:` in
-    the mixed-precision and fp32 optimizers' `sharded_state_dict`), so a save before the first update (step
-    0, from `_ensure_optimizer_state`) has per-parameter state without any step, and torch's
-    `load_state_dict` fails with `KeyError: 'step'`. Step 0 is exactly what was saved.
-    """
-    if isinstance(obj, dict):
-        state = obj.get("state")
-        if isinstance(state, dict) and "param_groups" in obj:
-            per_param = [v for k, v in state.items() if k != "common_step" and isinstance(v, dict)]
-            if "common_step" not in state and any("step" not in v for v in per_param):
-                state["common_step"] = torch.tensor(0.0, dtype=torch.float32)
-            return
-        for value in obj.values():
-            _fill_missing_common_step(value)
-    elif isinstance(obj, list | tuple):
-        for value in obj:
-            _fill_missing_common_step(value)
-
-
-# ------------------------------------------------------------------------------------ RNG
-def _rng_state(engine: MegatronEngine) -> dict[str, Any]:
-    import numpy as np
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    tracker = {}
-    for name, state in get_cuda_rng_tracker().get_states().items():
-        tracker[name] = state.get_state() if isinstance(state, torch.Generator) else state.clone()
-    # Tensors and plain Python data only, so that a load needs nothing but torch.load(weights_only=True)
-    # (safe_load.py): numpy's key array travels as a tensor.
-    kind, keys, pos, has_gauss, gauss = np.random.get_state()
-    out: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": (kind, torch.from_numpy(keys.copy()), int(pos), int(has_gauss), float(gauss)),
-        "torch": torch.get_rng_state(),
-        "tracker": tracker,
-    }
-    # The accelerator's generator of the current device, under the device's name ("cuda", "npu").
-    if devices.is_accelerator(engine.device) and devices.is_available(engine.device):
-        out[engine.device] = devices.get_rng_state(engine.device)
-    # The actor's sampler seeds each generate() call from a call counter: part of its random stream.
-    if hasattr(engine, "_sample_calls"):
-        out["sample_calls"] = int(engine._sample_calls)
-    return out
-
-
-def _set_rng_state(engine: MegatronEngine, state: dict[str, Any]) -> None:
-    import numpy as np
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
-    random.setstate(state["python"])
-    kind, keys, *rest = state["numpy"]
-    # A tensor since RNG files hold only tensors; an ndarray in files of older rlplan versions.
-    np.random.set_state((kind, keys.numpy() if isinstance(keys, torch.Tensor) else keys, *rest))
-    torch.set_rng_state(state["torch"])
-    if (
-        engine.device in state
-        and devices.is_accelerator(engine.device)
-        and devices.is_available(engine.device)
-    ):
-        devices.set_rng_state(engine.device, state[engine.device])
-    tracker = get_cuda_rng_tracker()
-    current = tracker.get_states()
-    restored = {}
-    for name, saved in state["tracker"].items():
-        if isinstance(current.get(name), torch.Generator):
-            current[name].set_state(saved)
-            restored[name] = current[name]
-        else:
-            restored[name] = saved.clone()
-    tracker.set_states(restored)
-    if "sample_calls" in state and hasattr(engine, "_sample_calls"):
-        engine._sample_calls = int(state["sample_calls"])
-
-
 # ------------------------------------------------------------------------------------ HF export
 def _hf_source(engine: MegatronEngine) -> tuple[Path | None, Path | None]:
     """(model folder, tokenizer folder) the engine was built from, when they exist: the role's weights folder
     from its plan, and the run's tokenizer (every role reads the policy's)."""
-    weights, settings = engine.spec.model.weights, engine.spec.settings
+    weights, tok_path = engine.spec.model.weights, engine.spec.settings.tokenizer_path
     model = Path(weights) if weights is not None else None
-    tok_path = settings.tokenizer_path if settings.tokenizer_path is not None else settings.path
     return model, Path(tok_path) if tok_path is not None else None
 
 
@@ -527,31 +324,12 @@ def save_engine(
     blocking before exit); the role is complete once its manifest exists. Returns True when complete now.
     A save in flight from an earlier call is finished first (one background save at a time).
     """
-    from megatron.core import dist_checkpointing
-
     from rltrain.device import device_context
 
     role = _role_of(folder, role)
     folder = Path(folder)
     contents = tuple(dict.fromkeys(contents))
-    unknown = [c for c in contents if c not in ("model", "optimizer", "extra", "hf_model")]
-    if unknown:
-        raise CheckpointError(f"{role}.checkpoint.save_contents: unknown entries {unknown}")
-    if "optimizer" in contents and engine.optimizer is None:
-        raise CheckpointError(
-            f"{role}.checkpoint.save_contents: optimizer requested but this engine has no optimizer"
-        )
-    if "optimizer" in contents:
-        _check_optimizer_supported(engine, role)
-    hf = "hf_model" in contents
-    if hf and _is_value_model(engine):
-        # A value head is no causal LM: transformers could not load it. Say so instead of writing garbage.
-        warnings.warn(
-            f"{role}: hf_model skipped: a critic (value head) has no Hugging Face causal-LM form; "
-            f"drop hf_model from {role}.checkpoint.save_contents",
-            stacklevel=2,
-        )
-        hf = False
+    hf = _save_checks(engine, contents, role)
     finalize_pending(blocking=True)
     step = (extra or {}).get("step")
     step = step if isinstance(step, int) else None  # only names the save for fault injection
@@ -563,61 +341,16 @@ def save_engine(
 
     # Small per-rank and rank-0 files first: they describe the state at this moment.
     if "extra" in contents:
-        sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-        # Serialised on every rank so that a bad value fails everywhere, before any collective.
-        try:
-            payload = json.dumps({"extra": dict(extra or {}), "lr_scheduler": sched}, allow_nan=True)
-        except TypeError as exc:
-            raise CheckpointError(
-                f"{role}: the checkpoint's extra dict is not JSON-serialisable: {exc}"
-            ) from exc
-        (folder / RNG_DIR).mkdir(exist_ok=True)
-        rng_file = folder / RNG_DIR / f"rank_{rank:05d}.pt"
-        tmp = rng_file.with_name(f".{rng_file.name}.tmp-{uuid.uuid4().hex[:8]}")
-        torch.save(_rng_state(engine), tmp)
-        os.replace(tmp, rng_file)
-        if rank == 0:
-            write_atomic(folder / EXTRA, payload.encode())
+        _save_extra(engine, folder, extra, role, rank)
     has_dist = "model" in contents or "optimizer" in contents
     if rank == 0:
-        meta = {
-            "format": FORMAT,
-            "role": role,
-            "contents": [c for c in contents if c != "hf_model" or hf],
-            "layout": _layout(engine),
-            "distributed_optimizer": _uses_distributed_optimizer(engine) if engine.optimizer else None,
-            "optimizer_sharding": (
-                (OPTIM_SHARDING if _uses_distributed_optimizer(engine) else "param_space")
-                if "optimizer" in contents
-                else None
-            ),
-            "params_dtype": engine.spec.settings.params_dtype,
-            "arch": asdict(engine.arch),
-            "value_head": _is_value_model(engine),
-            "versions": _versions(),
-            "extra_keys": sorted((extra or {}).keys()),
-            "tokenizer": _tokenizer_meta(engine),
-            # LoRA: the adapters (rlconf LoraPlan) and whether the base weights were left out (they reload
-            # from model.path; a random-init base is saved with the adapters).
-            "lora": asdict(engine.lora) if getattr(engine, "lora", None) is not None else None,
-            "lora_adapters_only": _adapters_only(engine),
-        }
-        write_json(folder / META, meta)
+        write_json(folder / META, _save_meta(engine, contents, role, extra, hf))
     timings["small_files_s"] = time.perf_counter() - t0
 
     request = None
     if has_dist:
         t1 = time.perf_counter()
-        (folder / DIST_DIR).mkdir(exist_ok=True)
-        _barrier()
-        with device_context(engine.device), torch.no_grad():
-            model_sd = _model_sharded_state_dict(engine)
-            state: dict[str, Any] = dict(model_sd) if "model" in contents else {}
-            if "optimizer" in contents:
-                # An optimizer that never stepped (e.g. the actor during critic warmup) has no state yet.
-                _ensure_optimizer_state(engine)
-                state["optimizer"] = _optimizer_sharded_state_dict(engine, model_sd, loading=False)
-            request = dist_checkpointing.save(state, str(folder / DIST_DIR), async_sharded_save=async_save)
+        request = _save_dist(engine, folder, contents, async_save)
         timings["dist_save_s" if not async_save else "dist_plan_s"] = time.perf_counter() - t1
     if hf:
         t2 = time.perf_counter()
@@ -640,6 +373,100 @@ def save_engine(
     _LAST_TIMINGS.clear()
     _LAST_TIMINGS.update(timings)
     return True
+
+
+def _save_checks(engine: MegatronEngine, contents: tuple[str, ...], role: str) -> bool:
+    """Refuse contents this engine cannot save; returns whether the HF export is written (not for a value
+    model, with a warning)."""
+    unknown = [c for c in contents if c not in ("model", "optimizer", "extra", "hf_model")]
+    if unknown:
+        raise CheckpointError(f"{role}.checkpoint.save_contents: unknown entries {unknown}")
+    if "optimizer" in contents and engine.optimizer is None:
+        raise CheckpointError(
+            f"{role}.checkpoint.save_contents: optimizer requested but this engine has no optimizer"
+        )
+    if "optimizer" in contents:
+        check_optimizer_supported(engine, role)
+    hf = "hf_model" in contents
+    if hf and _is_value_model(engine):
+        # A value head is no causal LM: transformers could not load it. Say so instead of writing garbage.
+        warnings.warn(
+            f"{role}: hf_model skipped: a critic (value head) has no Hugging Face causal-LM form; "
+            f"drop hf_model from {role}.checkpoint.save_contents",
+            stacklevel=3,
+        )
+        hf = False
+    return hf
+
+
+def _save_extra(
+    engine: MegatronEngine, folder: Path, extra: Mapping[str, Any] | None, role: str, rank: int
+) -> None:
+    """This rank's RNG state, and on rank 0 the controller's extra dict with the lr scheduler's state."""
+    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
+    # Serialised on every rank so that a bad value fails everywhere, before any collective.
+    try:
+        payload = json.dumps({"extra": dict(extra or {}), "lr_scheduler": sched}, allow_nan=True)
+    except TypeError as exc:
+        raise CheckpointError(f"{role}: the checkpoint's extra dict is not JSON-serialisable: {exc}") from exc
+    (folder / RNG_DIR).mkdir(exist_ok=True)
+    rng_file = folder / RNG_DIR / f"rank_{rank:05d}.pt"
+    tmp = rng_file.with_name(f".{rng_file.name}.tmp-{uuid.uuid4().hex[:8]}")
+    torch.save(rng_state(engine), tmp)
+    os.replace(tmp, rng_file)
+    if rank == 0:
+        write_atomic(folder / EXTRA, payload.encode())
+
+
+def _save_meta(
+    engine: MegatronEngine,
+    contents: tuple[str, ...],
+    role: str,
+    extra: Mapping[str, Any] | None,
+    hf: bool,
+) -> dict[str, Any]:
+    """meta.json of one role's save: what it holds and what it was built from."""
+    return {
+        "format": FORMAT,
+        "role": role,
+        "contents": [c for c in contents if c != "hf_model" or hf],
+        "layout": _layout(engine),
+        "distributed_optimizer": uses_distributed_optimizer(engine) if engine.optimizer else None,
+        "optimizer_sharding": (
+            (OPTIM_SHARDING if uses_distributed_optimizer(engine) else "param_space")
+            if "optimizer" in contents
+            else None
+        ),
+        "params_dtype": engine.spec.settings.transformer.params_dtype,
+        "arch": asdict(engine.arch),
+        "value_head": _is_value_model(engine),
+        "versions": _versions(),
+        "extra_keys": sorted((extra or {}).keys()),
+        "tokenizer": _tokenizer_meta(engine),
+        # LoRA: the adapters (rlconf LoraPlan) and whether the base weights were left out (they reload
+        # from model.path; a random-init base is saved with the adapters).
+        "lora": asdict(engine.lora) if getattr(engine, "lora", None) is not None else None,
+        "lora_adapters_only": adapters_only(engine),
+    }
+
+
+def _save_dist(engine: MegatronEngine, folder: Path, contents: tuple[str, ...], async_save: bool) -> Any:
+    """Write (or, async, plan) the megatron dist checkpoint of the model and / or optimizer; returns the
+    async request (None when written now)."""
+    from megatron.core import dist_checkpointing
+
+    from rltrain.device import device_context
+
+    (folder / DIST_DIR).mkdir(exist_ok=True)
+    _barrier()
+    with device_context(engine.device), torch.no_grad():
+        model_sd = model_sharded_state_dict(engine)
+        state: dict[str, Any] = dict(model_sd) if "model" in contents else {}
+        if "optimizer" in contents:
+            # An optimizer that never stepped (e.g. the actor during critic warmup) has no state yet.
+            ensure_optimizer_state(engine)
+            state["optimizer"] = optimizer_sharded_state_dict(engine, model_sd, loading=False)
+        return dist_checkpointing.save(state, str(folder / DIST_DIR), async_sharded_save=async_save)
 
 
 def has_pending() -> bool:
@@ -740,6 +567,34 @@ def load_engine(
     role = _role_of(folder, role)
     folder = Path(folder)
     contents = tuple(dict.fromkeys(contents))
+    verify_s = _verify_for_load(folder)
+    meta = read_role_meta(folder)
+    _load_checks(engine, meta, contents, role, folder)
+    layout = _layout(engine)
+    # Checkpoints written before the uneven split options have no "stage_layers": their pp and vpp decide.
+    saved_layout = {"stage_layers": layout["stage_layers"], **meta["layout"]}
+    if "optimizer" in contents:
+        _check_optimizer_loadable(engine, meta, role, folder, saved_layout, layout)
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {"verify_s": verify_s}
+    if "model" in contents:
+        _load_dist(engine, folder, "optimizer" in contents)
+        timings["dist_load_s"] = time.perf_counter() - t0
+    elif "hf_model" in contents:
+        _load_hf_model(engine, folder)
+    extra: dict[str, Any] = {}
+    if "extra" in contents:
+        extra = _load_extra(engine, folder, role, saved_layout == layout, saved_layout, layout)
+    _barrier()
+    timings["total_s"] = time.perf_counter() - t0
+    _LAST_TIMINGS.clear()
+    _LAST_TIMINGS.update(timings)
+    return extra
+
+
+def _verify_for_load(folder: Path) -> float:
+    """Refuse a save that did not finish, is damaged or holds a file the restricted loaders refuse, before
+    megatron opens anything; returns the seconds it took."""
     _require_manifest(folder)  # the save finished
     # Every byte against the manifest (rank 0 reads, every rank raises alike): a truncated, zeroed or
     # overwritten file is named here instead of surfacing as an unpickling or shape error deep inside torch, or
@@ -753,12 +608,13 @@ def load_engine(
     unsafe = _bcast_from_rank0(role_problems(folder) if _dist_rank() == 0 else None)
     if unsafe:
         raise (UnsafeCheckpointError if REFUSED in unsafe[0] else CheckpointError)(unsafe[0])
-    verify_s = time.perf_counter() - t_verify
-    from megatron.core import dist_checkpointing
+    return time.perf_counter() - t_verify
 
-    from rltrain.device import device_context
 
-    meta = read_role_meta(folder)
+def _load_checks(
+    engine: MegatronEngine, meta: Mapping[str, Any], contents: tuple[str, ...], role: str, folder: Path
+) -> None:
+    """Refuse load contents the save does not hold or this engine cannot take, and another architecture."""
     saved = set(meta["contents"])
     missing = [c for c in contents if c not in saved]
     if missing:
@@ -776,73 +632,93 @@ def load_engine(
             f"{role}.checkpoint.load_contents: optimizer requested but this engine has none"
         )
     _check_arch(meta, engine, role, folder)
-    layout = _layout(engine)
-    # Checkpoints written before the uneven split options have no "stage_layers": their pp and vpp decide.
-    saved_layout = {"stage_layers": layout["stage_layers"], **meta["layout"]}
-    split_changed = any(saved_layout[k] != layout[k] for k in (*_MODEL_SPLIT_KEYS, "stage_layers"))
-    if "optimizer" in contents:
-        now_dist = _uses_distributed_optimizer(engine)
-        if meta["distributed_optimizer"] != now_dist:
-            raise CheckpointError(
-                f"{folder}: optimizer state was saved with use_distributed_optimizer="
-                f"{meta['distributed_optimizer']} and this run uses {now_dist}; set "
-                f"{role}.megatron.use_distributed_optimizer back, or drop optimizer from "
-                f"{role}.checkpoint.load_contents (the weights still load)"
-            )
-        if split_changed and meta["optimizer_sharding"] not in (OPTIM_SHARDING, "param_space"):
-            raise CheckpointError(
-                f"{folder}: its optimizer state ({meta['optimizer_sharding']}) cannot be resharded from "
-                f"{_fmt_layout(saved_layout)} to {_fmt_layout(layout)}; drop optimizer from "
-                f"{role}.checkpoint.load_contents (the weights still load) or use the saved layout"
-            )
-    t0 = time.perf_counter()
-    timings: dict[str, float] = {"verify_s": verify_s}
-    if "model" in contents:
-        with device_context(engine.device), torch.no_grad():
-            model_sd = _model_sharded_state_dict(engine)
-            state: dict[str, Any] = dict(model_sd)
-            if "optimizer" in contents:
-                _ensure_optimizer_state(engine)
-                state["optimizer"] = _optimizer_sharded_state_dict(engine, model_sd, loading=True)
-            with guarded_dist_load():  # what megatron unpickles goes through safe_load's loaders too
-                loaded = dist_checkpointing.load(state, str(folder / DIST_DIR))
-            for key, module in zip(model_sd, engine.modules(), strict=True):
-                module.load_state_dict(loaded[key], strict=not _adapters_only(engine))
-            if "optimizer" in contents:
-                if not _uses_distributed_optimizer(engine):
-                    _fill_missing_common_step(loaded["optimizer"])
-                with _restore_step_per_param(engine):
-                    engine.optimizer.load_state_dict(loaded["optimizer"])
-            elif engine.optimizer is not None:
-                # fp32 main params of 16-bit models are copies: refresh them from the loaded weights.
-                engine.optimizer.reload_model_params()
-        timings["dist_load_s"] = time.perf_counter() - t0
-    elif "hf_model" in contents:
-        from rltrain.megatron.hf_weights import load_hf_weights
 
-        with device_context(engine.device):
-            load_hf_weights(engine.chunks, folder / HF_DIR, value_head=_is_value_model(engine))
-            if engine.optimizer is not None:
-                engine.optimizer.reload_model_params()
-    extra: dict[str, Any] = {}
-    if "extra" in contents:
-        payload = read_json(folder / EXTRA)
-        extra = payload["extra"]
-        if payload["lr_scheduler"] is not None and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(payload["lr_scheduler"])
-        if saved_layout == layout:
-            _set_rng_state(engine, load_rng_file(folder / RNG_DIR / f"rank_{_dist_rank():05d}.pt"))
-        elif _dist_rank() == 0:
-            warnings.warn(
-                f"{role}: RNG states not restored: saved under {_fmt_layout(saved_layout)}, loading under "
-                f"{_fmt_layout(layout)} (RNG streams belong to ranks); the run continues with fresh seeds",
-                stacklevel=2,
-            )
-    _barrier()
-    timings["total_s"] = time.perf_counter() - t0
-    _LAST_TIMINGS.clear()
-    _LAST_TIMINGS.update(timings)
-    return extra
+
+def _check_optimizer_loadable(
+    engine: MegatronEngine,
+    meta: Mapping[str, Any],
+    role: str,
+    folder: Path,
+    saved_layout: Mapping[str, Any],
+    layout: Mapping[str, Any],
+) -> None:
+    """The saved optimizer state fits this engine: the same distributed-optimizer setting, and a sharding
+    that reshards when the model split changed."""
+    split_changed = any(saved_layout[k] != layout[k] for k in (*_MODEL_SPLIT_KEYS, "stage_layers"))
+    now_dist = uses_distributed_optimizer(engine)
+    if meta["distributed_optimizer"] != now_dist:
+        raise CheckpointError(
+            f"{folder}: optimizer state was saved with use_distributed_optimizer="
+            f"{meta['distributed_optimizer']} and this run uses {now_dist}; set "
+            f"{role}.megatron.use_distributed_optimizer back, or drop optimizer from "
+            f"{role}.checkpoint.load_contents (the weights still load)"
+        )
+    if split_changed and meta["optimizer_sharding"] not in (OPTIM_SHARDING, "param_space"):
+        raise CheckpointError(
+            f"{folder}: its optimizer state ({meta['optimizer_sharding']}) cannot be resharded from "
+            f"{_fmt_layout(saved_layout)} to {_fmt_layout(layout)}; drop optimizer from "
+            f"{role}.checkpoint.load_contents (the weights still load) or use the saved layout"
+        )
+
+
+def _load_dist(engine: MegatronEngine, folder: Path, with_optimizer: bool) -> None:
+    """The model (and optimizer) state from the dist checkpoint, resharded to this engine's layout."""
+    from megatron.core import dist_checkpointing
+
+    from rltrain.device import device_context
+
+    with device_context(engine.device), torch.no_grad():
+        model_sd = model_sharded_state_dict(engine)
+        state: dict[str, Any] = dict(model_sd)
+        if with_optimizer:
+            ensure_optimizer_state(engine)
+            state["optimizer"] = optimizer_sharded_state_dict(engine, model_sd, loading=True)
+        with guarded_dist_load():  # what megatron unpickles goes through safe_load's loaders too
+            loaded = dist_checkpointing.load(state, str(folder / DIST_DIR))
+        for key, module in zip(model_sd, engine.modules(), strict=True):
+            module.load_state_dict(loaded[key], strict=not adapters_only(engine))
+        if with_optimizer:
+            if not uses_distributed_optimizer(engine):
+                fill_missing_common_step(loaded["optimizer"])
+            with restore_step_per_param(engine):
+                engine.optimizer.load_state_dict(loaded["optimizer"])
+        elif engine.optimizer is not None:
+            # fp32 main params of 16-bit models are copies: refresh them from the loaded weights.
+            engine.optimizer.reload_model_params()
+
+
+def _load_hf_model(engine: MegatronEngine, folder: Path) -> None:
+    """The weights from the checkpoint's huggingface/ folder (fresh optimizer state)."""
+    from rltrain.device import device_context
+    from rltrain.megatron.hf_weights import load_hf_weights
+
+    with device_context(engine.device):
+        load_hf_weights(engine.chunks, folder / HF_DIR, engine.arch, value_head=_is_value_model(engine))
+        if engine.optimizer is not None:
+            engine.optimizer.reload_model_params()
+
+
+def _load_extra(
+    engine: MegatronEngine,
+    folder: Path,
+    role: str,
+    same_layout: bool,
+    saved_layout: Mapping[str, Any],
+    layout: Mapping[str, Any],
+) -> dict[str, Any]:
+    """The controller's extra dict; restores the lr scheduler, and the RNG states under the saved layout."""
+    payload = read_json(folder / EXTRA)
+    if payload["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        engine.lr_scheduler.load_state_dict(payload["lr_scheduler"])
+    if same_layout:
+        set_rng_state(engine, load_rng_file(folder / RNG_DIR / f"rank_{_dist_rank():05d}.pt"))
+    elif _dist_rank() == 0:
+        warnings.warn(
+            f"{role}: RNG states not restored: saved under {_fmt_layout(saved_layout)}, loading under "
+            f"{_fmt_layout(layout)} (RNG streams belong to ranks); the run continues with fresh seeds",
+            stacklevel=3,
+        )
+    return payload["extra"]
 
 
 def _fmt_layout(layout: Mapping[str, int]) -> str:

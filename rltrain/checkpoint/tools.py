@@ -468,8 +468,18 @@ def _run_model_paths(step_dir: Path) -> tuple[Path | None, Path | None, str]:
             source = str(out_dir / "config.yaml")
     if model is None and (out_dir / "plan.json").is_file():
         plan, _ = _read_json(out_dir / "plan.json")
-        if isinstance(plan, dict) and isinstance(plan.get("config"), dict):
+        if isinstance(plan, dict) and isinstance(plan.get("config"), dict):  # a plan.json of before 2026-12
             model = plan["config"].get("model")
+            source = str(out_dir / "plan.json")
+        elif (
+            isinstance(plan, dict)
+            and isinstance(plan.get("tokenizer"), dict)
+            and isinstance(plan.get("models"), list)
+        ):
+            policy = next(
+                (m for m in plan["models"] if isinstance(m, dict) and m.get("name") == "policy"), {}
+            )
+            model = {"path": policy.get("weights"), "tokenizer_path": plan["tokenizer"].get("path")}
             source = str(out_dir / "plan.json")
     if not isinstance(model, dict):
         return None, None, ""
@@ -484,8 +494,7 @@ def _cpu_world() -> Any:
     import torch
     from megatron.core import parallel_state
 
-    from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import destroy_parallel, free_port, init_parallel
+    from rltrain.megatron.parallel import GroupSizes, destroy_parallel, free_port, init_parallel
 
     if torch.distributed.is_initialized():
         layout_ok = (
@@ -498,9 +507,7 @@ def _cpu_world() -> Any:
             raise CheckpointError("export-hf runs in a process of its own (a torch.distributed world of one)")
         yield
         return
-    init_parallel(
-        MegatronConfig(), "cpu", rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port()
-    )
+    init_parallel(GroupSizes(), "cpu", rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
     try:
         yield
     finally:
@@ -714,7 +721,8 @@ def _export_dist(
         warnings.simplefilter("ignore")
         import dacite
 
-        from rlconf.config import MegatronConfig, ModelArch, ModelConfig
+        from rlconf.arch import ModelArch
+        from rlconf.plan.engine import export_engine
         from rltrain.checkpoint import load_engine
         from rltrain.device import device_context
         from rltrain.megatron.engine import MegatronEngine
@@ -726,13 +734,9 @@ def _export_dist(
             raise CheckpointError(
                 f"{role_dir / META}: its arch cannot be read ({exc}); export another checkpoint"
             ) from exc
-        # sdpa: megatron's local layer spec, the parameter names every CPU and non-TE run saves.
-        model_cfg = ModelConfig(
-            path=None, arch=arch, params_dtype=meta["params_dtype"], attention_backend="sdpa"
-        )
         with _cpu_world():
             # No optimizer: parameters only (a frozen engine has no DDP buffers either).
-            engine = MegatronEngine(model_cfg, MegatronConfig(), None, "cpu", total_steps=1, arch=arch)
+            engine = MegatronEngine.from_spec(export_engine(arch, meta["params_dtype"]))
             load_engine(engine, role_dir, ("model",), role=role)
             with device_context("cpu"):
                 export_hf_weights(engine.chunks, arch, out, base_config=base)
@@ -755,8 +759,9 @@ def _export_lora(
         warnings.simplefilter("ignore")
         import dacite
 
-        from rlconf.config import MegatronConfig, ModelArch, ModelConfig
+        from rlconf.arch import ModelArch
         from rlconf.lora import LoraPlan
+        from rlconf.plan.engine import export_engine
         from rltrain.checkpoint import load_engine
         from rltrain.device import device_context
         from rltrain.megatron.engine import MegatronEngine
@@ -776,14 +781,9 @@ def _export_lora(
                 f"{role_dir} holds the LoRA adapters only; their base model (model.path {model_dir}) is gone: "
                 "restore that folder to export"
             )
-        model_cfg = ModelConfig(
-            path=str(model_dir) if adapters_only else None, arch=arch, params_dtype=meta["params_dtype"],
-            attention_backend="sdpa",
-        )  # fmt: skip
+        weights = str(model_dir) if adapters_only else None
         with _cpu_world():
-            engine = MegatronEngine(
-                model_cfg, MegatronConfig(), None, "cpu", total_steps=1, arch=arch, lora=lora
-            )
+            engine = MegatronEngine.from_spec(export_engine(arch, meta["params_dtype"], weights, lora))
             load_engine(engine, role_dir, ("model",), role=role)
             with device_context("cpu"):
                 if merge:

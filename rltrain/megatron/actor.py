@@ -1,7 +1,7 @@
 """The policy on megatron-core: log-probs, PPO/GRPO updates and a simple sampler on the actor's own weights.
 
 `MegatronActor` is built from the plan (`from_plan`: the role's model, layout, batch schedule and lr table;
-tests and benchmarks may pass config sections, compiled into a plan first) and works on one
+tests and benchmarks compile a small plan first, `rlconf.plan.small_plan`) and works on one
 data-parallel rank's share of a batch (layout: rltrain/megatron/engine.py). Every method runs through
 megatron's pipeline schedules (`get_forward_backward_func`), so TP, PP and virtual PP behave alike, and
 returns its results on every rank. The losses come from rltrain.algorithms (one tested definition shared
@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
 from rlconf.seeding import GENERATE, derive_seed
 from rltrain import algorithms
 from rltrain.megatron import context_parallel as cp
-from rltrain.megatron.engine import MegatronEngine, MicroBatch, sections_plan
+from rltrain.megatron.engine import MegatronEngine, MicroBatch
 from rltrain.megatron.inference import sample_tokens
 from rltrain.megatron.logprob import token_log_probs_and_entropy
 from rltrain.megatron.lora import generation_weights
@@ -45,45 +44,26 @@ def _loss_plan(plan: TrainerPlan) -> LossPlan:
 class MegatronActor(TrainedEngine):
     """Policy (or reference policy when `optim` is None) on this rank."""
 
-    def __init__(
-        self,
-        model_cfg: ModelConfig,
-        actor_cfg: ActorConfig,
-        device: str,
-        total_steps: int = 1,
-        rollout_n: int = 1,
-        megatron_cfg: MegatronConfig | None = None,
-        optim: Optim | None = None,
-        trainable: bool = True,
-        arch: ModelArch | None = None,
-        init_from: MegatronEngine | None = None,
-    ) -> None:
-        """Convenience for tests and benchmarks: the actor of a plan compiled from these sections
-        (`sections_plan`: one mini-batch of `actor_cfg.ppo_mini_batch_size` x `rollout_n` rows per step,
-        `total_steps` steps); `megatron_cfg` / `optim` replace the actor's own. Runs use `from_plan`."""
-        if megatron_cfg is not None:
-            actor_cfg = replace(actor_cfg, megatron=megatron_cfg)
-        if optim is not None:
-            actor_cfg = replace(actor_cfg, optim=optim)
-        plan = sections_plan(model_cfg, device, total_steps, arch=arch, actor=actor_cfg, rollout_n=rollout_n)
-        spec = plan.engine("actor")
-        self._build_actor(spec if trainable else spec.frozen("ref"), plan.config.actor, init_from)
-        self.loss = _loss_plan(plan)
-
     @classmethod
     def from_plan(
-        cls, plan: TrainerPlan, role: str = "actor", init_from: MegatronEngine | None = None
+        cls,
+        plan: TrainerPlan,
+        role: str = "actor",
+        init_from: MegatronEngine | None = None,
+        frozen: bool = False,
     ) -> MegatronActor:
-        """The actor (role "actor") or the frozen reference policy (role "ref") of a compiled plan. The loss
-        settings the plan does not derive come from its effective config (`plan.config.actor`)."""
+        """The actor (role "actor") or the frozen reference policy (role "ref") of a compiled plan; `frozen`:
+        the actor's engine without optimizer (a reference policy on the actor's layout). Its loss settings are
+        the plan's LossPlan; router replay is the rollout plan's."""
+        spec = plan.engine(role)
         actor = cls.__new__(cls)
-        actor._build_actor(plan.engine(role), plan.config.actor, init_from)
+        actor._build_actor(spec.frozen("ref") if frozen else spec, plan.rollout.router_replay, init_from)
         actor.loss = _loss_plan(plan)
         return actor
 
-    def _build_actor(self, spec: EnginePlan, loss_cfg: ActorConfig, init_from: MegatronEngine | None) -> None:
-        # Loss settings only (clip ratios, loss mode, KL, entropy, shuffle): sizes come from `spec`.
-        self.cfg = loss_cfg
+    def _build_actor(self, spec: EnginePlan, router_replay: bool, init_from: MegatronEngine | None) -> None:
+        # Sizes come from `spec`; the loss settings are set by the caller (`self.loss`, the plan's LossPlan).
+        self.router_replay = router_replay
         self._build(spec, init_from)
         self.vocab_size = self.arch.vocab_size
         self._sample_calls = 0
@@ -91,24 +71,16 @@ class MegatronActor(TrainedEngine):
         # budget (rltrain.megatron.logprob.DEFAULT_CHUNK_ELEMENTS / (V / tp)).
         self.logprob_chunk_tokens: int | None = None
 
-    def use_batch_settings(self, actor_cfg: ActorConfig, rollout_n: int = 1) -> None:
+    def use_batch_settings(self, plan: TrainerPlan) -> None:
         """Benchmarks that vary batching on one engine: later calls use the batch schedule and forward
-        sizes of a plan compiled from `actor_cfg` (`sections_plan`) and its loss settings; the weights,
-        optimizer and lr table stay."""
-        plan = sections_plan(
-            replace(self.spec.settings, arch=self.arch, path=None), self.device, actor=actor_cfg,
-            rollout_n=rollout_n,
-        )  # fmt: skip
+        sizes of `plan`'s actor (a plan compiled for other batch settings, `rlconf.plan.small_plan`) and its
+        loss settings; the weights, optimizer and lr table stay."""
         planned = plan.engine("actor")
-        self.cfg = actor_cfg
+        self.router_replay = plan.rollout.router_replay
         self.loss = _loss_plan(plan)
-        self.spec = replace(
-            self.spec,
-            batch=planned.batch,
-            forward_micro_batch_size=planned.forward_micro_batch_size,
-            forward_use_dynamic_bsz=planned.forward_use_dynamic_bsz,
-            forward_max_token_len=planned.forward_max_token_len,
-        )
+        forward = ("forward_micro_batch_size", "forward_use_dynamic_bsz", "forward_max_token_len")
+        settings = replace(self.spec.settings, **{k: getattr(planned.settings, k) for k in forward})
+        self.spec = replace(self.spec, batch=planned.batch, settings=settings)
 
     # --------------------------------------------------------------------------------- log-probs
     def _token_log_probs(
@@ -296,7 +268,7 @@ class MegatronActor(TrainedEngine):
         """With `actor.router_replay`, the policy's forward passes over `mbs` route each token to the experts
         the rollout recorded (rltrain/megatron/moe_replay.py); the reference model routes on its own (its
         weights are not the ones that generated)."""
-        if not (self.trainable and self.cfg.router_replay):
+        if not (self.trainable and self.router_replay):
             return contextlib.nullcontext()
         from rltrain.megatron.moe_replay import replay_routing
 

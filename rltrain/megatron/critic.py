@@ -8,14 +8,12 @@ verl. Losses come from rltrain.algorithms.compute_value_loss.
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
 
-from rlconf.config import CriticConfig, ModelArch, ModelConfig
 from rltrain import algorithms
-from rltrain.megatron.engine import MicroBatch, sections_plan
+from rltrain.megatron.engine import MicroBatch
 from rltrain.megatron.update import LossFn, TrainedEngine
 
 if TYPE_CHECKING:
@@ -25,24 +23,6 @@ if TYPE_CHECKING:
 
 class MegatronCritic(TrainedEngine):
     """Value model on this rank (`critic.model_path` or the actor's model, with a fresh value head)."""
-
-    def __init__(
-        self,
-        model_cfg: ModelConfig,
-        critic_cfg: CriticConfig,
-        device: str,
-        total_steps: int = 1,
-        rollout_n: int = 1,
-        loss_agg_mode: str = "token-mean",
-        arch: ModelArch | None = None,
-    ) -> None:
-        """Convenience for tests and benchmarks: the critic of a plan compiled from these sections
-        (`sections_plan`: one mini-batch of `critic_cfg.ppo_mini_batch_size` x `rollout_n` rows per step,
-        `total_steps` steps). Runs use `from_plan`."""
-        plan = sections_plan(
-            model_cfg, device, total_steps, arch=arch, critic=critic_cfg, rollout_n=rollout_n
-        )
-        self._build_critic(plan.engine("critic"), replace(plan.algorithm.loss, loss_agg_mode=loss_agg_mode))
 
     @classmethod
     def from_plan(cls, plan: TrainerPlan, role: str = "critic", init_from: None = None) -> MegatronCritic:

@@ -1,9 +1,9 @@
 """Shared machinery of the megatron roles (actor, ref, critic, reward model), built from the plan alone
 (`MegatronEngine.from_plan`: the role's `rlconf.plan.EnginePlan` gives the architecture, the weights folder,
-the layout, the batch schedule and the lr table; config sections are compiled into a plan first,
-`sections_plan`): model + optimizer ownership, batch layout, micro-batching (fixed or token-budget),
-DP-correct loss weights, running megatron's forward/backward schedules on this rank's data, and moving the
-role's state to host memory while other roles run.
+the layout, the engine settings, the batch schedule and the lr table; engines outside a run compile a small
+plan first, `rlconf.plan.small_plan`): model + optimizer ownership, batch layout, micro-batching (fixed or
+token-budget), DP-correct loss weights, running megatron's forward/backward schedules on this rank's data,
+and moving the role's state to host memory while other roles run.
 
 Batch layout (a dict of tensors, one data-parallel rank's share; every TP/PP rank of the same DP rank gets
 the same batch): `input_ids`, `attention_mask`, `position_ids` [B, S] hold prompt + response;
@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,7 +32,6 @@ from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
-from rlconf.config import ActorConfig, CriticConfig, MegatronConfig, ModelArch, ModelConfig, Optim
 from rlconf.seeding import DROPOUT, SHUFFLE, derive_seed
 from rltrain.device import device_context, torch_device
 from rltrain.megatron import context_parallel as cp
@@ -42,7 +41,6 @@ from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, 
 from rltrain.megatron.parallel import init_parallel, seed_parallel_rng
 
 if TYPE_CHECKING:
-    from rlconf.lora import LoraPlan
     from rlconf.plan import EnginePlan, TrainerPlan
 
 OFFLOAD_GROUPS = ("params", "grads", "optimizer")
@@ -128,92 +126,6 @@ def split_by_tokens(lengths: list[int], max_tokens: int) -> list[list[int]]:
     return batches
 
 
-def sections_plan(
-    model_cfg: ModelConfig,
-    device: str,
-    total_steps: int = 1,
-    megatron_cfg: MegatronConfig | None = None,
-    optim: Optim | None = None,
-    arch: ModelArch | None = None,
-    actor: ActorConfig | None = None,
-    critic: CriticConfig | bool = False,
-    rollout_n: int = 1,
-) -> TrainerPlan:
-    """A plan compiled from config sections, for engines built outside a run (tests, benchmarks, tools).
-
-    One training step of one mini-batch (data.train_batch_size = the trained role's ppo_mini_batch_size)
-    over `total_steps` steps, on as many devices as torch.distributed has ranks; `megatron_cfg` / `optim`
-    replace the role's own sections, `arch` replaces the model's (weights still load from model_cfg.path);
-    `critic` (a section, or True for the defaults) plans the value model on the same devices. Raises
-    rlconf.errors.ConfigError like any plan.
-    """
-    from rlconf.config import (
-        AlgorithmConfig,
-        ClusterConfig,
-        DataConfig,
-        RLConfig,
-        RolloutConfig,
-        TrainerConfig,
-    )
-    from rlconf.plan.assemble import plan_of_sections
-
-    actor = actor if actor is not None else ActorConfig()
-    critic_cfg = None
-    if critic is not False:
-        critic_cfg = critic if isinstance(critic, CriticConfig) else CriticConfig()
-        critic_cfg = replace(critic_cfg, enable=True)
-        if megatron_cfg is not None:
-            critic_cfg = replace(critic_cfg, megatron=megatron_cfg)
-        if optim is not None:
-            critic_cfg = replace(critic_cfg, optim=optim)
-    else:
-        if megatron_cfg is not None:
-            actor = replace(actor, megatron=megatron_cfg)
-        if optim is not None:
-            actor = replace(actor, optim=optim)
-    mini = critic_cfg.ppo_mini_batch_size if critic_cfg is not None else actor.ppo_mini_batch_size
-    # The policy's batch must plan too when only the critic is wanted: give it the same mini-batch.
-    actor = replace(actor, ppo_mini_batch_size=mini)
-    weights = model_cfg.path
-    if arch is not None:
-        model_cfg = replace(model_cfg, arch=arch, path=None)
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    config = RLConfig(
-        model=model_cfg,
-        data=DataConfig(train_batch_size=mini),
-        actor=actor,
-        critic=critic_cfg if critic_cfg is not None else CriticConfig(),
-        rollout=RolloutConfig(n=rollout_n),
-        # An estimator the sections make valid (rlconf.validate runs as the plan compiles): grpo needs groups
-        # of >= 2 responses, gae a critic. The engines read no estimator.
-        algorithm=AlgorithmConfig(adv_estimator="gae" if critic_cfg is not None else "reinforce_plus_plus"),
-        trainer=TrainerConfig(total_steps=max(int(total_steps), 1)),
-        cluster=ClusterConfig(device=device, gpus_per_node=world),
-    )
-    plan = plan_of_sections(config)
-    if arch is not None and weights is not None:
-        models = tuple(replace(m, weights=weights) for m in plan.models)
-        plan = replace(plan, models=models)
-    return plan
-
-
-def _check_world_matches_layout(spec: EnginePlan) -> None:
-    """The process groups must be the layout the plan decided; a mismatch is a plan the workers cannot run."""
-    lay = spec.layout
-    actual = {
-        "tp": parallel_state.get_tensor_model_parallel_world_size(),
-        "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-        "cp": parallel_state.get_context_parallel_world_size(),
-        "dp": parallel_state.get_data_parallel_world_size(),
-    }
-    planned = {"tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "dp": lay.dp}
-    if actual != planned:
-        raise RuntimeError(
-            f"{spec.role}: the process groups are {actual} but the plan's layout is {planned}; "
-            "initialise megatron's parallel state from this role's plan (rltrain.megatron.parallel.init_parallel)"
-        )
-
-
 def _split_for_interleaving(index_sets: list[torch.Tensor], pp: int) -> list[torch.Tensor]:
     """Micro-batch row sets for megatron's interleaved (virtual pipeline) schedule, which runs micro-batches
     in groups of pp per virtual stage and refuses a count that is not a multiple of pp: the largest sets
@@ -241,55 +153,34 @@ class MegatronEngine:
     checkpoint manager, HF export) never sees a released storage.
     """
 
-    def __init__(
-        self,
-        model_cfg: ModelConfig,
-        megatron_cfg: MegatronConfig,
-        optim: Optim | None,
-        device: str,
-        total_steps: int,
-        value_head: bool = False,
-        arch: ModelArch | None = None,
-        init_from: MegatronEngine | None = None,
-        lora: LoraPlan | None = None,
-    ) -> None:
-        """Convenience for tools, tests and benchmarks: the engine of a one-role plan compiled from these
-        sections (`sections_plan`), with `lora`'s adapters when given (export of a LoRA checkpoint). Runs
-        build engines with `from_plan` from the run's own plan."""
-        plan = sections_plan(
-            model_cfg, device, total_steps, megatron_cfg=megatron_cfg, optim=optim, arch=arch,
-            critic=value_head,
-        )  # fmt: skip
-        spec = plan.engine("critic" if value_head else "actor")
-        if lora is not None:
-            spec = replace(spec, lora=lora)
-        self._build(spec if optim is not None else spec.frozen(spec.role), init_from)
-
     @classmethod
     def from_plan(
         cls, plan: TrainerPlan, role: str, init_from: MegatronEngine | None = None
     ) -> MegatronEngine:
         """The engine of one role of a compiled plan (`TrainerPlan.engine(role)`)."""
+        return cls.from_spec(plan.engine(role), init_from)
+
+    @classmethod
+    def from_spec(cls, spec: EnginePlan, init_from: MegatronEngine | None = None) -> MegatronEngine:
+        """The engine of one role's `EnginePlan` (a compiled plan's `engine(role)`, possibly `frozen`)."""
         engine = cls.__new__(cls)
-        engine._build(plan.engine(role), init_from)
+        engine._build(spec, init_from)
         return engine
 
     def _build(self, spec: EnginePlan, init_from: MegatronEngine | None) -> None:
         """Build everything from the plan: TransformerConfig and GPTModel chunks from the role's ModelSpec
-        and layout, DDP and the optimizer from its megatron section and OptimPlan, the lr of each training
+        and layout, DDP and the optimizer from its EngineSettings and OptimPlan, the lr of each training
         step from the OptimPlan's table, batch iteration from its BatchPlan."""
         self.spec = spec
-        self.megatron_cfg = spec.megatron
         # The base of this engine's per-step dropout and shuffle streams (rlconf.seeding; the plan resolved it).
-        self.seed = spec.megatron.seed
+        self.seed = spec.settings.seed
         self.device = spec.device
         if not parallel_state.model_parallel_is_initialized():
-            init_parallel(spec.megatron, spec.device)
+            init_parallel(spec.layout, spec.device, seed=spec.settings.seed)
         self.torch_device = _device_of(spec.device)
         self.arch = spec.model.arch
-        self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
-        self.dp_size = parallel_state.get_data_parallel_world_size()
-        _check_world_matches_layout(spec)
+        self.tp_size = spec.layout.tp
+        self.dp_size = spec.layout.dp
         self.trainable = spec.trainable
         # LoRA (actor.lora): base weights frozen, adapters trained; None: full fine-tuning.
         self.lora = spec.lora
@@ -298,14 +189,14 @@ class MegatronEngine:
         with self._ctx():
             # A frozen engine needs no DDP: megatron's DDP allocates a gradient buffer as large as the model.
             self._chunks = mmodel.build_model_chunks(
-                self.arch, spec.settings, spec.megatron, spec.device, value_head=value_head,
+                self.arch, spec.layout, spec.settings, spec.device, value_head=value_head,
                 wrap_ddp=self.trainable, fused=spec.fused_kernels, lora=spec.lora,
             )  # fmt: skip
             # Weights go in before the optimizer is built: it copies fp32 main params from them.
             if init_from is not None:
                 self.copy_weights_from(init_from)
             elif spec.model.weights is not None:
-                load_hf_weights(self._chunks, spec.model.weights, value_head=value_head,
+                load_hf_weights(self._chunks, spec.model.weights, self.arch, value_head=value_head,
                                 config_path=_WEIGHTS_SETTING.get(spec.model.name, "model.path"))  # fmt: skip
             if spec.lora is not None and spec.lora.adapter_path is not None and init_from is None:
                 from rltrain.megatron.peft_io import load_peft_adapter
@@ -318,7 +209,7 @@ class MegatronEngine:
             self.lr_scheduler = None
             if spec.optim is not None:
                 self._optimizer = mmodel.build_optimizer(
-                    self._chunks, spec.optim, spec.settings.params_dtype, spec.megatron
+                    self._chunks, spec.optim, spec.settings.transformer.params_dtype, spec.settings.ddp
                 )
                 self.lr_scheduler = mmodel.PlanLrSchedule(self._optimizer, spec.optim)
         self.config = mmodel.unwrap(self._chunks[0]).config
@@ -329,9 +220,9 @@ class MegatronEngine:
         if self._optimizer is not None:
             self.config.grad_scale_func = self._optimizer.scale_loss
         # Sequence parallel splits the sequence over TP ranks: lengths must divide evenly.
-        self.seq_multiple = self.tp_size if self.config.sequence_parallel else 1
+        self.seq_multiple = self.tp_size if spec.layout.sequence_parallel else 1
         # Context parallel cuts each sequence into 2 x CP equal chunks (rltrain/megatron/context_parallel.py).
-        self.cp_size = cp.cp_world_size()
+        self.cp_size = spec.layout.cp
         if self.cp_size > 1:
             self.seq_multiple *= 2 * self.cp_size
 
@@ -453,7 +344,8 @@ class MegatronEngine:
             `offload_for_other_roles()`;
           * ref, after `compute_log_prob`: `offload_for_other_roles()` (parameters only: it has nothing else);
           * critic, after `update_critic` and after `compute_values`: `offload_for_other_roles()`.
-        Everything `MegatronConfig.{param,grad,optimizer}_offload` leaves off stays on the device.
+        Everything the plan's `OffloadSettings` (megatron.{param,grad,optimizer}_offload) leaves off stays on
+        the device.
         """
         wanted = [g for g, on in zip(OFFLOAD_GROUPS, (params, grads, optimizer), strict=True) if on]
         # Gather every group's tensors before releasing anything: the optimizer group excludes storages
@@ -467,14 +359,14 @@ class MegatronEngine:
         return {g: self._offloader.reload(g) for g in wanted if self._offloader.is_offloaded(g)}
 
     def offload_for_other_roles(self, keep_params: bool = False) -> dict[str, int]:
-        """Offload what this role's `MegatronConfig` asks for (param_offload, grad_offload,
+        """Offload what this role's plan asks for (`OffloadSettings`: param_offload, grad_offload,
         optimizer_offload); `keep_params` keeps the weights on the device whatever param_offload says (the
         actor between its update and the rollout that runs on its weights). See `offload` for call points."""
-        cfg = self.megatron_cfg
+        wanted = self.spec.settings.offload
         return self.offload(
-            params=cfg.param_offload and not keep_params,
-            grads=cfg.grad_offload,
-            optimizer=cfg.optimizer_offload,
+            params=wanted.params and not keep_params,
+            grads=wanted.grads,
+            optimizer=wanted.optimizer,
         )
 
     @property

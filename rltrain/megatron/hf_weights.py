@@ -1,8 +1,8 @@
 """Hugging Face <-> megatron-core weights for the families of rlconf.model_spec (llama, mistral, qwen2, qwen3
 and the mixtures of experts qwen2_moe, qwen3_moe, mixtral).
 
-Import: read config.json into a `ModelArch` (rlconf.model_spec, the one reader the plan uses too), read
-safetensors, and fill this rank's megatron parameters
+Import: with the `ModelArch` the plan read from config.json (ModelSpec.arch; rlconf.model_spec is the one
+reader), read safetensors, and fill this rank's megatron parameters
 (its TP shard of its PP stage's layers): q/k/v fused into `linear_qkv` in megatron's per-query-group
 layout ([q heads of group g, k_g, v_g] for each g), gate/up fused into `linear_fc1` per TP shard
 ([gate_r; up_r] on rank r), vocabulary rows padded with zeros (they are masked in log-probs).
@@ -36,7 +36,7 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from rlconf.config import ModelArch
+from rlconf.arch import ModelArch
 from rlconf.errors import ConfigError, error
 from rlconf.model_files import weights_issues
 from rlconf.model_spec import hf_config, read_model_arch
@@ -163,7 +163,7 @@ class _HFReader:
             return f.get_tensor(name)
 
 
-def _hf_full_tensor(
+def hf_full_tensor(
     name: str, reader: _HFReader, arch: ModelArch, tp: int, vocab_rows: int, etp: int | None = None
 ) -> torch.Tensor:
     """The full (all TP ranks) megatron tensor `name` (global layer and expert numbering) from HF tensors;
@@ -233,7 +233,7 @@ def is_expert_param(param: torch.Tensor) -> bool:
     return not getattr(param, "allreduce", True)
 
 
-def _global_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
+def global_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
     """(name with global layer and expert numbers, parameter) of one GPTModel chunk."""
     offsets = {}
     if hasattr(module, "decoder"):
@@ -258,7 +258,7 @@ def _global_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Para
         yield name, param
 
 
-def _shard(full: torch.Tensor, param: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+def tp_shard(full: torch.Tensor, param: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     """This rank's part of `full`; `tp` / `rank` are the expert-TP group's for a routed expert's weight."""
     if getattr(param, "tensor_model_parallel", False) and tp > 1:
         return full.chunk(tp, dim=param.partition_dim)[rank]
@@ -276,14 +276,15 @@ def _expert_tp() -> tuple[int, int]:
 def load_hf_weights(
     chunks: Sequence[torch.nn.Module],
     path: str | os.PathLike,
+    arch: ModelArch,
     value_head: bool = False,
     config_path: str = "model.path",
 ) -> None:
-    """Copy an HF checkpoint into this rank's model chunks (DDP-wrapped or bare). A critic's value head
-    keeps its fresh init (an HF causal LM has none). `config_path` is the setting errors name (a file name
-    in the folder that points outside it)."""
+    """Copy an HF checkpoint into this rank's model chunks (DDP-wrapped or bare). `arch` is the architecture
+    the plan read from the folder's config.json (ModelSpec.arch; the folder's config.json is not read
+    again). A critic's value head keeps its fresh init (an HF causal LM has none). `config_path` is the
+    setting errors name (a file name in the folder that points outside it)."""
     reader = _HFReader(path, config_path)  # refuses index entries outside the folder before anything opens
-    arch = arch_from_hf(path)
     check_hf_folder(path, arch, value_head=value_head)  # a named error, not a KeyError mid-load
     tp = parallel_state.get_tensor_model_parallel_world_size()
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -291,14 +292,14 @@ def load_hf_weights(
     for chunk in chunks:
         module = unwrap(chunk)
         vocab_rows = module.vocab_size
-        for name, param in _global_params(module):
+        for name, param in global_params(module):
             if value_head and name.startswith("output_layer."):
                 continue
-            full = _hf_full_tensor(name, reader, arch, tp, vocab_rows, etp)
+            full = hf_full_tensor(name, reader, arch, tp, vocab_rows, etp)
             if is_expert_param(param):
-                local = _shard(full, param, etp, etp_rank)
+                local = tp_shard(full, param, etp, etp_rank)
             else:
-                local = _shard(full, param, tp, rank)
+                local = tp_shard(full, param, tp, rank)
             if local.shape != param.shape:
                 raise ValueError(
                     f"{name}: HF gives {tuple(local.shape)}, megatron expects {tuple(param.shape)}"
@@ -347,7 +348,7 @@ def _gather_experts(name: str, full: torch.Tensor, num_experts: int) -> list[tup
     return out
 
 
-def _to_hf(
+def to_hf(
     name: str, full: torch.Tensor, arch: ModelArch, tp: int, etp: int | None = None
 ) -> dict[str, torch.Tensor]:
     if name == "embedding.word_embeddings.weight":
@@ -410,7 +411,7 @@ def export_hf_weights(
     dtype = torch.float32
     for chunk in chunks:
         module = unwrap(chunk)
-        for name, param in _global_params(module):
+        for name, param in global_params(module):
             full = _gather_tp(param)  # collective over TP: every TP rank takes part
             dtype = param.dtype
             if name == "output_layer.weight" and arch.share_embeddings_and_output_weights:
@@ -419,9 +420,9 @@ def export_hf_weights(
                 assert arch.num_moe_experts is not None
                 # collective over EP: every EP rank takes part
                 for expert_name, expert in _gather_experts(name, full, arch.num_moe_experts):
-                    tensors.update(_to_hf(expert_name, expert, arch, tp, etp))
+                    tensors.update(to_hf(expert_name, expert, arch, tp, etp))
                 continue
-            tensors.update(_to_hf(name, full, arch, tp))
+            tensors.update(to_hf(name, full, arch, tp))
     out = Path(out_dir)
     fname = "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if writer:

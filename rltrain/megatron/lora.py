@@ -45,7 +45,7 @@ from megatron.core.tensor_parallel.layers import (
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-from rlconf.config import ModelArch
+from rlconf.arch import ModelArch
 from rlconf.lora import COLUMN_PARALLEL, MEGATRON_PARENT, LoraModule, LoraPlan, part_dims
 
 ADAPTER_KEYS = (".lora_A.", ".lora_B.")

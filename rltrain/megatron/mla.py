@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from rlconf.config import ModelArch
+from rlconf.arch import ModelArch
 from rltrain.megatron.model import SdpaAttention
 
 

@@ -34,10 +34,10 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from rlconf.config import MegatronConfig, ModelArch, ModelConfig
+from rlconf.arch import ModelArch
 from rlconf.lora import LoraPlan
 from rlconf.model_spec import is_moe_layer
-from rlconf.plan import LrRow, OptimPlan
+from rlconf.plan import DdpSettings, EngineSettings, LrRow, OptimPlan, RoleLayout
 from rltrain import device as devices
 from rltrain.megatron import context_parallel as cp
 
@@ -328,9 +328,11 @@ def check_fused_kernels(device: str, dtype: torch.dtype) -> None:
 
 
 def transformer_config(
-    arch: ModelArch, model_cfg: ModelConfig, mcfg: MegatronConfig, device: str, fused: bool = False
+    arch: ModelArch, layout: RoleLayout, settings: EngineSettings, device: str, fused: bool = False
 ) -> TransformerConfig:
-    """megatron TransformerConfig for a Qwen2/Llama-style decoder and one role's parallel layout.
+    """megatron TransformerConfig for a Qwen2/Llama-style decoder and one role's parallel layout, from the
+    role's plan alone: the architecture, the layout (parallel sizes, sequence parallel) and the resolved
+    engine settings.
 
     `fused` (the plan's `EnginePlan.fused_kernels`) turns on two of megatron's fusions, served by
     torch.compile'd functions: SwiGLU (megatron.core.jit's, whose backward keeps only the fc1 output; one
@@ -338,19 +340,19 @@ def transformer_config(
     docs/benchmarks.md) and RoPE (`use_compiled_rope`; ~11 small kernels per query and key per layer)."""
     if fused:
         use_compiled_rope()
-    dtype = _DTYPES[model_cfg.params_dtype]
-    tp = mcfg.tensor_model_parallel_size
-    ov = mcfg.override_transformer_config
+    ts = settings.transformer
+    dtype = _DTYPES[ts.params_dtype]
+    rc = ts.recompute
     recompute: dict[str, Any] = {}
-    if ov.recompute_granularity is not None:
-        recompute["recompute_granularity"] = ov.recompute_granularity
-        if ov.recompute_granularity == "full":
-            recompute["recompute_method"] = ov.recompute_method or "uniform"
-            recompute["recompute_num_layers"] = ov.recompute_num_layers or 1
+    if rc.granularity is not None:
+        recompute["recompute_granularity"] = rc.granularity
+        if rc.granularity == "full":
+            recompute["recompute_method"] = rc.method
+            recompute["recompute_num_layers"] = rc.num_layers
         else:
-            recompute["recompute_modules"] = list(ov.recompute_modules)
+            recompute["recompute_modules"] = list(rc.modules)
     return TransformerConfig(
-        **moe_config(arch, mcfg),
+        **moe_config(arch, settings),
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
@@ -364,9 +366,9 @@ def transformer_config(
         add_bias_linear=False,
         add_qkv_bias=arch.add_qkv_bias,
         qk_layernorm=arch.qk_layernorm,
-        attention_dropout=ov.attention_dropout,
-        hidden_dropout=ov.hidden_dropout,
-        init_method_std=model_cfg.init_method_std,
+        attention_dropout=ts.attention_dropout,
+        hidden_dropout=ts.hidden_dropout,
+        init_method_std=ts.init_method_std,
         # The other fusions need apex / TE kernels; the unfused paths are the portable ones.
         bias_activation_fusion=fused,
         bias_dropout_fusion=False,
@@ -379,18 +381,18 @@ def transformer_config(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         use_cpu_initialization=not devices.is_accelerator(device),
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=mcfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=mcfg.virtual_pipeline_model_parallel_size,
-        num_layers_in_first_pipeline_stage=mcfg.num_layers_in_first_pipeline_stage,
-        num_layers_in_last_pipeline_stage=mcfg.num_layers_in_last_pipeline_stage,
-        account_for_embedding_in_pipeline_split=mcfg.account_for_embedding_in_pipeline_split,
-        account_for_loss_in_pipeline_split=mcfg.account_for_loss_in_pipeline_split,
-        context_parallel_size=mcfg.context_parallel_size,
-        expert_model_parallel_size=mcfg.expert_model_parallel_size,
-        expert_tensor_parallel_size=mcfg.expert_tensor_parallel_size,
-        # megatron rejects sequence parallel at TP=1; the config doc says we switch it off there.
-        sequence_parallel=mcfg.sequence_parallel and tp > 1,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        num_layers_in_first_pipeline_stage=ts.num_layers_in_first_pipeline_stage,
+        num_layers_in_last_pipeline_stage=ts.num_layers_in_last_pipeline_stage,
+        account_for_embedding_in_pipeline_split=ts.account_for_embedding_in_pipeline_split,
+        account_for_loss_in_pipeline_split=ts.account_for_loss_in_pipeline_split,
+        context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
+        # The plan's effective value: off at TP=1 (megatron rejects it there).
+        sequence_parallel=layout.sequence_parallel,
         # RL batches change length every step: let the pipeline exchange shapes per micro-batch.
         variable_seq_lengths=True,
         # gloo matches point-to-point messages between two ranks in posting order. megatron's batched p2p
@@ -419,7 +421,7 @@ def define_missing_te_names() -> None:
         moe_utils.te_general_gemm = None
 
 
-def moe_config(arch: ModelArch, mcfg: MegatronConfig) -> dict[str, Any]:
+def moe_config(arch: ModelArch, settings: EngineSettings) -> dict[str, Any]:
     """TransformerConfig's MoE fields for `arch` (none for a dense model).
 
     Routing as transformers computes it for these families: softmax over all experts, the top k, then
@@ -427,16 +429,15 @@ def moe_config(arch: ModelArch, mcfg: MegatronConfig) -> dict[str, Any]:
     exactly that with `moe_router_pre_softmax=False` (top k of the logits, softmax over the k: the same
     numbers as a softmax renormalised over the k) and, with `pre_softmax=True`, keeps the unnormalised
     probabilities. The load-balancing loss is megatron's `aux_loss` (switch-transformer form, as
-    transformers' load_balancing_loss_func) with config.json's router_aux_loss_coef unless
-    `override_transformer_config.moe_aux_loss_coeff` says otherwise; the z-loss is off unless set there.
+    transformers' load_balancing_loss_func) with the plan's coefficient (`MoeSettings.aux_loss_coeff`:
+    config.json's router_aux_loss_coef unless overridden); the z-loss is off unless set.
     The dispatcher is alltoall: megatron's allgather dispatcher refuses `variable_seq_lengths` (RL batches
     change length every step), and gloo runs the uneven all_to_all_single it needs (measured: rank 0 sends
     [2, 3] rows, rank 1 [4, 1], each receives its rows in order).
     """
-    if arch.num_moe_experts is None:
+    moe = settings.moe
+    if arch.num_moe_experts is None or moe is None:
         return {}
-    ov = mcfg.override_transformer_config
-    aux = arch.moe_aux_loss_coeff if ov.moe_aux_loss_coeff is None else ov.moe_aux_loss_coeff
     freq: int | list[int] = 1
     if arch.moe_dense_layers:
         # A list marks the layers non-homogeneous for dist checkpointing (sharded keys per layer type).
@@ -444,14 +445,14 @@ def moe_config(arch: ModelArch, mcfg: MegatronConfig) -> dict[str, Any]:
     return {
         "num_moe_experts": arch.num_moe_experts,
         "moe_router_topk": arch.moe_router_topk,
-        "moe_ffn_hidden_size": arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
+        "moe_ffn_hidden_size": moe.ffn_hidden_size,
         "moe_shared_expert_intermediate_size": arch.moe_shared_expert_intermediate_size,
         "moe_shared_expert_gate": arch.moe_shared_expert_gate,
         "moe_router_score_function": "softmax",
         "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
         "moe_router_load_balancing_type": "aux_loss",
-        "moe_aux_loss_coeff": aux,
-        "moe_z_loss_coeff": ov.moe_z_loss_coeff,
+        "moe_aux_loss_coeff": moe.aux_loss_coeff,
+        "moe_z_loss_coeff": moe.z_loss_coeff,
         "moe_layer_freq": freq,
         "moe_grouped_gemm": False,
         # No token is dropped: transformers' MoE blocks have no capacity limit either.
@@ -612,8 +613,8 @@ class ValueHead(torch.nn.Module):
 # ------------------------------------------------------------------------------------ model chunks
 def build_model_chunks(
     arch: ModelArch,
-    model_cfg: ModelConfig,
-    mcfg: MegatronConfig,
+    layout: RoleLayout,
+    settings: EngineSettings,
     device: str,
     value_head: bool = False,
     wrap_ddp: bool = True,
@@ -628,15 +629,16 @@ def build_model_chunks(
     """
     inv_freq = rope_inv_freq(arch)  # before building anything: refuses scalings it cannot compute
     if fused:
-        check_fused_kernels(device, _DTYPES[model_cfg.params_dtype])
+        check_fused_kernels(device, _DTYPES[settings.transformer.params_dtype])
     if arch.num_moe_experts is not None:
         define_missing_te_names()
-    config = transformer_config(arch, model_cfg, mcfg, device, fused)
-    if mcfg.context_parallel_size > 1:
+    config = transformer_config(arch, layout, settings, device, fused)
+    if layout.cp > 1:
         cp.use_portable_rope_split()
-    specs = layer_specs(model_cfg.attention_backend, arch, model_cfg.moe_grouped_gemm)
-    vpp = mcfg.virtual_pipeline_model_parallel_size
-    vocab = padded_vocab_size(arch.vocab_size, mcfg.tensor_model_parallel_size)
+    grouped = settings.transformer.moe_grouped_gemm
+    specs = layer_specs(settings.transformer.attention_backend, arch, grouped)
+    vpp = layout.vpp
+    vocab = layout.padded_vocab_size
     chunks: list[torch.nn.Module] = []
     for i in range(vpp or 1):
         vp_stage = i if vpp is not None else None
@@ -662,7 +664,7 @@ def build_model_chunks(
         elif post and not config.sequence_parallel:
             batch_first_logits(model.output_layer)
         mark_expert_params(model)
-        if model_cfg.moe_grouped_gemm:
+        if grouped:
             from rltrain.megatron.moe_decode import GroupedMoELayer, is_moe
 
             for layer in model.decoder.layers:
@@ -673,14 +675,14 @@ def build_model_chunks(
         if lora is not None:  # before Float16Module and DDP: the adapters are the only trainable parameters
             from rltrain.megatron.lora import adapt
 
-            adapt(model, lora, arch, mcfg.seed or 0)
+            adapt(model, lora, arch, settings.seed)
         if devices.is_accelerator(device):
             model.to(devices.torch_device(device))
         if config.bf16 or config.fp16:
             model = Float16Module(config, model)
         chunks.append(model)
     if wrap_ddp:
-        ddp_cfg = ddp_config(mcfg)
+        ddp_cfg = ddp_config(settings.ddp)
         chunks = [
             DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=m, disable_bucketing=i > 0)
             for i, m in enumerate(chunks)
@@ -725,16 +727,15 @@ def mark_expert_params(model: torch.nn.Module) -> None:
             param.allreduce = False
 
 
-def ddp_config(mcfg: MegatronConfig) -> DistributedDataParallelConfig:
-    """megatron DistributedDataParallelConfig from `override_ddp_config`."""
-    ov = mcfg.override_ddp_config
+def ddp_config(ddp: DdpSettings) -> DistributedDataParallelConfig:
+    """megatron DistributedDataParallelConfig from the plan's DDP settings."""
     return DistributedDataParallelConfig(
-        grad_reduce_in_fp32=ov.grad_reduce_in_fp32,
-        overlap_grad_reduce=ov.overlap_grad_reduce,
-        overlap_param_gather=ov.overlap_param_gather and mcfg.use_distributed_optimizer,
-        bucket_size=ov.bucket_size,
-        average_in_collective=ov.average_in_collective,
-        use_distributed_optimizer=mcfg.use_distributed_optimizer,
+        grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,
+        overlap_grad_reduce=ddp.overlap_grad_reduce,
+        overlap_param_gather=ddp.overlap_param_gather,
+        bucket_size=ddp.bucket_size,
+        average_in_collective=ddp.average_in_collective,
+        use_distributed_optimizer=ddp.use_distributed_optimizer,
     )
 
 
@@ -747,7 +748,7 @@ def unwrap(chunk: torch.nn.Module) -> GPTModel:
 
 # ------------------------------------------------------------------------------------ optimizer
 def build_optimizer(
-    chunks: Sequence[torch.nn.Module], optim: OptimPlan, params_dtype: str, mcfg: MegatronConfig
+    chunks: Sequence[torch.nn.Module], optim: OptimPlan, params_dtype: str, ddp: DdpSettings
 ) -> MegatronOptimizer:
     """megatron optimizer (AdamW or SGD, fp32 master weights for 16-bit params, global grad clip) with the
     plan's settings. `lr` / `min_lr` here only seed megatron's param groups: `PlanLrSchedule` sets each
@@ -765,8 +766,8 @@ def build_optimizer(
         bf16=dtype == torch.bfloat16,
         fp16=dtype == torch.float16,
         params_dtype=dtype,
-        use_distributed_optimizer=mcfg.use_distributed_optimizer,
-        overlap_param_gather=mcfg.override_ddp_config.overlap_param_gather and mcfg.use_distributed_optimizer,
+        use_distributed_optimizer=ddp.use_distributed_optimizer,
+        overlap_param_gather=ddp.overlap_param_gather,
     )
     optimizer = get_megatron_optimizer(cfg, list(chunks))
     use_fused_torch_adam(optimizer)

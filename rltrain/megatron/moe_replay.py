@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 
-from rlconf.config import ModelArch
+from rlconf.arch import ModelArch
 from rlconf.model_spec import is_moe_layer
 from rltrain.megatron import context_parallel as cp
 

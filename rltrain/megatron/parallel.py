@@ -1,6 +1,7 @@
 """Process-group setup for the megatron engine: torch.distributed + megatron-core parallel_state.
 
-One entry point per process: `init_parallel(megatron_cfg, device)` initialises torch.distributed (the
+One entry point per process: `init_parallel(sizes, device, seed)` (sizes: the role's plan `RoleLayout`, or
+`GroupSizes` for an engine-less process) initialises torch.distributed (the
 device layer's backend: gloo on cpu, nccl on cuda, hccl on npu) from the usual env vars (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK) or
 explicit arguments, builds megatron's TP/PP/CP/EP/DP groups and seeds the model-parallel RNG tracker.
 `destroy_parallel()` tears both down (tests run several layouts in one process).
@@ -11,10 +12,11 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
-from rlconf.config import MegatronConfig
 from rlconf.seeding import run_seed
 from rltrain import device as devices
 
@@ -61,23 +63,53 @@ def init_distributed(
     )
 
 
-def init_parallel(cfg: MegatronConfig, device: str, **dist_kwargs: object) -> None:
-    """Initialise torch.distributed, megatron's model-parallel groups and the RNG tracker from `cfg`."""
+class ParallelSizes(Protocol):
+    """The process-group sizes megatron's parallel state is built from (a plan's RoleLayout has them)."""
+
+    @property
+    def tp(self) -> int: ...
+    @property
+    def pp(self) -> int: ...
+    @property
+    def vpp(self) -> int | None: ...
+    @property
+    def cp(self) -> int: ...
+    @property
+    def ep(self) -> int: ...
+    @property
+    def etp(self) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class GroupSizes:
+    """Explicit process-group sizes, for processes that build no planned engine (tools, tests, benchmarks)."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: int | None = None
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None
+    """Expert tensor parallel size (None: tp, megatron's default)."""
+
+
+def init_parallel(sizes: ParallelSizes, device: str, seed: int | None = None, **dist_kwargs: object) -> None:
+    """Initialise torch.distributed, megatron's model-parallel groups from `sizes` and the RNG tracker from
+    `seed` (a plan's resolved seed; None: the default trainer.seed, for processes outside a run)."""
     from megatron.core import parallel_state
 
     init_distributed(device, **dist_kwargs)  # type: ignore[arg-type]
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,
-        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+        tensor_model_parallel_size=sizes.tp,
+        pipeline_model_parallel_size=sizes.pp,
+        virtual_pipeline_model_parallel_size=sizes.vpp,
+        context_parallel_size=sizes.cp,
+        expert_model_parallel_size=sizes.ep,
+        expert_tensor_parallel_size=sizes.etp,
     )
-    # A run's plan has resolved the seed (None -> trainer.seed); engines built outside a run use the default.
-    seed_parallel_rng(run_seed(cfg.seed))
+    seed_parallel_rng(run_seed(seed))
 
 
 def seed_parallel_rng(seed: int) -> None:

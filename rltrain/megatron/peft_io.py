@@ -21,7 +21,7 @@ import torch
 from megatron.core import parallel_state
 from safetensors.torch import load_file, save_file
 
-from rlconf.config import ModelArch
+from rlconf.arch import ModelArch
 from rlconf.lora import HF_PARENT, LoraPlan
 from rltrain.megatron.lora import adapted_linears
 

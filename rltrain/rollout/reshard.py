@@ -151,7 +151,7 @@ class RolloutReplica:
         from megatron.core.transformer.module import Float16Module
 
         from rltrain.megatron import model as mmodel
-        from rltrain.megatron.hf_weights import _global_params
+        from rltrain.megatron.hf_weights import global_params
 
         self.actor = actor
         self.device = actor.device
@@ -219,7 +219,7 @@ class RolloutReplica:
             self.dp_size = parallel_state.get_data_parallel_world_size()
         self.model = model
         self.gpt = mmodel.unwrap(model)
-        self.params = dict(_global_params(self.gpt))
+        self.params = dict(global_params(self.gpt))
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.dtype = next(iter(self.params.values())).dtype
         self.stage_entries = self._exchange_entries()
@@ -252,12 +252,12 @@ class RolloutReplica:
 
     # --------------------------------------------------------------------------------- refit
     def _local_entries(self) -> list[tuple[_Entry, torch.Tensor]]:
-        from rltrain.megatron.hf_weights import _global_params
+        from rltrain.megatron.hf_weights import global_params
         from rltrain.megatron.model import unwrap
 
         out = []
         for chunk in self.actor.chunks:
-            for name, param in _global_params(unwrap(chunk)):
+            for name, param in global_params(unwrap(chunk)):
                 split = getattr(param, "tensor_model_parallel", False) and self.actor_tp > 1
                 out.append((_Entry(name, tuple(param.shape), param.partition_dim if split else None), param))
         return out

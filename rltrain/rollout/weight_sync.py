@@ -42,7 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlconf.config import ModelArch
+from rlconf.arch import ModelArch
 from rltrain import device as devices
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
@@ -102,13 +102,13 @@ def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: ModelArch) -> Itera
     """
     from megatron.core import parallel_state
 
-    from rltrain.megatron.hf_weights import _global_params, _to_hf
+    from rltrain.megatron.hf_weights import global_params, to_hf
     from rltrain.megatron.model import unwrap
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group()
     for chunk in chunks:
-        for name, param in _global_params(unwrap(chunk)):
+        for name, param in global_params(unwrap(chunk)):
             data = param.detach()
             if tp > 1 and getattr(param, "tensor_model_parallel", False):
                 parts = [torch.empty_like(data) for _ in range(tp)]
@@ -116,7 +116,7 @@ def iter_hf_weights(chunks: Sequence[torch.nn.Module], arch: ModelArch) -> Itera
                 data = torch.cat(parts, dim=param.partition_dim)
             if name == "output_layer.weight" and arch.share_embeddings_and_output_weights:
                 continue
-            yield from _to_hf(name, data, arch, tp).items()
+            yield from to_hf(name, data, arch, tp).items()
 
 
 def buckets(named: NamedTensors, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -282,7 +282,7 @@ class MegatronWeightLoader:
     ) -> None:
         from megatron.core import parallel_state
 
-        from rltrain.megatron.hf_weights import _global_params
+        from rltrain.megatron.hf_weights import global_params
         from rltrain.megatron.model import unwrap
 
         self.arch = arch
@@ -291,7 +291,7 @@ class MegatronWeightLoader:
         self.params: dict[str, tuple[torch.nn.Parameter, int]] = {}
         for chunk in chunks:
             module = unwrap(chunk)
-            for name, param in _global_params(module):
+            for name, param in global_params(module):
                 self.params[name] = (param, module.vocab_size)
         self.pending = set(self.params)
         self.received: dict[str, torch.Tensor] = {}
@@ -301,7 +301,7 @@ class MegatronWeightLoader:
             self.received[name] = t.detach().clone()
         self._load_ready()
 
-    def get(self, name: str) -> torch.Tensor:  # the reader interface of hf_weights._hf_full_tensor
+    def get(self, name: str) -> torch.Tensor:  # the reader interface of hf_weights.hf_full_tensor
         return self.received[name]
 
     def __contains__(self, name: str) -> bool:
@@ -309,7 +309,7 @@ class MegatronWeightLoader:
 
     @torch.no_grad()
     def _load_ready(self) -> None:
-        from rltrain.megatron.hf_weights import _hf_full_tensor, _shard
+        from rltrain.megatron.hf_weights import hf_full_tensor, tp_shard
 
         for name in sorted(self.pending):
             # An untied lm_head must not fall back to the embedding just because it has not arrived yet.
@@ -321,10 +321,10 @@ class MegatronWeightLoader:
                 continue
             param, vocab_rows = self.params[name]
             try:
-                full = _hf_full_tensor(name, self, self.arch, self.tp, vocab_rows)  # type: ignore[arg-type]
+                full = hf_full_tensor(name, self, self.arch, self.tp, vocab_rows)  # type: ignore[arg-type]
             except KeyError:
                 continue  # a source tensor has not arrived yet
-            local = _shard(full, param, self.tp, self.rank)
+            local = tp_shard(full, param, self.tp, self.rank)
             if local.shape != param.shape:
                 raise ValueError(
                     f"{name}: received {tuple(local.shape)}, megatron expects {tuple(param.shape)}"

@@ -1,5 +1,6 @@
-"""Helpers shared by the megatron tests and the processes they spawn: a tiny random Qwen2 on disk,
-synthetic RL batches, and config sections for the tiny model."""
+"""Helpers shared by the megatron tests, the processes they spawn and the benchmarks: a tiny random Qwen2 on
+disk, synthetic RL batches, config sections for the tiny model, and engines built from config sections
+through a compiled plan (`rlconf.plan.small_plan` + `from_plan`, the path a run takes)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,11 @@ from pathlib import Path
 
 import torch
 
-from rlconf.config import ActorConfig, MegatronConfig, ModelArch, ModelConfig, Optim
+from rlconf.config import ActorConfig, CriticConfig, MegatronConfig, ModelArch, ModelConfig, Optim
+from rlconf.lora import LoraPlan
+from rlconf.plan import TrainerPlan, small_plan
+from rlconf.seeding import run_seed
+from rltrain.megatron.parallel import GroupSizes, init_parallel
 from rltrain.megatron.parallel import free_port as free_port  # re-exported for the tests
 
 from ..tolerance import assert_close
@@ -184,3 +189,116 @@ class CountForwards:
     def prefill_tokens(self) -> int:
         """Tokens fed by multi-column (prefill) forwards: rows x columns."""
         return sum(rows * cols for rows, cols, _ in self.calls if cols > 1)
+
+
+# ------------------------------------------------------------------------------------ engines from sections
+def world_size() -> int:
+    """Ranks of the torch.distributed world (1 before it is initialised)."""
+    return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+
+
+def group_sizes(mcfg: MegatronConfig) -> GroupSizes:
+    """The process-group sizes a megatron section asks for."""
+    return GroupSizes(
+        tp=mcfg.tensor_model_parallel_size,
+        pp=mcfg.pipeline_model_parallel_size,
+        vpp=mcfg.virtual_pipeline_model_parallel_size,
+        cp=mcfg.context_parallel_size,
+        ep=mcfg.expert_model_parallel_size,
+        etp=mcfg.expert_tensor_parallel_size,
+    )
+
+
+def init_groups(mcfg: MegatronConfig, device: str, **dist_kwargs: object) -> None:
+    """torch.distributed and megatron's groups of a megatron section (its seed, or the default)."""
+    init_parallel(group_sizes(mcfg), device, seed=run_seed(mcfg.seed), **dist_kwargs)
+
+
+def actor_plan(
+    model_cfg: ModelConfig,
+    actor_cfg: ActorConfig,
+    device: str,
+    total_steps: int = 1,
+    rollout_n: int = 1,
+    megatron_cfg: MegatronConfig | None = None,
+    optim: Optim | None = None,
+    arch: ModelArch | None = None,
+) -> TrainerPlan:
+    """The small plan of one actor from config sections (one mini-batch of `actor_cfg.ppo_mini_batch_size`
+    x `rollout_n` rows per step, `total_steps` steps); `megatron_cfg` / `optim` replace the actor's own."""
+    from dataclasses import replace
+
+    if megatron_cfg is not None:
+        actor_cfg = replace(actor_cfg, megatron=megatron_cfg)
+    if optim is not None:
+        actor_cfg = replace(actor_cfg, optim=optim)
+    return small_plan(
+        model_cfg, device, world_size(), total_steps, arch=arch, actor=actor_cfg, rollout_n=rollout_n
+    )
+
+
+def actor_of(
+    model_cfg: ModelConfig,
+    actor_cfg: ActorConfig,
+    device: str,
+    total_steps: int = 1,
+    rollout_n: int = 1,
+    megatron_cfg: MegatronConfig | None = None,
+    optim: Optim | None = None,
+    trainable: bool = True,
+    arch: ModelArch | None = None,
+    init_from=None,
+):
+    """The actor (or, `trainable=False`, a frozen reference policy) of `actor_plan`'s plan."""
+    from rltrain.megatron.actor import MegatronActor
+
+    plan = actor_plan(model_cfg, actor_cfg, device, total_steps, rollout_n, megatron_cfg, optim, arch)
+    return MegatronActor.from_plan(plan, "actor", init_from=init_from, frozen=not trainable)
+
+
+def critic_of(
+    model_cfg: ModelConfig,
+    critic_cfg: CriticConfig,
+    device: str,
+    total_steps: int = 1,
+    rollout_n: int = 1,
+    loss_agg_mode: str = "token-mean",
+    arch: ModelArch | None = None,
+):
+    """The critic of a small plan from config sections (one mini-batch of `critic_cfg.ppo_mini_batch_size`
+    x `rollout_n` rows per step, `total_steps` steps; `loss_agg_mode` is the actor's, which the critic's
+    value loss follows)."""
+    from rltrain.megatron.critic import MegatronCritic
+
+    plan = small_plan(
+        model_cfg, device, world_size(), total_steps, arch=arch, critic=critic_cfg, rollout_n=rollout_n,
+        actor=ActorConfig(loss_agg_mode=loss_agg_mode),  # type: ignore[arg-type]
+    )  # fmt: skip
+    return MegatronCritic.from_plan(plan, "critic")
+
+
+def engine_of(
+    model_cfg: ModelConfig,
+    megatron_cfg: MegatronConfig,
+    optim: Optim | None,
+    device: str,
+    total_steps: int = 1,
+    value_head: bool = False,
+    arch: ModelArch | None = None,
+    init_from=None,
+    lora: LoraPlan | None = None,
+):
+    """A bare engine of a one-role small plan (the critic's with `value_head`), frozen without `optim`,
+    with `lora`'s adapters when given."""
+    from dataclasses import replace
+
+    from rltrain.megatron.engine import MegatronEngine
+
+    plan = small_plan(
+        model_cfg, device, world_size(), total_steps, megatron=megatron_cfg, optim=optim, arch=arch,
+        critic=value_head,
+    )  # fmt: skip
+    spec = plan.engine("critic" if value_head else "actor")
+    if lora is not None:
+        spec = replace(spec, lora=lora)
+    return MegatronEngine.from_spec(spec if optim is not None else spec.frozen(spec.role), init_from)

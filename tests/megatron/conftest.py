@@ -16,12 +16,12 @@ def mp_world():
     import torch
 
     torch.set_num_threads(1)
-    from rlconf.config import MegatronConfig
-    from rltrain.megatron.parallel import destroy_parallel, init_parallel
+
+    from rltrain.megatron.parallel import GroupSizes, destroy_parallel, init_parallel
 
     from ._common import free_port
 
-    init_parallel(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
+    init_parallel(GroupSizes(), "cpu", rank=0, world_size=1, master_port=free_port())
     yield
     destroy_parallel()
 

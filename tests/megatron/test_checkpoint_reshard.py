@@ -19,8 +19,10 @@ import torch
 from ._common import (
     UPDATE_DEPTH,
     actor_cfg,
+    actor_of,
     assert_tiny_close,
     free_port,
+    init_groups,
     make_batch,
     run_spawned,
     tiny_model_cfg,
@@ -70,10 +72,9 @@ def _train_save_continue(hf_path: str, cfg, rl: dict, folder: Path, rows: slice)
     """One update, save, one more update. Returns log-probs (full batch rows of this DP rank) at the save and
     after the uninterrupted second update."""
     from rltrain.checkpoint import save_engine
-    from rltrain.megatron.actor import MegatronActor
 
     local = {k: v[rows] for k, v in rl.items()}
-    actor = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", total_steps=4)
+    actor = actor_of(tiny_model_cfg(hf_path), cfg, "cpu", total_steps=4)
     actor.update_policy(local)
     saved = actor.compute_log_prob(local, with_entropy=False)["log_probs"]
     assert save_engine(actor, folder, CONTENTS, {"step": 1})
@@ -84,11 +85,10 @@ def _train_save_continue(hf_path: str, cfg, rl: dict, folder: Path, rows: slice)
 
 def _load_and_continue(hf_path: str, cfg, rl: dict, folder: Path, rows: slice) -> dict[str, torch.Tensor]:
     from rltrain.checkpoint import load_engine
-    from rltrain.megatron.actor import MegatronActor
 
     local = {k: v[rows] for k, v in rl.items()}
     # Built from random init (not the HF weights): everything must come from the checkpoint.
-    actor = MegatronActor(tiny_model_cfg(None), cfg, "cpu", total_steps=4)
+    actor = actor_of(tiny_model_cfg(None), cfg, "cpu", total_steps=4)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         extra = load_engine(actor, folder, CONTENTS)
@@ -118,13 +118,13 @@ def _worker(rank: int, world: int, port: int, hf_path: str, out_dir: str, rl: di
 def _run(rank: int, world: int, port: int, hf_path: str, out: Path, rl: dict, ref: dict) -> None:
     from megatron.core import parallel_state
 
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
     results = {}
     for name, tp, pp, vpp in SAVE_LAYOUTS:
         cfg = _cfg(tp, pp, vpp)
-        init_parallel(cfg.megatron, "cpu")
+        init_groups(cfg.megatron, "cpu")
         rows = _dp_rows()
         results[name] = {
             **_train_save_continue(hf_path, cfg, rl, out / name / "actor", rows),
@@ -132,7 +132,7 @@ def _run(rank: int, world: int, port: int, hf_path: str, out: Path, rl: dict, re
         }
     for name, tp, pp, dp in LOAD_LAYOUTS:
         cfg = _cfg(tp, pp)
-        init_parallel(cfg.megatron, "cpu")
+        init_groups(cfg.megatron, "cpu")
         assert parallel_state.get_data_parallel_world_size() == dp
         rows = _dp_rows()
         got = _load_and_continue(hf_path, cfg, rl, out / "tp1" / "actor", rows)
@@ -147,9 +147,8 @@ def test_reshard_tp_pp_dp_with_optimizer(mp_world, tiny_hf, tmp_path):
     from rltrain.checkpoint import read_role_meta
 
     rl_rows = make_batch(b=8)
-    from rltrain.megatron.actor import MegatronActor
 
-    frozen = MegatronActor(tiny_model_cfg(str(tiny_hf)), _cfg(), "cpu", trainable=False)
+    frozen = actor_of(tiny_model_cfg(str(tiny_hf)), _cfg(), "cpu", trainable=False)
     rl = _rl_batch(rl_rows, frozen.compute_log_prob(rl_rows, with_entropy=False)["log_probs"])
     del frozen
     ref = _train_save_continue(str(tiny_hf), _cfg(), rl, tmp_path / "tp1" / "actor", slice(None))
@@ -178,16 +177,15 @@ def _four_worker(rank: int, world: int, port: int, hf_path: str, out_dir: str, r
 def _four_layouts(rank: int, world: int, port: int, hf_path: str, out: Path, rl: dict, ref: dict) -> None:
     from megatron.core import parallel_state
 
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
     # TP=2 x PP=2: log-prob parity with TP=1 on the same weights, then train, save, continue.
     cfg = _cfg(tp=2, pp=2)
     assert cfg.megatron.use_distributed_optimizer
-    init_parallel(cfg.megatron, "cpu")
+    init_groups(cfg.megatron, "cpu")
     assert parallel_state.get_data_parallel_world_size() == 1
-    fresh = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
+    fresh = actor_of(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
     initial = fresh.compute_log_prob(rl, with_entropy=False)["log_probs"]
     assert_tiny_close(initial, ref["initial"], msg="TP2xPP2 log-probs")
     del fresh
@@ -196,7 +194,7 @@ def _four_layouts(rank: int, world: int, port: int, hf_path: str, out: Path, rl:
     assert_tiny_close(got["cont"], ref["cont"], msg="TP2xPP2 continued", depth=CONTINUED_DEPTH)
     # TP=2 x DP=2 (distributed optimizer sharded over DP): resume the TP2xPP2 save and continue its run.
     cfg = _cfg(tp=2)
-    init_parallel(cfg.megatron, "cpu")
+    init_groups(cfg.megatron, "cpu")
     assert parallel_state.get_data_parallel_world_size() == 2
     rows = _dp_rows()
     got = _load_and_continue(hf_path, cfg, rl, out / "tp2pp2" / "actor", rows)
@@ -209,10 +207,9 @@ def test_four_processes_tp2pp2_save_resumes_at_tp2dp2(mp_world, tiny_hf, tmp_pat
     """Issue 12's layouts on 4 gloo processes (the 4-GPU machine is not lent): TP=2 x PP=2 matches TP=1
     log-probs on the same weights and its update; its checkpoint (distributed optimizer) resumes at
     TP=2 x DP=2 and continues exactly as the uninterrupted TP=1 run."""
-    from rltrain.megatron.actor import MegatronActor
 
     rl_rows = make_batch(b=8)
-    frozen = MegatronActor(tiny_model_cfg(str(tiny_hf)), _cfg(), "cpu", trainable=False)
+    frozen = actor_of(tiny_model_cfg(str(tiny_hf)), _cfg(), "cpu", trainable=False)
     initial = frozen.compute_log_prob(rl_rows, with_entropy=False)["log_probs"]
     rl = _rl_batch(rl_rows, initial)
     del frozen

@@ -31,10 +31,13 @@ from ._common import (
     TINY_REDUCTION,
     UPDATE_DEPTH,
     actor_cfg,
+    actor_of,
     assert_tiny_close,
     batch_from_lengths,
+    critic_of,
     free_port,
     hf_logits,
+    init_groups,
     reference_log_probs,
     run_spawned,
     tiny_model_cfg,
@@ -88,20 +91,18 @@ def _rl(batch: dict, old: torch.Tensor) -> dict:
 
 def _run_engines(hf_path: str, cp: int, rl: dict) -> dict:
     """Everything compared, computed at context parallel size `cp` on this rank."""
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.critic import MegatronCritic
 
     out: dict = {}
-    frozen = MegatronActor(tiny_model_cfg(hf_path), _cfg(cp), "cpu", trainable=False)
+    frozen = actor_of(tiny_model_cfg(hf_path), _cfg(cp), "cpu", trainable=False)
     lp = frozen.compute_log_prob(rl)
     out["log_probs"], out["entropy"] = lp["log_probs"], lp["entropy"]
     out["gen"] = frozen.generate(rl["input_ids"][:4, :12], 4, temperature=0.0, pad_id=0)["responses"]
     del frozen
-    actor = MegatronActor(tiny_model_cfg(hf_path), _cfg(cp), "cpu", total_steps=4)
+    actor = actor_of(tiny_model_cfg(hf_path), _cfg(cp), "cpu", total_steps=4)
     out["grad_norm"] = actor.update_policy(rl)["actor/grad_norm"]
     out["after"] = actor.compute_log_prob(rl, with_entropy=False)["log_probs"]
     del actor
-    critic = MegatronCritic(tiny_model_cfg(hf_path), _critic_cfg(cp), "cpu", total_steps=4)
+    critic = critic_of(tiny_model_cfg(hf_path), _critic_cfg(cp), "cpu", total_steps=4)
     values = critic.compute_values(rl)
     out["values"] = values
     returns = torch.ones_like(values) * rl["response_mask"]
@@ -119,10 +120,10 @@ def _worker(rank: int, port: int, hf_path: str, rl: dict, out_dir: str) -> None:
 def _cp2(rank: int, port: int, hf_path: str, rl: dict, out_dir: str) -> None:
     from megatron.core import parallel_state
 
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=2, master_port=port)
-    init_parallel(_cfg(2).megatron, "cpu")
+    init_groups(_cfg(2).megatron, "cpu")
     assert parallel_state.get_context_parallel_world_size() == 2
     assert parallel_state.get_data_parallel_world_size() == 1
     out = _run_engines(hf_path, 2, rl)
@@ -203,12 +204,11 @@ def _logits_worker(rank: int, port: int, hf_path: str, rl: dict, out_dir: str) -
 
 
 def _cp2_logits_rows(rank: int, port: int, hf_path: str, rl: dict, out_dir: str) -> None:
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=2, master_port=port)
-    init_parallel(_cfg(2).megatron, "cpu")
-    actor = MegatronActor(tiny_model_cfg(hf_path), _cfg(2), "cpu", total_steps=4)
+    init_groups(_cfg(2).megatron, "cpu")
+    actor = actor_of(tiny_model_cfg(hf_path), _cfg(2), "cpu", total_steps=4)
     shape = (_cfg(2).ppo_micro_batch_size_per_gpu, actor.spec.layout.padded_vocab_size)
     rows = {}
     with _LogitsRows(*shape) as rec:
@@ -236,7 +236,6 @@ def test_cp2_holds_only_its_own_chunk_of_the_logits(mp_world, tiny_hf, tmp_path)
 
 
 def _cp1_log_probs(hf_path: str, batch: dict) -> torch.Tensor:
-    from rltrain.megatron.actor import MegatronActor
 
-    actor = MegatronActor(tiny_model_cfg(hf_path), _cfg(1), "cpu", trainable=False)
+    actor = actor_of(tiny_model_cfg(hf_path), _cfg(1), "cpu", trainable=False)
     return actor.compute_log_prob(batch, with_entropy=False)["log_probs"]

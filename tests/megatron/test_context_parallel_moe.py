@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ..tolerance import rel_tolerance
-from ._common import UPDATE_DEPTH, assert_tiny_close, free_port, run_spawned
+from ._common import UPDATE_DEPTH, assert_tiny_close, free_port, init_groups, run_spawned
 from .test_moe import MOE_DEPTH, MOE_REDUCTION, _actor, _batch, _layout_cfg, _rl_batch, make_tiny_moe
 
 pytestmark = [
@@ -71,12 +71,12 @@ def _worker(rank: int, port: int, path: str, rl: dict, out_dir: str) -> None:
 def _cp_layouts(rank: int, port: int, path: str, rl: dict, out_dir: str) -> None:
     from megatron.core import parallel_state
 
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=2, master_port=port)
     results = {}
     for name, ep in CP_LAYOUTS:
-        init_parallel(_cfg(2, ep).megatron, "cpu")
+        init_groups(_cfg(2, ep).megatron, "cpu")
         assert parallel_state.get_context_parallel_world_size() == 2
         assert parallel_state.get_data_parallel_world_size() == 1
         assert parallel_state.get_expert_model_parallel_world_size() == ep

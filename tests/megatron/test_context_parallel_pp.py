@@ -19,7 +19,15 @@ import os
 import pytest
 import torch
 
-from ._common import UPDATE_DEPTH, assert_tiny_close, free_port, run_spawned, tiny_model_cfg
+from ._common import (
+    UPDATE_DEPTH,
+    actor_of,
+    assert_tiny_close,
+    free_port,
+    init_groups,
+    run_spawned,
+    tiny_model_cfg,
+)
 from .test_context_parallel import GRAD_NORM_REL, _batch, _cfg, _rl
 
 pytestmark = [
@@ -43,12 +51,11 @@ def _layout(cp: int, pp: int, vpp: int | None = None):
 
 
 def _run(hf_path: str, cp: int, pp: int, rl: dict, vpp: int | None = None) -> dict:
-    from rltrain.megatron.actor import MegatronActor
 
-    frozen = MegatronActor(tiny_model_cfg(hf_path), _layout(cp, pp, vpp), "cpu", trainable=False)
+    frozen = actor_of(tiny_model_cfg(hf_path), _layout(cp, pp, vpp), "cpu", trainable=False)
     out = dict(frozen.compute_log_prob(rl))
     del frozen
-    actor = MegatronActor(tiny_model_cfg(hf_path), _layout(cp, pp, vpp), "cpu", total_steps=4)
+    actor = actor_of(tiny_model_cfg(hf_path), _layout(cp, pp, vpp), "cpu", total_steps=4)
     out["grad_norm"] = actor.update_policy(rl)["actor/grad_norm"]
     out["after"] = actor.compute_log_prob(rl, with_entropy=False)["log_probs"]
     return out
@@ -61,12 +68,12 @@ def _worker(rank: int, port: int, hf_path: str, rl: dict, out_dir: str) -> None:
 def _cp2_pp2(rank: int, port: int, hf_path: str, rl: dict, out_dir: str) -> None:
     from megatron.core import parallel_state
 
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=4, master_port=port)
     results = {}
     for name, pp, vpp in LAYOUTS:
-        init_parallel(_layout(2, pp, vpp).megatron, "cpu")
+        init_groups(_layout(2, pp, vpp).megatron, "cpu")
         assert parallel_state.get_context_parallel_world_size() == 2
         assert parallel_state.get_pipeline_model_parallel_world_size() == pp
         assert parallel_state.get_data_parallel_world_size() == 1
@@ -76,10 +83,9 @@ def _cp2_pp2(rank: int, port: int, hf_path: str, rl: dict, out_dir: str) -> None
 
 
 def test_cp2_pp2_and_vpp2_match_cp1(mp_world, tiny_hf, tmp_path):
-    from rltrain.megatron.actor import MegatronActor
 
     batch = _batch()
-    old = MegatronActor(tiny_model_cfg(str(tiny_hf)), _layout(1, 1), "cpu", trainable=False).compute_log_prob(
+    old = actor_of(tiny_model_cfg(str(tiny_hf)), _layout(1, 1), "cpu", trainable=False).compute_log_prob(
         batch, with_entropy=False
     )["log_probs"]
     rl = _rl(batch, old)

@@ -145,13 +145,13 @@ def test_mode_is_per_thread_and_reentrant(compat):
 
 def test_cpu_config_uses_unbatched_p2p(mp_world):
     # gloo matches p2p messages by posting order; megatron's batched p2p swaps tensors with PP=2 + VPP.
-    from rlconf.config import MegatronConfig
+    from rlconf.plan import small_plan
     from rltrain.megatron.model import transformer_config
 
     from ._common import tiny_model_cfg
 
-    mc = tiny_model_cfg()
-    assert transformer_config(mc.arch, mc, MegatronConfig(), "cpu").batch_p2p_comm is False
+    spec = small_plan(tiny_model_cfg(), "cpu").engine("actor")
+    assert transformer_config(spec.model.arch, spec.layout, spec.settings, "cpu").batch_p2p_comm is False
 
 
 def test_cuda_streams_are_cpu_stand_ins(compat):

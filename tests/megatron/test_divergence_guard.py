@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ._common import actor_cfg, make_batch, tiny_model_cfg
+from ._common import actor_cfg, actor_of, make_batch, tiny_model_cfg
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
@@ -35,11 +35,10 @@ def test_a_non_finite_update_is_not_applied(mp_world, tiny_hf, dtype):
     import dataclasses
 
     from rlconf.config import Optim
-    from rltrain.megatron.actor import MegatronActor
 
     cfg = actor_cfg(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, optim=Optim(lr=1e-3))
     model = dataclasses.replace(tiny_model_cfg(str(tiny_hf)), params_dtype=dtype)
-    actor = MegatronActor(model, cfg, "cpu", total_steps=10)
+    actor = actor_of(model, cfg, "cpu", total_steps=10)
     batch = make_batch(b=4)
     batch["old_log_probs"] = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
     batch["advantages"] = torch.ones_like(batch["old_log_probs"]) * batch["response_mask"]
@@ -71,10 +70,9 @@ def test_a_non_finite_update_is_not_applied(mp_world, tiny_hf, dtype):
 def test_weights_finite_sees_one_non_finite_weight(mp_world, tiny_hf):
     """The check the controller makes before every save (a checkpoint of non-finite weights is never
     written): one NaN or inf anywhere in the weights makes it False."""
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.model import unwrap
 
-    actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", total_steps=10)
+    actor = actor_of(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", total_steps=10)
     assert actor.weights_finite()
     params = dict(unwrap(actor.chunks[0]).named_parameters())
     norm = next(p for n, p in params.items() if n.endswith("final_layernorm.weight"))

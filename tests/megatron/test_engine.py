@@ -13,7 +13,9 @@ from ._common import (
     TINY_REDUCTION,
     UPDATE_DEPTH,
     actor_cfg,
+    actor_of,
     assert_tiny_close,
+    critic_of,
     hf_logits,
     make_batch,
     make_tiny_qwen2,
@@ -47,9 +49,8 @@ def _full_logits(actor, batch):
 
 
 def test_hf_logits_match_transformers(mp_world, tiny_hf):
-    from rltrain.megatron.actor import MegatronActor
 
-    actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", trainable=False)
+    actor = actor_of(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", trainable=False)
     batch = make_batch()
     ours = _full_logits(actor, batch)
     ref = hf_logits(tiny_hf, batch["input_ids"], batch["attention_mask"])
@@ -78,11 +79,10 @@ def _rl_batch(actor, seed=0):
 
 def test_update_policy_moves_log_probs_with_advantage(mp_world, tiny_hf):
     from rlconf.config import Optim
-    from rltrain.megatron.actor import MegatronActor
 
     # A small lr keeps the ratio inside the clip range (clipped tokens have zero gradient).
     cfg = actor_cfg(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4, ppo_epochs=2, optim=Optim(lr=1e-4))
-    actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=10)
+    actor = actor_of(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=10)
     batch, old, sign = _rl_batch(actor)
     history = [actor.update_policy(batch) for _ in range(3)]
     metrics = history[0]
@@ -108,12 +108,11 @@ def test_update_policy_moves_log_probs_with_advantage(mp_world, tiny_hf):
 
 def test_micro_batching_does_not_change_the_gradient(mp_world, tiny_hf):
     """One mini-batch as 1 micro-batch or 4 micro-batches gives the same update (token-mean weighting)."""
-    from rltrain.megatron.actor import MegatronActor
 
     results = []
     for micro in (8, 2):
         cfg = actor_cfg(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, shuffle=False)
-        actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=10)
+        actor = actor_of(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=10)
         batch, _, _ = _rl_batch(actor)
         m = actor.update_policy(batch)
         results.append((m["actor/grad_norm"], actor.compute_log_prob(batch, with_entropy=False)["log_probs"]))
@@ -124,22 +123,20 @@ def test_micro_batching_does_not_change_the_gradient(mp_world, tiny_hf):
 
 
 def test_random_init_local_and_sdpa_attention_agree(mp_world):
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.parallel import seed_parallel_rng
 
     outs = []
     for backend in ("local", "sdpa"):
         seed_parallel_rng(7)
-        actor = MegatronActor(tiny_model_cfg(None, backend), actor_cfg(), "cpu", trainable=False)
+        actor = actor_of(tiny_model_cfg(None, backend), actor_cfg(), "cpu", trainable=False)
         outs.append(actor.compute_log_prob(make_batch())["log_probs"])
     assert_tiny_close(outs[0], outs[1])
     assert outs[0].abs().sum() > 0
 
 
 def test_generate_greedy_matches_recomputation(mp_world, tiny_hf):
-    from rltrain.megatron.actor import MegatronActor
 
-    actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", trainable=False)
+    actor = actor_of(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", trainable=False)
     prompts = make_batch(b=3)["input_ids"][:, :6]
     out = actor.generate(prompts, max_new_tokens=4, temperature=0.0, eos_id=None, pad_id=0)
     assert out["responses"].shape == (3, 4)
@@ -160,12 +157,11 @@ def test_generate_greedy_matches_recomputation(mp_world, tiny_hf):
 
 def test_critic_update_reduces_value_loss(mp_world, tiny_hf):
     from rlconf.config import CriticConfig, Optim
-    from rltrain.megatron.critic import MegatronCritic
 
     ccfg = CriticConfig(
         enable=True, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4, optim=Optim(lr=3e-3), ppo_epochs=2
     )
-    critic = MegatronCritic(tiny_model_cfg(str(tiny_hf)), ccfg, "cpu", total_steps=10)
+    critic = critic_of(tiny_model_cfg(str(tiny_hf)), ccfg, "cpu", total_steps=10)
     batch = make_batch(b=8)
     values = critic.compute_values(batch)
     assert values.shape == batch["responses"].shape
@@ -185,12 +181,11 @@ def test_critic_update_reduces_value_loss(mp_world, tiny_hf):
 
 
 def test_hf_export_roundtrip(mp_world, tiny_hf, tmp_path):
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.hf_weights import export_hf_weights
 
     for tie in (True, False):
         src = tiny_hf if tie else make_tiny_qwen2(tmp_path / "untied", tie=False, seed=1)
-        actor = MegatronActor(tiny_model_cfg(str(src)), actor_cfg(), "cpu", trainable=False)
+        actor = actor_of(tiny_model_cfg(str(src)), actor_cfg(), "cpu", trainable=False)
         out = tmp_path / f"export_{tie}"
         export_hf_weights(actor.chunks, actor.arch, out)
         cfg = json.loads((out / "config.json").read_text())

@@ -22,10 +22,12 @@ from rlconf.config import ModelConfig
 from ._common import (
     TINY,
     actor_cfg,
+    actor_of,
     assert_export_round_trips,
     assert_tiny_close,
     free_port,
     hf_logits,
+    init_groups,
     make_batch,
     reference_log_probs,
     run_spawned,
@@ -83,9 +85,8 @@ def family_folder(request, tmp_path_factory) -> tuple[str, Path]:
 
 
 def _actor(path: Path):
-    from rltrain.megatron.actor import MegatronActor
 
-    return MegatronActor(
+    return actor_of(
         ModelConfig(path=str(path), attention_backend="sdpa"), actor_cfg(), "cpu", trainable=False
     )
 
@@ -214,20 +215,19 @@ def _run_family_layouts(rank: int, world: int, port: int, refs: list[dict], out_
     """Every family in every PARALLEL_LAYOUTS layout: log-probs vs transformers, greedy tokens vs TP=1, and
     an export of EXPORTED_LAYOUTS into out_dir/FAMILY_LAYOUT; rank 0 writes the largest log-prob
     differences to out_dir/diffs.json."""
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.hf_weights import export_hf_weights
     from rltrain.megatron.model import unwrap
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
     diffs: dict[str, float] = {}
     for name, tp, pp, vpp, sequence_parallel in PARALLEL_LAYOUTS:
         cfg = actor_cfg(tp, pp, vpp)
         cfg = replace(cfg, megatron=replace(cfg.megatron, sequence_parallel=sequence_parallel))
-        init_parallel(cfg.megatron, "cpu")
+        init_groups(cfg.megatron, "cpu")
         for ref in refs:
             where = f"{ref['family']} {name}"
-            actor = MegatronActor(ModelConfig(path=ref["path"], attention_backend="sdpa"), cfg, "cpu",
+            actor = actor_of(ModelConfig(path=ref["path"], attention_backend="sdpa"), cfg, "cpu",
                                   trainable=False)  # fmt: skip
             attention = unwrap(actor.chunks[0]).decoder.layers[0].self_attention
             # TP=2 splits the kv heads (GQA) over the ranks; PP=2 keeps them whole.

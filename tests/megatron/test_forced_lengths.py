@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ._common import actor_of
+
 
 def test_forced_lengths_have_the_share_as_mean_and_a_long_tail(monkeypatch):
     from rltrain.megatron.inference import FORCE_EOS_ENV, forced_lengths
@@ -22,12 +24,11 @@ def test_forced_lengths_have_the_share_as_mean_and_a_long_tail(monkeypatch):
 
 def test_generation_stops_at_the_forced_lengths(mp_world, tiny_hf, monkeypatch):
     from rlconf.config import ModelConfig
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.inference import FORCE_EOS_ENV, forced_lengths
 
     from ._common import actor_cfg
 
-    actor = MegatronActor(ModelConfig(path=str(tiny_hf), attention_backend="sdpa"), actor_cfg(), "cpu")
+    actor = actor_of(ModelConfig(path=str(tiny_hf), attention_backend="sdpa"), actor_cfg(), "cpu")
     prompts = torch.randint(1, 90, (6, 5), generator=torch.Generator().manual_seed(0))
     free = actor.generate(prompts, 12, temperature=1.0, eos_id=99, pad_id=0, seed=5)
     monkeypatch.setenv(FORCE_EOS_ENV, "0.4")

@@ -14,18 +14,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ._common import UPDATE_DEPTH, actor_cfg, assert_tiny_close, make_batch, tiny_model_cfg
+from ._common import UPDATE_DEPTH, actor_cfg, actor_of, assert_tiny_close, make_batch, tiny_model_cfg
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def engines(mp_world, tiny_hf):
-    from rltrain.megatron.actor import MegatronActor
 
-    eager = MegatronActor(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", total_steps=4)
+    eager = actor_of(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", total_steps=4)
     model = replace(tiny_model_cfg(str(tiny_hf)), fused_kernels="compiled")
-    fused = MegatronActor(model, actor_cfg(), "cpu", total_steps=4)
+    fused = actor_of(model, actor_cfg(), "cpu", total_steps=4)
     return eager, fused
 
 

@@ -13,7 +13,16 @@ import traceback
 import pytest
 import torch
 
-from ._common import actor_cfg, free_port, hf_logits, make_batch, reference_log_probs, tiny_model_cfg
+from ._common import (
+    actor_cfg,
+    actor_of,
+    free_port,
+    hf_logits,
+    init_groups,
+    make_batch,
+    reference_log_probs,
+    tiny_model_cfg,
+)
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
@@ -38,17 +47,16 @@ def _gpu_checks(rank: int, world: int, port: int, hf_path: str, ref: torch.Tenso
 
     from rlconf.config import Optim
     from rltrain.megatron import cpu_compat
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cuda", rank=rank, world_size=world, master_port=port)
     assert not cpu_compat.is_enabled(), "the CPU layer must stay off on GPU"
     cfg = actor_cfg(tp=world, ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4, optim=Optim(lr=1e-4))
-    init_parallel(cfg.megatron, "cuda")
+    init_groups(cfg.megatron, "cuda")
     batch = make_batch(b=8)
     for dtype, tol in (("float32", 2e-3), ("bfloat16", 0.15)):
         mcfg = replace(tiny_model_cfg(hf_path), params_dtype=dtype)
-        actor = MegatronActor(mcfg, cfg, "cuda", total_steps=4)
+        actor = actor_of(mcfg, cfg, "cuda", total_steps=4)
         assert next(actor.chunks[0].parameters()).is_cuda
         old = actor.compute_log_prob(batch)["log_probs"]
         torch.testing.assert_close(old, ref, atol=tol, rtol=tol, msg=dtype)
@@ -109,8 +117,7 @@ def _bench_worker(rank: int, world: int, port: int) -> None:
 
     from presets.gpu import QWEN25_05B
     from rlconf.config import ModelConfig, Optim
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.parallel import init_distributed, init_parallel
+    from rltrain.megatron.parallel import init_distributed
 
     os.environ["LOCAL_RANK"] = str(rank)
     init_distributed("cuda", rank=rank, world_size=world, master_port=port)
@@ -119,8 +126,8 @@ def _bench_worker(rank: int, world: int, port: int) -> None:
     for backend in ("sdpa", "local"):
         mcfg = ModelConfig(arch=arch, params_dtype="bfloat16", attention_backend=backend)
         cfg = actor_cfg(tp=world, ppo_mini_batch_size=b, ppo_micro_batch_size_per_gpu=4, optim=Optim(lr=1e-6))
-        init_parallel(cfg.megatron, "cuda")
-        actor = MegatronActor(mcfg, cfg, "cuda", total_steps=10)
+        init_groups(cfg.megatron, "cuda")
+        actor = actor_of(mcfg, cfg, "cuda", total_steps=10)
         ids = torch.randint(0, 150000, (b, s))
         batch = {
             "input_ids": ids,

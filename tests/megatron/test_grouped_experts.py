@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from rlconf.config import ModelConfig
 
-from ._common import assert_export_round_trips
+from ._common import actor_of, assert_export_round_trips
 from .test_moe import (
     MOE_CONFIGS,
     MOE_DEPTH,
@@ -75,10 +75,9 @@ def qwen3_moe(tmp_path_factory):
 
 
 def _actor(path, grouped: bool):
-    from rltrain.megatron.actor import MegatronActor
 
     model = ModelConfig(path=str(path), attention_backend="sdpa", moe_grouped_gemm=grouped)
-    return MegatronActor(model, _layout_cfg(), "cpu", trainable=True, total_steps=4)
+    return actor_of(model, _layout_cfg(), "cpu", trainable=True, total_steps=4)
 
 
 def test_grouped_experts_match_sequential_mlp_in_log_probs_and_one_update(mp_world, qwen3_moe, tmp_path):
@@ -118,4 +117,4 @@ def test_plan_carries_the_switch():
 
     cfg: RLConfig = get_preset("tiny-grpo-moe")
     cfg = replace(cfg, model=replace(cfg.model, moe_grouped_gemm=True))
-    assert compile_plan(cfg).engine("actor").settings.moe_grouped_gemm
+    assert compile_plan(cfg).engine("actor").settings.transformer.moe_grouped_gemm

@@ -27,7 +27,7 @@ from rlconf.config import ModelConfig
 
 from ..test_hf_config_json import v4_style
 from ..tolerance import assert_close
-from ._common import actor_cfg, batch_from_lengths, free_port, hf_logits, run_spawned
+from ._common import actor_cfg, actor_of, batch_from_lengths, free_port, hf_logits, init_groups, run_spawned
 from .test_parity import _hf_reference, assert_same_safetensors
 
 pytestmark = [
@@ -98,9 +98,7 @@ def _batches() -> list[dict[str, torch.Tensor]]:
 
 
 def _actor(path: str | Path, cfg=None):
-    from rltrain.megatron.actor import MegatronActor
-
-    return MegatronActor(ModelConfig(path=str(path), attention_backend="sdpa"), cfg or actor_cfg(), "cpu",
+    return actor_of(ModelConfig(path=str(path), attention_backend="sdpa"), cfg or actor_cfg(), "cpu",
                          trainable=False)  # fmt: skip
 
 
@@ -176,7 +174,7 @@ def _layouts_worker(rank: int, world: int, port: int, refs: dict, out_dir: str) 
 def _run_layouts(rank: int, world: int, port: int, refs: dict, out_dir: str) -> None:
     """Every case at TP=2 and PP=2: log-probs and entropy vs transformers, and an export into
     out_dir/NAME_LAYOUT; rank 0 writes the largest differences to out_dir/diffs.json."""
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
     diffs: dict[str, float] = {}
@@ -184,7 +182,7 @@ def _run_layouts(rank: int, world: int, port: int, refs: dict, out_dir: str) -> 
         cfg = actor_cfg(tp, pp)
         # megatron trains MoE layers at TP > 1 only with sequence parallel (the plan says so too).
         cfg = replace(cfg, megatron=replace(cfg.megatron, sequence_parallel=tp > 1))
-        init_parallel(cfg.megatron, "cpu")
+        init_groups(cfg.megatron, "cpu")
         for name, ref in refs["cases"].items():
             actor = _actor(ref["path"], cfg)
             for i, (batch, (lp, ent)) in enumerate(zip(refs["batches"], ref["expected"], strict=True)):

@@ -20,8 +20,10 @@ from ..tolerance import assert_close
 from ._common import (
     CountForwards,
     actor_cfg,
+    actor_of,
     assert_tiny_close,
     free_port,
+    init_groups,
     make_batch,
     run_spawned,
     tiny_model_cfg,
@@ -39,9 +41,8 @@ KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_ma
 
 @pytest.fixture(scope="module")
 def actor(mp_world, tiny_hf):
-    from rltrain.megatron.actor import MegatronActor
 
-    return MegatronActor(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", trainable=False)
+    return actor_of(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", trainable=False)
 
 
 def _prompts(b: int = 6) -> torch.Tensor:
@@ -80,12 +81,11 @@ def test_greedy_matches_no_cache_path_on_padded_prompts(actor):
 
 def test_local_attention_backend_matches_too(mp_world):
     """megatron's own DotProductAttention (not SDPA) under the cached path."""
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.inference import kv_cache_unsupported
     from rltrain.megatron.parallel import seed_parallel_rng
 
     seed_parallel_rng(3)
-    local = MegatronActor(tiny_model_cfg(None, "local"), actor_cfg(), "cpu", trainable=False)
+    local = actor_of(tiny_model_cfg(None, "local"), actor_cfg(), "cpu", trainable=False)
     assert kv_cache_unsupported(local) is None
     prompts = _prompts(4) % 32  # the random-init arch has a vocabulary of 32
     _assert_same_batch(
@@ -326,15 +326,14 @@ def _layout_worker(rank: int, world: int, port: int, hf_path: str, ref: dict) ->
 def _check_layouts(rank: int, world: int, port: int, hf_path: str, ref: dict) -> None:
     from dataclasses import replace
 
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
     for name, tp, pp, vpp, sp in LAYOUTS:
         cfg = actor_cfg(tp, pp, vpp)
         cfg = replace(cfg, megatron=replace(cfg.megatron, sequence_parallel=sp))
-        init_parallel(cfg.megatron, "cpu")
-        actor = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
+        init_groups(cfg.megatron, "cpu")
+        actor = actor_of(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
         greedy = actor.generate(ref["prompts"], 8, temperature=0.0, pad_id=0)
         for key in KEYS:
             assert torch.equal(greedy[key], ref["greedy"][key]), (name, key)

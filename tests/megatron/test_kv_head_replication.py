@@ -21,7 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._common import TINY, UPDATE_DEPTH, actor_cfg, assert_tiny_close, free_port, run_spawned, tiny_model_cfg
+from ._common import (
+    TINY,
+    UPDATE_DEPTH,
+    actor_cfg,
+    actor_of,
+    assert_tiny_close,
+    free_port,
+    init_groups,
+    run_spawned,
+    tiny_model_cfg,
+)
 from .test_context_parallel import GRAD_NORM_REL, _batch, _rl
 
 pytestmark = [
@@ -59,12 +69,11 @@ def _actor_cfg(tp: int):
 
 
 def _train(hf: str, tp: int, rl: dict) -> dict:
-    from rltrain.megatron.actor import MegatronActor
 
-    frozen = MegatronActor(_model_cfg(hf), _actor_cfg(tp), "cpu", trainable=False)
+    frozen = actor_of(_model_cfg(hf), _actor_cfg(tp), "cpu", trainable=False)
     out = dict(frozen.compute_log_prob(rl))
     del frozen
-    actor = MegatronActor(_model_cfg(hf), _actor_cfg(tp), "cpu", total_steps=4)
+    actor = actor_of(_model_cfg(hf), _actor_cfg(tp), "cpu", total_steps=4)
     out["grad_norm"] = actor.update_policy(rl)["actor/grad_norm"]
     out["after"] = actor.compute_log_prob(rl, with_entropy=False)["log_probs"]
     return out
@@ -75,11 +84,10 @@ def _generate(hf: str, actor_tp: int, rollout_tp: int, out_dir: Path) -> dict:
     recomputation of their log-probs."""
     from megatron.core import parallel_state
 
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.hf_weights import export_hf_weights
     from rltrain.rollout.reshard import RolloutReplica
 
-    actor = MegatronActor(_model_cfg(hf), _actor_cfg(actor_tp), "cpu", trainable=False)
+    actor = actor_of(_model_cfg(hf), _actor_cfg(actor_tp), "cpu", trainable=False)
     replica = RolloutReplica(actor, rollout_tp, BUCKET)
     replica.refit()
     with replica.state.active():
@@ -106,15 +114,15 @@ def _worker(rank: int, port: int, hf: str, rl: dict, out_dir: str) -> None:
 
 
 def _spawned(rank: int, port: int, hf: str, rl: dict, out: Path) -> None:
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=2, master_port=port)
     res = {}
-    init_parallel(_actor_cfg(2).megatron, "cpu")
+    init_groups(_actor_cfg(2).megatron, "cpu")
     res["train_tp2"] = _train(hf, 2, rl)
     res["gen_tp2_to_tp1"] = _generate(hf, 2, 1, out)  # rollout TP = the KV heads
     destroy_parallel(destroy_process_group=False)
-    init_parallel(_actor_cfg(1).megatron, "cpu")
+    init_groups(_actor_cfg(1).megatron, "cpu")
     res["gen_tp1_to_tp2"] = _generate(hf, 1, 2, out)  # rollout TP = 2 x the KV heads
     destroy_parallel(destroy_process_group=False)
     torch.save(res, out / f"rank{rank}.pt")
@@ -141,11 +149,10 @@ def _all_rows(ranks: list[dict], key: str) -> dict[str, torch.Tensor]:
 
 
 def test_tp_above_the_kv_heads_matches_tp_equal_to_them(mp_world, tmp_path):
-    from rltrain.megatron.actor import MegatronActor
 
     hf = _make_hf(tmp_path / "hf")
     batch = _batch()
-    old = MegatronActor(_model_cfg(str(hf)), _actor_cfg(1), "cpu", trainable=False).compute_log_prob(
+    old = actor_of(_model_cfg(str(hf)), _actor_cfg(1), "cpu", trainable=False).compute_log_prob(
         batch, with_entropy=False
     )["log_probs"]
     rl = _rl(batch, old)

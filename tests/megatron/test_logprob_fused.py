@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ..tolerance import assert_close
-from ._common import free_port, run_spawned
+from ._common import free_port, init_groups, run_spawned
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
@@ -146,9 +146,9 @@ def _tp2_body(rank: int, world: int, port: int, ref: dict) -> None:
 
     from rlconf.config import MegatronConfig
     from rltrain.megatron.logprob import token_log_probs_and_entropy
-    from rltrain.megatron.parallel import destroy_parallel, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel
 
-    init_parallel(
+    init_groups(
         MegatronConfig(tensor_model_parallel_size=2), "cpu", rank=rank, world_size=world, master_port=port
     )
     assert parallel_state.get_tensor_model_parallel_rank() == rank

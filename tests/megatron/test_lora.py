@@ -11,16 +11,15 @@ import torch
 
 from rlconf.config import LoraConfig, ModelConfig
 
-from ._common import actor_cfg, assert_tiny_close, make_batch, reference_log_probs, tiny_model_cfg
+from ._common import actor_cfg, actor_of, assert_tiny_close, make_batch, reference_log_probs, tiny_model_cfg
 
 RANK, ALPHA = 4, 8.0
 
 
 def _lora_actor(path, lora: LoraConfig | None = None, total_steps: int = 4, **kw):
-    from rltrain.megatron.actor import MegatronActor
 
     cfg = replace(actor_cfg(**kw), lora=lora or LoraConfig(rank=RANK, alpha=ALPHA))
-    return MegatronActor(tiny_model_cfg(str(path)), cfg, "cpu", total_steps=total_steps)
+    return actor_of(tiny_model_cfg(str(path)), cfg, "cpu", total_steps=total_steps)
 
 
 def _train(actor, batch, steps: int = 3) -> None:
@@ -36,10 +35,9 @@ def _train(actor, batch, steps: int = 3) -> None:
 @pytest.fixture(scope="module")
 def trained(mp_world, tiny_hf):
     """A LoRA actor on the tiny Qwen2 after three updates, and the frozen base model's log-probs."""
-    from rltrain.megatron.actor import MegatronActor
 
     batch = make_batch(4)
-    base = MegatronActor(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", trainable=False)
+    base = actor_of(tiny_model_cfg(str(tiny_hf)), actor_cfg(), "cpu", trainable=False)
     base_lp = base.compute_log_prob(batch, with_entropy=False)["log_probs"]
     actor = _lora_actor(tiny_hf)
     init_lp = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
@@ -211,7 +209,6 @@ def test_qwen3_moe_lora_on_attention(mp_world, tmp_path):
     """A tiny Qwen3-MoE HF folder (layer 1 dense): all-linear adapts the attention linears only (no expert,
     router or MLP: PEFT reads MLP names of a MoE model as the experts); it trains, adapters off is the base
     model, and PEFT loads the adapter on the source folder with the engine's log-probs."""
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.lora import adapted_linears, adapters_disabled
     from rltrain.megatron.peft_io import save_peft_adapter
 
@@ -220,7 +217,7 @@ def test_qwen3_moe_lora_on_attention(mp_world, tmp_path):
     src = make_tiny_moe(tmp_path / "moe", "qwen3_moe")
     model_cfg = ModelConfig(path=str(src), attention_backend="sdpa")
     cfg = replace(_layout_cfg(), lora=LoraConfig(rank=4, alpha=8.0))
-    actor = MegatronActor(model_cfg, cfg, "cpu", total_steps=4)
+    actor = actor_of(model_cfg, cfg, "cpu", total_steps=4)
     adapted = {(layer, name) for layer, name, _ in adapted_linears(actor.chunks)}
     assert adapted == {(i, n) for i in range(3) for n in ("linear_qkv", "linear_proj")}
     trainable = [n for n, p in actor.modules()[0].named_parameters() if p.requires_grad]
@@ -259,7 +256,7 @@ def test_adapter_only_checkpoint_resumes_exactly(mp_world, tiny_hf, tmp_path, di
     def make() -> MegatronActor:
         cfg = replace(actor_cfg(), lora=LoraConfig(rank=RANK, alpha=ALPHA))
         cfg = replace(cfg, megatron=replace(cfg.megatron, use_distributed_optimizer=dist_opt))
-        return MegatronActor(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
+        return actor_of(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
 
     a = make()
     batch = make_batch(4)

@@ -19,9 +19,11 @@ from ._common import (
     TINY_REDUCTION,
     UPDATE_DEPTH,
     actor_cfg,
+    actor_of,
     assert_tiny_close,
     batch_from_lengths,
     free_port,
+    init_groups,
     run_spawned,
     tiny_model_cfg,
 )
@@ -57,9 +59,8 @@ def _batch():
 
 
 def _run(hf: str, cfg, batch, adv, rows=slice(None)) -> dict:
-    from rltrain.megatron.actor import MegatronActor
 
-    actor = MegatronActor(tiny_model_cfg(hf), cfg, "cpu", total_steps=2)
+    actor = actor_of(tiny_model_cfg(hf), cfg, "cpu", total_steps=2)
     local = {k: v[rows] for k, v in batch.items()}
     before = actor.compute_log_prob(local, with_entropy=False)["log_probs"]
     m = actor.update_policy({**local, "old_log_probs": before.detach(), "advantages": adv[rows]})
@@ -74,7 +75,7 @@ def _worker(rank: int, world: int, port: int, hf: str, adapter: str, out_dir: st
 def _layouts(rank: int, world: int, port: int, hf: str, adapter: str, out_dir: str, ref: dict) -> None:
     from megatron.core import parallel_state
 
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
     from rltrain.megatron.peft_io import save_peft_adapter
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
@@ -82,7 +83,7 @@ def _layouts(rank: int, world: int, port: int, hf: str, adapter: str, out_dir: s
     diffs = {}
     for name, tp, pp, dp, sp in LAYOUTS:
         cfg = _cfg(adapter, tp, pp, sp)
-        init_parallel(cfg.megatron, "cpu")
+        init_groups(cfg.megatron, "cpu")
         dp_rank = parallel_state.get_data_parallel_rank()
         rows = slice(dp_rank * 8 // dp, (dp_rank + 1) * 8 // dp)
         res = _run(hf, cfg, batch, adv, rows)
@@ -103,11 +104,10 @@ def test_lora_layouts_match_tp1(mp_world, tiny_hf, tmp_path):
     from safetensors.torch import load_file
 
     # A non-trivial adapter (B != 0) made at TP=1 and saved as a PEFT folder.
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.lora import adapted_linears
     from rltrain.megatron.peft_io import save_peft_adapter
 
-    seed_actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), replace(_cfg(None), lora=LoraConfig(rank=4, alpha=8.0)),
+    seed_actor = actor_of(tiny_model_cfg(str(tiny_hf)), replace(_cfg(None), lora=LoraConfig(rank=4, alpha=8.0)),
                                "cpu", total_steps=1)  # fmt: skip
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():

@@ -13,6 +13,7 @@ from ._common import (
     TINY_REDUCTION,
     UPDATE_DEPTH,
     actor_cfg,
+    actor_of,
     assert_tiny_close,
     batch_from_lengths,
     tiny_model_cfg,
@@ -46,14 +47,13 @@ def test_policy_term_of_its_own_aggregation_and_token_mean_kl_entropy_do_not_dep
     """GSPO / SAPO aggregate their policy term seq-mean-token-mean while the KL loss and the entropy bonus
     follow actor.loss_agg_mode (token-mean): one micro-batch of 8 rows or four of 2 (holding different token
     counts) give the same update, because each term is weighted by its own share of the mini-batch."""
-    from rltrain.megatron.actor import MegatronActor
 
     results = []
     for micro in (8, 2):
         cfg = actor_cfg(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=micro, shuffle=False,
                         policy_loss=PolicyLossConfig(loss_mode=loss_mode), loss_agg_mode="token-mean",
                         use_kl_loss=True, kl_loss_coef=2.0, entropy_coeff=0.5, optim=Optim(lr=1e-3, clip_grad=1e9))  # fmt: skip
-        actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=10)
+        actor = actor_of(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=10)
         batch = _batch(actor)
         m = actor.update_policy(batch)
         results.append((m["actor/grad_norm"], actor.compute_log_prob(batch, with_entropy=False)["log_probs"]))

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from ._common import init_groups
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
@@ -101,9 +103,9 @@ def _ep_forward(rank: int, world: int, port: int, folder: str, ids: torch.Tensor
     from rlconf.model_spec import read_model_arch
     from rltrain.megatron.cpu_compat import cuda_to_cpu
     from rltrain.megatron.mla import hf_to_megatron, local_mla_block_spec, mla_config_kwargs
-    from rltrain.megatron.parallel import destroy_parallel, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel
 
-    init_parallel(MegatronConfig(expert_model_parallel_size=2), "cpu", rank=rank, world_size=world,
+    init_groups(MegatronConfig(expert_model_parallel_size=2), "cpu", rank=rank, world_size=world,
                   master_port=port)  # fmt: skip
     assert parallel_state.get_expert_model_parallel_world_size() == 2
     arch = read_model_arch(folder)

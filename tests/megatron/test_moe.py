@@ -24,11 +24,13 @@ from ..tolerance import rel_tolerance
 from ._common import (
     UPDATE_DEPTH,
     actor_cfg,
+    actor_of,
     assert_export_round_trips,
     assert_tiny_close,
     batch_from_lengths,
     free_port,
     hf_logits,
+    init_groups,
     reference_log_probs,
     run_spawned,
 )
@@ -105,9 +107,7 @@ def _layout_cfg(tp: int = 1, ep: int = 1, etp: int | None = None, aux: float | N
 
 
 def _actor(path: Path | str, cfg=None, trainable: bool = False):
-    from rltrain.megatron.actor import MegatronActor
-
-    return MegatronActor(ModelConfig(path=str(path), attention_backend="sdpa"), cfg or _layout_cfg(), "cpu",
+    return actor_of(ModelConfig(path=str(path), attention_backend="sdpa"), cfg or _layout_cfg(), "cpu",
                          trainable=trainable, total_steps=4)  # fmt: skip
 
 
@@ -200,14 +200,14 @@ def _run_ep_layouts(rank: int, world: int, port: int, refs: dict, out_dir: str) 
 
     from rltrain.megatron.hf_weights import export_hf_weights
     from rltrain.megatron.model import unwrap
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
     batch = refs["batch"]
     diffs: dict[str, float] = {}
     for name, tp, ep, etp in EP_LAYOUTS:
         cfg = _layout_cfg(tp, ep, etp)
-        init_parallel(cfg.megatron, "cpu")
+        init_groups(cfg.megatron, "cpu")
         assert parallel_state.get_expert_model_parallel_world_size() == ep
         dp = parallel_state.get_data_parallel_world_size()
         rows = slice(
@@ -323,12 +323,9 @@ CKPT_CONTENTS = ("model", "optimizer", "extra")
 def _random_init_actor(path: str, cfg):
     """An actor of `path`'s architecture with random weights: everything must come from the checkpoint."""
     from rlconf.model_spec import read_model_arch
-    from rltrain.megatron.actor import MegatronActor
 
     arch = read_model_arch(path)
-    return MegatronActor(
-        ModelConfig(path=None, arch=arch, attention_backend="sdpa"), cfg, "cpu", total_steps=4
-    )
+    return actor_of(ModelConfig(path=None, arch=arch, attention_backend="sdpa"), cfg, "cpu", total_steps=4)
 
 
 def _train_save_continue(path: str, cfg, rl: dict, folder: Path) -> dict[str, torch.Tensor]:
@@ -362,11 +359,11 @@ def _run_ckpt(rank: int, world: int, port: int, path: str, out: Path, rl: dict, 
     from the same start for the EP=1 load in the test process."""
     from megatron.core import parallel_state
 
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
     cfg = _layout_cfg(ep=2, aux=0.0)
-    init_parallel(cfg.megatron, "cpu")
+    init_groups(cfg.megatron, "cpu")
     d = parallel_state.get_data_parallel_rank()
     rows = slice(d * 4, (d + 1) * 4)
     local = {k: v[rows] for k, v in rl.items()}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ._common import actor_of
 from .test_moe import _actor, _batch, make_tiny_moe
 
 pytestmark = [
@@ -193,12 +194,11 @@ def test_static_moe_step_reads_nothing_on_the_host(mp_world, moe_model, monkeypa
 
 def _grouped_actor(path, cfg=None):
     from rlconf.config import ModelConfig
-    from rltrain.megatron.actor import MegatronActor
 
     from .test_moe import _layout_cfg
 
     model = ModelConfig(path=str(path), attention_backend="sdpa", moe_grouped_gemm=True)
-    return MegatronActor(model, cfg or _layout_cfg(aux=0.01), "cpu", trainable=True, total_steps=4)
+    return actor_of(model, cfg or _layout_cfg(aux=0.01), "cpu", trainable=True, total_steps=4)
 
 
 def test_grouped_moe_layer_trains_as_megatrons_moe_layer(mp_world, moe_model, monkeypatch):

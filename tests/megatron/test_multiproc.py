@@ -27,10 +27,13 @@ from ._common import (
     TINY_REDUCTION,
     UPDATE_DEPTH,
     actor_cfg,
+    actor_of,
     assert_tiny_close,
     batch_from_lengths,
+    critic_of,
     free_port,
     hf_logits,
+    init_groups,
     make_tiny_qwen2,
     reference_log_probs,
     run_spawned,
@@ -97,9 +100,8 @@ def _rl_batch(batch, old):
 
 
 def _update(hf_path: str, cfg, rl: dict) -> dict:
-    from rltrain.megatron.actor import MegatronActor
 
-    actor = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", total_steps=4)
+    actor = actor_of(tiny_model_cfg(hf_path), cfg, "cpu", total_steps=4)
     metrics = actor.update_policy(rl)
     after = actor.compute_log_prob(rl, with_entropy=False)["log_probs"]
     return {"grad_norm": metrics["actor/grad_norm"], "after": after, "actor": actor}
@@ -107,7 +109,6 @@ def _update(hf_path: str, cfg, rl: dict) -> dict:
 
 def _reference(hf_path: str) -> dict:
     """transformers' log-probs and the TP=1 megatron results in this (session) process."""
-    from rltrain.megatron.actor import MegatronActor
 
     batch = _uneven_batch()
     logits = hf_logits(hf_path, batch["input_ids"], batch["attention_mask"])
@@ -115,7 +116,7 @@ def _reference(hf_path: str) -> dict:
     lp_all = torch.log_softmax(logits, -1)[:, s - r - 1 : s - 1]
     hf_lp = reference_log_probs(logits, batch)
     hf_ent = -(lp_all.exp() * lp_all).sum(-1) * batch["response_mask"]
-    frozen = MegatronActor(tiny_model_cfg(hf_path), _update_cfg(), "cpu", trainable=False)
+    frozen = actor_of(tiny_model_cfg(hf_path), _update_cfg(), "cpu", trainable=False)
     gen = frozen.generate(batch["input_ids"][:4, :12], 4, temperature=0.0, pad_id=0)
     rl = _rl_batch(batch, hf_lp)
     out = {"batch": batch, "rl": rl, "log_probs": hf_lp, "entropy": hf_ent, "gen": gen["responses"]}
@@ -149,10 +150,8 @@ def _run_layouts(rank: int, world: int, port: int, paths: dict, out_dir: str, re
     from megatron.core import parallel_state
 
     from rlconf.config import CriticConfig, MegatronConfig, Optim
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.critic import MegatronCritic
     from rltrain.megatron.hf_weights import export_hf_weights
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     hf_path = paths["tied"]
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
@@ -161,7 +160,7 @@ def _run_layouts(rank: int, world: int, port: int, paths: dict, out_dir: str, re
     after_by_layout: dict[str, torch.Tensor] = {}
     for name, tp, pp, vpp, dp, distributed in LAYOUTS:
         cfg = _update_cfg(tp, pp, vpp, sequence_parallel=name.endswith("_sp"), distributed=distributed)
-        init_parallel(cfg.megatron, "cpu")
+        init_groups(cfg.megatron, "cpu")
         assert parallel_state.get_data_parallel_world_size() == dp
         # Every rank of a DP group sees the same rows; DP ranks split the batch.
         dp_rank = parallel_state.get_data_parallel_rank()
@@ -169,7 +168,7 @@ def _run_layouts(rank: int, world: int, port: int, paths: dict, out_dir: str, re
         local = {k: v[rows] for k, v in batch.items()}
         d = diffs[name] = {}
 
-        frozen = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
+        frozen = actor_of(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
         out = frozen.compute_log_prob(local)
         d["log_probs_vs_hf"] = _maxdiff(out["log_probs"], ref["log_probs"][rows])
         d["entropy_vs_hf"] = _maxdiff(out["entropy"], ref["entropy"][rows])
@@ -181,7 +180,7 @@ def _run_layouts(rank: int, world: int, port: int, paths: dict, out_dir: str, re
         if name in ("tp2", "pp2"):
             export_hf_weights(frozen.chunks, frozen.arch, os.path.join(out_dir, f"export_{name}"))
         if name == "tp2":
-            untied = MegatronActor(tiny_model_cfg(paths["untied"]), cfg, "cpu", trainable=False)
+            untied = actor_of(tiny_model_cfg(paths["untied"]), cfg, "cpu", trainable=False)
             export_hf_weights(untied.chunks, untied.arch, os.path.join(out_dir, "export_tp2_untied"))
             del untied
         del frozen
@@ -226,7 +225,7 @@ def _run_layouts(rank: int, world: int, port: int, paths: dict, out_dir: str, re
                 ppo_micro_batch_size_per_gpu=4,
                 optim=Optim(lr=1e-3),
             )
-            critic = MegatronCritic(tiny_model_cfg(hf_path), ccfg, "cpu", total_steps=4)
+            critic = critic_of(tiny_model_cfg(hf_path), ccfg, "cpu", total_steps=4)
             values = critic.compute_values(local)
             gathered = [torch.empty_like(values) for _ in range(world)]
             torch.distributed.all_gather(gathered, values)

@@ -16,7 +16,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from ._common import actor_cfg, free_port, make_batch, tiny_model_cfg
+from ._common import actor_cfg, actor_of, free_port, init_groups, make_batch, tiny_model_cfg
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
@@ -72,10 +72,8 @@ def _adam_states(engine) -> list[torch.Tensor]:
 def test_each_part_leaves_the_device_and_returns_bit_identical(mp_world, tiny_hf, dtype, distributed):
     from megatron.core.distributed import DistributedDataParallel
 
-    from rltrain.megatron.actor import MegatronActor
-
     mcfg = replace(tiny_model_cfg(str(tiny_hf)), params_dtype=dtype)
-    actor = MegatronActor(mcfg, _cfg(distributed), "cpu", total_steps=4)
+    actor = actor_of(mcfg, _cfg(distributed), "cpu", total_steps=4)
     actor.update_policy(_rl_batch(actor))  # creates Adam state and leaves gradients in the buffers
     before = actor.device_memory()
     snap = _snapshot(actor)
@@ -131,12 +129,11 @@ def test_each_part_leaves_the_device_and_returns_bit_identical(mp_world, tiny_hf
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_training_after_reload_equals_no_offload(mp_world, tiny_hf, dtype):
-    from rltrain.megatron.actor import MegatronActor
 
     mcfg = replace(tiny_model_cfg(str(tiny_hf)), params_dtype=dtype)
     results = []
     for offload in (False, True):
-        actor = MegatronActor(mcfg, _cfg(offload=offload), "cpu", total_steps=4)
+        actor = actor_of(mcfg, _cfg(offload=offload), "cpu", total_steps=4)
         batch = _rl_batch(actor)
         norms = [actor.update_policy(batch)["actor/grad_norm"]]
         # The worker's call points: after the update grads + optimizer leave, the weights stay for the
@@ -164,9 +161,8 @@ def test_training_after_reload_equals_no_offload(mp_world, tiny_hf, dtype):
 def test_offloaded_state_is_reloaded_by_any_access(mp_world, tiny_hf):
     """`chunks` brings the parameters back, `optimizer` everything: code outside the engine (checkpoints,
     HF export) never touches a released storage."""
-    from rltrain.megatron.actor import MegatronActor
 
-    actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), _cfg(), "cpu", total_steps=4)
+    actor = actor_of(tiny_model_cfg(str(tiny_hf)), _cfg(), "cpu", total_steps=4)
     actor.update_policy(_rl_batch(actor))
     actor.offload(params=True, grads=True, optimizer=True)
     assert actor.current_lr() > 0 and actor.offloaded() == ["params", "grads", "optimizer"]
@@ -176,13 +172,12 @@ def test_offloaded_state_is_reloaded_by_any_access(mp_world, tiny_hf):
 
 
 def test_reference_policy_shares_actor_weights_parameters_only(mp_world, tiny_hf):
-    from rltrain.megatron.actor import MegatronActor
 
     cfg = _cfg()
-    actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
+    actor = actor_of(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
     # Built from the actor (no checkpoint read), with param_offload as its own MegatronConfig asks.
     ref_mcfg = replace(cfg.megatron, param_offload=True)
-    ref = MegatronActor(
+    ref = actor_of(
         tiny_model_cfg(str(tiny_hf)), cfg, "cpu", megatron_cfg=ref_mcfg, trainable=False, init_from=actor
     )
     for a, r in zip(actor.modules(), ref.modules(), strict=True):
@@ -217,15 +212,14 @@ def _gpu_worker(rank: int, port: int, hf_path: str, out: str) -> None:
 
 
 def _gpu_offload(port: int, hf_path: str, out: str) -> None:
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     os.environ["LOCAL_RANK"] = "0"
     init_distributed("cuda", rank=0, world_size=1, master_port=port)
     cfg = _cfg(offload=True)
-    init_parallel(cfg.megatron, "cuda")
+    init_groups(cfg.megatron, "cuda")
     mcfg = replace(tiny_model_cfg(hf_path), params_dtype="bfloat16")
-    actor = MegatronActor(mcfg, cfg, "cuda", total_steps=4)
+    actor = actor_of(mcfg, cfg, "cuda", total_steps=4)
     batch = _rl_batch(actor)
     actor.update_policy(batch)
     torch.cuda.synchronize()

@@ -25,8 +25,10 @@ from ._common import (
     TINY_REDUCTION,
     UPDATE_DEPTH,
     actor_cfg,
+    actor_of,
     assert_tiny_close,
     batch_from_lengths,
+    critic_of,
     hf_logits,
     make_batch,
     make_tiny_qwen2,
@@ -64,10 +66,9 @@ def _uneven_batch(seed: int = 0) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------ HF parity
 @pytest.mark.parametrize("tie", [True, False])
 def test_log_probs_and_entropy_match_transformers(mp_world, tiny_hf, untied_hf, tie):
-    from rltrain.megatron.actor import MegatronActor
 
     path = tiny_hf if tie else untied_hf
-    actor = MegatronActor(tiny_model_cfg(str(path)), actor_cfg(), "cpu", trainable=False)
+    actor = actor_of(tiny_model_cfg(str(path)), actor_cfg(), "cpu", trainable=False)
     for batch in (make_batch(b=8), _uneven_batch()):
         ref_lp, ref_ent = _hf_reference(path, batch)
         out = actor.compute_log_prob(batch)
@@ -123,14 +124,13 @@ def test_chunked_log_probs_equal_unchunked(mp_world, temperature):
 
 
 def test_chunk_size_does_not_change_the_engine(mp_world, tiny_hf):
-    from rltrain.megatron.actor import MegatronActor
 
     results = []
     for chunk in (None, 3):
         cfg = actor_cfg(
             ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=4, shuffle=False, entropy_coeff=0.01
         )
-        actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
+        actor = actor_of(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
         actor.logprob_chunk_tokens = chunk
         batch = make_batch(b=8)
         old = actor.compute_log_prob(batch)
@@ -160,8 +160,6 @@ def test_split_by_tokens_respects_the_budget():
 
 def test_dynamic_batching_keeps_row_order(mp_world, tiny_hf):
     from rlconf.config import CriticConfig, Optim
-    from rltrain.megatron.actor import MegatronActor
-    from rltrain.megatron.critic import MegatronCritic
     from rltrain.megatron.parallel import seed_parallel_rng
 
     batch = _uneven_batch()
@@ -177,7 +175,7 @@ def test_dynamic_batching_keeps_row_order(mp_world, tiny_hf):
     dyn_cfg = replace(fixed_cfg, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=64)
     actors = {}
     for name, cfg in (("fixed", fixed_cfg), ("dynamic", dyn_cfg)):
-        actors[name] = MegatronActor(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
+        actors[name] = actor_of(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
     mbs = actors["dynamic"].micro_batches(batch, 10, True, 64)
     order = torch.cat([mb.rows for mb in mbs])
     assert len(mbs) > 3 and not torch.equal(order, torch.arange(10))  # really regrouped
@@ -208,14 +206,13 @@ def test_dynamic_batching_keeps_row_order(mp_world, tiny_hf):
             enable=True, ppo_micro_batch_size_per_gpu=10, use_dynamic_bsz=dyn, ppo_max_token_len_per_gpu=64
         )
         seed_parallel_rng(3)  # the same fresh value head in both
-        values[name] = MegatronCritic(tiny_model_cfg(str(tiny_hf)), ccfg, "cpu").compute_values(batch)
+        values[name] = critic_of(tiny_model_cfg(str(tiny_hf)), ccfg, "cpu").compute_values(batch)
     assert_tiny_close(values["fixed"], values["dynamic"])
 
 
 # ------------------------------------------------------------------------------------ optimizer
 def test_distributed_optimizer_step_equals_plain_optimizer(mp_world, tiny_hf):
     from rlconf.config import Optim
-    from rltrain.megatron.actor import MegatronActor
 
     weights = []
     for distributed in (True, False):
@@ -226,7 +223,7 @@ def test_distributed_optimizer_step_equals_plain_optimizer(mp_world, tiny_hf):
             optim=Optim(lr=1e-3, clip_grad=1.0),
         )
         cfg = replace(cfg, megatron=replace(cfg.megatron, use_distributed_optimizer=distributed))
-        actor = MegatronActor(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
+        actor = actor_of(tiny_model_cfg(str(tiny_hf)), cfg, "cpu", total_steps=4)
         batch = make_batch(b=8)
         old = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
         sign = torch.tensor([1.0 if i % 2 == 0 else -1.0 for i in range(8)]).unsqueeze(1)
@@ -242,10 +239,9 @@ def test_distributed_optimizer_step_equals_plain_optimizer(mp_world, tiny_hf):
 
 def test_adam_hyperparameters_reach_the_optimizer(mp_world):
     from rlconf.config import Optim
-    from rltrain.megatron.actor import MegatronActor
 
     optim = Optim(lr=3e-4, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05)
-    actor = MegatronActor(tiny_model_cfg(None), actor_cfg(optim=optim), "cpu", total_steps=4)
+    actor = actor_of(tiny_model_cfg(None), actor_cfg(optim=optim), "cpu", total_steps=4)
     subs = actor._sub_optimizers()
     assert subs and all(type(s.optimizer).__name__ == "AdamW" for s in subs)
     groups = [g for s in subs for g in s.optimizer.param_groups]
@@ -257,11 +253,10 @@ def test_adam_hyperparameters_reach_the_optimizer(mp_world):
 # ------------------------------------------------------------------------------------ HF round trip
 @pytest.mark.parametrize("tie", [True, False])
 def test_hf_round_trip_is_bit_identical(mp_world, tiny_hf, untied_hf, tmp_path, tie):
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.hf_weights import export_hf_weights
 
     src = tiny_hf if tie else untied_hf
-    actor = MegatronActor(tiny_model_cfg(str(src)), actor_cfg(), "cpu", trainable=False)
+    actor = actor_of(tiny_model_cfg(str(src)), actor_cfg(), "cpu", trainable=False)
     export_hf_weights(actor.chunks, actor.arch, tmp_path)
     assert_same_safetensors(src, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["tie_word_embeddings"] is tie

@@ -235,7 +235,7 @@ def test_critic_warmup_delays_the_actor_as_planned(mp_world):
 @pytest.mark.slow
 def test_engine_is_built_from_the_plans_model_and_layout(mp_world, tiny_hf):
     """The architecture is the plan's ModelSpec (config.json read once, by the plan) and the weights load
-    from its folder; a plan whose layout is not the process groups' is refused, not run."""
+    from its folder; the parallel sizes are the plan's layout."""
     from rltrain.megatron import model as mmodel
     from rltrain.megatron.actor import MegatronActor
 
@@ -250,9 +250,9 @@ def test_engine_is_built_from_the_plans_model_and_layout(mp_world, tiny_hf):
         arch.num_layers, arch.hidden_size, arch.ffn_hidden_size,
     )  # fmt: skip
     assert actor.spec.batch == plan.batch_plan("actor") and actor.spec.optim == plan.optim_plan("actor")
-    wrong = compile_plan(replace(config, cluster=replace(config.cluster, gpus_per_node=2)))
-    with pytest.raises(RuntimeError, match="the plan's layout is"):
-        MegatronActor.from_plan(wrong, "actor")
+    # The parallel sizes are the layout's (megatron's groups are built from it; nothing re-derives them).
+    lay = plan.layout("actor")
+    assert (actor.tp_size, actor.dp_size, actor.cp_size) == (lay.tp, lay.dp, lay.cp)
 
 
 # ------------------------------------------------------------------------------------ DP = 2 and TP = 2

@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 
-from ._common import actor_cfg, free_port, make_tiny_qwen2, run_spawned, tiny_model_cfg
+from ._common import actor_cfg, actor_of, free_port, init_groups, make_tiny_qwen2, run_spawned, tiny_model_cfg
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
@@ -39,9 +39,8 @@ def _export(replica, folder: str) -> None:
 
 
 def _run(rank: int, world: int, port: int, untied: str, tied: str, out_dir: str) -> None:
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.hf_weights import export_hf_weights
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
     from rltrain.rollout.reshard import RolloutReplica
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
@@ -50,8 +49,8 @@ def _run(rank: int, world: int, port: int, untied: str, tied: str, out_dir: str)
              ("pp2_to_tp1", untied, dict(pp=2), 1), ("tied_pp2_to_tp2", tied, dict(pp=2), 2)]  # fmt: skip
     for label, hf, layout, rollout_tp in cases:
         cfg = actor_cfg(**layout)
-        init_parallel(cfg.megatron, "cpu")
-        actor = MegatronActor(tiny_model_cfg(hf), cfg, "cpu", trainable=False)
+        init_groups(cfg.megatron, "cpu")
+        actor = actor_of(tiny_model_cfg(hf), cfg, "cpu", trainable=False)
         replica = RolloutReplica(actor, rollout_tp, BUCKET)
         stats = replica.refit()
         out[f"{label}/buckets"] = stats.buckets

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ._common import UPDATE_DEPTH, assert_tiny_close, free_port, run_spawned
+from ._common import UPDATE_DEPTH, actor_of, assert_tiny_close, free_port, init_groups, run_spawned
 from .test_context_parallel import GRAD_NORM_REL, _batch, _cfg, _rl
 
 pytestmark = [
@@ -79,9 +79,8 @@ def _layout(pp: int = 1, vpp=None, first=None, last=None, emb=False, loss=False)
 
 def _run(hf: str, cfg, rl: dict, save_to: Path, replica_to: Path | None = None) -> dict:
     from rltrain.checkpoint import save_engine
-    from rltrain.megatron.actor import MegatronActor
 
-    frozen = MegatronActor(_model_cfg(hf), cfg, "cpu", trainable=False)
+    frozen = actor_of(_model_cfg(hf), cfg, "cpu", trainable=False)
     out = dict(frozen.compute_log_prob(rl))
     if replica_to is not None:  # the rollout resharded from these stages to TP = 1 (one stage)
         from rltrain.megatron.hf_weights import export_hf_weights
@@ -96,7 +95,7 @@ def _run(hf: str, cfg, rl: dict, save_to: Path, replica_to: Path | None = None) 
         [layer.layer_number for layer in _unwrap(m).decoder.layers] for m in frozen.chunks
     ]
     del frozen
-    actor = MegatronActor(_model_cfg(hf), cfg, "cpu", total_steps=4)
+    actor = actor_of(_model_cfg(hf), cfg, "cpu", total_steps=4)
     out["grad_norm"] = actor.update_policy(rl)["actor/grad_norm"]
     out["after"] = actor.compute_log_prob(rl, with_entropy=False)["log_probs"]
     assert save_engine(actor, save_to, ("model",), {"step": 1})
@@ -122,9 +121,8 @@ def _unwrap(m):
 def _load(other_hf: str, cfg, folder: Path, rl: dict) -> torch.Tensor:
     """Log-probs of the checkpoint in `folder`, loaded into an actor built from other weights."""
     from rltrain.checkpoint import load_engine
-    from rltrain.megatron.actor import MegatronActor
 
-    actor = MegatronActor(_model_cfg(other_hf), cfg, "cpu", trainable=False)
+    actor = actor_of(_model_cfg(other_hf), cfg, "cpu", trainable=False)
     load_engine(actor, folder, ("model",))
     return actor.compute_log_prob(rl, with_entropy=False)["log_probs"]
 
@@ -136,13 +134,13 @@ def _worker(rank: int, port: int, hf: str, other: str, rl: dict, out_dir: str) -
 def _spawned(rank: int, port: int, hf: str, other: str, rl: dict, out: Path) -> None:
     from megatron.core import parallel_state
 
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
 
     init_distributed("cpu", rank=rank, world_size=2, master_port=port)
     results = {}
     for name, vpp, first, last, emb, loss, _ in LAYOUTS:
         cfg = _layout(2, vpp, first, last, emb, loss)
-        init_parallel(cfg.megatron, "cpu")
+        init_groups(cfg.megatron, "cpu")
         assert parallel_state.get_pipeline_model_parallel_world_size() == 2
         results[name] = _run(hf, cfg, rl, out / name / "actor", out / name / "replica")
         results[name]["loaded_pp1"] = _load(other, cfg, out / "pp1" / "actor", rl)
@@ -156,9 +154,8 @@ def test_uneven_stages_match_pp1_and_reshard_checkpoints(mp_world, tmp_path):
     hf = str(_make_hf(tmp_path / "hf", seed=3))
     other = str(_make_hf(tmp_path / "other", seed=4))  # same shape, other weights: loads must overwrite them
     batch = _batch()
-    from rltrain.megatron.actor import MegatronActor
 
-    old = MegatronActor(_model_cfg(hf), _layout(), "cpu", trainable=False).compute_log_prob(
+    old = actor_of(_model_cfg(hf), _layout(), "cpu", trainable=False).compute_log_prob(
         batch, with_entropy=False
     )["log_probs"]
     rl = _rl(batch, old)
@@ -202,7 +199,7 @@ def test_uneven_stages_match_pp1_and_reshard_checkpoints(mp_world, tmp_path):
         for key, t in src.items():
             assert torch.equal(exported[key], t), (name, key)
     # the other weights really differ (a load that did nothing would fail above)
-    other_lp = MegatronActor(_model_cfg(other), _layout(), "cpu", trainable=False).compute_log_prob(
+    other_lp = actor_of(_model_cfg(other), _layout(), "cpu", trainable=False).compute_log_prob(
         rl, with_entropy=False
     )["log_probs"]
     assert float((other_lp - ref["after"]).abs().max()) > 1e-2

@@ -19,8 +19,10 @@ import torch
 
 from ._common import (
     actor_cfg,
+    actor_of,
     assert_tiny_close,
     free_port,
+    init_groups,
     make_batch,
     make_tiny_qwen2,
     run_spawned,
@@ -43,9 +45,8 @@ def _worker(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> Non
 def _run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
     from safetensors.torch import load_file
 
-    from rltrain.megatron.actor import MegatronActor
     from rltrain.megatron.hf_weights import arch_from_hf
-    from rltrain.megatron.parallel import destroy_parallel, init_distributed, init_parallel
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
     from rltrain.rollout.weight_sync import (
         MegatronWeightLoader,
         iter_hf_weights,
@@ -62,9 +63,9 @@ def _run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
 
     # ---- phase 1: TP=1 trainer on rank 0, receiver on rank 1
     cfg = actor_cfg()
-    init_parallel(cfg.megatron, "cpu")
+    init_groups(cfg.megatron, "cpu")
     if rank == 0:
-        trainer = MegatronActor(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
+        trainer = actor_of(tiny_model_cfg(hf_path), cfg, "cpu", trainable=False)
         for bucket in BUCKETS:
             sync_weights(trainer.chunks, trainer.arch, group, src=0, bucket_bytes=bucket)
         sync_weights(trainer.chunks, trainer.arch, group, src=0, bucket_bytes=4096)
@@ -78,9 +79,7 @@ def _run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
             out[f"recv_{bucket}"] = got
             out[f"buckets_{bucket}"] = stats.buckets
         model_cfg = tiny_model_cfg(None)
-        receiver = MegatronActor(
-            type(model_cfg)(arch=arch, attention_backend="sdpa"), cfg, "cpu", trainable=False
-        )
+        receiver = actor_of(type(model_cfg)(arch=arch, attention_backend="sdpa"), cfg, "cpu", trainable=False)
         before = receiver.compute_log_prob(batch, with_entropy=False)["log_probs"]
         loader = MegatronWeightLoader(receiver.chunks, arch)
         receive_weights(loader, group, src=0)
@@ -90,12 +89,12 @@ def _run(rank: int, world: int, port: int, hf_path: str, out_dir: str) -> None:
 
     # ---- phase 2: TP=2 on both ranks
     cfg2 = actor_cfg(tp=2)
-    init_parallel(cfg2.megatron, "cpu")
-    tp2 = MegatronActor(tiny_model_cfg(hf_path), cfg2, "cpu", trainable=False)
+    init_groups(cfg2.megatron, "cpu")
+    tp2 = actor_of(tiny_model_cfg(hf_path), cfg2, "cpu", trainable=False)
     gathered = {n: t.clone() for n, t in iter_hf_weights(tp2.chunks, tp2.arch)}
     if rank == 0:
         out["gathered_tp2"] = gathered
-    fresh = MegatronActor(
+    fresh = actor_of(
         type(tiny_model_cfg())(arch=arch, attention_backend="sdpa"), cfg2, "cpu", trainable=False
     )
     loader = MegatronWeightLoader(fresh.chunks, arch)
