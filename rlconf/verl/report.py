@@ -349,11 +349,13 @@ error (`unknown-key`) with a suggestion, never silently ignored.
 _PAGE_QUICKSTART = """\
 ## verl's GSM8K quickstart, in small, on a CPU
 
-The same path with files you can make here: a Qwen2-shaped Hugging Face folder (2 layers, a byte-level BPE
-tokenizer trained with `tokenizers` on the task's text, a ChatML chat template, weights warmed up to write
-`#### N` answers) and parquet files of arithmetic word problems in the layout verl's GSM8K preprocessing
-writes (`data_source: openai/gsm8k`, chat-message prompts, `reward_model.ground_truth`). From the
-repository root:
+The same path with files you can make here: a Qwen2-shaped Hugging Face folder (2 layers, hidden size 64, a
+byte-level BPE tokenizer trained with `tokenizers` on the task's text, a ChatML chat template) and parquet
+files of arithmetic word problems in the layout verl's GSM8K preprocessing writes (`data_source:
+openai/gsm8k`, chat-message prompts, `reward_model.ground_truth`). The model stands in for a pretrained
+one: a short supervised warm-up teaches it the `#### N` format and the sums, then a few steps on answers
+that are right only 3 times in 10 leave it unsure (sampled, about 1 answer in 3 is right), as a small
+model is on GSM8K. From the repository root:
 
 <!-- skip-test: run by tests/test_verl_quickstart.py, which reads this block -->
 ```bash
@@ -366,19 +368,36 @@ repository root:
     actor_rollout_ref.actor.optim.lr=2e-3 actor_rollout_ref.actor.ppo_mini_batch_size=16 \\
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128 actor_rollout_ref.actor.use_kl_loss=False \\
     actor_rollout_ref.rollout.n=8 trainer.device=cpu trainer.n_gpus_per_node=1 trainer.nnodes=1 \\
-    trainer.total_training_steps=20 trainer.test_freq=10 trainer.save_freq=-1 trainer.logger=console \\
+    trainer.total_training_steps=40 trainer.test_freq=10 trainer.save_freq=-1 trainer.logger=console \\
     -o verl-small/rlplan.yaml
 .venv/bin/rltrain --config verl-small/rlplan.yaml
 ```
 
+The first command prints:
+
+<!-- generated:verl-setup -->
+<!-- /generated -->
+
 The import maps every key (verl's defaults it applies are listed under "derived", among them
 `reward.function: default_compute_score`, which scores each row by its `data_source` with verl's GSM8K
-rule: the answer after `#### `, compared as a string) and ends with the `rltrain --config` line above. The
-run tokenizes the prompts with the folder's chat template, trains through Ray and megatron-core on the
-CPU and writes `outputs/rlplan/` (metrics, checkpoints, reward curve). The walk-through shows the path,
-not a result: the warmed-up 2-layer model writes the format and guesses the sums (about 1 in 5 right),
-and 20 steps do not teach it more (measured 2026-12-01: mean training reward 0.19 over the first 10
-steps, 0.20 over the last 10). `tests/test_verl_quickstart.py` runs these commands as printed.
+rule: the answer after `#### `, compared as a string) and ends with the `rltrain --config` line above:
+
+<!-- generated:verl-import -->
+<!-- /generated -->
+
+The run tokenizes the prompts with the folder's chat template, trains through Ray and megatron-core on the
+CPU and writes `outputs/rlplan/` (metrics, checkpoints, reward curve):
+
+<!-- generated:verl-run -->
+<!-- /generated -->
+
+<!-- generated:verl-summary -->
+<!-- /generated -->
+
+GRPO sharpens what the model half knows: the right answer gains probability in every group where some of
+the 8 answers are right. `tests/test_verl_quickstart.py` runs these commands as printed, checks that the
+reward rises and that the output is still this record's (`.venv/bin/python bench/docs_run.py --verl`
+rewrites it).
 
 """
 
