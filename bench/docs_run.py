@@ -91,13 +91,20 @@ def run_verl_walkthrough(work: Path, env: dict[str, str] | None = None) -> dict[
     commands = []
     for command in verl_walkthrough(VERL_PAGE.read_text()):
         t0 = time.perf_counter()
-        result = subprocess.run(command, shell=True, executable="/bin/bash", cwd=work, env=env,
+        # RLPLAN_HEAVY_LOCK: a lock file the run (Ray, megatron) queues on when machines are shared.
+        lock = os.environ.get("RLPLAN_HEAVY_LOCK") if command.startswith(".venv/bin/rltrain") else None
+        shell = f"flock {lock} {command}" if lock else command
+        result = subprocess.run(shell, shell=True, executable="/bin/bash", cwd=work, env=env,
                                 capture_output=True, text=True, check=False)  # fmt: skip
         if result.returncode != 0:
-            sys.exit(f"{command} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}")
+            sys.exit(
+                f"{command} failed ({result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+            )
         commands.append({"command": command, "wall_s": round(time.perf_counter() - t0, 1),
                          "stdout": result.stdout.splitlines()})  # fmt: skip
-    rows = [json.loads(line) for line in (work / "outputs" / "rlplan" / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (work / "outputs" / "rlplan" / "metrics.jsonl").read_text().splitlines()
+    ]
     return {
         "commands": commands,
         "rewards": [r["reward/mean"] for r in rows],
@@ -112,7 +119,11 @@ def record_verl() -> None:
         (work / ".venv").symlink_to(ROOT / ".venv")
         (work / "bench").symlink_to(ROOT / "bench")
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        record = {"date": datetime.date.today().isoformat(), "machine": _machine(), **run_verl_walkthrough(work, env)}
+        record = {
+            "date": datetime.date.today().isoformat(),
+            "machine": _machine(),
+            **run_verl_walkthrough(work, env),
+        }
     VERL_RECORD.parent.mkdir(parents=True, exist_ok=True)
     VERL_RECORD.write_text(json.dumps(record, indent=1) + "\n")
     print(f"wrote {VERL_RECORD}")
@@ -125,7 +136,9 @@ def main() -> int:
     args = parser.parse_args()
     if args.verl:
         record_verl()
-        subprocess.run([str(ROOT / ".venv" / "bin" / "rlconf"), "docs", "docs/reference"], cwd=ROOT, check=True)
+        subprocess.run(
+            [str(ROOT / ".venv" / "bin" / "rlconf"), "docs", "docs/reference"], cwd=ROOT, check=True
+        )
         return 0
     old = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     record = {

@@ -192,7 +192,11 @@ def verl_regions(record: Mapping[str, object]) -> dict[str, str]:
     """Regions of the migration page quoted from the recorded verl walk-through (bench/docs_run.py --verl):
     the import's report (its first and last lines), the run's output and its numbers."""
     setup, imported, run = (c["stdout"] for c in record["commands"])
-    report = [*imported[:1], "...", *imported[imported.index(next(x for x in imported if x.startswith("validation"))) :]]
+    report = [
+        *imported[:1],
+        "...",
+        *imported[imported.index(next(x for x in imported if x.startswith("validation"))) :],
+    ]
     steps = [line for line in run if line.startswith("step ")]
     shown = [*steps[:3], "...", *steps[-2:], *(line for line in run if line.startswith("done:"))]
     rewards, k = list(record["rewards"]), VERL_FIRST_LAST

@@ -349,13 +349,11 @@ error (`unknown-key`) with a suggestion, never silently ignored.
 _PAGE_QUICKSTART = """\
 ## verl's GSM8K quickstart, in small, on a CPU
 
-The same path with files you can make here: a Qwen2-shaped Hugging Face folder (2 layers, hidden size 64, a
-byte-level BPE tokenizer trained with `tokenizers` on the task's text, a ChatML chat template) and parquet
-files of arithmetic word problems in the layout verl's GSM8K preprocessing writes (`data_source:
-openai/gsm8k`, chat-message prompts, `reward_model.ground_truth`). The model stands in for a pretrained
-one: a short supervised warm-up teaches it the `#### N` format and the sums, then a few steps on answers
-that are right only 3 times in 10 leave it unsure (sampled, about 1 answer in 3 is right), as a small
-model is on GSM8K. From the repository root:
+The same path with files you can make here: a Qwen2-shaped Hugging Face folder (2 layers, a byte-level BPE
+tokenizer trained with `tokenizers` on the task's text, a ChatML chat template, weights warmed up to write
+`#### N` answers) and parquet files of arithmetic word problems in the layout verl's GSM8K preprocessing
+writes (`data_source: openai/gsm8k`, chat-message prompts, `reward_model.ground_truth`). From the
+repository root:
 
 <!-- skip-test: run by tests/test_verl_quickstart.py, which reads this block -->
 ```bash
@@ -394,10 +392,9 @@ CPU and writes `outputs/rlplan/` (metrics, checkpoints, reward curve):
 <!-- generated:verl-summary -->
 <!-- /generated -->
 
-GRPO sharpens what the model half knows: the right answer gains probability in every group where some of
-the 8 answers are right. `tests/test_verl_quickstart.py` runs these commands as printed, checks that the
-reward rises and that the output is still this record's (`.venv/bin/python bench/docs_run.py --verl`
-rewrites it).
+The walk-through shows the path more than a result: the warmed-up 2-layer model writes the format and mostly
+guesses the sums, and 40 steps move its sampled answers little (the numbers above). `tests/test_verl_quickstart.py` runs these commands as printed
+and checks that the output is still this record's (`.venv/bin/python bench/docs_run.py --verl` rewrites it).
 
 """
 
