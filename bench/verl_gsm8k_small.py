@@ -84,7 +84,10 @@ def train_tokenizer(folder: Path, texts: list[str]) -> object:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=list(SPECIALS), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=400,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     backend.train_from_iterator(texts, trainer)
     tok = PreTrainedTokenizerFast(
@@ -98,8 +101,11 @@ def train_tokenizer(folder: Path, texts: list[str]) -> object:
 def write_model(out: Path, warmup_steps: int, seed: int = 0) -> Path:
     """The model folder; `warmup_steps` supervised steps on worked answers (0: random init)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in the walk-through's output
+    torch.set_num_threads(1)  # a tiny model: more threads only wait on each other
     folder = out / "models" / "tiny-qwen2"
     folder.mkdir(parents=True, exist_ok=True)
     train = rows("sft", 512, 2)
@@ -107,6 +113,9 @@ def write_model(out: Path, warmup_steps: int, seed: int = 0) -> Path:
     answers = [f"#### {r['reward_model']['ground_truth']}" for r in train]
     chat = [CHAT_TEMPLATE.replace("\\n", "\n")]  # the template's literal text teaches its pieces too
     tok = train_tokenizer(folder, [p[0]["content"] for p in prompts] + answers + chat)
+    # The warm-up encodes as the run will: AutoTokenizer of the saved folder (transformers 5 builds its
+    # Qwen2Tokenizer for a qwen2 folder, whose pre-tokenizer splits digits: ' 12' is 'Ġ', '1', '2').
+    tok = AutoTokenizer.from_pretrained(folder)
     torch.manual_seed(seed)
     config = Qwen2Config(**{k: v for k, v in CONFIG.items() if k != "architectures"}, vocab_size=len(tok),
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)  # fmt: skip

@@ -113,6 +113,10 @@ def presets_reference(presets: Mapping[str, DocumentedPreset]) -> str:
 MIGRATION_PAGE = "migrating-from-verl.md"
 RUN_RECORD = Path("_generated") / "tiny-grpo-run.json"
 """The recorded main-job run, relative to the docs folder (bench/docs_run.py writes it)."""
+VERL_RECORD = Path("_generated") / "verl-gsm8k-small-run.json"
+"""The recorded verl GSM8K walk-through of the migration page (bench/docs_run.py --verl writes it)."""
+VERL_FIRST_LAST = 10
+"""The walk-through's summary compares the mean training reward of the first and the last this many steps."""
 PAGES_WITH_REGIONS = ("quickstart.md", "concepts.md", "../README.md")
 """Pages (relative to the docs folder) whose generated regions `rlconf docs` rewrites."""
 _REGION = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
@@ -184,10 +188,44 @@ def run_regions(record: Mapping[str, object]) -> dict[str, str]:
     }
 
 
+def verl_regions(record: Mapping[str, object]) -> dict[str, str]:
+    """Regions of the migration page quoted from the recorded verl walk-through (bench/docs_run.py --verl):
+    the import's report (its first and last lines), the run's output and its numbers."""
+    setup, imported, run = (c["stdout"] for c in record["commands"])
+    report = [
+        *imported[:1],
+        "...",
+        *imported[imported.index(next(x for x in imported if x.startswith("validation"))) :],
+    ]
+    steps = [line for line in run if line.startswith("step ")]
+    shown = [*steps[:3], "...", *steps[-2:], *(line for line in run if line.startswith("done:"))]
+    rewards, k = list(record["rewards"]), VERL_FIRST_LAST
+    first, last = sum(rewards[:k]) / k, sum(rewards[-k:]) / k
+    val = record["val"]
+    summary = (
+        f"In the recorded run ({record['date']}; {record['machine']}) the mean training reward was {first:.3f} "
+        f"over the first {k} steps and {last:.3f} over the last {k}; greedy validation went from "
+        f"{record['val_before']:.2f} before training to {val[str(len(rewards))]:.2f} at step {len(rewards)}. "
+        f"The three commands took {record['commands'][0]['wall_s']:.0f} s, {record['commands'][1]['wall_s']:.0f} s "
+        f"and {record['commands'][2]['wall_s']:.0f} s.\n"
+    )
+    return {
+        "verl-setup": "```text\n" + "\n".join(setup) + "\n```\n",
+        "verl-import": "```text\n" + "\n".join(report) + "\n```\n",
+        "verl-run": "```text\n" + "\n".join(shown) + "\n```\n",
+        "verl-summary": summary,
+    }
+
+
+def _record(docs_dir: str | Path, name: Path) -> dict | None:
+    path = Path(docs_dir) / name
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+
+
 def generated_regions(docs_dir: str | Path, presets: Mapping[str, DocumentedPreset]) -> dict[str, str]:
-    record_path = Path(docs_dir) / RUN_RECORD
-    record = json.loads(record_path.read_text(encoding="utf-8")) if record_path.exists() else None
-    return {**plan_regions(presets[MAIN_PRESET]), **(run_regions(record) if record else {})}
+    record, verl = _record(docs_dir, RUN_RECORD), _record(docs_dir, VERL_RECORD)
+    return {**plan_regions(presets[MAIN_PRESET]), **(run_regions(record) if record else {}),
+            **(verl_regions(verl) if verl else {})}  # fmt: skip
 
 
 def refresh_regions(text: str, regions: Mapping[str, str]) -> str:
@@ -213,9 +251,9 @@ def write_reference(outdir: str | Path, presets: Mapping[str, DocumentedPreset])
     for name, text in (("config.md", config_reference()), ("presets.md", presets_reference(presets))):
         (out / name).write_text(text, encoding="utf-8")
         written.append(out / name)
-    (out.parent / MIGRATION_PAGE).write_text(migration_page(), encoding="utf-8")
-    written.append(out.parent / MIGRATION_PAGE)
     regions = generated_regions(out.parent, presets)
+    (out.parent / MIGRATION_PAGE).write_text(refresh_regions(migration_page(), regions), encoding="utf-8")
+    written.append(out.parent / MIGRATION_PAGE)
     for name in PAGES_WITH_REGIONS:
         page = out.parent / name
         if page.exists():

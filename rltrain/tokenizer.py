@@ -428,6 +428,16 @@ class HFTokenizer:
         return f"HFTokenizer({type(self.hf).__name__}, vocab_size={self.vocab_size})"
 
 
+def quiet_transformers() -> None:
+    """Keep transformers' own output (progress bars such as "Loading weights", advisory warnings and info
+    logs) out of rltrain's: a failure still raises, and rltrain reports it in its own error format."""
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def load_tokenizer(plan: TokenizerPlan) -> CharTokenizer | HFTokenizer:
     """The tokenizer the plan names: its folder (model.tokenizer_path, else model.path), else the built-in
     character tokenizer.
@@ -466,6 +476,7 @@ def load_tokenizer(plan: TokenizerPlan) -> CharTokenizer | HFTokenizer:
         # oversized file reaches it).
         tokenizer_size(path, key)
     try:
+        quiet_transformers()
         from transformers import AutoTokenizer
 
         hf = AutoTokenizer.from_pretrained(path, local_files_only=True)

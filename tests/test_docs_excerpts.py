@@ -25,6 +25,31 @@ TROUBLESHOOTING = (
 )  # fmt: skip
 
 
+# (file name, file text, rule): the rule's lines of `rlconf validate FILE` (the issue and its fix) are quoted in
+# troubleshooting.md's blocks verbatim; the other issues the same file raises are not quoted.
+TROUBLESHOOTING_RULES = (
+    ("world.yaml", "preset: tiny-grpo\ncluster:\n  gpus_per_node: 4\nactor:\n  megatron:\n"
+     "    tensor_model_parallel_size: 3\n", "world-divisible-by-model-parallel"),
+    ("sp.yaml", "preset: tiny-grpo\nactor:\n  megatron:\n    sequence_parallel: true\n", "sequence-parallel-needs-tp"),
+    ("mb.yaml", "preset: tiny-grpo\nactor:\n  ppo_mini_batch_size: 3\n", "mini-batch-divides-batch"),
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "rule"), TROUBLESHOOTING_RULES, ids=[r for _, _, r in TROUBLESHOOTING_RULES]
+)
+def test_troubleshooting_rule_excerpts_are_current(tmp_path: Path, name: str, text: str, rule: str) -> None:
+    (tmp_path / name).write_text(text)
+    result = subprocess.run([sys.executable, "-m", "rlconf.cli", "validate", name], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = (result.stdout + result.stderr).splitlines()
+    quoted = [f"{line}\n{lines[i + 1]}" for i, line in enumerate(lines) if f"[{rule}]" in line]
+    assert quoted, lines
+    page = (ROOT / "docs" / "troubleshooting.md").read_text()
+    for excerpt in quoted:
+        assert excerpt in page, excerpt
+
+
 def _run(tmp_path: Path, module: str, *args: str) -> str:
     result = subprocess.run([sys.executable, "-m", module, *args], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)  # fmt: skip

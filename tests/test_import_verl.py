@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from presets import PRESETS
 from rlconf.config import RLConfig
-from rlconf.docs import write_reference
+from rlconf.docs import generated_regions, refresh_regions, write_reference
 from rlconf.errors import ConfigError
 from rlconf.fields import leaf_paths
 from rlconf.plan import compile_plan
@@ -405,7 +405,12 @@ def test_table_rows_are_unique_and_name_real_rlplan_paths() -> None:
 # ------------------------------------------------------------------------------------------------- docs
 def test_committed_migration_page_is_generated_from_the_table(tmp_path: Path) -> None:
     page = (ROOT / "docs" / "migrating-from-verl.md").read_text()
-    assert page == migration_page(), "run: rlconf docs docs/reference"
+    # The walk-through's output regions are filled from its record (bench/docs_run.py --verl).
+    regions = generated_regions(ROOT / "docs", PRESETS)
+    assert page == refresh_regions(migration_page(), regions), "run: rlconf docs docs/reference"
+    assert "<!-- generated:verl-run -->\n```text\nstep    1" in page, (
+        "run: .venv/bin/python bench/docs_run.py --verl"
+    )
     for row in VERL_KEYS:
         key = row.verl.partition(f".{row.family}.")[2] if row.family else row.verl
         assert f"`{key}`" in page, row.verl

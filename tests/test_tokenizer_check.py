@@ -112,3 +112,19 @@ def test_rlconf_validate_reports_it_and_imports_no_torch(tmp_path):
     text = out.stdout + out.stderr
     assert "tokenizer-load" in text and "model.path" in text and "tokenizer.json cannot be loaded" in text
     assert "Traceback" not in text
+
+
+def test_loading_a_folder_prints_nothing_and_quiets_transformers(tmp_path):
+    # In a fresh process: transformers' logging and progress-bar switches are process-wide. Whatever rltrain
+    # loads next from transformers (a tokenizer in every worker) prints no "Loading weights" bar or notice.
+    folder = model_folder(tmp_path)
+    code = (
+        "import sys; from rlconf.config import ModelConfig; from rltrain.tokenizer import load_tokenizer\n"
+        f"load_tokenizer(ModelConfig(path={str(folder)!r}))\n"
+        "from transformers.utils import logging\n"
+        "sys.exit(0 if not logging.is_progress_bar_enabled() and logging.get_verbosity() >= logging.ERROR "
+        "else 3)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout + result.stderr == ""

@@ -367,19 +367,35 @@ repository root:
     actor_rollout_ref.actor.optim.lr=2e-3 actor_rollout_ref.actor.ppo_mini_batch_size=16 \\
     actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=128 actor_rollout_ref.actor.use_kl_loss=False \\
     actor_rollout_ref.rollout.n=8 trainer.device=cpu trainer.n_gpus_per_node=1 trainer.nnodes=1 \\
-    trainer.total_training_steps=20 trainer.test_freq=10 trainer.save_freq=-1 trainer.logger=console \\
+    trainer.total_training_steps=40 trainer.test_freq=10 trainer.save_freq=-1 trainer.logger=console \\
     -o verl-small/rlplan.yaml
 .venv/bin/rltrain --config verl-small/rlplan.yaml
 ```
 
+The first command prints:
+
+<!-- generated:verl-setup -->
+<!-- /generated -->
+
 The import maps every key (verl's defaults it applies are listed under "derived", among them
 `reward.function: default_compute_score`, which scores each row by its `data_source` with verl's GSM8K
-rule: the answer after `#### `, compared as a string) and ends with the `rltrain --config` line above. The
-run tokenizes the prompts with the folder's chat template, trains through Ray and megatron-core on the
-CPU and writes `outputs/rlplan/` (metrics, checkpoints, reward curve). The walk-through shows the path,
-not a result: the warmed-up 2-layer model writes the format and guesses the sums (about 1 in 5 right),
-and 20 steps do not teach it more (measured 2026-12-01: mean training reward 0.19 over the first 10
-steps, 0.20 over the last 10). `tests/test_verl_quickstart.py` runs these commands as printed.
+rule: the answer after `#### `, compared as a string) and ends with the `rltrain --config` line above:
+
+<!-- generated:verl-import -->
+<!-- /generated -->
+
+The run tokenizes the prompts with the folder's chat template, trains through Ray and megatron-core on the
+CPU and writes `outputs/rlplan/` (metrics, checkpoints, reward curve):
+
+<!-- generated:verl-run -->
+<!-- /generated -->
+
+<!-- generated:verl-summary -->
+<!-- /generated -->
+
+The walk-through shows the path more than a result: the warmed-up 2-layer model writes the format and mostly
+guesses the sums, and 40 steps move its sampled answers little (the numbers above). `tests/test_verl_quickstart.py` runs these commands as printed
+and checks that the output is still this record's (`.venv/bin/python bench/docs_run.py --verl` rewrites it).
 
 """
 
