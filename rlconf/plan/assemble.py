@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 from rlconf.config import (
-    MegatronConfig,
     RLConfig,
 )
 from rlconf.errors import ConfigError, error
@@ -20,44 +19,23 @@ from rlconf.plan.compile import (
     plan_resources,
     profile_plan,
     resolve_models,
-    resolved_optim,
     role_layouts,
     step_passes,
 )
 from rlconf.plan.engine import engine_settings
 from rlconf.plan.memory import memory_plan, rollout_refit
-from rlconf.plan.roles import ROLE_TABLE, present_roles
+from rlconf.plan.roles import present_roles
 from rlconf.plan.run import data_plan, reward_plan, rollout_plan, run_plan, tokenizer_plan
 from rlconf.plan.types import PLAN_VERSION, TrainerPlan
 from rlconf.run_length import run_length, with_run_length
-from rlconf.seeding import resolve_seed
 from rlconf.validate import check_config
 
 
 # ============================================================================================ assembly
-def _effective_megatron(m: MegatronConfig, trainer_seed: int) -> MegatronConfig:
-    tp = m.tensor_model_parallel_size
-    return replace(
-        m,
-        sequence_parallel=bool(m.sequence_parallel) and tp > 1,
-        expert_tensor_parallel_size=m.expert_tensor_parallel_size or tp,
-        seed=resolve_seed(m.seed, trainer_seed),
-    )
-
-
-def _effective_config(c: RLConfig, models: Models, roles: tuple[str, ...]) -> RLConfig:
-    seed = c.trainer.seed  # seeds left None derive from it (rlconf.seeding)
-    updates: dict[str, object] = {
-        "model.arch": models.policy.arch,
-        "data.seed": resolve_seed(c.data.seed, seed),
-    }
-    for spec in ROLE_TABLE:
-        if spec.name not in roles or spec.name == "rollout":  # the rollout builds with the actor's section
-            continue
-        updates[f"{spec.section}.megatron"] = _effective_megatron(spec.megatron_of(c), seed)
-        if spec.trained:
-            updates[f"{spec.section}.optim"] = resolved_optim(spec.section_of(c).optim, c.trainer.total_steps)
-    return replace_paths(c, updates)
+def _with_arch(c: RLConfig, models: Models) -> RLConfig:
+    """`c` with model.arch the architecture read (config.json of model.path): what the tokenizer and run
+    parts check the vocabulary against. Every other resolved value is a field of a plan part."""
+    return replace_paths(c, {"model.arch": models.policy.arch})
 
 
 def compile_parts(config: RLConfig, check: bool = True) -> TrainerPlan:
@@ -83,7 +61,7 @@ def compile_parts(config: RLConfig, check: bool = True) -> TrainerPlan:
     resources = plan_resources(config, roles)
     layouts = role_layouts(config, roles, resources, models)
     batches = batch_plans(config, roles, layouts)
-    effective = _effective_config(config, models, roles)
+    effective = _with_arch(config, models)
     rollout_tp = next(lay.tp for lay in layouts if lay.role == "rollout")
     return TrainerPlan(
         version=PLAN_VERSION,
