@@ -27,6 +27,7 @@ import torch
 
 from rlconf.errors import ConfigError, error
 from rlconf.plan import TrainerPlan
+from rlconf.plan.roles import role_spec
 from rlconf.run_config import ConfigDocument
 from rlconf.seeding import ROLLOUT, VALIDATE, derive_seed
 from rltrain import algorithms
@@ -165,7 +166,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def _trained_groups(self) -> dict[str, WorkerGroup]:
-        return {role: g for role, g in self.groups.items() if role in ("actor", "critic")}
+        return {role: g for role, g in self.groups.items() if role_spec(role).trained}
 
     def _load(self, resume: Resume) -> None:
         folders = {role: str(resume.role_folder(role)) for role in self._trained_groups()}

@@ -22,7 +22,8 @@ from rlconf.config import (
     Optim,
     RLConfig,
 )
-from rlconf.plan.roles import megatron_of
+from rlconf.fields import get_path
+from rlconf.plan.roles import megatron_of, role_spec
 from rlconf.seeding import resolve_seed
 
 if TYPE_CHECKING:
@@ -185,7 +186,7 @@ def engine_plan(plan: TrainerPlan, role: str) -> EnginePlan:
         raise KeyError(f"role {role!r} has no engine in this plan (roles: {', '.join(plan.roles)})")
     if role == "rollout" and plan.placement("rollout").pool == plan.placement("actor").pool:
         raise KeyError("the colocated rollout generates on the actor's engine; it has no engine of its own")
-    trained = role in ("actor", "critic")
+    trained = role_spec(role).trained
     return EnginePlan(
         role=role,
         model=next(m for m in plan.models if role in m.used_by),
@@ -292,27 +293,14 @@ def fused_kernels(c: RLConfig) -> bool:
 
 def forward_batching(c: RLConfig, role: str) -> tuple[int, bool, int | None]:
     """(rows per forward micro-batch, token-budget batching on, the token budget) of a megatron role's
-    log-prob / value / reward passes: what its engine runs and what the memory estimate sizes. The actor and
-    the ref cut by the actor's token budget when use_dynamic_bsz (verl)."""
-    if role in ("actor", "rollout"):
-        return (
-            c.actor.log_prob_micro_batch_size_per_gpu,
-            c.actor.use_dynamic_bsz,
-            c.actor.ppo_max_token_len_per_gpu,
-        )
-    if role == "ref":
-        return (
-            c.ref.log_prob_micro_batch_size_per_gpu,
-            c.actor.use_dynamic_bsz,
-            c.actor.ppo_max_token_len_per_gpu,
-        )
-    if role == "critic":
-        return (
-            c.critic.ppo_micro_batch_size_per_gpu,
-            c.critic.use_dynamic_bsz,
-            c.critic.ppo_max_token_len_per_gpu,
-        )
-    return c.reward.reward_model.micro_batch_size_per_gpu, False, None
+    log-prob / value / reward passes: what its engine runs and what the memory estimate sizes (the role
+    table's forward_micro_batch and token_budget: the ref cuts by the actor's token budget, as verl)."""
+    spec = role_spec(role)
+    rows = get_path(c, spec.forward_micro_batch)
+    if spec.token_budget is None:
+        return rows, False, None
+    section = get_path(c, spec.token_budget)
+    return rows, section.use_dynamic_bsz, section.ppo_max_token_len_per_gpu
 
 
 # ============================================================================================ small plans

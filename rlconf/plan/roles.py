@@ -51,6 +51,11 @@ class RoleSpec:
     """The plan's model it runs (ModelSpec.name)."""
     model_path: str
     """Config path of the folder its model is read from (model.path for the policy's roles)."""
+    forward_micro_batch: str
+    """Config path of the rows per micro-batch of its forward passes (log-prob / value / reward)."""
+    token_budget: str | None
+    """Config path of the section whose use_dynamic_bsz / ppo_max_token_len_per_gpu cut its forward
+    micro-batches by tokens (the ref: the actor's, as verl); None: fixed row counts only."""
 
     def section_of(self, c: RLConfig) -> Any:
         """The role's config section."""
@@ -78,6 +83,8 @@ ROLE_TABLE: tuple[RoleSpec, ...] = (
         trained=True,
         model="policy",
         model_path="model.path",
+        forward_micro_batch="actor.log_prob_micro_batch_size_per_gpu",
+        token_budget="actor",
     ),
     RoleSpec(
         name="rollout",
@@ -91,6 +98,8 @@ ROLE_TABLE: tuple[RoleSpec, ...] = (
         trained=False,
         model="policy",
         model_path="model.path",
+        forward_micro_batch="actor.log_prob_micro_batch_size_per_gpu",
+        token_budget="actor",
     ),
     RoleSpec(
         name="ref",
@@ -104,6 +113,8 @@ ROLE_TABLE: tuple[RoleSpec, ...] = (
         trained=False,
         model="policy",
         model_path="model.path",
+        forward_micro_batch="ref.log_prob_micro_batch_size_per_gpu",
+        token_budget="actor",
     ),
     RoleSpec(
         name="critic",
@@ -117,6 +128,8 @@ ROLE_TABLE: tuple[RoleSpec, ...] = (
         trained=True,
         model="critic",
         model_path="critic.model_path",
+        forward_micro_batch="critic.ppo_micro_batch_size_per_gpu",
+        token_budget="critic",
     ),
     RoleSpec(
         name="reward_model",
@@ -130,6 +143,8 @@ ROLE_TABLE: tuple[RoleSpec, ...] = (
         trained=False,
         model="reward_model",
         model_path="reward.reward_model.path",
+        forward_micro_batch="reward.reward_model.micro_batch_size_per_gpu",
+        token_budget=None,
     ),
 )
 """Every worker role, in the order the plan lists them (rlconf.plan.types.WORKER_ROLES)."""
