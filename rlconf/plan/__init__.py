@@ -33,8 +33,8 @@ Design choices
   Nothing but `ConfigError` is raised. Mini-batches that do not split evenly over dp (possible with
   dynamic batch sizes) are planned with the largest share a rank gets (`BatchPlan.even` is false).
 
-Modules: `types` (the plan's dataclasses and limits), `engine` (what each megatron engine is built from:
-EngineSettings, EnginePlan, small_plan), `compile` (checks, models, pools, grids, batches,
+Modules: `types` (the plan's dataclasses and limits), `engine` (each megatron engine's settings resolved from the
+config), `small` (small plans for engines built outside a run), `compile` (checks, models, pools, grids, batches,
 lr table, profile, checkpoints), `memory` (the estimate), `assemble` (parts + memory -> TrainerPlan),
 `advice` (the memory check and its fixes, re-compiling variants), `render` (text), `diff` (JSON and
 plan diffs), `roles` (the role table and the cross-section facts the validator checks too).
@@ -58,10 +58,11 @@ _HOMES: dict[str, str] = {
     **dict.fromkeys(
         (
             "ENGINE_ROLES", "DdpSettings", "EnginePlan", "EngineSettings", "MoeSettings", "OffloadSettings",
-            "Recompute", "TransformerSettings", "small_plan",
+            "Recompute", "TransformerSettings",
         ),
-        "engine",
+        "types",
     ),
+    **dict.fromkeys(("small_plan", "export_engine"), "small"),
     **dict.fromkeys(("rollout_resharded", "rollout_tp"), "roles"),
     **dict.fromkeys(("MISSING", "diff_plans", "plan_to_dict"), "diff"),
     **dict.fromkeys(("REFIT_BUCKET_MIB", "REFIT_BYTES_PER_S"), "memory"),

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypeVar
+from dataclasses import dataclass, replace
+from typing import TypeVar
 
 from rlconf.config import ROLES, ModelArch
 from rlconf.lora import LoraPlan
 from rlconf.plan.algorithm import AlgorithmPlan
-from rlconf.plan.roles import ROLE_TABLE
+from rlconf.plan.roles import ROLE_TABLE, role_spec
 from rlconf.plan.run import DataPlan, RewardPlan, RolloutPlan, RunPlan, TokenizerPlan
 from rlconf.profile_vocab import NpuProfileOptions, NsysProfileOptions, TorchProfileOptions
 from rlconf.run_length import RunLength
-
-if TYPE_CHECKING:
-    from rlconf.plan.engine import EnginePlan, EngineSettings
 
 PLAN_VERSION = 1
 GIB = 2**30
@@ -561,9 +558,7 @@ class TrainerPlan:
 
     def engine(self, role: str) -> EnginePlan:
         """What the megatron engine of `role` (actor, ref, critic, reward_model, a separate rollout) is built
-        from (rlconf.plan.engine)."""
-        from rlconf.plan.engine import engine_plan
-
+        from."""
         return engine_plan(self, role)
 
 
@@ -575,3 +570,173 @@ def by_role(items: tuple[_T, ...], role: str) -> _T:
         if item.role == role:  # type: ignore[attr-defined]
             return item
     raise KeyError(f"role {role!r} is not in this plan")
+
+
+# ============================================================================================ engines
+ENGINE_ROLES: tuple[str, ...] = ("actor", "ref", "critic", "reward_model", "rollout")
+"""Roles with a megatron engine of their own."""
+
+
+@dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation (megatron's recompute_* TransformerConfig fields)."""
+
+    granularity: str | None
+    """full, selective, or None (no recomputation)."""
+    method: str | None
+    """full only: uniform or block (recompute_method, uniform when not set); None otherwise."""
+    num_layers: int | None
+    """full only: recompute_num_layers (1 when not set); None otherwise."""
+    modules: tuple[str, ...]
+    """selective only: the recomputed modules; empty otherwise."""
+
+
+@dataclass(frozen=True)
+class TransformerSettings:
+    """The TransformerConfig values that come neither from the architecture nor from the layout."""
+
+    params_dtype: str
+    """float32, bfloat16 or float16 (model.params_dtype): parameters, activations and pipeline messages."""
+    attention_backend: str
+    """model.attention_backend."""
+    init_method_std: float
+    """Std of the random initialisation (model.init_method_std)."""
+    moe_grouped_gemm: bool
+    """Routed experts run as one grouped GEMM per layer (model.moe_grouped_gemm)."""
+    attention_dropout: float
+    hidden_dropout: float
+    recompute: Recompute
+    num_layers_in_first_pipeline_stage: int | None
+    """Uneven pipeline split (None: even)."""
+    num_layers_in_last_pipeline_stage: int | None
+    account_for_embedding_in_pipeline_split: bool
+    account_for_loss_in_pipeline_split: bool
+
+
+@dataclass(frozen=True)
+class MoeSettings:
+    """MoE TransformerConfig values resolved against the architecture (MoE models only)."""
+
+    aux_loss_coeff: float
+    """Load-balancing loss coefficient: override_transformer_config.moe_aux_loss_coeff, or the
+    architecture's (config.json's router_aux_loss_coef)."""
+    z_loss_coeff: float | None
+    """Router z-loss coefficient (None: off)."""
+    ffn_hidden_size: int
+    """Routed expert FFN size: the architecture's moe_ffn_hidden_size, or its ffn_hidden_size."""
+
+
+@dataclass(frozen=True)
+class DdpSettings:
+    """megatron DistributedDataParallelConfig and the optimizer's sharding."""
+
+    use_distributed_optimizer: bool
+    grad_reduce_in_fp32: bool
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+    """Effective: configured and use_distributed_optimizer (megatron needs the distributed optimizer)."""
+    bucket_size: int | None
+    average_in_collective: bool
+
+
+@dataclass(frozen=True)
+class OffloadSettings:
+    """What the engine moves to host memory while other roles use the device."""
+
+    params: bool
+    grads: bool
+    optimizer: bool
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """One megatron role's resolved engine settings (its megatron section and the model section's)."""
+
+    role: str
+    """actor, ref, critic, reward_model or rollout (a separate rollout: the actor's settings, no offload)."""
+    transformer: TransformerSettings
+    moe: MoeSettings | None
+    """None for a dense model."""
+    ddp: DdpSettings
+    offload: OffloadSettings
+    seed: int
+    """The base of the engine's weight-init, dropout and shuffle streams (megatron.seed, or trainer.seed)."""
+    dist_checkpointing_path: str | None
+    """Initial weights from this megatron dist checkpoint (use_dist_checkpointing); None: HF or random."""
+    tokenizer_path: str | None
+    """Folder of the run's tokenizer (model.tokenizer_path, or model.path); None: the char tokenizer."""
+    forward_micro_batch_size: int
+    """Rows per forward micro-batch of log-prob / value / reward passes (the sampler's too)."""
+    forward_use_dynamic_bsz: bool
+    forward_max_token_len: int | None
+    """With forward_use_dynamic_bsz: the token budget of a forward micro-batch."""
+    fused_kernels: bool
+    """torch.compile'd fused kernels for SwiGLU, log-prob / entropy, sampling and RoPE (`fused_kernels`)."""
+    fused_kernels_setting: str
+    """model.fused_kernels as written (auto, compiled or eager): why `fused_kernels` is what it is."""
+
+
+@dataclass(frozen=True)
+class EnginePlan:
+    """Everything one megatron role's engine is built from (rltrain.megatron.engine): the plan's own model,
+    layout, engine settings, batch schedule and lr table of that role, gathered by `TrainerPlan.engine(role)`.
+    The engine builds TransformerConfig, process groups, GPTModel, DDP, optimizer, lr and batch iteration
+    from it and nothing else."""
+
+    role: str
+    """actor, ref, critic, reward_model or rollout."""
+    model: ModelSpec
+    """Architecture, head (lm / value) and the folder the weights load from."""
+    layout: RoleLayout
+    """Parallel sizes (tp, pp, vpp, cp, ep, etp), sequence parallel and the padded vocabulary."""
+    settings: EngineSettings
+    device: str
+    batch: BatchPlan | None
+    """The update's batch schedule (trained roles: actor, critic)."""
+    optim: OptimPlan | None
+    """Optimizer settings and the lr of every training step (trained roles)."""
+    lora: LoraPlan | None = None
+    """LoRA adapters on this engine's linears (the actor with actor.lora), base weights frozen."""
+
+    @property
+    def trainable(self) -> bool:
+        return self.optim is not None
+
+    @property
+    def forward_micro_batch_size(self) -> int:
+        return self.settings.forward_micro_batch_size
+
+    @property
+    def forward_use_dynamic_bsz(self) -> bool:
+        return self.settings.forward_use_dynamic_bsz
+
+    @property
+    def forward_max_token_len(self) -> int | None:
+        return self.settings.forward_max_token_len
+
+    @property
+    def fused_kernels(self) -> bool:
+        return self.settings.fused_kernels
+
+    def frozen(self, role: str) -> EnginePlan:
+        """The same engine without optimizer and update (a reference policy built on this layout)."""
+        return replace(self, role=role, batch=None, optim=None)
+
+
+def engine_plan(plan: TrainerPlan, role: str) -> EnginePlan:
+    """The gathered engine view of `role` (`TrainerPlan.engine`)."""
+    if role not in ENGINE_ROLES or role not in plan.roles:
+        raise KeyError(f"role {role!r} has no engine in this plan (roles: {', '.join(plan.roles)})")
+    if role == "rollout" and plan.placement("rollout").pool == plan.placement("actor").pool:
+        raise KeyError("the colocated rollout generates on the actor's engine; it has no engine of its own")
+    trained = role_spec(role).trained
+    return EnginePlan(
+        role=role,
+        model=next(m for m in plan.models if role in m.used_by),
+        layout=plan.layout(role),
+        settings=next(s for s in plan.engines if s.role == role),
+        device=plan.resources.device,
+        batch=plan.batch_plan(role) if trained else None,
+        optim=plan.optim_plan(role) if trained else None,
+        lora=plan.lora if role == "actor" else None,
+    )

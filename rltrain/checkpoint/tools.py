@@ -722,7 +722,7 @@ def _export_dist(
         import dacite
 
         from rlconf.arch import ModelArch
-        from rlconf.plan.engine import export_engine
+        from rlconf.plan.small import export_engine
         from rltrain.checkpoint import load_engine
         from rltrain.device import device_context
         from rltrain.megatron.engine import MegatronEngine
@@ -761,7 +761,7 @@ def _export_lora(
 
         from rlconf.arch import ModelArch
         from rlconf.lora import LoraPlan
-        from rlconf.plan.engine import export_engine
+        from rlconf.plan.small import export_engine
         from rltrain.checkpoint import load_engine
         from rltrain.device import device_context
         from rltrain.megatron.engine import MegatronEngine

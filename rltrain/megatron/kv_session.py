@@ -6,12 +6,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from rltrain.megatron.inference import KVCacheGenerator
 
 
 @dataclass
@@ -84,12 +81,11 @@ class KVSession:
             i += 1
         return i
 
-    def load(
-        self, engine: KVCacheGenerator, row_ids: list[int], lengths: list[int], width: int, cols: int
-    ) -> None:
+    def load(self, engine: Any, row_ids: list[int], lengths: list[int], width: int, cols: int) -> None:
         """Fill the engine's (zeroed) cache columns [0, cols) of a call whose contexts are right-aligned at
         `width` (row i at columns width - lengths[i] ..) from the held rows: column j of row i is its
-        context token j - (width - lengths[i])."""
+        context token j - (width - lengths[i]). `engine`: the call's rltrain.megatron.inference.KVCacheGenerator
+        (typed loosely: that module imports this one)."""
         if cols <= 0:
             return
         dev = engine.device

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import mappings
 from megatron.core.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -225,10 +226,11 @@ def adapt(model: torch.nn.Module, plan: LoraPlan, arch: ModelArch, seed: int) ->
 
 def adapted_linears(chunks: Sequence[torch.nn.Module]) -> Iterator[tuple[int, str, torch.nn.Module]]:
     """(global layer, megatron linear name, module) of every adapted linear of these chunks."""
-    from rltrain.megatron.model import unwrap
-
     for chunk in chunks:
-        for index, layer in _local_layers(unwrap(chunk)):
+        # The GPTModel inside the DDP / Float16Module wrappers (not rltrain.megatron.model.unwrap: that module
+        # imports this one to adapt the models it builds).
+        gpt = next(m for m in chunk.modules() if isinstance(m, GPTModel))
+        for index, layer in _local_layers(gpt):
             for linear_name, parent_name in MEGATRON_PARENT.items():
                 linear = getattr(getattr(layer, parent_name, None), linear_name, None)
                 if linear is not None and hasattr(linear, "_lora"):
