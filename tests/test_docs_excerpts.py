@@ -78,7 +78,7 @@ def test_quickstart_names_every_top_level_key_of_plan_json() -> None:
     from rlconf.plan import compile_plan, plan_to_dict
 
     page = (ROOT / "docs" / "quickstart.md").read_text()
-    sentence = page.split("Its top-level keys are", 1)[1].split("`config` is the *effective* config", 1)[0]
+    sentence = page.split("Its top-level keys are", 1)[1].split("Every value is\nresolved", 1)[0]
     named = re.findall(r"`(\w+)`", sentence)
     assert named == list(plan_to_dict(compile_plan(get_preset("tiny-grpo"))))
 

@@ -185,4 +185,5 @@ def test_trainer_seed_seeds_the_run(tmp_path):
             assert mine[key] != other[key], (mine["step"], key)
     # The seeds left unset resolve to trainer.seed once, in the plan the workers read.
     plan = json.loads((tmp_path / "other" / "plan.json").read_text())
-    assert plan["config"]["actor"]["megatron"]["seed"] == plan["config"]["data"]["seed"] == 8
+    actor = next(e for e in plan["engines"] if e["role"] == "actor")
+    assert actor["seed"] == plan["data"]["seed"] == 8

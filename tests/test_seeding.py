@@ -24,12 +24,15 @@ def test_derive_seed_is_a_fixed_63_bit_function_of_its_key():
 
 def test_trainer_seed_reaches_every_seed_left_none_in_the_plan():
     config = replace_paths(get_preset("tiny-ppo"), {"trainer.seed": 1234})
-    effective = compile_plan(config).config
-    assert effective.actor.megatron.seed == effective.ref.megatron.seed == 1234
-    assert effective.critic.megatron.seed == effective.data.seed == 1234
-    explicit = replace_paths(config, {"actor.megatron.seed": 5, "data.seed": 6})
-    effective = compile_plan(explicit).config
-    assert (effective.actor.megatron.seed, effective.data.seed, effective.critic.megatron.seed) == (
+    plan = compile_plan(config)
+    assert plan.engine("actor").settings.seed == plan.engine("ref").settings.seed == 1234
+    assert plan.engine("critic").settings.seed == plan.data.seed == 1234
+    explicit = compile_plan(replace_paths(config, {"actor.megatron.seed": 5, "data.seed": 6}))
+    assert (
+        explicit.engine("actor").settings.seed,
+        explicit.data.seed,
+        explicit.engine("critic").settings.seed,
+    ) == (
         5,
         6,
         1234,
@@ -38,7 +41,7 @@ def test_trainer_seed_reaches_every_seed_left_none_in_the_plan():
 
 def test_engines_outside_a_run_use_the_default_trainer_seed():
     assert run_seed(None) == RLConfig().trainer.seed and run_seed(9) == 9
-    assert compile_plan(RLConfig()).config.actor.megatron.seed == run_seed(None)
+    assert compile_plan(RLConfig()).engine("actor").settings.seed == run_seed(None)
 
 
 @pytest.mark.parametrize("seed", [0, -3, 2**62])

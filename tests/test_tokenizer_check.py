@@ -119,8 +119,9 @@ def test_loading_a_folder_prints_nothing_and_quiets_transformers(tmp_path):
     # loads next from transformers (a tokenizer in every worker) prints no "Loading weights" bar or notice.
     folder = model_folder(tmp_path)
     code = (
-        "import sys; from rlconf.config import ModelConfig; from rltrain.tokenizer import load_tokenizer\n"
-        f"load_tokenizer(ModelConfig(path={str(folder)!r}))\n"
+        "import sys; from rlconf.config import ModelConfig; from rlconf.plan.run import tokenizer_plan\n"
+        "from rltrain.tokenizer import load_tokenizer\n"
+        f"load_tokenizer(tokenizer_plan(ModelConfig(path={str(folder)!r})))\n"
         "from transformers.utils import logging\n"
         "sys.exit(0 if not logging.is_progress_bar_enabled() and logging.get_verbosity() >= logging.ERROR "
         "else 3)\n"

@@ -250,7 +250,6 @@ def qwen3_moe(tmp_path_factory):
 def test_replay_routes_the_grouped_moe_layer_to_the_recorded_experts(mp_world, qwen3_moe):
     """Router replay through GroupedMoELayer: the old log-prob and update passes route every token to the
     recorded (random) experts, as through megatron's layer (tests/megatron/test_router_replay.py)."""
-    from dataclasses import replace
 
     from .test_router_replay import RoutingSpy, _assert_used, _numbered, _random_routing, _replay_cfg
 
@@ -258,9 +257,9 @@ def test_replay_routes_the_grouped_moe_layer_to_the_recorded_experts(mp_world, q
     actor = _grouped_actor(qwen3_moe, cfg)
     batch = _numbered(_batch())
     routed = _random_routing(batch)
-    actor.cfg = replace(cfg, router_replay=False)
+    actor.router_replay = False  # replay off for the reference pass
     plain = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
-    actor.cfg = cfg
+    actor.router_replay = True
     spy = RoutingSpy(actor)
     replayed = actor.compute_log_prob({**batch, "routed_experts": routed}, with_entropy=False)["log_probs"]
     _assert_used(spy, routed, batch, "old log-prob pass")

@@ -118,9 +118,9 @@ def test_replay_routes_log_prob_and_update_passes_to_the_recorded_experts(mp_wor
     actor = _actor(qwen3_moe, cfg, trainable=True)
     batch = _numbered(_batch())
     routed = _random_routing(batch)
-    actor.cfg = replace(cfg, router_replay=False)
+    actor.router_replay = False  # replay off for the reference pass
     plain = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
-    actor.cfg = cfg
+    actor.router_replay = True
     with pytest.raises(KeyError, match="routed_experts"):  # replay on, and the rollout recorded nothing
         actor.compute_log_prob(batch, with_entropy=False)
     spy = RoutingSpy(actor)
