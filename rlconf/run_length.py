@@ -1,8 +1,9 @@
 """How many training steps a run has: `trainer.total_steps`, or `trainer.total_epochs` passes over the prompt
 files.
 
-The plan derives the count once (`rlconf.plan` puts it in the effective config's `trainer.total_steps`, so
-the lr table, the checkpoint steps and the trainer loop all read the same number) and shows where it came
+The plan derives the count once (`rlconf.plan` compiles with it in `trainer.total_steps` and records it as
+`RunPlan.total_steps` and `TrainerPlan.length`, so the lr table, the checkpoint steps and the trainer loop
+all read the same number) and shows where it came
 from. An epoch is cut the way `rltrain.data.PromptDataloader` cuts it: both call `batches_per_epoch`.
 Prompts are counted without reading them (rlconf never tokenizes): non-empty lines of a .jsonl file, the
 row count in a parquet file's footer. Pure apart from that: pyarrow is imported only to read a footer.

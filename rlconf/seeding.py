@@ -9,7 +9,7 @@ restarts happened before. Purposes used by rltrain: `rollout`, `validate/<batch>
 (the last two from the role's `megatron.seed`, which defaults to `trainer.seed`).
 
 `None` seeds in the config (`data.seed`, `*.megatron.seed`) mean "derived from trainer.seed"; the plan
-resolves them once (`rlconf.plan`'s effective config) and workers read the resolved numbers.
+resolves them once (`EngineSettings.seed`, `DataPlan.seed`) and workers read the resolved numbers.
 `run_seed` is the same resolution for code that builds an engine or a data loader outside a run (tests,
 benchmarks, checkpoint tools), where no trainer section exists: the default `trainer.seed`.
 
