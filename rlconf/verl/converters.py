@@ -237,3 +237,36 @@ def router_replay(value: Any, _: Mapping[str, Any]) -> Any:
         return True
     raise VerlValueError(f"router_replay.mode {value!r} has no rlplan equivalent (rlplan replays the rollout's "
                          "routing, verl's R3)", "use R3 or disabled")  # fmt: skip
+
+
+def train_batch_size(value: Any, _: Mapping[str, Any]) -> Any:
+    if value == 0 and not isinstance(value, bool):
+        raise VerlValueError(
+            "0 is verl's fully async trainer, which streams prompts and updates every "
+            "async_training.require_batches x ppo_mini_batch_size of them; rlplan steps over data.train_batch_size "
+            "prompts",
+            "set data.train_batch_size to the prompts of one step (e.g. actor.ppo_mini_batch_size)",
+        )
+    return value
+
+
+def refuse_true(message: str, fix: str) -> Converter:
+    """A check for a key with no rlplan path: true asks for a feature rlplan does not build."""
+
+    def check(value: Any, _: Mapping[str, Any]) -> Any:
+        if value is True:
+            raise VerlValueError(message, fix)
+        return SKIP
+
+    return check
+
+
+def refuse_positive(message: str, fix: str) -> Converter:
+    """A check for a key with no rlplan path: a positive number asks for a feature rlplan does not build."""
+
+    def check(value: Any, _: Mapping[str, Any]) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            raise VerlValueError(message, fix)
+        return SKIP
+
+    return check

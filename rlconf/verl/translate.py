@@ -400,6 +400,12 @@ def translate(
             continue
         _, row = found
         if row.rlplan is None:
+            if row.convert is not None:  # a check: values rlplan cannot run are refused, not dropped
+                try:
+                    row.convert(value, ctx)
+                except VerlValueError as exc:
+                    issues.append(error(key, f"{key} = {show(value)}: {exc}", exc.fix, "verl-import"))
+                    continue
             unmapped.append(Unmapped(key, value, row.reason or "unsupported", row.note))
             continue
         try:
