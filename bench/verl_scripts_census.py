@@ -92,6 +92,7 @@ CHECKS: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.actor.fsdp_config.param_offload", "actor.megatron.param_offload"),
     ("actor_rollout_ref.actor.fsdp_config.optimizer_offload", "actor.megatron.optimizer_offload"),
     ("actor_rollout_ref.ref.fsdp_config.param_offload", "ref.megatron.param_offload"),
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size", "actor.megatron.context_parallel_size"),
 )
 
 
@@ -214,7 +215,9 @@ def check_values(tr: Any, given: Mapping[str, Any]) -> list[str]:
     from rlconf.fields import get_path
     from rlconf.verl.table import FSDP_KEYS
 
-    fsdp = any(str(given.get(k, "")).startswith("fsdp") for k in FSDP_KEYS)
+    fsdp = any(str(given.get(k, "")).startswith("fsdp") for k in FSDP_KEYS) or any(
+        ".fsdp_config." in k for k in given
+    )  # the import's own test for an FSDP script
     wrong = []
     for key, path in CHECKS:
         if key not in given or given[key] is None:
@@ -224,6 +227,9 @@ def check_values(tr: Any, given: Mapping[str, Any]) -> list[str]:
         want, got = given[key], get_path(tr.config, path)
         if key == "data.max_response_length" and "actor_rollout_ref.rollout.response_length" in given:
             want = given["actor_rollout_ref.rollout.response_length"]
+        ulysses = given.get("actor_rollout_ref.actor.ulysses_sequence_parallel_size", 1)
+        if fsdp and key == "actor_rollout_ref.actor.ppo_max_token_len_per_gpu" and isinstance(ulysses, int):
+            want = want * ulysses  # verl's FSDP budget is one device's share of a Ulysses-split sequence
         if not _same(want, got):
             wrong.append(f"{key}: {want!r} -> {path} = {got!r}")
     return wrong
@@ -248,7 +254,7 @@ def run_one(entry: Mapping[str, Any], root: Path) -> Outcome:
               "about_derived": about_derived, "errors": errors}  # fmt: skip
     if tr.errors:
         first = tr.errors[0]
-        reason = first.message.splitlines()[0]
+        reason = first.message.splitlines()[0].replace(f"{root}/models/", "")
         return Outcome(plans=False, rule=first.rule, path=first.path, reason=reason, **common)
     gaps = training_gaps(read_model_arch(tr.config.model.path)) if tr.config.model.path else []
     return Outcome(plans=tr.plan_checked, not_trainable=", ".join(g[0] for g in gaps),

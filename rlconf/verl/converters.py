@@ -270,3 +270,15 @@ def refuse_positive(message: str, fix: str) -> Converter:
         return SKIP
 
     return check
+
+
+def times_ulysses(size_key: str) -> Converter:
+    """An FSDP token budget per device -> rlplan's per data-parallel rank: x the Ulysses sequence-parallel size."""
+
+    def convert(value: Any, values: Mapping[str, Any]) -> Any:
+        size = values.get(size_key, 1)
+        if isinstance(value, int) and isinstance(size, int) and not isinstance(size, bool) and size > 1:
+            return value * size
+        return value
+
+    return convert

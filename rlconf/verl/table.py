@@ -734,8 +734,24 @@ FSDP_ROWS: dict[str, VerlKey] = {
                           "one does not)")
     for prefix, ours in (("actor_rollout_ref.actor.optim", "actor.optim"), ("critic.optim", "critic.optim"))
 }  # fmt: skip
+_ULYSSES = (
+    "FSDP's Ulysses sequence parallel splits each sequence over this many devices, as megatron's context "
+    "parallel does"
+)
+FSDP_ROWS.update({
+    f"{prefix}.ulysses_sequence_parallel_size": _m(f"{prefix}.ulysses_sequence_parallel_size",
+                                                   f"{ours}.megatron.context_parallel_size", _ULYSSES)
+    for prefix, ours in (("actor_rollout_ref.actor", "actor"), ("actor_rollout_ref.ref", "ref"), ("critic", "critic"))
+})
+FSDP_ROWS.update({
+    f"{prefix}.ppo_max_token_len_per_gpu": _m(
+        f"{prefix}.ppo_max_token_len_per_gpu", f"{ours}.ppo_max_token_len_per_gpu", "x ulysses_sequence_parallel_"
+        "size: verl's FSDP budget counts one device's share of a sequence split by Ulysses; rlplan's counts whole "
+        "sequences per data-parallel rank", cv.times_ulysses(f"{prefix}.ulysses_sequence_parallel_size"))
+    for prefix, ours in (("actor_rollout_ref.actor", "actor"), ("critic", "critic"))
+})  # fmt: skip
 """Rows that replace the table's for an FSDP script (where verl's FSDP workers read a key its megatron ones
-ignore)."""
+ignore, or read it with another meaning)."""
 
 
 # verl's current schema moved the reward settings under `reward.` (verl/trainer/config/reward/reward.yaml):
