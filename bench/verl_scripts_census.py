@@ -279,7 +279,8 @@ def record(outcomes: Sequence[Outcome]) -> dict[str, Any]:
         row.pop("errors")
         row["config"] = entry["config"]
         rows.append(row)
-    return {"verl_commit": meta["verl_commit"], "scripts": rows}
+    out = {"verl_commit": meta["verl_commit"], "scripts": rows}
+    return json.loads(json.dumps(out))  # tuples as the JSON file holds them (lists)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

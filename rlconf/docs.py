@@ -114,6 +114,8 @@ MIGRATION_PAGE = "migrating-from-verl.md"
 RUN_RECORD = Path("_generated") / "tiny-grpo-run.json"
 """The recorded main-job run, relative to the docs folder (bench/docs_run.py writes it)."""
 VERL_RECORD = Path("_generated") / "verl-gsm8k-small-run.json"
+CENSUS_RECORD = Path("_generated") / "verl-scripts-census.json"
+"""The census of verl's Megatron scripts through the import (bench/verl_scripts_census.py --write)."""
 """The recorded verl GSM8K walk-through of the migration page (bench/docs_run.py --verl writes it)."""
 VERL_FIRST_LAST = 10
 """The walk-through's summary compares the mean training reward of the first and the last this many steps."""
@@ -217,6 +219,32 @@ def verl_regions(record: Mapping[str, object]) -> dict[str, str]:
     }
 
 
+def census_regions(record: Mapping[str, object]) -> dict[str, str]:
+    """The migration page's table of verl's scripts through the import (one row per script)."""
+    rows = list(record["scripts"])  # type: ignore[call-overload]
+    plans = [r for r in rows if r["plans"]]
+    trainable = [r for r in plans if not r["not_trainable"]]
+    lines = [
+        f"At verl {str(record['verl_commit'])[:7]}: {len(plans)} of {len(rows)} scripts plan ({len(trainable)} "
+        f"trainable today), {len(rows) - len(plans)} are refused by a named rule; "
+        f"{sum(not _clean(r) for r in rows)} translate with a silent change.\n",
+        "| script | model | result |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        if r["plans"]:
+            result = "plans" + (f" (not trainable yet: {r['not_trainable']})" if r["not_trainable"] else "")
+        else:
+            result = f"refused `{r['rule']}` at `{r['path']}`: {r['reason']}"
+        cell = result.replace("|", "\\|")
+        lines.append(f"| `{r['script']}` | {r['model']} | {cell} |")
+    return {"verl-census": "\n".join(lines) + "\n"}
+
+
+def _clean(row: Mapping[str, object]) -> bool:
+    return not any(row[k] for k in ("unknown", "silent", "about_derived", "wrong"))
+
+
 def _record(docs_dir: str | Path, name: Path) -> dict | None:
     path = Path(docs_dir) / name
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
@@ -224,8 +252,9 @@ def _record(docs_dir: str | Path, name: Path) -> dict | None:
 
 def generated_regions(docs_dir: str | Path, presets: Mapping[str, DocumentedPreset]) -> dict[str, str]:
     record, verl = _record(docs_dir, RUN_RECORD), _record(docs_dir, VERL_RECORD)
+    census = _record(docs_dir, CENSUS_RECORD)
     return {**plan_regions(presets[MAIN_PRESET]), **(run_regions(record) if record else {}),
-            **(verl_regions(verl) if verl else {})}  # fmt: skip
+            **(verl_regions(verl) if verl else {}), **(census_regions(census) if census else {})}  # fmt: skip
 
 
 def refresh_regions(text: str, regions: Mapping[str, str]) -> str:

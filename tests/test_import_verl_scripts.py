@@ -313,6 +313,103 @@ SCRIPTS = (
         refused=("verl-import", "actor.router_replay"),
     ),
     Script(
+        "verl-converted-mcore-checkpoint-not-read",
+        {
+            **MEGATRON_GRPO,
+            "actor_rollout_ref.actor.megatron.use_dist_checkpointing": "True",
+            "actor_rollout_ref.actor.megatron.dist_checkpointing_path": "/data/mcore_ckpt/Qwen2.5-7B",
+            "actor_rollout_ref.ref.megatron.use_dist_checkpointing": "True",
+        },
+        {"actor.megatron.use_dist_checkpointing": False, "actor.megatron.dist_checkpointing_path": None},
+        unmapped={
+            "actor_rollout_ref.actor.megatron.use_dist_checkpointing": "not-needed",
+            "actor_rollout_ref.actor.megatron.dist_checkpointing_path": "not-needed",
+            "actor_rollout_ref.ref.megatron.use_dist_checkpointing": "not-needed",
+        },
+    ),
+    Script(
+        "fully-async-streaming-refused",
+        {
+            **MEGATRON_GRPO,
+            "data.train_batch_size": "0",
+            "data.gen_batch_size": "1",
+            "async_training.staleness_threshold": "0.1",
+            "async_training.require_batches": "1",
+            "rollout.nnodes": "1",
+            "rollout.n_gpus_per_node": "4",
+            "actor_rollout_ref.actor.use_rollout_log_probs": "True",
+        },
+        refused=("verl-import", "data.train_batch_size"),
+    ),
+    Script(
+        "one-step-off-pool-reported",
+        {**MEGATRON_GRPO, "rollout.nnodes": "1", "rollout.n_gpus_per_node": "4"},
+        {"rollout.placement": "colocated"},
+        unmapped={"rollout.nnodes": "unsupported", "rollout.n_gpus_per_node": "unsupported"},
+    ),
+    Script(
+        "mtp-refused",
+        {
+            **MEGATRON_GRPO,
+            "actor_rollout_ref.model.mtp.enable": "True",
+            "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor": "0.1",
+        },
+        refused=("verl-import", "actor_rollout_ref.model.mtp.enable"),
+    ),
+    Script(
+        "critic-lora-off-accepted",
+        {
+            **MEGATRON_GRPO,
+            "algorithm.adv_estimator": "gae",
+            "critic.model.lora.rank": "0",
+            "critic.model.lora.alpha": "0",
+            "critic.ppo_micro_batch_size_per_gpu": "2",
+        },
+        {"critic.enable": True, "actor.lora.rank": 0},
+        unmapped={"critic.model.lora.rank": "unsupported", "critic.model.lora.alpha": "unsupported"},
+    ),
+    Script(
+        "critic-lora-refused",
+        {
+            **MEGATRON_GRPO,
+            "algorithm.adv_estimator": "gae",
+            "critic.model.lora.rank": "16",
+            "critic.ppo_micro_batch_size_per_gpu": "2",
+        },
+        refused=("verl-import", "critic.model.lora.rank"),
+    ),
+    Script(
+        "fsdp-ulysses-to-context-parallel",
+        {
+            **FSDP_GRPO,
+            "data.max_prompt_length": "2048",
+            "data.max_response_length": "6144",
+            "actor_rollout_ref.actor.use_dynamic_bsz": "True",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "2048",
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "4",
+            "actor_rollout_ref.ref.ulysses_sequence_parallel_size": "4",
+        },
+        {
+            "actor.megatron.context_parallel_size": 4,
+            "ref.megatron.context_parallel_size": 4,
+            "actor.ppo_max_token_len_per_gpu": 8192,
+            "actor.megatron.param_offload": True,
+        },
+        note="translated from FSDP to megatron",
+    ),
+    Script(
+        "megatron-ulysses-still-unsupported",
+        {
+            **MEGATRON_GRPO,
+            "actor_rollout_ref.actor.ulysses_sequence_parallel_size": "2",
+            "actor_rollout_ref.actor.use_dynamic_bsz": "True",
+            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "4096",
+        },
+        {"actor.megatron.context_parallel_size": 1, "actor.ppo_max_token_len_per_gpu": 4096},
+        unmapped={"actor_rollout_ref.actor.ulysses_sequence_parallel_size": "unsupported"},
+        note="FSDP only; megatron context parallel is *.megatron.context_parallel_size",
+    ),
+    Script(
         "gspo-megatron",
         {
             **MEGATRON_GRPO,

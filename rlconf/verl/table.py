@@ -738,11 +738,18 @@ _ULYSSES = (
     "FSDP's Ulysses sequence parallel splits each sequence over this many devices, as megatron's context "
     "parallel does"
 )
-FSDP_ROWS.update({
-    f"{prefix}.ulysses_sequence_parallel_size": _m(f"{prefix}.ulysses_sequence_parallel_size",
-                                                   f"{ours}.megatron.context_parallel_size", _ULYSSES)
-    for prefix, ours in (("actor_rollout_ref.actor", "actor"), ("actor_rollout_ref.ref", "ref"), ("critic", "critic"))
-})
+FSDP_ROWS.update(
+    {
+        f"{prefix}.ulysses_sequence_parallel_size": _m(
+            f"{prefix}.ulysses_sequence_parallel_size", f"{ours}.megatron.context_parallel_size", _ULYSSES
+        )
+        for prefix, ours in (
+            ("actor_rollout_ref.actor", "actor"),
+            ("actor_rollout_ref.ref", "ref"),
+            ("critic", "critic"),
+        )
+    }
+)
 FSDP_ROWS.update({
     f"{prefix}.ppo_max_token_len_per_gpu": _m(
         f"{prefix}.ppo_max_token_len_per_gpu", f"{ours}.ppo_max_token_len_per_gpu", "x ulysses_sequence_parallel_"
