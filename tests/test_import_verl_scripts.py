@@ -410,6 +410,43 @@ SCRIPTS = (
         note="FSDP only; megatron context parallel is *.megatron.context_parallel_size",
     ),
     Script(
+        "profiler-no-role-enabled-profiles-nothing",
+        {
+            **MEGATRON_GRPO,
+            "global_profiler.tool": "nsys",
+            "global_profiler.steps": "[1]",
+            "actor_rollout_ref.actor.profiler.enable": "False",
+            "actor_rollout_ref.actor.profiler.all_ranks": "True",
+        },
+        {"profile.tool": "none"},
+        unmapped={"actor_rollout_ref.actor.profiler.enable": "not-needed"},
+    ),
+    Script(
+        "profiler-default-flags-profile-nothing",
+        {**MEGATRON_GRPO, "global_profiler.tool": "torch", "global_profiler.steps": "[1]"},
+        {"profile.tool": "none"},
+    ),
+    Script(
+        "profiler-actor-enabled-profiles-its-worker",
+        {
+            **MEGATRON_GRPO,
+            "algorithm.adv_estimator": "gae",
+            "critic.ppo_micro_batch_size_per_gpu": "2",
+            "global_profiler.tool": "torch",
+            "global_profiler.steps": "[1]",
+            "actor_rollout_ref.actor.profiler.enable": "True",
+        },
+        {
+            "profile.tool": "torch",
+            "profile.roles": (
+                "generate_sequences",
+                "actor_compute_log_prob",
+                "ref_compute_log_prob",
+                "actor_update",
+            ),
+        },
+    ),
+    Script(
         "gspo-megatron",
         {
             **MEGATRON_GRPO,

@@ -222,8 +222,9 @@ def _profiler_rows() -> list[VerlKey]:
     one = "rlplan has one profile section for all roles; roles that disagree are reported"
     for prefix in _PROFILER_ROLES:
         rows += [
-            _u(f"{prefix}.enable", "not-needed", "rlplan profiles the roles in profile.roles (empty: all roles) "
-               "at profile.steps", family="profiler"),
+            _u(f"{prefix}.enable", "not-needed", "read into profile.roles (see derived): verl profiles only workers "
+               "whose flag is true (default false; its colocated actor / rollout / ref worker reads the actor's "
+               "flag); no flag true with a tool set: profile.tool none", family="profiler"),
             _m(f"{prefix}.all_ranks", "profile.all_ranks", one, family="profiler"),
             _m(f"{prefix}.ranks", "profile.ranks", "ranks count within each role's world; " + one,
                family="profiler"),

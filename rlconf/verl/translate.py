@@ -428,6 +428,7 @@ def translate(
 
     _derive_verl_defaults(values, settings, ctx, derive)
     _derive_rlplan_rules(values, settings, derive)
+    _derive_profiled_roles(values, settings, derive)
     if "reward.function" not in settings and ("data.train_files" in settings):
         # verl's default reward manager scores each row by its data_source: so does this built-in.
         derive("reward.function", "default_compute_score", "verl scores each row by its data_source "
@@ -532,6 +533,42 @@ def _derive_rlplan_rules(
     if ("data.train_files" in settings or "data.val_files" in settings) and "data.answer_key" not in settings:
         derive("data.answer_key", "reward_model.ground_truth", "verl's parquet files keep the ground truth in "
                "the reward_model column")  # fmt: skip
+
+
+# verl's workers profile only when their own profiler.enable is true (default false); the colocated actor /
+# rollout / ref worker reads the actor's flag (verl/workers/megatron_workers.py), the critic and the reward model
+# their own. rlplan's profile.roles names the role calls.
+_PROFILED_BY: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("actor_rollout_ref.actor.profiler.enable",
+     ("generate_sequences", "actor_compute_log_prob", "ref_compute_log_prob", "actor_update")),
+    ("critic.profiler.enable", ("critic_compute_values", "critic_update")),
+    ("reward_model.profiler.enable", ("reward_compute",)),
+)  # fmt: skip
+
+
+def _derive_profiled_roles(
+    values: Mapping[str, Any], settings: dict[str, Any], derive: Callable[[str, Any, str], None]
+) -> None:
+    """profile.roles (or profile.tool none) from verl's per-role profiler.enable flags when a tool is set."""
+    if _current(settings, "profile.tool") in (None, "none"):
+        return
+    enabled = [(key, roles) for key, roles in _PROFILED_BY if values.get(key) is True]
+    flags = ", ".join(f"{key} = {show(values.get(key, False))}" for key, _ in _PROFILED_BY)
+    if not enabled:
+        derive("profile.tool", "none", f"verl profiles only workers whose profiler.enable is true ({flags}; "
+               "verl's default false): nothing is profiled")  # fmt: skip
+        return
+    roles = [r for _, rs in enabled for r in rs]
+    try:  # only the role calls this run makes (the ref runs only with a KL term, ...)
+        from rlconf.load import build_config
+        from rlconf.plan.roles import present_passes
+
+        present = present_passes(build_config(nest(settings))[0])
+        roles = [r for r in roles if r in present]
+    except ConfigError:
+        pass  # the settings do not build: validation reports why
+    if len(enabled) < len(_PROFILED_BY) and "profile.roles" not in settings:
+        derive("profile.roles", roles, f"the roles of the workers whose profiler.enable is true ({flags})")
 
 
 def _meaning_changes(config: RLConfig) -> list[Issue]:
