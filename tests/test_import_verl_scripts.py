@@ -447,6 +447,26 @@ SCRIPTS = (
         },
     ),
     Script(
+        "reward-model-score-alone",
+        {
+            **MEGATRON_GRPO,
+            "reward_model.enable": "True",
+            "reward_model.model.path": "${actor_rollout_ref.model.path}",
+        },
+        {"reward.reward_model.enable": True, "reward.function": "none"},
+    ),
+    Script(
+        "reward-model-ignores-custom-function",
+        {
+            **MEGATRON_GRPO,
+            "reward_model.enable": "True",
+            "reward_model.model.path": "${actor_rollout_ref.model.path}",
+            "custom_reward_function.path": "examples/reward_fn.py",
+        },
+        {"reward.function": "none"},
+        note="is not called by verl while reward_model.enable is true",
+    ),
+    Script(
         "gspo-megatron",
         {
             **MEGATRON_GRPO,

@@ -429,7 +429,14 @@ def translate(
     _derive_verl_defaults(values, settings, ctx, derive)
     _derive_rlplan_rules(values, settings, derive)
     _derive_profiled_roles(values, settings, derive)
-    if "reward.function" not in settings and ("data.train_files" in settings):
+    if settings.get("reward.reward_model.enable") is True:
+        # verl's reward managers return the reward model's scores alone when it runs (their rm_scores come first)
+        if "reward.function" in settings:
+            notes.append(f"{origin['reward.function']} is not called by verl while reward_model.enable is true "
+                         "(its reward managers return the reward model's scores): reward.function none")  # fmt: skip
+        derive("reward.function", "none", "with reward_model.enable verl's reward is the reward model's score "
+               "alone (no rule reward)")  # fmt: skip
+    elif "reward.function" not in settings and ("data.train_files" in settings):
         # verl's default reward manager scores each row by its data_source: so does this built-in.
         derive("reward.function", "default_compute_score", "verl scores each row by its data_source "
                "(default_compute_score: gsm8k, MATH, DAPO-math / AIME)")  # fmt: skip
