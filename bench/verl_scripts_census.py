@@ -72,8 +72,6 @@ CHECKS: tuple[tuple[str, str], ...] = (
     ("actor_rollout_ref.model.lora_rank", "actor.lora.rank"),
     ("actor_rollout_ref.model.lora_alpha", "actor.lora.alpha"),
     ("critic.optim.lr", "critic.optim.lr"),
-    ("trainer.nnodes", "cluster.nnodes"),
-    ("trainer.n_gpus_per_node", "cluster.gpus_per_node"),
     *(
         (f"actor_rollout_ref.{role}.megatron.{name}", f"{role}.megatron.{name}")
         for role in ("actor", "ref")
@@ -232,7 +230,22 @@ def check_values(tr: Any, given: Mapping[str, Any]) -> list[str]:
             want = want * ulysses  # verl's FSDP budget is one device's share of a Ulysses-split sequence
         if not _same(want, got):
             wrong.append(f"{key}: {want!r} -> {path} = {got!r}")
-    return wrong
+    return wrong + _check_devices(tr, given)
+
+
+def _check_devices(tr: Any, given: Mapping[str, Any]) -> list[str]:
+    """The trainer's devices are trainer.nnodes x n_gpus_per_node; a rollout pool of its own (verl's one-step-off
+    trainer) is rollout.nnodes x n_gpus_per_node more, run separate."""
+    c = tr.config
+    nodes, per_node = given.get("trainer.nnodes", 1), given.get("trainer.n_gpus_per_node", 8)
+    pool = given.get("rollout.nnodes", 1) * given.get("rollout.n_gpus_per_node", 0)
+    total = c.cluster.nnodes * c.cluster.gpus_per_node
+    rollout = c.rollout.num_devices if c.rollout.placement == "separate" else 0
+    if (total - rollout, rollout) != (nodes * per_node, pool):
+        return [
+            f"devices: trainer {nodes} x {per_node} + rollout pool {pool} -> cluster {total}, rollout {rollout}"
+        ]
+    return []
 
 
 def run_one(entry: Mapping[str, Any], root: Path) -> Outcome:

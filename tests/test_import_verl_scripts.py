@@ -342,10 +342,26 @@ SCRIPTS = (
         refused=("verl-import", "data.train_batch_size"),
     ),
     Script(
-        "one-step-off-pool-reported",
+        "one-step-off-pool-on-the-same-nodes",
         {**MEGATRON_GRPO, "rollout.nnodes": "1", "rollout.n_gpus_per_node": "4"},
-        {"rollout.placement": "colocated"},
-        unmapped={"rollout.nnodes": "unsupported", "rollout.n_gpus_per_node": "unsupported"},
+        {
+            "rollout.placement": "separate",
+            "rollout.num_devices": 4,
+            "cluster.nnodes": 1,
+            "cluster.gpus_per_node": 12,
+            "algorithm.off_policy_steps": 1,
+        },
+        unmapped={"rollout.nnodes": "not-needed"},
+    ),
+    Script(
+        "one-step-off-pool-on-more-nodes",
+        {**MEGATRON_GRPO, "trainer.nnodes": "2", "rollout.nnodes": "1", "rollout.n_gpus_per_node": "8"},
+        {"rollout.num_devices": 8, "cluster.nnodes": 3, "cluster.gpus_per_node": 8},
+    ),
+    Script(
+        "one-step-off-pools-of-two-shapes-refused",
+        {**MEGATRON_GRPO, "trainer.nnodes": "2", "rollout.nnodes": "1", "rollout.n_gpus_per_node": "4"},
+        refused=("verl-import", "rollout.num_devices"),
     ),
     Script(
         "mtp-refused",

@@ -620,8 +620,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("trainer.total_epochs", "trainer.total_epochs", "the plan counts steps = epochs x (rows of "
        "data.train_files // data.train_batch_size); kept out when trainer.total_training_steps is set (verl "
        "then runs that many steps)", cv.total_epochs),
-    _m("trainer.nnodes", "cluster.nnodes", ""),
-    _m("trainer.n_gpus_per_node", "cluster.gpus_per_node", "", verl_default=8),
+    _m("trainer.nnodes", "cluster.nnodes", "with a rollout pool of its own (rollout.nnodes): + its nodes when "
+       "the pools differ in nodes", cv.cluster_shape(0)),
+    _m("trainer.n_gpus_per_node", "cluster.gpus_per_node", "with a rollout pool of its own on the same nodes: + "
+       "rollout.n_gpus_per_node", cv.cluster_shape(1), verl_default=8),
     _m("trainer.device", "cluster.device", "", verl_default="cuda"),
     _m("trainer.project_name", "trainer.project_name", ""),
     _m("trainer.experiment_name", "trainer.experiment_name", ""),
@@ -826,7 +828,11 @@ def _newer_rows() -> list[VerlKey]:
         _u("actor_rollout_ref.model.mtp.*", "unsupported", "no multi-token-prediction heads"),
         # verl's fully async and one-step-off trainers (verl/experimental): their own rollout pool and streaming.
         _u("async_training.*", "unsupported", _ASYNC),
-        _u("rollout.*", "unsupported", "the rollout pool of verl's one-step-off / fully async trainers; " + _ASYNC),
+        _m("rollout.n_gpus_per_node", "rollout.num_devices", "the rollout pool of verl's one-step-off trainer "
+           "(x rollout.nnodes): rlplan's rollout.placement separate, a part of the cluster (see derived)",
+           cv.rollout_pool_devices),
+        _u("rollout.nnodes", "not-needed", "folded into rollout.num_devices and the cluster's shape"),
+        _u("rollout.*", "unsupported", "an option of verl's fully async trainer; " + _ASYNC),
         _u("actor_rollout_ref.actor.use_rollout_log_probs", "unsupported", "verl's fully async option: rlplan's "
            "algorithm.rollout_correction.bypass_mode takes the rollout's log-probs as the old ones"),
         # The critic's LoRA (verl's Megatron-Bridge section and FSDP name): rlplan adapts only the actor.

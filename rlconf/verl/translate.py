@@ -429,6 +429,7 @@ def translate(
     _derive_verl_defaults(values, settings, ctx, derive)
     _derive_rlplan_rules(values, settings, derive)
     _derive_profiled_roles(values, settings, derive)
+    _derive_rollout_pool(values, settings, derive)
     if settings.get("reward.reward_model.enable") is True:
         # verl's reward managers return the reward model's scores alone when it runs (their rm_scores come first)
         if "reward.function" in settings:
@@ -576,6 +577,24 @@ def _derive_profiled_roles(
         pass  # the settings do not build: validation reports why
     if len(enabled) < len(_PROFILED_BY) and "profile.roles" not in settings:
         derive("profile.roles", roles, f"the roles of the workers whose profiler.enable is true ({flags})")
+
+
+def _derive_rollout_pool(
+    values: Mapping[str, Any], settings: dict[str, Any], derive: Callable[[str, Any, str], None]
+) -> None:
+    """verl's one-step-off trainer (a config with a rollout pool of its own): rlplan's separate rollout that
+    generates the next batch while the current one trains."""
+    if "rollout.num_devices" not in settings:
+        return
+    derive(
+        "rollout.placement", "separate", "verl's rollout.nnodes / n_gpus_per_node: a rollout pool of its own"
+    )
+    if (
+        not any(k.startswith("async_training.") for k in values)
+        and "algorithm.off_policy_steps" not in settings
+    ):
+        derive("algorithm.off_policy_steps", 1, "verl's one-step-off trainer generates the next batch while the "
+               "current one trains (the batch of step s with the weights after step s - 2)")  # fmt: skip
 
 
 def _meaning_changes(config: RLConfig) -> list[Issue]:
