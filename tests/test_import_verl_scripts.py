@@ -308,6 +308,24 @@ SCRIPTS = (
         refused=("verl-import", "algorithm.rollout_correction.rollout_rs_threshold"),
     ),
     Script(
+        "router-replay-r3-rollout-tp-written-out",
+        {
+            **MEGATRON_GRPO,
+            "actor_rollout_ref.actor.router_replay.mode": "R3",
+            "actor_rollout_ref.rollout.enable_rollout_routing_replay": "True",
+        },
+        {"actor.router_replay": True, "rollout.tensor_model_parallel_size": 4},
+    ),
+    Script(
+        "router-replay-r3-rollout-tp-of-its-own-refused",
+        {
+            **MEGATRON_GRPO,
+            "actor_rollout_ref.actor.router_replay.mode": "R3",
+            "actor_rollout_ref.rollout.tensor_model_parallel_size": "2",
+        },
+        refused=("moe", "actor.router_replay"),
+    ),
+    Script(
         "router-replay-r2-refused",
         {**MEGATRON_GRPO, "actor_rollout_ref.actor.router_replay.mode": "R2"},
         refused=("verl-import", "actor.router_replay"),
