@@ -105,7 +105,10 @@ class Outcome:
     path: str = ""
     reason: str = ""
     not_trainable: str = ""
-    """A planned model rltrain refuses at start (rlconf.model_spec.training_gaps): the gap's field."""
+    """A model rltrain refuses at start even where the plan accepts it (rlconf.model_spec.training_gaps): the
+    gaps' fields."""
+    also: tuple[str, ...] = ()
+    """The rules of the refusal's other errors."""
     unknown: tuple[str, ...] = ()
     silent: tuple[str, ...] = ()
     about_derived: tuple[str, ...] = ()
@@ -125,6 +128,8 @@ class Outcome:
             verdict = "plans" + (f" (not trainable yet: {self.not_trainable})" if self.not_trainable else "")
         else:
             verdict = f"refused [{self.rule}] {self.path}: {self.reason}"
+            verdict += f" (also: {', '.join(self.also)})" if self.also else ""
+            verdict += f" (and not trainable yet: {self.not_trainable})" if self.not_trainable else ""
         flaws = [f"{k}: {', '.join(v)}" for k, v in (("unknown", self.unknown), ("silent", self.silent),
                  ("warns about derived", self.about_derived), ("wrong", self.wrong)) if v]  # fmt: skip
         return f"{head} {verdict}" + (f"  !! {'; '.join(flaws)}" if flaws else "")
@@ -249,7 +254,6 @@ def _check_devices(tr: Any, given: Mapping[str, Any]) -> list[str]:
 
 
 def run_one(entry: Mapping[str, Any], root: Path) -> Outcome:
-    from rlconf.model_spec import read_model_arch, training_gaps
     from rlconf.verl import translate
 
     overrides = overrides_of(entry, root)
@@ -265,13 +269,24 @@ def run_one(entry: Mapping[str, Any], root: Path) -> Outcome:
     errors = tuple((e.rule, e.path) for e in tr.errors)
     common = {"script": entry["script"], "model": model, "unknown": unknown, "silent": silent,
               "about_derived": about_derived, "errors": errors}  # fmt: skip
+    gaps = _training_gaps(tr.config.model.path)
     if tr.errors:
         first = tr.errors[0]
         reason = first.message.splitlines()[0].replace(f"{root}/models/", "")
-        return Outcome(plans=False, rule=first.rule, path=first.path, reason=reason, **common)
-    gaps = training_gaps(read_model_arch(tr.config.model.path)) if tr.config.model.path else []
-    return Outcome(plans=tr.plan_checked, not_trainable=", ".join(g[0] for g in gaps),
-                   wrong=tuple(check_values(tr, given)), **common)  # fmt: skip
+        return Outcome(plans=False, rule=first.rule, path=first.path, reason=reason, not_trainable=gaps,
+                       also=tuple(sorted({e.rule for e in tr.errors[1:]} - {first.rule})), **common)  # fmt: skip
+    return Outcome(plans=tr.plan_checked, not_trainable=gaps, wrong=tuple(check_values(tr, given)), **common)
+
+
+def _training_gaps(path: str | None) -> str:
+    """The fields of rlconf.model_spec.training_gaps of the model folder ('' when it trains, or is refused)."""
+    from rlconf.errors import ConfigError
+    from rlconf.model_spec import read_model_arch, training_gaps
+
+    try:
+        return ", ".join(g[0] for g in training_gaps(read_model_arch(path))) if path else ""
+    except ConfigError:
+        return ""
 
 
 def census(root: Path | None = None) -> list[Outcome]:

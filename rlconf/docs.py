@@ -236,6 +236,8 @@ def census_regions(record: Mapping[str, object]) -> dict[str, str]:
             result = "plans" + (f" (not trainable yet: {r['not_trainable']})" if r["not_trainable"] else "")
         else:
             result = f"refused `{r['rule']}` at `{r['path']}`: {r['reason']}"
+            result += f" (also {', '.join(f'`{a}`' for a in r['also'])})" if r["also"] else ""
+            result += f"; not trainable yet either: {r['not_trainable']}" if r["not_trainable"] else ""
         cell = result.replace("|", "\\|")
         lines.append(f"| `{r['script']}` | {r['model']} | {cell} |")
     return {"verl-census": "\n".join(lines) + "\n"}
