@@ -28,16 +28,6 @@ QWEN3_235B_A22B = {
 }  # fmt: skip
 
 
-QWEN3_DENSE_4KV = {
-    "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 94, "hidden_size": 4096,
-    "intermediate_size": 12288, "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
-    "vocab_size": 151936, "tie_word_embeddings": False, "max_position_embeddings": 40960,
-    "rope_theta": 1000000.0, "rope_scaling": None, "rms_norm_eps": 1e-06, "use_sliding_window": False,
-    "sliding_window": None, "max_window_layers": 94, "attention_bias": False, "hidden_act": "silu",
-}  # fmt: skip
-"""Qwen3-235B-A22B's attention shape in a dense Qwen3 (tests of the rollout's tp against the KV heads)."""
-
-
 def _load(*overrides: str):
     return load_config(None, preset="tiny-grpo", overrides=list(overrides), presets=PRESETS)
 
@@ -108,38 +98,13 @@ def test_qwen3_235b_first_and_last_stage_form_plans(tmp_path):
 
 
 def test_rollout_tp8_over_4_kv_heads_plans(tmp_path):
-    # The attention of Qwen3-235B-A22B (64 heads, 4 KV heads) in a dense model: a MoE model's resharded
-    # rollout is refused (next test)
-    folder = tmp_path / "dense"
-    folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(QWEN3_DENSE_4KV))
-    cfg = _load(f"model.path={folder}", "model.params_dtype=bfloat16", "cluster.device=cuda", "cluster.nnodes=4",
-                "cluster.gpus_per_node=8", "actor.megatron.tensor_model_parallel_size=4",
-                "actor.megatron.pipeline_model_parallel_size=8",
-                "actor.megatron.account_for_embedding_in_pipeline_split=true",
-                "actor.megatron.account_for_loss_in_pipeline_split=true", "rollout.tensor_model_parallel_size=8")  # fmt: skip
+    cfg = _qwen235b(tmp_path, "actor.megatron.account_for_embedding_in_pipeline_split=true",
+                    "actor.megatron.account_for_loss_in_pipeline_split=true",
+                    "rollout.tensor_model_parallel_size=8")  # fmt: skip
     plan = compile_plan(cfg)
     ro = plan.layout("rollout")
     assert (ro.tp, ro.dp) == (8, 4)
     assert plan.refit.mode == "reshard"
-
-
-def test_a_moe_models_rollout_at_a_tp_of_its_own_is_refused(tmp_path):
-    """rltrain/rollout/reshard.py gathers tensor-parallel shards and pipeline stages, not the routed experts
-    (split over the expert-parallel and expert-TP groups): a MoE rollout at another tp is a named error, and
-    the rollout in the actor's own layout (tp written out equal, or null) plans."""
-    cfg = _qwen235b(tmp_path, "actor.megatron.account_for_embedding_in_pipeline_split=true",
-                    "actor.megatron.account_for_loss_in_pipeline_split=true",
-                    "rollout.tensor_model_parallel_size=8")  # fmt: skip
-    with pytest.raises(ConfigError) as info:
-        compile_plan(cfg)
-    (e,) = [i for i in info.value.errors if i.rule == "rollout-engine"]
-    assert e.path == "rollout.tensor_model_parallel_size" and "routed experts" in e.message
-    assert "null" in e.fix
-    same = _qwen235b(tmp_path / "same", "actor.megatron.account_for_embedding_in_pipeline_split=true",
-                     "actor.megatron.account_for_loss_in_pipeline_split=true",
-                     "rollout.tensor_model_parallel_size=4")  # fmt: skip
-    assert compile_plan(same).refit.mode == "zero-copy"
 
 
 def test_rollout_tp_must_be_a_multiple_of_the_kv_heads(tmp_path):
@@ -147,7 +112,7 @@ def test_rollout_tp_must_be_a_multiple_of_the_kv_heads(tmp_path):
     # (and does not divide the 64 heads either)
     folder = tmp_path / "m"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({**QWEN3_DENSE_4KV, "num_attention_heads": 48,
+    (folder / "config.json").write_text(json.dumps({**QWEN3_235B_A22B, "num_attention_heads": 48,
                                                      "num_hidden_layers": 4}))  # fmt: skip
     base = (f"model.path={folder}", "cluster.device=cuda", "actor.ppo_micro_batch_size_per_gpu=1",
             "actor.log_prob_micro_batch_size_per_gpu=1", "data.train_batch_size=24", "actor.ppo_mini_batch_size=6")  # fmt: skip

@@ -213,7 +213,7 @@ def rollout_engine(c: RLConfig) -> Iterator[Issue]:
                     f"rollout.engine: vllm refits from an actor without {name.split('_model')[0]} parallel; "
                     f"{name} = {size}",
                     f"use actor.megatron.{name}: 1 (raise tensor_model_parallel_size instead), or "
-                    "rollout.engine: embedded (it reshards any dense actor layout)",
+                    "rollout.engine: embedded (it reshards any actor layout)",
                     "rollout-engine",
                 )
 

@@ -228,15 +228,6 @@ def role_layouts(
         if role == "rollout" and rollout_resharded(c):
             tp, pp, vpp, cp, ep, etp, sp = rollout_tp(c), 1, None, 1, 1, None, False
             tp_path = "rollout.tensor_model_parallel_size"
-            if arch.num_moe_experts and c.rollout.engine == "embedded" and c.rollout.placement == "colocated":
-                # rltrain/rollout/reshard.py gathers tensor-parallel shards and pipeline stages only.
-                issues.append(error(
-                    tp_path, f"the refit into a rollout tp of its own ({tp}; the actor's is "
-                    f"{c.actor.megatron.tensor_model_parallel_size}) does not carry a mixture-of-experts model's "
-                    f"routed experts yet ({spec.source}: {arch.num_moe_experts} experts, split over the expert-"
-                    "parallel and expert-tensor-parallel groups)",
-                    "use rollout.tensor_model_parallel_size: null (generation in the actor's own layout, no weight "
-                    "copy)", "rollout-engine"))  # fmt: skip
         else:
             # Zero-copy: the embedded engine generates with the actor's own weights in the actor's layout.
             prefix, m = megatron_of(c, "actor" if role == "rollout" else role)

@@ -430,9 +430,8 @@ _PAGE_DIFFERENCES = """\
   megatron weights: in the actor's layout when `rollout.tensor_model_parallel_size` is unset (no copy),
   otherwise at that tp without pipeline parallel, resharded from the actor's layout before each
   generation (see [GPUs](gpus.md#gpu-presets)); verl's vllm / sglang settings translate to it. A
-  mixture-of-experts model generates in the actor's layout only: the reshard does not carry routed experts
-  yet (rule `rollout-engine`; leave `actor_rollout_ref.rollout.tensor_model_parallel_size` out, or equal to
-  the actor's).
+  mixture-of-experts model's routed experts are gathered over the expert-parallel and expert-TP groups into
+  a replica that holds every expert, split over the rollout's tp.
 - **The reference policy** shares the actor's processes, so `ref.megatron` must match `actor.megatron`
   (verl gives the ref its own worker group and layout).
 - **The lr schedule advances once per training step**, as in verl. It does not advance once per optimizer

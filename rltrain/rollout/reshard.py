@@ -26,7 +26,10 @@ one `all_gather_into_tensor` over the actor's TP group (full tensors = TP shards
 partition dim), then with PP > 1 one broadcast over the PP group from the stage that owns it (every rank
 needs every layer). Each full tensor is converted to the rollout's TP size (megatron's fused gate/up
 layout depends on TP; the vocabulary is padded to 128 x TP) and this rank's rollout shard is copied into
-the replica. Extra memory: the replica's weights (params / r) for the generation, plus one bucket in
+the replica. Routed experts of a mixture-of-experts model go one weight at a time: gathered over the actor's
+expert-TP group, then every expert-parallel rank's experts over the EP group (then the PP broadcast); the
+replica holds every expert (expert parallel 1), split over its tp (its expert-TP group is its TP group), so
+a routed expert's fused gate/up goes from the actor's expert-TP layout to the rollout tp's. Extra memory: the replica's weights (params / r) for the generation, plus one bucket in
 flight. Every actor rank calls it (collectives); rollout TP may divide or be a multiple of the actor's.
 
 Prompts: the controller dispatches by the actor's data-parallel layout; `generate` exchanges the prompts
@@ -53,6 +56,8 @@ from rltrain import device as devices
 from rltrain.rollout.weight_sync import SyncStats
 
 _STATE_NAME = re.compile(r"^_[A-Z][A-Z0-9_]*$")
+_EXPERT_FC1 = re.compile(r"\.mlp\.experts\.local_experts\.\d+\.linear_fc1\.weight$")
+_EXPERT_NUMBER = re.compile(r"^(decoder\.layers\.\d+\.mlp\.experts\.local_experts\.)(\d+)(\..*)$")
 
 
 # ------------------------------------------------------------------------------------ parallel state
@@ -104,16 +109,19 @@ class ParallelStateSwap:
 
 # ------------------------------------------------------------------------------------ weight conversion
 def to_rollout_full(name: str, full: torch.Tensor, arch: Any, actor_tp: int, rollout_tp: int,
-                    vocab_rows: int) -> torch.Tensor:  # fmt: skip
+                    vocab_rows: int, actor_etp: int | None = None) -> torch.Tensor:  # fmt: skip
     """The actor's full (all TP ranks) megatron tensor `name` in the rollout layout's full form.
 
-    Only two layouts depend on TP: linear_fc1 ([gate_r; up_r] per TP shard r) and the vocabulary padding
-    (a multiple of 128 x TP); q/k/v are grouped per query group whatever the TP, the rest is plain.
+    Only two layouts depend on TP: linear_fc1 ([gate_r; up_r] per TP shard r: the dense MLP's and a shared
+    expert's over the TP group, a routed expert's over the expert-TP group, `actor_etp`; the replica's
+    expert-TP is its TP) and the vocabulary padding (a multiple of 128 x TP); q/k/v are grouped per query
+    group whatever the TP, the rest is plain.
     """
     from rltrain.megatron.hf_weights import fuse_gate_up, split_gate_up
 
-    if name.endswith("mlp.linear_fc1.weight") and actor_tp != rollout_tp:
-        return fuse_gate_up(*split_gate_up(full, actor_tp), rollout_tp)
+    shards = (actor_etp or actor_tp) if _EXPERT_FC1.search(name) else actor_tp
+    if name.endswith("linear_fc1.weight") and shards != rollout_tp:
+        return fuse_gate_up(*split_gate_up(full, shards), rollout_tp)
     if name in ("embedding.word_embeddings.weight", "output_layer.weight") and full.shape[0] != vocab_rows:
         out = full.new_zeros((vocab_rows, *full.shape[1:]))
         rows = min(arch.vocab_size, vocab_rows)
@@ -129,6 +137,7 @@ class _Entry:
     name: str
     local_shape: tuple[int, ...]
     partition_dim: int | None  # None: replicated over TP (norms)
+    expert: bool = False  # a routed expert's weight: split over the expert-TP group, one of EP ranks' experts
 
     def full_shape(self, tp: int) -> tuple[int, ...]:
         if self.partition_dim is None:
@@ -164,6 +173,9 @@ class RolloutReplica:
         self.bucket_bytes = bucket_bytes
         self.actor_tp = parallel_state.get_tensor_model_parallel_world_size()
         self.actor_pp = parallel_state.get_pipeline_model_parallel_world_size()
+        self.actor_etp = parallel_state.get_expert_tensor_parallel_world_size()
+        self.actor_ep = parallel_state.get_expert_model_parallel_world_size()
+        self.ep_rank = parallel_state.get_expert_model_parallel_rank()
         self.rollout_tp = rollout_tp
         self.state = ParallelStateSwap(rollout_tp)
         actor_model = mmodel.unwrap(actor._chunks[0])
@@ -191,6 +203,13 @@ class RolloutReplica:
                 account_for_loss_in_pipeline_split=False,
                 context_parallel_size=1,
                 sequence_parallel=False,
+                # Routed experts: all of them on every replica rank, split over its tp (its expert-TP group
+                # is its TP group: megatron's default in the replica's parallel state).
+                **(
+                    {"expert_model_parallel_size": 1, "expert_tensor_parallel_size": rollout_tp}
+                    if actor_model.config.num_moe_experts
+                    else {}
+                ),
             )
             model = GPTModel(
                 config=config,
@@ -220,10 +239,12 @@ class RolloutReplica:
             self.dp_size = parallel_state.get_data_parallel_world_size()
         self.model = model
         self.gpt = mmodel.unwrap(model)
-        self.params = dict(global_params(self.gpt))
+        with self.state.active():  # expert numbers are the replica's (every expert: expert-parallel size 1)
+            self.params = dict(global_params(self.gpt))
         self.shapes = {n: tuple(p.shape) for n, p in self.params.items()}
         self.dtype = next(iter(self.params.values())).dtype
         self.stage_entries = self._exchange_entries()
+        self.expert_entries = self._exchange_entries(expert=True)
         self.release()
 
     # --------------------------------------------------------------------------------- engine interface
@@ -253,19 +274,23 @@ class RolloutReplica:
 
     # --------------------------------------------------------------------------------- refit
     def _local_entries(self) -> list[tuple[_Entry, torch.Tensor]]:
-        from rltrain.megatron.hf_weights import global_params
+        from rltrain.megatron.hf_weights import global_params, is_expert_param
         from rltrain.megatron.model import unwrap
 
         out = []
         for chunk in self.actor.chunks:
             for name, param in global_params(unwrap(chunk)):
-                split = getattr(param, "tensor_model_parallel", False) and self.actor_tp > 1
-                out.append((_Entry(name, tuple(param.shape), param.partition_dim if split else None), param))
+                expert = is_expert_param(param)
+                shards = self.actor_etp if expert else self.actor_tp
+                split = getattr(param, "tensor_model_parallel", False) and shards > 1
+                entry = _Entry(name, tuple(param.shape), param.partition_dim if split else None, expert)
+                out.append((entry, param))
         return out
 
-    def _exchange_entries(self) -> list[list[_Entry]]:
-        """Every pipeline stage's parameter list, known on every rank (sizes the PP broadcasts)."""
-        mine = [e for e, _ in self._local_entries()]
+    def _exchange_entries(self, expert: bool = False) -> list[list[_Entry]]:
+        """Every pipeline stage's parameter list (routed experts' or the rest), known on every rank (sizes the
+        PP broadcasts; the ranks of a PP group share their expert-parallel rank, so their expert names)."""
+        mine = [e for e, _ in self._local_entries() if e.expert == expert]
         if self.actor_pp == 1:
             return [mine]
         stages: list[Any] = [None] * self.actor_pp
@@ -324,9 +349,52 @@ class RolloutReplica:
                         stats.tensors += 1
                         stats.bytes += full.numel() * full.element_size()
                     stats.buckets += 1
+            self._refit_experts(local, my_stage, pp_group, pp_ranks, stats)
         devices.synchronize(self.device)
         stats.seconds = time.perf_counter() - t0
         return stats
+
+    def _refit_experts(
+        self, local: dict[str, torch.Tensor], my_stage: int, pp_group: Any, pp_ranks: Any, stats: SyncStats
+    ) -> None:
+        """Routed experts, one weight at a time: gathered over the actor's expert-TP group, then every
+        expert-parallel rank's experts over the EP group, then (PP > 1) broadcast from the stage that owns
+        them; the replica holds every expert."""
+        if not any(self.expert_entries):
+            return
+        per_rank = self.arch.num_moe_experts // self.actor_ep
+        etp_group = parallel_state.get_expert_tensor_parallel_group() if self.actor_etp > 1 else None
+        ep_group = parallel_state.get_expert_model_parallel_group() if self.actor_ep > 1 else None
+        for stage, entries in enumerate(self.expert_entries):
+            for e in entries:
+                shape = e.full_shape(self.actor_etp)
+                flat: torch.Tensor | None = None
+                if stage == my_stage:
+                    full = local[e.name].detach()
+                    if e.partition_dim is not None:
+                        parts = [torch.empty_like(full) for _ in range(self.actor_etp)]
+                        torch.distributed.all_gather(parts, full.contiguous(), group=etp_group)
+                        full = torch.cat(parts, dim=e.partition_dim)
+                    flat = full.reshape(-1).contiguous()
+                    if ep_group is not None:
+                        gathered = torch.empty(
+                            flat.numel() * self.actor_ep, dtype=flat.dtype, device=flat.device
+                        )
+                        torch.distributed.all_gather_into_tensor(gathered, flat, group=ep_group)
+                        flat = gathered
+                if self.actor_pp > 1:
+                    if flat is None:
+                        n = torch.Size(shape).numel() * self.actor_ep
+                        flat = torch.empty(n, dtype=self.dtype, device=self.torch_device)
+                    torch.distributed.broadcast(flat, src=pp_ranks[stage], group=pp_group)
+                assert flat is not None
+                m = _EXPERT_NUMBER.match(e.name)
+                assert m is not None, e.name
+                j = int(m.group(2)) - self.ep_rank * per_rank  # the expert's index on its EP rank
+                for r, part in enumerate(flat.view(self.actor_ep, -1)):
+                    self._load(f"{m.group(1)}{r * per_rank + j}{m.group(3)}", part.view(shape))
+                    stats.tensors += 1
+                    stats.bytes += part.numel() * part.element_size()
 
     def _gather_bucket(
         self, bucket: list[_Entry], local: dict[str, torch.Tensor], group: Any
@@ -367,7 +435,8 @@ class RolloutReplica:
             if name == "output_layer.weight" and self.arch.share_embeddings_and_output_weights:
                 return
             raise KeyError(f"rollout replica has no parameter {name}")
-        full = to_rollout_full(name, full, self.arch, self.actor_tp, self.rollout_tp, self.gpt.vocab_size)
+        full = to_rollout_full(name, full, self.arch, self.actor_tp, self.rollout_tp, self.gpt.vocab_size,
+                               self.actor_etp)  # fmt: skip
         shape = self.shapes[name]
         # The split dimension is the one the rollout shard is narrower in (megatron sets the
         # `partition_dim` attribute only when it initialises the weight, which the replica skips).

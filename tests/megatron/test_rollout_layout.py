@@ -275,3 +275,69 @@ def test_a_lora_actor_resharded_to_another_tp_samples_from_its_adapted_policy(tm
         assert r["tokens"] > 0 and r["restored"], r
         assert r["adapted_gap"] < 1e-5, r  # fp32: the sampler ran the adapted weights
         assert r["base_gap"] > 1e-3, r  # and the adapter changes the policy (the check can tell them apart)
+
+
+# ------------------------------------------------------------------------------------------- MoE actor
+MOE_CASES = [  # (label, family, actor layout, rollout tp)
+    ("qwen3_moe_ep2_to_tp2", "qwen3_moe", dict(ep=2), 2),
+    ("qwen3_moe_tp2_to_tp1", "qwen3_moe", dict(tp=2), 1),
+    ("qwen3_moe_tp2_ep2_etp1_to_tp1", "qwen3_moe", dict(tp=2, ep=2, etp=1), 1),  # experts whole, over EP
+    ("qwen3_moe_pp2_to_tp2", "qwen3_moe", dict(pp=2, num_layers_in_first_pipeline_stage=2), 2),  # 3 layers
+    ("qwen2_moe_tp2_to_tp1", "qwen2_moe", dict(tp=2), 1),  # shared experts: fused gate/up per TP shard
+]
+
+
+def _moe_worker(rank: int, world: int, port: int, folders: dict, out_dir: str) -> None:
+    run_spawned(_moe_run, rank, world, port, folders, out_dir)
+
+
+def _moe_run(rank: int, world: int, port: int, folders: dict, out_dir: str) -> None:
+    from dataclasses import replace
+
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
+    from rltrain.rollout.reshard import RolloutReplica
+
+    from .test_moe import _layout_cfg
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    out: dict[str, float] = {}
+    for label, family, layout, rollout_tp in MOE_CASES:
+        cfg = _layout_cfg(tp=layout.get("tp", 1), ep=layout.get("ep", 1), etp=layout.get("etp"), aux=0.0)
+        stages = {k: v for k, v in layout.items() if k.startswith("num_layers")}
+        cfg = replace(
+            cfg, megatron=replace(cfg.megatron, pipeline_model_parallel_size=layout.get("pp", 1), **stages)
+        )
+        init_groups(cfg.megatron, "cpu")
+        actor = actor_of(tiny_model_cfg(folders[family]), cfg, "cpu", trainable=False)
+        replica = RolloutReplica(actor, rollout_tp, BUCKET)
+        replica.refit()
+        _export(replica, os.path.join(out_dir, label))
+        if label == "qwen3_moe_ep2_to_tp2":
+            prompts = torch.randint(1, 100, (4, 6), generator=torch.Generator().manual_seed(0))
+            batch = replica.generate(prompts, torch.ones_like(prompts), seed=7, actor_dp_rank=0,
+                                     max_new_tokens=5, temperature=1.0, pad_id=0)  # fmt: skip
+            lp = actor.compute_log_prob(batch, temperature=1.0, with_entropy=False)["log_probs"]
+            out["logprob_diff_max"] = float(
+                ((batch["rollout_log_probs"] - lp).abs() * batch["response_mask"]).max()
+            )
+        destroy_parallel(destroy_process_group=False)
+    torch.save(out, os.path.join(out_dir, f"moe_rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_moe_reshard_to_another_tp_gives_every_expert(tmp_path):
+    """Routed experts split over expert parallel (EP=2), tensor parallel (TP=2, expert-TP 2) or pipeline stages
+    (PP=2), and qwen2_moe's shared experts, resharded into a replica at another tp: its HF export is the source
+    folder bit for bit, and (EP=2) the sampler's log-probs equal the actor's recomputation."""
+    from .test_moe import make_tiny_moe
+
+    folders = {f: str(make_tiny_moe(tmp_path / f, f, seed=4)) for f in ("qwen3_moe", "qwen2_moe")}
+    torch.multiprocessing.spawn(
+        _moe_worker, args=(2, free_port(), folders, str(tmp_path)), nprocs=2, join=True
+    )
+    for label, family, _, _ in MOE_CASES:
+        _assert_same_tensors(_tensors(tmp_path / label), _tensors(folders[family]), label)
+    for rank in (0, 1):
+        assert torch.load(tmp_path / f"moe_rank{rank}.pt")["logprob_diff_max"] < 1e-5
