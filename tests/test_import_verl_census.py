@@ -21,7 +21,6 @@ EXPECTED_REFUSALS = {
     "examples/sglang_multiturn/geo3k/run_qwen2.5-3b_megatron_geo3k_multiturn.sh": "model-unsupported",
     "examples/mtp_trainer/test_dapo_mimo_7b_with_mtp_math_megatron.sh": "verl-import",  # MTP heads
     "examples/ppo_trainer/run_moonlight16b_a3b_gsm8k_megatron.sh": "layers-divisible-by-pp",  # megatron rejects
-    "examples/router_replay/run_qwen30_a3b_megatron_sglang.sh": "moe",  # R3 into another rollout tp
     "examples/router_replay/run_qwen30_a3b_megatron_vllm.sh": "verl-import",  # R2
     "tests/special_e2e/run_fully_async_policy.sh": "verl-import",  # fully async streaming
     "verl/experimental/fully_async_policy/shell/geo3k_qwen25vl_7b_megatron_4_4.sh": "verl-import",

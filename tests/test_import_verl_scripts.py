@@ -317,13 +317,13 @@ SCRIPTS = (
         {"actor.router_replay": True, "rollout.tensor_model_parallel_size": 4},
     ),
     Script(
-        "router-replay-r3-rollout-tp-of-its-own-refused",
+        "router-replay-r3-rollout-tp-of-its-own",
         {
             **MEGATRON_GRPO,
             "actor_rollout_ref.actor.router_replay.mode": "R3",
             "actor_rollout_ref.rollout.tensor_model_parallel_size": "2",
         },
-        refused=("moe", "actor.router_replay"),
+        {"actor.router_replay": True, "rollout.tensor_model_parallel_size": 2},
     ),
     Script(
         "router-replay-r2-refused",

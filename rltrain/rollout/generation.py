@@ -61,10 +61,12 @@ class RolloutServer:
                 return self.vllm.generate(prompt_ids, prompt_mask, sampling_v, tok.pad_token_id,
                                           parallel_state.get_data_parallel_rank())  # fmt: skip
         if self.plan.refit is not None and self.plan.refit.mode == "reshard":
-            # The rollout's own layout (rltrain/rollout/reshard.py): refit, split over rollout DP, regather.
+            # The rollout's own layout (rltrain/rollout/reshard.py): refit, split over rollout DP, regather;
+            # actor.router_replay: the replica's routers record each token's experts.
             with self.measured("generate_sequences"):
                 return self._rollout_replica().generate(
                     prompt_ids, prompt_mask, seed=seed, actor_dp_rank=parallel_state.get_data_parallel_rank(),
+                    record_routing=r.router_replay and not validate,
                     max_new_tokens=max_new_tokens, temperature=sampling.temperature, top_p=sampling.top_p,
                     top_k=sampling.top_k, min_p=sampling.min_p, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
                     stop_token_ids=stops, static_decode=graphs,

@@ -203,6 +203,13 @@ class RolloutReplica:
                 account_for_loss_in_pipeline_split=False,
                 context_parallel_size=1,
                 sequence_parallel=False,
+                # The trained actor's hooks (they hold its DDP buckets and process groups; megatron deep-copies
+                # the config into each MoE layer's experts) have no place in a forward-only replica.
+                finalize_model_grads_func=None,
+                no_sync_func=None,
+                grad_sync_func=None,
+                param_sync_func=None,
+                grad_scale_func=None,
                 # Routed experts: all of them on every replica rank, split over its tp (its expert-TP group
                 # is its TP group: megatron's default in the replica's parallel state).
                 **(
@@ -457,10 +464,14 @@ class RolloutReplica:
         prompt_mask: torch.Tensor,
         seed: int,
         actor_dp_rank: int,
+        record_routing: bool = False,
         **sampling: Any,
     ) -> dict[str, torch.Tensor]:
         """Refit, generate this rollout DP rank's share of every actor DP shard's prompts, free the
-        replica's weights, and return this actor DP shard's rows (in order). Collective over the world."""
+        replica's weights, and return this actor DP shard's rows (in order). Collective over the world.
+        `record_routing` (actor.router_replay): the experts the replica's routers chose for each token, as
+        `routed_experts` (global expert numbers, the same whatever the layout)."""
+        from rltrain.megatron import moe_replay
         from rltrain.megatron.inference import generate_with_kv_cache
 
         self.last_refit = self.refit()
@@ -477,10 +488,14 @@ class RolloutReplica:
         rows = torch.tensor_split(torch.arange(all_ids.shape[0]), self.dp_size)[self.dp_rank]
         try:
             with self.state.active():
-                out = generate_with_kv_cache(
-                    self, all_ids[rows], all_mask[rows], seed=derive_seed(seed, self.dp_rank, DP_SHARD),
-                    **sampling,
-                )  # fmt: skip
+                recording = moe_replay.record_routing(self) if record_routing else contextlib.nullcontext()
+                with recording as recorder:
+                    out = generate_with_kv_cache(
+                        self, all_ids[rows], all_mask[rows], seed=derive_seed(seed, self.dp_rank, DP_SHARD),
+                        **sampling,
+                    )  # fmt: skip
+                if record_routing:
+                    out[moe_replay.ROUTED_EXPERTS] = recorder.routed_experts(out)
         finally:
             self.release()
         results: list[Any] = [None] * world

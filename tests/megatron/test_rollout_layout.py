@@ -341,3 +341,63 @@ def test_moe_reshard_to_another_tp_gives_every_expert(tmp_path):
         _assert_same_tensors(_tensors(tmp_path / label), _tensors(folders[family]), label)
     for rank in (0, 1):
         assert torch.load(tmp_path / f"moe_rank{rank}.pt")["logprob_diff_max"] < 1e-5
+
+
+def _replay_worker(rank: int, world: int, port: int, hf: str, out_dir: str) -> None:
+    run_spawned(_replay_run, rank, world, port, hf, out_dir)
+
+
+def _replay_run(rank: int, world: int, port: int, hf: str, out_dir: str) -> None:
+    from rltrain.megatron.moe_replay import ROUTED_EXPERTS
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
+    from rltrain.rollout.reshard import RolloutReplica
+
+    from .test_moe import _layout_cfg
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    cfg = _layout_cfg(ep=2, aux=0.0)
+    init_groups(cfg.megatron, "cpu")
+    actor = actor_of(tiny_model_cfg(hf), cfg, "cpu", trainable=True)
+    replica = RolloutReplica(actor, 2, BUCKET)
+    prompts = torch.randint(1, 100, (4, 6), generator=torch.Generator().manual_seed(0))
+    batch = replica.generate(prompts, torch.ones_like(prompts), seed=7, actor_dp_rank=0, record_routing=True,
+                             max_new_tokens=5, temperature=1.0, pad_id=0)  # fmt: skip
+    routed = batch[ROUTED_EXPERTS]
+    free = actor.compute_log_prob(batch, temperature=1.0, with_entropy=False)["log_probs"]
+    actor.router_replay = True  # the training passes replay the recorded routing
+    replayed = actor.compute_log_prob(batch, temperature=1.0, with_entropy=False)["log_probs"]
+    # Every replayed token routed where the replica routed it: a wrong expert for one token of a row changes
+    # that row's later log-probs far beyond fp32 rounding. Break the record to show the check can tell.
+    broken = {**batch, ROUTED_EXPERTS: torch.where(routed >= 0, (routed + 1) % 4, routed)}
+    wrong = actor.compute_log_prob(broken, temperature=1.0, with_entropy=False)["log_probs"]
+    mask = batch["response_mask"]
+    out = {
+        "shape": tuple(routed.shape),
+        "recorded": int((routed >= 0).sum()),
+        "replay_gap": float(((replayed - free).abs() * mask).max()),
+        "broken_gap": float(((wrong - free).abs() * mask).max()),
+        "sampler_gap": float(((batch["rollout_log_probs"] - replayed).abs() * mask).max()),
+    }
+    destroy_parallel(destroy_process_group=False)
+    torch.save(out, os.path.join(out_dir, f"replay_rank{rank}.pt"))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_router_replay_records_the_resharded_rollouts_routing(tmp_path):
+    """actor.router_replay with the rollout resharded to another tp (verl's R3 scripts generate at their own
+    tp): the replica's routers record every token's experts, and the actor's passes replaying them give its
+    own log-probs (fp32, no near-ties), which a shifted record does not."""
+    from .test_moe import make_tiny_moe
+
+    hf = str(make_tiny_moe(tmp_path / "hf", "qwen3_moe", seed=4))
+    torch.multiprocessing.spawn(_replay_worker, args=(2, free_port(), hf, str(tmp_path)), nprocs=2, join=True)
+    for rank in (0, 1):
+        r = torch.load(tmp_path / f"replay_rank{rank}.pt")
+        rows, seq, layers, k = r["shape"]
+        assert (rows, seq) == (4, 11) and layers == 2 and k == 2, r  # layer 1 is dense (mlp_only_layers)
+        # every token but each row's last (which no step feeds back) was routed in a generation step
+        assert r["recorded"] == rows * (seq - 1) * layers * k, r
+        assert r["replay_gap"] < 1e-5 and r["sampler_gap"] < 1e-5, r
+        assert r["broken_gap"] > 1e-3, r
