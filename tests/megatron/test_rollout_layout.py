@@ -401,3 +401,21 @@ def test_router_replay_records_the_resharded_rollouts_routing(tmp_path):
         assert r["recorded"] == rows * (seq - 1) * layers * k, r
         assert r["replay_gap"] < 1e-5 and r["sampler_gap"] < 1e-5, r
         assert r["broken_gap"] > 1e-3, r
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_cli_moe_run_with_router_replay_generates_at_another_tp(tmp_path):
+    """tiny-grpo-moe (EP=2 over two workers) generating at tp 2 with router replay, as verl's R3 scripts do:
+    exits 0, the refit is a reshard, and the sampler's log-probs equal the actor's replayed recomputation."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "rltrain.cli", "tiny-grpo-moe", "--actor.router_replay", "true",
+           "--rollout.tensor_model_parallel_size", "2", "--trainer.total_steps", "2",
+           "--trainer.output_dir", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((out / "plan.json").read_text())["refit"]["mode"] == "reshard"
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["rollout/logprob_diff_max"] < 1e-5, r
