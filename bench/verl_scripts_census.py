@@ -6,7 +6,8 @@ the 45 `.sh` files that start verl's trainer (main_ppo, the one-step-off and ful
 Megatron config or `strategy=megatron`, plus examples/grpo_trainer/run_qwen2-7b_math.sh, the FSDP twin of the
 Megatron GRPO example (its offloads translate to megatron's). Each list is what the script passes to
 Python, its shell variables resolved by running the script with `python3` replaced by a recorder (values from
-the environment: the script's own default; see `env` of an entry); a model path is `{models}/NAME` and data
+the environment: the script's own default; see `env` of an entry; bench/verl_scripts_extract.py re-extracts
+them from a verl checkout); a model path is `{models}/NAME` and data
 paths are under `{data}`, filled in here with stand-ins. Keys a script's named config sets on top of verl's
 ppo_megatron_trainer (the multi-turn and one-step-off configs) come first (`config_keys`).
 
