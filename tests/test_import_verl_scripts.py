@@ -564,6 +564,15 @@ def test_vllm_only_keys_keep_the_default_and_say_why(env: dict[str, str]) -> Non
     assert not [w for w in tr.warnings if w.path.startswith("rollout.")]
 
 
+def test_verl_tool_yaml_without_rlplan_tools_is_a_warning(env: dict[str, str]) -> None:
+    overrides = {**MEGATRON_GRPO, "actor_rollout_ref.rollout.multi_turn.enable": "True",
+                 "actor_rollout_ref.rollout.multi_turn.tool_config_path": "examples/tools/gsm8k_tool_config.yaml"}  # fmt: skip
+    tr = translate(None, common(env, **overrides))
+    (warn,) = [w for w in tr.warnings if w.path == "rollout.multi_turn.tools"]
+    assert warn.rule == "verl-import" and "no tool to call" in warn.message
+    assert "rollout.multi_turn.tools" in warn.fix and tr.valid
+
+
 def test_a_logger_that_is_not_installed_is_reported_and_dropped(env: dict[str, str]) -> None:
     tr = translate(None, common(env, **MEGATRON_GRPO, **{"trainer.logger": "['console','wandb']"}))
     if importlib.util.find_spec("wandb") is not None:

@@ -443,6 +443,7 @@ def translate(
                "(default_compute_score: gsm8k, MATH, DAPO-math / AIME)")  # fmt: skip
 
     _missing_backends(settings, mapped, issues, origin)
+    issues += _tools_not_loaded(values, settings)
 
     position = {key: i for i, key in enumerate(values)}
     mapped.sort(key=lambda m: position[m.verl])
@@ -518,6 +519,23 @@ def _missing_backends(
         "logging.backends", f"{origin.get('logging.backends', 'trainer.logger')} asks for {names}, which is not "
         f"installed here: dropped (the run logs to {', '.join(settings['logging.backends'])})",
         f"pip install {' '.join(missing)} and add it back to logging.backends to log there", "logging"))  # fmt: skip
+
+
+def _tools_not_loaded(values: Mapping[str, Any], settings: Mapping[str, Any]) -> list[Issue]:
+    """A warning when verl's tool YAML named the tools of a multi-turn run and rlplan has none to call."""
+    keys = [k for k in ("actor_rollout_ref.rollout.multi_turn.tool_config_path", "data.tool_config_path")
+            if values.get(k)]  # fmt: skip
+    if (
+        not keys
+        or settings.get("rollout.multi_turn.enable") is not True
+        or settings.get("rollout.multi_turn.tools")
+    ):
+        return []
+    return [warning(
+        "rollout.multi_turn.tools", f"{keys[0]} = {values[keys[0]]} names the tools of verl's run; rlplan does not "
+        "read verl's tool YAML, so this multi-turn rollout has no tool to call",
+        "list the tools in rollout.multi_turn.tools (built-in calculator / python, or module:function / "
+        "module:Class of your own)", "verl-import")]  # fmt: skip
 
 
 def _derive_rlplan_rules(
