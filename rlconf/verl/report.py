@@ -409,7 +409,8 @@ Megatron GRPO example) through `rlconf import-verl` on stand-ins: each model fol
 config.json of the model the script names (sparse weights, a small tokenizer) and each data path a
 verl-format GSM8K-shaped parquet file. It checks that every key is mapped or reported, that no warning is
 about a value the import derived, and that the model path, layouts, batch sizes, lr, loss, LoRA and offloads
-of the result are the script's; `tests/test_import_verl_census.py` runs it and checks this record.
+of the result are the script's; `tests/test_import_verl_census.py` runs it and checks this record
+(`bench/verl_scripts_extract.py` re-extracts the override lists from a verl checkout).
 "Not trainable yet" marks a model the plan accepts and `rltrain` still refuses (multi-head latent attention).
 
 <!-- generated:verl-census -->
