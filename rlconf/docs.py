@@ -5,7 +5,8 @@ docstring, the validation rules that involve it, the CLI flag) and `presets.md` 
 differences from the defaults). It also rewrites the generated regions of the guides and the README
 (`<!-- generated:NAME -->` ... `<!-- /generated -->`): plan excerpts from `compile_plan` of a preset, and
 the output and numbers of the recorded main-job run (docs/_generated/tiny-grpo-run.json, written by
-bench/docs_run.py). Tests regenerate all of it and fail when a committed file is stale.
+bench/docs_run.py), and program output run now (rlconf.docs_outputs: `rlconf validate`, `rlconf plan`, ...
+on small inputs). Tests regenerate all of it and fail when a committed file is stale.
 
 The presets come from the command layer (`rlconf docs` passes presets.PRESETS): rlconf never imports them.
 """
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rlconf.config import RLConfig
+from rlconf.docs_outputs import RlconfMain, output_regions
 from rlconf.fields import field_default, field_docs, field_types, is_dataclass_type, strip_optional, type_name
 from rlconf.load import config_to_dict
 from rlconf.render import diff_dicts, scalar_text
@@ -117,8 +119,16 @@ VERL_RECORD = Path("_generated") / "verl-gsm8k-small-run.json"
 """The recorded verl GSM8K walk-through of the migration page (bench/docs_run.py --verl writes it)."""
 VERL_FIRST_LAST = 10
 """The walk-through's summary compares the mean training reward of the first and the last this many steps."""
-PAGES_WITH_REGIONS = ("quickstart.md", "concepts.md", "../README.md")
-"""Pages (relative to the docs folder) whose generated regions `rlconf docs` rewrites."""
+
+
+def pages_with_regions(docs_dir: str | Path) -> list[Path]:
+    """The pages whose generated regions `rlconf docs` rewrites: README.md and every guide in the docs
+    folder (not the reference, which is written whole, nor the verl migration page, written from its table)."""
+    docs = Path(docs_dir)
+    guides = [p for p in sorted(docs.glob("*.md")) if p.name != MIGRATION_PAGE]
+    return [*guides, docs.parent / "README.md"]
+
+
 _REGION = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
 _BATCH_KEYS = ("role", "prompts_per_step", "responses_per_prompt", "responses_per_step", "mini_batch_prompts",
                "mini_batches_per_step", "responses_per_mini_batch", "dp", "micro_batch_size_per_rank",
@@ -217,15 +227,31 @@ def verl_regions(record: Mapping[str, object]) -> dict[str, str]:
     }
 
 
+PLAN_REGIONS = ("plan-batch", "batch-table")
+RUN_REGIONS = ("run-output", "run-summary", "last-metrics")
+VERL_REGIONS = ("verl-setup", "verl-import", "verl-run", "verl-summary")
+
+
+def region_names() -> frozenset[str]:
+    """The name of every region `generated_regions` writes (without running or reading anything)."""
+    from rlconf.docs_outputs import EXCERPTS
+
+    return frozenset({*PLAN_REGIONS, *RUN_REGIONS, *VERL_REGIONS, *(e.name for e in EXCERPTS)})
+
+
 def _record(docs_dir: str | Path, name: Path) -> dict | None:
     path = Path(docs_dir) / name
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
-def generated_regions(docs_dir: str | Path, presets: Mapping[str, DocumentedPreset]) -> dict[str, str]:
+def generated_regions(
+    docs_dir: str | Path, presets: Mapping[str, DocumentedPreset], rlconf_main: RlconfMain | None = None
+) -> dict[str, str]:
+    """Every region's text: plan excerpts, the recorded runs' output and numbers, and the program output
+    of rlconf.docs_outputs.EXCERPTS (run now; `rlconf` commands in-process through `rlconf_main`)."""
     record, verl = _record(docs_dir, RUN_RECORD), _record(docs_dir, VERL_RECORD)
     return {**plan_regions(presets[MAIN_PRESET]), **(run_regions(record) if record else {}),
-            **(verl_regions(verl) if verl else {})}  # fmt: skip
+            **(verl_regions(verl) if verl else {}), **output_regions(rlconf_main)}  # fmt: skip
 
 
 def refresh_regions(text: str, regions: Mapping[str, str]) -> str:
@@ -239,10 +265,12 @@ def refresh_regions(text: str, regions: Mapping[str, str]) -> str:
     return _REGION.sub(body, text)
 
 
-def write_reference(outdir: str | Path, presets: Mapping[str, DocumentedPreset]) -> list[Path]:
+def write_reference(
+    outdir: str | Path, presets: Mapping[str, DocumentedPreset], rlconf_main: RlconfMain | None = None
+) -> list[Path]:
     """Write config.md and presets.md into `outdir`, the verl migration guide (generated from the
     `rlconf.verl` table) into its parent, the docs folder (`rlconf docs docs/reference` -> docs/), and
-    refresh the generated regions of the pages in PAGES_WITH_REGIONS; returns the files written."""
+    refresh the generated regions of `pages_with_regions`; returns the files written."""
     from rlconf.verl import migration_page
 
     out = Path(outdir)
@@ -251,11 +279,10 @@ def write_reference(outdir: str | Path, presets: Mapping[str, DocumentedPreset])
     for name, text in (("config.md", config_reference()), ("presets.md", presets_reference(presets))):
         (out / name).write_text(text, encoding="utf-8")
         written.append(out / name)
-    regions = generated_regions(out.parent, presets)
+    regions = generated_regions(out.parent, presets, rlconf_main)
     (out.parent / MIGRATION_PAGE).write_text(refresh_regions(migration_page(), regions), encoding="utf-8")
     written.append(out.parent / MIGRATION_PAGE)
-    for name in PAGES_WITH_REGIONS:
-        page = out.parent / name
+    for page in pages_with_regions(out.parent):
         if page.exists():
             text = page.read_text(encoding="utf-8")
             if (new := refresh_regions(text, regions)) != text:
