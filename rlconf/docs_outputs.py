@@ -61,15 +61,6 @@ _QWEN_EDITED = (
     '"max_position_embeddings": 256, "rope_theta": 1000000.0, '
     '"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "tie_word_embeddings": true}'
 )
-_DEEPSEEK_V3 = (
-    '{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 32, '
-    '"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 4, '
-    '"num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1, "n_routed_experts": 8, '
-    '"routed_scaling_factor": 2.5, "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, '
-    '"v_head_dim": 12, "qk_nope_head_dim": 8, "n_group": 4, "topk_group": 2, "num_experts_per_tok": 4, '
-    '"first_k_dense_replace": 2, "norm_topk_prob": true, "max_position_embeddings": 256, '
-    '"num_nextn_predict_layers": 0, "tie_word_embeddings": false}'
-)
 _CLIMBING_INDEX = (
     '{"metadata": {}, "weight_map": {"model.embed_tokens.weight": "../outside/x.safetensors", '
     '"lm_head.weight": "model.safetensors"}}'
