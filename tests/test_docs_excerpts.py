@@ -241,3 +241,76 @@ def test_tool_sandbox_excerpt() -> None:
     assert run.returncode == 2, run.stdout + run.stderr
     quoted = _page_block("troubleshooting.md", "test_tool_sandbox_excerpt")
     assert quoted == ["$ rlconf validate --preset tiny-tool", *run.stderr.splitlines()]
+
+
+# --- inline quotes of program output ----------------------------------------------------------------------------
+
+_INLINE_OUTPUT = re.compile(r"^(error\b|warning\b|note:|fix:|internal error|bad step|resumed from|pool \w|done:|"
+                            r"profile summary|Generated new|Token authentication|\w+Error: |ok |wrote |.*invalid config)")  # fmt: skip
+INLINE_QUOTES: dict[str, tuple[tuple[str, str], ...]] = {
+    # quoted text (as on the page, `...` for what varies) -> (file, the text of that file that prints it)
+    "error: rollout worker rank 0 died: ...": (
+        ("rltrain/controller.py", 'print(f"error: {exc}\\n    fix: '),
+        ("rltrain/ray_group.py", 'super().__init__(f"{role} worker rank {rank} {what}: {message}")'),
+        ("rltrain/ray_group.py", 'what = "died" if died else "failed"')),
+    "PushError: weight push of stage 0 broke: ... (a peer died or stalled; every push collective waits at most "
+    "rollout.push_timeout_s = ... s)": (
+        ("rltrain/rollout/push.py", 'f"weight push of stage {self.stage} broke: {_first_line(exc)} (a peer died or '
+                                    'stalled; every "\n                f"push collective waits at most '
+                                    'rollout.push_timeout_s = {self.timeout_s:g} s)"'),),
+    "pool actor_pool:": (("rltrain/ray_group.py", 'print(f"pool {name}: {pool.describe()}"'),),
+    "internal error: ...": (("rlconf/cli.py", 'f"internal error: {type(exc).__name__}: {exc}'),),
+    "bad step: advantages not finite, update not applied": (
+        ("rltrain/metrics.py", 'f"bad step: {record[GUARD_CAUSE_KEY]} not finite, update not applied"'),),
+    "warning: .../metrics.jsonl:N: the line of step S was cut off": (
+        ("rltrain/metrics_file.py", 'f"warning: {path}:{parsed.torn_lineno}: {which} was cut off'),
+        ("rltrain/metrics_file.py", 'f"the line of step {match.group(1)}"')),
+    "error [metrics-file] trainer.output_dir: .../metrics.jsonl:N: not JSON: ...": (
+        ("rltrain/metrics_file.py", 'f"{path}:{lineno}: {why}: {shown!r}'),
+        ("rltrain/metrics_file.py", '"not JSON"'),
+        ("rltrain/metrics_file.py", 'RULE = "metrics-file"')),
+    "note: no Transformer Engine / Apex: megatron uses its plain torch implementations (...)": (
+        ("rltrain/quiet.py", """f"note: no {' / '.join(missing)}: megatron uses its plain torch implementations """
+                             """({cost})\""""),),
+    "Token authentication is enabled": (("rltrain/quiet.py", '"Token authentication is enabled for this Ray '),),
+    "Generated new authentication token and saved to ~/.ray/auth_token": (
+        ("ray/_private/authentication/authentication_token_setup.py",
+         'f"Generated new authentication token and saved to {token_path}"'),),
+    "FusedKernelsError: model.fused_kernels: torch.compile cannot build kernels on this machine": (
+        ("rltrain/megatron/model.py", "class FusedKernelsError("),
+        ("rltrain/megatron/model.py", 'f"model.fused_kernels: torch.compile cannot build kernels on this machine "')),
+}  # fmt: skip
+"""Every inline quote of program output on the pages (a backtick span that reads like an error, warning, note
+or progress line, 16 characters or more), with where the code prints it. A new one must be added here."""
+
+
+def inline_quotes(page: Path) -> list[str]:
+    text = re.sub(r"^\s*```.*?^\s*```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+    spans = (" ".join(m.split()) for m in re.findall(r"(?<!`)`([^`\n]+(?:\n[^`\n]+)?)`(?!`)", text))
+    return [s for s in spans if len(s) >= 16 and _INLINE_OUTPUT.match(s)]
+
+
+def _source(file: str) -> str:
+    import ray
+
+    path = ROOT / file if (ROOT / file).exists() else Path(ray.__file__).parent.parent / file
+    return path.read_text(encoding="utf-8")
+
+
+def test_every_inline_output_quote_names_the_code_that_prints_it():
+    quoted = {q for page in PAGES if page.name != MIGRATION_PAGE for q in inline_quotes(page)}
+    assert quoted - set(INLINE_QUOTES) == set(), (
+        "add these quotes to INLINE_QUOTES with the code that prints them"
+    )
+    assert set(INLINE_QUOTES) - quoted == set(), (
+        "no page quotes these any more: remove them from INLINE_QUOTES"
+    )
+    stale = [f"{quote!r}: {file} no longer has {text!r}" for quote, sources in INLINE_QUOTES.items()
+             for file, text in sources if text not in _source(file)]  # fmt: skip
+    assert stale == [], "\n".join(stale)
+
+
+def test_inline_quote_finder():
+    page = ROOT / "docs" / "troubleshooting.md"
+    assert "bad step: advantages not finite, update not applied" in inline_quotes(page)
+    assert all(len(q) >= 16 for q in inline_quotes(page))
