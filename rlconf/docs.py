@@ -168,6 +168,40 @@ def plan_regions(main_preset: DocumentedPreset) -> dict[str, str]:
     }
 
 
+def gpu_presets_region(presets: Mapping[str, DocumentedPreset]) -> str:
+    """The table of the cuda presets (docs/gpus.md): devices, what each trains, the actor's layout, the batch,
+    the plan's memory peak per device, and a sentence on the settings they share, all read from the presets
+    and their compiled plans."""
+    from rlconf.plan import compile_plan
+
+    lines = ["| preset | GPUs | what it trains | task (reward) | actor layout | batch per step | est. peak / device |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    configs = [(p, p.build()) for p in presets.values()]
+    configs = [(p, c) for p, c in configs if c.cluster.device == "cuda"]
+    for p, config in configs:
+        plan = compile_plan(config)
+        actor = next(lay for lay in plan.layouts if lay.role == "actor")
+        recompute = config.actor.megatron.override_transformer_config.recompute_granularity
+        layout = " + ".join(filter(None, [f"tp{actor.tp} pp{actor.pp}", "sp" if actor.sequence_parallel else "",
+                                          f"{recompute} recompute" if recompute else ""]))  # fmt: skip
+        what = _cell(re.sub(r"^\d+ \w+, ", "", p.description))  # "1 GPU, " is the GPUs column
+        lines.append(
+            f"| `{p.name}` | {config.cluster.nnodes * config.cluster.gpus_per_node} | {what} | `{config.data.synthetic_task}` "
+            f"({config.reward.function}) | {layout} | {config.data.train_batch_size} prompts x {config.rollout.n} | "
+            f"{plan.memory.peak_gib:.1f} of {config.cluster.device_memory_gib:g} GiB |"
+        )
+    shared = {(c.actor.use_dynamic_bsz, c.trainer.total_steps, c.trainer.save_freq, c.trainer.max_ckpt_to_keep)
+              for _, c in configs}  # fmt: skip
+    if len(shared) == 1:
+        dynamic, steps, save, keep = shared.pop()
+        lines.append(
+            f"\nAll {len(configs)} train the synthetic task of their row until you set `data.train_files`, with "
+            f"{'dynamic' if dynamic else 'fixed'} batch sizes, {steps} steps, a save every {save} steps and the "
+            f"{keep} newest checkpoints kept."
+        )
+    return "\n".join(lines) + "\n"
+
+
 def run_regions(record: Mapping[str, object]) -> dict[str, str]:
     """Regions quoted from the recorded main-job run (bench/docs_run.py)."""
     steps = [line for line in record["stdout"] if line.startswith("step ")]
@@ -227,7 +261,8 @@ def verl_regions(record: Mapping[str, object]) -> dict[str, str]:
     }
 
 
-PLAN_REGIONS = ("plan-batch", "batch-table")
+PLAN_REGIONS = ("plan-batch", "batch-table", "gpu-presets")
+"""Regions read from the presets and their compiled plans."""
 RUN_REGIONS = ("run-output", "run-summary", "last-metrics")
 VERL_REGIONS = ("verl-setup", "verl-import", "verl-run", "verl-summary")
 
@@ -250,7 +285,7 @@ def generated_regions(
     """Every region's text: plan excerpts, the recorded runs' output and numbers, and the program output
     of rlconf.docs_outputs.EXCERPTS (run now; `rlconf` commands in-process through `rlconf_main`)."""
     record, verl = _record(docs_dir, RUN_RECORD), _record(docs_dir, VERL_RECORD)
-    return {**plan_regions(presets[MAIN_PRESET]), **(run_regions(record) if record else {}),
+    return {**plan_regions(presets[MAIN_PRESET]), "gpu-presets": gpu_presets_region(presets), **(run_regions(record) if record else {}),
             **(verl_regions(verl) if verl else {}), **output_regions(rlconf_main)}  # fmt: skip
 
 
