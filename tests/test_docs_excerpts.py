@@ -246,9 +246,11 @@ def test_tool_sandbox_excerpt() -> None:
 # --- inline quotes of program output ----------------------------------------------------------------------------
 
 _INLINE_OUTPUT = re.compile(r"^(error\b|warning\b|note:|fix:|internal error|bad step|resumed from|pool \w|done:|"
-                            r"profile summary|Generated new|Token authentication|\w+Error: |ok |wrote |.*invalid config)")  # fmt: skip
+                            r"profile summary|Generated new|Token authentication|\w+Error: |ok |wrote |.*invalid config|"
+                            r"\.\.\./|about N|.*(never writes|not available here|deprecated|ASSERT))")  # fmt: skip
 INLINE_QUOTES: dict[str, tuple[tuple[str, str], ...]] = {
-    # quoted text (as on the page, `...` for what varies) -> (file, the text of that file that prints it)
+    # quoted text (as on the page, `...` for what varies) -> (file, the text of that file that prints it); a
+    # third-party message quoted from a recorded GPU run has no file here
     "error: rollout worker rank 0 died: ...": (
         ("rltrain/controller.py", 'print(f"error: {exc}\\n    fix: '),
         ("rltrain/ray_group.py", 'super().__init__(f"{role} worker rank {rank} {what}: {message}")'),
@@ -276,6 +278,16 @@ INLINE_QUOTES: dict[str, tuple[tuple[str, str], ...]] = {
     "Generated new authentication token and saved to ~/.ray/auth_token": (
         ("ray/_private/authentication/authentication_token_setup.py",
          'f"Generated new authentication token and saved to {token_path}"'),),
+    "loads optimizer, extra which save_contents never writes": (
+        ("rlconf/checks/training.py", 'f"loads {\', \'.join(missing)} which save_contents never writes"'),),
+    "about N MiB each": (("rlconf/plan/render.py", 'f"about {_size_text(ck.size_bytes)} each'),),
+    ".../dist_ckpt/__0_0.distcp: content differs from the manifest (crc32 of bytes 0-50331648)": (
+        ("rltrain/checkpoint/manifest.py",
+         'f"{path}: content differs from the manifest ({_DIGEST} of bytes {offset}-{offset + n})"'),),
+    "full scope is deprecated": (("rltrain/quiet.py", '("full scope is deprecated", '),),
+    "activities ['cuda'] are not available here": (
+        ("rltrain/profiling.py", 'f"activities {self.dropped} are not available here; '),),
+    "it->second->use_count > 0 INTERNAL ASSERT FAILED": (),  # torch's own error on the GPU (benchmarks.md)
     "FusedKernelsError: model.fused_kernels: torch.compile cannot build kernels on this machine": (
         ("rltrain/megatron/model.py", "class FusedKernelsError("),
         ("rltrain/megatron/model.py", 'f"model.fused_kernels: torch.compile cannot build kernels on this machine "')),
