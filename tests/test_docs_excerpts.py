@@ -157,6 +157,22 @@ def test_concepts_names_every_part_of_the_plan() -> None:
     assert named == set(plan_to_dict(compile_plan(get_preset("tiny-grpo")))) - {"version", "roles"}
 
 
+def test_quickstart_describes_the_main_preset() -> None:
+    """The main job's numbers in the quickstart's prose are tiny-grpo's."""
+    from presets import get_preset
+
+    c = get_preset("tiny-grpo")
+    a, t = c.model.arch, c.trainer
+    page = " ".join((ROOT / "docs" / "quickstart.md").read_text().split())
+    steps = [t.save_freq * k for k in range(1, t.total_steps // t.save_freq + 1)][-t.max_ckpt_to_keep :]
+    for fact in (f"{a.num_layers}-layer model (hidden size {a.hidden_size}, a {a.vocab_size}-token",
+                 f"synthetic `{c.data.synthetic_task}` task", f"The reward is `{c.reward.function}`",
+                 f"{t.total_steps} steps of {c.data.train_batch_size} prompts x {c.rollout.n} responses",
+                 f"every {t.test_freq} steps", " and ".join(f"global_step_{s}" for s in steps),
+                 f"(save_freq {t.save_freq}, keep {t.max_ckpt_to_keep})"):  # fmt: skip
+        assert fact in page, fact
+
+
 def test_docs_cite_only_files_the_repository_has() -> None:
     # The design notes live outside the repository: a page citing them sends the reader nowhere.
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
