@@ -342,3 +342,22 @@ def test_inline_quote_finder():
     page = ROOT / "docs" / "troubleshooting.md"
     assert "bad step: advantages not finite, update not applied" in inline_quotes(page)
     assert all(len(q) >= 16 for q in inline_quotes(page))
+
+
+@pytest.mark.slow
+def test_mla_refusal_excerpt(tmp_path: Path) -> None:
+    """`rltrain tiny-grpo --model.path DIR` on a deepseek_v3 folder: the quoted refusal is among its errors."""
+    import json
+
+    from tests.hf_folders import complete_folder
+    from tests.test_deepseek_v3_config import TINY_CASES
+
+    (tmp_path / "DIR").mkdir()
+    (tmp_path / "DIR" / "config.json").write_text(json.dumps(TINY_CASES["q-lora"]))
+    complete_folder(tmp_path / "DIR")
+    run = subprocess.run([sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--model.path", "DIR"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert run.returncode == 2, run.stdout + run.stderr
+    printed = run.stderr.splitlines()
+    for quoted in _page_block("troubleshooting.md", "test_mla_refusal_excerpt"):
+        assert any(_matches(quoted, line) for line in printed), (quoted, printed)
