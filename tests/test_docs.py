@@ -34,7 +34,7 @@ from rlconf.docs_outputs import EXCERPTS, Excerpt, excerpt_text, kept_lines
 from rlconf.fields import leaf_paths
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "reference"
-_MARKER = re.compile(r"<!-- generated:([^ ]+) -->")
+_MARKER = re.compile(r"^\s*<!-- generated:(\S+) -->\s*$", re.M)
 
 
 def test_committed_reference_is_current():
