@@ -22,7 +22,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,8 @@ class Excerpt:
     `keep` selects the quoted lines of each command's output (all of them when empty): `rule:NAME` the
     issue lines of rule NAME with their indented `fix:` lines, `line:PREFIX` every line starting with
     PREFIX, `from:PREFIX` the lines from the first that starts with PREFIX up to a blank line, and
-    `from:PREFIX:N` N lines from there. The folder's path is shown as `/` (`/tmp/x/models/m` as `/models/m`).
+    `from:PREFIX:N` N lines from there. A command's `/models/...` path is the folder's `models/...`, and the
+    folder's path is shown as `/` in the output (`/tmp/x/models/m` as `/models/m`).
     """
 
     name: str
@@ -234,6 +235,7 @@ def run_command(command: str, cwd: Path, rlconf_main: RlconfMain | None = None) 
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "PYTHONUNBUFFERED": "1",  # stdout and stderr interleave as on a terminal
     }
     result = subprocess.run([sys.executable, "-m", f"{argv[0]}.cli", *argv[1:]], cwd=cwd, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300, check=False)  # fmt: skip
@@ -267,7 +269,3 @@ def excerpt_text(excerpt: Excerpt, rlconf_main: RlconfMain | None = None) -> str
 def output_regions(rlconf_main: RlconfMain | None = None) -> dict[str, str]:
     """Every excerpt's region, by name."""
     return {e.name: excerpt_text(e, rlconf_main) for e in EXCERPTS}
-
-
-def excerpt_names() -> Mapping[str, Excerpt]:
-    return {e.name: e for e in EXCERPTS}
