@@ -173,6 +173,14 @@ def test_quickstart_describes_the_main_preset() -> None:
         assert fact in page, fact
 
 
+def test_concepts_critic_warmup_is_tiny_ppos() -> None:
+    from presets import get_preset
+
+    warmup = get_preset("tiny-ppo").trainer.critic_warmup
+    page = " ".join((ROOT / "docs" / "concepts.md").read_text().split())
+    assert f"steps: {warmup} in `tiny-ppo`, so `my_run.yaml`'s own table starts with {warmup} such rows" in page
+
+
 def test_docs_cite_only_files_the_repository_has() -> None:
     # The design notes live outside the repository: a page citing them sends the reader nowhere.
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
