@@ -178,7 +178,9 @@ def test_concepts_critic_warmup_is_tiny_ppos() -> None:
 
     warmup = get_preset("tiny-ppo").trainer.critic_warmup
     page = " ".join((ROOT / "docs" / "concepts.md").read_text().split())
-    assert f"steps: {warmup} in `tiny-ppo`, so `my_run.yaml`'s own table starts with {warmup} such rows" in page
+    assert (
+        f"steps: {warmup} in `tiny-ppo`, so `my_run.yaml`'s own table starts with {warmup} such rows" in page
+    )
 
 
 def test_docs_cite_only_files_the_repository_has() -> None:
@@ -369,3 +371,31 @@ def test_mla_refusal_excerpt(tmp_path: Path) -> None:
     printed = run.stderr.splitlines()
     for quoted in _page_block("troubleshooting.md", "test_mla_refusal_excerpt"):
         assert any(_matches(quoted, line) for line in printed), (quoted, printed)
+
+
+@pytest.mark.slow
+def test_profile_meta_excerpt(tmp_path: Path) -> None:
+    """profiling.md's meta.json: one torch-profiled actor_update call at step 2 on CPU writes these fields and
+    values (its pid and wall time differ per run)."""
+    import json
+
+    from presets import PRESETS
+    from rlconf.load import load_config
+    from rlconf.plan import compile_plan
+    from rltrain.profiling import Profiler
+
+    config = load_config(None, preset="tiny-grpo", presets=PRESETS, overrides=[
+        f"trainer.output_dir={tmp_path}", "profile.tool=torch", "profile.steps=[2]"])  # fmt: skip
+    prof = Profiler(compile_plan(config).profile, worker="actor", rank=0, device="cpu")
+    prof.set_step(2)
+    with prof.profiled("actor_update"):
+        sum(range(1000))
+    prof.close()
+    (written,) = tmp_path.rglob("meta.json")
+    meta = json.loads(written.read_text())
+    quoted = json.loads("\n".join(_page_block("profiling.md", "test_profile_meta_excerpt")))
+    assert list(meta) == list(quoted)
+    varying = {"pid", "wall_s"}
+    assert {k: v for k, v in meta.items() if k not in varying} == {
+        k: v for k, v in quoted.items() if k not in varying
+    }
