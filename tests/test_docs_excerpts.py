@@ -399,3 +399,27 @@ def test_profile_meta_excerpt(tmp_path: Path) -> None:
     assert {k: v for k, v in meta.items() if k not in varying} == {
         k: v for k, v in quoted.items() if k not in varying
     }
+
+
+class _CallsSystem:
+    """Pickles as a call of os.system: what a forged RNG file would hold (never loaded here)."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return os.system, ("true",)
+
+
+def test_unsafe_checkpoint_excerpt(tmp_path: Path) -> None:
+    """security.md's refusal of an RNG file swapped for a pickle that calls os.system."""
+    import torch
+
+    from rltrain.checkpoint.safe_load import UnsafeCheckpointError, load_rng_file
+
+    path = tmp_path / "actor" / "rng" / "rank_00000.pt"
+    path.parent.mkdir(parents=True)
+    torch.save({"python": _CallsSystem()}, path)
+    with pytest.raises(UnsafeCheckpointError) as refused:
+        load_rng_file(path)
+    printed = f"error: {refused.value}".replace(f"{tmp_path}/", ".../")
+    assert _page_block("security.md", "test_unsafe_checkpoint_excerpt") == [printed]
