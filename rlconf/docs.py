@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
 
 from rlconf.config import RLConfig
-from rlconf.docs_outputs import RlconfMain, output_regions
+from rlconf.docs_outputs import EXCERPTS, RlconfMain, excerpt_text
 from rlconf.fields import field_default, field_docs, field_types, is_dataclass_type, strip_optional, type_name
 from rlconf.load import config_to_dict
 from rlconf.render import diff_dicts, scalar_text
@@ -269,8 +269,6 @@ VERL_REGIONS = ("verl-setup", "verl-import", "verl-run", "verl-summary")
 
 def region_names() -> frozenset[str]:
     """The name of every region `generated_regions` writes (without running or reading anything)."""
-    from rlconf.docs_outputs import EXCERPTS
-
     return frozenset({*PLAN_REGIONS, *RUN_REGIONS, *VERL_REGIONS, *(e.name for e in EXCERPTS)})
 
 
@@ -279,14 +277,38 @@ def _record(docs_dir: str | Path, name: Path) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
+class Regions(Mapping[str, str]):
+    """Region texts by name. The program-output regions are made when first read (each runs commands), so
+    refreshing one page runs only the commands it quotes."""
+
+    def __init__(self, made: Mapping[str, str], makers: Mapping[str, Callable[[], str]]) -> None:
+        self._made, self._makers = dict(made), dict(makers)
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self._made:
+            self._made[name] = self._makers[name]()
+        return self._made[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._made or name in self._makers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**dict.fromkeys(self._made), **dict.fromkeys(self._makers)})
+
+    def __len__(self) -> int:
+        return len({*self._made, *self._makers})
+
+
 def generated_regions(
     docs_dir: str | Path, presets: Mapping[str, DocumentedPreset], rlconf_main: RlconfMain | None = None
-) -> dict[str, str]:
+) -> Regions:
     """Every region's text: plan excerpts, the recorded runs' output and numbers, and the program output
-    of rlconf.docs_outputs.EXCERPTS (run now; `rlconf` commands in-process through `rlconf_main`)."""
+    of rlconf.docs_outputs.EXCERPTS (run when read; `rlconf` commands in-process through `rlconf_main`)."""
     record, verl = _record(docs_dir, RUN_RECORD), _record(docs_dir, VERL_RECORD)
-    return {**plan_regions(presets[MAIN_PRESET]), "gpu-presets": gpu_presets_region(presets), **(run_regions(record) if record else {}),
-            **(verl_regions(verl) if verl else {}), **output_regions(rlconf_main)}  # fmt: skip
+    made = {**plan_regions(presets[MAIN_PRESET]), "gpu-presets": gpu_presets_region(presets),
+            **(run_regions(record) if record else {}), **(verl_regions(verl) if verl else {})}  # fmt: skip
+    makers = {e.name: (lambda e=e: excerpt_text(e, rlconf_main)) for e in EXCERPTS}
+    return Regions(made, makers)
 
 
 def refresh_regions(text: str, regions: Mapping[str, str]) -> str:

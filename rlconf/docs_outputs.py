@@ -264,8 +264,3 @@ def excerpt_text(excerpt: Excerpt, rlconf_main: RlconfMain | None = None) -> str
     if missing := [spec for spec in excerpt.keep if spec not in matched]:
         raise RuntimeError(f"{excerpt.name}: {missing} selected nothing in the output of {excerpt.commands}")
     return "```text\n" + "\n\n".join(blocks) + "\n```\n"
-
-
-def output_regions(rlconf_main: RlconfMain | None = None) -> dict[str, str]:
-    """Every excerpt's region, by name."""
-    return {e.name: excerpt_text(e, rlconf_main) for e in EXCERPTS}
