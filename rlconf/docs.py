@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from rlconf.config import RLConfig
-from rlconf.docs_outputs import EXCERPTS, RlconfMain, excerpt_text
+from rlconf.docs_outputs import EXCERPTS, INPUTS, RlconfMain, excerpt_text
 from rlconf.fields import field_default, field_docs, field_types, is_dataclass_type, strip_optional, type_name
 from rlconf.load import config_to_dict
 from rlconf.render import diff_dicts, scalar_text
@@ -269,7 +269,8 @@ VERL_REGIONS = ("verl-setup", "verl-import", "verl-run", "verl-summary")
 
 def region_names() -> frozenset[str]:
     """The name of every region `generated_regions` writes (without running or reading anything)."""
-    return frozenset({*PLAN_REGIONS, *RUN_REGIONS, *VERL_REGIONS, *(e.name for e in EXCERPTS)})
+    return frozenset({*PLAN_REGIONS, *RUN_REGIONS, *VERL_REGIONS, *(e.name for e in EXCERPTS),
+                      *(name for name, _, _ in INPUTS)})  # fmt: skip
 
 
 def _record(docs_dir: str | Path, name: Path) -> dict | None:
@@ -306,7 +307,8 @@ def generated_regions(
     of rlconf.docs_outputs.EXCERPTS (run when read; `rlconf` commands in-process through `rlconf_main`)."""
     record, verl = _record(docs_dir, RUN_RECORD), _record(docs_dir, VERL_RECORD)
     made = {**plan_regions(presets[MAIN_PRESET]), "gpu-presets": gpu_presets_region(presets),
-            **(run_regions(record) if record else {}), **(verl_regions(verl) if verl else {})}  # fmt: skip
+            **(run_regions(record) if record else {}), **(verl_regions(verl) if verl else {}),
+            **{name: f"```{lang}\n{text}```\n" for name, lang, text in INPUTS}}  # fmt: skip
     makers = {e.name: (lambda e=e: excerpt_text(e, rlconf_main)) for e in EXCERPTS}
     return Regions(made, makers)
 

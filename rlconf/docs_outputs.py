@@ -67,6 +67,12 @@ _CLIMBING_INDEX = (
     '"lm_head.weight": "model.safetensors"}}'
 )
 
+MY_RUN = _yaml("# my_run.yaml", "preset: tiny-ppo", "actor:", "  optim:", "    lr: 2e-3", "    lr_warmup_steps: 5",
+               "    lr_decay_style: cosine", "trainer:", "  total_steps: 50", "  save_freq: 10")  # fmt: skip
+"""concepts.md's run file: the page shows it (region input-my-run) and the excerpts read it."""
+INPUTS: tuple[tuple[str, str, str], ...] = (("input-my-run", "yaml", MY_RUN),)
+"""Input files the pages show (region name, block language, text), written from the text the excerpts read."""
+
 EXCERPTS: tuple[Excerpt, ...] = (
     # docs/troubleshooting.md
     Excerpt("validate-typo", ("rlconf validate typo.yaml",), exit=2, files=(("typo.yaml", _yaml(
@@ -129,9 +135,7 @@ EXCERPTS: tuple[Excerpt, ...] = (
                             "  roles: [critic_update]")))),
     # docs/concepts.md
     Excerpt("show-my-run", ("rlconf show my_run.yaml --set actor.optim.lr=1e-4",), ("from:  optim:5",),
-            files=(("my_run.yaml", _yaml(
-                "preset: tiny-ppo", "actor:", "  optim:", "    lr: 2e-3", "    lr_warmup_steps: 5",
-                "    lr_decay_style: cosine", "trainer:", "  total_steps: 50", "  save_freq: 10")),)),
+            files=(("my_run.yaml", MY_RUN),)),
     Excerpt("plan-lr-warmup", ("rlconf plan --preset tiny-grpo --set actor.optim.lr=1e-4 "
                                "--set actor.optim.lr_warmup_steps=5 --set actor.optim.lr_decay_style=cosine",),
             ("from:lr schedule actor:4",)),
