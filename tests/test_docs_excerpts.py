@@ -183,6 +183,26 @@ def test_concepts_critic_warmup_is_tiny_ppos() -> None:
     )
 
 
+def test_numbers_the_pages_state_are_the_codes() -> None:
+    """Defaults and limits the prose states, read from where the code keeps them."""
+    from rlconf.config import RLConfig
+    from rltrain.ray_group import PLACEMENT_TIMEOUT_S
+
+    c = RLConfig()
+    facts = {
+        "troubleshooting.md": [f"`trainer.max_bad_steps` (default {c.trainer.max_bad_steps})",
+                               f"rltrain waits up to {PLACEMENT_TIMEOUT_S} s for the placement groups"],
+        "multi-node.md": [f"rltrain waits up to {PLACEMENT_TIMEOUT_S} s for Ray to grant each group",
+                          f"`cluster.connect_timeout_s` (default {c.cluster.connect_timeout_s:g} s)"],
+        "gpus.md": [f"rltrain waits up to {PLACEMENT_TIMEOUT_S} s for Ray to"],
+        "separate-rollout.md": [f"(default {c.rollout.push_timeout_s:g}, within [1 s, 1 day])"],
+    }  # fmt: skip
+    for page, phrases in facts.items():
+        text = " ".join((ROOT / "docs" / page).read_text().split())
+        for phrase in phrases:
+            assert phrase in text, (page, phrase)
+
+
 def test_docs_cite_only_files_the_repository_has() -> None:
     # The design notes live outside the repository: a page citing them sends the reader nowhere.
     pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
