@@ -432,8 +432,9 @@ _PAGE_DIFFERENCES = """\
     `DigitalLearningGmbH/MATH-lighteval`, `HuggingFaceH4/MATH-500`; `math_dapo`, `math`, `aime*`),
     `gsm8k` (strict `#### N`), `gsm8k_flexible` (the last number), `math` (the last `\\boxed{}`,
     normalised) and `math_dapo` (`Answer: X`, Minerva-normalised, score 1 / -1). verl's other sources
-    (numina, code contests, geometry3k, search-R1) need a reward file; verl's optional Math-Verify is
-    not offered (`math-verify` is not on the package index these machines use). rlplan's own functions,
+    (numina, code contests, geometry3k, search-R1) need a reward file. verl's optional Math-Verify is
+    `math_verify` (symbolic equivalence: `\\frac{1}{2}` equals `0.5`; `pip install 'rlplan[math]'`,
+    which `rlconf validate` names when it is missing). rlplan's own functions,
     `(response, ground_truth, prompt) -> float`, work too: `exact_match`, `numeric_match`, `format`,
     `digit_match` or `package.module:function`.
 
