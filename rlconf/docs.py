@@ -116,6 +116,8 @@ MIGRATION_PAGE = "migrating-from-verl.md"
 RUN_RECORD = Path("_generated") / "tiny-grpo-run.json"
 """The recorded main-job run, relative to the docs folder (bench/docs_run.py writes it)."""
 VERL_RECORD = Path("_generated") / "verl-gsm8k-small-run.json"
+CENSUS_RECORD = Path("_generated") / "verl-scripts-census.json"
+"""The census of verl's Megatron scripts through the import (bench/verl_scripts_census.py --write)."""
 """The recorded verl GSM8K walk-through of the migration page (bench/docs_run.py --verl writes it)."""
 VERL_FIRST_LAST = 10
 """The walk-through's summary compares the mean training reward of the first and the last this many steps."""
@@ -265,12 +267,39 @@ PLAN_REGIONS = ("plan-batch", "batch-table", "gpu-presets")
 """Regions read from the presets and their compiled plans."""
 RUN_REGIONS = ("run-output", "run-summary", "last-metrics")
 VERL_REGIONS = ("verl-setup", "verl-import", "verl-run", "verl-summary")
+CENSUS_REGIONS = ("verl-census",)
 
 
 def region_names() -> frozenset[str]:
     """The name of every region `generated_regions` writes (without running or reading anything)."""
-    return frozenset({*PLAN_REGIONS, *RUN_REGIONS, *VERL_REGIONS, *(e.name for e in EXCERPTS),
+    return frozenset({*PLAN_REGIONS, *RUN_REGIONS, *VERL_REGIONS, *CENSUS_REGIONS, *(e.name for e in EXCERPTS),
                       *(name for name, _, _ in INPUTS)})  # fmt: skip
+
+
+def census_regions(record: Mapping[str, object]) -> dict[str, str]:
+    """The migration page's table of verl's scripts through the import (one row per script)."""
+    rows = list(record["scripts"])  # type: ignore[call-overload]
+    plans = [r for r in rows if r["plans"]]
+    trainable = [r for r in plans if not r["not_trainable"]]
+    lines = [
+        f"At verl {str(record['verl_commit'])[:7]}: {len(plans)} of {len(rows)} scripts plan ({len(trainable)} "
+        f"trainable today), {len(rows) - len(plans)} are refused by a named rule; "
+        f"{sum(not _clean(r) for r in rows)} translate with a silent change.\n",
+        "| script | model | result |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        if r["plans"]:
+            result = "plans" + (f" (not trainable yet: {r['not_trainable']})" if r["not_trainable"] else "")
+        else:
+            result = f"refused `{r['rule']}` at `{r['path']}`: {r['reason']}"
+        cell = result.replace("|", "\\|")
+        lines.append(f"| `{r['script']}` | {r['model']} | {cell} |")
+    return {"verl-census": "\n".join(lines) + "\n"}
+
+
+def _clean(row: Mapping[str, object]) -> bool:
+    return not any(row[k] for k in ("unknown", "silent", "about_derived", "wrong"))
 
 
 def _record(docs_dir: str | Path, name: Path) -> dict | None:
@@ -306,8 +335,10 @@ def generated_regions(
     """Every region's text: plan excerpts, the recorded runs' output and numbers, and the program output
     of rlconf.docs_outputs.EXCERPTS (run when read; `rlconf` commands in-process through `rlconf_main`)."""
     record, verl = _record(docs_dir, RUN_RECORD), _record(docs_dir, VERL_RECORD)
+    census = _record(docs_dir, CENSUS_RECORD)
     made = {**plan_regions(presets[MAIN_PRESET]), "gpu-presets": gpu_presets_region(presets),
             **(run_regions(record) if record else {}), **(verl_regions(verl) if verl else {}),
+            **(census_regions(census) if census else {}),
             **{name: f"```{lang}\n{text}```\n" for name, lang, text in INPUTS}}  # fmt: skip
     makers = {e.name: (lambda e=e: excerpt_text(e, rlconf_main)) for e in EXCERPTS}
     return Regions(made, makers)

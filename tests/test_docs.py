@@ -14,12 +14,15 @@ from presets import PRESETS
 from rlconf.cli import main as rlconf_main
 from rlconf.config import RLConfig
 from rlconf.docs import (
+    CENSUS_RECORD,
+    CENSUS_REGIONS,
     MIGRATION_PAGE,
     PLAN_REGIONS,
     RUN_RECORD,
     RUN_REGIONS,
     VERL_RECORD,
     VERL_REGIONS,
+    census_regions,
     config_reference,
     generated_regions,
     pages_with_regions,
@@ -83,6 +86,7 @@ def test_region_names_are_the_writers_names():
     assert {*plan_regions(PRESETS["tiny-grpo"]), "gpu-presets"} == set(PLAN_REGIONS)
     assert set(run_regions(json.loads((docs_dir / RUN_RECORD).read_text()))) == set(RUN_REGIONS)
     assert set(verl_regions(json.loads((docs_dir / VERL_RECORD).read_text()))) == set(VERL_REGIONS)
+    assert set(census_regions(json.loads((docs_dir / CENSUS_RECORD).read_text()))) == set(CENSUS_REGIONS)
     assert len({e.name for e in EXCERPTS}) == len(EXCERPTS)
 
 

@@ -245,7 +245,7 @@ def _default_cell(row: VerlKey) -> str:
 
 def migration_page() -> str:
     """docs/migrating-from-verl.md, generated from VERL_KEYS (written by `rlconf docs`)."""
-    out = [PAGE_HEADER, _PAGE_INTRO, _PAGE_QUICKSTART]
+    out = [PAGE_HEADER, _PAGE_INTRO, _PAGE_QUICKSTART, _PAGE_CENSUS]
     sections: dict[str, list[VerlKey]] = {}
     for row in VERL_KEYS:
         if row.family:
@@ -401,6 +401,23 @@ there. `tests/test_verl_quickstart.py` runs these commands as printed, checks th
 output is still this record's (`.venv/bin/python bench/docs_run.py --verl` rewrites it).
 """
 
+
+_PAGE_CENSUS = """\
+## verl's own Megatron scripts
+
+`bench/verl_scripts_census.py` runs the override lists of 46 launch scripts of verl (the 45 that start its
+trainer with a Megatron config, plus `examples/grpo_trainer/run_qwen2-7b_math.sh`, the FSDP twin of the
+Megatron GRPO example) through `rlconf import-verl` on stand-ins: each model folder has the published
+config.json of the model the script names (sparse weights, a small tokenizer) and each data path a
+verl-format GSM8K-shaped parquet file. It checks that every key is mapped or reported, that no warning is
+about a value the import derived, and that the model path, layouts, batch sizes, lr, loss, LoRA and offloads
+of the result are the script's; `tests/test_import_verl_census.py` runs it and checks this record.
+"Not trainable yet" marks a model the plan accepts and `rltrain` still refuses (multi-head latent attention).
+
+<!-- generated:verl-census -->
+<!-- /generated -->
+
+"""
 
 _PAGE_DIFFERENCES = """\
 ## Differences that change numbers
