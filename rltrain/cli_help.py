@@ -36,6 +36,8 @@ from rltrain.flags import flag_text
 MIN_WIDTH, MAX_WIDTH = 40, 120
 """Below 40 columns nothing reads well; above 120 a paragraph is hard to follow, so lines stop there."""
 DOC_INDENT = "      "
+HEADER_INDENT = "        "
+"""A field's flag line wraps deeper than its text, so the two never read as one."""
 ALL = "all"
 
 
@@ -103,7 +105,7 @@ def summary(doc: str, room: int) -> str:
 def _field_lines(leaf: Leaf, value: Any, width: int, full: bool) -> list[str]:
     """A field's entry: `--path TYPE = VALUE` (wrapped), then its docstring: whole, or one line of it."""
     atoms = [(f"--{leaf.path}", False), (flag_type(leaf.type), True), (f"= {flag_text(value)}", False)]
-    lines = _wrap_atoms(atoms, width, "  ", DOC_INDENT)
+    lines = _wrap_atoms(atoms, width, "  ", HEADER_INDENT)
     if not leaf.doc:
         return lines
     if full:
@@ -196,7 +198,7 @@ def _intro(prog: str, width: int) -> list[str]:
         ("--help actor.optim.lr", "one field (`--help lr`: every field named lr)"),
         ("--help all", "every field"),
     )
-    lines += columns(((f"{prog} {name}", text) for name, text in examples), width)
+    lines += columns(examples, width)
     return [
         *lines,
         "",
