@@ -17,8 +17,7 @@ from dataclasses import dataclass
 
 from rlconf.cli import EXIT_INVALID, EXIT_OK, run_guarded
 from rlconf.config import RLConfig
-from rlconf.errors import ConfigError, error
-from rltrain.flags import config_to_flags as config_to_flags
+from rlconf.errors import ConfigError, Issue, error
 
 USAGE = (
     ("rltrain PRESET [--config FILE.yaml] [--section.field VALUE ...] [--dry-run]", ""),
@@ -113,7 +112,7 @@ def parse_args(argv: Sequence[str]) -> tuple[RLConfig, bool]:
     return config, command.dry_run
 
 
-def _config_of(command: Command, *, strict: bool = True) -> tuple[RLConfig, tuple]:
+def _config_of(command: Command, *, strict: bool = True) -> tuple[RLConfig, tuple[Issue, ...]]:
     """The command's config (preset, then file, then flags) and the file's structural issues. `strict`:
     raise the flags' issues (source: command line); else leave those values at the file's / preset's."""
     from presets import PRESETS
