@@ -104,7 +104,9 @@ def summary(doc: str, room: int) -> str:
 
 def _field_lines(leaf: Leaf, value: Any, width: int, full: bool) -> list[str]:
     """A field's entry: `--path TYPE = VALUE` (wrapped), then its docstring: whole, or one line of it."""
-    atoms = [(f"--{leaf.path}", False), (flag_type(leaf.type), True), (f"= {flag_text(value)}", False)]
+    first, *rest = flag_text(value).split(" ")  # a value with spaces (quoted) may wrap between its words
+    atoms = [(f"--{leaf.path}", False), (flag_type(leaf.type), True), (f"= {first}", False)]
+    atoms += [(word, False) for word in rest]
     lines = _wrap_atoms(atoms, width, "  ", HEADER_INDENT)
     if not leaf.doc:
         return lines

@@ -119,6 +119,14 @@ def test_full_help_is_each_docstring_reflowed_as_the_schema_publishes_it(width):
             assert len(line) + 1 + len(nxt.split()[0]) > width - 6, (leaf.path, line, nxt)
 
 
+def test_a_long_value_with_spaces_wraps_too():
+    from rlconf.fields import replace_paths
+
+    config = replace_paths(RLConfig(), {"trainer.output_dir": "runs/" + "a long folder name " * 8})
+    text = preset_help("rltrain --config run.yaml", config, "trainer.output_dir", width=60)
+    assert too_wide(text, 60) == [] and "a long folder name" in text
+
+
 def test_every_section_is_a_topic():
     for path in section_paths(RLConfig):
         text = preset_help("rltrain tiny-grpo", RLConfig(), path, width=80)
