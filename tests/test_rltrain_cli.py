@@ -222,6 +222,19 @@ def test_every_error_names_its_source(capsys):
     assert err.startswith("command line: invalid config:") and "[ray-cluster] cluster.nnodes" in err
 
 
+def test_a_start_check_names_the_config_file(tmp_path, capsys, monkeypatch):
+    # The Ray-cluster check runs as the run starts (not a config rule): it still names where the value came
+    # from, the --config file here.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    f = tmp_path / "two-nodes.yaml"
+    f.write_text("preset: tiny-grpo\ncluster:\n  nnodes: 2\n")
+    assert main(["--config", str(f), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{f}: invalid config: 1 error\nerror [ray-cluster] cluster.nnodes:")
+    assert main(["tiny-grpo", "--config", str(f), "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(f"{f}: invalid config:")
+
+
 def test_a_tokenizer_that_fails_to_load_names_the_source(tmp_path):
     # Raised by the controller as the run starts (before Ray): still `SOURCE: invalid config`.
     (tmp_path / "tok").mkdir()
