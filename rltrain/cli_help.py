@@ -254,7 +254,7 @@ def _names(path: str, topic: str) -> bool:
 
 def preset_help(prog: str, config: RLConfig, topic: str | None = None, width: int | None = None) -> str:
     """The help of `PROG --help [TOPIC]` with `config`'s values (see the module docstring)."""
-    width = terminal_width() if width is None else width
+    width = terminal_width() if width is None else max(MIN_WIDTH, min(MAX_WIDTH, width))
     chosen, full = topic_sections(topic, sections())
     lines = _intro(prog, width) if topic is None else [*wrap(f"{prog} --help {topic}", width)]
     for section in chosen:
@@ -265,7 +265,7 @@ def preset_help(prog: str, config: RLConfig, topic: str | None = None, width: in
 def general_help(usage: Iterable[tuple[str, str]], about: str, presets: Mapping[str, str],
                  width: int | None = None) -> str:  # fmt: skip
     """`rltrain --help`: the command forms (each with what it does), a paragraph, the presets."""
-    width = terminal_width() if width is None else width
+    width = terminal_width() if width is None else max(MIN_WIDTH, min(MAX_WIDTH, width))
     lines: list[str] = []
     for i, (form, text) in enumerate(usage):
         lines += (

@@ -10,6 +10,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from presets import get_preset
 from rlconf.config import RLConfig
@@ -158,3 +160,26 @@ def test_help_imports_no_torch_ray_or_megatron():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
+
+
+@settings(max_examples=25, deadline=None)
+@given(width=st.integers(20, 160), topic=st.sampled_from([None, "all", "actor", "rollout.multi_turn", "lr"]))
+def test_help_fits_any_width(width, topic):
+    """Any width (clamped to 40..120): no line longer than that but a single unbreakable token."""
+    text = preset_help("rltrain tiny-grpo", get_preset("tiny-grpo"), topic, width=width)
+    assert too_wide(text, max(40, min(width, 120))) == []
+
+
+WORDS = st.lists(st.text(alphabet="abcdefghij,-./", min_size=1, max_size=30), min_size=1, max_size=40)
+
+
+@settings(max_examples=200, deadline=None)
+@given(words=WORDS, width=st.integers(20, 100))
+def test_wrap_keeps_every_word_and_fills_lines(words, width):
+    from rltrain.cli_help import wrap
+
+    lines = wrap(" ".join(words), width, "  ")
+    assert " ".join(line.strip() for line in lines).split() == words
+    for line, nxt in itertools.pairwise(lines):
+        assert len(line) <= width or len(line.split()) == 1
+        assert len(line) + 1 + len(nxt.split()[0]) > width  # the next word did not fit
