@@ -93,12 +93,16 @@ _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`(])")
 
 
 def summary(doc: str, room: int) -> str:
-    """The first sentence of a docstring (the whole docstring when it fits), cut with `...` to `room`."""
+    """The first sentence of a docstring (the whole docstring when it fits), cut with `...` to `room`: at
+    its last `; ` when that keeps half of the room, else at a word."""
     text = " ".join(doc.split())
     if len(text) > room:
         text = _SENTENCE_END.split(text, maxsplit=1)[0]
     if len(text) > room:
-        text = text[: room - 3].rsplit(" ", 1)[0].rstrip(",;:") + "..."
+        head = text[: room - 3]
+        clause = head.rfind("; ")
+        head = head[:clause] if clause >= room // 2 else head.rsplit(" ", 1)[0]
+        text = head.rstrip(",;:") + "..."
     return text
 
 

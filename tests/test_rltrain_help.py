@@ -183,3 +183,13 @@ def test_wrap_keeps_every_word_and_fills_lines(words, width):
     for line, nxt in itertools.pairwise(lines):
         assert len(line) <= width or len(line.split()) == 1
         assert len(line) + 1 + len(nxt.split()[0]) > width  # the next word did not fit
+
+
+def test_a_summary_is_the_first_sentence_cut_at_a_clause_or_a_word():
+    from rltrain.cli_help import summary
+
+    assert summary("Peak learning rate.", 74) == "Peak learning rate."
+    doc = "Number of key/value heads (grouped-query attention); equal to num_attention_heads for MHA."
+    assert summary(doc, 60) == "Number of key/value heads (grouped-query attention)..."
+    assert summary("Warmup steps. None derives them from the ratio x total steps.", 30) == "Warmup steps."
+    assert summary("one two three four five six seven", 20) == "one two three four..."
