@@ -204,8 +204,8 @@ def verl_regions(record: Mapping[str, object]) -> dict[str, str]:
     val = record["val"]
     summary = (
         f"In the recorded run ({record['date']}; {record['machine']}) the mean training reward was {first:.3f} "
-        f"over the first {k} steps and {last:.3f} over the last {k}; greedy validation went from "
-        f"{record['val_before']:.2f} before training to {val[str(len(rewards))]:.2f} at step {len(rewards)}. "
+        f"over the first {k} steps and {last:.3f} over the last {k}; greedy validation was "
+        f"{record['val_before']:.2f} before training and {val[str(len(rewards))]:.2f} at step {len(rewards)}. "
         f"The three commands took {record['commands'][0]['wall_s']:.0f} s, {record['commands'][1]['wall_s']:.0f} s "
         f"and {record['commands'][2]['wall_s']:.0f} s.\n"
     )
