@@ -399,7 +399,8 @@ def step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, .
     elif not on_policy:
         reason = (
             f"{actor.optimizer_steps_per_training_step} actor optimizer steps per training step "
-            f"({actor.mini_batches_per_step} mini-batches x {actor.ppo_epochs} epochs) compare with the "
+            f"({actor.mini_batches_per_step} mini-batches x {actor.ppo_epochs} "
+            f"epoch{'' if actor.ppo_epochs == 1 else 's'}) compare with the "
             "weights before the first"
         )
     elif c.algorithm.use_kl_in_reward:

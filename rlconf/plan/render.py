@@ -294,13 +294,13 @@ def _optim_lines(plan: TrainerPlan) -> list[str]:
     out: list[str] = []
     for o in plan.optim:
         wsd = (
-            f", WSD tail {o.wsd_decay_steps} steps {o.wsd_decay_style}"
+            f", WSD tail {counted(o.wsd_decay_steps, 'step')} {o.wsd_decay_style}"
             if o.wsd_decay_steps is not None
             else ""
         )
         out += [
             "",
-            f"lr schedule {o.role}: {o.optimizer}, lr {o.lr:g} -> min {o.min_lr:g}, warmup {o.warmup_steps} steps "
+            f"lr schedule {o.role}: {o.optimizer}, lr {o.lr:g} -> min {o.min_lr:g}, warmup {counted(o.warmup_steps, 'step')} "
             f"from {o.lr_warmup_init:g}, {_after_warmup(o.decay_style, o.decay_steps)}{wsd}; "
             f"weight decay {o.weight_decay:g}; one lr per training step",
         ]
@@ -394,7 +394,7 @@ def _memory_lines(plan: TrainerPlan) -> list[str]:
     for m in mem.roles:
         if len(m.stage_totals_gib) > 1:
             per_stage = " | ".join(
-                f"{i}: {n} layers {gib:.2f}"
+                f"{i}: {counted(n, 'layer')} {gib:.2f}"
                 for i, (n, gib) in enumerate(zip(layers[m.role], m.stage_totals_gib, strict=True))
             )
             out.append(f"  {m.role} per stage (layers, GiB): {per_stage}")
@@ -414,10 +414,16 @@ def _size_text(nbytes: int) -> str:
     return f"{nbytes / 1024:.0f} KiB"
 
 
+def counted(n: int, noun: str) -> str:
+    """`1 step`, `2 steps`: a count with its noun in the number it needs."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _rows(n: int) -> str:
-    return f"{n} row" if n == 1 else f"{n} rows"
+    return counted(n, "row")
 
 
 def _after_warmup(style: str, steps: int) -> str:
     """The lr schedule after warmup: a constant lr holds, it does not decay."""
-    return f"then constant for {steps} steps" if style == "constant" else f"{style} decay over {steps} steps"
+    span = counted(steps, "step")
+    return f"then constant for {span}" if style == "constant" else f"{style} decay over {span}"
