@@ -188,16 +188,16 @@ _MODEL_PATHS = {
 
 def check_engine(plan: TrainerPlan) -> None:
     """Models the plan reads, counts and sizes but the megatron engine cannot train yet
-    (rlconf.model_spec.training_gaps: deepseek_v3's multi-head latent attention, multi-token prediction
-    layers) are refused here, before Ray starts or anything is written: ConfigError naming the model's
+    (rlconf.model_spec.training_gaps: deepseek_v3 routing megatron-core computes otherwise, multi-token
+    prediction layers) are refused here, before Ray starts or anything is written: ConfigError naming the model's
     config path (exit 2), never a model trained without them."""
     from rlconf.model_spec import training_gaps
 
     issues = [
         error(_MODEL_PATHS[m.name] if m.source != "model.arch" else f"model.arch.{field}",
               f"{m.source}: {gap}",
-              "`rlconf plan` shows this model's parameters and memory; to train now, choose a model of "
-              "another family (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral)", ENGINE_RULE)
+              "`rlconf plan` shows this model's parameters and memory; to train, use a config.json without "
+              "what the message names, or a model rlplan computes exactly (docs/troubleshooting.md)", ENGINE_RULE)
         for m in plan.models
         for field, gap in training_gaps(m.arch)
     ]  # fmt: skip
