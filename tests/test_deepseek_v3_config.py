@@ -221,13 +221,15 @@ def test_export_config_loads_in_transformers_as_deepseek_v3(name: str):
     assert sum(p.numel() for p in hf_model(fresh).parameters()) == count_parameters(arch, "lm")[0]
 
 
-def test_rltrain_refuses_mla_by_name_before_writing_anything(tmp_path: Path):
+def test_rltrain_refuses_mtp_layers_by_name_before_writing_anything(tmp_path: Path):
+    """num_nextn_predict_layers = 1 (DeepSeek-V3's own file): the multi-token prediction layer is refused by
+    name (rule model-engine-support), never trained without it; MLA itself now trains."""
     folder = model_folder(tmp_path, "tiny", TINY_CASES["q-lora"], weights=True)
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--model.path", str(folder),
                           "--trainer.output_dir", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 2, run.stdout + run.stderr
-    assert "[model-engine-support] model.path" in run.stderr and "multi-head latent attention" in run.stderr
+    assert "[model-engine-support] model.path" in run.stderr and "multi-head latent attention" not in run.stderr
     assert "multi-token prediction" in run.stderr  # num_nextn_predict_layers = 1: named, not dropped
     assert "Traceback" not in run.stderr and not out.exists()
     assert read_model_arch(str(folder)).num_mtp_layers == 1
@@ -238,8 +240,9 @@ def test_rltrain_refuses_mla_by_name_before_writing_anything(tmp_path: Path):
     [
         ({"norm_topk_prob": False}, "moe_norm_topk_prob"),
         ({"num_experts_per_tok": 2}, "moe_router_group_topk"),
+        ({"rope_interleave": False}, "rotary_interleaved"),
     ],
-    ids=["no-renormalisation", "group-score-width"],
+    ids=["no-renormalisation", "group-score-width", "rope-not-interleaved"],
 )
 def test_routing_megatron_builds_differently_is_named(changes: dict[str, Any], field: str):
     """Where megatron-core's router would compute another model than transformers' (sigmoid weights always

@@ -726,6 +726,7 @@ def build_model_chunks(
         elif post and not config.sequence_parallel:
             batch_first_logits(model.output_layer)
         mark_expert_params(model)
+        freeze_expert_bias(model)
         if grouped:
             from rltrain.megatron.moe_decode import GroupedMoELayer, is_moe
 
@@ -772,6 +773,16 @@ def batch_first_logits(layer: torch.nn.Module) -> None:
         return out.transpose(0, 1), bias
 
     layer.forward = forward
+
+
+def freeze_expert_bias(model: torch.nn.Module) -> None:
+    """Keep the routers' expert_bias (deepseek_v3's e_score_correction_bias) as loaded: routing still adds it,
+    but the routers stop counting tokens per expert for its update (`routing_config` sets the update rate
+    to 0, so the count would be unused; megatron 0.16.1's count also fails with a padding mask, which it
+    broadcasts over experts instead of tokens)."""
+    for module in model.modules():
+        if getattr(module, "expert_bias", None) is not None:
+            module.enable_expert_bias = False
 
 
 def mark_expert_params(model: torch.nn.Module) -> None:
