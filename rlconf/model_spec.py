@@ -776,7 +776,7 @@ def training_gaps(arch: ModelArch) -> list[tuple[str, str]]:
     such a model, `rltrain` refuses it at start (rltrain.preflight.check_engine, rule model-engine-support)
     before anything is written, never a different model trained in its place.
 
-    deepseek_v3 trains on megatron-core 0.16.1's MLA and router (rltrain.megatron.mla, model.routing_config)
+    deepseek_v3 trains on megatron-core 0.16.1's MLA and router (rltrain.megatron.mla, mla.deepseek_routing)
     where they compute transformers' DeepseekV3 exactly. They do not (moe_utils.topk_routing_with_score_function
     / group_limited_topk, rope_utils._apply_rotary_pos_emb_bshd) when sigmoid top-k weights are not
     renormalised (megatron always renormalises for k > 1 and never for k = 1), when a group is scored by other

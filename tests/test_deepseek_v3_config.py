@@ -229,7 +229,9 @@ def test_rltrain_refuses_mtp_layers_by_name_before_writing_anything(tmp_path: Pa
     run = subprocess.run([sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--model.path", str(folder),
                           "--trainer.output_dir", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 2, run.stdout + run.stderr
-    assert "[model-engine-support] model.path" in run.stderr and "multi-head latent attention" not in run.stderr
+    assert (
+        "[model-engine-support] model.path" in run.stderr and "multi-head latent attention" not in run.stderr
+    )
     assert "multi-token prediction" in run.stderr  # num_nextn_predict_layers = 1: named, not dropped
     assert "Traceback" not in run.stderr and not out.exists()
     assert read_model_arch(str(folder)).num_mtp_layers == 1

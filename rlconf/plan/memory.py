@@ -255,7 +255,8 @@ def _rollout_kv_bytes(c: RLConfig, lay: RoleLayout, arch: ModelArch, num_layers:
     the rows one DP rank generates (rltrain/megatron/inference.py allocates [P + N, rows, groups/tp,
     head_dim] twice per layer in params_dtype, P the batch's padded prompt width). MLA models (deepseek_v3) are
     sized with the compressed latent cache (kv_lora_rank + qk_rope_head_dim per token and layer, whole on
-    each TP rank), the cache an MLA engine keeps; the embedded engine does not run MLA yet.
+    each TP rank), what rltrain/megatron/mla_cache.py allocates ([P + N, rows, 1, kv_lora_rank] and
+    [P + N, rows, 1, rope] per layer).
 
     0 for vLLM (its own pool, capped by rollout.gpu_memory_utilization) and with context parallel (the
     engine then falls back to the cache-less path).

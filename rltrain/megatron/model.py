@@ -473,12 +473,18 @@ def moe_config(arch: ModelArch, settings: EngineSettings) -> dict[str, Any]:
     moe = settings.moe
     if arch.num_moe_experts is None or moe is None:
         return {}
+    from rltrain.megatron.mla import deepseek_routing
+
+    softmax_routing = {
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
+    }
     freq: int | list[int] = 1
     if arch.moe_dense_layers:
         # A list marks the layers non-homogeneous for dist checkpointing (sharded keys per layer type).
         freq = [int(is_moe_layer(arch, i)) for i in range(arch.num_layers)]
     return {
-        **routing_config(arch),
+        **(deepseek_routing(arch) if arch.moe_router_score_function == "sigmoid" else softmax_routing),
         "num_moe_experts": arch.num_moe_experts,
         "moe_router_topk": arch.moe_router_topk,
         "moe_ffn_hidden_size": moe.ffn_hidden_size,
@@ -493,31 +499,6 @@ def moe_config(arch: ModelArch, settings: EngineSettings) -> dict[str, Any]:
         "moe_expert_capacity_factor": None,
         "moe_permute_fusion": False,
         "moe_router_fusion": False,
-    }
-
-
-def routing_config(arch: ModelArch) -> dict[str, Any]:
-    """TransformerConfig's router fields: megatron's softmax router (above), or DeepSeek's sigmoid routing
-    (deepseek_v3: a sigmoid score per expert in fp32 as transformers' DeepseekV3TopkRouter computes it, the
-    top-k chosen on score + e_score_correction_bias (megatron's expert_bias buffer) within the
-    `moe_router_group_topk` best of `moe_router_num_groups` groups, weights renormalised over the k and
-    multiplied by routed_scaling_factor). The expert bias is frozen during RL (update rate 0): DeepSeek
-    adjusts it in pre-training to balance expert load, a correction RL does not need and that would change
-    which experts a token takes between the rollout and the update. Where megatron's router computes
-    another model than transformers' (group scores, renormalisation) rlconf.model_spec.training_gaps has
-    refused the config before this point."""
-    if arch.moe_router_score_function == "softmax":
-        return {"moe_router_score_function": "softmax", "moe_router_pre_softmax": not arch.moe_norm_topk_prob}
-    groups = arch.moe_router_num_groups if (arch.moe_router_num_groups or 1) > 1 else None
-    return {
-        "moe_router_score_function": "sigmoid",
-        "moe_router_pre_softmax": False,
-        "moe_router_enable_expert_bias": arch.moe_router_enable_expert_bias,
-        "moe_router_bias_update_rate": 0.0,
-        "moe_router_num_groups": groups,
-        "moe_router_group_topk": arch.moe_router_group_topk if groups else None,
-        "moe_router_topk_scaling_factor": arch.moe_router_topk_scaling_factor,
-        "moe_router_dtype": "fp32",
     }
 
 
@@ -726,7 +707,10 @@ def build_model_chunks(
         elif post and not config.sequence_parallel:
             batch_first_logits(model.output_layer)
         mark_expert_params(model)
-        freeze_expert_bias(model)
+        if arch.moe_router_enable_expert_bias:
+            from rltrain.megatron.mla import freeze_expert_bias
+
+            freeze_expert_bias(model)
         if grouped:
             from rltrain.megatron.moe_decode import GroupedMoELayer, is_moe
 
@@ -773,16 +757,6 @@ def batch_first_logits(layer: torch.nn.Module) -> None:
         return out.transpose(0, 1), bias
 
     layer.forward = forward
-
-
-def freeze_expert_bias(model: torch.nn.Module) -> None:
-    """Keep the routers' expert_bias (deepseek_v3's e_score_correction_bias) as loaded: routing still adds it,
-    but the routers stop counting tokens per expert for its update (`routing_config` sets the update rate
-    to 0, so the count would be unused; megatron 0.16.1's count also fails with a padding mask, which it
-    broadcasts over experts instead of tokens)."""
-    for module in model.modules():
-        if getattr(module, "expert_bias", None) is not None:
-            module.enable_expert_bias = False
 
 
 def mark_expert_params(model: torch.nn.Module) -> None:

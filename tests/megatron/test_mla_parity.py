@@ -1,5 +1,5 @@
 """deepseek_v3 in the megatron engine (multi-head latent attention + DeepSeek's sigmoid group-limited routing,
-rltrain.megatron.mla and model.routing_config) against transformers' DeepseekV3ForCausalLM on tiny random
+rltrain.megatron.mla and mla.deepseek_routing) against transformers' DeepseekV3ForCausalLM on tiny random
 folders made by transformers (`save_pretrained`, the built-in tokenizer beside): MLA with q_lora_rank set and
 unset, 2 dense + 2 MoE layers (first_k_dense_replace = 2), 8 routed experts in 4 groups of which 2 are chosen,
 4 experts per token (topk / topk_group = 2: megatron's group score is transformers' top-2 sum), a non-zero
@@ -171,7 +171,9 @@ def test_ep2_and_tp2_match_transformers_and_export_the_source(mp_world, folders,
             "cases": {n: {"path": str(p), "expected": references[n]} for n, p in folders.items()}}  # fmt: skip
     out_dir = tmp_path / "exports"
     out_dir.mkdir()
-    torch.multiprocessing.spawn(_layouts_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True)
+    torch.multiprocessing.spawn(
+        _layouts_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True
+    )
     for name, src in folders.items():
         for layout, _ in LAYOUTS:
             assert_source_again(src, out_dir / f"{name}_{layout}", f"{name} {layout}")

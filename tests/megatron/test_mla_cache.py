@@ -1,0 +1,96 @@
+"""The embedded rollout's latent KV cache for multi-head latent attention (rltrain.megatron.mla_cache) on a tiny
+random DeepseekV3 folder (tests/megatron/test_mla_parity.py's, q_lora_rank set and unset): greedy tokens
+equal the no-cache path's (megatron's own MLA forward over the whole sequence at every step), sampled
+log-probs equal a recompute pass (compute_log_prob) within fp32 rounding, the static decode step gives the
+dynamic path's batch, and what the cache allocates is what the plan's memory estimate counts per token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlconf.config import ModelConfig
+
+from ..tolerance import assert_close
+from ._common import actor_cfg, actor_of, make_batch
+from .test_mla_parity import DEPTH, REDUCTION, make_deepseek_v3
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
+]
+KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
+
+
+@pytest.fixture(scope="module", params=[24, None], ids=["q-lora", "no-q-lora"])
+def actor(mp_world, tmp_path_factory, request):
+    path = make_deepseek_v3(tmp_path_factory.mktemp("mla") / "hf", request.param)
+    return actor_of(
+        ModelConfig(path=str(path), attention_backend="sdpa"), actor_cfg(), "cpu", trainable=False
+    )
+
+
+def _prompts(b: int = 6) -> torch.Tensor:
+    """Left-padded prompts of lengths 6, 5, 4, 6, 5, 4 (pad 0)."""
+    return make_batch(b=b)["input_ids"][:, :6]
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, msg: str = "") -> None:
+    assert_close(got, want, reduction=REDUCTION, depth=DEPTH, msg=msg)
+
+
+def _same_batch(a: dict, b: dict, msg: str) -> None:
+    for key in KEYS:
+        assert torch.equal(a[key], b[key]), f"{msg}: {key}\n{a[key]}\n{b[key]}"
+    _close(a["rollout_log_probs"], b["rollout_log_probs"], msg)
+
+
+def test_the_cache_holds_the_compressed_latent(actor, monkeypatch):
+    from rlconf.model_count import kv_cache_width
+    from rltrain.megatron import inference
+
+    assert inference.kv_cache_unsupported(actor) is None
+    shapes: list[list[tuple[int, ...]]] = []
+    inner = inference.KVCacheGenerator._allocate
+
+    def allocate(engine, rows):
+        inner(engine, rows)
+        shapes.append([tuple(t.shape) for layer in engine.cache[0] for t in layer])
+
+    monkeypatch.setattr(inference.KVCacheGenerator, "_allocate", allocate)
+    actor.generate(_prompts(), 4, temperature=0.0, pad_id=0)
+    arch = actor.arch
+    width = sum(shape[-1] for shape in shapes[0][:2])
+    assert width == kv_cache_width(arch) == arch.kv_lora_rank + arch.qk_pos_emb_head_dim
+    assert len(shapes[0]) == 2 * arch.num_layers and all(s[1:3] == (6, 1) for s in shapes[0])
+
+
+def test_greedy_matches_the_no_cache_path(actor):
+    prompts = _prompts()
+    _same_batch(actor.generate(prompts, 8, temperature=0.0, pad_id=0, use_cache=False),
+                actor.generate(prompts, 8, temperature=0.0, pad_id=0), "greedy")  # fmt: skip
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_log_probs_match_a_recompute(actor, temperature):
+    prompts = _prompts()
+    kw = dict(temperature=temperature, top_p=0.9, top_k=20, pad_id=0, seed=3)
+    out = actor.generate(prompts, 8, **kw)
+    recomputed = actor.compute_log_prob(out, temperature=temperature, with_entropy=False)["log_probs"]
+    print(
+        f"max |rollout - recomputed log-prob| {float((out['rollout_log_probs'] - recomputed).abs().max()):.3g}"
+    )
+    _close(out["rollout_log_probs"], recomputed, "sampled vs recompute")
+    assert (out["rollout_log_probs"] < 0).any()
+    _same_batch(actor.generate(prompts, 8, **kw, use_cache=False), out, "sampled")
+
+
+def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch):
+    from rltrain.megatron import inference
+
+    monkeypatch.setattr(inference, "KEY_BUCKET", 4)  # decode crosses key-length buckets
+    prompts = _prompts()
+    for kw in (dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, top_k=20, seed=3)):
+        _same_batch(actor.generate(prompts, 8, pad_id=0, **kw),
+                    actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **kw), str(kw))  # fmt: skip
