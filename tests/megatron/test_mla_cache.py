@@ -94,3 +94,24 @@ def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch):
     for kw in (dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, top_k=20, seed=3)):
         _same_batch(actor.generate(prompts, 8, pad_id=0, **kw),
                     actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **kw), str(kw))  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------ the preset
+@pytest.mark.multiproc
+def test_tiny_grpo_mla_learns_and_its_rollout_log_probs_match_the_update(tmp_path):
+    """`rltrain tiny-grpo-mla` (built-in DeepSeek-V3-shaped model, one CPU worker) learns like tiny-grpo: the
+    mean reward of the last 10 of 80 steps is over twice the first 10's (measured over 100 steps: 0.044 ->
+    0.321, ~70 s here); the latent-cache rollout's log-probs equal the update's recompute within fp32 rounding
+    on every step (rollout/logprob_diff_max, measured <= 1.9e-6), and the experts stay in use."""
+    from ..test_e2e import metrics, rltrain
+
+    out = tmp_path / "mla"
+    result = rltrain("tiny-grpo-mla", "--trainer.total_steps", "80", "--trainer.save_freq", "0",
+                     "--trainer.output_dir", str(out))  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = metrics(out)
+    rewards = [r["reward/mean"] for r in rows]
+    first, last = sum(rewards[:10]) / 10, sum(rewards[-10:]) / 10
+    assert last > 2 * first and last > first + 0.1, (first, last)
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
+    assert all(1.0 <= r["actor/moe_expert_load_max"] < 8 / 4 for r in rows[-10:])
