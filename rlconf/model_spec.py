@@ -765,7 +765,9 @@ def engine_gaps(arch: ModelArch) -> list[tuple[str, str]]:
     """(ModelArch field, message) for each feature of `arch` that the plan accepts but the megatron engine
     does not build yet; rlconf.validate's engine-support rule turns them into errors before a run starts."""
     gaps = []
-    if arch.rope_scaling.type == "yarn" and not arch.multi_latent_attention:  # MLA: training_gaps refuses
+    # MLA: megatron's own YarnRotaryEmbedding, which computes DeepSeek's YaRN as transformers does
+    # (tests/megatron/test_mla_parity.py, mscale != mscale_all_dim).
+    if arch.rope_scaling.type == "yarn" and not arch.multi_latent_attention:
         gaps.append(("rope_scaling.type", "YaRN rope scaling is not built in the megatron engine yet"))
     return gaps
 

@@ -1,5 +1,5 @@
 """The embedded rollout's latent KV cache for multi-head latent attention (rltrain.megatron.mla_cache) on a tiny
-random DeepseekV3 folder (tests/megatron/test_mla_parity.py's, q_lora_rank set and unset): greedy tokens
+random DeepseekV3 folder (tests/megatron/test_mla_parity.py's: q_lora_rank set and unset, DeepSeek's YaRN): greedy tokens
 equal the no-cache path's (megatron's own MLA forward over the whole sequence at every step), sampled
 log-probs equal a recompute pass (compute_log_prob) within fp32 rounding, the static decode step gives the
 dynamic path's batch, and what the cache allocates is what the plan's memory estimate counts per token."""
@@ -13,7 +13,7 @@ from rlconf.config import ModelConfig
 
 from ..tolerance import assert_close
 from ._common import actor_cfg, actor_of, make_batch
-from .test_mla_parity import DEPTH, REDUCTION, make_deepseek_v3
+from .test_mla_parity import CASES, DEPTH, REDUCTION, make_deepseek_v3
 
 pytestmark = [
     pytest.mark.slow,
@@ -23,9 +23,10 @@ pytestmark = [
 KEYS = ("input_ids", "attention_mask", "position_ids", "responses", "response_mask")
 
 
-@pytest.fixture(scope="module", params=[24, None], ids=["q-lora", "no-q-lora"])
+@pytest.fixture(scope="module", params=list(CASES))
 def actor(mp_world, tmp_path_factory, request):
-    path = make_deepseek_v3(tmp_path_factory.mktemp("mla") / "hf", request.param)
+    rank, args = CASES[request.param]
+    path = make_deepseek_v3(tmp_path_factory.mktemp("mla") / "hf", rank, **args)
     return actor_of(
         ModelConfig(path=str(path), attention_backend="sdpa"), actor_cfg(), "cpu", trainable=False
     )

@@ -1,7 +1,7 @@
 """deepseek_v3 in the megatron engine (multi-head latent attention + DeepSeek's sigmoid group-limited routing,
 rltrain.megatron.mla and mla.deepseek_routing) against transformers' DeepseekV3ForCausalLM on tiny random
 folders made by transformers (`save_pretrained`, the built-in tokenizer beside): MLA with q_lora_rank set and
-unset, 2 dense + 2 MoE layers (first_k_dense_replace = 2), 8 routed experts in 4 groups of which 2 are chosen,
+unset, DeepSeek's YaRN, 2 dense + 2 MoE layers (first_k_dense_replace = 2), 8 routed experts in 4 groups of which 2 are chosen,
 4 experts per token (topk / topk_group = 2: megatron's group score is transformers' top-2 sum), a non-zero
 e_score_correction_bias that steers the choice, routed_scaling_factor 2.5 and one shared expert; fp32 CPU.
 Log-probs and entropy equal transformers' at TP = 1, EP = 2 and TP = 2 (sequence parallel), and the export
@@ -35,7 +35,13 @@ TINY_MLA = dict(vocab_size=100, hidden_size=32, intermediate_size=48, moe_interm
                 v_head_dim=12, qk_nope_head_dim=8, n_group=4, topk_group=2, num_experts_per_tok=4,
                 first_k_dense_replace=2, max_position_embeddings=128, num_nextn_predict_layers=0,
                 norm_topk_prob=True, rope_interleave=True)  # fmt: skip
-Q_LORA = {"q-lora": 24, "no-q-lora": None}
+# DeepSeek's YaRN (attention factor mscale / mscale_all_dim != 1, softmax scale by mscale_all_dim) over a short
+# original context, so the batches' positions (up to 35) reach past it.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 1.0, "rope_theta": 1e4}  # fmt: skip
+# case -> (q_lora_rank, DeepseekV3Config arguments beyond TINY_MLA)
+CASES: dict[str, tuple[int | None, dict]] = {"q-lora": (24, {}), "no-q-lora": (None, {}),
+                                             "yarn-mscale": (24, {"rope_parameters": YARN})}  # fmt: skip
 REDUCTION = 128  # the widest sum: the vocabulary padded to 128
 DEPTH = 2 * TINY_MLA["num_hidden_layers"] + 2
 
@@ -94,7 +100,7 @@ def assert_source_again(src: Path, out: Path, msg: str) -> None:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("deepseek_v3")
-    return {name: make_deepseek_v3(root / name, rank) for name, rank in Q_LORA.items()}
+    return {name: make_deepseek_v3(root / name, rank, **args) for name, (rank, args) in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -103,13 +109,13 @@ def references(folders) -> dict[str, list[tuple[torch.Tensor, torch.Tensor]]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", list(Q_LORA))
+@pytest.mark.parametrize("name", list(CASES))
 def test_tp1_log_probs_and_export_match_transformers(mp_world, folders, references, name, tmp_path):
     from rltrain.megatron.hf_weights import export_hf_weights
 
     src = folders[name]
     actor = _actor(src)
-    assert actor.arch.multi_latent_attention and actor.arch.q_lora_rank == Q_LORA[name]
+    assert actor.arch.multi_latent_attention and actor.arch.q_lora_rank == CASES[name][0]
     for i, (batch, (lp, ent)) in enumerate(zip(_batches(), references[name], strict=True)):
         out = actor.compute_log_prob(batch, with_entropy=True)
         print(f"{name} batch{i}: max |log-prob diff| {float((out['log_probs'] - lp).abs().max()):.3g}")
