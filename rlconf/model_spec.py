@@ -772,7 +772,7 @@ def engine_gaps(arch: ModelArch) -> list[tuple[str, str]]:
     return gaps
 
 
-def training_gaps(arch: ModelArch) -> list[tuple[str, str]]:
+def training_gaps(arch: ModelArch, from_folder: bool = False) -> list[tuple[str, str]]:
     """(ModelArch field, message naming the config.json key) for each feature of `arch` that the plan reads,
     counts and sizes but the megatron engine cannot train as transformers computes it: `rlconf plan` shows
     such a model, `rltrain` refuses it at start (rltrain.preflight.check_engine, rule model-engine-support)
@@ -783,7 +783,12 @@ def training_gaps(arch: ModelArch) -> list[tuple[str, str]]:
     / group_limited_topk, rope_utils._apply_rotary_pos_emb_bshd) when sigmoid top-k weights are not
     renormalised (megatron always renormalises for k > 1 and never for k = 1), when a group is scored by other
     than its top 2 experts (megatron sums its top topk / topk_group), or with non-interleaved rope dims
-    (megatron's MLA always de-interleaves them)."""
+    (megatron's MLA always de-interleaves them).
+
+    Multi-token prediction layers (num_nextn_predict_layers) are not trained (transformers does not build
+    them either): a model read from a folder (`from_folder`) keeps them as the folder holds them, and its
+    exports copy them back unchanged (rltrain.megatron.hf_weights.export_hf_weights `mtp_source`); a built-in
+    `model.arch` has no such weights to keep, so it is refused."""
     gaps = []
     if arch.multi_latent_attention:
         if arch.moe_router_topk > 1 and not arch.moe_norm_topk_prob:
@@ -802,9 +807,10 @@ def training_gaps(arch: ModelArch) -> list[tuple[str, str]]:
             gaps.append(("rotary_interleaved", "rope_interleave: false: megatron-core's multi-head latent "
                          "attention always rotates the rope dims de-interleaved (transformers' rope_interleave: "
                          "true)"))  # fmt: skip
-    if arch.num_mtp_layers:
+    if arch.num_mtp_layers and not from_folder:
         gaps.append(("num_mtp_layers", f"{arch.num_mtp_layers} multi-token prediction layer(s) "
-                     "(num_nextn_predict_layers) are not trained (transformers does not build them either)"))  # fmt: skip
+                     "(num_nextn_predict_layers) in a built-in model.arch: rlplan does not build or train them "
+                     "(transformers does not either) and has no weights of theirs to export"))  # fmt: skip
     return gaps
 
 

@@ -221,20 +221,30 @@ def test_export_config_loads_in_transformers_as_deepseek_v3(name: str):
     assert sum(p.numel() for p in hf_model(fresh).parameters()) == count_parameters(arch, "lm")[0]
 
 
-def test_rltrain_refuses_mtp_layers_by_name_before_writing_anything(tmp_path: Path):
-    """num_nextn_predict_layers = 1 (DeepSeek-V3's own file): the multi-token prediction layer is refused by
-    name (rule model-engine-support), never trained without it; MLA itself now trains."""
-    folder = model_folder(tmp_path, "tiny", TINY_CASES["q-lora"], weights=True)
+def test_rltrain_refuses_routing_megatron_computes_otherwise_before_writing_anything(tmp_path: Path):
+    """norm_topk_prob: false (sigmoid weights not renormalised, which megatron-core always does): refused by
+    the config.json key (rule model-engine-support) before anything is written, never a different model;
+    the folder's multi-token prediction layer alone would only be noted (kept untrained, exported back)."""
+    folder = model_folder(tmp_path, "tiny", saved(num_experts_per_tok=4, norm_topk_prob=False), weights=True)
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--model.path", str(folder),
                           "--trainer.output_dir", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 2, run.stdout + run.stderr
-    assert (
-        "[model-engine-support] model.path" in run.stderr and "multi-head latent attention" not in run.stderr
-    )
-    assert "multi-token prediction" in run.stderr  # num_nextn_predict_layers = 1: named, not dropped
+    assert "[model-engine-support] model.path" in run.stderr and "norm_topk_prob: false" in run.stderr
+    assert "multi-token prediction" not in run.stderr and "multi-head latent attention" not in run.stderr
     assert "Traceback" not in run.stderr and not out.exists()
     assert read_model_arch(str(folder)).num_mtp_layers == 1
+
+
+def test_a_built_in_arch_with_mtp_layers_is_refused_and_a_folder_s_are_noted():
+    """A built-in model.arch has no multi-token prediction weights to keep: refused by name; a folder's are kept
+    untrained (training_gaps names nothing, the preflight notes them)."""
+    from rlconf.model_spec import training_gaps
+
+    arch = arch_from_config(saved(num_experts_per_tok=4), "config.json")
+    assert arch.num_mtp_layers == 1
+    assert [f for f, _ in training_gaps(arch)] == ["num_mtp_layers"]
+    assert training_gaps(arch, from_folder=True) == []
 
 
 @pytest.mark.parametrize(

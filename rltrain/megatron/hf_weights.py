@@ -421,14 +421,35 @@ def to_hf(
     raise KeyError(f"no Hugging Face name for megatron parameter {name}")
 
 
+def _copy_mtp_layers(arch: ModelArch, source: str | os.PathLike, out: Path) -> tuple[str, list[str]]:
+    """Copy the source folder's multi-token prediction tensors (model.layers.L.., L = arch.num_layers) into
+    out/model-mtp.safetensors unchanged; returns (file name, tensor names) for the index."""
+    reader = _HFReader(source)
+    prefixes = tuple(f"model.layers.{arch.num_layers + i}." for i in range(arch.num_mtp_layers))
+    names = sorted(n for n in reader.weight_map if n.startswith(prefixes))
+    fname = "model-mtp.safetensors"
+    save_file({n: reader.get(n) for n in names}, str(out / fname), metadata={"format": "pt"})
+    return fname, names
+
+
 @torch.no_grad()
 def export_hf_weights(
     chunks: Sequence[torch.nn.Module],
     arch: ModelArch,
     out_dir: str | os.PathLike,
     base_config: dict[str, Any] | None = None,
+    mtp_source: str | os.PathLike | None = None,
 ) -> None:
-    """Write this model as an HF folder (safetensors + config.json). Collective: every rank calls it."""
+    """Write this model as an HF folder (safetensors + config.json). Collective: every rank calls it.
+
+    `mtp_source`: the folder the model was read from; its multi-token prediction layers (deepseek_v3
+    num_nextn_predict_layers: model.layers.L.. after the decoder's L layers, not built or trained) are
+    copied unchanged into `model-mtp.safetensors` (with an index), so the export holds what the source
+    held. Required when `arch` has such layers."""
+    if arch.num_mtp_layers and mtp_source is None:
+        raise ValueError(
+            f"{arch.num_mtp_layers} multi-token prediction layer(s): export needs the source folder"
+        )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     etp = _expert_tp()[0]
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -477,7 +498,9 @@ def export_hf_weights(
         gathered = [(fname, names)]
     if torch.distributed.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-        if pp > 1:
+        if mtp_source is not None and arch.num_mtp_layers:
+            gathered.append(_copy_mtp_layers(arch, mtp_source, out))
+        if len(gathered) > 1:
             weight_map = {k: f for f, ks in gathered for k in ks}
             with open(out / "model.safetensors.index.json", "w") as f:
                 json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)

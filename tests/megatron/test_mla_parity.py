@@ -68,6 +68,33 @@ def make_deepseek_v3(path: Path, q_lora_rank: int | None = 24, seed: int = 0, **
     return Path(path)
 
 
+def add_mtp_layer(path: Path) -> dict[str, torch.Tensor]:
+    """Give a folder saved with num_nextn_predict_layers = 1 the tensors of its multi-token prediction layer
+    (model.layers.L.*, after the decoder's L layers; transformers neither builds nor saves them), in a file of
+    their own as DeepSeek's release has them; returns them."""
+    from safetensors.torch import save_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    p, h = f"model.layers.{cfg['num_hidden_layers']}.", cfg["hidden_size"]
+    g = torch.Generator().manual_seed(7)
+    mtp = {p + "enorm.weight": torch.rand(h, generator=g), p + "hnorm.weight": torch.rand(h, generator=g),
+           p + "eh_proj.weight": torch.randn(h, 2 * h, generator=g),
+           p + "self_attn.kv_a_proj_with_mqa.weight": torch.randn(24, h, generator=g)}  # fmt: skip
+    save_file(mtp, str(path / "model-mtp.safetensors"), metadata={"format": "pt"})
+    names = {**dict.fromkeys(_tensors(path / "model.safetensors"), "model.safetensors"),
+             **dict.fromkeys(mtp, "model-mtp.safetensors")}  # fmt: skip
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": names}))
+    return mtp
+
+
+def _tensors(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, or of every safetensors file of a folder."""
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    return {k: v for f in files for k, v in load_file(str(f)).items()}
+
+
 def _batches() -> list[dict[str, torch.Tensor]]:
     return [
         batch_from_lengths([(6, 5), (4, 3), (6, 1), (2, 5)], 6, 5, seed=0),
@@ -189,20 +216,26 @@ def test_ep2_and_tp2_match_transformers_and_export_the_source(mp_world, folders,
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_tiny_grpo_on_a_deepseek_v3_folder_trains_and_exports(mp_world, tmp_path):
-    """`rltrain tiny-grpo --model.path DIR` on a random DeepseekV3 folder trains 3 steps; `rltrain export-hf`
-    of its checkpoint loads in transformers as deepseek_v3, its weights trained (the routing bias kept
-    bit-identical: frozen), and the engine built from the export computes transformers' log-probs on it."""
+    """`rltrain tiny-grpo --model.path DIR` on a random DeepseekV3 folder with a multi-token prediction layer
+    trains 3 steps, saying that the layer is not trained; `rltrain export-hf` of its checkpoint loads in
+    transformers as deepseek_v3, its weights trained, the routing bias (frozen) and the MTP layer's tensors
+    bit-identical to the source's, and the engine built from the export computes transformers' log-probs."""
     import transformers
-    from safetensors.torch import load_file
 
     from ..test_e2e import rltrain
 
     # vocab_size 32: the built-in tokenizer's ids; 256 positions: tiny-grpo's prompt + response fit.
-    src = make_deepseek_v3(tmp_path / "hf", 24, vocab_size=32, max_position_embeddings=256)
+    src = make_deepseek_v3(tmp_path / "hf", 24, vocab_size=32, max_position_embeddings=256,
+                           num_nextn_predict_layers=1)  # fmt: skip
+    mtp = add_mtp_layer(src)
     out = tmp_path / "run"
     result = rltrain("tiny-grpo", "--model.path", str(src), "--trainer.total_steps", "3", "--trainer.save_freq",
                      "3", "--trainer.output_dir", str(out))  # fmt: skip
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (
+        "1 multi-token prediction layer(s) (num_nextn_predict_layers, model.layers.4..) are not trained"
+        in (result.stdout)
+    )
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [s["step"] for s in steps] == [1, 2, 3]
     exported = tmp_path / "exported"
@@ -211,8 +244,10 @@ def test_tiny_grpo_on_a_deepseek_v3_folder_trains_and_exports(mp_world, tmp_path
     assert json.loads((exported / "config.json").read_text()) == json.loads((src / "config.json").read_text())
     model = transformers.AutoModelForCausalLM.from_pretrained(str(exported), dtype=torch.float32)
     assert type(model).__name__ == "DeepseekV3ForCausalLM"
-    before, after = load_file(str(src / "model.safetensors")), load_file(str(exported / "model.safetensors"))
-    assert before.keys() == after.keys()
+    before, after = _tensors(src), _tensors(exported)
+    assert before.keys() == after.keys() and set(mtp) < set(after)
+    for name in mtp:
+        assert torch.equal(after[name], mtp[name]), name
     assert not torch.equal(before["model.layers.0.self_attn.q_b_proj.weight"],
                            after["model.layers.0.self_attn.q_b_proj.weight"])  # fmt: skip
     for name in (k for k in before if k.endswith("e_score_correction_bias")):
