@@ -266,3 +266,15 @@ def test_routing_megatron_builds_differently_is_named(changes: dict[str, Any], f
     for cfg in (DEEPSEEK_V3, MOONLIGHT, saved(num_experts_per_tok=4)):
         fields = {f for f, _ in training_gaps(arch_from_config(cfg, "config.json"))}
         assert not fields & {"moe_norm_topk_prob", "moe_router_group_topk"}
+
+
+def test_the_plan_names_the_attention_kind_and_the_routing():
+    """`rlconf plan` of tiny-grpo-mla says multi-head latent attention (which latent is cached) and DeepSeek's
+    routing (group limit, frozen score bias, scaling); a GQA model keeps its heads / groups."""
+    from presets import PRESETS
+    from rlconf.plan import compile_plan, format_plan
+
+    text = format_plan(compile_plan(PRESETS["tiny-grpo-mla"].build()))
+    assert ("multi-head latent attention: heads 4, q latent 32, kv latent 32 (cached) + rope 8, values 16; "
+            "sigmoid routing, 2 of 4 expert groups, score bias frozen, weights x 2.5") in text  # fmt: skip
+    assert "heads 4/2 groups" in format_plan(compile_plan(PRESETS["tiny-grpo"].build()))
