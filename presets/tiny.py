@@ -170,7 +170,7 @@ def tiny_grpo_mla() -> RLConfig:
             "model.arch.moe_ffn_hidden_size": 32,
             "model.arch.moe_shared_expert_intermediate_size": 32,
             "model.arch.moe_norm_topk_prob": True,
-            "model.arch.moe_dense_layers": [0],
+            "model.arch.moe_dense_layers": (0,),
             "model.arch.moe_router_score_function": "sigmoid",
             "model.arch.moe_router_enable_expert_bias": True,
             "model.arch.moe_router_num_groups": 4,
