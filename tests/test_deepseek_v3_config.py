@@ -278,3 +278,33 @@ def test_the_plan_names_the_attention_kind_and_the_routing():
     assert ("multi-head latent attention: heads 4, q latent 32, kv latent 32 (cached) + rope 8, values 16; "
             "sigmoid routing, 2 of 4 expert groups, score bias frozen, weights x 2.5") in text  # fmt: skip
     assert "heads 4/2 groups" in format_plan(compile_plan(PRESETS["tiny-grpo"].build()))
+
+
+def test_lora_on_mla_is_refused_by_name():
+    """The adapters are built for q/k/v/o projections MLA does not have: rule lora, not adapters on nothing."""
+    import dataclasses
+
+    from presets import PRESETS
+    from rlconf.errors import ConfigError
+    from rlconf.plan import compile_plan
+
+    c = PRESETS["tiny-grpo-mla"].build()
+    c = dataclasses.replace(
+        c, actor=dataclasses.replace(c.actor, lora=dataclasses.replace(c.actor.lora, rank=4))
+    )
+    with pytest.raises(ConfigError, match=r"\[lora\] actor.lora.rank: LoRA on a deepseek_v3 model"):
+        compile_plan(c)
+
+
+def test_mla_with_context_parallel_is_refused_by_name():
+    from presets import PRESETS
+    from rlconf.errors import ConfigError
+    from rlconf.fields import replace_paths
+    from rlconf.plan import compile_plan
+
+    c = replace_paths(PRESETS["tiny-grpo-mla"].build(),
+                      {"cluster.gpus_per_node": 2, "actor.megatron.context_parallel_size": 2})  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"actor.megatron.context_parallel_size: model.arch: multi-head latent"
+    ):
+        compile_plan(c)
