@@ -116,3 +116,63 @@ def test_tiny_grpo_mla_learns_and_its_rollout_log_probs_match_the_update(tmp_pat
     assert last > 2 * first and last > first + 0.1, (first, last)
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-4
     assert all(1.0 <= r["actor/moe_expert_load_max"] < 8 / 4 for r in rows[-10:])
+
+
+# ------------------------------------------------------------------------------------ TP=2, PP=2, EP=2
+def _layouts_worker(rank: int, world: int, port: int, path: str, out: str) -> None:
+    from ._common import run_spawned
+
+    run_spawned(_run_layouts, rank, world, port, path, out)
+
+
+def _run_layouts(rank: int, world: int, port: int, path: str, out: str) -> None:
+    """In each layout: the latent-cache batch equals the no-cache path's (greedy and sampled), and sampled
+    log-probs equal the layout's recompute; rank 0 saves its greedy tokens per layout to `out`."""
+    from dataclasses import replace
+
+    from rlconf.config import MegatronConfig
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
+
+    from ._common import init_groups
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    greedy = {}
+    for name, mcfg in (("tp2", MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True)),
+                       ("pp2", MegatronConfig(pipeline_model_parallel_size=2)),
+                       ("ep2", MegatronConfig(expert_model_parallel_size=2))):  # fmt: skip
+        init_groups(mcfg, "cpu")
+        actor = actor_of(ModelConfig(path=path, attention_backend="sdpa"), replace(actor_cfg(), megatron=mcfg),
+                         "cpu", trainable=False)  # fmt: skip
+        prompts = _prompts()
+        cached = actor.generate(prompts, 8, temperature=0.0, pad_id=0)
+        _same_batch(actor.generate(prompts, 8, temperature=0.0, pad_id=0, use_cache=False), cached, name)
+        kw = dict(temperature=1.0, top_p=0.9, top_k=20, pad_id=0, seed=3)
+        sampled = actor.generate(prompts, 8, **kw)
+        recomputed = actor.compute_log_prob(sampled, with_entropy=False)["log_probs"]
+        _close(sampled["rollout_log_probs"], recomputed, f"{name} sampled vs recompute")
+        greedy[name] = cached["responses"]
+        del actor
+    if rank == 0:
+        torch.save(greedy, out)
+    destroy_parallel()
+
+
+@pytest.mark.multiproc
+def test_the_latent_cache_in_tp2_pp2_and_ep2_layouts(mp_world, tmp_path):
+    """Two gloo processes at TP = 2 (latent projections gathered, heads split), PP = 2 (dense and MoE layers on
+    two stages) and EP = 2: the cached batch equals the no-cache path's, sampled log-probs equal the recompute,
+    and the greedy tokens equal the single-process engine's."""
+    from ._common import free_port
+
+    rank, args = CASES["q-lora"]
+    path = make_deepseek_v3(tmp_path / "hf", rank, **args)
+    out = tmp_path / "greedy.pt"
+    torch.multiprocessing.spawn(
+        _layouts_worker, args=(2, free_port(), str(path), str(out)), nprocs=2, join=True
+    )
+    single = actor_of(
+        ModelConfig(path=str(path), attention_backend="sdpa"), actor_cfg(), "cpu", trainable=False
+    )
+    want = single.generate(_prompts(), 8, temperature=0.0, pad_id=0)["responses"]
+    for name, got in torch.load(out).items():
+        assert torch.equal(got, want), name

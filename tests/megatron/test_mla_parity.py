@@ -4,7 +4,7 @@ folders made by transformers (`save_pretrained`, the built-in tokenizer beside):
 unset, DeepSeek's YaRN, 2 dense + 2 MoE layers (first_k_dense_replace = 2), 8 routed experts in 4 groups of which 2 are chosen,
 4 experts per token (topk / topk_group = 2: megatron's group score is transformers' top-2 sum), a non-zero
 e_score_correction_bias that steers the choice, routed_scaling_factor 2.5 and one shared expert; fp32 CPU.
-Log-probs and entropy equal transformers' at TP = 1, EP = 2 and TP = 2 (sequence parallel), and the export
+Log-probs and entropy equal transformers' at TP = 1, EP = 2, TP = 2 (sequence parallel) and PP = 2, and the export
 from each is the source folder again (every tensor bit-identical, transformers loads it as deepseek_v3 with
 the same logits)."""
 
@@ -167,7 +167,8 @@ def test_the_routing_bias_is_frozen_and_kept_in_fp32(mp_world, folders):
 
 # ------------------------------------------------------------------------------------ EP=2, TP=2
 LAYOUTS = [("ep2", MegatronConfig(expert_model_parallel_size=2)),
-           ("tp2_sp", MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True))]  # fmt: skip
+           ("tp2_sp", MegatronConfig(tensor_model_parallel_size=2, sequence_parallel=True)),
+           ("pp2", MegatronConfig(pipeline_model_parallel_size=2))]  # fmt: skip
 
 
 def _layouts_worker(rank: int, world: int, port: int, refs: dict, out_dir: str) -> None:
@@ -198,8 +199,9 @@ def _run_layouts(rank: int, world: int, port: int, refs: dict, out_dir: str) -> 
 @pytest.mark.multiproc
 def test_ep2_and_tp2_match_transformers_and_export_the_source(mp_world, folders, references, tmp_path):
     """Two gloo processes: experts split over two expert-parallel ranks (tokens exchanged by megatron's alltoall
-    dispatcher), then heads and latent projections split over two TP ranks with sequence parallel: log-probs
-    and entropy equal transformers', and each layout's export is the source folder again."""
+    dispatcher), heads and latent projections split over two TP ranks with sequence parallel, and the dense
+    and MoE layers on two pipeline stages: log-probs and entropy equal transformers', and each layout's
+    export is the source folder again."""
     refs = {"batches": _batches(),
             "cases": {n: {"path": str(p), "expected": references[n]} for n, p in folders.items()}}  # fmt: skip
     out_dir = tmp_path / "exports"
