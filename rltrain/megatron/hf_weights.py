@@ -326,10 +326,8 @@ def load_hf_weights(
                 raise ValueError(
                     f"{name}: HF gives {tuple(local.shape)}, megatron expects {tuple(param.shape)}"
                 )
-            if name.endswith(_EXPERT_BIAS):
-                param.data = local.to(
-                    torch.float32
-                )  # megatron keeps the routing bias in fp32 (16-bit models too)
+            if name.endswith(_EXPERT_BIAS):  # megatron keeps the routing bias in fp32 (16-bit models too)
+                param.data = local.to(device=param.device, dtype=torch.float32)
                 continue
             param.data.copy_(local.to(param.dtype))
     # The distributed optimizer keeps fp32 main params of 16-bit models: callers that built an optimizer

@@ -257,3 +257,28 @@ def test_tiny_grpo_on_a_deepseek_v3_folder_trains_and_exports(mp_world, tmp_path
     batch = batch_from_lengths([(6, 5), (4, 3), (6, 1), (2, 5)], 6, 5, vocab=32, seed=0)
     lp, _ = _hf_reference(exported, batch)
     _close(_actor(exported).compute_log_prob(batch, with_entropy=False)["log_probs"], lp, "trained export")
+
+
+def test_bf16_weights_keep_the_routing_bias_exact_in_fp32(mp_world, folders):
+    """A 16-bit model (Float16Module casts buffers too) still routes on the fp32 score bias config.json's
+    weights hold, bit for bit, and exports it unchanged."""
+    from safetensors.torch import load_file
+
+    from rltrain.megatron.model import unwrap
+
+    src = folders["q-lora"]
+    actor = actor_of(ModelConfig(path=str(src), attention_backend="sdpa", params_dtype="bfloat16"), actor_cfg(),
+                     "cpu", trainable=False)  # fmt: skip
+    model = unwrap(actor.chunks[0])
+    want = load_file(str(src / "model.safetensors"))
+    for layer in (2, 3):
+        bias = model.decoder.layers[layer].mlp.router.expert_bias
+        assert bias.dtype == torch.float32
+        assert torch.equal(bias, want[f"model.layers.{layer}.mlp.gate.e_score_correction_bias"])
+    batch = _batches()[0]
+    assert torch.isfinite(actor.compute_log_prob(batch, with_entropy=False)["log_probs"]).all()
+    assert all(
+        m.expert_bias.dtype == torch.float32
+        for m in model.modules()
+        if getattr(m, "expert_bias", None) is not None
+    )
