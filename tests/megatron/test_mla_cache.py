@@ -87,6 +87,27 @@ def test_sampled_log_probs_match_a_recompute(actor, temperature):
     _same_batch(actor.generate(prompts, 8, **kw, use_cache=False), out, "sampled")
 
 
+def test_a_multi_turn_session_reuses_the_latent_cache(actor):
+    """A multi-turn session (KVSession) keeps the latent cache between turn calls: a row that goes on after
+    its sampled tokens reuses its cached latents, a replaced row only the matching prefix, and both equal a
+    call without the session."""
+    from rltrain.data import left_pad
+    from rltrain.megatron.inference import KVSession, generate_with_kv_cache
+
+    contexts = [[5, 17, 3, 44, 9, 12, 60], [8, 2, 71, 30]]
+    kw = dict(temperature=1.0, pad_id=0, row_seeds=[11, 12])
+    session = KVSession()
+    ids, mask = left_pad(contexts, 0)
+    first = generate_with_kv_cache(actor, ids, mask, 6, session=session, row_ids=[0, 1], **kw)
+    row0 = contexts[0] + first["responses"][0][first["response_mask"][0].bool()].tolist()[:3] + [21, 22]
+    ids, mask = left_pad([row0, [8, 2, 99, 98, 97]], 0)
+    cached = generate_with_kv_cache(actor, ids, mask, 6, session=session, row_ids=[0, 1], **kw)
+    plain = generate_with_kv_cache(actor, ids, mask, 6, **kw)
+    assert session.reused_tokens > 0
+    assert torch.equal(cached["responses"], plain["responses"])
+    _close(cached["rollout_log_probs"], plain["rollout_log_probs"], "session vs plain")
+
+
 def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch):
     from rltrain.megatron import inference
 
