@@ -251,6 +251,15 @@ def role_layouts(
             ):
                 path = tp_path.replace("tensor_model_parallel_size", field)
                 issues.append(error(path, message, fix, "engine-support"))
+        if arch.multi_latent_attention and cp > 1:
+            issues.append(error(
+                tp_path.replace("tensor_model_parallel_size", "context_parallel_size"),
+                f"{spec.source}: multi-head latent attention (deepseek_v3) with context parallel is not built: "
+                "megatron-core 0.16.1's MLA splits its rotary embedding over CP ranks itself, which this engine "
+                "neither runs on CPU nor has tested against transformers",
+                "use context_parallel_size: 1 (tensor, expert and pipeline parallel split MLA models)",
+                "engine-support",
+            ))  # fmt: skip
         dp = data_parallel(world, tp, pp, cp)
         stages, even = _split_layers(arch.num_layers, pp, vpp, m)
         layouts.append(
