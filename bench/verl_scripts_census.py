@@ -318,7 +318,7 @@ def _training_gaps(path: str | None) -> str:
     from rlconf.model_spec import read_model_arch, training_gaps
 
     try:
-        return ", ".join(g[0] for g in training_gaps(read_model_arch(path))) if path else ""
+        return ", ".join(g[0] for g in training_gaps(read_model_arch(path), from_folder=True)) if path else ""
     except ConfigError:
         return ""
 

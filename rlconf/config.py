@@ -1,7 +1,8 @@
 """The rlplan configuration tree: frozen dataclasses, the single source of every default.
 
 Each section is a small dataclass owned by the component that reads it. The string literal under a field
-is its documentation: it becomes CLI help (tyro), the JSON Schema description and the reference docs.
+is its documentation: it becomes `rltrain --help` (rltrain.cli_help), the JSON Schema description and the
+reference docs.
 Derived values (effective layouts, resolved paths, schedules) are not stored here; they live in the
 trainer plan (`rlconf.plan`). This module imports nothing beyond the standard library, its own sections
 (rlconf.profile_config) and the leaf names of rlconf.profile_vocab and rlconf.vocab, which it re-exports.
@@ -47,6 +48,8 @@ BUILTIN_REWARDS: tuple[str, ...] = (
     # verl's scorers, with verl's signature (rltrain/reward_scores.py); default_compute_score dispatches on
     # each row's data_source as verl's default does.
     "default_compute_score", "gsm8k", "gsm8k_flexible", "math", "math_dapo",
+    # Symbolic equivalence: needs the optional extra rlplan[math] (math-verify).
+    "math_verify",
 )  # fmt: skip
 
 
@@ -573,8 +576,9 @@ class RewardConfig:
     function: str = "digit_match"
     """A built-in rule reward (exact_match, numeric_match, format, digit_match; none: no rule reward, the reward
     model's score alone (needs reward.reward_model.enable; verl's reward with a reward model); verl's scorers gsm8k,
-    gsm8k_flexible, math, math_dapo, and default_compute_score, which picks one by each row's
-    data_source as verl does) or a user function: `package.module:function`, or verl's
+    gsm8k_flexible, math, math_dapo, math_verify (symbolic, needs `pip install 'rlplan[math]'`), and
+    default_compute_score, which picks one by each row's data_source as verl does) or a user function:
+    `package.module:function`, or verl's
     `path/to/file.py:function`. A user function is either rlplan's fn(response, ground_truth, prompt) or
     verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) (told apart by its
     parameter names), returning a float or a dict with a `score` key (its other numeric keys become

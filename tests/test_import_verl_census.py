@@ -55,9 +55,13 @@ def test_no_verl_script_is_silently_mistranslated(outcomes: list) -> None:
 
 
 @pytest.mark.slow
-def test_planned_deepseek_v3_scripts_are_marked_not_trainable(outcomes: list) -> None:
-    marked = {o.script for o in outcomes if o.plans and o.not_trainable}
-    assert marked == {
+def test_deepseek_v3_scripts_plan_and_train(outcomes: list) -> None:
+    """DeepSeek-V3 and Moonlight (deepseek_v3: MLA, sigmoid group-limited routing) plan, and rltrain's
+    training gaps name nothing for them (their MTP layers, read from the folder, are kept as they are)."""
+    v3 = {o.script: o for o in outcomes if o.model.startswith(("DeepSeek-V3", "Moonlight"))}
+    assert len(v3) == 4
+    assert not [o.line() for o in v3.values() if o.not_trainable]
+    assert {s for s, o in v3.items() if o.plans} == {
         "examples/grpo_trainer/run_deepseek671b_math_megatron_80gb.sh",
         "examples/grpo_trainer/run_deepseek671b_math_megatron_96gb.sh",
         "examples/grpo_trainer/run_moonlight16b_math_megatron.sh",

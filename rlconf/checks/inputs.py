@@ -35,6 +35,15 @@ def reward_function(c: RLConfig) -> Iterator[Issue]:
     """reward.function is a built-in name, an importable `package.module:function` path or a
     `path/to/file.py:function` (verl's custom_reward_function); `none` only beside a reward model."""
     fn = c.reward.function
+    if fn == "math_verify" and importlib.util.find_spec("math_verify") is None:
+        yield error(
+            "reward.function",
+            "math_verify scores with Hugging Face's math-verify package, which is not installed",
+            "pip install 'rlplan[math]' (or `math-verify`), or use reward.function: math (normalised "
+            "strings, verl's default for MATH)",
+            "reward-function",
+        )
+        return
     if fn == "none" and not c.reward.reward_model.enable:
         yield error("reward.function", "none scores every response 0 and no reward model scores them",
                     "choose a reward function, or enable reward.reward_model", "reward-function")  # fmt: skip

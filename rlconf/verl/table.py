@@ -250,6 +250,14 @@ _VLLM_ONLY = (
 
 
 _ROLLOUT_UNSUPPORTED = "rlplan's embedded rollout has no such engine option"
+_PADDING = (
+    "no switch: rlplan pads each micro-batch to its longest row (no packed sequences); "
+    "actor.use_dynamic_bsz groups rows of similar length to keep that padding low"
+)
+_CHUNKING = (
+    "no switch: rlplan's log-prob and entropy never hold fp32 [tokens, vocabulary] logits for the "
+    "whole micro-batch (eager kernels work in chunks of tokens; model.fused_kernels needs none)"
+)
 
 VERL_KEYS: tuple[VerlKey, ...] = (
     # ------------------------------------------------------------------------------------------ data
@@ -314,7 +322,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.model.custom_chat_template", "unsupported", "the tokenizer's chat template is used"),
     _u("actor_rollout_ref.model.use_fused_kernels", "not-needed", "the log-prob / entropy reductions are fused by "
        "model.fused_kernels (auto: compiled on cuda)"),
-    _u("actor_rollout_ref.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
+    _u("actor_rollout_ref.model.use_remove_padding", "not-needed", _PADDING),
     # LoRA: verl's FSDP keys (lora_rank, ...) and its Megatron-Bridge section (model.lora.*).
     _m("actor_rollout_ref.model.lora_rank", "actor.lora.rank", "0 = off (verl's and rlplan's)"),
     _m("actor_rollout_ref.model.lora_alpha", "actor.lora.alpha", ""),
@@ -717,11 +725,9 @@ def _fsdp_rows() -> list[VerlKey]:
         _u("critic.model.enable_activation_offload", "unsupported", "FSDP only: use "
            "critic.megatron.override_transformer_config.recompute_*"),
         _u("actor_rollout_ref.model.use_liger", "not-needed", "FSDP's Liger kernels; megatron has its own"),
-        _u("critic.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
-        _u("actor_rollout_ref.actor.entropy_from_logits_with_chunking", "not-needed", "rlplan's log-prob and "
-           "entropy kernel is chunked by the vocabulary"),
-        _u("actor_rollout_ref.actor.entropy_checkpointing", "not-needed", "rlplan's log-prob and entropy kernel "
-           "is chunked by the vocabulary"),
+        _u("critic.model.use_remove_padding", "not-needed", _PADDING),
+        _u("actor_rollout_ref.actor.entropy_from_logits_with_chunking", "not-needed", _CHUNKING),
+        _u("actor_rollout_ref.actor.entropy_checkpointing", "not-needed", _CHUNKING),
         _u("actor_rollout_ref.ref.entropy_from_logits_with_chunking", "not-needed", "the ref computes no "
            "entropy"),
         _u("actor_rollout_ref.ref.entropy_checkpointing", "not-needed", "the ref computes no entropy"),
@@ -853,7 +859,7 @@ def _newer_rows() -> list[VerlKey]:
         _u("reward_model.num_workers", "not-needed", "rule rewards run in the controller"),
         _u("reward_model.rollout.*", "unsupported", "rlplan runs a reward model as a megatron forward pass "
            "(reward.reward_model.*), not through a rollout engine"),
-        _u("reward_model.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
+        _u("reward_model.model.use_remove_padding", "not-needed", _PADDING),
         _u("reward_model.reward_loop_source", "not-needed", "rlplan loads no reward loop class"),
         _u("reward_model.reward_loop_module_path", "unsupported", "rlplan loads no reward loop class: "
            "reward.function scores each response"),
