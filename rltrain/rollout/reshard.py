@@ -138,6 +138,9 @@ class _Entry:
     local_shape: tuple[int, ...]
     partition_dim: int | None  # None: replicated over TP (norms)
     expert: bool = False  # a routed expert's weight: split over the expert-TP group, one of EP ranks' experts
+    dtype: str = (
+        ""  # torch dtype name when it is not the model's (deepseek_v3's fp32 score bias in a bf16 model)
+    )
 
     def full_shape(self, tp: int) -> tuple[int, ...]:
         if self.partition_dim is None:
@@ -232,9 +235,14 @@ class RolloutReplica:
                 position_embedding_type="rope",
                 rotary_base=self.arch.rotary_base,
             )
-            model.rotary_pos_emb.inv_freq = mmodel.rope_inv_freq(self.arch).to(
-                model.rotary_pos_emb.inv_freq.device
-            )
+            if not self.arch.multi_latent_attention:  # MLA builds its rotary embedding inside each attention
+                model.rotary_pos_emb.inv_freq = mmodel.rope_inv_freq(self.arch).to(
+                    model.rotary_pos_emb.inv_freq.device
+                )
+            if self.arch.moe_router_enable_expert_bias:
+                from rltrain.megatron.mla import freeze_expert_bias
+
+                freeze_expert_bias(model)  # as the actor's; the refit copies its score bias (fp32) in
             if devices.is_accelerator(self.device):
                 model.to(self.torch_device)
             if config.bf16 or config.fp16:
@@ -290,7 +298,10 @@ class RolloutReplica:
                 expert = is_expert_param(param)
                 shards = self.actor_etp if expert else self.actor_tp
                 split = getattr(param, "tensor_model_parallel", False) and shards > 1
-                entry = _Entry(name, tuple(param.shape), param.partition_dim if split else None, expert)
+                other = "" if param.dtype == self.dtype else str(param.dtype).removeprefix("torch.")
+                entry = _Entry(
+                    name, tuple(param.shape), param.partition_dim if split else None, expert, other
+                )
                 out.append((entry, param))
         return out
 
@@ -307,10 +318,14 @@ class RolloutReplica:
         return stages
 
     def _buckets(self, entries: list[_Entry]) -> Iterator[list[_Entry]]:
+        """Buckets of the model's dtype; a tensor of another dtype travels in a bucket of its own."""
         elem = torch.empty((), dtype=self.dtype).element_size()
         bucket: list[_Entry] = []
         size = 0
         for e in entries:
+            if e.dtype:
+                yield [e]
+                continue
             n = torch.Size(e.full_shape(self.actor_tp)).numel() * elem
             if bucket and size + n > self.bucket_bytes:
                 yield bucket
@@ -431,7 +446,8 @@ class RolloutReplica:
         if fulls is not None:
             flat = torch.cat([f.reshape(-1) for f in fulls])
         else:
-            flat = torch.empty(sum(sizes), dtype=self.dtype, device=self.torch_device)
+            dtype = getattr(torch, bucket[0].dtype) if bucket[0].dtype else self.dtype
+            flat = torch.empty(sum(sizes), dtype=dtype, device=self.torch_device)
         torch.distributed.broadcast(flat, src=src, group=group)
         return [t.view(s) for t, s in zip(flat.split(sizes), shapes, strict=True)]
 
@@ -442,6 +458,11 @@ class RolloutReplica:
             if name == "output_layer.weight" and self.arch.share_embeddings_and_output_weights:
                 return
             raise KeyError(f"rollout replica has no parameter {name}")
+        if name.endswith("mlp.router.expert_bias"):
+            # megatron keeps the routing bias in fp32 in 16-bit models too (as the actor's loader does): not
+            # rounded to the replica's dtype
+            param.data = full.to(device=self.torch_device, dtype=torch.float32)
+            return
         full = to_rollout_full(name, full, self.arch, self.actor_tp, self.rollout_tp, self.gpt.vocab_size,
                                self.actor_etp)  # fmt: skip
         shape = self.shapes[name]

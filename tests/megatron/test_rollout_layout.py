@@ -419,3 +419,80 @@ def test_cli_moe_run_with_router_replay_generates_at_another_tp(tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert r["rollout/logprob_diff_max"] < 1e-5, r
+
+
+# ------------------------------------------------------------------------------------------- deepseek_v3
+def _mla_worker(rank: int, world: int, port: int, hf: str, out_dir: str) -> None:
+    run_spawned(_mla_run, rank, world, port, hf, out_dir)
+
+
+def _mla_run(rank: int, world: int, port: int, hf: str, out_dir: str) -> None:
+    from dataclasses import replace
+
+    from rlconf.config import ModelConfig
+    from rltrain.megatron.parallel import destroy_parallel, init_distributed
+    from rltrain.rollout.reshard import RolloutReplica
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    out: dict[str, float] = {}
+    for label, layout, rollout_tp in (("mla_ep2_to_tp2", dict(ep=2), 2), ("mla_tp2_to_tp1", dict(tp=2), 1)):
+        cfg = actor_cfg(layout.get("tp", 1))
+        mcfg = replace(cfg.megatron, expert_model_parallel_size=layout.get("ep", 1),
+                       sequence_parallel=layout.get("tp", 1) > 1)  # fmt: skip
+        cfg = replace(cfg, megatron=mcfg)
+        init_groups(cfg.megatron, "cpu")
+        actor = actor_of(ModelConfig(path=hf, attention_backend="sdpa"), cfg, "cpu", trainable=True)
+        replica = RolloutReplica(actor, rollout_tp, BUCKET)
+        prompts = torch.randint(1, 30, (4, 6), generator=torch.Generator().manual_seed(0))
+        batch = replica.generate(prompts, torch.ones_like(prompts), seed=7, actor_dp_rank=0, max_new_tokens=5,
+                                 temperature=1.0, pad_id=0)  # fmt: skip
+        replica.refit()  # generate freed the replica's weights: refit again to export them
+        _export(replica, os.path.join(out_dir, label))
+        lp = actor.compute_log_prob(batch, temperature=1.0, with_entropy=False)["log_probs"]
+        out[label] = float(((batch["rollout_log_probs"] - lp).abs() * batch["response_mask"]).max())
+        destroy_parallel(destroy_process_group=False)
+    # bf16 weights over two pipeline stages: the fp32 score bias travels in a bucket of its own dtype.
+    cfg = replace(actor_cfg(pp=2), megatron=replace(actor_cfg(pp=2).megatron, pipeline_model_parallel_size=2))
+    init_groups(cfg.megatron, "cpu")
+    actor = actor_of(ModelConfig(path=hf, attention_backend="sdpa", params_dtype="bfloat16"), cfg, "cpu",
+                     trainable=False)  # fmt: skip
+    replica = RolloutReplica(actor, 2, BUCKET)
+    replica.refit()
+    biases = {n: t.detach().clone() for n, t in replica.params.items() if n.endswith("expert_bias")}
+    out["bf16_pp2_bias_dtypes"] = sorted({str(t.dtype) for t in biases.values()})  # type: ignore[assignment]
+    torch.save({"out": out, "biases": biases}, os.path.join(out_dir, f"mla_rank{rank}.pt"))
+    destroy_parallel(destroy_process_group=False)
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.multiproc
+@pytest.mark.slow
+def test_deepseek_v3_reshard_carries_mla_experts_and_the_score_bias(tmp_path):
+    """A deepseek_v3 actor (MLA, routed experts, a non-zero e_score_correction_bias: a buffer, not a parameter)
+    at EP=2 or TP=2 resharded into a replica at another tp: its export is the source's tensors, the score bias
+    included, and the sampler's log-probs equal the actor's recomputation; in bf16 over two pipeline stages the
+    replica's score bias is the source's fp32 one, bit for bit."""
+    from .test_mla_parity import make_deepseek_v3
+
+    hf = make_deepseek_v3(tmp_path / "hf")
+    torch.multiprocessing.spawn(
+        _mla_worker, args=(2, free_port(), str(hf), str(tmp_path)), nprocs=2, join=True
+    )
+    src = _tensors(hf)
+    assert any(k.endswith("e_score_correction_bias") for k in src)
+    for label in ("mla_ep2_to_tp2", "mla_tp2_to_tp1"):
+        got = _tensors(tmp_path / label)
+        assert got, label
+        for name, t in got.items():
+            assert torch.equal(t, src[name]), (label, name)
+        assert {k for k in src if k.endswith("e_score_correction_bias")} <= set(got), label
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"mla_rank{rank}.pt")
+        gaps = saved["out"]
+        assert gaps["mla_ep2_to_tp2"] < 1e-5 and gaps["mla_tp2_to_tp1"] < 1e-5, gaps
+        assert gaps["bf16_pp2_bias_dtypes"] == ["torch.float32"], gaps
+        # decoder.layers.N.mlp.router.expert_bias = HF's model.layers.N.mlp.gate.e_score_correction_bias
+        assert len(saved["biases"]) == 2  # layers 2 and 3 (first_k_dense_replace 2), on two stages
+        for name, t in saved["biases"].items():
+            n = name.split(".")[2]
+            assert torch.equal(t, src[f"model.layers.{n}.mlp.gate.e_score_correction_bias"]), name
