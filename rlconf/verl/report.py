@@ -413,7 +413,8 @@ verl-format GSM8K-shaped parquet file. It checks that every key is mapped or rep
 about a value the import derived, and that the model path, layouts, batch sizes, lr, loss, LoRA and offloads
 of the result are the script's; `tests/test_import_verl_census.py` runs it and checks this record
 (`bench/verl_scripts_extract.py` re-extracts the override lists from a verl checkout).
-"Not trainable yet" marks a model the plan accepts and `rltrain` still refuses (multi-head latent attention).
+"Not trainable yet" would mark a model the plan accepts and `rltrain` still refuses
+(`rlconf.model_spec.training_gaps`).
 
 <!-- generated:verl-census -->
 <!-- /generated -->
