@@ -85,8 +85,9 @@ class SdpaAttention(DotProductAttention):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        assert packed_seq_params is None, "SdpaAttention does not support packed sequences"
         assert attention_bias is None, "SdpaAttention does not support attention bias"
+        if packed_seq_params is not None:
+            return self._packed_forward(query, key, value, packed_seq_params)
         sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
         # [s, b, h, d] -> [b, h, s, d]
         q = query.permute(1, 2, 0, 3)
@@ -122,6 +123,28 @@ class SdpaAttention(DotProductAttention):
             ctx = F.scaled_dot_product_attention(q, k, v, **kwargs)
         # [b, h, s, d] -> [s, b, h*d]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed_forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any
+    ) -> torch.Tensor:
+        """Packed rows (megatron's THD layout: q [T, heads, d], `params.cu_seqlens_q` where each row starts):
+        causal attention within each row (`packing.packed_attention`); returns [T, heads * d]."""
+        from rltrain.megatron import packing
+
+        assert params.qkv_format == "thd", f"packed layout {params.qkv_format!r}: SdpaAttention runs thd"
+        assert cp.cp_world_size() == 1, "packed sequences with context parallel are refused by the plan"
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        t = query.shape[0]
+
+        def attend() -> torch.Tensor:
+            return packing.packed_attention(query, key, value, params, self.softmax_scale, dropout_p)
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                ctx = attend()
+        else:
+            ctx = attend()
+        return ctx.reshape(t, self.hidden_size_per_partition)
 
 
 class TorchRMSNorm:
@@ -292,13 +315,21 @@ def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -
 
 
 def use_compiled_rope() -> None:
-    """Serve megatron's `apply_rope_fusion` hook with `rope_bshd` compiled by torch.compile (forward and
-    backward as fused kernels) where Transformer Engine, megatron's only provider, is absent. Idempotent; the
-    hook is read only by configs with apply_rope_fusion, i.e. engines whose plan says fused_kernels."""
+    """Serve megatron's `apply_rope_fusion` hooks with `rope_bshd` compiled by torch.compile (forward and
+    backward as fused kernels) where Transformer Engine, megatron's only provider, is absent: padded rows
+    (bshd) and packed rows (thd, through `packing.rope_thd`). Idempotent; the hooks are read only by configs
+    with apply_rope_fusion, i.e. engines whose plan says fused_kernels."""
     from megatron.core.models.common.embeddings import rope_utils
 
     if rope_utils.fused_apply_rotary_pos_emb is None:
         rope_utils.fused_apply_rotary_pos_emb = torch.compile(rope_bshd, dynamic=True)
+    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
+        # Packed rows (THD): each token's angle at its position within its row, then the same compiled RoPE.
+        from rltrain.megatron.packing import rope_thd
+
+        rope_utils.fused_apply_rotary_pos_emb_thd = functools.partial(
+            rope_thd, rotate=rope_utils.fused_apply_rotary_pos_emb
+        )
 
 
 class FusedKernelsError(RuntimeError):
