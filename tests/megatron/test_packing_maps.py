@@ -1,0 +1,90 @@
+"""The index maps of sequence packing (rltrain/megatron/packing.py), property-tested: packing the engine's
+batch layout and unpacking it gives every row's valid tokens back, cu_seqlens and the restarting positions
+describe the packed sequence, each response token is read from the packed position just before it, and the
+token-balanced splits cover every row once within their budgets."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ._common import batch_from_lengths
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning:megatron")]
+
+# (prompt length >= 1, response length >= 0) per row; rows of very different lengths.
+ROWS = st.lists(st.tuples(st.integers(1, 12), st.integers(0, 9)), min_size=1, max_size=7)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=ROWS, multiple=st.sampled_from([1, 2, 4]))
+def test_pack_rows_round_trip_and_cu_seqlens(rows, multiple):
+    from rltrain.megatron.packing import pack_rows, unpack
+
+    batch = batch_from_lengths(rows, 12, 9, seed=len(rows))
+    packed = pack_rows(batch, multiple, torch.device("cpu"))
+    lengths = [p + r for p, r in rows]
+    tokens, positions = packed.tokens[0], packed.position_ids[0]
+    cu = packed.params.cu_seqlens_q.tolist()
+    # One segment per row, plus one padding segment when the total is not a multiple of `multiple`.
+    assert tokens.shape[0] % multiple == 0 and tokens.shape[0] - sum(lengths) < multiple
+    assert cu[: len(rows) + 1] == [0, *torch.tensor(lengths).cumsum(0).tolist()]
+    assert cu[-1] == tokens.shape[0] and list(packed.params.seqlens) == [
+        b - a for a, b in itertools.pairwise(cu)
+    ]
+    assert packed.params.max_seqlen_q == max(packed.params.seqlens)
+    # Positions restart at 0 in every segment.
+    for a, b in itertools.pairwise(cu):
+        assert positions[a:b].tolist() == list(range(b - a))
+    # Unpacking gives each row's valid tokens (prompt then response) in order.
+    back = unpack(tokens, packed.params.seqlens, len(rows))
+    for i, n in enumerate(lengths):
+        valid = batch["input_ids"][i][batch["attention_mask"][i].bool()]
+        assert torch.equal(back[i, :n], valid)
+    # The packed position before each valid response token predicts it.
+    mask = batch["response_mask"].bool()
+    assert torch.equal(tokens[packed.gather_index[mask] + 1], batch["responses"][mask])
+    # Every index (padding ones too) stays inside its own row.
+    for i in range(len(rows)):
+        assert bool(((packed.gather_index[i] >= cu[i]) & (packed.gather_index[i] < cu[i + 1])).all())
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40), parts=st.integers(1, 8))
+def test_balanced_split_equal_rows(lengths, parts):
+    from rltrain.megatron.packing import balanced_split
+
+    groups = balanced_split(lengths, parts, equal_rows=True)
+    assert len(groups) == parts
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    sizes = [len(g) for g in groups]
+    assert max(sizes) - min(sizes) <= 1 and sum(sizes) == len(lengths)
+    sums = [sum(lengths[i] for i in g) for g in groups]
+    if all(sizes):
+        # Greedy longest-first: no group exceeds another by more than the longest row.
+        assert max(sums) - min(sums) <= max(lengths)
+    assert balanced_split(lengths, parts, equal_rows=True) == groups  # deterministic
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    budget=st.integers(1, 1200),
+    multiple=st.sampled_from([1, 2, 8]),
+)
+def test_split_packed_by_tokens_budget(lengths, budget, multiple):
+    from rltrain.megatron.packing import split_packed_by_tokens
+
+    groups = split_packed_by_tokens(lengths, budget, multiple)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    assert all(groups)
+    for g in groups:
+        size = math.ceil(sum(lengths[i] for i in g) / multiple) * multiple
+        assert size <= budget or len(g) == 1
+    # Never fewer micro-batches than the tokens need (the budget counts real tokens, not padded rows).
+    assert len(groups) >= min(len(lengths), math.ceil(sum(lengths) / budget))
