@@ -14,9 +14,9 @@ from rlconf.config import (
     ModelArch,
     RLConfig,
 )
-from rlconf.errors import ConfigError, error
+from rlconf.errors import ConfigError
 from rlconf.fields import get_path
-from rlconf.plan.roles import megatron_of, role_spec
+from rlconf.plan.roles import megatron_of, packing_blocker, packing_issue, role_spec
 from rlconf.plan.types import (
     ENGINE_ROLES,
     DdpSettings,
@@ -116,28 +116,6 @@ def _settings(c: RLConfig, role: str, arch: ModelArch) -> EngineSettings:
     )
 
 
-def packing_blocker(c: RLConfig, role: str, arch: ModelArch) -> str | None:
-    """What keeps a megatron role from running packed (THD) micro-batches, or None when it can.
-
-    The packed layout is built for the log-prob, value, reward and update passes of dense models in one
-    pipeline stage without context parallel (rltrain/megatron/packing.py); megatron's local attention has no
-    packed path. A separate rollout engine only generates (its passes are not micro-batched)."""
-    _, m = megatron_of(c, role)
-    if role == "rollout":
-        return "a generation engine (no micro-batched passes)"
-    if c.model.attention_backend == "local":
-        return "model.attention_backend local (megatron's unfused attention has no packed-sequence path)"
-    if m.context_parallel_size > 1:
-        return "context parallel (its load-balanced split cuts padded rows)"
-    if m.pipeline_model_parallel_size > 1:
-        return "pipeline parallel (not built for packed micro-batches yet)"
-    if arch.num_moe_experts is not None:
-        return "a mixture-of-experts model (routing replay and the router's padding mask use padded rows)"
-    if c.cluster.device not in ("cpu", "cuda"):
-        return f"cluster.device {c.cluster.device} (packed attention was run on cpu and cuda only)"
-    return None
-
-
 def _remove_padding(c: RLConfig, role: str, arch: ModelArch) -> dict[str, bool | str]:
     """EngineSettings' remove_padding and its reason (model.use_remove_padding: null = where supported)."""
     setting = c.model.use_remove_padding
@@ -145,13 +123,12 @@ def _remove_padding(c: RLConfig, role: str, arch: ModelArch) -> dict[str, bool |
     if setting is False:
         return {"remove_padding": False, "remove_padding_reason": "model.use_remove_padding false"}
     if blocker is not None and setting and role != "rollout":
-        raise ConfigError([error(
-            "model.use_remove_padding", f"packed sequences cannot run for the {role} with {blocker}",
-            "set model.use_remove_padding: null (packed where supported) or false", "model-source",
-        )])  # fmt: skip
+        # The model-source rule refuses this before a plan is compiled, except for what only the model folder's
+        # config.json tells (a mixture-of-experts model).
+        raise ConfigError([packing_issue(role, blocker)])
     if blocker is not None:
-        return {"remove_padding": False, "remove_padding_reason": f"padded rows: {blocker}"}
-    why = "model.use_remove_padding true" if setting else "model.use_remove_padding null (supported here)"
+        return {"remove_padding": False, "remove_padding_reason": f"model.use_remove_padding null: {blocker}"}
+    why = "model.use_remove_padding true" if setting else "model.use_remove_padding null: supported here"
     return {"remove_padding": True, "remove_padding_reason": why}
 
 
