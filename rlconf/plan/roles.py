@@ -374,6 +374,8 @@ def packing_blocker(c: RLConfig, role: str, arch: ModelArch | None) -> str | Non
         return "context parallel (its load-balanced split cuts padded rows)"
     if m.pipeline_model_parallel_size > 1:
         return "pipeline parallel (not built for packed micro-batches yet)"
+    if arch is not None and arch.multi_latent_attention:
+        return "multi-head latent attention (its core attention has no packed path yet)"
     if arch is not None and arch.num_moe_experts is not None:
         return "a mixture-of-experts model (routing replay and the router's padding mask use padded rows)"
     if c.cluster.device not in ("cpu", "cuda"):
