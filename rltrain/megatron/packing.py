@@ -18,8 +18,8 @@ offers through Transformer Engine or flash-attn:
   `model.rope_bshd` rotates all tokens at once (no host sync, no per-row loop).
 * the index maps: `pack_rows` (rows of the engine's batch layout -> packed tokens, positions, cu_seqlens and
   the packed position predicting each response token), `unpack` (packed values -> padded rows, for tests),
-  `split_packed_by_tokens` (token-budget micro-batches whose token sums, not padded sizes, meet the budget,
-  balanced) and `balanced_split` (equal row counts with balanced token sums, e.g. across DP ranks).
+  and, from rltrain/token_balance.py, `split_packed_by_tokens` (token-budget micro-batches whose token sums,
+  not padded sizes, meet the budget, balanced).
 
 The plan decides where packing runs (`EngineSettings.remove_padding`, rlconf/plan/engine.py); the engine
 never re-derives it.
@@ -36,6 +36,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
+
+from rltrain.token_balance import balanced_split, split_packed_by_tokens
 
 
 @dataclass
@@ -121,41 +123,6 @@ def unpack(values: torch.Tensor, seqlens: list[int] | tuple[int, ...], rows: int
     for i, part in enumerate(torch.split(values[: sum(seqlens)], list(seqlens))[:rows]):
         out[i, : part.shape[0]] = part
     return out
-
-
-# ------------------------------------------------------------------------------------ micro-batches
-def balanced_split(lengths: list[int], parts: int, equal_rows: bool = False) -> list[list[int]]:
-    """Row indices in `parts` groups with balanced token sums: longest rows first, each to the lightest
-    group (ties by index, so every rank that cuts the same lengths cuts alike). `equal_rows`: every group
-    gets len(lengths) // parts rows (the first len % parts groups one more), as data-parallel ranks must.
-    The heaviest group exceeds the lightest by at most the longest row. Groups list rows in ascending order.
-    """
-    n = len(lengths)
-    caps = [n // parts + (1 if g < n % parts else 0) for g in range(parts)] if equal_rows else [n] * parts
-    groups: list[list[int]] = [[] for _ in range(parts)]
-    sums = [0] * parts
-    for i in sorted(range(n), key=lambda j: (-lengths[j], j)):
-        open_groups = [g for g in range(parts) if len(groups[g]) < caps[g]]
-        g = min(open_groups, key=lambda k: (sums[k], len(groups[k]), k))
-        groups[g].append(i)
-        sums[g] += lengths[i]
-    return [sorted(g) for g in groups]
-
-
-def split_packed_by_tokens(lengths: list[int], max_tokens: int, multiple: int = 1) -> list[list[int]]:
-    """Token-budget micro-batches of packed rows (use_dynamic_bsz with packing): as few as the budget allows
-    (a micro-batch's packed size, the sum of its rows' lengths rounded up to `multiple`, stays within
-    `max_tokens` unless it is a single longer row), with balanced token sums; every row once; no empty
-    micro-batch. Micro-batches come heaviest first; rows in each in ascending order."""
-    if not lengths:
-        return []
-    size = lambda group: math.ceil(sum(lengths[i] for i in group) / multiple) * multiple  # noqa: E731
-    k = max(1, math.ceil(sum(lengths) / max(max_tokens, 1)))
-    while True:
-        groups = [g for g in balanced_split(lengths, min(k, len(lengths))) if g]
-        if k >= len(lengths) or all(size(g) <= max_tokens or len(g) == 1 for g in groups):
-            return sorted(groups, key=lambda g: (-size(g), g[0]))
-        k += 1
 
 
 # ------------------------------------------------------------------------------------ attention

@@ -57,7 +57,7 @@ def test_pack_rows_round_trip_and_cu_seqlens(rows, multiple):
 @settings(max_examples=80, deadline=None)
 @given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=40), parts=st.integers(1, 8))
 def test_balanced_split_equal_rows(lengths, parts):
-    from rltrain.megatron.packing import balanced_split
+    from rltrain.token_balance import balanced_split
 
     groups = balanced_split(lengths, parts, equal_rows=True)
     assert len(groups) == parts
@@ -78,7 +78,7 @@ def test_balanced_split_equal_rows(lengths, parts):
     multiple=st.sampled_from([1, 2, 8]),
 )
 def test_split_packed_by_tokens_budget(lengths, budget, multiple):
-    from rltrain.megatron.packing import split_packed_by_tokens
+    from rltrain.token_balance import split_packed_by_tokens
 
     groups = split_packed_by_tokens(lengths, budget, multiple)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
@@ -88,3 +88,22 @@ def test_split_packed_by_tokens_budget(lengths, budget, multiple):
         assert size <= budget or len(g) == 1
     # Never fewer micro-batches than the tokens need (the budget counts real tokens, not padded rows).
     assert len(groups) >= min(len(lengths), math.ceil(sum(lengths) / budget))
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=2, max_size=40), dp=st.integers(2, 4))
+def test_dp_balanced_order_keeps_shard_sizes_and_inverts(lengths, dp):
+    """The controller's DP spread of a forward pass: the contiguous split's shard sizes, balanced tokens,
+    and the inverse permutation puts per-row results back in the batch's order."""
+    from rltrain.token_balance import dp_balanced_order
+
+    n = len(lengths)
+    sizes = [n * (d + 1) // dp - n * d // dp for d in range(dp)]
+    order, inverse = dp_balanced_order(lengths, sizes)
+    assert sorted(order.tolist()) == list(range(n))
+    values = torch.tensor(lengths)
+    assert torch.equal(values[order][inverse], values)
+    bounds = [0, *itertools.accumulate(sizes)]
+    sums = [int(values[order][a:b].sum()) for a, b in itertools.pairwise(bounds)]
+    if min(sizes) > 0:
+        assert max(sums) - min(sums) <= max(lengths)

@@ -1,0 +1,65 @@
+"""Token-balanced splits of rows (pure Python; the controller and the engines share them).
+
+* `balanced_split`: rows into groups of given sizes (or free sizes) with balanced token sums: longest rows
+  first, each to the lightest group that has room.
+* `split_packed_by_tokens`: token-budget micro-batches of packed rows (rltrain/megatron/packing.py): as few
+  as the budget allows, balanced.
+* `dp_balanced_order`: a permutation of a batch's rows that gives every data-parallel shard (the
+  controller's contiguous split) a balanced share of the tokens, and its inverse.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def balanced_split(
+    lengths: list[int], parts: int, equal_rows: bool = False, caps: list[int] | None = None
+) -> list[list[int]]:
+    """Row indices in `parts` groups with balanced token sums: longest rows first, each to the lightest
+    group that has room (ties by index, so every rank that cuts the same lengths cuts alike). `equal_rows`:
+    every group gets len(lengths) // parts rows (the first len % parts groups one more), as data-parallel
+    ranks must; `caps`: exactly these row counts (summing to len(lengths)). Groups list rows in ascending
+    order.
+    """
+    n = len(lengths)
+    if caps is None:
+        caps = [n // parts + (1 if g < n % parts else 0) for g in range(parts)] if equal_rows else [n] * parts
+    assert len(caps) == parts and sum(caps) >= n, (caps, n)
+    groups: list[list[int]] = [[] for _ in range(parts)]
+    sums = [0] * parts
+    for i in sorted(range(n), key=lambda j: (-lengths[j], j)):
+        open_groups = [g for g in range(parts) if len(groups[g]) < caps[g]]
+        g = min(open_groups, key=lambda k: (sums[k], len(groups[k]), k))
+        groups[g].append(i)
+        sums[g] += lengths[i]
+    return [sorted(g) for g in groups]
+
+
+def split_packed_by_tokens(lengths: list[int], max_tokens: int, multiple: int = 1) -> list[list[int]]:
+    """Token-budget micro-batches of packed rows (use_dynamic_bsz with packing): as few as the budget allows
+    (a micro-batch's packed size, the sum of its rows' lengths rounded up to `multiple`, stays within
+    `max_tokens` unless it is a single longer row), with balanced token sums; every row once; no empty
+    micro-batch. Micro-batches come heaviest first; rows in each in ascending order."""
+    if not lengths:
+        return []
+    size = lambda group: math.ceil(sum(lengths[i] for i in group) / multiple) * multiple  # noqa: E731
+    k = max(1, math.ceil(sum(lengths) / max(max_tokens, 1)))
+    while True:
+        groups = [g for g in balanced_split(lengths, min(k, len(lengths))) if g]
+        if k >= len(lengths) or all(size(g) <= max_tokens or len(g) == 1 for g in groups):
+            return sorted(groups, key=lambda g: (-size(g), g[0]))
+        k += 1
+
+
+def dp_balanced_order(lengths: list[int], shard_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order, inverse): `batch[order]` cut into consecutive shards of `shard_sizes` rows gives each shard a
+    balanced token sum (`balanced_split` with those sizes; rows keep their relative order inside a shard);
+    `out[inverse]` puts per-row results of the permuted batch back in the original order."""
+    groups = balanced_split(lengths, len(shard_sizes), caps=shard_sizes)
+    order = torch.tensor([i for g in groups for i in g], dtype=torch.long)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel())
+    return order, inverse
