@@ -38,20 +38,56 @@ def balanced_split(
     return [sorted(g) for g in groups]
 
 
+def _packed_size(lengths: list[int], group: list[int], multiple: int) -> int:
+    return math.ceil(sum(lengths[i] for i in group) / multiple) * multiple
+
+
+def _first_fit_decreasing(lengths: list[int], max_tokens: int, multiple: int) -> list[list[int]]:
+    """Longest rows first, each into the first group it fits in (a new one otherwise): always within the
+    budget, at most about 11/9 of the fewest groups."""
+    groups: list[list[int]] = []
+    sums: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        for g, total in enumerate(sums):
+            if math.ceil((total + lengths[i]) / multiple) * multiple <= max_tokens:
+                groups[g].append(i)
+                sums[g] += lengths[i]
+                break
+        else:
+            groups.append([i])
+            sums.append(lengths[i])
+    return [sorted(g) for g in groups]
+
+
 def split_packed_by_tokens(lengths: list[int], max_tokens: int, multiple: int = 1) -> list[list[int]]:
-    """Token-budget micro-batches of packed rows (use_dynamic_bsz with packing): as few as the budget allows
-    (a micro-batch's packed size, the sum of its rows' lengths rounded up to `multiple`, stays within
-    `max_tokens` unless it is a single longer row), with balanced token sums; every row once; no empty
-    micro-batch. Micro-batches come heaviest first; rows in each in ascending order."""
+    """Token-budget micro-batches of packed rows (use_dynamic_bsz with packing): few (balanced groups, as
+    few as a search between the tokens' lower bound and first-fit-decreasing's count finds), within
+    the budget (a micro-batch's packed size, the sum of its rows' lengths rounded up to `multiple`, stays
+    within `max_tokens` unless it is a single longer row), with balanced token sums; every row once; no
+    empty micro-batch. Micro-batches come heaviest first; rows in each in ascending order."""
     if not lengths:
         return []
-    size = lambda group: math.ceil(sum(lengths[i] for i in group) / multiple) * multiple  # noqa: E731
-    k = max(1, math.ceil(sum(lengths) / max(max_tokens, 1)))
-    while True:
+
+    def balanced(k: int) -> list[list[int]] | None:
         groups = [g for g in balanced_split(lengths, min(k, len(lengths))) if g]
-        if k >= len(lengths) or all(size(g) <= max_tokens or len(g) == 1 for g in groups):
-            return sorted(groups, key=lambda g: (-size(g), g[0]))
-        k += 1
+        fits = all(_packed_size(lengths, g, multiple) <= max_tokens or len(g) == 1 for g in groups)
+        return groups if fits else None
+
+    # Rows over the budget take a micro-batch each; the others need at least their tokens / the budget.
+    over = [x for x in lengths if x > max_tokens]
+    low = max(1, len(over) + math.ceil((sum(lengths) - sum(over)) / max(max_tokens, 1)))
+    # First-fit-decreasing always fits; the fewest balanced groups up to its count are preferred
+    # (bisection between the lower bound and it: a few tries, not one per count).
+    best = _first_fit_decreasing(lengths, max_tokens, multiple)
+    lo, hi = low, len(best)
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        found = balanced(mid)
+        if found is None:
+            lo = mid + 1
+        else:
+            best, hi = found, mid - 1
+    return sorted(best, key=lambda g: (-_packed_size(lengths, g, multiple), g[0]))
 
 
 def dp_balanced_order(lengths: list[int], shard_sizes: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

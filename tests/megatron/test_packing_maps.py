@@ -78,7 +78,7 @@ def test_balanced_split_equal_rows(lengths, parts):
     multiple=st.sampled_from([1, 2, 8]),
 )
 def test_split_packed_by_tokens_budget(lengths, budget, multiple):
-    from rltrain.token_balance import split_packed_by_tokens
+    from rltrain.token_balance import _first_fit_decreasing, split_packed_by_tokens
 
     groups = split_packed_by_tokens(lengths, budget, multiple)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
@@ -86,8 +86,22 @@ def test_split_packed_by_tokens_budget(lengths, budget, multiple):
     for g in groups:
         size = math.ceil(sum(lengths[i] for i in g) / multiple) * multiple
         assert size <= budget or len(g) == 1
-    # Never fewer micro-batches than the tokens need (the budget counts real tokens, not padded rows).
-    assert len(groups) >= min(len(lengths), math.ceil(sum(lengths) / budget))
+    # Never fewer micro-batches than the tokens need (the budget counts real tokens, not padded rows), and
+    # never more than first-fit-decreasing needs.
+    over = [x for x in lengths if x > budget]
+    assert len(groups) >= len(over) + math.ceil((sum(lengths) - sum(over)) / budget)
+    assert len(groups) <= len(_first_fit_decreasing(lengths, budget, multiple))
+
+
+def test_split_packed_by_tokens_stays_fast_when_rows_fill_half_the_budget():
+    """Rows just over half the budget each need a micro-batch of their own: found in a few tries."""
+    import time
+
+    from rltrain.token_balance import split_packed_by_tokens
+
+    t0 = time.perf_counter()
+    groups = split_packed_by_tokens([513] * 512, 1024)
+    assert len(groups) == 512 and time.perf_counter() - t0 < 5.0
 
 
 @settings(max_examples=60, deadline=None)
