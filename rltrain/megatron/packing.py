@@ -170,6 +170,9 @@ def packed_attention(
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
             v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
         cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
+        # megatron's q / k / v are views of the fused qkv projection; the flash kernel wants dense rows
+        # (no copy where they already are: repeat_interleave's output is).
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         return fn(q, k, v, cu_q, cu_k, params.max_seqlen_q, params.max_seqlen_kv, **kwargs)
     seqlens = getattr(params, "seqlens", ())
     if not seqlens:  # a PackedSeqParams from elsewhere: read the lengths back once
