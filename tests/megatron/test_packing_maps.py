@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ..tolerance import tolerance
 from ._common import batch_from_lengths
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning:megatron")]
@@ -121,3 +122,39 @@ def test_dp_balanced_order_keeps_shard_sizes_and_inverts(lengths, dp):
     sums = [int(values[order][a:b].sum()) for a, b in itertools.pairwise(bounds)]
     if min(sizes) > 0:
         assert max(sums) - min(sums) <= max(lengths)
+
+
+def _block_causal_reference(q, k, v, seqlens, scale):
+    """SDPA over the whole packed sequence with a block-diagonal causal mask (the definition)."""
+    seg = torch.repeat_interleave(torch.arange(len(seqlens)), torch.tensor(seqlens))
+    idx = torch.arange(q.shape[0])
+    allowed = (seg[:, None] == seg[None, :]) & (idx[:, None] >= idx[None, :])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=allowed,
+        scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+    )  # fmt: skip
+    return out[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (the varlen flash path)"))])  # fmt: skip
+def test_packed_attention_is_causal_within_each_row(device):
+    """Each packed row attends to its own earlier tokens only (GQA: 4 query heads on 2 KV heads), on cpu one
+    SDPA call per row, on cuda (bf16) torch's varlen flash kernel; gradients flow to q, k and v."""
+    from rltrain.megatron.packing import RowPackedSeqParams, packed_attention, varlen_supported
+
+    seqlens = [5, 1, 9, 3]
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(sum(seqlens), h, 16, generator=gen).to(device, dtype) for h in (4, 2, 2))
+    cu = torch.tensor([0, *itertools.accumulate(seqlens)], dtype=torch.int32, device=device)
+    params = RowPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=9,
+                                max_seqlen_kv=9, seqlens=tuple(seqlens))  # fmt: skip
+    assert varlen_supported(q, 0.0) == (device == "cuda")
+    q.requires_grad_()
+    out = packed_attention(q, k, v, params, scale=0.25)
+    ref = _block_causal_reference(q.float(), k.float(), v.float(), seqlens, 0.25)
+    # Rounding of the dtype over the widest sum (a row's keys x the head dimension); bf16 inputs and output.
+    torch.testing.assert_close(out.float(), ref, **tolerance(dtype, reduction=9 * 16, magnitude=4.0))
+    out.float().sum().backward()
+    assert q.grad is not None and bool(torch.isfinite(q.grad).all())
