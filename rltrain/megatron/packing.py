@@ -15,7 +15,7 @@ offers through Transformer Engine or flash-attn:
   Elsewhere (cpu, fp32, dropout) one causal SDPA call per row: the padded path's math row by row.
 * `rope_thd`: megatron's `fused_apply_rotary_pos_emb_thd` hook (its fused RoPE for packed rows needs
   Transformer Engine): each token's angle is looked up at its position within its row, then the compiled
-  `model.rope_bshd` rotates all tokens at once (no host sync, no per-row loop).
+  `fused.compiled_rope` rotates all tokens at once (no host sync, no per-row loop).
 * the index maps: `pack_rows` (rows of the engine's batch layout -> packed tokens, positions, cu_seqlens and
   the packed position predicting each response token), `unpack` (packed values -> padded rows, for tests),
   and, from rltrain/token_balance.py, `split_packed_by_tokens` (token-budget micro-batches whose token sums,

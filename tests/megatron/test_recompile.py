@@ -3,8 +3,8 @@ shapes it meets: multi-turn prefills of every [rows, columns], decode steps of o
 and padded micro-batches, forward-only and training passes (on the H200 the 0.5B tool preset reached
 torch._dynamo's recompile limit and fell back to eager kernels).
 
-The compiled functions: megatron's SwiGLU and its backward (`model.use_unbacked_swiglu`), the training RoPE
-(`model.compiled_rope`, forward and backward), the decode step's RoPE (`model.fused_rotate`) and the fused
+The compiled functions: megatron's SwiGLU and its backward (`fused.use_unbacked_swiglu`), the training RoPE
+(`fused.compiled_rope`, forward and backward), the decode step's RoPE (`fused.fused_rotate`) and the fused
 log-prob reductions (logprob.py). Each is called on rows whose count is unbacked, so no size is specialised.
 """
 
