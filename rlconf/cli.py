@@ -251,7 +251,7 @@ def cmd_docs(args: argparse.Namespace) -> int:
     from rlconf.docs import write_reference
 
     try:
-        written = write_reference(args.outdir, PRESETS)
+        written = write_reference(args.outdir, PRESETS, rlconf_main=main)
     except OSError as exc:
         raise _unwritable(args.outdir, "OUTDIR", exc) from None
     for path in written:

@@ -42,9 +42,13 @@ CHECKPOINT_CONTENTS: tuple[str, ...] = CheckpointContent.__args__
 # Rule-based reward functions shipped with rltrain (rltrain.rewards registers exactly these names).
 BUILTIN_REWARDS: tuple[str, ...] = (
     "exact_match", "numeric_match", "format", "digit_match",
+    # no rule reward: a reward model's score alone (what verl's reward managers return when one is enabled)
+    "none",
     # verl's scorers, with verl's signature (rltrain/reward_scores.py); default_compute_score dispatches on
     # each row's data_source as verl's default does.
     "default_compute_score", "gsm8k", "gsm8k_flexible", "math", "math_dapo",
+    # Symbolic equivalence: needs the optional extra rlplan[math] (math-verify).
+    "math_verify",
 )  # fmt: skip
 
 
@@ -575,9 +579,11 @@ class RewardConfig:
     """How responses are scored."""
 
     function: str = "digit_match"
-    """A built-in rule reward (exact_match, numeric_match, format, digit_match; verl's scorers gsm8k,
-    gsm8k_flexible, math, math_dapo, and default_compute_score, which picks one by each row's
-    data_source as verl does) or a user function: `package.module:function`, or verl's
+    """A built-in rule reward (exact_match, numeric_match, format, digit_match; none: no rule reward, the reward
+    model's score alone (needs reward.reward_model.enable; verl's reward with a reward model); verl's scorers gsm8k,
+    gsm8k_flexible, math, math_dapo, math_verify (symbolic, needs `pip install 'rlplan[math]'`), and
+    default_compute_score, which picks one by each row's data_source as verl does) or a user function:
+    `package.module:function`, or verl's
     `path/to/file.py:function`. A user function is either rlplan's fn(response, ground_truth, prompt) or
     verl's compute_score(data_source, solution_str, ground_truth, extra_info=None) (told apart by its
     parameter names), returning a float or a dict with a `score` key (its other numeric keys become

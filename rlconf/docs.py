@@ -5,7 +5,8 @@ docstring, the validation rules that involve it, the CLI flag) and `presets.md` 
 differences from the defaults). It also rewrites the generated regions of the guides and the README
 (`<!-- generated:NAME -->` ... `<!-- /generated -->`): plan excerpts from `compile_plan` of a preset, and
 the output and numbers of the recorded main-job run (docs/_generated/tiny-grpo-run.json, written by
-bench/docs_run.py). Tests regenerate all of it and fail when a committed file is stale.
+bench/docs_run.py), and program output run now (rlconf.docs_outputs: `rlconf validate`, `rlconf plan`, ...
+on small inputs). Tests regenerate all of it and fail when a committed file is stale.
 
 The presets come from the command layer (`rlconf docs` passes presets.PRESETS): rlconf never imports them.
 """
@@ -15,11 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Protocol
 
 from rlconf.config import RLConfig
+from rlconf.docs_outputs import EXCERPTS, INPUTS, RlconfMain, excerpt_text
 from rlconf.fields import field_default, field_docs, field_types, is_dataclass_type, strip_optional, type_name
 from rlconf.load import config_to_dict
 from rlconf.render import diff_dicts, scalar_text
@@ -114,11 +116,21 @@ MIGRATION_PAGE = "migrating-from-verl.md"
 RUN_RECORD = Path("_generated") / "tiny-grpo-run.json"
 """The recorded main-job run, relative to the docs folder (bench/docs_run.py writes it)."""
 VERL_RECORD = Path("_generated") / "verl-gsm8k-small-run.json"
+CENSUS_RECORD = Path("_generated") / "verl-scripts-census.json"
+"""The census of verl's Megatron scripts through the import (bench/verl_scripts_census.py --write)."""
 """The recorded verl GSM8K walk-through of the migration page (bench/docs_run.py --verl writes it)."""
 VERL_FIRST_LAST = 10
 """The walk-through's summary compares the mean training reward of the first and the last this many steps."""
-PAGES_WITH_REGIONS = ("quickstart.md", "concepts.md", "../README.md")
-"""Pages (relative to the docs folder) whose generated regions `rlconf docs` rewrites."""
+
+
+def pages_with_regions(docs_dir: str | Path) -> list[Path]:
+    """The pages whose generated regions `rlconf docs` rewrites: README.md and every guide in the docs
+    folder (not the reference, which is written whole, nor the verl migration page, written from its table)."""
+    docs = Path(docs_dir)
+    guides = [p for p in sorted(docs.glob("*.md")) if p.name != MIGRATION_PAGE]
+    return [*guides, docs.parent / "README.md"]
+
+
 _REGION = re.compile(r"(<!-- generated:(?P<name>[\w-]+) -->\n)(?P<body>.*?)(<!-- /generated -->)", re.S)
 _BATCH_KEYS = ("role", "prompts_per_step", "responses_per_prompt", "responses_per_step", "mini_batch_prompts",
                "mini_batches_per_step", "responses_per_mini_batch", "dp", "micro_batch_size_per_rank",
@@ -156,6 +168,40 @@ def plan_regions(main_preset: DocumentedPreset) -> dict[str, str]:
         "plan-batch": "```json\n" + _wrap_json(items) + "\n```\n",
         "batch-table": "```text\n" + "\n".join(text[start:end]) + "\n```\n",
     }
+
+
+def gpu_presets_region(presets: Mapping[str, DocumentedPreset]) -> str:
+    """The table of the cuda presets (docs/gpus.md): devices, what each trains, the actor's layout, the batch,
+    the plan's memory peak per device, and a sentence on the settings they share, all read from the presets
+    and their compiled plans."""
+    from rlconf.plan import compile_plan
+
+    lines = ["| preset | GPUs | what it trains | task (reward) | actor layout | batch per step | est. peak / device |",
+             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    configs = [(p, p.build()) for p in presets.values()]
+    configs = [(p, c) for p, c in configs if c.cluster.device == "cuda"]
+    for p, config in configs:
+        plan = compile_plan(config)
+        actor = next(lay for lay in plan.layouts if lay.role == "actor")
+        recompute = config.actor.megatron.override_transformer_config.recompute_granularity
+        layout = " + ".join(filter(None, [f"tp{actor.tp} pp{actor.pp}", "sp" if actor.sequence_parallel else "",
+                                          f"{recompute} recompute" if recompute else ""]))  # fmt: skip
+        what = _cell(re.sub(r"^\d+ \w+, ", "", p.description))  # "1 GPU, " is the GPUs column
+        lines.append(
+            f"| `{p.name}` | {config.cluster.nnodes * config.cluster.gpus_per_node} | {what} | `{config.data.synthetic_task}` "
+            f"({config.reward.function}) | {layout} | {config.data.train_batch_size} prompts x {config.rollout.n} | "
+            f"{plan.memory.peak_gib:.1f} of {config.cluster.device_memory_gib:g} GiB |"
+        )
+    shared = {(c.actor.use_dynamic_bsz, c.trainer.total_steps, c.trainer.save_freq, c.trainer.max_ckpt_to_keep)
+              for _, c in configs}  # fmt: skip
+    if len(shared) == 1:
+        dynamic, steps, save, keep = shared.pop()
+        lines.append(
+            f"\nAll {len(configs)} train the synthetic task of their row until you set `data.train_files`, with "
+            f"{'dynamic' if dynamic else 'fixed'} batch sizes, {steps} steps, a save every {save} steps and the "
+            f"{keep} newest checkpoints kept."
+        )
+    return "\n".join(lines) + "\n"
 
 
 def run_regions(record: Mapping[str, object]) -> dict[str, str]:
@@ -204,8 +250,8 @@ def verl_regions(record: Mapping[str, object]) -> dict[str, str]:
     val = record["val"]
     summary = (
         f"In the recorded run ({record['date']}; {record['machine']}) the mean training reward was {first:.3f} "
-        f"over the first {k} steps and {last:.3f} over the last {k}; greedy validation went from "
-        f"{record['val_before']:.2f} before training to {val[str(len(rewards))]:.2f} at step {len(rewards)}. "
+        f"over the first {k} steps and {last:.3f} over the last {k}; greedy validation was "
+        f"{record['val_before']:.2f} before training and {val[str(len(rewards))]:.2f} at step {len(rewards)}. "
         f"The three commands took {record['commands'][0]['wall_s']:.0f} s, {record['commands'][1]['wall_s']:.0f} s "
         f"and {record['commands'][2]['wall_s']:.0f} s.\n"
     )
@@ -217,15 +263,85 @@ def verl_regions(record: Mapping[str, object]) -> dict[str, str]:
     }
 
 
+PLAN_REGIONS = ("plan-batch", "batch-table", "gpu-presets")
+"""Regions read from the presets and their compiled plans."""
+RUN_REGIONS = ("run-output", "run-summary", "last-metrics")
+VERL_REGIONS = ("verl-setup", "verl-import", "verl-run", "verl-summary")
+CENSUS_REGIONS = ("verl-census",)
+
+
+def region_names() -> frozenset[str]:
+    """The name of every region `generated_regions` writes (without running or reading anything)."""
+    return frozenset({*PLAN_REGIONS, *RUN_REGIONS, *VERL_REGIONS, *CENSUS_REGIONS, *(e.name for e in EXCERPTS),
+                      *(name for name, _, _ in INPUTS)})  # fmt: skip
+
+
+def census_regions(record: Mapping[str, object]) -> dict[str, str]:
+    """The migration page's table of verl's scripts through the import (one row per script)."""
+    rows = list(record["scripts"])  # type: ignore[call-overload]
+    plans = [r for r in rows if r["plans"]]
+    trainable = [r for r in plans if not r["not_trainable"]]
+    lines = [
+        f"At verl {str(record['verl_commit'])[:7]}: {len(plans)} of {len(rows)} scripts plan ({len(trainable)} "
+        f"trainable today), {len(rows) - len(plans)} are refused by a named rule; "
+        f"{sum(not _clean(r) for r in rows)} translate with a silent change.\n",
+        "| script | model | result |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        if r["plans"]:
+            result = "plans" + (f" (not trainable yet: {r['not_trainable']})" if r["not_trainable"] else "")
+        else:
+            result = f"refused `{r['rule']}` at `{r['path']}`: {r['reason']}"
+        cell = result.replace("|", "\\|")
+        lines.append(f"| `{r['script']}` | {r['model']} | {cell} |")
+    return {"verl-census": "\n".join(lines) + "\n"}
+
+
+def _clean(row: Mapping[str, object]) -> bool:
+    return not any(row[k] for k in ("unknown", "silent", "about_derived", "wrong"))
+
+
 def _record(docs_dir: str | Path, name: Path) -> dict | None:
     path = Path(docs_dir) / name
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
 
 
-def generated_regions(docs_dir: str | Path, presets: Mapping[str, DocumentedPreset]) -> dict[str, str]:
+class Regions(Mapping[str, str]):
+    """Region texts by name. The program-output regions are made when first read (each runs commands), so
+    refreshing one page runs only the commands it quotes."""
+
+    def __init__(self, made: Mapping[str, str], makers: Mapping[str, Callable[[], str]]) -> None:
+        self._made, self._makers = dict(made), dict(makers)
+
+    def __getitem__(self, name: str) -> str:
+        if name not in self._made:
+            self._made[name] = self._makers[name]()
+        return self._made[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._made or name in self._makers
+
+    def __iter__(self) -> Iterator[str]:
+        return iter({**dict.fromkeys(self._made), **dict.fromkeys(self._makers)})
+
+    def __len__(self) -> int:
+        return len({*self._made, *self._makers})
+
+
+def generated_regions(
+    docs_dir: str | Path, presets: Mapping[str, DocumentedPreset], rlconf_main: RlconfMain | None = None
+) -> Regions:
+    """Every region's text: plan excerpts, the recorded runs' output and numbers, and the program output
+    of rlconf.docs_outputs.EXCERPTS (run when read; `rlconf` commands in-process through `rlconf_main`)."""
     record, verl = _record(docs_dir, RUN_RECORD), _record(docs_dir, VERL_RECORD)
-    return {**plan_regions(presets[MAIN_PRESET]), **(run_regions(record) if record else {}),
-            **(verl_regions(verl) if verl else {})}  # fmt: skip
+    census = _record(docs_dir, CENSUS_RECORD)
+    made = {**plan_regions(presets[MAIN_PRESET]), "gpu-presets": gpu_presets_region(presets),
+            **(run_regions(record) if record else {}), **(verl_regions(verl) if verl else {}),
+            **(census_regions(census) if census else {}),
+            **{name: f"```{lang}\n{text}```\n" for name, lang, text in INPUTS}}  # fmt: skip
+    makers = {e.name: (lambda e=e: excerpt_text(e, rlconf_main)) for e in EXCERPTS}
+    return Regions(made, makers)
 
 
 def refresh_regions(text: str, regions: Mapping[str, str]) -> str:
@@ -239,10 +355,12 @@ def refresh_regions(text: str, regions: Mapping[str, str]) -> str:
     return _REGION.sub(body, text)
 
 
-def write_reference(outdir: str | Path, presets: Mapping[str, DocumentedPreset]) -> list[Path]:
+def write_reference(
+    outdir: str | Path, presets: Mapping[str, DocumentedPreset], rlconf_main: RlconfMain | None = None
+) -> list[Path]:
     """Write config.md and presets.md into `outdir`, the verl migration guide (generated from the
     `rlconf.verl` table) into its parent, the docs folder (`rlconf docs docs/reference` -> docs/), and
-    refresh the generated regions of the pages in PAGES_WITH_REGIONS; returns the files written."""
+    refresh the generated regions of `pages_with_regions`; returns the files written."""
     from rlconf.verl import migration_page
 
     out = Path(outdir)
@@ -251,11 +369,10 @@ def write_reference(outdir: str | Path, presets: Mapping[str, DocumentedPreset])
     for name, text in (("config.md", config_reference()), ("presets.md", presets_reference(presets))):
         (out / name).write_text(text, encoding="utf-8")
         written.append(out / name)
-    regions = generated_regions(out.parent, presets)
+    regions = generated_regions(out.parent, presets, rlconf_main)
     (out.parent / MIGRATION_PAGE).write_text(refresh_regions(migration_page(), regions), encoding="utf-8")
     written.append(out.parent / MIGRATION_PAGE)
-    for name in PAGES_WITH_REGIONS:
-        page = out.parent / name
+    for page in pages_with_regions(out.parent):
         if page.exists():
             text = page.read_text(encoding="utf-8")
             if (new := refresh_regions(text, regions)) != text:

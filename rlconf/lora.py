@@ -173,10 +173,6 @@ def config_issues(c: RLConfig) -> Iterator[Issue]:
     if c.rollout.engine != "embedded":
         cannot.append(("rollout.engine", f"the {c.rollout.engine} engine would load the base weights without the "
                        "adapters (refit with adapters is not built yet)", "use rollout.engine: embedded"))  # fmt: skip
-    elif c.rollout.tensor_model_parallel_size not in (None, c.actor.megatron.tensor_model_parallel_size):
-        cannot.append(("rollout.tensor_model_parallel_size", "a rollout in a layout of its own is resharded "
-                       "from the base weights; resharding adapters is not built yet",
-                       "use rollout.tensor_model_parallel_size: null (the actor's)"))  # fmt: skip
     if c.model.attention_backend == "te":
         cannot.append(("model.attention_backend", "Transformer Engine's fused linears are not adapted (only "
                        "megatron-core's ColumnParallelLinear / RowParallelLinear)", "use attention_backend: sdpa"))  # fmt: skip

@@ -18,13 +18,18 @@ semantics of verl's `verl.utils.reward_score` modules (written anew here, not co
   (numina_*, code contests through a sandbox, geometry3k, search-R1) raise `UnknownDataSource`: point
   reward.function at a verl reward file for them.
 
-Symbolic equivalence (verl's optional Math-Verify) is not offered: `math-verify` does not install from
-the package index these machines use, so `math` compares normalised strings, as verl's default does.
+- `math_verify`: symbolic equivalence by Hugging Face's Math-Verify (the optional extra
+  `pip install 'rlplan[math]'`), as verl's `math_verify` module scores: the ground truth read as
+  `\\boxed{...}`, the response's last 300 characters parsed for LaTeX and plain expressions, then compared
+  as sympy expressions (`1/2`, `0.5` and `\\frac{1}{2}` are equal); 1.0 or 0.0. verl's default for MATH
+  sources is the string comparison of `math`, so default_compute_score keeps that; name `math_verify` to
+  choose it. `rlconf validate` reports a missing package (rule reward-function).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from typing import Any
 
 # verl searches only the end of a response: the final answer is there, and regexes on long texts are slow.
@@ -213,6 +218,31 @@ def math_dapo(
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}
 
 
+# -------------------------------------------------------------------------------------- Math-Verify
+MATH_VERIFY_TIMEOUT_S = 5
+"""Seconds each Math-Verify parse / comparison may take (sympy on model-written text can run away).
+Math-Verify bounds them with SIGALRM, which only the main thread can set: off it, the 300-character clip is
+the bound."""
+
+
+def math_verify(data_source: str, solution_str: str, ground_truth: str, extra_info: Any = None) -> float:
+    """Symbolic equivalence of the response's final expression and the ground truth (Math-Verify)."""
+    try:
+        from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
+    except ImportError as e:  # rlconf validate names the extra before a run; this is the direct call
+        raise ImportError(
+            "reward.function math_verify needs `pip install 'rlplan[math]'` (math-verify)"
+        ) from e
+    limit = MATH_VERIFY_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"\\boxed{{{ground_truth}}}", (LatexExtractionConfig(),), parsing_timeout=limit)
+    pred = parse(
+        solution_str[-_CLIP_CHARS:], (ExprExtractionConfig(), LatexExtractionConfig()), parsing_timeout=limit
+    )
+    if not gold or not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=limit) else 0.0
+
+
 # ---------------------------------------------------------------------------------------- dispatch
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
@@ -249,4 +279,5 @@ VERL_SCORERS = {
     "gsm8k_flexible": gsm8k_flexible,
     "math": math,
     "math_dapo": math_dapo,
+    "math_verify": math_verify,
 }

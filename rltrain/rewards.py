@@ -151,6 +151,11 @@ def digit_match(response: str, ground_truth: str, prompt: str) -> float:
     return hits / len(truth)
 
 
+def no_reward(response: str, ground_truth: str, prompt: str) -> float:
+    """`none`: no rule reward (0.0 for every response), so the reward is the reward model's score alone."""
+    return 0.0
+
+
 @dataclass(frozen=True)
 class VerlStyleReward:
     """A function with verl's signature, called as verl's reward managers call it (by keyword):
@@ -178,6 +183,7 @@ REWARD_FUNCTIONS: dict[str, RewardFunction] = {
     "numeric_match": numeric_match,
     "format": format_reward,
     "digit_match": digit_match,
+    "none": no_reward,
     **{name: VerlStyleReward(fn, name) for name, fn in VERL_SCORERS.items()},
 }
 

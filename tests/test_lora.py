@@ -70,6 +70,21 @@ def test_combinations_lora_cannot_run_yet_are_refused(section, changes, path):
     assert path in errors and errors[path].startswith("actor.lora:")
 
 
+def test_a_rollout_tp_of_its_own_plans_with_lora_and_reshards_the_merged_weights():
+    """verl's Megatron LoRA scripts generate at another tp than they train (e.g. train tp 4, rollout tp 2): the
+    replica gets the adapted weights (tests/megatron/test_rollout_layout.py runs it), so the rule allows it."""
+    c = _tiny(rank=8)
+    c = dataclasses.replace(
+        c,
+        cluster=dataclasses.replace(c.cluster, gpus_per_node=2),
+        actor=dataclasses.replace(c.actor, megatron=dataclasses.replace(c.actor.megatron,
+                                                                        tensor_model_parallel_size=2)),
+        rollout=dataclasses.replace(c.rollout, tensor_model_parallel_size=1),
+    )  # fmt: skip
+    assert _errors(c) == {}
+    assert compile_plan(c).refit.mode == "reshard"
+
+
 def test_hf_model_in_save_contents_is_refused_with_the_export_command():
     c = _tiny(rank=8)
     ck = dataclasses.replace(c.actor.checkpoint, save_contents=("model", "optimizer", "extra", "hf_model"))

@@ -286,3 +286,18 @@ def test_run_stops_with_exit_2_on_a_bad_reward(tmp_path):
     assert result.returncode == 2, result.stderr[-3000:]
     assert "reward.function" in result.stderr and "nan_reward_mod:score returned nan" in result.stderr
     assert "row " in result.stderr and "Traceback" not in result.stderr
+
+
+def test_none_is_no_rule_reward_and_needs_a_reward_model():
+    """`none` (verl's reward with a reward model: its score alone) scores 0 and is refused without a model."""
+    from rlconf.config import RewardConfig, RewardModelConfig, RLConfig
+    from rlconf.validate import check_config
+
+    fn = load_reward_function("none")
+    assert fn("#### 42", "42", "") == 0.0 == fn("", "", "")
+    alone = RLConfig(reward=RewardConfig(function="none"))
+    assert [(i.rule, i.path) for i in check_config(alone) if i.severity == "error"] == [
+        ("reward-function", "reward.function")
+    ]
+    with_model = RLConfig(reward=RewardConfig(function="none", reward_model=RewardModelConfig(enable=True)))
+    assert not [i for i in check_config(with_model) if i.path == "reward.function"]

@@ -54,7 +54,17 @@ def test_verl_gsm8k_quickstart_in_small_runs_as_printed(tmp_path):
     # The model folder is what a verl user brings: config.json, safetensors, a BPE tokenizer, a template.
     model = tmp_path / "verl-small" / "models" / "tiny-qwen2"
     tokenizer = json.loads((model / "tokenizer.json").read_text())
-    assert tokenizer["model"]["type"] == "BPE" and tokenizer["pre_tokenizer"]["type"] == "ByteLevel"
+    assert tokenizer["model"]["type"] == "BPE"
+    pieces = tokenizer["pre_tokenizer"]["pretokenizers"]
+    assert [p["type"] for p in pieces] == ["Split", "ByteLevel"]  # Qwen2's: digits split, then bytes
+    # `tokenizers` on tokenizer.json (what rlconf validate reads) and transformers' class for the folder
+    # (what the run uses) split the task's text alike, digits one by one.
+    from tokenizers import Tokenizer
+    from transformers import AutoTokenizer
+
+    text = "Tom has 3 apples and gets 12 more. #### 15"
+    run_ids = AutoTokenizer.from_pretrained(model).encode(text, add_special_tokens=False)
+    assert Tokenizer.from_file(str(model / "tokenizer.json")).encode(text).ids == run_ids
     # transformers 5 writes the template to chat_template.jinja (4.x into tokenizer_config.json).
     config = json.loads((model / "tokenizer_config.json").read_text())
     assert (model / "chat_template.jinja").is_file() or "chat_template" in config
@@ -74,12 +84,15 @@ def test_verl_gsm8k_quickstart_in_small_runs_as_printed(tmp_path):
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     rewards = [r["reward/mean"] for r in rows]
     print("reward/mean by step:", [round(x, 3) for x in rewards])
-    # verl's strict GSM8K rule: 1 for the right `#### N`, else 0. The warmed-up policy writes the format,
-    # so some answers are right from the start (a policy without the format would score 0 throughout).
-    assert all(0.0 <= x <= 1.0 for x in rewards) and sum(rewards) > 0
+    # verl's strict GSM8K rule: 1 for the right `#### N`, else 0. The warmed-up policy writes the format and
+    # gets about half the sums right (its guesses are the rest): GRPO removes the guessing. 128 samples a
+    # step give each step's mean a standard error of ~0.04, so a 0.15 rise of 10-step means is no accident
+    # (recorded: ~0.68 -> ~0.90; the first 10 steps already include part of the rise).
+    assert all(0.0 <= x <= 1.0 for x in rewards)
+    first, last = sum(rewards[:K]) / K, sum(rewards[-K:]) / K
+    assert rewards[0] < 0.7 and last >= first + 0.15 and last >= 0.8, rewards
     assert rows[0]["val_before/reward/mean"] > 0
     assert any("val/reward/mean" in r for r in rows)
-    first, last = sum(rewards[:K]) / K, sum(rewards[-K:]) / K
 
     # No third-party progress bar or notice in what the user sees (transformers' "Loading weights", ...).
     for output in outputs:

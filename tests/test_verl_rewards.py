@@ -245,3 +245,55 @@ def test_rows_no_builtin_scorer_can_score_stop_before_the_run():
     assert info.value.issues[0].rule == "reward-function-data-source"
     assert "'codecontests', 'numina_olympiads'" in str(info.value)
     check_data_sources(load_reward_function("gsm8k"), ["anything"])  # a fixed scorer takes any source
+
+
+@pytest.mark.parametrize(
+    ("response", "truth", "expected"),
+    [
+        ("so the answer is \\boxed{\\frac{1}{2}}", "0.5", 1.0),  # equal values, different forms
+        ("so the answer is \\boxed{0.5}", "\\frac{1}{2}", 1.0),
+        ("we get $x = 2\\sqrt{2}$", "\\sqrt{8}", 1.0),  # symbolic, not string, equality
+        ("\\boxed{(x+1)^2}", "x^2 + 2x + 1", 1.0),
+        ("\\boxed{3}", "4", 0.0),
+        ("no answer here", "4", 0.0),
+    ],
+)
+def test_math_verify_scores_symbolic_equivalence(response, truth, expected):
+    """reward.function math_verify (the `math` extra): equal values in different forms score 1, which the
+    string comparison of `math` cannot do for sqrt(8) vs 2 sqrt(2)."""
+    fn = load_reward_function("math_verify")
+    scores, _ = score_rows(fn, [response], [truth], [""], ["lighteval/MATH"], [None])
+    assert scores == [expected]
+
+
+def test_math_verify_is_bounded_on_hostile_text_off_the_main_thread():
+    """A reward runs wherever its worker calls it: off the main thread Math-Verify cannot set its alarm, so
+    the 300-character clip bounds the work. A megabyte of nested LaTeX still scores (0) in a few seconds."""
+    import threading
+    import time
+
+    from rltrain.reward_scores import math_verify
+
+    hostile = "\\frac{" * 200_000 + "1" + "}" * 200_000 + " \\boxed{" + "(" * 100_000
+    result: list[float] = []
+    t0 = time.perf_counter()
+    worker = threading.Thread(target=lambda: result.append(math_verify("x", hostile, "1")))
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and result == [0.0]
+    assert time.perf_counter() - t0 < 30
+
+
+def test_validate_names_the_math_extra_when_math_verify_is_missing(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda n, *a: None if n == "math_verify" else real(n, *a)
+    )
+    c = RLConfig(reward=RewardConfig(function="math_verify"))
+    errors = [i for i in check_config(c) if i.severity == "error"]
+    assert [(i.rule, i.path) for i in errors] == [("reward-function", "reward.function")]
+    assert "rlplan[math]" in errors[0].fix
+    monkeypatch.undo()
+    assert not [i for i in check_config(c) if i.severity == "error"]

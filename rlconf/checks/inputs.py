@@ -30,11 +30,24 @@ from rlconf.tokenizer_check import tokenizer_issues
 USER_FN = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 
 
-@rule("reward-function", "reward.function")
+@rule("reward-function", "reward.function", "reward.reward_model.enable")
 def reward_function(c: RLConfig) -> Iterator[Issue]:
     """reward.function is a built-in name, an importable `package.module:function` path or a
-    `path/to/file.py:function` (verl's custom_reward_function)."""
+    `path/to/file.py:function` (verl's custom_reward_function); `none` only beside a reward model."""
     fn = c.reward.function
+    if fn == "math_verify" and importlib.util.find_spec("math_verify") is None:
+        yield error(
+            "reward.function",
+            "math_verify scores with Hugging Face's math-verify package, which is not installed",
+            "pip install 'rlplan[math]' (or `math-verify`), or use reward.function: math (normalised "
+            "strings, verl's default for MATH)",
+            "reward-function",
+        )
+        return
+    if fn == "none" and not c.reward.reward_model.enable:
+        yield error("reward.function", "none scores every response 0 and no reward model scores them",
+                    "choose a reward function, or enable reward.reward_model", "reward-function")  # fmt: skip
+        return
     if fn in BUILTIN_REWARDS or USER_FN.match(fn):
         return
     if split_file_spec(fn) is not None:

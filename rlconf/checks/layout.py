@@ -31,6 +31,7 @@ from rlconf.plan.roles import (
     pipeline_split,
     role_spec,
     role_world,
+    rollout_resharded,
     rollout_tp,
     separate_devices,
     total_devices,
@@ -122,13 +123,14 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
             yield error(f"{prefix}.megatron.{path}", message, fix, "engine-support")
 
 
-@rule("moe", "actor.router_replay", "model.arch.num_moe_experts", "rollout.engine",
-      "rollout.tensor_model_parallel_size", "rollout.multi_turn.enable")  # fmt: skip
+@rule("moe", "actor.router_replay", "model.arch.num_moe_experts", "rollout.engine", "rollout.placement",
+      "rollout.tensor_model_parallel_size", "actor.megatron.tensor_model_parallel_size",
+      "rollout.multi_turn.enable")  # fmt: skip
 def moe_options(c: RLConfig) -> Iterator[Issue]:
     """Mixture-of-experts options need a MoE model: actor.router_replay on the built-in `model.arch` needs
     num_moe_experts (a config.json model is checked when the run builds it), and the routing is recorded by
-    the embedded rollout engine in the actor's own layout (not vLLM, not a rollout tensor parallel size of
-    its own)."""
+    the embedded rollout engine in the actor's own layout (not vLLM, not resharded to a rollout tensor parallel
+    size of its own; the actor's tp written out is its own layout)."""
     if not c.actor.router_replay:
         return
     if c.model.path is None and c.model.arch.num_moe_experts is None:
@@ -139,10 +141,12 @@ def moe_options(c: RLConfig) -> Iterator[Issue]:
         yield error("actor.router_replay", f"router replay records the routing of the embedded rollout engine, "
                     f"not rollout.engine: {c.rollout.engine}", "use rollout.engine: embedded or "
                     "actor.router_replay: false", "moe")  # fmt: skip
-    if c.rollout.tensor_model_parallel_size is not None:
+    if c.rollout.engine == "embedded" and c.rollout.placement == "colocated" and rollout_resharded(c):
         yield error("actor.router_replay", "router replay records the routing of the rollout in the actor's "
-                    "layout; a rollout tensor parallel size of its own is not recorded yet",
-                    "use rollout.tensor_model_parallel_size: null or actor.router_replay: false", "moe")  # fmt: skip
+                    f"layout; a rollout tensor parallel size of its own ({c.rollout.tensor_model_parallel_size}, "
+                    f"the actor's is {c.actor.megatron.tensor_model_parallel_size}: resharded) is not recorded yet",
+                    "use rollout.tensor_model_parallel_size: null (or the actor's) or actor.router_replay: false",
+                    "moe")  # fmt: skip
     if c.rollout.multi_turn.enable:
         yield error("actor.router_replay", "router replay records one generation call per batch; a multi-turn "
                     "rollout generates in turns, whose routings are not joined yet",

@@ -237,3 +237,92 @@ def router_replay(value: Any, _: Mapping[str, Any]) -> Any:
         return True
     raise VerlValueError(f"router_replay.mode {value!r} has no rlplan equivalent (rlplan replays the rollout's "
                          "routing, verl's R3)", "use R3 or disabled")  # fmt: skip
+
+
+def train_batch_size(value: Any, _: Mapping[str, Any]) -> Any:
+    if value == 0 and not isinstance(value, bool):
+        raise VerlValueError(
+            "0 is verl's fully async trainer, which streams prompts and updates every "
+            "async_training.require_batches x ppo_mini_batch_size of them; rlplan steps over data.train_batch_size "
+            "prompts",
+            "set data.train_batch_size to the prompts of one step (e.g. actor.ppo_mini_batch_size)",
+        )
+    return value
+
+
+def refuse_true(message: str, fix: str) -> Converter:
+    """A check for a key with no rlplan path: true asks for a feature rlplan does not build."""
+
+    def check(value: Any, _: Mapping[str, Any]) -> Any:
+        if value is True:
+            raise VerlValueError(message, fix)
+        return SKIP
+
+    return check
+
+
+def refuse_positive(message: str, fix: str) -> Converter:
+    """A check for a key with no rlplan path: a positive number asks for a feature rlplan does not build."""
+
+    def check(value: Any, _: Mapping[str, Any]) -> Any:
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            raise VerlValueError(message, fix)
+        return SKIP
+
+    return check
+
+
+def times_ulysses(size_key: str) -> Converter:
+    """An FSDP token budget per device -> rlplan's per data-parallel rank: x the Ulysses sequence-parallel size."""
+
+    def convert(value: Any, values: Mapping[str, Any]) -> Any:
+        size = values.get(size_key, 1)
+        if isinstance(value, int) and isinstance(size, int) and not isinstance(size, bool) and size > 1:
+            return value * size
+        return value
+
+    return convert
+
+
+def _pool_shape(values: Mapping[str, Any]) -> tuple[Any, Any] | None:
+    """(nodes, devices per node) of the whole cluster: the trainer's pool plus, for verl's one-step-off
+    trainer, the rollout's own pool (rollout.nnodes x rollout.n_gpus_per_node) on the same nodes or on more;
+    None when the two pools share neither (rollout_pool_devices refuses that)."""
+    nodes, per_node = values.get("trainer.nnodes", 1), values.get("trainer.n_gpus_per_node", 8)
+    if "rollout.n_gpus_per_node" not in values and "rollout.nnodes" not in values:
+        return nodes, per_node
+    r_nodes, r_per_node = values.get("rollout.nnodes", 1), values.get("rollout.n_gpus_per_node", 8)
+    if not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in (nodes, per_node, r_nodes, r_per_node)
+    ):
+        return nodes, per_node  # a value of the wrong type: validation names it
+    if nodes == r_nodes:
+        return nodes, per_node + r_per_node
+    if per_node == r_per_node:
+        return nodes + r_nodes, per_node
+    return None
+
+
+def cluster_shape(index: int) -> Converter:
+    """trainer.nnodes (0) / trainer.n_gpus_per_node (1) -> the cluster's, with a one-step-off rollout pool."""
+
+    def convert(value: Any, values: Mapping[str, Any]) -> Any:
+        shape = _pool_shape({**values, ("trainer.nnodes", "trainer.n_gpus_per_node")[index]: value})
+        return value if shape is None else shape[index]
+
+    return convert
+
+
+def rollout_pool_devices(value: Any, values: Mapping[str, Any]) -> Any:
+    """rollout.n_gpus_per_node (verl's one-step-off rollout pool) -> rollout.num_devices (x rollout.nnodes)."""
+    nodes = values.get("rollout.nnodes", 1)
+    if _pool_shape(values) is None:
+        raise VerlValueError(
+            f"the trainer's pool ({values.get('trainer.nnodes', 1)} x {values.get('trainer.n_gpus_per_node', 8)}) "
+            f"and the rollout's ({nodes} x {value}) share neither their nodes nor their devices per node; rlplan's "
+            "cluster is nodes x devices per node",
+            "give both pools the same nodes (trainer.nnodes = rollout.nnodes) or the same devices per node",
+        )
+    if isinstance(value, int) and isinstance(nodes, int) and not isinstance(nodes, bool):
+        return value * nodes
+    return value

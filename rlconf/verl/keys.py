@@ -46,7 +46,8 @@ class VerlKey:
 
     `verl` is the dotted verl key (a trailing `.*` covers every key under it). `rlplan` is the dotted
     rlplan path, or None when there is none; then `reason` says why. `convert(value, verl_values)` turns
-    the verl value into the rlplan value (it may return SKIP, or raise VerlValueError). `verl_default` is
+    the verl value into the rlplan value (it may return SKIP, or raise VerlValueError); on a row without an
+    rlplan path it only checks the value (raising VerlValueError for a value rlplan cannot run). `verl_default` is
     verl's default, applied when the input leaves the key unset (only where it differs from rlplan's and
     changes the run; it may be a `${...}` interpolation of another verl key).
     """

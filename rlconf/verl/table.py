@@ -45,11 +45,17 @@ def _note_value(value: Any) -> str:
 _DEFAULTS = RLConfig()
 
 
-def _u(verl: str, reason: Reason, note: str, **kw: Any) -> VerlKey:
-    return VerlKey(verl, None, note, None, reason, **kw)
+def _u(verl: str, reason: Reason, note: str, check: Converter | None = None, **kw: Any) -> VerlKey:
+    """A key with no rlplan path; `check` refuses the values rlplan cannot run (raises VerlValueError)."""
+    return VerlKey(verl, None, note, check, reason, **kw)
 
 
 _SAME = object()  # the rlplan suffix equals the verl suffix
+_VERL_MCORE_CKPT = (
+    "verl's megatron checkpoint converted from model.path (scripts/converter_hf_to_mcore.py) is not read: rlplan "
+    "converts model.path's Hugging Face weights itself (to start from an rlplan checkpoint instead, set "
+    "*.megatron.use_dist_checkpointing and dist_checkpointing_path)"
+)
 IN_ACTOR = "rlplan runs the reference policy in the actor's processes, so it uses the actor's layout"
 
 # (verl suffix, rlplan suffix | _SAME | None, note, converter, reason, {role: override})
@@ -69,10 +75,8 @@ _MEGATRON_FIELDS: tuple[tuple[str, Any, str, Converter | None, Reason | None], .
      "there; rlplan's `*.megatron.grad_offload` does act: set it explicitly if you want it", None,
      "ignored-by-verl"),
     ("optimizer_offload", _SAME, "", None, None),
-    ("use_dist_checkpointing", _SAME, "rlplan reads its own role checkpoints (checkpoints/global_step_N/actor)",
-     None, None),
-    ("dist_checkpointing_path", _SAME, "an rlplan role checkpoint folder, not a verl/megatron converter output",
-     None, None),
+    ("use_dist_checkpointing", None, _VERL_MCORE_CKPT, None, "not-needed"),
+    ("dist_checkpointing_path", None, _VERL_MCORE_CKPT, None, "not-needed"),
     ("dist_checkpointing_prefix", None, "rlplan checkpoints have no key prefix", None, "not-needed"),
     ("seed", _SAME, "", None, None),
     ("override_transformer_config.recompute_granularity", _SAME, "", None, None),
@@ -218,8 +222,9 @@ def _profiler_rows() -> list[VerlKey]:
     one = "rlplan has one profile section for all roles; roles that disagree are reported"
     for prefix in _PROFILER_ROLES:
         rows += [
-            _u(f"{prefix}.enable", "not-needed", "rlplan profiles the roles in profile.roles (empty: all roles) "
-               "at profile.steps", family="profiler"),
+            _u(f"{prefix}.enable", "not-needed", "read into profile.roles (see derived): verl profiles only workers "
+               "whose flag is true (default false; its colocated actor / rollout / ref worker reads the actor's "
+               "flag); no flag true with a tool set: profile.tool none", family="profiler"),
             _m(f"{prefix}.all_ranks", "profile.all_ranks", one, family="profiler"),
             _m(f"{prefix}.ranks", "profile.ranks", "ranks count within each role's world; " + one,
                family="profiler"),
@@ -245,6 +250,14 @@ _VLLM_ONLY = (
 
 
 _ROLLOUT_UNSUPPORTED = "rlplan's embedded rollout has no such engine option"
+_PADDING = (
+    "no switch: rlplan pads each micro-batch to its longest row (no packed sequences); "
+    "actor.use_dynamic_bsz groups rows of similar length to keep that padding low"
+)
+_CHUNKING = (
+    "no switch: rlplan's log-prob and entropy never hold fp32 [tokens, vocabulary] logits for the "
+    "whole micro-batch (eager kernels work in chunks of tokens; model.fused_kernels needs none)"
+)
 
 VERL_KEYS: tuple[VerlKey, ...] = (
     # ------------------------------------------------------------------------------------------ data
@@ -252,7 +265,8 @@ VERL_KEYS: tuple[VerlKey, ...] = (
        "data.answer_key (set to reward_model.ground_truth)", cv.files),
     _m("data.val_files", "data.val_files", "", cv.files),
     _m("data.prompt_key", "data.prompt_key", "text or a list of chat messages"),
-    _m("data.train_batch_size", "data.train_batch_size", "prompts per step, as in verl", verl_default=1024),
+    _m("data.train_batch_size", "data.train_batch_size", "prompts per step, as in verl; 0 (verl's fully async "
+       "trainer, which streams prompts) is refused", cv.train_batch_size, verl_default=1024),
     _u("data.gen_batch_size", "not-needed", "with algorithm.filter_groups rlplan generates batches of "
        "data.train_batch_size prompts until data.train_batch_size groups are kept"),
     _m("data.val_batch_size", "data.val_batch_size", ""),
@@ -308,7 +322,7 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.model.custom_chat_template", "unsupported", "the tokenizer's chat template is used"),
     _u("actor_rollout_ref.model.use_fused_kernels", "not-needed", "the log-prob / entropy reductions are fused by "
        "model.fused_kernels (auto: compiled on cuda)"),
-    _u("actor_rollout_ref.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
+    _u("actor_rollout_ref.model.use_remove_padding", "not-needed", _PADDING),
     # LoRA: verl's FSDP keys (lora_rank, ...) and its Megatron-Bridge section (model.lora.*).
     _m("actor_rollout_ref.model.lora_rank", "actor.lora.rank", "0 = off (verl's and rlplan's)"),
     _m("actor_rollout_ref.model.lora_alpha", "actor.lora.alpha", ""),
@@ -614,8 +628,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("trainer.total_epochs", "trainer.total_epochs", "the plan counts steps = epochs x (rows of "
        "data.train_files // data.train_batch_size); kept out when trainer.total_training_steps is set (verl "
        "then runs that many steps)", cv.total_epochs),
-    _m("trainer.nnodes", "cluster.nnodes", ""),
-    _m("trainer.n_gpus_per_node", "cluster.gpus_per_node", "", verl_default=8),
+    _m("trainer.nnodes", "cluster.nnodes", "with a rollout pool of its own (rollout.nnodes): + its nodes when "
+       "the pools differ in nodes", cv.cluster_shape(0)),
+    _m("trainer.n_gpus_per_node", "cluster.gpus_per_node", "with a rollout pool of its own on the same nodes: + "
+       "rollout.n_gpus_per_node", cv.cluster_shape(1), verl_default=8),
     _m("trainer.device", "cluster.device", "", verl_default="cuda"),
     _m("trainer.project_name", "trainer.project_name", ""),
     _m("trainer.experiment_name", "trainer.experiment_name", ""),
@@ -709,11 +725,9 @@ def _fsdp_rows() -> list[VerlKey]:
         _u("critic.model.enable_activation_offload", "unsupported", "FSDP only: use "
            "critic.megatron.override_transformer_config.recompute_*"),
         _u("actor_rollout_ref.model.use_liger", "not-needed", "FSDP's Liger kernels; megatron has its own"),
-        _u("critic.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
-        _u("actor_rollout_ref.actor.entropy_from_logits_with_chunking", "not-needed", "rlplan's log-prob and "
-           "entropy kernel is chunked by the vocabulary"),
-        _u("actor_rollout_ref.actor.entropy_checkpointing", "not-needed", "rlplan's log-prob and entropy kernel "
-           "is chunked by the vocabulary"),
+        _u("critic.model.use_remove_padding", "not-needed", _PADDING),
+        _u("actor_rollout_ref.actor.entropy_from_logits_with_chunking", "not-needed", _CHUNKING),
+        _u("actor_rollout_ref.actor.entropy_checkpointing", "not-needed", _CHUNKING),
         _u("actor_rollout_ref.ref.entropy_from_logits_with_chunking", "not-needed", "the ref computes no "
            "entropy"),
         _u("actor_rollout_ref.ref.entropy_checkpointing", "not-needed", "the ref computes no entropy"),
@@ -729,8 +743,31 @@ FSDP_ROWS: dict[str, VerlKey] = {
                           "one does not)")
     for prefix, ours in (("actor_rollout_ref.actor.optim", "actor.optim"), ("critic.optim", "critic.optim"))
 }  # fmt: skip
+_ULYSSES = (
+    "FSDP's Ulysses sequence parallel splits each sequence over this many devices, as megatron's context "
+    "parallel does"
+)
+FSDP_ROWS.update(
+    {
+        f"{prefix}.ulysses_sequence_parallel_size": _m(
+            f"{prefix}.ulysses_sequence_parallel_size", f"{ours}.megatron.context_parallel_size", _ULYSSES
+        )
+        for prefix, ours in (
+            ("actor_rollout_ref.actor", "actor"),
+            ("actor_rollout_ref.ref", "ref"),
+            ("critic", "critic"),
+        )
+    }
+)
+FSDP_ROWS.update({
+    f"{prefix}.ppo_max_token_len_per_gpu": _m(
+        f"{prefix}.ppo_max_token_len_per_gpu", f"{ours}.ppo_max_token_len_per_gpu", "x ulysses_sequence_parallel_"
+        "size: verl's FSDP budget counts one device's share of a sequence split by Ulysses; rlplan's counts whole "
+        "sequences per data-parallel rank", cv.times_ulysses(f"{prefix}.ulysses_sequence_parallel_size"))
+    for prefix, ours in (("actor_rollout_ref.actor", "actor"), ("critic", "critic"))
+})  # fmt: skip
 """Rows that replace the table's for an FSDP script (where verl's FSDP workers read a key its megatron ones
-ignore)."""
+ignore, or read it with another meaning)."""
 
 
 # verl's current schema moved the reward settings under `reward.` (verl/trainer/config/reward/reward.yaml):
@@ -770,6 +807,14 @@ def _current_schema_rows(rows: tuple[VerlKey, ...]) -> list[VerlKey]:
     return out
 
 
+_ASYNC = (
+    "verl's fully async trainer (streamed generation within a staleness bound) is not built: rlplan's nearest is "
+    "rollout.placement: separate with rollout.num_devices and algorithm.off_policy_steps: 1 (verl's one-step-off)"
+)
+_CRITIC_LORA = "a LoRA critic is not built: rlplan adapts only the actor (actor.lora)"
+_CRITIC_LORA_FIX = "set critic.model.lora.rank=0 (the critic trains all its weights) or run without a critic"
+
+
 def _newer_rows() -> list[VerlKey]:
     """Keys of verl's current run scripts (examples/) that the rows above do not name."""
     return [
@@ -783,7 +828,27 @@ def _newer_rows() -> list[VerlKey]:
            "records the routing whenever actor.router_replay is on"),
         _u("actor_rollout_ref.rollout.checkpoint_engine.*", "not-needed", "the colocated embedded rollout "
            "generates with the actor's own weights; a separate rollout sizes its weight-sync buckets itself"),
+        _u("actor_rollout_ref.model.mtp.enable", "unsupported", "no multi-token-prediction heads (true is refused)",
+           check=cv.refuse_true("multi-token prediction (MTP) heads are not built in rlplan", "set "
+                                "actor_rollout_ref.model.mtp.enable=False (the main model trains without them)")),
         _u("actor_rollout_ref.model.mtp.*", "unsupported", "no multi-token-prediction heads"),
+        # verl's fully async and one-step-off trainers (verl/experimental): their own rollout pool and streaming.
+        _u("async_training.*", "unsupported", _ASYNC),
+        _m("rollout.n_gpus_per_node", "rollout.num_devices", "the rollout pool of verl's one-step-off trainer "
+           "(x rollout.nnodes): rlplan's rollout.placement separate, a part of the cluster (see derived)",
+           cv.rollout_pool_devices),
+        _u("rollout.nnodes", "not-needed", "folded into rollout.num_devices and the cluster's shape"),
+        _u("rollout.*", "unsupported", "an option of verl's fully async trainer; " + _ASYNC),
+        _u("actor_rollout_ref.actor.use_rollout_log_probs", "unsupported", "verl's fully async option: rlplan's "
+           "algorithm.rollout_correction.bypass_mode takes the rollout's log-probs as the old ones"),
+        # The critic's LoRA (verl's Megatron-Bridge section and FSDP name): rlplan adapts only the actor.
+        _u("critic.model.lora.rank", "unsupported", "rlplan adapts only the actor (actor.lora); 0 (off) is "
+           "accepted, a rank is refused", check=cv.refuse_positive(_CRITIC_LORA, _CRITIC_LORA_FIX)),
+        _u("critic.model.lora_rank", "unsupported", "rlplan adapts only the actor (actor.lora); 0 (off) is "
+           "accepted, a rank is refused", check=cv.refuse_positive(_CRITIC_LORA, _CRITIC_LORA_FIX)),
+        _u("critic.model.lora.*", "unsupported", "rlplan adapts only the actor (actor.lora)"),
+        _u("critic.model.lora_alpha", "unsupported", "rlplan adapts only the actor (actor.lora)"),
+        _u("critic.model.target_modules", "unsupported", "rlplan adapts only the actor (actor.lora)"),
         _u("actor_rollout_ref.model.fused_kernel_options.*", "not-needed", "the log-prob / entropy reductions "
            "are fused by model.fused_kernels (auto: compiled on cuda)"),
         _u("actor_rollout_ref.actor.use_prefix_grouper", "unsupported", "prompts are not shared across a "
@@ -794,7 +859,7 @@ def _newer_rows() -> list[VerlKey]:
         _u("reward_model.num_workers", "not-needed", "rule rewards run in the controller"),
         _u("reward_model.rollout.*", "unsupported", "rlplan runs a reward model as a megatron forward pass "
            "(reward.reward_model.*), not through a rollout engine"),
-        _u("reward_model.model.use_remove_padding", "not-needed", "rlplan always packs sequences"),
+        _u("reward_model.model.use_remove_padding", "not-needed", _PADDING),
         _u("reward_model.reward_loop_source", "not-needed", "rlplan loads no reward loop class"),
         _u("reward_model.reward_loop_module_path", "unsupported", "rlplan loads no reward loop class: "
            "reward.function scores each response"),

@@ -400,6 +400,12 @@ def translate(
             continue
         _, row = found
         if row.rlplan is None:
+            if row.convert is not None:  # a check: values rlplan cannot run are refused, not dropped
+                try:
+                    row.convert(value, ctx)
+                except VerlValueError as exc:
+                    issues.append(error(key, f"{key} = {show(value)}: {exc}", exc.fix, "verl-import"))
+                    continue
             unmapped.append(Unmapped(key, value, row.reason or "unsupported", row.note))
             continue
         try:
@@ -422,7 +428,16 @@ def translate(
 
     _derive_verl_defaults(values, settings, ctx, derive)
     _derive_rlplan_rules(values, settings, derive)
-    if "reward.function" not in settings and ("data.train_files" in settings):
+    _derive_profiled_roles(values, settings, derive)
+    _derive_rollout_pool(values, settings, derive)
+    if settings.get("reward.reward_model.enable") is True:
+        # verl's reward managers return the reward model's scores alone when it runs (their rm_scores come first)
+        if "reward.function" in settings:
+            notes.append(f"{origin['reward.function']} is not called by verl while reward_model.enable is true "
+                         "(its reward managers return the reward model's scores): reward.function none")  # fmt: skip
+        derive("reward.function", "none", "with reward_model.enable verl's reward is the reward model's score "
+               "alone (no rule reward)")  # fmt: skip
+    elif "reward.function" not in settings and ("data.train_files" in settings):
         # verl's default reward manager scores each row by its data_source: so does this built-in.
         derive("reward.function", "default_compute_score", "verl scores each row by its data_source "
                "(default_compute_score: gsm8k, MATH, DAPO-math / AIME)")  # fmt: skip
@@ -526,6 +541,60 @@ def _derive_rlplan_rules(
     if ("data.train_files" in settings or "data.val_files" in settings) and "data.answer_key" not in settings:
         derive("data.answer_key", "reward_model.ground_truth", "verl's parquet files keep the ground truth in "
                "the reward_model column")  # fmt: skip
+
+
+# verl's workers profile only when their own profiler.enable is true (default false); the colocated actor /
+# rollout / ref worker reads the actor's flag (verl/workers/megatron_workers.py), the critic and the reward model
+# their own. rlplan's profile.roles names the role calls.
+_PROFILED_BY: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("actor_rollout_ref.actor.profiler.enable",
+     ("generate_sequences", "actor_compute_log_prob", "ref_compute_log_prob", "actor_update")),
+    ("critic.profiler.enable", ("critic_compute_values", "critic_update")),
+    ("reward_model.profiler.enable", ("reward_compute",)),
+)  # fmt: skip
+
+
+def _derive_profiled_roles(
+    values: Mapping[str, Any], settings: dict[str, Any], derive: Callable[[str, Any, str], None]
+) -> None:
+    """profile.roles (or profile.tool none) from verl's per-role profiler.enable flags when a tool is set."""
+    if _current(settings, "profile.tool") in (None, "none"):
+        return
+    enabled = [(key, roles) for key, roles in _PROFILED_BY if values.get(key) is True]
+    flags = ", ".join(f"{key} = {show(values.get(key, False))}" for key, _ in _PROFILED_BY)
+    if not enabled:
+        derive("profile.tool", "none", f"verl profiles only workers whose profiler.enable is true ({flags}; "
+               "verl's default false): nothing is profiled")  # fmt: skip
+        return
+    roles = [r for _, rs in enabled for r in rs]
+    try:  # only the role calls this run makes (the ref runs only with a KL term, ...)
+        from rlconf.load import build_config
+        from rlconf.plan.roles import present_passes
+
+        present = present_passes(build_config(nest(settings))[0])
+        roles = [r for r in roles if r in present]
+    except ConfigError:
+        pass  # the settings do not build: validation reports why
+    if len(enabled) < len(_PROFILED_BY) and "profile.roles" not in settings:
+        derive("profile.roles", roles, f"the roles of the workers whose profiler.enable is true ({flags})")
+
+
+def _derive_rollout_pool(
+    values: Mapping[str, Any], settings: dict[str, Any], derive: Callable[[str, Any, str], None]
+) -> None:
+    """verl's one-step-off trainer (a config with a rollout pool of its own): rlplan's separate rollout that
+    generates the next batch while the current one trains."""
+    if "rollout.num_devices" not in settings:
+        return
+    derive(
+        "rollout.placement", "separate", "verl's rollout.nnodes / n_gpus_per_node: a rollout pool of its own"
+    )
+    if (
+        not any(k.startswith("async_training.") for k in values)
+        and "algorithm.off_policy_steps" not in settings
+    ):
+        derive("algorithm.off_policy_steps", 1, "verl's one-step-off trainer generates the next batch while the "
+               "current one trains (the batch of step s with the weights after step s - 2)")  # fmt: skip
 
 
 def _meaning_changes(config: RLConfig) -> list[Issue]:

@@ -19,7 +19,8 @@ plain-torch decoder over the gathered weights would be a third copy of the layer
 equal to megatron's; passing process groups to GPTModel (`pg_collection`) leaves the engine's
 `parallel_state` reads (pipeline checks, sampling broadcast) pointing at the actor's layout.
 
-Refit (actor layout -> rollout layout), under the actor's parallel state, bucketed: this rank's stage
+Refit (actor layout -> rollout layout), under the actor's parallel state, with a LoRA actor's adapters merged
+into its weights for the duration (the replica is a plain model of the adapted policy), bucketed: this rank's stage
 parameters are packed into buckets of at most `bucket_bytes` of full (gathered) tensors; each bucket is
 one `all_gather_into_tensor` over the actor's TP group (full tensors = TP shards concatenated on the
 partition dim), then with PP > 1 one broadcast over the PP group from the stage that owns it (every rank
@@ -290,7 +291,16 @@ class RolloutReplica:
     @torch.no_grad()
     def refit(self) -> SyncStats:
         """Write the actor's current weights into the replica (collective over the actor's TP and PP
-        groups; every actor rank calls it). Allocates the replica's storage freed by `release`."""
+        groups; every actor rank calls it). Allocates the replica's storage freed by `release`. A LoRA actor's
+        adapters are folded into its base weights for the refit (`generation_weights`: each rank merges its
+        own shards, W + (alpha / r) B A, so the gathered tensors are the adapted policy's) and restored bit
+        for bit after it, so the replica samples from the policy the actor trains."""
+        from rltrain.megatron.lora import generation_weights
+
+        with generation_weights(self.actor):
+            return self._refit()
+
+    def _refit(self) -> SyncStats:
         stats = SyncStats()
         t0 = time.perf_counter()
         dev = self.torch_device
