@@ -43,10 +43,10 @@ def test_null_packs_where_supported():
         ({"model.attention_backend": "local"}, "megatron's unfused attention has no packed-sequence path"),
         ({"actor.megatron.context_parallel_size": 2, "ref.megatron.context_parallel_size": 2,
           "cluster.gpus_per_node": 2}, "context parallel"),
-        ({"actor.megatron.pipeline_model_parallel_size": 2, "ref.megatron.pipeline_model_parallel_size": 2,
-          "cluster.gpus_per_node": 2}, "pipeline parallel"),
+        ({"actor.megatron.pipeline_model_parallel_size": 2, "actor.megatron.virtual_pipeline_model_parallel_size": 2,
+          "model.arch.num_layers": 4, "cluster.gpus_per_node": 2}, "virtual pipeline parallel"),
     ],
-    ids=["local_attention", "context_parallel", "pipeline_parallel"],
+    ids=["local_attention", "context_parallel", "virtual_pipeline_parallel"],
 )  # fmt: skip
 def test_null_falls_back_to_padded_and_says_why_true_is_refused(updates, why):
     cfg = _preset("tiny-grpo", **updates)
@@ -70,6 +70,12 @@ def test_moe_runs_padded_and_true_is_refused_at_plan_time():
     with pytest.raises(ConfigError) as err:
         compile_plan(replace_paths(cfg, {"model.use_remove_padding": True}))
     assert err.value.errors[0].rule == "model-source"
+
+
+def test_pipeline_parallel_packs():
+    """Pipeline stages pass each packed micro-batch's activations on (tests/megatron/test_packing.py)."""
+    cfg = _preset("tiny-grpo", **{"actor.megatron.pipeline_model_parallel_size": 2, "cluster.gpus_per_node": 2})
+    assert _layouts(cfg)["actor"] == (True, "model.use_remove_padding null: supported here")
 
 
 def test_false_pads_everywhere():

@@ -37,7 +37,7 @@ from rlconf.safe_paths import FOLDER_PATHS_RULE
     "model.fused_kernels",
     "model.use_remove_padding",
     "*.context_parallel_size",
-    "*.pipeline_model_parallel_size",
+    "*.virtual_pipeline_model_parallel_size",
     "model.arch.kv_channels",
     "model.arch.hidden_size",
 )

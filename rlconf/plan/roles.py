@@ -362,9 +362,9 @@ def packing_blocker(c: RLConfig, role: str, arch: ModelArch | None) -> str | Non
     """What keeps a megatron role from running packed (THD) micro-batches, or None when it can (`arch`
     None: the model is not known yet, its architecture is not checked).
 
-    The packed layout is built for the log-prob, value, reward and update passes of dense models in one
-    pipeline stage without context parallel (rltrain/megatron/packing.py); megatron's local attention has no
-    packed path. A separate rollout engine only generates (its passes are not micro-batched)."""
+    The packed layout is built for the log-prob, value, reward and update passes of dense models without
+    context parallel or virtual pipeline stages (rltrain/megatron/packing.py); megatron's local attention
+    has no packed path. A separate rollout engine only generates (its passes are not micro-batched)."""
     _, m = megatron_of(c, role)
     if role == "rollout":
         return "a generation engine (no micro-batched passes)"
@@ -372,8 +372,8 @@ def packing_blocker(c: RLConfig, role: str, arch: ModelArch | None) -> str | Non
         return "model.attention_backend local (megatron's unfused attention has no packed-sequence path)"
     if m.context_parallel_size > 1:
         return "context parallel (its load-balanced split cuts padded rows)"
-    if m.pipeline_model_parallel_size > 1:
-        return "pipeline parallel (not built for packed micro-batches yet)"
+    if m.pipeline_model_parallel_size > 1 and m.virtual_pipeline_model_parallel_size is not None:
+        return "virtual pipeline parallel (its interleaved schedule needs one activation shape)"
     if arch is not None and arch.multi_latent_attention:
         return "multi-head latent attention (its core attention has no packed path yet)"
     if arch is not None and arch.num_moe_experts is not None:

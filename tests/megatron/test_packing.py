@@ -6,8 +6,8 @@ Rows of very different lengths (1 to 32 tokens, an empty response among them) th
   the model's reductions (fp32, tests/tolerance.py);
 * one PPO update gives the same grad norm, parameters and log-probs after it (and the same loss metrics where
   both layouts cut the same micro-batches);
-* at TP = 2 with sequence parallel (two gloo processes) packed log-probs and the update equal the padded
-  single-process ones.
+* at TP = 2 with sequence parallel and at PP = 2 (two gloo processes each) packed log-probs and the update
+  equal the padded single-process ones.
 """
 
 from __future__ import annotations
@@ -182,3 +182,44 @@ def test_packed_tp2_sequence_parallel_equals_padded_tp1(mp_world, tiny_hf):
     ref = {"batch": batch, "log_probs": out["log_probs"], "entropy": out["entropy"], "old": out["log_probs"],
            "metrics": metrics}  # fmt: skip
     mp.spawn(_tp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)
+
+
+# ------------------------------------------------------------------------------------ PP = 2
+def _pp2_worker(rank: int, world: int, port: int, path: str, ref: dict) -> None:
+    run_spawned(_pp2_run, rank, world, port, path, ref)
+
+
+def _pp2_run(rank: int, world: int, port: int, path: str, ref: dict) -> None:
+    from rltrain.megatron.parallel import init_distributed
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    cfg = _cfg(True)
+    cfg = dataclasses.replace(cfg, megatron=dataclasses.replace(cfg.megatron, pipeline_model_parallel_size=2))
+    init_groups(cfg.megatron, "cpu")
+    batch = ref["batch"]
+    frozen = actor_of(_model(path, True), cfg, "cpu", trainable=False)
+    assert frozen.spec.remove_padding and frozen.spec.layout.pp == 2
+    out = frozen.compute_log_prob(batch)  # every stage returns the last stage's results
+    assert_tiny_close(out["log_probs"], ref["log_probs"], msg="pp2 log-probs")
+    assert_tiny_close(out["entropy"], ref["entropy"], msg="pp2 entropy")
+    metrics, _ = _update(path, True, cfg, batch, ref["old"])
+    assert metrics["actor/grad_norm"] == pytest.approx(ref["metrics"]["actor/grad_norm"], rel=GRAD_NORM_REL)
+    assert_tiny_close(
+        metrics["after"], ref["metrics"]["after"], msg="pp2 after the update", depth=UPDATE_DEPTH
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_packed_pp2_equals_padded_pp1(mp_world, tiny_hf):
+    """Pipeline parallel (two stages, megatron's 1F1B schedule sends each packed micro-batch's [T, 1, h]
+    activations between them): packed log-probs and the update equal the padded single-process ones."""
+    import torch.multiprocessing as mp
+
+    batch = _batch()
+    frozen = actor_of(_model(str(tiny_hf), False), _cfg(True), "cpu", trainable=False)
+    out = frozen.compute_log_prob(batch)
+    metrics, _ = _update(str(tiny_hf), False, _cfg(True), batch, out["log_probs"])
+    ref = {"batch": batch, "log_probs": out["log_probs"], "entropy": out["entropy"], "old": out["log_probs"],
+           "metrics": metrics}  # fmt: skip
+    mp.spawn(_pp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)
