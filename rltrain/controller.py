@@ -243,8 +243,8 @@ class Trainer:
         of the batch's tokens and the same rows as the contiguous split, and the results come back in the
         batch's row order. A row's results do not depend on which rank computes it (up to the rounding of
         kernels that block another number of rows differently), so this changes timing, not the run;
-        outputs that are not per row (a rank's seconds) are left as the ranks return them. The update keeps
-        the contiguous split: its mini-batches are cut per rank, so moving rows would change them."""
+        outputs that are not per row (a rank's seconds) are left as the ranks return them. Updates use
+        `_dispatch_update`, which keeps each row's position in its shard."""
         from rltrain.token_balance import dp_balanced_order
 
         dp = self.plan.layout(role).dp
@@ -259,6 +259,21 @@ class Trainer:
             return t[inverse] if t.dim() and t.shape[0] == rows else t
 
         return back(out) if isinstance(out, torch.Tensor) else {k: back(v) for k, v in out.items()}
+
+    def _dispatch_update(
+        self, group: WorkerGroup, role: str, method: str, batch: dict[str, torch.Tensor], *extra: Any
+    ) -> list[Any]:
+        """`_dispatch` of an update with the rows exchanged between data-parallel ranks, at the same position
+        in each rank's shard, so that every rank gets a balanced share of the tokens
+        (`token_balance.dp_balanced_columns`): each mini-batch keeps its rows, so the update is the one the
+        contiguous split gives (up to summation order), with less waiting on the slowest rank."""
+        from rltrain.token_balance import dp_balanced_columns
+
+        dp = self.plan.layout(role).dp
+        if dp > 1:
+            order = dp_balanced_columns(batch["attention_mask"].sum(-1).tolist(), dp)
+            batch = {k: v[order] for k, v in batch.items()}
+        return self._dispatch(group, role, method, batch, *extra)
 
     def _set_step(self, step: int) -> None:
         self.reward_profiler.set_step(step)
@@ -507,13 +522,13 @@ class Trainer:
             return bad
         if self.critic is not None:
             critic_batch = batch.worker_batch("values", "returns")
-            metrics.update(_timed(timing, "update_critic", self._dispatch, self.critic, "critic", "update_critic",
+            metrics.update(_timed(timing, "update_critic", self._dispatch_update, self.critic, "critic", "update_critic",
                                   critic_batch, step)[0])  # fmt: skip
         if step > alg.critic_warmup:
             on_policy = ("rollout_log_probs",) if passes.old_log_prob == "update" else ()
             actor_batch = batch.worker_batch("old_log_probs", "advantages", "ref_log_probs", "rollout_is_weights",
                                              *on_policy)  # fmt: skip
-            metrics.update(_timed(timing, "update_actor", self._dispatch, self.policy, "actor", "update_actor",
+            metrics.update(_timed(timing, "update_actor", self._dispatch_update, self.policy, "actor", "update_actor",
                                   actor_batch, step)[0])  # fmt: skip
         return bad_update(metrics)
 

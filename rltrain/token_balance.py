@@ -5,7 +5,9 @@
 * `split_packed_by_tokens`: token-budget micro-batches of packed rows (rltrain/megatron/packing.py): as few
   as the budget allows, balanced.
 * `dp_balanced_order`: a permutation of a batch's rows that gives every data-parallel shard (the
-  controller's contiguous split) a balanced share of the tokens, and its inverse.
+  controller's contiguous split) a balanced share of the tokens, and its inverse (forward passes).
+* `dp_balanced_columns`: the same for an update, exchanging rows between shards only at the same position,
+  so that every mini-batch keeps its rows.
 """
 
 from __future__ import annotations
@@ -99,3 +101,33 @@ def dp_balanced_order(lengths: list[int], shard_sizes: list[int]) -> tuple[torch
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel())
     return order, inverse
+
+
+def dp_balanced_columns(lengths: list[int], dp: int) -> torch.Tensor:
+    """A permutation `order` of a batch whose rows split evenly into `dp` contiguous shards that balances the
+    shards' tokens while every row keeps its position within a shard: `batch[order]` exchanges rows only
+    between shards, at the same position (`order[d * N + p] % N == p`, N = rows / dp).
+
+    Why positions stay: an update cuts each rank's rows into mini-batches by position (in order, or by one
+    permutation that every rank draws alike), so a global mini-batch is the same set of rows however the
+    rows of one position are spread over the ranks: the update is unchanged (its losses are normalised over
+    the whole mini-batch), only its per-rank work is balanced. Columns with the widest spread of lengths go
+    first, their longest row to the lightest shard; the shards then differ by at most the widest column
+    spread. Identity when the rows do not split evenly."""
+    n = len(lengths)
+    if dp <= 1 or n % dp:
+        return torch.arange(n)
+    per = n // dp
+    loads = [0] * dp
+    order = [0] * n
+    columns = sorted(
+        range(per),
+        key=lambda p: (-(max(lengths[p::per]) - min(lengths[p::per])), p),
+    )
+    for p in columns:
+        rows = sorted((d * per + p for d in range(dp)), key=lambda i: (-lengths[i], i))
+        shards = sorted(range(dp), key=lambda d: (loads[d], d))
+        for row, shard in zip(rows, shards, strict=True):
+            order[shard * per + p] = row
+            loads[shard] += lengths[row]
+    return torch.tensor(order, dtype=torch.long)

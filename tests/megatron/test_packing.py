@@ -223,3 +223,48 @@ def test_packed_pp2_equals_padded_pp1(mp_world, tiny_hf):
     ref = {"batch": batch, "log_probs": out["log_probs"], "entropy": out["entropy"], "old": out["log_probs"],
            "metrics": metrics}  # fmt: skip
     mp.spawn(_pp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)
+
+
+# ------------------------------------------------------------------------------------ DP = 2 balancing
+def _dp2_worker(rank: int, world: int, port: int, path: str, ref: dict) -> None:
+    run_spawned(_dp2_run, rank, world, port, path, ref)
+
+
+def _dp2_run(rank: int, world: int, port: int, path: str, ref: dict) -> None:
+    from megatron.core import parallel_state
+
+    from rltrain.megatron.parallel import init_distributed
+    from rltrain.token_balance import dp_balanced_columns
+
+    init_distributed("cpu", rank=rank, world_size=world, master_port=port)
+    # Two mini-batches of 4 rows (2 per rank), shuffled: the rows a rank holds decide its mini-batches.
+    cfg = dataclasses.replace(_cfg(True), ppo_mini_batch_size=4, shuffle=True)
+    init_groups(cfg.megatron, "cpu")
+    d = parallel_state.get_data_parallel_rank()
+    rl = _rl(ref["batch"], ref["old"])
+    lengths = rl["attention_mask"].sum(-1).tolist()
+    order = dp_balanced_columns(lengths, 2)
+    assert not torch.equal(order, torch.arange(len(LENGTHS)))  # the batch is unbalanced: rows do move
+    after = {}
+    for name, rows in (("contiguous", torch.arange(len(LENGTHS))), ("balanced", order)):
+        shard = {k: v[rows][d * 4 : (d + 1) * 4] for k, v in rl.items()}
+        actor = actor_of(_model(path, True), cfg, "cpu", total_steps=2)
+        actor.update_policy(shard, step=1)
+        after[name] = actor.compute_log_prob(ref["batch"], with_entropy=False)["log_probs"]
+    # The same update: every mini-batch held the same rows, only spread differently over the ranks.
+    assert_tiny_close(after["balanced"], after["contiguous"], msg="dp2 balanced", depth=UPDATE_DEPTH)
+    assert not torch.equal(after["contiguous"], ref["old"])  # the update moved the policy
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_dp2_token_balanced_update_equals_contiguous_split(mp_world, tiny_hf):
+    """The controller's update spread (`token_balance.dp_balanced_columns`) changes which rank computes a
+    row, not the update: two mini-batches, shuffled, at DP = 2 give the contiguous split's weights."""
+    import torch.multiprocessing as mp
+
+    # The longest rows first: the contiguous split gives rank 0 all the long ones.
+    batch = batch_from_lengths(sorted(LENGTHS, key=sum, reverse=True), 12, 20, seed=3)
+    frozen = actor_of(_model(str(tiny_hf), True), _cfg(True), "cpu", trainable=False)
+    ref = {"batch": batch, "old": frozen.compute_log_prob(batch, with_entropy=False)["log_probs"]}
+    mp.spawn(_dp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)

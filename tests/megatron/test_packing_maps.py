@@ -158,3 +158,23 @@ def test_packed_attention_is_causal_within_each_row(device):
     torch.testing.assert_close(out.float(), ref, **tolerance(dtype, reduction=9 * 16, magnitude=4.0))
     out.float().sum().backward()
     assert q.grad is not None and bool(torch.isfinite(q.grad).all())
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=48), dp=st.integers(1, 4))
+def test_dp_balanced_columns_keeps_positions_and_balances(lengths, dp):
+    """The update's DP spread: rows move between shards only at the same position (so every mini-batch
+    keeps its rows), and the shards' token sums differ by at most the widest spread of one position."""
+    from rltrain.token_balance import dp_balanced_columns
+
+    n = len(lengths) - len(lengths) % dp
+    lengths = lengths[:n]
+    order = dp_balanced_columns(lengths, dp).tolist()
+    assert sorted(order) == list(range(n))
+    if not n:
+        return
+    per = n // dp
+    assert all(order[i] % per == i % per for i in range(n))
+    loads = [sum(lengths[j] for j in order[d * per : (d + 1) * per]) for d in range(dp)]
+    widest = max(max(lengths[p::per]) - min(lengths[p::per]) for p in range(per))
+    assert max(loads) - min(loads) <= widest
