@@ -114,15 +114,15 @@ class _CompiledRope(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         rows, f = _as_rows(t, freqs)
-        ctx.save_for_backward(f)
+        # The angles as given (megatron's table, shared by every layer), not their per-row expansion.
+        ctx.save_for_backward(freqs)
         ctx.shape = t.shape
         return _compiled_rope_rows(False)(rows, f).view(t.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        (f,) = ctx.saved_tensors
-        rows, _ = _as_rows(grad.reshape(ctx.shape))
-        torch._dynamo.decorators.mark_unbacked(f, 0)
+        (freqs,) = ctx.saved_tensors
+        rows, f = _as_rows(grad.reshape(ctx.shape), freqs)
         return _compiled_rope_rows(True)(rows, f).view(ctx.shape), None
 
 

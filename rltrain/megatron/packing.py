@@ -217,8 +217,21 @@ def rope_thd(
         from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
         rotate = _apply_rotary_pos_emb_bshd
-    angles = freqs.index_select(0, packed_positions(cu_seqlens, t.shape[0]))
-    return rotate(t.unsqueeze(1), angles).squeeze(1)
+    return rotate(t.unsqueeze(1), _packed_angles(cu_seqlens, freqs, t.shape[0])).squeeze(1)
+
+
+# The angles of the last packed micro-batch: every layer's query and key share one tensor (computed once per
+# forward, saved once for the backward) instead of one [T, 1, 1, rot] fp32 copy per call.
+_ANGLES: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]] = []
+
+
+def _packed_angles(cu_seqlens: torch.Tensor, freqs: torch.Tensor, total: int) -> torch.Tensor:
+    """freqs [max_len, 1, 1, rot] at each packed token's position within its row: [total, 1, 1, rot]."""
+    if _ANGLES and _ANGLES[0][0] is cu_seqlens and _ANGLES[0][1] is freqs and _ANGLES[0][2] == total:
+        return _ANGLES[0][3]
+    angles = freqs.index_select(0, packed_positions(cu_seqlens, total))
+    _ANGLES[:] = [(cu_seqlens, freqs, total, angles)]
+    return angles
 
 
 __all__ = [
