@@ -19,6 +19,7 @@ import torch
 
 from ..tolerance import rel_tolerance
 from ._common import (
+    TINY_DEPTH,
     TINY_REDUCTION,
     UPDATE_DEPTH,
     actor_cfg,
@@ -114,6 +115,27 @@ def test_packed_log_probs_equal_padded_compiled(mp_world, tiny_hf, monkeypatch):
     assert calls  # the packed passes rotated through the compiled thd hook
     assert_tiny_close(out[True]["log_probs"], out[False]["log_probs"])
     assert_tiny_close(out[True]["entropy"], out[False]["entropy"])
+
+
+@pytest.mark.slow
+def test_packed_bf16_matches_padded(mp_world, tiny_hf):
+    """bf16 weights (megatron's Float16Module passes the packed params on) with compiled kernels: packed
+    log-probs and one update's grad norm match the padded ones to bf16 rounding."""
+    from ..tolerance import tolerance
+
+    batch = _batch()
+    out, norms = {}, {}
+    for packed in (False, True):
+        model = dataclasses.replace(_model(str(tiny_hf), packed, "compiled"), params_dtype="bfloat16")
+        actor = actor_of(model, _cfg(True), "cpu", total_steps=2)
+        out[packed] = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+        rl = _rl(batch, out[packed])
+        norms[packed] = actor.update_policy(rl)["actor/grad_norm"]
+    tol = tolerance(torch.bfloat16, TINY_REDUCTION, depth=TINY_DEPTH, magnitude=float(out[False].abs().max()))
+    torch.testing.assert_close(out[True], out[False], **tol)
+    assert norms[True] == pytest.approx(
+        norms[False], rel=rel_tolerance(torch.bfloat16, TINY_REDUCTION, UPDATE_DEPTH)
+    )
 
 
 def _update(path: str, packed: bool, cfg, batch: dict[str, torch.Tensor], old: torch.Tensor):
