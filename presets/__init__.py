@@ -42,6 +42,12 @@ _ALL = (
         tiny.tiny_grpo_moe,
     ),
     Preset(
+        "tiny-grpo-mla",
+        "CPU, tiny-grpo with a tiny DeepSeek-V3-shaped model: multi-head latent attention, 8 sigmoid-routed "
+        "experts in 4 groups, a shared expert",
+        tiny.tiny_grpo_mla,
+    ),
+    Preset(
         "tiny-tool",
         "CPU, the tiny model learns to call a calculator tool (multi-turn agent loop, masked observations)",
         tiny.tiny_tool,

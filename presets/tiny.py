@@ -142,3 +142,44 @@ def tiny_grpo_moe() -> RLConfig:
             "trainer.experiment_name": "tiny-grpo-moe",
         },
     )
+
+
+def tiny_grpo_mla() -> RLConfig:
+    """GRPO on the counting task with a tiny DeepSeek-V3-shaped model (family deepseek_v3): multi-head latent
+    attention (q latent 32, kv latent 32, 16 + 8 rope dims per query / key head, values 16 wide), one dense
+    layer first (first_k_dense_replace 1), then 8 routed experts of width 32 in 4 groups (a token picks 2
+    groups, then its top 4 experts in them, on sigmoid scores plus a frozen score bias, weights renormalised
+    and scaled by 2.5) beside one shared expert, a load-balancing loss (coefficient 0.01); one CPU worker, the
+    embedded rollout on the latent KV cache."""
+    return replace_paths(
+        tiny_grpo(),
+        {
+            "model.arch.family": "deepseek_v3",
+            "model.arch.add_qkv_bias": False,
+            "model.arch.num_query_groups": 4,
+            "model.arch.multi_latent_attention": True,
+            "model.arch.q_lora_rank": 32,
+            "model.arch.kv_lora_rank": 32,
+            "model.arch.qk_head_dim": 16,
+            "model.arch.qk_pos_emb_head_dim": 8,
+            "model.arch.v_head_dim": 16,
+            "model.arch.kv_channels": 24,
+            "model.arch.rotary_interleaved": True,
+            "model.arch.num_moe_experts": 8,
+            "model.arch.moe_router_topk": 4,
+            "model.arch.moe_ffn_hidden_size": 32,
+            "model.arch.moe_shared_expert_intermediate_size": 32,
+            "model.arch.moe_norm_topk_prob": True,
+            "model.arch.moe_dense_layers": (0,),
+            "model.arch.moe_router_score_function": "sigmoid",
+            "model.arch.moe_router_enable_expert_bias": True,
+            "model.arch.moe_router_num_groups": 4,
+            "model.arch.moe_router_group_topk": 2,
+            "model.arch.moe_router_topk_scaling_factor": 2.5,
+            # The score bias is frozen during RL; without a balancing term this tiny router sends every token
+            # to the same two groups within ten steps (expert load max 2.0 = experts / topk).
+            "model.arch.moe_aux_loss_coeff": 0.01,
+            "trainer.output_dir": "outputs/tiny-grpo-mla",
+            "trainer.experiment_name": "tiny-grpo-mla",
+        },
+    )

@@ -1,7 +1,8 @@
 """The rlplan configuration tree: frozen dataclasses, the single source of every default.
 
 Each section is a small dataclass owned by the component that reads it. The string literal under a field
-is its documentation: it becomes CLI help (tyro), the JSON Schema description and the reference docs.
+is its documentation: it becomes `rltrain --help` (rltrain.cli_help), the JSON Schema description and the
+reference docs.
 Derived values (effective layouts, resolved paths, schedules) are not stored here; they live in the
 trainer plan (`rlconf.plan`). This module imports nothing beyond the standard library, its own sections
 (rlconf.profile_config) and the leaf names of rlconf.profile_vocab and rlconf.vocab, which it re-exports.

@@ -198,6 +198,13 @@ def resolve(c: RLConfig, arch: ModelArch) -> LoraPlan | None:
     lo = c.actor.lora
     if lo.rank <= 0:
         return None
+    if arch.multi_latent_attention:
+        raise _issue(
+            "actor.lora.rank",
+            f"LoRA on a {arch.family} model: multi-head latent attention has no q/k/v/o projections of the "
+            "kind the adapters are built for (its q_a / q_b / kv_a / kv_b projections are not adapted yet)",
+            "set actor.lora.rank: 0 (full fine-tuning), or use a model of another family",
+        )
     wanted: dict[str, set[str]] = {}
     explicit_mlp = False
     for name in lo.target_modules:

@@ -7,7 +7,8 @@ cannot disagree about what a config.json means.
 Families (`FAMILIES`, rlconf.model_families): llama (Llama 3 / 3.1 / 3.2), mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral,
 deepseek_v3 (DeepSeek-V3, Moonlight-16B-A3B, Kimi-K2: multi-head latent attention, sigmoid group-limited
 routing with an expert-score bias, shared experts, first_k_dense_replace dense layers, YaRN with mscale; read,
-planned and exported, not yet trained: `training_gaps`).
+planned, trained and exported where megatron-core computes what transformers does: `training_gaps` names the
+rest).
 A key missing from config.json takes the default of that family's transformers config class (e.g. a
 missing tie_word_embeddings is false for every family here, a missing Qwen3 head_dim is 128), because that
 is what transformers builds from the same file. Everything else, and every feature of a supported family
@@ -764,35 +765,52 @@ def engine_gaps(arch: ModelArch) -> list[tuple[str, str]]:
     """(ModelArch field, message) for each feature of `arch` that the plan accepts but the megatron engine
     does not build yet; rlconf.validate's engine-support rule turns them into errors before a run starts."""
     gaps = []
-    if arch.rope_scaling.type == "yarn" and not arch.multi_latent_attention:  # MLA: training_gaps refuses
+    # MLA: megatron's own YarnRotaryEmbedding, which computes DeepSeek's YaRN as transformers does
+    # (tests/megatron/test_mla_parity.py, mscale != mscale_all_dim).
+    if arch.rope_scaling.type == "yarn" and not arch.multi_latent_attention:
         gaps.append(("rope_scaling.type", "YaRN rope scaling is not built in the megatron engine yet"))
     return gaps
 
 
-def training_gaps(arch: ModelArch) -> list[tuple[str, str]]:
-    """(ModelArch field, message) for each feature of `arch` that the plan reads, counts and sizes but the
-    megatron engine cannot train yet: `rlconf plan` shows such a model, `rltrain` refuses it at start
-    (rltrain.preflight.check_engine, rule model-engine-support) before anything is written."""
+def training_gaps(arch: ModelArch, from_folder: bool = False) -> list[tuple[str, str]]:
+    """(ModelArch field, message naming the config.json key) for each feature of `arch` that the plan reads,
+    counts and sizes but the megatron engine cannot train as transformers computes it: `rlconf plan` shows
+    such a model, `rltrain` refuses it at start (rltrain.preflight.check_engine, rule model-engine-support)
+    before anything is written, never a different model trained in its place.
+
+    deepseek_v3 trains on megatron-core 0.16.1's MLA and router (rltrain.megatron.mla, mla.deepseek_routing)
+    where they compute transformers' DeepseekV3 exactly. They do not (moe_utils.topk_routing_with_score_function
+    / group_limited_topk, rope_utils._apply_rotary_pos_emb_bshd) when sigmoid top-k weights are not
+    renormalised (megatron always renormalises for k > 1 and never for k = 1), when a group is scored by other
+    than its top 2 experts (megatron sums its top topk / topk_group), or with non-interleaved rope dims
+    (megatron's MLA always de-interleaves them).
+
+    Multi-token prediction layers (num_nextn_predict_layers) are not trained (transformers does not build
+    them either): a model read from a folder (`from_folder`) keeps them as the folder holds them, and its
+    exports copy them back unchanged (rltrain.megatron.hf_weights.export_hf_weights `mtp_source`); a built-in
+    `model.arch` has no such weights to keep, so it is refused."""
     gaps = []
     if arch.multi_latent_attention:
-        gaps.append(("multi_latent_attention", "multi-head latent attention (deepseek_v3) is planned but not "
-                     "built in the megatron engine yet: megatron-core 0.16.1's MLASelfAttention and DeepSeek "
-                     "routing match transformers at TP = 1 and EP = 2 (rltrain.megatron.mla) but are not wired "
-                     "into the actor, the embedded rollout's KV cache or checkpoint export"))  # fmt: skip
-        # Where megatron-core 0.16.1's router is not transformers' DeepseekV3TopkRouter (moe_utils.topk_routing_
-        # with_score_function / group_limited_topk): it always renormalises sigmoid top-k weights, and scores
-        # a group by its top (topk / group_topk) experts where transformers takes the top 2.
-        if not arch.moe_norm_topk_prob and arch.moe_router_topk > 1:
+        if arch.moe_router_topk > 1 and not arch.moe_norm_topk_prob:
             gaps.append(("moe_norm_topk_prob", "norm_topk_prob: false with sigmoid routing: megatron-core always "
-                         "renormalises sigmoid top-k weights, transformers does not here"))  # fmt: skip
+                         "renormalises sigmoid top-k weights to sum to 1, transformers does not here"))  # fmt: skip
+        if arch.moe_router_topk == 1 and arch.moe_norm_topk_prob:
+            gaps.append(("moe_norm_topk_prob", "num_experts_per_tok: 1 with norm_topk_prob: true: transformers "
+                         "weighs the one expert 1, megatron-core by its sigmoid score"))  # fmt: skip
         groups, group_topk = arch.moe_router_num_groups or 1, arch.moe_router_group_topk or 1
         if groups > 1 and arch.moe_router_topk // group_topk != 2:
             gaps.append(("moe_router_group_topk", f"group-limited routing with num_experts_per_tok / topk_group = "
                          f"{arch.moe_router_topk} / {group_topk}: megatron-core scores each group by its top "
-                         f"{arch.moe_router_topk // group_topk} experts, transformers by its top 2"))  # fmt: skip
-    if arch.num_mtp_layers:
+                         f"{arch.moe_router_topk // group_topk} experts, transformers by its top 2 (n_group > 1 "
+                         "needs num_experts_per_tok = 2 x topk_group)"))  # fmt: skip
+        if not arch.rotary_interleaved:
+            gaps.append(("rotary_interleaved", "rope_interleave: false: megatron-core's multi-head latent "
+                         "attention always rotates the rope dims de-interleaved (transformers' rope_interleave: "
+                         "true)"))  # fmt: skip
+    if arch.num_mtp_layers and not from_folder:
         gaps.append(("num_mtp_layers", f"{arch.num_mtp_layers} multi-token prediction layer(s) "
-                     "(num_nextn_predict_layers) are not trained (transformers does not build them either)"))  # fmt: skip
+                     "(num_nextn_predict_layers) in a built-in model.arch: rlplan does not build or train them "
+                     "(transformers does not either) and has no weights of theirs to export"))  # fmt: skip
     return gaps
 
 

@@ -839,7 +839,8 @@ def run_training(plan: TrainerPlan, document: ConfigDocument) -> int:
     # checks the same, and the disk).
     from rltrain.preflight import check_cluster, check_disk, check_engine
 
-    check_engine(plan)  # a model the plan sizes but the engine cannot train (deepseek_v3 MLA)
+    for note in check_engine(plan):  # a model the plan sizes but the engine cannot train exactly
+        print(f"note: {note}", flush=True)
     check_cluster(plan)
     stop = StopSignals()
     stop.install()

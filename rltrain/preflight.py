@@ -174,8 +174,8 @@ def check_start(plan: TrainerPlan) -> list[str]:
     """What a run checks before it writes anything (`rltrain --dry-run` too): the Ray cluster it joins
     answers within cluster.connect_timeout_s and holds the plan's nodes, and the run folder's filesystem has
     room for one checkpoint. Raises ConfigError (exit 2); returns what was checked, one line each."""
-    check_engine(plan)
-    return [check_cluster(plan), *check_disk(plan)]
+    notes = check_engine(plan)
+    return [*notes, check_cluster(plan), *check_disk(plan)]
 
 
 ENGINE_RULE = "model-engine-support"
@@ -186,23 +186,31 @@ _MODEL_PATHS = {
 }
 
 
-def check_engine(plan: TrainerPlan) -> None:
+def check_engine(plan: TrainerPlan) -> list[str]:
     """Models the plan reads, counts and sizes but the megatron engine cannot train yet
-    (rlconf.model_spec.training_gaps: deepseek_v3's multi-head latent attention, multi-token prediction
-    layers) are refused here, before Ray starts or anything is written: ConfigError naming the model's
-    config path (exit 2), never a model trained without them."""
+    (rlconf.model_spec.training_gaps: deepseek_v3 routing megatron-core computes otherwise, multi-token
+    prediction layers of a built-in model.arch) are refused here, before Ray starts or anything is written:
+    ConfigError naming the model's config path (exit 2), never a model trained without them. Returns a note
+    per model folder whose multi-token prediction layers are kept untrained (and exported unchanged)."""
     from rlconf.model_spec import training_gaps
 
     issues = [
         error(_MODEL_PATHS[m.name] if m.source != "model.arch" else f"model.arch.{field}",
               f"{m.source}: {gap}",
-              "`rlconf plan` shows this model's parameters and memory; to train now, choose a model of "
-              "another family (llama, mistral, qwen2, qwen3, qwen2_moe, qwen3_moe, mixtral)", ENGINE_RULE)
+              "`rlconf plan` shows this model's parameters and memory; to train, use a config.json without "
+              "what the message names, or a model rlplan computes exactly (docs/troubleshooting.md)", ENGINE_RULE)
         for m in plan.models
-        for field, gap in training_gaps(m.arch)
+        for field, gap in training_gaps(m.arch, from_folder=m.source != "model.arch")
     ]  # fmt: skip
     if issues:
         raise ConfigError(issues)
+    return [
+        f"{_MODEL_PATHS[m.name]}: {m.arch.num_mtp_layers} multi-token prediction layer(s) "
+        f"(num_nextn_predict_layers, model.layers.{m.arch.num_layers}..) are not trained (transformers does not "
+        "build them either); exports copy them unchanged from the folder"
+        for m in plan.models
+        if m.arch.num_mtp_layers and m.source != "model.arch"
+    ]
 
 
 def check_disk(plan: TrainerPlan) -> list[str]:

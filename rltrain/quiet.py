@@ -45,9 +45,11 @@ BENIGN_COMMON_DIFF = re.compile(
     r"Keys only on \d+: \[\('optimizer', 'param_state'\)\], Mismatched keys: \[\]$"
 )
 
-# Ray 2.60 logs this at every `ray.init`; the token it mentions is Ray's default and needs no action.
+# Ray 2.60 logs the first at every `ray.init`, and the second at the first `ray.init` on a machine (it
+# writes ~/.ray/auth_token): a user's very first run. The token is Ray's default and needs no action.
 RAY_TOKEN_AUTH_LOGGER = "ray._private.authentication.authentication_token_setup"
 RAY_TOKEN_AUTH_MESSAGE = "Token authentication is enabled for this Ray cluster"
+RAY_TOKEN_CREATED_MESSAGE = "Generated new authentication token"
 
 
 # Ray logs this at every local `ray.init`, on whatever line the console is on (the progress bar's): the run
@@ -102,7 +104,7 @@ def quiet_driver(device: str) -> str | None:
     filter_third_party_warnings()
     ray_auth = logging.getLogger(RAY_TOKEN_AUTH_LOGGER)
     if not any(isinstance(f, _DropMessages) for f in ray_auth.filters):
-        ray_auth.addFilter(_DropMessages(RAY_TOKEN_AUTH_MESSAGE))
+        ray_auth.addFilter(_DropMessages(RAY_TOKEN_AUTH_MESSAGE, RAY_TOKEN_CREATED_MESSAGE))
     ray_worker = logging.getLogger(RAY_WORKER_LOGGER)
     if not any(isinstance(f, _DropMessages) for f in ray_worker.filters):
         ray_worker.addFilter(_DropMessages(RAY_LOCAL_MESSAGE))

@@ -221,16 +221,30 @@ def test_export_config_loads_in_transformers_as_deepseek_v3(name: str):
     assert sum(p.numel() for p in hf_model(fresh).parameters()) == count_parameters(arch, "lm")[0]
 
 
-def test_rltrain_refuses_mla_by_name_before_writing_anything(tmp_path: Path):
-    folder = model_folder(tmp_path, "tiny", TINY_CASES["q-lora"], weights=True)
+def test_rltrain_refuses_routing_megatron_computes_otherwise_before_writing_anything(tmp_path: Path):
+    """norm_topk_prob: false (sigmoid weights not renormalised, which megatron-core always does): refused by
+    the config.json key (rule model-engine-support) before anything is written, never a different model;
+    the folder's multi-token prediction layer alone would only be noted (kept untrained, exported back)."""
+    folder = model_folder(tmp_path, "tiny", saved(num_experts_per_tok=4, norm_topk_prob=False), weights=True)
     out = tmp_path / "run"
     run = subprocess.run([sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--model.path", str(folder),
                           "--trainer.output_dir", str(out)], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert run.returncode == 2, run.stdout + run.stderr
-    assert "[model-engine-support] model.path" in run.stderr and "multi-head latent attention" in run.stderr
-    assert "multi-token prediction" in run.stderr  # num_nextn_predict_layers = 1: named, not dropped
+    assert "[model-engine-support] model.path" in run.stderr and "norm_topk_prob: false" in run.stderr
+    assert "multi-token prediction" not in run.stderr and "multi-head latent attention" not in run.stderr
     assert "Traceback" not in run.stderr and not out.exists()
     assert read_model_arch(str(folder)).num_mtp_layers == 1
+
+
+def test_a_built_in_arch_with_mtp_layers_is_refused_and_a_folder_s_are_noted():
+    """A built-in model.arch has no multi-token prediction weights to keep: refused by name; a folder's are kept
+    untrained (training_gaps names nothing, the preflight notes them)."""
+    from rlconf.model_spec import training_gaps
+
+    arch = arch_from_config(saved(num_experts_per_tok=4), "config.json")
+    assert arch.num_mtp_layers == 1
+    assert [f for f, _ in training_gaps(arch)] == ["num_mtp_layers"]
+    assert training_gaps(arch, from_folder=True) == []
 
 
 @pytest.mark.parametrize(
@@ -238,8 +252,9 @@ def test_rltrain_refuses_mla_by_name_before_writing_anything(tmp_path: Path):
     [
         ({"norm_topk_prob": False}, "moe_norm_topk_prob"),
         ({"num_experts_per_tok": 2}, "moe_router_group_topk"),
+        ({"rope_interleave": False}, "rotary_interleaved"),
     ],
-    ids=["no-renormalisation", "group-score-width"],
+    ids=["no-renormalisation", "group-score-width", "rope-not-interleaved"],
 )
 def test_routing_megatron_builds_differently_is_named(changes: dict[str, Any], field: str):
     """Where megatron-core's router would compute another model than transformers' (sigmoid weights always
@@ -251,3 +266,45 @@ def test_routing_megatron_builds_differently_is_named(changes: dict[str, Any], f
     for cfg in (DEEPSEEK_V3, MOONLIGHT, saved(num_experts_per_tok=4)):
         fields = {f for f, _ in training_gaps(arch_from_config(cfg, "config.json"))}
         assert not fields & {"moe_norm_topk_prob", "moe_router_group_topk"}
+
+
+def test_the_plan_names_the_attention_kind_and_the_routing():
+    """`rlconf plan` of tiny-grpo-mla says multi-head latent attention (which latent is cached) and DeepSeek's
+    routing (group limit, frozen score bias, scaling); a GQA model keeps its heads / groups."""
+    from presets import PRESETS
+    from rlconf.plan import compile_plan, format_plan
+
+    text = format_plan(compile_plan(PRESETS["tiny-grpo-mla"].build()))
+    assert ("multi-head latent attention: heads 4, q latent 32, kv latent 32 (cached) + rope 8, values 16; "
+            "sigmoid routing, 2 of 4 expert groups, score bias frozen, weights x 2.5") in text  # fmt: skip
+    assert "heads 4/2 groups" in format_plan(compile_plan(PRESETS["tiny-grpo"].build()))
+
+
+def test_lora_on_mla_is_refused_by_name():
+    """The adapters are built for q/k/v/o projections MLA does not have: rule lora, not adapters on nothing."""
+    import dataclasses
+
+    from presets import PRESETS
+    from rlconf.errors import ConfigError
+    from rlconf.plan import compile_plan
+
+    c = PRESETS["tiny-grpo-mla"].build()
+    c = dataclasses.replace(
+        c, actor=dataclasses.replace(c.actor, lora=dataclasses.replace(c.actor.lora, rank=4))
+    )
+    with pytest.raises(ConfigError, match=r"\[lora\] actor.lora.rank: LoRA on a deepseek_v3 model"):
+        compile_plan(c)
+
+
+def test_mla_with_context_parallel_is_refused_by_name():
+    from presets import PRESETS
+    from rlconf.errors import ConfigError
+    from rlconf.fields import replace_paths
+    from rlconf.plan import compile_plan
+
+    c = replace_paths(PRESETS["tiny-grpo-mla"].build(),
+                      {"cluster.gpus_per_node": 2, "actor.megatron.context_parallel_size": 2})  # fmt: skip
+    with pytest.raises(
+        ConfigError, match=r"actor.megatron.context_parallel_size: model.arch: multi-head latent"
+    ):
+        compile_plan(c)

@@ -376,14 +376,17 @@ def test_inline_quote_finder():
 
 @pytest.mark.slow
 def test_mla_refusal_excerpt(tmp_path: Path) -> None:
-    """`rltrain tiny-grpo --model.path DIR` on a deepseek_v3 folder: the quoted refusal is among its errors."""
+    """`rltrain tiny-grpo --model.path DIR` on a deepseek_v3 folder whose routing megatron-core computes
+    otherwise (norm_topk_prob: false): the quoted refusal is among its errors."""
     import json
 
     from tests.hf_folders import complete_folder
-    from tests.test_deepseek_v3_config import TINY_CASES
+    from tests.test_deepseek_v3_config import saved
 
     (tmp_path / "DIR").mkdir()
-    (tmp_path / "DIR" / "config.json").write_text(json.dumps(TINY_CASES["q-lora"]))
+    (tmp_path / "DIR" / "config.json").write_text(
+        json.dumps(saved(num_experts_per_tok=4, norm_topk_prob=False))
+    )
     complete_folder(tmp_path / "DIR")
     run = subprocess.run([sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--model.path", "DIR"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip

@@ -136,3 +136,20 @@ def test_mkdocs_build_strict(tmp_path):
         rel = page.relative_to(DOCS).with_suffix("")
         built = site / ("index.html" if rel.name == "index" else rel / "index.html")
         assert built.is_file(), f"{page.name} was not built"
+
+
+def test_every_mkdocs_command_the_docs_give_keeps_materials_banner_off():
+    """mkdocs-material prints a boxed banner about MkDocs 2.0 on every build or serve unless
+    NO_MKDOCS_2_WARNING=1: each command the README, the pages and mkdocs.yml give sets it on its line, or a
+    few lines above in the same block (`export`)."""
+    sources = [ROOT / "README.md", MKDOCS_YML, *sorted(DOCS.glob("*.md"))]
+    missed = []
+    for path in sources:
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            command = re.search(r"mkdocs (build|serve)", line) and "skip-test" not in line
+            if command and not any(
+                "NO_MKDOCS_2_WARNING=1" in above for above in lines[max(0, i - 4) : i + 1]
+            ):
+                missed.append(f"{path.name}:{i + 1}: {line.strip()}")
+    assert missed == []

@@ -90,3 +90,69 @@ def test_progress_line_keeps_step_count_and_eta_on_a_narrow_terminal(width):
     line = out.getvalue().split("\x1b[2K")[-1].splitlines()[0]
     assert "37/100" in line and "-:--:--" in line and len(line.rstrip()) <= width
     assert "reward/mean 0.1234" in line  # the metrics are cut at the end, with an ellipsis
+
+
+LOG_STEPS = """
+import sys
+from rltrain.metrics import MetricsLogger
+
+log = MetricsLogger(sys.argv[1], ("console",), total_steps=100)
+for step in (1, 2, 3):
+    log.log(step, {"reward/mean": 0.123456, "actor/loss": -0.0533, "actor/lr": 1e-3, "critic/vf_loss": 0.5,
+                   "response/length_mean": 12.72, "timing/step_s": 3.5, "perf/total_num_tokens": 4096})
+log.close()
+"""
+
+
+def _log_steps(tmp_path, **popen) -> str:
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "COLUMNS": "80", "PYTHONPATH": os.getcwd()}
+    proc = subprocess.Popen([sys.executable, "-c", LOG_STEPS, str(tmp_path)], env=env, **popen)
+    return proc
+
+
+def test_progress_lines_in_a_pipe_keep_the_step_and_eta(tmp_path):
+    """stdout a pipe (CI, `| tee`), COLUMNS=80: plain lines, each with its step first and the ETA (3.5 s x
+    the steps left) last."""
+    import subprocess
+
+    proc = _log_steps(tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    import re
+
+    lines = out.splitlines()
+    found = [re.fullmatch(r"step +(\d+)  reward/mean .*  ETA (\d+m\d\ds)", line) for line in lines]
+    assert [m and (m[1], m[2]) for m in found] == [("1", "5m46s"), ("2", "5m43s"), ("3", "5m40s")], lines
+    assert "\x1b" not in out  # no terminal control codes in a log file
+
+
+def test_progress_bar_on_a_real_80_column_terminal_keeps_the_count_and_time_left(tmp_path):
+    """A real pty with COLUMNS=80: the bar's last frame fits 80 columns and still shows `3/100` and the time
+    left, the metrics cut with an ellipsis instead."""
+    import os
+    import pty
+    import re
+
+    master, slave = pty.openpty()
+    proc = _log_steps(tmp_path, stdout=slave, stderr=slave)
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    os.close(master)
+    assert proc.wait(timeout=60) == 0, b"".join(chunks)[-2000:]
+    text = b"".join(chunks).decode("utf-8", "replace")
+    frames = [re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", f) for f in re.split(r"\r|\n|\x1b\[2K", text)]
+    last = [f for f in frames if "train" in f][-1].rstrip()
+    assert "3/100" in last and re.search(r"\d:\d\d:\d\d", last), last
+    assert len(last) <= 80, last

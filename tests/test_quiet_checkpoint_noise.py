@@ -4,7 +4,13 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import tempfile
 import warnings
+
+import pytest
 
 from rltrain import quiet
 
@@ -44,3 +50,40 @@ def test_rays_local_instance_line_is_dropped_and_a_cluster_connection_kept(caplo
         log.info("Started a local Ray instance.")
         log.info("Connected to Ray cluster.")
     assert [r.getMessage() for r in caplog.records] == ["Connected to Ray cluster."]
+
+
+RAY_FIRST_INIT = """
+import sys
+from rltrain.quiet import quiet_driver
+from rltrain.ray_group import start_ray
+import ray
+
+quiet_driver("cpu")
+print("progress-line", end="", flush=True)  # a progress bar's line, still open when Ray starts
+start_ray(None, num_cpus=1, temp_dir=sys.argv[1])
+ray.shutdown()
+print(" end")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.multiproc
+def test_a_first_ray_init_on_a_machine_prints_nothing_of_rays(tmp_path):
+    """A real local `ray.init` in a fresh home (Ray writes ~/.ray/auth_token there, as on a user's very
+    first run): neither the token lines nor "Started a local Ray instance" reach the console, so nothing
+    lands on the progress bar's line."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS",)}
+    env.update(HOME=str(home), PYTHONPATH=os.getcwd(), OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory(dir="/tmp", prefix="rq") as ray_dir:  # AF_UNIX paths: <= 107 bytes
+        result = subprocess.run(
+            [sys.executable, "-c", RAY_FIRST_INIT, ray_dir],
+            capture_output=True, text=True, timeout=180, env=env, cwd=os.getcwd(),
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (home / ".ray" / "auth_token").exists(), "Ray did not create a token: nothing was tested"
+    assert result.stdout == "progress-line end\n"
+    for line in ("Generated new authentication token", "Token authentication is enabled",
+                 "Started a local Ray instance"):  # fmt: skip
+        assert line not in result.stderr, result.stderr

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -214,6 +215,13 @@ def test_plan_wording_constant_lr_and_row_counts(capsys):
     out = capsys.readouterr().out
     assert "then constant for 100 steps" in out and "constant decay" not in out
     assert "(1 rows)" not in out
+    # One of each: the counts say it in the singular (7 steps leave exactly one lr row out of the table).
+    sets = ["trainer.total_steps=7", "actor.optim.lr_warmup_steps=1", "actor.optim.lr_decay_steps=1"]
+    assert main(["plan", "preset:tiny-grpo", *(a for s in sets for a in ("--set", s))]) == 0
+    out = capsys.readouterr().out
+    assert "warmup 1 step from 0, then constant for 1 step;" in out and "    ... (1 row)\n" in out
+    assert "x 1 epoch)" in out
+    assert not re.search(r"\b1 (steps|rows|epochs|layers)\b", out)
 
 
 def test_plan_errors_name_their_source(tmp_path, capsys):

@@ -5,15 +5,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
-from hypothesis import given, settings
+import pytest
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from presets import get_preset
 from rlconf.config import RLConfig
 from rlconf.fields import get_path, iter_leaves, type_name
-from rltrain.cli import _flag_values, _tyro_cli, config_to_flags, main, parse_args
+from rltrain.cli import main, parse_args
+from rltrain.flags import apply_flags, config_to_flags, flag_values
 from tests.typed_strategies import typed_configs
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "rltrain_flags.txt"
@@ -116,21 +119,23 @@ def test_every_field_is_a_flag():
     flags = [
         tok
         for leaf in iter_leaves(RLConfig)
-        for tok in (f"--{leaf.path}", *_flag_values(get_path(target, leaf.path)))
+        for tok in (f"--{leaf.path}", *flag_values(get_path(target, leaf.path)))
     ]
     assert len([f for f in flags if f.startswith("--")]) == len(list(iter_leaves(RLConfig)))
-    assert _tyro_cli(RLConfig(), flags, prog="rltrain") == target
+    assert apply_flags(RLConfig(), flags) == (target, [])
 
 
-SAFE_TEXT = st.text(alphabet="abcdefghijklmnopqrstuvwxyz0123456789_/.", min_size=1, max_size=10).filter(
-    lambda s: s not in ("None", "True", "False") and not s[0].isdigit() and s[0] not in "._"
+SAFE_TEXT = st.text(alphabet="abcdefghijklmnopqrstuvwxyzNT0123456789_/.", min_size=1, max_size=10).filter(
+    lambda s: not s[0].isdigit() and s[0] not in "._"
 )
 
 
 @settings(max_examples=60, deadline=None)
 @given(typed_configs(text=SAFE_TEXT))
+@example(replace(RLConfig(), model=replace(RLConfig().model, tokenizer_path="null")))
+@example(replace(RLConfig(), model=replace(RLConfig().model, tokenizer_path="None")))
 def test_config_rendered_to_flags_parses_back_equal(config):
-    assert _tyro_cli(RLConfig(), config_to_flags(config), prog="rltrain") == config
+    assert apply_flags(RLConfig(), config_to_flags(config)) == (config, [])
 
 
 FOUR_ERRORS = """\
@@ -161,37 +166,55 @@ def test_every_config_error_at_once_exactly_like_rlconf_validate(tmp_path, capsy
     assert rltrain_err.startswith(f"{f}: invalid config:")
 
 
-def test_preset_help_starts_with_the_run_options():
-    result = rltrain("tiny-grpo", "--help")
-    assert result.returncode == 0
-    head = "\n".join(result.stdout.splitlines()[:12])
-    assert "--config FILE.yaml" in head and "--dry-run" in head
-    assert "--model.path" not in head  # the 900 lines of fields come after
+BAD_FLAG_VALUES = [
+    ("actor.optim.lr", "abc"),  # not a number
+    ("trainer.total_steps", "-x"),  # a value that looks like a flag
+    ("trainer.total_steps", "1.5"),
+    ("model.params_dtype", "f16"),  # not one of the choices
+    ("actor.use_kl_loss", "maybe"),
+    ("actor.optim.lrr", "1"),  # no such flag
+    ("profile.steps", "[1, x]"),  # a list with a bad item
+]
 
 
-def test_preset_help_is_wrapped_and_lists_help_once():
-    result = subprocess.run(
-        [sys.executable, "-m", "rltrain.cli", "tiny-grpo", "--help"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "100"},
-    )  # fmt: skip
-    assert result.returncode == 0
-    assert result.stdout.count("-h, --help") == 1
-    # A docstring's line breaks are joined: the sentence reflows to the terminal, not to the source file
-    # (tyro kept the docstring's break after "(Transformer").
-    assert any("(Transformer Engine)" in line for line in result.stdout.splitlines())
-    # The run options are laid out by hand: their lines stay as written.
-    assert "\n  --config FILE.yaml   overlay this YAML/JSON file" in result.stdout
+@pytest.mark.parametrize(("path", "value"), BAD_FLAG_VALUES, ids=[f"{p}={v}" for p, v in BAD_FLAG_VALUES])
+def test_a_bad_flag_value_reads_as_rlconf_validate_reads_it_in_a_file(path, value, capsys):
+    """rlplan's error format, never tyro's box: the rule, path, message and fix `rlconf validate` gives
+    the same value, with the command line as the source."""
+    from rlconf.cli import main as rlconf_main
 
-
-def test_bad_flag_value_gets_rlplans_error_format(capsys):
-    assert main(["tiny-grpo", "--actor.optim.lr", "abc"]) == 2
+    assert main(["tiny-grpo", f"--{path}", value]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("command line: invalid config: 1 error")
-    assert "error [type] actor.optim.lr: --actor.optim.lr: could not convert string to float: 'abc'" in err
-    assert "fix: give --actor.optim.lr a value of its type" in err and "╭" not in err
-    assert main(["tiny-grpo", "--model.params_dtype", "f16"]) == 2
+    assert rlconf_main(["validate", "--preset", "tiny-grpo", "--set", f"{path}={value}"]) == 2
+    validate_err = capsys.readouterr().err
+    assert err.startswith("command line: invalid config: 1 error\nerror [")
+    assert err.splitlines()[1:] == validate_err.splitlines()[1:]
+    assert "╭" not in err and "Traceback" not in err
+
+
+def test_flag_syntax_errors_name_the_flag_and_the_fix(capsys):
+    assert main(["tiny-grpo", "--cluster.nnodes"]) == 2
     err = capsys.readouterr().err
-    assert "error [type] model.params_dtype:" in err and "'float32', 'bfloat16', 'float16'" in err
+    assert "error [flag-syntax] cluster.nnodes: --cluster.nnodes takes one value (integer), got none" in err
+    assert main(["tiny-grpo", "--trainer.total_steps", "1", "2"]) == 2
+    assert "takes one value (integer), got 2: 1 2" in capsys.readouterr().err
+    assert main(["tiny-grpo", "--actor.optim.betas", "0.9"]) == 2
+    assert "error [type] actor.optim.betas: expected 2 items, got 1" in capsys.readouterr().err
+    assert main(["tiny-grpo", "stray", "--dry-run"]) == 2
+    assert "error [flag-syntax] <root>: `stray` is not a flag and follows no flag" in capsys.readouterr().err
+
+
+def test_flags_take_negative_numbers_lists_and_null():
+    from rlconf.fields import replace_paths
+
+    base = replace_paths(RLConfig(), {"trainer.max_ckpt_to_keep": 3})
+    flags = ["--algorithm.gamma", "-1", "--profile.steps", "[2, 3]", "--actor.optim.betas", "0.8", "0.99",
+             "--trainer.max_ckpt_to_keep", "None", "--profile.ranks", "--actor.shuffle=0"]  # fmt: skip
+    config, issues = apply_flags(base, flags)
+    assert issues == []
+    assert config.algorithm.gamma == -1.0 and config.profile.steps == (2, 3)
+    assert config.actor.optim.betas == (0.8, 0.99) and config.trainer.max_ckpt_to_keep is None
+    assert config.profile.ranks == () and config.actor.shuffle is False
 
 
 def test_every_error_names_its_source(capsys):
@@ -200,6 +223,19 @@ def test_every_error_names_its_source(capsys):
     assert main(["tiny-grpo", "--cluster.nnodes", "2", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("command line: invalid config:") and "[ray-cluster] cluster.nnodes" in err
+
+
+def test_a_start_check_names_the_config_file(tmp_path, capsys, monkeypatch):
+    # The Ray-cluster check runs as the run starts (not a config rule): it still names where the value came
+    # from, the --config file here.
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    f = tmp_path / "two-nodes.yaml"
+    f.write_text("preset: tiny-grpo\ncluster:\n  nnodes: 2\n")
+    assert main(["--config", str(f), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"{f}: invalid config: 1 error\nerror [ray-cluster] cluster.nnodes:")
+    assert main(["tiny-grpo", "--config", str(f), "--dry-run"]) == 2
+    assert capsys.readouterr().err.startswith(f"{f}: invalid config:")
 
 
 def test_a_tokenizer_that_fails_to_load_names_the_source(tmp_path):

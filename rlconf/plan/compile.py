@@ -251,6 +251,15 @@ def role_layouts(
             ):
                 path = tp_path.replace("tensor_model_parallel_size", field)
                 issues.append(error(path, message, fix, "engine-support"))
+        if arch.multi_latent_attention and cp > 1:
+            issues.append(error(
+                tp_path.replace("tensor_model_parallel_size", "context_parallel_size"),
+                f"{spec.source}: multi-head latent attention (deepseek_v3) with context parallel is not built: "
+                "megatron-core 0.16.1's MLA splits its rotary embedding over CP ranks itself, which this engine "
+                "neither runs on CPU nor has tested against transformers",
+                "use context_parallel_size: 1 (tensor, expert and pipeline parallel split MLA models)",
+                "engine-support",
+            ))  # fmt: skip
         dp = data_parallel(world, tp, pp, cp)
         stages, even = _split_layers(arch.num_layers, pp, vpp, m)
         layouts.append(
@@ -399,7 +408,8 @@ def step_passes(c: RLConfig, roles: tuple[str, ...], batches: tuple[BatchPlan, .
     elif not on_policy:
         reason = (
             f"{actor.optimizer_steps_per_training_step} actor optimizer steps per training step "
-            f"({actor.mini_batches_per_step} mini-batches x {actor.ppo_epochs} epochs) compare with the "
+            f"({actor.mini_batches_per_step} mini-batches x {actor.ppo_epochs} "
+            f"epoch{'' if actor.ppo_epochs == 1 else 's'}) compare with the "
             "weights before the first"
         )
     elif c.algorithm.use_kl_in_reward:

@@ -255,7 +255,8 @@ def _rollout_kv_bytes(c: RLConfig, lay: RoleLayout, arch: ModelArch, num_layers:
     the rows one DP rank generates (rltrain/megatron/inference.py allocates [P + N, rows, groups/tp,
     head_dim] twice per layer in params_dtype, P the batch's padded prompt width). MLA models (deepseek_v3) are
     sized with the compressed latent cache (kv_lora_rank + qk_rope_head_dim per token and layer, whole on
-    each TP rank), the cache an MLA engine keeps; the embedded engine does not run MLA yet.
+    each TP rank), what rltrain/megatron/mla_cache.py allocates ([P + N, rows, 1, kv_lora_rank] and
+    [P + N, rows, 1, rope] per layer).
 
     0 for vLLM (its own pool, capped by rollout.gpu_memory_utilization) and with context parallel (the
     engine then falls back to the cache-less path).
@@ -611,7 +612,8 @@ def _memory_notes(
         "estimate per device; parameters on the most loaded pipeline stage; megatron's allocator overhead, "
         "NCCL buffers and fragmentation are not included (keep ~10-20% headroom)",
         "rollout: the embedded engine generates with the actor's weights; its KV cache (2 x layers x "
-        f"kv_heads/tp x head_dim x (prompt width {rollout_prompt_tokens(c)} + max_response_length) x rows per DP "
+        "kv_heads/tp x head_dim, or with multi-head latent attention layers x (kv_lora_rank + "
+        f"qk_rope_head_dim) whole on every TP rank, x (prompt width {rollout_prompt_tokens(c)} + max_response_length) x rows per DP "
         "rank x dtype bytes; the prompt width is data.max_prompt_length with prompt files, the synthetic "
         "task's own otherwise; +50% while compacting) and the sampler's [rows, V] logits (16-bit + 2 fp32 "
         "temporaries) are counted in generate_sequences and freed after it, for MoE at ep = etp = 1 also "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rlconf.arch import ModelArch
 from rlconf.plan.types import VOCAB_DIVISIBLE_BY, ModelSpec, RoleLayout, TrainerPlan
 
 
@@ -182,6 +183,21 @@ def format_plan(plan: TrainerPlan) -> str:
     return "\n".join(out) + "\n"
 
 
+def _attention_text(a: ModelArch) -> str:
+    """The attention kind: heads over key/value groups, or MLA's latent widths and what is routed how."""
+    if not a.multi_latent_attention:
+        return f"heads {a.num_attention_heads}/{a.num_query_groups} groups"
+    q = f"q latent {a.q_lora_rank}" if a.q_lora_rank is not None else "full-rank q"
+    text = (f"multi-head latent attention: heads {a.num_attention_heads}, {q}, kv latent {a.kv_lora_rank} "
+            f"(cached) + rope {a.qk_pos_emb_head_dim}, values {a.v_head_dim}")  # fmt: skip
+    if a.moe_router_score_function == "sigmoid":
+        groups = a.moe_router_num_groups or 1
+        limit = f", {a.moe_router_group_topk} of {groups} expert groups" if groups > 1 else ""
+        text += (f"; sigmoid routing{limit}, score bias {'frozen' if a.moe_router_enable_expert_bias else 'none'}"
+                 f", weights x {a.moe_router_topk_scaling_factor or 1:g}")  # fmt: skip
+    return text
+
+
 def _model_lines(plan: TrainerPlan) -> list[str]:
     """The models: parameters, architecture, LoRA."""
     out: list[str] = []
@@ -198,7 +214,7 @@ def _model_lines(plan: TrainerPlan) -> list[str]:
                 else ""
             )
             + f", {a.family}, {a.num_layers} layers, hidden {a.hidden_size}, "
-            f"ffn {a.ffn_hidden_size}, heads {a.num_attention_heads}/{a.num_query_groups} groups, vocab "
+            f"ffn {a.ffn_hidden_size}, {_attention_text(a)}, vocab "
             f"{a.vocab_size}{_vocab_padding_note(plan, m.name, a.vocab_size)}, {m.head} head{', tied embeddings' if a.share_embeddings_and_output_weights and m.head == 'lm' else ''}"
             f" [{m.source}]"
         )
@@ -310,13 +326,13 @@ def _optim_lines(plan: TrainerPlan) -> list[str]:
     out: list[str] = []
     for o in plan.optim:
         wsd = (
-            f", WSD tail {o.wsd_decay_steps} steps {o.wsd_decay_style}"
+            f", WSD tail {counted(o.wsd_decay_steps, 'step')} {o.wsd_decay_style}"
             if o.wsd_decay_steps is not None
             else ""
         )
         out += [
             "",
-            f"lr schedule {o.role}: {o.optimizer}, lr {o.lr:g} -> min {o.min_lr:g}, warmup {o.warmup_steps} steps "
+            f"lr schedule {o.role}: {o.optimizer}, lr {o.lr:g} -> min {o.min_lr:g}, warmup {counted(o.warmup_steps, 'step')} "
             f"from {o.lr_warmup_init:g}, {_after_warmup(o.decay_style, o.decay_steps)}{wsd}; "
             f"weight decay {o.weight_decay:g}; one lr per training step",
         ]
@@ -410,7 +426,7 @@ def _memory_lines(plan: TrainerPlan) -> list[str]:
     for m in mem.roles:
         if len(m.stage_totals_gib) > 1:
             per_stage = " | ".join(
-                f"{i}: {n} layers {gib:.2f}"
+                f"{i}: {counted(n, 'layer')} {gib:.2f}"
                 for i, (n, gib) in enumerate(zip(layers[m.role], m.stage_totals_gib, strict=True))
             )
             out.append(f"  {m.role} per stage (layers, GiB): {per_stage}")
@@ -430,10 +446,16 @@ def _size_text(nbytes: int) -> str:
     return f"{nbytes / 1024:.0f} KiB"
 
 
+def counted(n: int, noun: str) -> str:
+    """`1 step`, `2 steps`: a count with its noun in the number it needs."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def _rows(n: int) -> str:
-    return f"{n} row" if n == 1 else f"{n} rows"
+    return counted(n, "row")
 
 
 def _after_warmup(style: str, steps: int) -> str:
     """The lr schedule after warmup: a constant lr holds, it does not decay."""
-    return f"then constant for {steps} steps" if style == "constant" else f"{style} decay over {steps} steps"
+    span = counted(steps, "step")
+    return f"then constant for {span}" if style == "constant" else f"{style} decay over {span}"

@@ -187,7 +187,7 @@ def _export_hf(engine: MegatronEngine, out_dir: Path) -> None:
     if model_dir is not None and (model_dir / "config.json").is_file():
         base = read_json(model_dir / "config.json")
     with device_context(engine.device):
-        export_hf_weights(engine.chunks, engine.arch, out_dir, base_config=base)
+        export_hf_weights(engine.chunks, engine.arch, out_dir, base_config=base, mtp_source=model_dir)
     if _dist_rank() == 0:
         if tok_dir is not None and tok_dir.is_dir():
             copy_tokenizer_files(tok_dir, out_dir)

@@ -672,7 +672,7 @@ def export_hf(
             if meta.get("lora"):
                 notes.append(_export_lora(step_dir / role, role, meta, tmp, base, model_dir, merge))
             else:
-                _export_dist(step_dir / role, role, meta, tmp, base)
+                _export_dist(step_dir / role, role, meta, tmp, base, model_dir)
         notes += _export_tokenizer(tok_dir, source, meta, tmp)
         normalize_modes(tmp)
         _publish(tmp, out)
@@ -711,9 +711,15 @@ def _export_tokenizer(tok_dir: Path | None, source: str, meta: dict[str, Any], o
 
 
 def _export_dist(
-    role_dir: Path, role: str, meta: dict[str, Any], out: Path, base: dict[str, Any] | None
+    role_dir: Path,
+    role: str,
+    meta: dict[str, Any],
+    out: Path,
+    base: dict[str, Any] | None,
+    model_dir: Path | None = None,
 ) -> None:
-    """Build the role's model at TP = PP = 1 on the CPU, load its dist checkpoint (resharded), export it."""
+    """Build the role's model at TP = PP = 1 on the CPU, load its dist checkpoint (resharded), export it
+    (with the multi-token prediction layers of `model_dir`, the run's model.path, copied unchanged)."""
     import warnings
 
     with warnings.catch_warnings():
@@ -734,12 +740,17 @@ def _export_dist(
             raise CheckpointError(
                 f"{role_dir / META}: its arch cannot be read ({exc}); export another checkpoint"
             ) from exc
+        if arch.num_mtp_layers and (model_dir is None or not model_dir.is_dir()):
+            raise CheckpointError(
+                f"{role_dir}: the model's {arch.num_mtp_layers} multi-token prediction layer(s) were not trained "
+                f"and are exported from its model.path {model_dir}, which is gone: restore that folder to export"
+            )
         with _cpu_world():
             # No optimizer: parameters only (a frozen engine has no DDP buffers either).
             engine = MegatronEngine.from_spec(export_engine(arch, meta["params_dtype"]))
             load_engine(engine, role_dir, ("model",), role=role)
             with device_context("cpu"):
-                export_hf_weights(engine.chunks, arch, out, base_config=base)
+                export_hf_weights(engine.chunks, arch, out, base_config=base, mtp_source=model_dir)
 
 
 def _export_lora(
@@ -788,7 +799,7 @@ def _export_lora(
             with device_context("cpu"):
                 if merge:
                     with merged_weights(engine.chunks, arch):
-                        export_hf_weights(engine.chunks, arch, out, base_config=base)
+                        export_hf_weights(engine.chunks, arch, out, base_config=base, mtp_source=model_dir)
                     return f"LoRA rank {lora.rank} merged into the base weights (W + alpha / r B A)"
                 save_peft_adapter(engine.chunks, lora, arch, out, str(model_dir) if model_dir else None)
     where = (

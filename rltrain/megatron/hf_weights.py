@@ -20,6 +20,12 @@ gate/up fused per expert-tensor-parallel shard; qwen2_moe's shared expert is `ml
 (`mlp.shared_expert.*` in HF) and its sigmoid gate `mlp.shared_experts.gate_weight` (`mlp.shared_expert_gate`).
 Export gathers expert shards over the expert-TP group and the experts over the expert-parallel group, and
 writes them in the per-expert layout transformers itself saves.
+
+deepseek_v3 (multi-head latent attention, rltrain.megatron.mla): megatron's MLA projections are HF's
+unfused ones under other names (`_MLA`; their RoPE dims map unpermuted, megatron de-interleaves them as
+transformers' rope_interleave does), the shared experts are `mlp.shared_experts.*` in both, and the router's
+`expert_bias` buffer is HF's `mlp.gate.e_score_correction_bias` (a buffer, not a parameter: `global_params`
+yields it beside the parameters, so it is loaded, exported and synced like them).
 """
 
 from __future__ import annotations
@@ -50,6 +56,15 @@ _QK_NORMS = {
     "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
     "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
 }
+# megatron layer-relative name -> HF layer-relative name of MLA's projections and latent norms (deepseek_v3).
+_MLA = {
+    f"self_attention.{meg}.weight": f"self_attn.{hf}.weight"
+    for meg, hf in (("linear_q_proj", "q_proj"), ("linear_q_down_proj", "q_a_proj"),
+                    ("q_layernorm", "q_a_layernorm"), ("linear_q_up_proj", "q_b_proj"),
+                    ("linear_kv_down_proj", "kv_a_proj_with_mqa"), ("kv_layernorm", "kv_a_layernorm"),
+                    ("linear_kv_up_proj", "kv_b_proj"))
+}  # fmt: skip
+_EXPERT_BIAS = "mlp.router.expert_bias"
 
 
 # ------------------------------------------------------------------------------------ config.json
@@ -189,6 +204,8 @@ def hf_full_tensor(
         return fuse_qkv(*(reader.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv"), arch)
     if rest == "self_attention.linear_proj.weight":
         return reader.get(p + "self_attn.o_proj.weight")
+    if arch.multi_latent_attention and rest in _MLA:
+        return reader.get(p + _MLA[rest])
     if rest in _QK_NORMS:
         return reader.get(p + _QK_NORMS[rest])
     if rest == "mlp.linear_fc1.weight":
@@ -209,14 +226,17 @@ def _moe_names(rest: str, arch: ModelArch) -> tuple[str, ...] | None:
     or (gate, up) for a fused linear_fc1; None for a name that is not an MoE parameter."""
     mixtral = arch.family == "mixtral"
     block = "block_sparse_moe" if mixtral else "mlp"
+    shared = "mlp.shared_experts" if arch.family == "deepseek_v3" else "mlp.shared_expert"
     if rest == "mlp.router.weight":
         return (f"{block}.gate.weight",)
+    if rest == _EXPERT_BIAS:
+        return ("mlp.gate.e_score_correction_bias",)
     if rest == "mlp.shared_experts.gate_weight":
         return ("mlp.shared_expert_gate.weight",)
     if rest == "mlp.shared_experts.linear_fc1.weight":
-        return ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight")
+        return (f"{shared}.gate_proj.weight", f"{shared}.up_proj.weight")
     if rest == "mlp.shared_experts.linear_fc2.weight":
-        return ("mlp.shared_expert.down_proj.weight",)
+        return (f"{shared}.down_proj.weight",)
     m = _EXPERT.match(rest)
     if m is None:
         return None
@@ -234,7 +254,8 @@ def is_expert_param(param: torch.Tensor) -> bool:
 
 
 def global_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Parameter]]:
-    """(name with global layer and expert numbers, parameter) of one GPTModel chunk."""
+    """(name with global layer and expert numbers, parameter) of one GPTModel chunk, and its routers'
+    `expert_bias` buffers (deepseek_v3's e_score_correction_bias: state of the model, not trained)."""
     offsets = {}
     if hasattr(module, "decoder"):
         for local, layer in enumerate(module.decoder.layers):
@@ -245,7 +266,8 @@ def global_params(module: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Param
         experts_first = parallel_state.get_expert_model_parallel_rank() * (
             module.config.num_moe_experts // ep
         )
-    for name, param in module.named_parameters():
+    biases = [(n, b) for n, b in module.named_buffers() if n.endswith("." + _EXPERT_BIAS)]
+    for name, param in [*module.named_parameters(), *biases]:
         if ".lora_A." in name or ".lora_B." in name:
             continue  # LoRA adapters: rltrain/megatron/peft_io.py reads and writes them (PEFT's format)
         m = _LAYER.match(name)
@@ -304,6 +326,9 @@ def load_hf_weights(
                 raise ValueError(
                     f"{name}: HF gives {tuple(local.shape)}, megatron expects {tuple(param.shape)}"
                 )
+            if name.endswith(_EXPERT_BIAS):  # megatron keeps the routing bias in fp32 (16-bit models too)
+                param.data = local.to(device=param.device, dtype=torch.float32)
+                continue
             param.data.copy_(local.to(param.dtype))
     # The distributed optimizer keeps fp32 main params of 16-bit models: callers that built an optimizer
     # before loading must reload them (MegatronEngine loads before building the optimizer).
@@ -376,6 +401,8 @@ def to_hf(
         }
     if rest == "self_attention.linear_proj.weight":
         return {p + "self_attn.o_proj.weight": full}
+    if arch.multi_latent_attention and rest in _MLA:
+        return {p + _MLA[rest]: full}
     if rest in _QK_NORMS:
         return {p + _QK_NORMS[rest]: full}
     if rest == "mlp.linear_fc1.weight":
@@ -392,14 +419,35 @@ def to_hf(
     raise KeyError(f"no Hugging Face name for megatron parameter {name}")
 
 
+def _copy_mtp_layers(arch: ModelArch, source: str | os.PathLike, out: Path) -> tuple[str, list[str]]:
+    """Copy the source folder's multi-token prediction tensors (model.layers.L.., L = arch.num_layers) into
+    out/model-mtp.safetensors unchanged; returns (file name, tensor names) for the index."""
+    reader = _HFReader(source)
+    prefixes = tuple(f"model.layers.{arch.num_layers + i}." for i in range(arch.num_mtp_layers))
+    names = sorted(n for n in reader.weight_map if n.startswith(prefixes))
+    fname = "model-mtp.safetensors"
+    save_file({n: reader.get(n) for n in names}, str(out / fname), metadata={"format": "pt"})
+    return fname, names
+
+
 @torch.no_grad()
 def export_hf_weights(
     chunks: Sequence[torch.nn.Module],
     arch: ModelArch,
     out_dir: str | os.PathLike,
     base_config: dict[str, Any] | None = None,
+    mtp_source: str | os.PathLike | None = None,
 ) -> None:
-    """Write this model as an HF folder (safetensors + config.json). Collective: every rank calls it."""
+    """Write this model as an HF folder (safetensors + config.json). Collective: every rank calls it.
+
+    `mtp_source`: the folder the model was read from; its multi-token prediction layers (deepseek_v3
+    num_nextn_predict_layers: model.layers.L.. after the decoder's L layers, not built or trained) are
+    copied unchanged into `model-mtp.safetensors` (with an index), so the export holds what the source
+    held. Required when `arch` has such layers."""
+    if arch.num_mtp_layers and mtp_source is None:
+        raise ValueError(
+            f"{arch.num_mtp_layers} multi-token prediction layer(s): export needs the source folder"
+        )
     tp = parallel_state.get_tensor_model_parallel_world_size()
     etp = _expert_tp()[0]
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -413,7 +461,8 @@ def export_hf_weights(
         module = unwrap(chunk)
         for name, param in global_params(module):
             full = _gather_tp(param)  # collective over TP: every TP rank takes part
-            dtype = param.dtype
+            if isinstance(param, torch.nn.Parameter):  # not the fp32 routing bias buffers
+                dtype = param.dtype
             if name == "output_layer.weight" and arch.share_embeddings_and_output_weights:
                 continue  # tied: HF reads the embedding
             if is_expert_param(param):
@@ -423,6 +472,13 @@ def export_hf_weights(
                     tensors.update(to_hf(expert_name, expert, arch, tp, etp))
                 continue
             tensors.update(to_hf(name, full, arch, tp))
+    if arch.multi_latent_attention and arch.moe_shared_expert_intermediate_size is None:
+        # n_shared_experts: 0: transformers still builds (and loads) zero-width shared experts.
+        for name in [n for n in tensors if n.endswith(".mlp.gate.weight")]:
+            p, h = name.removesuffix("gate.weight") + "shared_experts.", arch.hidden_size
+            tensors.update({p + "gate_proj.weight": torch.zeros(0, h, dtype=dtype),
+                            p + "up_proj.weight": torch.zeros(0, h, dtype=dtype),
+                            p + "down_proj.weight": torch.zeros(h, 0, dtype=dtype)})  # fmt: skip
     out = Path(out_dir)
     fname = "model.safetensors" if pp == 1 else f"model-{pp_rank + 1:05d}-of-{pp:05d}.safetensors"
     if writer:
@@ -440,7 +496,9 @@ def export_hf_weights(
         gathered = [(fname, names)]
     if torch.distributed.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-        if pp > 1:
+        if mtp_source is not None and arch.num_mtp_layers:
+            gathered.append(_copy_mtp_layers(arch, mtp_source, out))
+        if len(gathered) > 1:
             weight_map = {k: f for f, ks in gathered for k in ks}
             with open(out / "model.safetensors.index.json", "w") as f:
                 json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)

@@ -39,9 +39,12 @@ Design (issue 5 item 5). Two candidates were built and measured (bench/rollout_c
   CUDA graph (issue 10), which megatron's static path only allows with flash-decode. Its cost is a second
   copy of the layer *composition* (norm -> attention -> residual -> norm -> MLP -> residual; all math is
   megatron's modules): `kv_cache_unsupported` names every layer feature it does not follow (cross
-  attention, MLA, attention output gate, non-RoPE positions, Transformer Engine / custom core attention,
+  attention, attention output gate, non-RoPE positions, Transformer Engine / custom core attention,
   context parallel), `MegatronActor.generate` then takes the no-cache path, and the tests compare with
   the no-cache path (megatron's own forward) in every layout.
+
+Multi-head latent attention (deepseek_v3) caches the compressed latent and its rope key instead of per-head
+keys and values, and attends in the latent space (rltrain/megatron/mla_cache.py says why that is exact).
 
 Parallelism: every TP rank runs the same steps (megatron's column/row-parallel modules do the TP
 communication) and the logits are all-gathered over TP (`runtime_gather_output`); every rank samples with
@@ -68,7 +71,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
 from rltrain import device as devices
-from rltrain.megatron import moe_decode
+from rltrain.megatron import mla_cache, moe_decode
 from rltrain.megatron.kv_session import KVSession
 from rltrain.megatron.lora import generation_weights
 from rltrain.megatron.model import fused_rotate, rotate
@@ -252,8 +255,8 @@ def kv_cache_unsupported(actor) -> str | None:
         return "context parallel"
     for model in actor.modules():
         cfg = model.config
-        if model.position_embedding_type != "rope" or cfg.multi_latent_attention:
-            return f"position embedding {model.position_embedding_type!r} (needs rope, no MLA)"
+        if model.position_embedding_type != "rope":
+            return f"position embedding {model.position_embedding_type!r} (needs rope)"
         if getattr(cfg, "attention_output_gate", False):
             return "attention output gate"
         if cfg.rotary_interleaved:
@@ -310,7 +313,8 @@ class KVCacheGenerator:
     """Per-layer KV cache and the cached forward through this rank's model chunks (all PP/VPP stages).
 
     Cache layout per layer: keys (after RoPE) and values [max_len, rows, groups/TP, head_dim], megatron's
-    sequence-first layout, written at column offset `start` and read as the prefix [:start + s].
+    sequence-first layout, written at column offset `start` and read as the prefix [:start + s]; with MLA
+    the latent [max_len, rows, 1, kv_lora_rank] and rope key [max_len, rows, 1, rope] (mla_cache).
 
     MoE layers run `moe_decode.moe_forward` (static shapes, no host sync) where `moe_decode.unsupported`
     accepts them and `static_moe` is on (the class switch; benchmarks turn it off to time megatron's
@@ -332,10 +336,18 @@ class KVCacheGenerator:
         self.pipe_dtype = self.config.pipeline_dtype or self.config.params_dtype
         # Per-row positions [B, max_len] and the RoPE cos / sin of every position [max_len, D].
         self.positions = positions
-        freqs = self.models[0].rotary_pos_emb(positions.shape[1])[:, 0, 0, :]
-        # RoPE of every position in the activations' dtype (megatron recomputes cos/sin in every layer).
-        self.cos = freqs.cos().to(self.config.params_dtype)
-        self.sin = freqs.sin().to(self.config.params_dtype)
+        # Multi-head latent attention (deepseek_v3): a latent cache and its own attention (mla_cache).
+        self.mla = bool(getattr(self.config, "multi_latent_attention", False))
+        if self.mla:
+            first = next(layer for model in self.models for layer in model.decoder.layers)
+            self.cos, self.sin = mla_cache.rope_table(
+                first.self_attention, positions.shape[1], self.config.params_dtype
+            )
+        else:
+            freqs = self.models[0].rotary_pos_emb(positions.shape[1])[:, 0, 0, :]
+            # RoPE of every position in the activations' dtype (megatron recomputes cos/sin in every layer).
+            self.cos = freqs.cos().to(self.config.params_dtype)
+            self.sin = freqs.sin().to(self.config.params_dtype)
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
         self.rotate = fused_rotate if actor.fused_kernels else rotate
         self.cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.models]
@@ -355,6 +367,12 @@ class KVCacheGenerator:
         max_len = self.positions.shape[1]
         for v, model in enumerate(self.models):
             attn = [layer.self_attention for layer in model.decoder.layers]
+            if self.mla:
+                self.cache[v] = [
+                    tuple(self._empty(shape) for shape in mla_cache.cache_shapes(a, max_len, rows))  # type: ignore[misc]
+                    for a in attn
+                ]
+                continue
             self.cache[v] = [
                 tuple(  # type: ignore[misc]
                     (torch.zeros if self.zero_cache else torch.empty)(
@@ -366,6 +384,10 @@ class KVCacheGenerator:
                 )
                 for a in attn
             ]
+
+    def _empty(self, shape: tuple[int, ...]) -> torch.Tensor:
+        make = torch.zeros if self.zero_cache else torch.empty
+        return make(shape, dtype=self.config.params_dtype, device=self.device)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep (or repeat) cache rows: row i of the new cache is row `rows[i]` of the old one."""
@@ -448,6 +470,15 @@ class KVCacheGenerator:
         cfg = layer.config
         attn = layer.self_attention
         residual = hidden
+        if self.mla:
+            causal = mask_type == AttnMaskType.causal
+            out = mla_cache.cached_attention(
+                attn, layer.input_layernorm(hidden), kv, start, keys, rope, mask, causal
+            )
+            return self._mlp(
+                layer,
+                layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout),
+            )
         query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
         query = self.rotate(query, *rope)
         key = self.rotate(key, *rope)
@@ -459,7 +490,13 @@ class KVCacheGenerator:
             kv[1][start : start + hidden.shape[0]] = value
         context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
         out = attn.linear_proj(context)
-        hidden = layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
+        return self._mlp(
+            layer, layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
+        )
+
+    def _mlp(self, layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The rest of megatron's TransformerLayer.forward after self-attention: norm, MLP, residual."""
+        cfg = layer.config
         residual = hidden
         if id(layer.mlp) in self.moe_static:
             out, index = moe_decode.moe_forward(

@@ -1,20 +1,21 @@
-"""deepseek_v3 (multi-head latent attention, DeepSeek routing) on megatron-core 0.16.1's own modules: the
-MLATransformerConfig fields of a `ModelArch`, the local (non-Transformer-Engine) layer specs, and the
-Hugging Face -> megatron weight mapping. A building block, not yet wired into the engine (rltrain refuses
-deepseek_v3 at start: rlconf.model_spec.training_gaps); tests/megatron/test_mla_parity.py checks its
-logits against transformers' DeepseekV3ForCausalLM.
+"""deepseek_v3's multi-head latent attention (MLA) on megatron-core 0.16.1's own modules: the
+MLATransformerConfig fields of a `ModelArch`, the local (non-Transformer-Engine) layer spec and its SDPA core
+attention. rltrain.megatron.model builds the engine with them (DeepSeek's sigmoid routing:
+`deepseek_routing`), rltrain.megatron.hf_weights maps the weights, rltrain.megatron.mla_cache generates
+with a latent KV cache.
 
 What megatron-core 0.16.1's local MLA spec needs on CPU (measured):
 - its MLASelfAttention passes `k_channels` / `v_channels` to the core attention, which megatron's local
   DotProductAttention does not accept: `MlaSdpaAttention` (rltrain's SDPA core attention) takes them and
   sizes its output by v_head_dim;
 - multi_latent_attention.py sets HAVE_TE from an import that succeeds without Transformer Engine (its
-  TELinear is then None, and `isinstance(x, None)` raises): `local_mla_block_spec` clears that flag;
+  TELinear is then None, and `isinstance(x, None)` raises): `mla_layer_spec` clears that flag there;
 - megatron applies RoPE to MLA's rope dims de-interleaved (x[0::2], x[1::2]), exactly transformers'
-  `rope_interleave: true`, so those weights map unpermuted.
-Megatron's router differs from transformers' DeepseekV3TopkRouter in two places (rlconf.model_spec
-training_gaps names them): it scores a group by its top (topk / group_topk) experts (transformers: top 2)
-and always renormalises sigmoid top-k weights (transformers: only with norm_topk_prob).
+  `rope_interleave: true`, so those weights map unpermuted (`rope_interleave: false` is refused:
+  rlconf.model_spec.training_gaps).
+Megatron's router differs from transformers' DeepseekV3TopkRouter in two places (training_gaps refuses the
+configs where that changes the model): it scores a group by its top (topk / group_topk) experts
+(transformers: top 2) and always renormalises sigmoid top-k weights (transformers: only with norm_topk_prob).
 """
 
 from __future__ import annotations
@@ -37,9 +38,9 @@ class MlaSdpaAttention(SdpaAttention):
             self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
 
 
-def mla_config_kwargs(arch: ModelArch) -> dict[str, Any]:
-    """MLATransformerConfig fields of a deepseek_v3 `arch` (attention, rope, routing; no parallel sizes)."""
-    assert arch.multi_latent_attention and arch.num_moe_experts is not None
+def mla_config_fields(arch: ModelArch) -> dict[str, Any]:
+    """MLATransformerConfig's attention and rope fields of a deepseek_v3 `arch` (routing: model.moe_config)."""
+    assert arch.multi_latent_attention
     rs = arch.rope_scaling
     rope: dict[str, Any] = {
         "rope_type": "rope",
@@ -51,115 +52,64 @@ def mla_config_kwargs(arch: ModelArch) -> dict[str, Any]:
         rope = {"rope_type": "yarn", "rotary_scaling_factor": rs.factor, "beta_fast": rs.beta_fast,
                 "beta_slow": rs.beta_slow, "mscale": rs.mscale if rs.mscale is not None else 1.0,
                 "mscale_all_dim": rs.mscale_all_dim or 0.0,
-                "original_max_position_embeddings": rs.original_max_position_embeddings}  # fmt: skip
-    layers = arch.num_layers
+                "original_max_position_embeddings": rs.original_max_position_embeddings
+                or arch.max_position_embeddings}  # fmt: skip
     return dict(
-        num_layers=layers, hidden_size=arch.hidden_size, ffn_hidden_size=arch.ffn_hidden_size,
-        num_attention_heads=arch.num_attention_heads, q_lora_rank=arch.q_lora_rank,
-        kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_head_dim, qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim,
-        v_head_dim=arch.v_head_dim, rotary_base=arch.rotary_base, normalization="RMSNorm",
-        layernorm_epsilon=arch.norm_epsilon, qk_layernorm=True,  # MLA's q_a / kv_a layernorms
-        gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
-        num_moe_experts=arch.num_moe_experts, moe_router_topk=arch.moe_router_topk,
-        moe_ffn_hidden_size=arch.moe_ffn_hidden_size,
-        moe_shared_expert_intermediate_size=arch.moe_shared_expert_intermediate_size,
-        moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-        moe_router_num_groups=arch.moe_router_num_groups, moe_router_group_topk=arch.moe_router_group_topk,
-        moe_router_topk_scaling_factor=arch.moe_router_topk_scaling_factor, moe_router_pre_softmax=False,
-        moe_layer_freq=[0 if i in arch.moe_dense_layers else 1 for i in range(layers)],
-        moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
-        moe_token_dispatcher_type="alltoall", attention_dropout=0.0, hidden_dropout=0.0,
+        q_lora_rank=arch.q_lora_rank, kv_lora_rank=arch.kv_lora_rank, qk_head_dim=arch.qk_head_dim,
+        qk_pos_emb_head_dim=arch.qk_pos_emb_head_dim, v_head_dim=arch.v_head_dim, rotary_base=arch.rotary_base,
+        qk_layernorm=True,  # MLA's q_a / kv_a latent norms
+        rotary_interleaved=False,  # megatron's MLA de-interleaves the rope dims itself (rope_interleave: true)
         **rope,
     )  # fmt: skip
 
 
-def local_mla_block_spec(config: Any) -> Any:
-    """megatron's decoder block spec for `config` (an MLATransformerConfig) without Transformer Engine, its
-    core attention replaced by MlaSdpaAttention."""
-    import megatron.core.transformer.moe.moe_utils as moe_utils
-    import megatron.core.transformer.multi_latent_attention as mla
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+def mla_layer_spec(num_experts: int | None) -> Any:
+    """megatron's local MLA layer spec (routed experts when `num_experts`), core attention MlaSdpaAttention."""
+    import warnings
 
-    mla.HAVE_TE = False  # its TE import "succeeds" with TELinear None; nothing here uses TE
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None  # as rltrain.megatron.model.define_missing_te_names
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    for layer in spec.layer_specs:
-        layer.submodules.self_attention.submodules.core_attention = MlaSdpaAttention
+    import megatron.core.transformer.multi_latent_attention as mla
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from rltrain.megatron.model import te_available
+
+    if not te_available():
+        mla.HAVE_TE = False  # its TE import "succeeds" without Transformer Engine, its TELinear unusable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Apex is not installed": torch RMSNorm is what is wanted
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                        multi_latent_attention=True, normalization="RMSNorm")  # fmt: skip
+    spec.submodules.self_attention.submodules.core_attention = MlaSdpaAttention
     return spec
 
 
-def hf_to_megatron(
-    arch: ModelArch, hf: dict[str, torch.Tensor], ep_rank: int = 0, ep_size: int = 1
-) -> dict[str, torch.Tensor]:
-    """megatron GPTModel state (TP = 1; expert parallel rank `ep_rank` of `ep_size`, holding the contiguous
-    block of num_moe_experts / ep_size experts) from a DeepseekV3ForCausalLM state dict: names mapped, SwiGLU
-    gate / up concatenated into linear_fc1, the router's e_score_correction_bias into expert_bias."""
-    out = {"embedding.word_embeddings.weight": hf["model.embed_tokens.weight"],
-           "decoder.final_layernorm.weight": hf["model.norm.weight"]}  # fmt: skip
-    out["output_layer.weight"] = hf[
-        "lm_head.weight" if "lm_head.weight" in hf else "model.embed_tokens.weight"
-    ]
-    attn = {"q_proj": "linear_q_proj", "q_a_proj": "linear_q_down_proj", "q_a_layernorm": "q_layernorm",
-            "q_b_proj": "linear_q_up_proj", "kv_a_proj_with_mqa": "linear_kv_down_proj",
-            "kv_a_layernorm": "kv_layernorm", "kv_b_proj": "linear_kv_up_proj", "o_proj": "linear_proj"}  # fmt: skip
-
-    def fc(src: str, dst: str) -> None:
-        out[dst + "linear_fc1.weight"] = torch.cat([hf[src + "gate_proj.weight"], hf[src + "up_proj.weight"]])
-        out[dst + "linear_fc2.weight"] = hf[src + "down_proj.weight"]
-
-    for i in range(arch.num_layers):
-        s, d = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[d + "input_layernorm.weight"] = hf[s + "input_layernorm.weight"]
-        out[d + "pre_mlp_layernorm.weight"] = hf[s + "post_attention_layernorm.weight"]
-        for name, meg in attn.items():
-            if s + f"self_attn.{name}.weight" in hf:
-                out[d + f"self_attention.{meg}.weight"] = hf[s + f"self_attn.{name}.weight"]
-        if i in arch.moe_dense_layers:
-            fc(s + "mlp.", d + "mlp.")
-            continue
-        assert arch.num_moe_experts is not None
-        out[d + "mlp.router.weight"] = hf[s + "mlp.gate.weight"]
-        out[d + "mlp.router.expert_bias"] = hf[s + "mlp.gate.e_score_correction_bias"]
-        local = arch.num_moe_experts // ep_size
-        for e in range(local):
-            fc(s + f"mlp.experts.{ep_rank * local + e}.", d + f"mlp.experts.local_experts.{e}.")
-        if arch.moe_shared_expert_intermediate_size is not None:
-            fc(s + "mlp.shared_experts.", d + "mlp.shared_experts.")
-    return out
+def deepseek_routing(arch: ModelArch) -> dict[str, Any]:
+    """TransformerConfig's router fields for DeepSeek's sigmoid routing (deepseek_v3; model.moe_config adds
+    the rest): a sigmoid score per expert in fp32 as transformers' DeepseekV3TopkRouter computes it, the top-k
+    chosen on score + e_score_correction_bias (megatron's expert_bias buffer) within the
+    `moe_router_group_topk` best of `moe_router_num_groups` groups, weights renormalised over the k and
+    multiplied by routed_scaling_factor). The expert bias is frozen during RL (update rate 0): DeepSeek
+    adjusts it in pre-training to balance expert load, a correction RL does not need and that would change
+    which experts a token takes between the rollout and the update. Where megatron's router computes
+    another model than transformers' (group scores, renormalisation) rlconf.model_spec.training_gaps has
+    refused the config before this point."""
+    groups = arch.moe_router_num_groups if (arch.moe_router_num_groups or 1) > 1 else None
+    return {
+        "moe_router_score_function": "sigmoid",
+        "moe_router_pre_softmax": False,
+        "moe_router_enable_expert_bias": arch.moe_router_enable_expert_bias,
+        "moe_router_bias_update_rate": 0.0,
+        "moe_router_num_groups": groups,
+        "moe_router_group_topk": arch.moe_router_group_topk if groups else None,
+        "moe_router_topk_scaling_factor": arch.moe_router_topk_scaling_factor,
+        "moe_router_dtype": "fp32",
+    }
 
 
-def megatron_to_hf(arch: ModelArch, meg: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """The inverse of `hf_to_megatron`: DeepseekV3ForCausalLM safetensors names (per-expert, as
-    transformers saves them) from a megatron GPTModel state (TP = EP = 1); `_extra_state` entries dropped."""
-    attn = {"linear_q_proj": "q_proj", "linear_q_down_proj": "q_a_proj", "q_layernorm": "q_a_layernorm",
-            "linear_q_up_proj": "q_b_proj", "linear_kv_down_proj": "kv_a_proj_with_mqa",
-            "kv_layernorm": "kv_a_layernorm", "linear_kv_up_proj": "kv_b_proj", "linear_proj": "o_proj"}  # fmt: skip
-    out = {"model.embed_tokens.weight": meg["embedding.word_embeddings.weight"],
-           "model.norm.weight": meg["decoder.final_layernorm.weight"]}  # fmt: skip
-    if not arch.share_embeddings_and_output_weights:
-        out["lm_head.weight"] = meg["output_layer.weight"]
-
-    def fc(src: str, dst: str) -> None:
-        gate, up = meg[src + "linear_fc1.weight"].chunk(2)
-        out.update({dst + "gate_proj.weight": gate.contiguous(), dst + "up_proj.weight": up.contiguous(),
-                    dst + "down_proj.weight": meg[src + "linear_fc2.weight"]})  # fmt: skip
-
-    for i in range(arch.num_layers):
-        s, d = f"decoder.layers.{i}.", f"model.layers.{i}."
-        out[d + "input_layernorm.weight"] = meg[s + "input_layernorm.weight"]
-        out[d + "post_attention_layernorm.weight"] = meg[s + "pre_mlp_layernorm.weight"]
-        for name, hf in attn.items():
-            if s + f"self_attention.{name}.weight" in meg:
-                out[d + f"self_attn.{hf}.weight"] = meg[s + f"self_attention.{name}.weight"]
-        if i in arch.moe_dense_layers:
-            fc(s + "mlp.", d + "mlp.")
-            continue
-        assert arch.num_moe_experts is not None
-        out[d + "mlp.gate.weight"] = meg[s + "mlp.router.weight"]
-        out[d + "mlp.gate.e_score_correction_bias"] = meg[s + "mlp.router.expert_bias"]
-        for e in range(arch.num_moe_experts):
-            fc(s + f"mlp.experts.local_experts.{e}.", d + f"mlp.experts.{e}.")
-        if arch.moe_shared_expert_intermediate_size is not None:
-            fc(s + "mlp.shared_experts.", d + "mlp.shared_experts.")
-    return out
+def freeze_expert_bias(model: torch.nn.Module) -> None:
+    """Keep the routers' expert_bias (deepseek_v3's e_score_correction_bias) as loaded: routing still adds it,
+    but the routers stop counting tokens per expert for its update (`deepseek_routing` sets the update rate
+    to 0, so the count would be unused; megatron 0.16.1's count also fails with a padding mask, which it
+    broadcasts over experts instead of tokens)."""
+    for module in model.modules():
+        if getattr(module, "expert_bias", None) is not None:
+            module.enable_expert_bias = False

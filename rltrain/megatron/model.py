@@ -2,7 +2,9 @@
 
 Builds the dense decoder families of rlconf.model_spec (llama, mistral, qwen2, qwen3: RMSNorm, SwiGLU, RoPE
 with optional linear / llama3 scaling, GQA, optional qkv bias, optional per-head QK-norm, tied embeddings)
-from `ModelArch` with megatron-core's own modules; MoE and YaRN models are refused (`EngineSupportError`). Core attention is chosen by `model.attention_backend`:
+from `ModelArch` with megatron-core's own modules, the mixtures of experts (softmax routing; DeepSeek's sigmoid
+group-limited routing) and deepseek_v3's multi-head latent attention (rltrain.megatron.mla); YaRN on
+non-MLA models is refused (`EngineSupportError`). Core attention is chosen by `model.attention_backend`:
 `SdpaAttention` (below: torch `scaled_dot_product_attention`, fused kernels; 34k vs 21k tok/s for megatron's
 unfused local attention on H200), megatron's local `DotProductAttention`, or the Transformer Engine spec.
 Pipeline stages (and virtual stages) become a list of model chunks, each wrapped in megatron DDP; the
@@ -30,7 +32,7 @@ from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from rlconf.arch import ModelArch
@@ -174,7 +176,11 @@ class TorchRMSNorm:
 
 
 def layer_spec(
-    backend: str, qk_layernorm: bool = False, num_experts: int | None = None, grouped_gemm: bool = False
+    backend: str,
+    qk_layernorm: bool = False,
+    num_experts: int | None = None,
+    grouped_gemm: bool = False,
+    multi_latent_attention: bool = False,
 ) -> ModuleSpec:
     """Transformer layer spec for `model.attention_backend` (auto: te when installed, else sdpa), with an
     RMSNorm over each query / key head when `qk_layernorm` (Qwen3) and routed experts when `num_experts`.
@@ -183,7 +189,26 @@ def layer_spec(
     expert): its GroupedMLP needs the CUDA-only `grouped_gemm` package and TEGroupedMLP Transformer Engine,
     neither of which installs here; with `grouped_gemm` (`model.moe_grouped_gemm`) its subclass
     `moe_experts.GroupedGemmExperts` computes them with torch's grouped GEMM instead, and `build` makes the
-    layer a `moe_decode.GroupedMoELayer` (no token dispatcher host syncs where it applies)."""
+    layer a `moe_decode.GroupedMoELayer` (no token dispatcher host syncs where it applies).
+
+    `multi_latent_attention` (deepseek_v3): megatron's MLASelfAttention from its local spec, core attention
+    `mla.MlaSdpaAttention` whatever the backend (megatron's local DotProductAttention takes no separate
+    key / value widths, and no Transformer Engine spec is built for it here), its q / kv latent norms
+    `TorchRMSNorm`."""
+    if multi_latent_attention:
+        from rltrain.megatron.mla import mla_layer_spec
+
+        spec = mla_layer_spec(num_experts)
+        attention = spec.submodules.self_attention.submodules
+        attention.q_layernorm = TorchRMSNorm
+        attention.kv_layernorm = TorchRMSNorm
+        spec.submodules.input_layernorm = TorchRMSNorm
+        spec.submodules.pre_mlp_layernorm = TorchRMSNorm
+        if num_experts is not None and grouped_gemm:
+            from rltrain.megatron.moe_experts import GroupedGemmExperts
+
+            spec.submodules.mlp.submodules.experts.module = GroupedGemmExperts
+        return spec
     if backend == "te" or (backend == "auto" and te_available()):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -215,10 +240,11 @@ def layer_spec(
 
 def layer_specs(backend: str, arch: ModelArch, grouped_gemm: bool = False) -> list[ModuleSpec]:
     """One layer spec per global layer: routed experts where `is_moe_layer`, a dense MLP elsewhere."""
-    dense = layer_spec(backend, arch.qk_layernorm)
+    mla = arch.multi_latent_attention
+    dense = layer_spec(backend, arch.qk_layernorm, multi_latent_attention=mla)
     if arch.num_moe_experts is None:
         return [dense] * arch.num_layers
-    moe = layer_spec(backend, arch.qk_layernorm, arch.num_moe_experts, grouped_gemm)
+    moe = layer_spec(backend, arch.qk_layernorm, arch.num_moe_experts, grouped_gemm, mla)
     return [moe if is_moe_layer(arch, i) else dense for i in range(arch.num_layers)]
 
 
@@ -283,7 +309,8 @@ def transformer_config(
     torch.compile'd functions: SwiGLU (megatron.core.jit's, whose backward keeps only the fc1 output; one
     kernel instead of a strided silu and a multiply, 0.73 s of a 5.2 s 1.5B log-prob pass on an H200,
     docs/benchmarks.md) and RoPE (`use_compiled_rope`; ~11 small kernels per query and key per layer)."""
-    if fused:
+    mla = arch.multi_latent_attention
+    if fused and not mla:  # MLA's RoPE stays megatron's unfused one (it de-interleaves the rope dims)
         use_compiled_rope()
         use_unbacked_swiglu()
     ts = settings.transformer
@@ -297,21 +324,29 @@ def transformer_config(
             recompute["recompute_num_layers"] = rc.num_layers
         else:
             recompute["recompute_modules"] = list(rc.modules)
-    return TransformerConfig(
+    attention: dict[str, Any] = {
+        "num_query_groups": arch.num_query_groups,
+        "kv_channels": arch.kv_channels,
+        "add_qkv_bias": arch.add_qkv_bias,
+        "qk_layernorm": arch.qk_layernorm,
+    }
+    config_class = TransformerConfig
+    if mla:
+        from rltrain.megatron.mla import mla_config_fields
+
+        config_class, attention = MLATransformerConfig, mla_config_fields(arch)
+    return config_class(
         **moe_config(arch, settings),
+        **attention,
         num_layers=arch.num_layers,
         hidden_size=arch.hidden_size,
         ffn_hidden_size=arch.ffn_hidden_size,
         num_attention_heads=arch.num_attention_heads,
-        num_query_groups=arch.num_query_groups,
-        kv_channels=arch.kv_channels,
         layernorm_epsilon=arch.norm_epsilon,
         normalization="RMSNorm",
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
-        add_qkv_bias=arch.add_qkv_bias,
-        qk_layernorm=arch.qk_layernorm,
         attention_dropout=ts.attention_dropout,
         hidden_dropout=ts.hidden_dropout,
         init_method_std=ts.init_method_std,
@@ -319,7 +354,7 @@ def transformer_config(
         bias_activation_fusion=fused,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=fused,
+        apply_rope_fusion=fused and not mla,
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         params_dtype=dtype,
@@ -384,18 +419,23 @@ def moe_config(arch: ModelArch, settings: EngineSettings) -> dict[str, Any]:
     moe = settings.moe
     if arch.num_moe_experts is None or moe is None:
         return {}
+    from rltrain.megatron.mla import deepseek_routing
+
+    softmax_routing = {
+        "moe_router_score_function": "softmax",
+        "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
+    }
     freq: int | list[int] = 1
     if arch.moe_dense_layers:
         # A list marks the layers non-homogeneous for dist checkpointing (sharded keys per layer type).
         freq = [int(is_moe_layer(arch, i)) for i in range(arch.num_layers)]
     return {
+        **(deepseek_routing(arch) if arch.moe_router_score_function == "sigmoid" else softmax_routing),
         "num_moe_experts": arch.num_moe_experts,
         "moe_router_topk": arch.moe_router_topk,
         "moe_ffn_hidden_size": moe.ffn_hidden_size,
         "moe_shared_expert_intermediate_size": arch.moe_shared_expert_intermediate_size,
         "moe_shared_expert_gate": arch.moe_shared_expert_gate,
-        "moe_router_score_function": "softmax",
-        "moe_router_pre_softmax": not arch.moe_norm_topk_prob,
         "moe_router_load_balancing_type": "aux_loss",
         "moe_aux_loss_coeff": moe.aux_loss_coeff,
         "moe_z_loss_coeff": moe.z_loss_coeff,
@@ -573,7 +613,9 @@ def build_model_chunks(
     is `unwrap(chunk)`. A critic (`value_head=True`) has no tied output layer: its last stage ends in
     `ValueHead`.
     """
-    inv_freq = rope_inv_freq(arch)  # before building anything: refuses scalings it cannot compute
+    # Before building anything: refuses scalings it cannot compute. MLA builds its own rotary embedding
+    # (megatron's RotaryEmbedding / YarnRotaryEmbedding over the rope dims, inside each attention module).
+    inv_freq = None if arch.multi_latent_attention else rope_inv_freq(arch)
     if fused:
         check_fused_kernels(device, _DTYPES[settings.transformer.params_dtype])
     if arch.num_moe_experts is not None:
@@ -603,13 +645,18 @@ def build_model_chunks(
             rotary_base=arch.rotary_base,
             vp_stage=vp_stage,
         )
-        # The rotary module caches its table per length on first use; set HF's frequencies before that.
-        model.rotary_pos_emb.inv_freq = inv_freq.clone()
+        if inv_freq is not None:
+            # The rotary module caches its table per length on first use; set HF's frequencies before that.
+            model.rotary_pos_emb.inv_freq = inv_freq.clone()
         if value_head and post:
             model.output_layer = ValueHead(config)
         elif post and not config.sequence_parallel:
             batch_first_logits(model.output_layer)
         mark_expert_params(model)
+        if arch.moe_router_enable_expert_bias:
+            from rltrain.megatron.mla import freeze_expert_bias
+
+            freeze_expert_bias(model)
         if grouped:
             from rltrain.megatron.moe_decode import GroupedMoELayer, is_moe
 

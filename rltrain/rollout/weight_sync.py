@@ -329,7 +329,12 @@ class MegatronWeightLoader:
                 raise ValueError(
                     f"{name}: received {tuple(local.shape)}, megatron expects {tuple(param.shape)}"
                 )
-            param.data.copy_(local.to(param.device, param.dtype))
+            if name.endswith(
+                ".mlp.router.expert_bias"
+            ):  # the routing bias stays fp32 (hf_weights loads it so)
+                param.data = local.to(device=param.device, dtype=torch.float32)
+            else:
+                param.data.copy_(local.to(param.device, param.dtype))
             self.pending.discard(name)
         if not self.pending:
             self.received.clear()
