@@ -74,7 +74,9 @@ def test_moe_runs_padded_and_true_is_refused_at_plan_time():
 
 def test_pipeline_parallel_packs():
     """Pipeline stages pass each packed micro-batch's activations on (tests/megatron/test_packing.py)."""
-    cfg = _preset("tiny-grpo", **{"actor.megatron.pipeline_model_parallel_size": 2, "cluster.gpus_per_node": 2})
+    cfg = _preset(
+        "tiny-grpo", **{"actor.megatron.pipeline_model_parallel_size": 2, "cluster.gpus_per_node": 2}
+    )
     assert _layouts(cfg)["actor"] == (True, "model.use_remove_padding null: supported here")
 
 
