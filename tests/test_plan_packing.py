@@ -63,13 +63,25 @@ def test_null_falls_back_to_padded_and_says_why_true_is_refused(updates, why):
     assert "model.use_remove_padding" in err.value.paths
 
 
-def test_moe_runs_padded_and_true_is_refused_at_plan_time():
-    cfg = _preset("tiny-grpo-moe")
-    packed, reason = _layouts(cfg)["actor"]
-    assert not packed and "mixture-of-experts" in reason
-    with pytest.raises(ConfigError) as err:
-        compile_plan(replace_paths(cfg, {"model.use_remove_padding": True}))
-    assert err.value.errors[0].rule == "model-source"
+def test_moe_packs_unless_routing_is_replayed_and_mla_runs_padded():
+    """Mixture-of-experts models pack (the router's padding mask covers the packed padding), except the actor
+    with routing replay (its recorded routes follow padded rows); MLA models run padded. `true` there is
+    refused by validation and by the plan."""
+    moe = _preset("tiny-grpo-moe")
+    assert _layouts(moe)["actor"] == (True, "model.use_remove_padding null: supported here")
+    for cfg, why in (
+        (replace_paths(moe, {"actor.router_replay": True}), "actor.router_replay"),
+        (_preset("tiny-grpo-mla"), "multi-head latent attention"),
+    ):
+        packed, reason = _layouts(cfg)["actor"]
+        assert not packed and why in reason
+        strict = replace_paths(cfg, {"model.use_remove_padding": True})
+        assert [i.rule for i in check_config(strict) if i.path == "model.use_remove_padding"] == [
+            "model-source"
+        ]
+        with pytest.raises(ConfigError) as err:
+            compile_plan(strict)
+        assert err.value.errors[0].rule == "model-source"
 
 
 def test_pipeline_parallel_packs():
@@ -94,6 +106,6 @@ def test_plan_text_names_the_layout(capsys):
         "sequences: actor, ref packed (THD, no padding): model.use_remove_padding null: supported here"
         in text
     )
-    assert rlconf(["plan", "--preset", "tiny-grpo-moe"]) == 0
+    assert rlconf(["plan", "--preset", "tiny-grpo-mla"]) == 0
     text = capsys.readouterr().out
-    assert "sequences: actor padded: model.use_remove_padding null: a mixture-of-experts model" in text
+    assert "sequences: actor padded: model.use_remove_padding null: multi-head latent attention" in text

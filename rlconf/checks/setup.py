@@ -38,6 +38,7 @@ from rlconf.safe_paths import FOLDER_PATHS_RULE
     "model.use_remove_padding",
     "*.context_parallel_size",
     "*.virtual_pipeline_model_parallel_size",
+    "actor.router_replay",
     "model.arch.kv_channels",
     "model.arch.hidden_size",
 )

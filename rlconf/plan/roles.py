@@ -362,8 +362,8 @@ def packing_blocker(c: RLConfig, role: str, arch: ModelArch | None) -> str | Non
     """What keeps a megatron role from running packed (THD) micro-batches, or None when it can (`arch`
     None: the model is not known yet, its architecture is not checked).
 
-    The packed layout is built for the log-prob, value, reward and update passes of dense models without
-    context parallel or virtual pipeline stages (rltrain/megatron/packing.py); megatron's local attention
+    The packed layout is built for the log-prob, value, reward and update passes of dense and
+    mixture-of-experts models without context parallel, virtual pipeline stages or routing replay (rltrain/megatron/packing.py); megatron's local attention
     has no packed path. A separate rollout engine only generates (its passes are not micro-batched)."""
     _, m = megatron_of(c, role)
     if role == "rollout":
@@ -376,8 +376,8 @@ def packing_blocker(c: RLConfig, role: str, arch: ModelArch | None) -> str | Non
         return "virtual pipeline parallel (its interleaved schedule needs one activation shape)"
     if arch is not None and arch.multi_latent_attention:
         return "multi-head latent attention (its core attention has no packed path yet)"
-    if arch is not None and arch.num_moe_experts is not None:
-        return "a mixture-of-experts model (routing replay and the router's padding mask use padded rows)"
+    if role == "actor" and c.actor.router_replay:
+        return "actor.router_replay (the recorded routes follow padded rows)"
     if c.cluster.device not in ("cpu", "cuda"):
         return f"cluster.device {c.cluster.device} (packed attention was run on cpu and cuda only)"
     return None

@@ -562,14 +562,15 @@ class MegatronEngine:
 
         def forward_step(data_iter: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iter)
-            if moe_padding:  # MoE routing statistics (load-balancing loss) without the padding columns
+            if moe_padding and mb.packed is not None:  # the packed rows' own padding positions
+                extra["padding_mask"] = mb.packed.padding_mask
+            elif moe_padding:  # MoE routing statistics (load-balancing loss) without the padding columns
                 extra["padding_mask"] = mmodel.moe_padding_mask(mb.tokens, mb.data["attention_mask"])
             tokens, positions = cp.split_sequence(mb.tokens), cp.split_sequence(mb.position_ids)
             if "padding_mask" in extra:
                 extra["padding_mask"] = cp.split_sequence(extra["padding_mask"])
             # A packed micro-batch (one sequence [1, T]) carries megatron's THD params; a padded one none.
             packed = {} if mb.packed is None else {"packed_seq_params": mb.packed}
-            assert not (packed and moe_padding), "packed MoE micro-batches: the plan refuses them"
             output = model(input_ids=tokens, position_ids=positions, attention_mask=None, **extra, **packed)
 
             def loss_func(out: torch.Tensor):

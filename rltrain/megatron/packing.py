@@ -46,6 +46,9 @@ class RowPackedSeqParams(PackedSeqParams):
     rows without reading cu_seqlens back from the device)."""
 
     seqlens: tuple[int, ...] = ()
+    padding_mask: torch.Tensor | None = None
+    """[1, T] True on positions that are no row's token (the trailing padding segment, the placeholder of a
+    row without tokens): mixture-of-experts routers leave them out of the load-balancing loss."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,8 @@ def pack_rows(batch: dict[str, torch.Tensor], seq_multiple: int, device: torch.d
     pos = torch.arange(used) - offsets[row_of]
     src = (start[row_of] + pos).clamp(max=batch["input_ids"].shape[1] - 1)
     real = pos < valid[row_of]
+    padding = torch.ones(total, dtype=torch.bool)
+    padding[:used] = ~real
     tokens = torch.zeros(total, dtype=batch["input_ids"].dtype)
     tokens[:used] = torch.where(real, batch["input_ids"][row_of, src], torch.zeros_like(src))
     positions = torch.zeros(total, dtype=torch.long)
@@ -109,6 +114,7 @@ def pack_rows(batch: dict[str, torch.Tensor], seq_multiple: int, device: torch.d
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
         seqlens=tuple(seqlens),
+        padding_mask=padding.unsqueeze(0).to(device),
     )
     return PackedRows(
         tokens.unsqueeze(0).to(device), positions.unsqueeze(0).to(device), gather_index.to(device), params

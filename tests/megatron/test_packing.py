@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from ..tolerance import rel_tolerance
+from ..tolerance import assert_close, rel_tolerance
 from ._common import (
     TINY_DEPTH,
     TINY_REDUCTION,
@@ -290,3 +290,35 @@ def test_dp2_token_balanced_update_equals_contiguous_split(mp_world, tiny_hf):
     frozen = actor_of(_model(str(tiny_hf), True), _cfg(True), "cpu", trainable=False)
     ref = {"batch": batch, "old": frozen.compute_log_prob(batch, with_entropy=False)["log_probs"]}
     mp.spawn(_dp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)
+
+
+# ------------------------------------------------------------------------------------ mixture of experts
+@pytest.mark.slow
+def test_packed_moe_equals_padded(mp_world, tmp_path):
+    """A tiny Qwen3-MoE (top-2 of 4 experts, a dense layer, load-balancing loss on): packed log-probs equal
+    the padded ones, and with the same row micro-batches one update gives the same loss (the aux loss's
+    token counts leave the packed padding out as they leave padded columns out), routing load, grad norm
+    and log-probs after it."""
+    from rlconf.config import ModelConfig, Optim
+
+    from .test_moe import MOE_DEPTH, MOE_REDUCTION, make_tiny_moe
+
+    path = str(make_tiny_moe(tmp_path / "moe", "qwen3_moe"))
+    cfg = actor_cfg(ppo_mini_batch_size=8, ppo_micro_batch_size_per_gpu=3, log_prob_micro_batch_size_per_gpu=3,
+                    shuffle=False, optim=Optim(lr=1e-4, clip_grad=1.0))  # fmt: skip
+    batch = _batch()
+    out, updates = {}, {}
+    for packed in (False, True):
+        model = ModelConfig(path=path, attention_backend="sdpa", use_remove_padding=packed)
+        actor = actor_of(model, cfg, "cpu", total_steps=2)
+        assert actor.spec.remove_padding is packed
+        out[packed] = actor.compute_log_prob(batch)
+        updates[packed] = actor.update_policy(_rl(batch, out[False]["log_probs"]))
+        updates[packed]["after"] = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+    rel = rel_tolerance(torch.float32, MOE_REDUCTION, 3 * MOE_DEPTH)
+    assert_close(out[True]["log_probs"], out[False]["log_probs"], reduction=MOE_REDUCTION, depth=MOE_DEPTH)
+    assert_close(out[True]["entropy"], out[False]["entropy"], reduction=MOE_REDUCTION, depth=MOE_DEPTH)
+    for key in ("actor/loss", "actor/grad_norm", "actor/moe_aux_loss", "actor/moe_expert_load_max"):
+        assert updates[True][key] == pytest.approx(updates[False][key], rel=rel, abs=1e-7), key
+    after = updates[True]["after"], updates[False]["after"]
+    assert_close(*after, reduction=MOE_REDUCTION, depth=3 * MOE_DEPTH)

@@ -39,6 +39,9 @@ def test_pack_rows_round_trip_and_cu_seqlens(rows, multiple):
         b - a for a, b in itertools.pairwise(cu)
     ]
     assert packed.params.max_seqlen_q == max(packed.params.seqlens)
+    # The MoE padding mask: exactly the trailing padding segment.
+    pad = tokens.shape[0] - sum(lengths)
+    assert packed.params.padding_mask[0].tolist() == [False] * sum(lengths) + [True] * pad
     # Positions restart at 0 in every segment.
     for a, b in itertools.pairwise(cu):
         assert positions[a:b].tolist() == list(range(b - a))
