@@ -15,8 +15,9 @@ Workloads (`--workloads`, comma-separated):
 rlplan: `python -m rltrain.cli PRESET --trainer.total_steps N --trainer.test_freq 0
 --trainer.val_before_train false --trainer.save_freq 0` (plus `--cluster.cpus_per_worker 4` on cuda, as the
 issue's command, and any `--set PATH=VALUE`). From its metrics.jsonl: every step's timing/*, perf/* and the
-summary over steps 2..N (median, min, max; step 1 warms up); from its plan.json: the log-prob passes and the
-memory estimate of every phase of the policy pool next to the measured peak of that role call
+summary over steps 2..N (median, min, max; step 1 warms up); from its plan.json: the log-prob passes, each
+engine's sequence layout (`sequence_layout`: packed THD micro-batches wherever the plan supports them, the
+default, `--set model.use_remove_padding=false` for padded rows) and the memory estimate of every phase of the policy pool next to the measured peak of that role call
 (`perf/max_memory_allocated_gib/<phase>`, max over steps; accelerators only), with measured / estimate and
 whether it is within +-15%.
 
@@ -95,6 +96,15 @@ def memory_table(plan: dict[str, Any], rows: list[dict[str, Any]]) -> list[dict[
     return out
 
 
+def sequence_layout(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each engine's micro-batch layout in the plan (packed THD or padded) and the plan's reason."""
+    return {
+        e["role"]: {"packed": e["remove_padding"], "why": e["remove_padding_reason"]}
+        for e in plan["engines"]
+        if e["role"] != "rollout"
+    }
+
+
 def run_rlplan(
     preset: str, workload: str, flags: list[str], steps: int, out: Path, env: dict[str, str] | None = None
 ) -> dict[str, Any]:
@@ -118,6 +128,8 @@ def run_rlplan(
         "command": " ".join(f"{k}={v}" for k, v in (env or {}).items()) + " rltrain " + " ".join(cmd[3:]),
         "wall_s_incl_startup": wall,
         "passes": plan["passes"],
+        # The micro-batch layout of each engine's log-prob and update passes (packed THD or padded), and why.
+        "sequence_layout": sequence_layout(plan),
         "steps": [{k: v for k, v in r.items() if k == "step" or k.startswith(keep)} for r in rows],
         "summary_steps_2_n": summary,
         "memory": memory_table(plan, rows),
@@ -260,8 +272,10 @@ def main() -> int:
             phases = ", ".join(
                 f"{p} {s[f'timing/{p}_s']['median']:.3g}" for p in PHASES if s.get(f"timing/{p}_s")
             )
+            layout = ", ".join(f"{r} {'packed' if v['packed'] else 'padded'}"
+                               for r, v in result["sequence_layout"].items())  # fmt: skip
             print(f"{workload}: {s['timing/step_s']['median']:.3g} s/step, {s['perf/throughput']['median']:.4g} "
-                  f"tokens/s per device; {phases}", flush=True)  # fmt: skip
+                  f"tokens/s per device; {phases}; {layout}", flush=True)  # fmt: skip
         else:
             print(f"{workload}: failed (see rlplan_{workload}.log)", flush=True)
     tput = {w: report.get(f"rlplan_{w}", {}).get("summary_steps_2_n", {}).get("perf/throughput")

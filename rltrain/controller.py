@@ -235,6 +235,46 @@ class Trainer:
             return torch.cat(parts, 0)
         return {k: torch.cat([p[k] for p in parts], 0) for k in parts[0]}
 
+    def _dispatch_rows(
+        self, group: WorkerGroup, role: str, method: str, batch: dict[str, torch.Tensor], *extra: Any
+    ) -> Any:
+        """`_dispatch_cat` of a per-row forward pass (log-probs, values, reward scores) with the rows spread
+        over the data-parallel ranks by tokens (rltrain/token_balance.py): every shard gets a balanced share
+        of the batch's tokens and the same rows as the contiguous split, and the results come back in the
+        batch's row order. A row's results do not depend on which rank computes it (up to the rounding of
+        kernels that block another number of rows differently), so this changes timing, not the run;
+        outputs that are not per row (a rank's seconds) are left as the ranks return them. Updates use
+        `_dispatch_update`, which keeps each row's position in its shard."""
+        from rltrain.token_balance import dp_balanced_order
+
+        dp = self.plan.layout(role).dp
+        rows = batch["attention_mask"].shape[0]
+        if dp == 1 or rows < 2:
+            return self._dispatch_cat(group, role, method, batch, *extra)
+        sizes = [rows * (d + 1) // dp - rows * d // dp for d in range(dp)]
+        order, inverse = dp_balanced_order(batch["attention_mask"].sum(-1).tolist(), sizes)
+        out = self._dispatch_cat(group, role, method, {k: v[order] for k, v in batch.items()}, *extra)
+
+        def back(t: torch.Tensor) -> torch.Tensor:
+            return t[inverse] if t.dim() and t.shape[0] == rows else t
+
+        return back(out) if isinstance(out, torch.Tensor) else {k: back(v) for k, v in out.items()}
+
+    def _dispatch_update(
+        self, group: WorkerGroup, role: str, method: str, batch: dict[str, torch.Tensor], *extra: Any
+    ) -> list[Any]:
+        """`_dispatch` of an update with the rows exchanged between data-parallel ranks, at the same position
+        in each rank's shard, so that every rank gets a balanced share of the tokens
+        (`token_balance.dp_balanced_columns`): each mini-batch keeps its rows, so the update is the one the
+        contiguous split gives (up to summation order), with less waiting on the slowest rank."""
+        from rltrain.token_balance import dp_balanced_columns
+
+        dp = self.plan.layout(role).dp
+        if dp > 1:
+            order = dp_balanced_columns(batch["attention_mask"].sum(-1).tolist(), dp)
+            batch = {k: v[order] for k, v in batch.items()}
+        return self._dispatch(group, role, method, batch, *extra)
+
     def _set_step(self, step: int) -> None:
         self.reward_profiler.set_step(step)
         if not self.plan.profile.enabled:
@@ -284,7 +324,7 @@ class Trainer:
         if self.reward_model is not None:
             rm_batch = {k: batch[k] for k in ("input_ids", "attention_mask", "position_ids", "responses",
                                               "response_mask")}  # fmt: skip
-            rm_scores = self._dispatch_cat(self.reward_model, "reward_model", "compute_rm_score", rm_batch)
+            rm_scores = self._dispatch_rows(self.reward_model, "reward_model", "compute_rm_score", rm_batch)
             batch["scores"] = batch["scores"] + rm_scores
             rule_mean = float(sum(scores) / len(scores))
         batch["group_index"] = torch.arange(len(prompts)).repeat_interleave(n)
@@ -407,7 +447,7 @@ class Trainer:
         batch = algorithms.StepBatch.from_rollout(generated, _CONTROLLER_KEYS)
         metrics.update(self._log_prob_passes(batch, timing))
         if self.critic is not None:
-            batch.values = _timed(timing, "values", self._dispatch_cat, self.critic, "critic", "compute_values",
+            batch.values = _timed(timing, "values", self._dispatch_rows, self.critic, "critic", "compute_values",
                                   batch.worker_batch())  # fmt: skip
         # The divergence guard (rltrain/guard.py): an update with a non-finite input is not run.
         bad = first_bad(batch.guarded())
@@ -447,7 +487,7 @@ class Trainer:
         elif passes.old_log_prob == "recompute":  # ("update": the update's own forward gives them)
             if passes.fused:  # old and ref log-probs on one scatter of the batch, in one worker call
                 t0 = time.perf_counter()
-                old = self._dispatch_cat(
+                old = self._dispatch_rows(
                     self.policy, "actor", "compute_old_and_ref_log_prob", batch.worker_batch()
                 )
                 ref_s = float(old.pop("ref_seconds").max())
@@ -455,13 +495,13 @@ class Trainer:
                 timing["timing/ref_s"] = ref_s
                 batch.ref_log_probs = old["ref_log_probs"]
             else:
-                old = _timed(timing, "old_log_prob", self._dispatch_cat, self.policy, "actor", "compute_log_prob",
+                old = _timed(timing, "old_log_prob", self._dispatch_rows, self.policy, "actor", "compute_log_prob",
                              batch.worker_batch())  # fmt: skip
             batch.old_log_probs, batch.entropy = old["log_probs"], old["entropy"]
             metrics.update(algorithms.old_log_prob_metrics(batch))
             metrics.update(algorithms.apply_rollout_correction(batch, passes, self.plan.algorithm))
         if passes.ref_log_prob and batch.ref_log_probs is None:
-            ref = _timed(timing, "ref", self._dispatch_cat, self.policy, "actor", "compute_ref_log_prob",
+            ref = _timed(timing, "ref", self._dispatch_rows, self.policy, "actor", "compute_ref_log_prob",
                          batch.worker_batch())  # fmt: skip
             batch.ref_log_probs = ref["log_probs"]
         return metrics
@@ -482,13 +522,13 @@ class Trainer:
             return bad
         if self.critic is not None:
             critic_batch = batch.worker_batch("values", "returns")
-            metrics.update(_timed(timing, "update_critic", self._dispatch, self.critic, "critic", "update_critic",
+            metrics.update(_timed(timing, "update_critic", self._dispatch_update, self.critic, "critic", "update_critic",
                                   critic_batch, step)[0])  # fmt: skip
         if step > alg.critic_warmup:
             on_policy = ("rollout_log_probs",) if passes.old_log_prob == "update" else ()
             actor_batch = batch.worker_batch("old_log_probs", "advantages", "ref_log_probs", "rollout_is_weights",
                                              *on_policy)  # fmt: skip
-            metrics.update(_timed(timing, "update_actor", self._dispatch, self.policy, "actor", "update_actor",
+            metrics.update(_timed(timing, "update_actor", self._dispatch_update, self.policy, "actor", "update_actor",
                                   actor_batch, step)[0])  # fmt: skip
         return bad_update(metrics)
 

@@ -335,8 +335,8 @@ INLINE_QUOTES: dict[str, tuple[tuple[str, str], ...]] = {
         ("rltrain/profiling.py", 'f"activities {self.dropped} are not available here; '),),
     "it->second->use_count > 0 INTERNAL ASSERT FAILED": (),  # torch's own error on the GPU (benchmarks.md)
     "FusedKernelsError: model.fused_kernels: torch.compile cannot build kernels on this machine": (
-        ("rltrain/megatron/model.py", "class FusedKernelsError("),
-        ("rltrain/megatron/model.py", 'f"model.fused_kernels: torch.compile cannot build kernels on this machine "')),
+        ("rltrain/megatron/fused.py", "class FusedKernelsError("),
+        ("rltrain/megatron/fused.py", 'f"model.fused_kernels: torch.compile cannot build kernels on this machine "')),
 }  # fmt: skip
 """Every inline quote of program output on the pages (a backtick span that reads like an error, warning, note
 or progress line, 16 characters or more), with where the code prints it. A new one must be added here."""

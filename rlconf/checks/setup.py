@@ -16,7 +16,10 @@ from rlconf.folder_rules import model_folder_paths
 from rlconf.lora import config_issues as lora_config_issues
 from rlconf.plan.roles import (
     actor_world,
+    configured_roles,
     megatron_roles,
+    packing_blocker,
+    packing_issue,
     rollout_tp,
 )
 from rlconf.rules import rule
@@ -32,12 +35,17 @@ from rlconf.safe_paths import FOLDER_PATHS_RULE
     "*.override_transformer_config.*_dropout",
     "model.attention_backend",
     "model.fused_kernels",
+    "model.use_remove_padding",
+    "*.context_parallel_size",
+    "*.virtual_pipeline_model_parallel_size",
+    "actor.router_replay",
     "model.arch.kv_channels",
     "model.arch.hidden_size",
 )
 def model_source(c: RLConfig) -> Iterator[Issue]:
     """A model path and dist checkpoint path are consistent; TE attention is not available on npu/cpu,
-    compiled fused kernels not on npu; dropout probabilities are in [0, 1)."""
+    compiled fused kernels not on npu; dropout probabilities are in [0, 1); model.use_remove_padding: true
+    only where every megatron role can run packed sequences."""
     for prefix, m, _ in megatron_roles(c):
         if m.use_dist_checkpointing and not m.dist_checkpointing_path:
             yield error(f"{prefix}.megatron.dist_checkpointing_path", "use_dist_checkpointing needs a path",
@@ -55,6 +63,8 @@ def model_source(c: RLConfig) -> Iterator[Issue]:
         # torch.compile's generated kernels target cuda (Triton) and cpu (C++); none was run on Ascend.
         yield error("model.fused_kernels", "compiled kernels were never run on npu",
                     "use fused_kernels: eager (or auto)", "model-source")  # fmt: skip
+    if c.model.use_remove_padding:
+        yield from _packing_issues(c)
     a = c.model.arch
     heads = max(a.num_attention_heads, 1)
     if a.kv_channels is None and c.model.path is None and a.hidden_size % heads:
@@ -103,3 +113,15 @@ def lora(c: RLConfig) -> Iterator[Issue]:
     (MLP targets on a MoE model, exclude patterns matching nothing) are reported when the plan reads the
     architecture (rlconf/lora.py)."""
     yield from lora_config_issues(c)
+
+
+def _packing_issues(c: RLConfig) -> Iterator[Issue]:
+    """model.use_remove_padding: true with a role that cannot pack (the plan's `packing_blocker`; a model
+    folder's architecture is checked when the plan reads its config.json)."""
+    arch = c.model.arch if c.model.path is None else None
+    for role in configured_roles(c):
+        if role == "rollout":
+            continue
+        if (blocker := packing_blocker(c, role, arch)) is not None:
+            yield packing_issue(role, blocker)
+            return

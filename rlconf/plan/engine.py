@@ -14,8 +14,9 @@ from rlconf.config import (
     ModelArch,
     RLConfig,
 )
+from rlconf.errors import ConfigError
 from rlconf.fields import get_path
-from rlconf.plan.roles import megatron_of, role_spec
+from rlconf.plan.roles import megatron_of, packing_blocker, packing_issue, role_spec
 from rlconf.plan.types import (
     ENGINE_ROLES,
     DdpSettings,
@@ -111,7 +112,24 @@ def _settings(c: RLConfig, role: str, arch: ModelArch) -> EngineSettings:
         forward_max_token_len=budget if dynamic else None,
         fused_kernels=fused_kernels(c),
         fused_kernels_setting=c.model.fused_kernels,
+        **_remove_padding(c, role, arch),
     )
+
+
+def _remove_padding(c: RLConfig, role: str, arch: ModelArch) -> dict[str, bool | str]:
+    """EngineSettings' remove_padding and its reason (model.use_remove_padding: null = where supported)."""
+    setting = c.model.use_remove_padding
+    blocker = packing_blocker(c, role, arch)
+    if setting is False:
+        return {"remove_padding": False, "remove_padding_reason": "model.use_remove_padding false"}
+    if blocker is not None and setting and role != "rollout":
+        # The model-source rule refuses this before a plan is compiled, except for what only the model folder's
+        # config.json tells (a mixture-of-experts model).
+        raise ConfigError([packing_issue(role, blocker)])
+    if blocker is not None:
+        return {"remove_padding": False, "remove_padding_reason": f"model.use_remove_padding null: {blocker}"}
+    why = "model.use_remove_padding true" if setting else "model.use_remove_padding null: supported here"
+    return {"remove_padding": True, "remove_padding_reason": why}
 
 
 def fused_kernels(c: RLConfig) -> bool:

@@ -127,6 +127,20 @@ def _kernels_line(plan: TrainerPlan) -> str:
     return f"  kernels: eager (one torch op at a time; {why})"
 
 
+def _sequence_layout_line(plan: TrainerPlan) -> str:
+    """Which micro-batch layout each megatron engine's forward and update passes use
+    (`EngineSettings.remove_padding`), and why."""
+    groups: dict[tuple[bool, str], list[str]] = {}
+    for s in plan.engines:
+        if s.role != "rollout":  # a separate rollout only generates
+            groups.setdefault((s.remove_padding, s.remove_padding_reason), []).append(s.role)
+    parts = [
+        f"{', '.join(roles)} {'packed (THD, no padding)' if packed else 'padded'}: {why}"
+        for (packed, why), roles in groups.items()
+    ]
+    return "  sequences: " + "; ".join(parts) if parts else ""
+
+
 def _refit_lines(plan: TrainerPlan) -> list[str]:
     """How the rollout gets the actor's weights each step, with the refit's extra memory and time."""
     r = plan.refit
@@ -255,6 +269,8 @@ def _placement_lines(plan: TrainerPlan) -> list[str]:
             out += _expert_grid_lines(lay)
     out += _refit_lines(plan)
     out.append(_kernels_line(plan))
+    if line := _sequence_layout_line(plan):
+        out.append(line)
     return out
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from rlconf.config import Checkpoint, MegatronConfig, RLConfig
+from rlconf.config import Checkpoint, MegatronConfig, ModelArch, RLConfig
 from rlconf.errors import Issue, error
 from rlconf.fields import get_path
 from rlconf.pipeline_split import PipelineSplit, split_errors
@@ -355,3 +355,37 @@ def checkpointed_roles(
     state a checkpoint saves, in table order: the actor and a critic."""
     present = configured_roles(c) if roles is None else roles
     return [(r, ck) for r in ROLE_TABLE if r.name in present and (ck := r.checkpoint_of(c)) is not None]
+
+
+# ============================================================================================= packing
+def packing_blocker(c: RLConfig, role: str, arch: ModelArch | None) -> str | None:
+    """What keeps a megatron role from running packed (THD) micro-batches, or None when it can (`arch`
+    None: the model is not known yet, its architecture is not checked).
+
+    The packed layout is built for the log-prob, value, reward and update passes of dense and
+    mixture-of-experts models without context parallel, virtual pipeline stages or routing replay (rltrain/megatron/packing.py); megatron's local attention
+    has no packed path. A separate rollout engine only generates (its passes are not micro-batched)."""
+    _, m = megatron_of(c, role)
+    if role == "rollout":
+        return "a generation engine (no micro-batched passes)"
+    if c.model.attention_backend == "local":
+        return "model.attention_backend local (megatron's unfused attention has no packed-sequence path)"
+    if m.context_parallel_size > 1:
+        return "context parallel (its load-balanced split cuts padded rows)"
+    if m.pipeline_model_parallel_size > 1 and m.virtual_pipeline_model_parallel_size is not None:
+        return "virtual pipeline parallel (its interleaved schedule needs one activation shape)"
+    if arch is not None and arch.multi_latent_attention:
+        return "multi-head latent attention (its core attention has no packed path yet)"
+    if role == "actor" and c.actor.router_replay:
+        return "actor.router_replay (the recorded routes follow padded rows)"
+    if c.cluster.device not in ("cpu", "cuda"):
+        return f"cluster.device {c.cluster.device} (packed attention was run on cpu and cuda only)"
+    return None
+
+
+def packing_issue(role: str, blocker: str) -> Issue:
+    """The error of model.use_remove_padding: true where `role` cannot run packed."""
+    return error(
+        "model.use_remove_padding", f"packed sequences cannot run for the {role} with {blocker}",
+        "set model.use_remove_padding: null (packed where supported) or false", "model-source",
+    )  # fmt: skip

@@ -674,6 +674,12 @@ class EngineSettings:
     """torch.compile'd fused kernels for SwiGLU, log-prob / entropy, sampling and RoPE (`fused_kernels`)."""
     fused_kernels_setting: str
     """model.fused_kernels as written (auto, compiled or eager): why `fused_kernels` is what it is."""
+    remove_padding: bool
+    """Packed (THD) micro-batches in this engine's log-prob / value / reward and update passes: a
+    micro-batch's rows are one sequence without padding, attention restricted to each row
+    (rltrain/megatron/packing.py); False: rows padded to the micro-batch's longest."""
+    remove_padding_reason: str
+    """Why `remove_padding` is what it is (model.use_remove_padding as written, or what rules packing out)."""
 
 
 @dataclass(frozen=True)
@@ -717,6 +723,10 @@ class EnginePlan:
     @property
     def fused_kernels(self) -> bool:
         return self.settings.fused_kernels
+
+    @property
+    def remove_padding(self) -> bool:
+        return self.settings.remove_padding
 
     def frozen(self, role: str) -> EnginePlan:
         """The same engine without optimizer and update (a reference policy built on this layout)."""

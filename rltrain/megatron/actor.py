@@ -78,7 +78,8 @@ class MegatronActor(TrainedEngine):
         planned = plan.engine("actor")
         self.router_replay = plan.rollout.router_replay
         self.loss = _loss_plan(plan)
-        forward = ("forward_micro_batch_size", "forward_use_dynamic_bsz", "forward_max_token_len")
+        forward = ("forward_micro_batch_size", "forward_use_dynamic_bsz", "forward_max_token_len",
+                   "remove_padding", "remove_padding_reason")  # fmt: skip
         settings = replace(self.spec.settings, **{k: getattr(planned.settings, k) for k in forward})
         self.spec = replace(self.spec, batch=planned.batch, settings=settings)
 
@@ -88,7 +89,7 @@ class MegatronActor(TrainedEngine):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Log-probs (and entropy) [b, R] of the response tokens, 0 on padding, from logits [b, L, V/tp]
         (with context parallel: this CP rank's [b, L / CP, V/tp] chunks; the loss functions are
-        `context_parallel.CpLocalLoss`es).
+        `context_parallel.CpLocalLoss`es; a packed micro-batch: [1, T, V/tp] of all its rows).
 
         Only the valid response positions are evaluated, in token chunks (logprob.py): no [b, R, V/tp]
         copy and no fp32 copy of the whole micro-batch's logits is made. With context parallel each rank
@@ -96,9 +97,13 @@ class MegatronActor(TrainedEngine):
         summed over the CP group.
         """
         b, length, shard = logits.shape
-        local, held = cp.to_local(mb.gather_index, length * self.cp_size)
-        mask = mb.data["response_mask"].bool() & held
-        rows = (torch.arange(b, device=logits.device).unsqueeze(1) * length + local)[mask]
+        if mb.packed is not None:  # one packed sequence [1, T]: gather_index points into it directly
+            mask = mb.data["response_mask"].bool()
+            rows = mb.gather_index[mask]
+        else:
+            local, held = cp.to_local(mb.gather_index, length * self.cp_size)
+            mask = mb.data["response_mask"].bool() & held
+            rows = (torch.arange(b, device=logits.device).unsqueeze(1) * length + local)[mask]
         logp, ent = token_log_probs_and_entropy(
             logits.reshape(b * length, shard),
             rows,
@@ -122,7 +127,8 @@ class MegatronActor(TrainedEngine):
         """Per-token log-probs ([B, R], 0 on padding) of `responses` and, optionally, the entropy.
 
         Micro-batches are the plan's (`EnginePlan.forward_micro_batch_size` rows, or with dynamic batch size
-        at most `forward_max_token_len` padded tokens); outputs are in the batch's row order either way.
+        at most `forward_max_token_len` tokens: padded, or packed with `EnginePlan.remove_padding`); outputs
+        are in the batch's row order either way.
         """
         with self._ctx():
             self.eval()

@@ -37,8 +37,8 @@ class MegatronCritic(TrainedEngine):
         self._build(spec, None)
 
     def _values(self, mb: MicroBatch, out: torch.Tensor) -> torch.Tensor:
-        # out [b, L, 1] -> values at the positions predicting each response token [b, R].
-        return torch.gather(out.squeeze(-1).float(), 1, mb.gather_index)
+        # out [b, L, 1] (packed: [1, T, 1]) -> values at the positions predicting each response token [b, R].
+        return out.reshape(-1).float()[mb.flat_index()]
 
     def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Values [B, R] of the response positions (0 on padding), in the batch's row order (the plan's

@@ -30,12 +30,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlconf.seeding import DROPOUT, SHUFFLE, derive_seed
 from rltrain.device import device_context, torch_device
 from rltrain.megatron import context_parallel as cp
 from rltrain.megatron import model as mmodel
+from rltrain.megatron import packing
 from rltrain.megatron.hf_weights import load_hf_weights
 from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, unique_storages
 from rltrain.megatron.parallel import init_parallel, seed_parallel_rng
@@ -52,13 +54,28 @@ _WEIGHTS_SETTING = {"policy": "model.path", "reward_model": "reward.reward_model
 
 @dataclass
 class MicroBatch:
-    """One micro-batch in aligned layout plus where each response token's prediction lives."""
+    """One micro-batch in aligned (padded) or packed layout plus where each response token's prediction
+    lives.
 
-    tokens: torch.Tensor  # [b, L] valid tokens left-aligned, zero padded; L a multiple of TP
-    position_ids: torch.Tensor  # [b, L] 0..L-1
+    Padded: tokens [b, L], each row's valid tokens left-aligned; gather_index [b, R] positions within a row.
+    Packed (`packed` set, rltrain/megatron/packing.py): tokens [1, T], the rows back to back;
+    gather_index [b, R] positions in the packed sequence.
+    """
+
+    tokens: torch.Tensor  # [b, L] valid tokens left-aligned, zero padded; L a multiple of TP ([1, T] packed)
+    position_ids: torch.Tensor  # [b, L] 0..L-1 ([1, T] packed: restarting in every row)
     gather_index: torch.Tensor  # [b, R] position whose logits predict response token j
     data: dict[str, torch.Tensor]  # the original per-row tensors ([b, ...]) of this micro-batch
     rows: torch.Tensor  # [b] indices of these rows in the batch that was split (outputs go back there)
+    packed: PackedSeqParams | None = None  # megatron's THD params of a packed micro-batch
+
+    def flat_index(self) -> torch.Tensor:
+        """[b, R] indices into the output's flattened positions ([b * L] padded, [T] packed) predicting
+        each response token (without context parallel)."""
+        if self.packed is not None:
+            return self.gather_index
+        b, length = self.tokens.shape
+        return torch.arange(b, device=self.gather_index.device).unsqueeze(1) * length + self.gather_index
 
 
 def _device_of(device: str) -> torch.device:
@@ -390,9 +407,14 @@ class MegatronEngine:
         micro_batch_size: int,
         use_dynamic_bsz: bool = False,
         max_token_len: int = 0,
+        packed: bool = False,
     ) -> list[MicroBatch]:
         """Split this rank's batch into aligned micro-batches: fixed row counts in row order, or a token
-        budget (rows regrouped by length; `MicroBatch.rows` says where each row came from)."""
+        budget (rows regrouped by length; `MicroBatch.rows` says where each row came from). `packed` (the
+        plan's `EngineSettings.remove_padding`): each micro-batch's rows packed into one sequence, and the
+        token budget counts their real tokens instead of rows x the longest."""
+        if packed:
+            return self._packed_micro_batches(batch, micro_batch_size, use_dynamic_bsz, max_token_len)
         n = batch["input_ids"].shape[0]
         lengths = batch["attention_mask"].sum(-1)
         # The interleaved (virtual pipeline) schedule assumes one activation shape for all micro-batches.
@@ -421,6 +443,28 @@ class MegatronEngine:
             )
             data = {k: v.to(self.torch_device) for k, v in data.items()}
             out.append(MicroBatch(tokens, positions, gather_index, data, idx))
+        return out
+
+    def _packed_micro_batches(
+        self, batch: dict[str, torch.Tensor], micro_batch_size: int, use_dynamic_bsz: bool, max_token_len: int
+    ) -> list[MicroBatch]:
+        """`micro_batches` in the packed layout (rltrain/megatron/packing.py)."""
+        assert self.cp_size == 1 and len(self._chunks) == 1, (
+            "packing with CP or virtual PP: the plan refuses it"
+        )
+        n = batch["input_ids"].shape[0]
+        if use_dynamic_bsz:
+            lengths = [max(int(x), 1) for x in batch["attention_mask"].sum(-1).tolist()]
+            groups = packing.split_packed_by_tokens(lengths, max_token_len, self.seq_multiple)
+            index_sets = [torch.tensor(g, dtype=torch.long) for g in groups]
+        else:
+            index_sets = [torch.arange(n)[s] for s in split_rows(n, micro_batch_size)]
+        out = []
+        for idx in index_sets:
+            data = {k: v[idx] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            rows = packing.pack_rows(data, self.seq_multiple, self.torch_device)
+            data = {k: v.to(self.torch_device) for k, v in data.items()}
+            out.append(MicroBatch(rows.tokens, rows.position_ids, rows.gather_index, data, idx, rows.params))
         return out
 
     def rows_in_order(
@@ -518,12 +562,16 @@ class MegatronEngine:
 
         def forward_step(data_iter: Iterator[MicroBatch], model: torch.nn.Module):
             mb = next(data_iter)
-            if moe_padding:  # MoE routing statistics (load-balancing loss) without the padding columns
+            if moe_padding and mb.packed is not None:  # the packed rows' own padding positions
+                extra["padding_mask"] = mb.packed.padding_mask
+            elif moe_padding:  # MoE routing statistics (load-balancing loss) without the padding columns
                 extra["padding_mask"] = mmodel.moe_padding_mask(mb.tokens, mb.data["attention_mask"])
             tokens, positions = cp.split_sequence(mb.tokens), cp.split_sequence(mb.position_ids)
             if "padding_mask" in extra:
                 extra["padding_mask"] = cp.split_sequence(extra["padding_mask"])
-            output = model(input_ids=tokens, position_ids=positions, attention_mask=None, **extra)
+            # A packed micro-batch (one sequence [1, T]) carries megatron's THD params; a padded one none.
+            packed = {} if mb.packed is None else {"packed_seq_params": mb.packed}
+            output = model(input_ids=tokens, position_ids=positions, attention_mask=None, **extra, **packed)
 
             def loss_func(out: torch.Tensor):
                 # Context parallel: a CpLocalLoss takes this rank's own chunks and sums its per-token results
@@ -625,6 +673,7 @@ class MegatronEngine:
                     plan.micro_batch_size_per_rank or 0,
                     plan.use_dynamic_bsz,
                     plan.max_token_len_per_micro_batch or 0,
+                    packed=self.spec.settings.remove_padding,
                 )
                 yield mini_batch, mbs, self.global_loss_totals(mini_batch)
 
@@ -632,7 +681,11 @@ class MegatronEngine:
         """Micro-batches of a forward-only pass (log-probs, values, reward scores), as the plan sizes them."""
         s = self.spec
         return self.micro_batches(
-            batch, s.forward_micro_batch_size, s.forward_use_dynamic_bsz, s.forward_max_token_len or 0
+            batch,
+            s.forward_micro_batch_size,
+            s.forward_use_dynamic_bsz,
+            s.forward_max_token_len or 0,
+            packed=s.remove_padding,
         )
 
     def begin_update(self, step: int | None) -> tuple[int, float]:

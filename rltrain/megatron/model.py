@@ -15,11 +15,10 @@ A critic is the same trunk with `ValueHead` replacing the vocabulary projection.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib.util
 import math
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -42,6 +41,16 @@ from rlconf.model_spec import is_moe_layer
 from rlconf.plan import DdpSettings, EngineSettings, LrRow, OptimPlan, RoleLayout
 from rltrain import device as devices
 from rltrain.megatron import context_parallel as cp
+from rltrain.megatron.fused import (  # noqa: F401  (re-exported: the engine's kernels were defined here)
+    FusedKernelsError,
+    check_fused_kernels,
+    compiled_rope,
+    fused_rotate,
+    rope_bshd,
+    rotate,
+    use_compiled_rope,
+    use_unbacked_swiglu,
+)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -87,8 +96,9 @@ class SdpaAttention(DotProductAttention):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> torch.Tensor:
-        assert packed_seq_params is None, "SdpaAttention does not support packed sequences"
         assert attention_bias is None, "SdpaAttention does not support attention bias"
+        if packed_seq_params is not None:
+            return self._packed_forward(query, key, value, packed_seq_params)
         sq, b, sk = query.shape[0], query.shape[1], key.shape[0]
         # [s, b, h, d] -> [b, h, s, d]
         q = query.permute(1, 2, 0, 3)
@@ -124,6 +134,28 @@ class SdpaAttention(DotProductAttention):
             ctx = F.scaled_dot_product_attention(q, k, v, **kwargs)
         # [b, h, s, d] -> [s, b, h*d]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
+
+    def _packed_forward(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any
+    ) -> torch.Tensor:
+        """Packed rows (megatron's THD layout: q [T, heads, d], `params.cu_seqlens_q` where each row starts):
+        causal attention within each row (`packing.packed_attention`); returns [T, heads * d]."""
+        from rltrain.megatron import packing
+
+        assert params.qkv_format == "thd", f"packed layout {params.qkv_format!r}: SdpaAttention runs thd"
+        assert cp.cp_world_size() == 1, "packed sequences with context parallel are refused by the plan"
+        dropout_p = self.config.attention_dropout if self.training else 0.0
+        t = query.shape[0]
+
+        def attend() -> torch.Tensor:
+            return packing.packed_attention(query, key, value, params, self.softmax_scale, dropout_p)
+
+        if dropout_p > 0.0 and not self.config.sequence_parallel:
+            with tensor_parallel.get_cuda_rng_tracker().fork():
+                ctx = attend()
+        else:
+            ctx = attend()
+        return ctx.reshape(t, self.hidden_size_per_partition)
 
 
 class TorchRMSNorm:
@@ -266,93 +298,6 @@ def block_spec(
 
 
 # ------------------------------------------------------------------------------------ transformer config
-# ------------------------------------------------------------------------------------ fused kernels
-def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE of t [s, b, heads, d] with cos / sin [s, b or 1, 1, rot] in t's dtype: megatron's
-    `_apply_rotary_pos_emb_bshd` (not interleaved, mscale 1), the same ops in the same order, so the same
-    bits. The decode step computes cos and sin once per forward instead of in every layer."""
-    rot = cos.shape[-1]
-    x, rest = t[..., :rot], t[..., rot:]
-    x1, x2 = torch.chunk(x, 2, dim=-1)
-    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
-    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
-
-
-def _rotate_rows(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`rotate` over rows: t [n, heads, d], cos / sin [n, 1, rot], n unbacked (the same n for all three)."""
-    torch._check(cos.shape[0] == t.shape[0])
-    torch._check(sin.shape[0] == t.shape[0])
-    return rotate(t, cos, sin)
-
-
-@functools.cache
-def _compiled_rotate() -> Callable[..., torch.Tensor]:
-    return torch.compile(_rotate_rows, dynamic=True, fullgraph=True)
-
-
-def fused_rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """`rotate` as one torch.compile'd kernel (fp32 inside, one rounding): a decode step ran ~11 small
-    kernels per query and key per layer for it (docs/benchmarks.md).
-
-    The kernel sees rows, not [s, b]: t [s, b, heads, d] becomes [s * b, heads, d] and cos / sin are expanded
-    to it, with the row count unbacked. dynamic=True alone specialises a size of 1 (decode's s, a one-row
-    prefill's b, cos's broadcast b), so multi-turn prefills of every shape recompiled until torch's limit;
-    rows and heads are unbacked, so it compiles once per dtype (tests/megatron/test_inference.py counts)."""
-    s, b, heads, d = t.shape
-    rot = cos.shape[-1]
-    # detach: a view's base would be guarded on too (generation needs no autograd).
-    rows = t.reshape(s * b, heads, d).detach().contiguous()
-    c = cos.expand(s, b, 1, rot).reshape(s * b, 1, rot).detach().contiguous()
-    n = sin.expand(s, b, 1, rot).reshape(s * b, 1, rot).detach().contiguous()
-    for x in (rows, c, n):
-        torch._dynamo.decorators.mark_unbacked(x, 0)
-    torch._dynamo.decorators.mark_unbacked(rows, 1)  # query and key heads (and a single KV head) alike
-    return _compiled_rotate()(rows, c, n).view(s, b, heads, d)
-
-
-def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
-    """megatron's unfused RoPE from the angles, written to be compiled whole: t [s, b, heads, d], freqs
-    [s, b or 1, 1, rot] (fp32)."""
-    assert not interleaved, "interleaved rotary embeddings are refused before this point"
-    return rotate(t, torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype))
-
-
-def use_compiled_rope() -> None:
-    """Serve megatron's `apply_rope_fusion` hook with `rope_bshd` compiled by torch.compile (forward and
-    backward as fused kernels) where Transformer Engine, megatron's only provider, is absent. Idempotent; the
-    hook is read only by configs with apply_rope_fusion, i.e. engines whose plan says fused_kernels."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    if rope_utils.fused_apply_rotary_pos_emb is None:
-        rope_utils.fused_apply_rotary_pos_emb = torch.compile(rope_bshd, dynamic=True)
-
-
-class FusedKernelsError(RuntimeError):
-    """torch.compile cannot build kernels on this machine, so model.fused_kernels cannot be honoured."""
-
-
-def check_fused_kernels(device: str, dtype: torch.dtype) -> None:
-    """Compile and run the fused RoPE on a small tensor before the model is built, so that a machine whose
-    torch.compile toolchain is missing or broken (Triton on cuda, a C++ compiler on cpu) stops at start-up
-    with what to do, not in the middle of a step. The compiled graph is the one training uses (dynamic
-    sizes), so the probe costs one compile, not an extra one."""
-    use_compiled_rope()
-    from megatron.core.models.common.embeddings import rope_utils
-
-    dev = devices.torch_device(device)
-    t = torch.zeros((3, 2, 2, 8), dtype=dtype, device=dev)
-    freqs = torch.zeros((3, 1, 1, 8), device=dev)
-    try:
-        rope_utils.fused_apply_rotary_pos_emb(t, freqs)
-    except Exception as exc:  # whatever the toolchain raises, the fix is the same
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise FusedKernelsError(
-            f"model.fused_kernels: torch.compile cannot build kernels on this machine "
-            f"({type(exc).__name__}: {first}). Fix: set model.fused_kernels: eager (--model.fused_kernels "
-            f"eager), or install what torch.compile needs (Triton on cuda, a C++ compiler on cpu)"
-        ) from exc
-
-
 def transformer_config(
     arch: ModelArch, layout: RoleLayout, settings: EngineSettings, device: str, fused: bool = False
 ) -> TransformerConfig:
@@ -365,6 +310,8 @@ def transformer_config(
     kernel instead of a strided silu and a multiply, 0.73 s of a 5.2 s 1.5B log-prob pass on an H200,
     docs/benchmarks.md) and RoPE (`use_compiled_rope`; ~11 small kernels per query and key per layer)."""
     mla = arch.multi_latent_attention
+    if fused:
+        use_unbacked_swiglu()
     if fused and not mla:  # MLA's RoPE stays megatron's unfused one (it de-interleaves the rope dims)
         use_compiled_rope()
     ts = settings.transformer

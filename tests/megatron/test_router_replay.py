@@ -82,11 +82,16 @@ class RoutingSpy:
             for mb, used in zip(mbs, calls, strict=True):
                 b, length = mb.tokens.shape
                 used = used.view(length, b, TOPK).transpose(0, 1)  # megatron's [s, b] token order
+                # A packed micro-batch (rltrain/megatron/packing.py) holds row j's tokens from cu_seqlens[j] on.
+                starts = mb.packed.cu_seqlens_q.tolist() if mb.packed is not None else None
                 mask = mb.data["attention_mask"].bool()
                 # Rows of an update's mini-batch are a shuffled subset: the batch carries each row's number.
                 for j, row in enumerate(mb.data["row_id"].tolist()):
                     cols = mask[j].nonzero().squeeze(1)  # aligned position c is the row's c-th valid token
-                    got = used[j, : cols.numel()]
+                    if starts is not None:
+                        got = used[0, starts[j] : starts[j] + cols.numel()]
+                    else:
+                        got = used[j, : cols.numel()]
                     seen = out[row, cols, m]
                     assert bool(((seen == -1).all(-1) | (seen == got).all(-1)).all()), "recomputation differs"
                     out[row, cols, m] = got

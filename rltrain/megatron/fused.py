@@ -1,0 +1,221 @@
+"""torch.compile'd kernels of the megatron engine (`model.fused_kernels`): RoPE for training (megatron's
+`apply_rope_fusion` hooks, padded and packed rows), RoPE for the decode step, and megatron's SwiGLU fusion
+compiled once; plus the start-up probe that the toolchain works.
+
+Every compiled function here sees rows whose count (and head count) is unbacked, so it compiles once per
+dtype: dynamic=True alone still specialises sizes of 0 and 1 (a decode step's one column, a one-row prefill,
+a packed micro-batch's batch of 1), guards on strides and view bases, and recompiled per multi-turn prefill
+shape until torch's recompile limit (tests/megatron/test_recompile.py counts).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+
+from rltrain import device as devices
+
+
+def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE of t [s, b, heads, d] with cos / sin [s, b or 1, 1, rot] in t's dtype: megatron's
+    `_apply_rotary_pos_emb_bshd` (not interleaved, mscale 1), the same ops in the same order, so the same
+    bits. The decode step computes cos and sin once per forward instead of in every layer."""
+    rot = cos.shape[-1]
+    x, rest = t[..., :rot], t[..., rot:]
+    x1, x2 = torch.chunk(x, 2, dim=-1)
+    out = x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+def _rotate_rows(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` over rows: t [n, heads, d], cos / sin [n, 1, rot], n unbacked (the same n for all three)."""
+    torch._check(cos.shape[0] == t.shape[0])
+    torch._check(sin.shape[0] == t.shape[0])
+    return rotate(t, cos, sin)
+
+
+@functools.cache
+def _compiled_rotate() -> Callable[..., torch.Tensor]:
+    return torch.compile(_rotate_rows, dynamic=True, fullgraph=True)
+
+
+def fused_rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate` as one torch.compile'd kernel (fp32 inside, one rounding): a decode step ran ~11 small
+    kernels per query and key per layer for it (docs/benchmarks.md).
+
+    The kernel sees rows, not [s, b]: t [s, b, heads, d] becomes [s * b, heads, d] and cos / sin are expanded
+    to it, with the row count unbacked. dynamic=True alone specialises a size of 1 (decode's s, a one-row
+    prefill's b, cos's broadcast b), so multi-turn prefills of every shape recompiled until torch's limit;
+    rows and heads are unbacked, so it compiles once per dtype (tests/megatron/test_inference.py counts)."""
+    s, b, heads, d = t.shape
+    rot = cos.shape[-1]
+    # detach: a view's base would be guarded on too (generation needs no autograd).
+    rows = t.reshape(s * b, heads, d).detach().contiguous()
+    c = cos.expand(s, b, 1, rot).reshape(s * b, 1, rot).detach().contiguous()
+    n = sin.expand(s, b, 1, rot).reshape(s * b, 1, rot).detach().contiguous()
+    for x in (rows, c, n):
+        torch._dynamo.decorators.mark_unbacked(x, 0)
+    torch._dynamo.decorators.mark_unbacked(rows, 1)  # query and key heads (and a single KV head) alike
+    return _compiled_rotate()(rows, c, n).view(s, b, heads, d)
+
+
+def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """megatron's unfused RoPE from the angles, written to be compiled whole: t [s, b, heads, d], freqs
+    [s, b or 1, 1, rot] (fp32)."""
+    assert not interleaved, "interleaved rotary embeddings are refused before this point"
+    return rotate(t, torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype))
+
+
+def _rope_rows(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """`rope_bshd` over rows: t [n, heads, d], freqs [n, 1, rot] (n unbacked, the same n for both)."""
+    torch._check(freqs.shape[0] == t.shape[0])
+    return rotate(t, torch.cos(freqs).to(t.dtype), torch.sin(freqs).to(t.dtype))
+
+
+def _rope_rows_backward(g: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """d rope / d t applied to the gradient g [n, heads, d]: RoPE is linear in t (t cos + R(t) sin, R the
+    half rotation), so the gradient is g cos + R^T(g sin) with R^T(u1, u2) = (u2, -u1); columns past the
+    rotary dimension pass through."""
+    torch._check(freqs.shape[0] == g.shape[0])
+    rot = freqs.shape[-1]
+    cos, sin = torch.cos(freqs).to(g.dtype), torch.sin(freqs).to(g.dtype)
+    x, rest = g[..., :rot], g[..., rot:]
+    u1, u2 = torch.chunk(x * sin, 2, dim=-1)
+    out = x * cos + torch.cat((u2, -u1), dim=-1)
+    return out if rest.shape[-1] == 0 else torch.cat((out, rest), dim=-1)
+
+
+@functools.cache
+def _compiled_rope_rows(backward: bool) -> Callable[..., torch.Tensor]:
+    return torch.compile(_rope_rows_backward if backward else _rope_rows, dynamic=True, fullgraph=True)
+
+
+def _as_rows(t: torch.Tensor, freqs: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """t [s, b, heads, d] as detached contiguous rows [s * b, heads, d] (and freqs [s, b or 1, 1, rot] as
+    [s * b, 1, rot]) whose row and head counts are unbacked: no size, stride or view base is guarded on."""
+    s, b, heads, d = t.shape
+    rows = t.reshape(s * b, heads, d).detach().contiguous()
+    torch._dynamo.decorators.mark_unbacked(rows, 0)
+    torch._dynamo.decorators.mark_unbacked(rows, 1)
+    if freqs is None:
+        return rows, None
+    f = freqs.expand(s, b, 1, freqs.shape[-1]).reshape(s * b, 1, freqs.shape[-1]).detach().contiguous()
+    torch._dynamo.decorators.mark_unbacked(f, 0)
+    return rows, f
+
+
+class _CompiledRope(torch.autograd.Function):
+    """`rope_bshd` with a compiled forward and a compiled backward, each compiled once per dtype: both see
+    rows whose count is unbacked, so no sequence length, batch size (a packed micro-batch's 1, a decode
+    step's 1), head count (query or key heads), stride or grad mode compiles them again."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        rows, f = _as_rows(t, freqs)
+        # The angles as given (megatron's table, shared by every layer), not their per-row expansion.
+        ctx.save_for_backward(freqs)
+        ctx.shape = t.shape
+        return _compiled_rope_rows(False)(rows, f).view(t.shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        (freqs,) = ctx.saved_tensors
+        rows, f = _as_rows(grad.reshape(ctx.shape), freqs)
+        return _compiled_rope_rows(True)(rows, f).view(ctx.shape), None
+
+
+def compiled_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """megatron's `fused_apply_rotary_pos_emb` hook: `rope_bshd` compiled (forward and backward kernels)
+    once per dtype whatever the shapes (tests/megatron/test_recompile.py counts)."""
+    assert not interleaved, "interleaved rotary embeddings are refused before this point"
+    return _CompiledRope.apply(t, freqs)
+
+
+def use_compiled_rope() -> None:
+    """Serve megatron's `apply_rope_fusion` hooks with `rope_bshd` compiled by torch.compile (forward and
+    backward as fused kernels) where Transformer Engine, megatron's only provider, is absent: padded rows
+    (bshd) and packed rows (thd, through `packing.rope_thd`). Idempotent; the hooks are read only by configs
+    with apply_rope_fusion, i.e. engines whose plan says fused_kernels."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    if rope_utils.fused_apply_rotary_pos_emb is None:
+        rope_utils.fused_apply_rotary_pos_emb = compiled_rope
+    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
+        # Packed rows (THD): each token's angle at its position within its row, then the same compiled RoPE.
+        from rltrain.megatron.packing import rope_thd
+
+        rope_utils.fused_apply_rotary_pos_emb_thd = functools.partial(
+            rope_thd, rotate=rope_utils.fused_apply_rotary_pos_emb
+        )
+
+
+def _unbacked_rows(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """`fn` (a function of row tensors [n, ...] with the same n, elementwise along the rows) compiled once
+    with the row count unbacked: every argument is flattened to rows, detached (callers run it inside an
+    autograd Function, so no graph is lost) and made contiguous, so no view base or 0/1 size is guarded on.
+    Inside another compiled function it is `fn` itself, traced inline."""
+    compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+
+    def call(*tensors: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return fn(*tensors)
+        shape = tensors[0].shape
+        rows = []
+        for t in tensors:
+            # reshape before detach: a detached tensor is a view no more, a reshaped one would be again.
+            r = t.reshape(-1, t.shape[-1]).detach().contiguous()
+            torch._dynamo.decorators.mark_unbacked(r, 0)
+            rows.append(r)
+        out = compiled(*rows)
+        return out.view(*shape[:-1], out.shape[-1])
+
+    return call
+
+
+def use_unbacked_swiglu() -> None:
+    """Serve megatron's compiled SwiGLU (`bias_activation_fusion`: `fused_bias_swiglu.swiglu` and its
+    backward `swiglu_back`, torch.compile'd with default settings by megatron's jit_fuser) compiled once
+    with the row count unbacked.
+
+    Why: megatron compiles them with automatic dynamic shapes, which guard on whether each dimension of
+    the input's [s, b] base is 1 (a decode step's s, a one-row prefill's b, a packed micro-batch's b): a
+    multi-turn rollout's prefills and decode steps compiled them again per combination and reached
+    torch._dynamo's recompile limit (tests/megatron/test_recompile.py). Same math, same function body.
+    Idempotent."""
+    from megatron.core.fusions import fused_bias_swiglu as fbs
+
+    for name in ("swiglu", "swiglu_back"):
+        current = getattr(fbs, name)
+        if getattr(current, "_rlplan_unbacked", False):
+            continue
+        wrapped = _unbacked_rows(getattr(current, "_torchdynamo_orig_callable", current))
+        wrapped._rlplan_unbacked = True  # type: ignore[attr-defined]
+        setattr(fbs, name, wrapped)
+
+
+class FusedKernelsError(RuntimeError):
+    """torch.compile cannot build kernels on this machine, so model.fused_kernels cannot be honoured."""
+
+
+def check_fused_kernels(device: str, dtype: torch.dtype) -> None:
+    """Compile and run the fused RoPE on a small tensor before the model is built, so that a machine whose
+    torch.compile toolchain is missing or broken (Triton on cuda, a C++ compiler on cpu) stops at start-up
+    with what to do, not in the middle of a step. The compiled graph is the one training uses (dynamic
+    sizes), so the probe costs one compile, not an extra one."""
+    use_compiled_rope()
+    from megatron.core.models.common.embeddings import rope_utils
+
+    dev = devices.torch_device(device)
+    t = torch.zeros((3, 2, 2, 8), dtype=dtype, device=dev)
+    freqs = torch.zeros((3, 1, 1, 8), device=dev)
+    try:
+        rope_utils.fused_apply_rotary_pos_emb(t, freqs)
+    except Exception as exc:  # whatever the toolchain raises, the fix is the same
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise FusedKernelsError(
+            f"model.fused_kernels: torch.compile cannot build kernels on this machine "
+            f"({type(exc).__name__}: {first}). Fix: set model.fused_kernels: eager (--model.fused_kernels "
+            f"eager), or install what torch.compile needs (Triton on cuda, a C++ compiler on cpu)"
+        ) from exc

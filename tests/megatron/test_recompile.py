@@ -1,0 +1,87 @@
+"""Every torch.compile'd kernel of an engine with `model.fused_kernels` compiles once per dtype, whatever the
+shapes it meets: multi-turn prefills of every [rows, columns], decode steps of one column, packed (one row)
+and padded micro-batches, forward-only and training passes (on the H200 the 0.5B tool preset reached
+torch._dynamo's recompile limit and fell back to eager kernels).
+
+The compiled functions: megatron's SwiGLU and its backward (`fused.use_unbacked_swiglu`), the training RoPE
+(`fused.compiled_rope`, forward and backward), the decode step's RoPE (`fused.fused_rotate`) and the fused
+log-prob reductions (logprob.py). Each is called on rows whose count is unbacked, so no size is specialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from ..tolerance import assert_close
+from ._common import actor_cfg, actor_of, batch_from_lengths, tiny_model_cfg
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
+]
+
+# (rows, prompt columns) of 12 prefills: one-row and one-column ones among them.
+PREFILLS = [(1, 3), (2, 5), (1, 9), (3, 4), (4, 11), (1, 1), (5, 7), (2, 12), (1, 6), (6, 2), (3, 10), (2, 8)]
+# Micro-batches of very different (prompt, response) lengths, an empty response among them.
+BATCHES = [
+    [(1, 1), (3, 2), (5, 5), (12, 20)],
+    [(4, 4)] * 4,
+    [(7, 1), (2, 9), (11, 3), (1, 0)],
+    [(9, 9), (9, 9), (1, 1), (2, 2)],
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_rope_forward_and_backward_match_megatron(dtype):
+    """The compiled RoPE (megatron's fusion hook) equals megatron's unfused RoPE and its autograd gradient,
+    for query / key head counts, one-row and one-column shapes and a partial rotary dimension."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from rltrain.megatron.model import compiled_rope
+
+    gen = torch.Generator().manual_seed(0)
+    for s, b, heads, d, rot in ((5, 2, 4, 16, 16), (1, 3, 2, 16, 16), (7, 1, 1, 16, 8), (4, 4, 3, 8, 8)):
+        for freq_b in {1, b}:
+            t = torch.randn(s, b, heads, d, generator=gen).to(dtype).requires_grad_()
+            freqs = torch.rand(s, freq_b, 1, rot, generator=gen) * 20
+            grad = torch.randn(s, b, heads, d, generator=gen).to(dtype)
+            ref = _apply_rotary_pos_emb_bshd(t, freqs)
+            (ref_grad,) = torch.autograd.grad(ref, t, grad)
+            out = compiled_rope(t, freqs)
+            (out_grad,) = torch.autograd.grad(out, t, grad)
+            assert_close(out, ref, reduction=2)
+            assert_close(out_grad, ref_grad, reduction=2)
+
+
+@pytest.mark.slow
+def test_engine_kernels_compile_once_across_prefill_and_packed_shapes(mp_world, tiny_hf):
+    """12 prefill shapes through the KV-cache sampler, then packed and padded log-prob passes and updates of
+    four very different batches: not one compiled function is compiled a second time (a recompile raises)."""
+    from torch._dynamo.utils import counters
+
+    model = dataclasses.replace(tiny_model_cfg(str(tiny_hf)), fused_kernels="compiled")
+    cfg = actor_cfg(use_dynamic_bsz=True, ppo_max_token_len_per_gpu=48, ppo_mini_batch_size=4)
+    engines = {packed: actor_of(dataclasses.replace(model, use_remove_padding=packed), cfg, "cpu", total_steps=8)
+               for packed in (True, False)}  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    # A fresh compile cache: earlier tests in this process may have compiled these functions for other dtypes,
+    # which would make this test's first fp32 call a recompile.
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for i, (rows, cols) in enumerate(PREFILLS):
+            prompts = torch.randint(1, 100, (rows, cols), generator=gen)
+            out = engines[True].generate(prompts, 2 + i % 3, temperature=1.0, seed=i)
+            assert out["responses"].shape[0] == rows
+        for packed, actor in engines.items():
+            for i, lengths in enumerate(BATCHES):
+                batch = batch_from_lengths(lengths, 12, 20, seed=i)
+                old = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+                batch = {**batch, "old_log_probs": old, "advantages": batch["response_mask"].float()}
+                metrics = actor.update_policy(batch)
+                assert metrics["actor/grad_norm"] == metrics["actor/grad_norm"], (packed, i)  # not nan
+    # SwiGLU forward / backward, RoPE forward / backward, the decode RoPE and the fused log-prob functions.
+    assert counters["stats"]["unique_graphs"] - before <= 10
