@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -355,9 +356,13 @@ def _replay_run(rank: int, world: int, port: int, hf: str, out_dir: str) -> None
     from .test_moe import _layout_cfg
 
     init_distributed("cpu", rank=rank, world_size=world, master_port=port)
-    cfg = _layout_cfg(ep=2, aux=0.0)
+    # Router replay in the plan (as a run has it): the plan then runs the actor's passes padded, the layout
+    # the recorded routes follow.
+    cfg = replace(_layout_cfg(ep=2, aux=0.0), router_replay=True)
     init_groups(cfg.megatron, "cpu")
     actor = actor_of(tiny_model_cfg(hf), cfg, "cpu", trainable=True)
+    assert not actor.spec.settings.remove_padding
+    actor.router_replay = False  # the free pass first
     replica = RolloutReplica(actor, 2, BUCKET)
     prompts = torch.randint(1, 100, (4, 6), generator=torch.Generator().manual_seed(0))
     batch = replica.generate(prompts, torch.ones_like(prompts), seed=7, actor_dp_rank=0, record_routing=True,
