@@ -236,8 +236,9 @@ def run_command(command: str, cwd: Path, rlconf_main: RlconfMain | None = None) 
         finally:
             os.chdir(before)
         return code, buffer.getvalue()
+    # A user's shell: without what an in-process rltrain (a test's, say) set for its own workers.
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "TORCH_DEVICE_BACKEND_AUTOLOAD"},
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "PYTHONUNBUFFERED": "1",  # stdout and stderr interleave as on a terminal
     }
