@@ -202,13 +202,7 @@ def layer_spec(
         attention = spec.submodules.self_attention.submodules
         attention.q_layernorm = TorchRMSNorm
         attention.kv_layernorm = TorchRMSNorm
-        spec.submodules.input_layernorm = TorchRMSNorm
-        spec.submodules.pre_mlp_layernorm = TorchRMSNorm
-        if num_experts is not None and grouped_gemm:
-            from rltrain.megatron.moe_experts import GroupedGemmExperts
-
-            spec.submodules.mlp.submodules.experts.module = GroupedGemmExperts
-        return spec
+        return _torch_norms_and_experts(spec, num_experts, grouped_gemm)
     if backend == "te" or (backend == "auto" and te_available()):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
@@ -229,6 +223,12 @@ def layer_spec(
     if qk_layernorm:
         attention.q_layernorm = TorchRMSNorm
         attention.k_layernorm = TorchRMSNorm
+    return _torch_norms_and_experts(spec, num_experts, grouped_gemm)
+
+
+def _torch_norms_and_experts(spec: Any, num_experts: int | None, grouped_gemm: bool) -> Any:
+    """A local layer spec's layer norms as torch RMSNorm, and its routed experts as one grouped GEMM when
+    `grouped_gemm` (the part the MLA and the GQA specs share)."""
     spec.submodules.input_layernorm = TorchRMSNorm
     spec.submodules.pre_mlp_layernorm = TorchRMSNorm
     if num_experts is not None and grouped_gemm:
