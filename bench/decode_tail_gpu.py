@@ -37,6 +37,10 @@ from bench.decode_gpu import per_call_ms, sync
 from bench.rollout_gpu import get_arch
 from tests.megatron._common import actor_of, init_groups
 
+ATTENTION_MODES = ("enable_gqa", "grouped", "grouped_efficient")
+if "--device=cpu" in sys.argv or "cpu" in sys.argv:
+    ATTENTION_MODES = ATTENTION_MODES[:2]
+
 
 def varlen_case(report: dict) -> None:
     """Packed attention fwd+bwd: grouped KV heads against repeated ones (torch's varlen flash kernel)."""
@@ -187,6 +191,17 @@ def main() -> int:
         chunk.config.bias_activation_fusion = True
         chunk.config.apply_rope_fusion = True
     max_len = p + n_new
+
+    def use_attention(mode: str) -> None:
+        """The decode attention: SDPA's enable_gqa, or query heads as rows of their KV group with SDPA's
+        own backend choice or its memory-efficient kernel."""
+        from torch.nn.attention import SDPBackend
+
+        SdpaAttention.grouped_decode = mode != "enable_gqa"
+        SdpaAttention.decode_backends = (
+            (SDPBackend.EFFICIENT_ATTENTION,) if mode == "grouped_efficient" else None
+        )
+
     positions = torch.arange(max_len, device=dev).expand(b, max_len).contiguous()
     uniform = torch.rand(b, device=dev)
 
@@ -206,8 +221,8 @@ def main() -> int:
                     devices.graph_pool(dev),
                 )  # fmt: skip
                 tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
-                for keys, grouped in ((int(x), g) for x in args.grid_keys.split(",") for g in (False, True)):
-                    SdpaAttention.grouped_decode = grouped
+                for keys, mode in ((int(x), m) for x in args.grid_keys.split(",") for m in ATTENTION_MODES):
+                    use_attention(mode)
                     keys = min(keys, max_len)
                     step = inference.StaticDecodeStep(
                         engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
@@ -382,9 +397,9 @@ def main() -> int:
             return {"s": s, "tokens": tokens, "tokens_per_s": tokens / s, "batch": out}
 
         # The first call compiles; then the two decode attentions side by side (SdpaAttention.grouped_decode).
-        runs = [("warm-up", True)] if share is None else []
-        for label, grouped in [*runs, ("enable_gqa", False), ("grouped", True)]:
-            SdpaAttention.grouped_decode = grouped
+        runs = ["warm-up"] if share is None else []
+        for label in [*runs, *ATTENTION_MODES]:
+            use_attention("grouped" if label == "warm-up" else label)
             res = attempt(f"generate_{share}_{label}", run)
             if res is not None and label == "grouped" and args.logprob:
                 batch = res.pop("batch")

@@ -14,6 +14,7 @@ A critic is the same trunk with `ValueHead` replacing the vocabulary projection.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -83,6 +84,8 @@ class SdpaAttention(DotProductAttention):
     # Decode with grouped KV heads runs each group's query heads as rows of one problem (`_decode_forward`);
     # False sends it through SDPA's enable_gqa instead (benchmarks time both).
     grouped_decode = True
+    # SDPA backends the grouped decode may use (None: SDPA's own choice); benchmarks compare them.
+    decode_backends: tuple[Any, ...] | None = None
 
     def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
         # megatron's DotProductAttention refuses CP > 1 (its math cannot split sequences); ours can, and
@@ -157,9 +160,15 @@ class SdpaAttention(DotProductAttention):
         cache (bench/decode_tail_gpu.py measures both)."""
         b, heads, _, d = q.shape
         groups = k.shape[1]
-        ctx = F.scaled_dot_product_attention(
-            q.reshape(b, groups, heads // groups, d), k, v, attn_mask=mask, scale=self.softmax_scale
-        )
+        qg = q.reshape(b, groups, heads // groups, d)
+        if mask is not None:  # some kernels want the mask's query dimension spelled out
+            mask = mask.expand(b, 1, heads // groups, mask.shape[-1])
+        with contextlib.ExitStack() as stack:
+            if self.decode_backends is not None:
+                from torch.nn.attention import sdpa_kernel
+
+                stack.enter_context(sdpa_kernel(list(self.decode_backends)))
+            ctx = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.softmax_scale)
         # [b, groups, heads / groups, d] -> [1, b, heads * d] (head h = group h // (heads / groups)).
         return ctx.reshape(1, b, self.hidden_size_per_partition)
 
