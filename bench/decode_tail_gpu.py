@@ -37,10 +37,6 @@ from bench.decode_gpu import per_call_ms, sync
 from bench.rollout_gpu import get_arch
 from tests.megatron._common import actor_of, init_groups
 
-ATTENTION_MODES = ("enable_gqa", "grouped", "grouped_efficient")
-if "--device=cpu" in sys.argv or "cpu" in sys.argv:
-    ATTENTION_MODES = ATTENTION_MODES[:2]
-
 
 def varlen_case(report: dict) -> None:
     """Packed attention fwd+bwd: grouped KV heads against repeated ones (torch's varlen flash kernel)."""
@@ -176,7 +172,7 @@ def main() -> int:
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
     from rltrain import device as devices
     from rltrain.megatron import inference
-    from rltrain.megatron.model import SdpaAttention, use_compiled_rope
+    from rltrain.megatron.model import use_compiled_rope
     from rltrain.megatron.parallel import free_port
 
     init_groups(MegatronConfig(), dev, rank=0, world_size=1, master_port=free_port())
@@ -191,16 +187,6 @@ def main() -> int:
         chunk.config.bias_activation_fusion = True
         chunk.config.apply_rope_fusion = True
     max_len = p + n_new
-
-    def use_attention(mode: str) -> None:
-        """The decode attention: SDPA's enable_gqa, or query heads as rows of their KV group with SDPA's
-        own backend choice or its memory-efficient kernel."""
-        from torch.nn.attention import SDPBackend
-
-        SdpaAttention.grouped_decode = mode != "enable_gqa"
-        SdpaAttention.decode_backends = (
-            (SDPBackend.EFFICIENT_ATTENTION,) if mode == "grouped_efficient" else None
-        )
 
     positions = torch.arange(max_len, device=dev).expand(b, max_len).contiguous()
     uniform = torch.rand(b, device=dev)
@@ -221,8 +207,7 @@ def main() -> int:
                     devices.graph_pool(dev),
                 )  # fmt: skip
                 tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
-                for keys, mode in ((int(x), m) for x in args.grid_keys.split(",") for m in ATTENTION_MODES):
-                    use_attention(mode)
+                for keys in (int(x) for x in args.grid_keys.split(",")):
                     keys = min(keys, max_len)
                     step = inference.StaticDecodeStep(
                         engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
@@ -396,12 +381,10 @@ def main() -> int:
             tokens = int(out["response_mask"].sum())
             return {"s": s, "tokens": tokens, "tokens_per_s": tokens / s, "batch": out}
 
-        # The first call compiles; then the two decode attentions side by side (SdpaAttention.grouped_decode).
-        runs = ["warm-up"] if share is None else []
-        for label in [*runs, *ATTENTION_MODES]:
-            use_attention("grouped" if label == "warm-up" else label)
+        # The first call compiles.
+        for label in ["warm-up", "measured"] if share is None else ["measured"]:
             res = attempt(f"generate_{share}_{label}", run)
-            if res is not None and label == "grouped" and args.logprob:
+            if res is not None and label == "measured" and args.logprob:
                 batch = res.pop("batch")
                 attempt(f"logprob_{share}", lambda batch=batch, share=share: logprob(batch, share))
             elif res is not None:

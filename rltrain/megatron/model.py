@@ -14,7 +14,6 @@ A critic is the same trunk with `ValueHead` replacing the vocabulary projection.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib.util
 import math
@@ -81,12 +80,6 @@ class SdpaAttention(DotProductAttention):
     runs through `context_parallel.cp_attention`.
     """
 
-    # Decode with grouped KV heads runs each group's query heads as rows of one problem (`_decode_forward`);
-    # False sends it through SDPA's enable_gqa instead (benchmarks time both).
-    grouped_decode = True
-    # SDPA backends the grouped decode may use (None: SDPA's own choice); benchmarks compare them.
-    decode_backends: tuple[Any, ...] | None = None
-
     def __init__(self, config: TransformerConfig, *args: Any, **kwargs: Any) -> None:
         # megatron's DotProductAttention refuses CP > 1 (its math cannot split sequences); ours can, and
         # nothing else its constructor builds depends on the CP size.
@@ -122,10 +115,6 @@ class SdpaAttention(DotProductAttention):
             return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
         mask = None if attention_mask is None else ~attention_mask
         causal = mask is None and getattr(attn_mask_type, "name", "causal") != "no_mask"
-        heads, groups = self.num_attention_heads_per_partition, self.num_query_groups_per_partition
-        grouped = self.grouped_decode and heads != groups and dropout_p == 0.0
-        if sq == 1 and grouped and (mask is None or mask.shape[1] == 1):
-            return self._decode_forward(q, k, v, mask)
         if causal and sq != sk:
             # SDPA's is_causal aligns the mask top-left, wrong when sq < sk: query i sits at key sk - sq + i.
             mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).tril(sk - sq)
@@ -145,32 +134,6 @@ class SdpaAttention(DotProductAttention):
             ctx = F.scaled_dot_product_attention(q, k, v, **kwargs)
         # [b, h, s, d] -> [s, b, h*d]
         return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
-
-    def _decode_forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-    ) -> torch.Tensor:
-        """One query token per row (KV-cache decode) with grouped KV heads: q [b, heads, 1, d], k / v
-        [b, groups, keys, d], mask [b, 1, 1, keys] (True = attend) or None (every key; causal changes
-        nothing for the last position) -> [1, b, heads * d].
-
-        The query heads of a KV group attend as that group's `heads / groups` query rows (q viewed as
-        [b, groups, heads / groups, d]): the same softmax over the same keys, but the kernel reads each
-        cached key and value once for all of the group's heads, where SDPA's `enable_gqa` runs every query
-        head as its own single-row problem. On one H200 the decode step's attention is what reads the KV
-        cache (bench/decode_tail_gpu.py measures both)."""
-        b, heads, _, d = q.shape
-        groups = k.shape[1]
-        qg = q.reshape(b, groups, heads // groups, d)
-        if mask is not None:  # some kernels want the mask's query dimension spelled out
-            mask = mask.expand(b, 1, heads // groups, mask.shape[-1])
-        with contextlib.ExitStack() as stack:
-            if self.decode_backends is not None:
-                from torch.nn.attention import sdpa_kernel
-
-                stack.enter_context(sdpa_kernel(list(self.decode_backends)))
-            ctx = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=self.softmax_scale)
-        # [b, groups, heads / groups, d] -> [1, b, heads * d] (head h = group h // (heads / groups)).
-        return ctx.reshape(1, b, self.hidden_size_per_partition)
 
     def _packed_forward(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: Any

@@ -231,9 +231,9 @@ def test_sdpa_attention_with_a_query_shorter_than_the_keys(actor):
     out = core(q[:1], k, v, None, attn_mask_type=AttnMaskType.no_mask)
     ref = _reference_attention(q[:1], k, v, torch.ones(1, 5, dtype=torch.bool), scale)
     assert_close(out, ref, reduction=d, depth=3)
-    # Decode with a key-padding mask per row (the static step's buckets: megatron's convention, True =
-    # hidden): grouped query heads attend as rows of their KV group (SdpaAttention._decode_forward).
-    assert h > g, "the fixture must have grouped KV heads for the decode path to be the grouped one"
+    # Decode with a key-padding mask per row (the static step's buckets; megatron's convention, True =
+    # hidden) and grouped KV heads.
+    assert h > g, "the fixture must have grouped KV heads"
     hidden = torch.tensor([[1, 0, 0, 1, 1], [0, 0, 0, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
     out = core(q[:1], k, v, hidden[:, None, None, :], attn_mask_type=AttnMaskType.no_mask)
     for row in range(3):
