@@ -715,6 +715,26 @@ def generate_with_kv_cache(
     return rollout_batch(left, left_mask, responses, resp_mask, logps)
 
 
+class HostCount:
+    """A count on the device read on the host one step later without stalling: `write` queues a copy into
+    pinned host memory and records an event; `read` waits for that event only (the device is by then
+    running the next step) and returns the value."""
+
+    def __init__(self, device: torch.device, event: Any) -> None:
+        self.event = event  # None on cpu: the copy is synchronous there
+        self.host = torch.zeros((), dtype=torch.long, pin_memory=device.type == "cuda")
+
+    def write(self, count: torch.Tensor) -> None:
+        self.host.copy_(count, non_blocking=True)
+        if self.event is not None:
+            self.event.record()
+
+    def read(self) -> int:
+        if self.event is not None:
+            self.event.synchronize()
+        return int(self.host)
+
+
 def _decode(
     engine: KVCacheGenerator,
     left: torch.Tensor,
@@ -757,6 +777,7 @@ def _decode(
     lp_dev = torch.zeros((b, n_new), dtype=torch.float32, device=dev)
     mask_dev = torch.zeros((b, n_new), dtype=torch.bool, device=dev)
     forced_dev = forced.to(dev) if forced is not None and stops else None
+    live_count = HostCount(dev, devices.new_event(engine.actor.device))
     for t in range(n_new):
         if forced_dev is not None:  # FORCE_EOS_ENV (benchmarks): the row's stop token at its drawn length
             tok = torch.where(forced_dev[active] == t + 1, stop_t[0], tok)
@@ -770,14 +791,20 @@ def _decode(
             break
         if stops:
             done[active] = ~live | torch.isin(tok, stop_t)
-            # One host sync per step (none without stop tokens).
             still = ~done[active]
-            n_live = int(still.sum())
+            # How many rows still run: exact after the first sample (rows that stop at once never enter a
+            # decode step); after that the previous step's count, copied to the host while the device runs
+            # this step, so the host never waits for the device between steps (a row that stops costs at
+            # most one more step before compaction or the exit sees it).
+            n_live = int(still.sum()) if t == 0 else live_count.read()
+            live_count.write(still.sum())
             if n_live == 0:
                 break
             if n_live * 2 <= active.numel():
                 # Drop finished rows from the cache (a copy of it; at most log2(B) times per call).
                 keep = still.nonzero().squeeze(1)
+                if keep.numel() == 0:  # every row stopped in the step the count had not seen
+                    break
                 if reuse is not None:  # the session holds the leaving rows' keys/values
                     gone = (~still).nonzero().squeeze(1)
                     harvest.append((active[gone], [[(k.index_select(1, gone), v.index_select(1, gone))
