@@ -37,6 +37,10 @@ from bench.decode_gpu import per_call_ms, sync
 from bench.rollout_gpu import get_arch
 from tests.megatron._common import actor_of, init_groups
 
+# The static decode step's two layouts: sequence-first cache read in 256-column key buckets (ROW_SPANS False),
+# or rows-first with each row's own span (inference.RowSpans; the default where supported).
+LAYOUTS = ("buckets", "row_spans")
+
 
 def varlen_case(report: dict) -> None:
     """Packed attention fwd+bwd: grouped KV heads against repeated ones (torch's varlen flash kernel)."""
@@ -202,16 +206,20 @@ def main() -> int:
                 engine._allocate(rows)
                 key_masked = torch.zeros((rows, max_len), dtype=torch.bool, device=dev)
                 key_masked[:, p:] = True
-                step = inference.StaticDecodeStep(
-                    engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
-                    devices.graph_pool(dev),
-                )  # fmt: skip
                 tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
-                for keys in (int(x) for x in args.grid_keys.split(",")):
+                for layout, keys in ((m, int(x)) for m in LAYOUTS for x in args.grid_keys.split(",")):
+                    spans = None
+                    if layout == "row_spans":
+                        if not engine.rows_first:
+                            engine.to_rows_first()
+                        first = torch.zeros(rows, dtype=torch.long, device=dev)
+                        spans = inference.RowSpans(
+                            first, max_len, inference.row_spans_unsupported(engine) is None
+                        )
                     keys = min(keys, max_len)
                     step = inference.StaticDecodeStep(
                         engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
-                        devices.graph_pool(dev),
+                        devices.graph_pool(dev), spans,
                     )  # fmt: skip
                     t0 = time.perf_counter()
                     step(tokens, keys - 1, uniform[:rows])  # captures this bucket's graph
@@ -381,10 +389,11 @@ def main() -> int:
             tokens = int(out["response_mask"].sum())
             return {"s": s, "tokens": tokens, "tokens_per_s": tokens / s, "batch": out}
 
-        # The first call compiles.
-        for label in ["warm-up", "measured"] if share is None else ["measured"]:
+        # The first call compiles; then the two decode layouts side by side.
+        for label in ["warm-up", *LAYOUTS] if share is None else list(LAYOUTS):
+            inference.ROW_SPANS = False if label == "buckets" else None
             res = attempt(f"generate_{share}_{label}", run)
-            if res is not None and label == "measured" and args.logprob:
+            if res is not None and label == "row_spans" and args.logprob:
                 batch = res.pop("batch")
                 attempt(f"logprob_{share}", lambda batch=batch, share=share: logprob(batch, share))
             elif res is not None:
