@@ -20,22 +20,13 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-
-def per_call_ms(fn, iters: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.decode_gpu import per_call_ms
 
 
 def main() -> int:
@@ -100,7 +91,7 @@ def main() -> int:
             for name, fn in (("sdpa_bucket", sdpa_bucket), ("flash_seqused", flash_seqused)):
                 try:
                     got = fn()
-                    ms = per_call_ms(fn)
+                    ms = per_call_ms(fn, "cuda", iters=50)
                     real_bytes = int(lengths.sum()) * g * d * 2 * 2
                     case[name] = {
                         "ms": ms,
@@ -118,7 +109,7 @@ def main() -> int:
                 torch.cuda.current_stream().wait_stream(s)
                 with torch.cuda.graph(graph):
                     flash_seqused()
-                case["flash_seqused_graph_ms"] = per_call_ms(graph.replay)
+                case["flash_seqused_graph_ms"] = per_call_ms(graph.replay, "cuda", iters=50)
             except Exception as exc:
                 case["flash_seqused_graph"] = f"{type(exc).__name__}: {exc}"[:300]
             report["cases"][f"{rows}x{keys}"] = case

@@ -8,7 +8,7 @@ Reported (decode_tail_gpu.json in --out):
                  (what packing.packed_attention did), and whether both give the same output
   step_ms        one captured decode step (forward, logits, sampling) per (rows, cached key columns):
                  the cost model a + rows x keys that compaction and key buckets trade against
-  compact        the cost of one compaction: the cache copy (select_rows) and one graph capture
+  capture_s      one graph capture of the step (--captures, with a torch profile of the eager step)
   generate       `MegatronActor.generate(cuda_graph=True)` of the preset's rollout with every row ending at
                  a long-tailed length (RLPLAN_BENCH_FORCE_EOS, mean 40% of the maximum): seconds, tokens/s,
                  number of compactions and graph captures and the seconds they took
@@ -243,19 +243,9 @@ def main() -> int:
 
     attempt("grid", grid)
 
-    def old_capture(device, fn, pool=None):
-        """The previous `devices.capture_graph`: torch.cuda.graph, which syncs and empties caches first."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            out = fn()
-        return graph, out
-
     def captures() -> None:
+        """Per layout: three graph captures of the step (the first also compiles) and a torch profile of
+        the eager step, at 256 rows with 576 cached columns."""
         rows, keys = min(256, b), min(576, max_len)
         with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
             actor.eval()
@@ -264,41 +254,53 @@ def main() -> int:
             key_masked = torch.zeros((rows, max_len), dtype=torch.bool, device=dev)
             key_masked[:, p:] = True
             tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
-            res: dict = {}
-            for name, fn in (("torch.cuda.graph", old_capture), ("capture_begin", devices.capture_graph)) * 2:
-                step = inference.StaticDecodeStep(
-                    engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
-                    devices.graph_pool(dev),
-                )  # fmt: skip
-                devices.capture_graph = fn  # type: ignore[assignment]
-                sync(dev)
-                t0 = time.perf_counter()
-                step(tokens, keys - 1, uniform[:rows])
-                sync(dev)
-                res.setdefault(name, []).append(time.perf_counter() - t0)
-                devices.capture_graph = real_capture  # type: ignore[assignment]
-                del step
-            report["capture_s"] = res
-            print("capture_s", res, flush=True)
-            if dev == "cuda":
+            for layout in LAYOUTS:
+                spans = None
+                if layout == "row_spans":
+                    engine.to_rows_first()
+                    first = torch.zeros(rows, dtype=torch.long, device=dev)
+                    spans = inference.RowSpans(
+                        first, max_len, inference.row_spans_unsupported(engine) is None
+                    )
+
+                def new_step(pool=True, spans=spans):
+                    return inference.StaticDecodeStep(
+                        engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
+                        devices.graph_pool(dev) if pool else None, spans,
+                    )  # fmt: skip
+
+                res: list[float] = []
+                for _ in range(3):
+                    step = new_step()
+                    sync(dev)
+                    t0 = time.perf_counter()
+                    step(tokens, keys - 1, uniform[:rows])
+                    sync(dev)
+                    res.append(time.perf_counter() - t0)
+                    del step
+                report.setdefault("capture_s", {})[layout] = res
+                print("capture_s", layout, res, flush=True)
+                if dev != "cuda":
+                    continue
                 from torch.profiler import ProfilerActivity, profile
 
-                step = inference.StaticDecodeStep(
-                    engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0), None
-                )
-                step._body(keys)
+                step = new_step(pool=False)
+                step.pos.fill_(keys - 1)
+                step.col.fill_(keys - 1)
+                width = max_len if spans is not None else keys
+                step._body(width)
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
-                        step._body(keys)
+                        step._body(width)
                     torch.cuda.synchronize()
                 events = prof.key_averages()
-                report["kernels_per_step"] = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
+                kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
+                report.setdefault("kernels_per_step", {})[layout] = kernels
                 table = events.table(sort_by="cuda_time_total", row_limit=45)
-                (out_dir / "profile_step.txt").write_text(table)
-                print("kernels per step", report["kernels_per_step"], flush=True)
-                print(table[:6000], flush=True)
+                (out_dir / f"profile_step_{layout}.txt").write_text(table)
+                print("kernels per step", layout, kernels, flush=True)
+                print(table[:3000], flush=True)
 
-    real_capture = devices.capture_graph
     if args.captures:
         attempt("captures", captures)
 

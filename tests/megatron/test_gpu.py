@@ -169,6 +169,7 @@ def test_row_span_attention_matches_sdpa_on_cuda():
     kernel with per-row key lengths, against SDPA with the same spans as its mask (the CPU path), bf16,
     left-padded rows of different lengths, grouped KV heads; and replayed in a CUDA graph after the lengths
     change (the decode step is captured once per row set)."""
+    from rltrain import device as devices
     from rltrain.megatron.inference import RowSpans, flash_with_row_lengths
 
     if flash_with_row_lengths() is None:
@@ -188,14 +189,7 @@ def test_row_span_attention_matches_sdpa_on_cuda():
 
     eager, want = both()
     torch.testing.assert_close(eager.float(), want.float(), atol=2e-2, rtol=2e-2)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        both()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        got, want = both()
+    graph, (got, want) = devices.capture_graph("cuda", both)
     pos.copy_(torch.tensor([[2], [30], [11], [5], [1], [33]], device="cuda"))
     graph.replay()
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
