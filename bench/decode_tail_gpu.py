@@ -37,10 +37,6 @@ from bench.decode_gpu import per_call_ms, sync
 from bench.rollout_gpu import get_arch
 from tests.megatron._common import actor_of, init_groups
 
-# The static decode step's two layouts: sequence-first cache read in 256-column key buckets (ROW_SPANS False),
-# or rows-first with each row's own span (inference.RowSpans; the default where supported).
-LAYOUTS = ("buckets", "row_spans")
-
 
 def varlen_case(report: dict) -> None:
     """Packed attention fwd+bwd: grouped KV heads against repeated ones (torch's varlen flash kernel)."""
@@ -206,20 +202,16 @@ def main() -> int:
                 engine._allocate(rows)
                 key_masked = torch.zeros((rows, max_len), dtype=torch.bool, device=dev)
                 key_masked[:, p:] = True
+                step = inference.StaticDecodeStep(
+                    engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
+                    devices.graph_pool(dev),
+                )  # fmt: skip
                 tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
-                for layout, keys in ((m, int(x)) for m in LAYOUTS for x in args.grid_keys.split(",")):
-                    spans = None
-                    if layout == "row_spans":
-                        if not engine.rows_first:
-                            engine.to_rows_first()
-                        first = torch.zeros(rows, dtype=torch.long, device=dev)
-                        spans = inference.RowSpans(
-                            first, max_len, inference.row_spans_unsupported(engine) is None
-                        )
+                for keys in (int(x) for x in args.grid_keys.split(",")):
                     keys = min(keys, max_len)
                     step = inference.StaticDecodeStep(
                         engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
-                        devices.graph_pool(dev), spans,
+                        devices.graph_pool(dev),
                     )  # fmt: skip
                     t0 = time.perf_counter()
                     step(tokens, keys - 1, uniform[:rows])  # captures this bucket's graph
@@ -244,8 +236,6 @@ def main() -> int:
     attempt("grid", grid)
 
     def captures() -> None:
-        """Per layout: three graph captures of the step (the first also compiles) and a torch profile of
-        the eager step, at 256 rows with 576 cached columns."""
         rows, keys = min(256, b), min(576, max_len)
         with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
             actor.eval()
@@ -254,52 +244,37 @@ def main() -> int:
             key_masked = torch.zeros((rows, max_len), dtype=torch.bool, device=dev)
             key_masked[:, p:] = True
             tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
-            for layout in LAYOUTS:
-                spans = None
-                if layout == "row_spans":
-                    engine.to_rows_first()
-                    first = torch.zeros(rows, dtype=torch.long, device=dev)
-                    spans = inference.RowSpans(
-                        first, max_len, inference.row_spans_unsupported(engine) is None
-                    )
-
-                def new_step(pool=True, spans=spans):
-                    return inference.StaticDecodeStep(
-                        engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
-                        devices.graph_pool(dev) if pool else None, spans,
-                    )  # fmt: skip
-
-                res: list[float] = []
-                for _ in range(3):
-                    step = new_step()
-                    sync(dev)
-                    t0 = time.perf_counter()
-                    step(tokens, keys - 1, uniform[:rows])
-                    sync(dev)
-                    res.append(time.perf_counter() - t0)
-                    del step
-                report.setdefault("capture_s", {})[layout] = res
-                print("capture_s", layout, res, flush=True)
-                if dev != "cuda":
-                    continue
+            res: list[float] = []
+            for _ in range(3):  # one graph capture each (the first also compiles)
+                step = inference.StaticDecodeStep(
+                    engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
+                    devices.graph_pool(dev),
+                )  # fmt: skip
+                sync(dev)
+                t0 = time.perf_counter()
+                step(tokens, keys - 1, uniform[:rows])
+                sync(dev)
+                res.append(time.perf_counter() - t0)
+                del step
+            report["capture_s"] = res
+            print("capture_s", res, flush=True)
+            if dev == "cuda":
                 from torch.profiler import ProfilerActivity, profile
 
-                step = new_step(pool=False)
-                step.pos.fill_(keys - 1)
-                step.col.fill_(keys - 1)
-                width = max_len if spans is not None else keys
-                step._body(width)
+                step = inference.StaticDecodeStep(
+                    engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0), None
+                )
+                step._body(keys)
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
-                        step._body(width)
+                        step._body(keys)
                     torch.cuda.synchronize()
                 events = prof.key_averages()
-                kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
-                report.setdefault("kernels_per_step", {})[layout] = kernels
+                report["kernels_per_step"] = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
                 table = events.table(sort_by="cuda_time_total", row_limit=45)
-                (out_dir / f"profile_step_{layout}.txt").write_text(table)
-                print("kernels per step", layout, kernels, flush=True)
-                print(table[:3000], flush=True)
+                (out_dir / "profile_step.txt").write_text(table)
+                print("kernels per step", report["kernels_per_step"], flush=True)
+                print(table[:6000], flush=True)
 
     if args.captures:
         attempt("captures", captures)
@@ -391,11 +366,12 @@ def main() -> int:
             tokens = int(out["response_mask"].sum())
             return {"s": s, "tokens": tokens, "tokens_per_s": tokens / s, "batch": out}
 
-        # The first call compiles; then the two decode layouts side by side.
-        for label in ["warm-up", *LAYOUTS] if share is None else list(LAYOUTS):
-            inference.ROW_SPANS = False if label == "buckets" else None
+        # The first call compiles; then fixed 256-column key buckets against buckets that widen as rows
+        # leave (inference.BUCKET_ROWS), side by side.
+        for label in ["warm-up", "fixed", "adaptive"] if share is None else ["fixed", "adaptive"]:
+            inference.BUCKET_ROWS = 1 if label == "fixed" else 256
             res = attempt(f"generate_{share}_{label}", run)
-            if res is not None and label == "row_spans" and args.logprob:
+            if res is not None and label == "adaptive" and args.logprob:
                 batch = res.pop("batch")
                 attempt(f"logprob_{share}", lambda batch=batch, share=share: logprob(batch, share))
             elif res is not None:

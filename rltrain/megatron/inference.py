@@ -351,8 +351,6 @@ class KVCacheGenerator:
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
         self.rotate = fused_rotate if actor.fused_kernels else rotate
         self.cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.models]
-        # Sequence-first [max_len, rows, ...] (megatron's layout, every path) until `to_rows_first`.
-        self.rows_first = False
         self.expert_weights = moe_decode.ExpertWeights()
         self.routing: dict[int, torch.Tensor] = {}
         self.silent_routing = False
@@ -393,18 +391,7 @@ class KVCacheGenerator:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep (or repeat) cache rows: row i of the new cache is row `rows[i]` of the old one."""
-        dim = 0 if self.rows_first else 1
-        self.cache = [
-            [(k.index_select(dim, rows), v.index_select(dim, rows)) for k, v in c] for c in self.cache
-        ]
-
-    def to_rows_first(self) -> None:
-        """Re-lay the cache rows-first, [rows, max_len, groups, head_dim] per layer (the row-span decode's
-        layout: each row's columns contiguous), one layer at a time (the extra memory is one layer's)."""
-        for c in self.cache:
-            for i, (k, v) in enumerate(c):
-                c[i] = (k.transpose(0, 1).contiguous(), v.transpose(0, 1).contiguous())
-        self.rows_first = True
+        self.cache = [[(k.index_select(1, rows), v.index_select(1, rows)) for k, v in c] for c in self.cache]
 
     # --------------------------------------------------------------------------------- forward
     def forward(
@@ -473,13 +460,12 @@ class KVCacheGenerator:
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | None,
         mask_type: AttnMaskType,
-        spans: RowSpans | None = None,
     ) -> torch.Tensor:
         """megatron's TransformerLayer.forward (eval, no cross attention) with cached self-attention.
 
         The new keys/values go to cache columns `start` (an int: columns start.. of a slice; a 1-element
         device tensor: one column chosen on the device, as a CUDA graph needs) and the attention reads
-        the first `keys` columns; with `spans` (a rows-first cache) it reads each row's own span instead.
+        the first `keys` columns.
         """
         cfg = layer.config
         attn = layer.self_attention
@@ -496,15 +482,6 @@ class KVCacheGenerator:
         query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
         query = self.rotate(query, *rope)
         key = self.rotate(key, *rope)
-        if spans is not None:  # rows-first cache, one decode column chosen on the device
-            kv[0].index_copy_(1, start, key.transpose(0, 1))  # type: ignore[arg-type]
-            kv[1].index_copy_(1, start, value.transpose(0, 1))  # type: ignore[arg-type]
-            context = spans.attention(query, kv[0], kv[1], attn.core_attention.softmax_scale)
-            out = attn.linear_proj(context)
-            return self._mlp(
-                layer,
-                layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout),
-            )
         if isinstance(start, torch.Tensor):
             kv[0].index_copy_(0, start, key)
             kv[1].index_copy_(0, start, value)
@@ -549,89 +526,19 @@ class KVCacheGenerator:
         return packed[0].long(), packed[1].float()
 
 
-def flash_with_row_lengths() -> Any:
-    """torch's flash attention op when it takes per-sequence key lengths (`seqused_k`), else None."""
-    op = getattr(torch.ops.aten, "_flash_attention_forward", None)
-    if op is None or "seqused_k" not in str(op.default._schema):
-        return None
-    return op
-
-
-def row_spans_unsupported(engine: KVCacheGenerator) -> str | None:
-    """Why the static decode step cannot attend over each row's own span of a rows-first cache with the
-    flash kernel (None: it can); it then reads whole key buckets through the core attention."""
-    if engine.device.type != "cuda":
-        return f"device {engine.device.type} (the flash kernel is cuda's)"
-    if engine.config.params_dtype not in (torch.bfloat16, torch.float16):
-        return f"dtype {engine.config.params_dtype} (flash needs 16-bit)"
-    if engine.mla:
-        return "multi-head latent attention (its own latent cache)"
-    if flash_with_row_lengths() is None:
-        return "this torch's flash attention takes no per-row key lengths"
-    for model in engine.models:
-        for layer in model.decoder.layers:
-            attn = layer.self_attention
-            d = attn.hidden_size_per_attention_head
-            if d % 8 or d > 256:
-                return f"head dim {d}"
-    return None
-
-
-class RowSpans:
-    """Decode attention over each row's own columns of a rows-first cache [rows, max_len, groups, d].
-
-    Row i's real tokens sit at columns `first[i]` .. (its prompt is left-padded to the batch's width), and
-    after a decode step writes column c it has `pos[i] + 1` of them (positions count from its first real
-    token). On cuda the flash kernel reads exactly those columns (varlen form: the cache viewed as one
-    sequence per row starting at `first[i]`, `seqused_k` = its length), with grouped KV heads as they are:
-    no whole-bucket reads, no prompt pads, no mask, and one captured graph serves every step of a row set.
-    Elsewhere (the CPU tests) SDPA over the whole row with the same span as a mask: the same layout and
-    index maps, another kernel.
-    """
-
-    def __init__(self, first: torch.Tensor, max_len: int, use_flash: bool) -> None:
-        n, dev = first.numel(), first.device
-        self.first, self.max_len, self.use_flash = first, max_len, use_flash
-        self.cu_q = torch.arange(n + 1, dtype=torch.int32, device=dev)
-        # Row i's sequence starts at first[i] of its row; the last boundary is the cache's end.
-        self.cu_k = torch.cat(
-            [torch.arange(n, device=dev) * max_len + first, torch.tensor([n * max_len], device=dev)]
-        )
-        self.cu_k = self.cu_k.to(torch.int32)
-        self.used = torch.zeros(n, dtype=torch.int32, device=dev)  # per step: pos + 1
-
-    def set_lengths(self, pos: torch.Tensor) -> None:
-        self.used.copy_(pos.view(-1) + 1)
-
-    def attention(
-        self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None
-    ) -> torch.Tensor:
-        """query [1, n, heads, d], k / v [n, max_len, groups, d] -> context [1, n, heads * d]."""
-        _, n, heads, d = query.shape
-        if self.use_flash:
-            out = flash_with_row_lengths()(
-                query.reshape(n, heads, d), k.view(-1, *k.shape[2:]), v.view(-1, *v.shape[2:]),
-                self.cu_q, self.cu_k, 1, self.max_len, 0.0, False, False, scale=scale, seqused_k=self.used,
-            )[0]  # fmt: skip
-            return out.reshape(1, n, heads * d)
-        col = torch.arange(self.max_len, device=k.device)
-        allowed = (col >= self.first[:, None]) & (col < self.first[:, None] + self.used[:, None])
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.permute(1, 2, 0, 3), k.permute(0, 2, 1, 3), v.permute(0, 2, 1, 3),
-            attn_mask=allowed[:, None, None, :], scale=scale, enable_gqa=heads != k.shape[2],
-        )  # fmt: skip
-        return out.permute(2, 0, 1, 3).reshape(1, n, heads * d)
-
-
-ROW_SPANS: bool | None = None
-"""Whether the static decode step attends over each row's span of a rows-first cache (`RowSpans`): None =
-where `row_spans_unsupported` allows (cuda, 16-bit, flash with per-row lengths, not MLA, no multi-turn
-session); True forces the layout (off cuda with SDPA as its kernel: the CPU tests), False keeps the key
-buckets (benchmarks compare both)."""
-
 # Cache columns per key-length bucket of the static decode step: attention reads the bucket holding the
 # current length (unwritten columns masked), so one captured graph serves KEY_BUCKET consecutive steps.
 KEY_BUCKET = 256
+# A step over fewer rows reads wider buckets: KEY_BUCKET x (BUCKET_ROWS // rows) columns (at least
+# KEY_BUCKET), so the columns it reads past the current length cost about what they cost at BUCKET_ROWS
+# rows, while small row sets (a realistic rollout's tail, after compactions) capture fewer graphs. One H200,
+# 1.5B: a capture costs 75-170 ms; a step over 64 rows 3.05 / 3.27 ms at 320 / 1,088 columns.
+BUCKET_ROWS = 256
+
+
+def key_bucket(rows: int) -> int:
+    """Cache columns per key-length bucket of a static decode step over `rows` rows."""
+    return KEY_BUCKET * max(1, BUCKET_ROWS // max(rows, 1))
 
 
 class StaticDecodeStep:
@@ -660,7 +567,6 @@ class StaticDecodeStep:
         key_masked: torch.Tensor,
         sampling: tuple[float, float, int, float],
         pool: object | None = None,
-        spans: RowSpans | None = None,
     ) -> None:
         dev = engine.device
         n = rows.numel()
@@ -671,8 +577,6 @@ class StaticDecodeStep:
             sampling,
             pool,
         )
-        # With `spans` (a rows-first cache) attention reads each row's own columns: no buckets, one graph.
-        self.spans = spans
         self.rows_cpu = rows.cpu()  # for a routing recorder (moe_replay.record_routing), copied once
         self.tokens = torch.zeros((n, 1), dtype=torch.long, device=dev)
         self.pos = torch.zeros((n, 1), dtype=torch.long, device=dev)
@@ -687,21 +591,15 @@ class StaticDecodeStep:
     def _body(self, keys: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         engine = self.engine
         (model,) = engine.models  # one chunk, first and last stage (no pipeline parallel)
-        mask = None
-        if self.spans is not None:
-            self.spans.set_lengths(self.pos)
-        else:
-            self.key_masked.index_fill_(1, self.col, False)
-            mask = self.key_masked[:, None, None, :keys]
+        self.key_masked.index_fill_(1, self.col, False)
+        mask = self.key_masked[:, None, None, :keys]
         rope = engine.rope_at(self.pos)
         hidden = model.embedding(input_ids=self.tokens, position_ids=self.pos)
         # A recorder attached to the routers would keep the capture's buffers: the step hands them out.
         engine.silent_routing, engine.routing = True, {}
         try:
             for layer, kv in zip(model.decoder.layers, engine.cache[0], strict=True):
-                hidden = engine._layer(
-                    layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask, self.spans
-                )
+                hidden = engine._layer(layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask)
         finally:
             engine.silent_routing = False
         tok, lp = sample_tokens(engine.logits(hidden), *self.sampling, uniform=self.uniform)
@@ -715,8 +613,8 @@ class StaticDecodeStep:
         self.pos.copy_(self.engine.positions[self.rows, start : start + 1])
         self.col.fill_(start)
         self.uniform.copy_(uniform)
-        max_len = self.key_masked.shape[1]
-        keys = max_len if self.spans is not None else min(-(-(start + 1) // KEY_BUCKET) * KEY_BUCKET, max_len)
+        width = key_bucket(self.rows.numel())
+        keys = min(-(-(start + 1) // width) * width, self.key_masked.shape[1])
         if not self.capture:
             tok, lp, self.routing = self._body(keys)
             return tok, lp
@@ -883,14 +781,7 @@ def _decode(
         # Keys a row may not see: its prompt pads and every response column not yet written.
         key_masked = torch.ones((b, engine.positions.shape[1]), dtype=torch.bool, device=dev)
         key_masked[:, :p] = ~valid
-        spans = None
-        unsupported = row_spans_unsupported(engine)
-        if reuse is None and (ROW_SPANS if ROW_SPANS is not None else unsupported is None):
-            # (a session's cache rows are harvested sequence-first: multi-turn calls keep the buckets)
-            engine.to_rows_first()
-            spans = RowSpans((~valid).sum(1), engine.positions.shape[1], use_flash=unsupported is None)
-        pool = devices.graph_pool(engine.actor.device)
-        step = StaticDecodeStep(engine, active, key_masked, sampling, pool, spans)
+        step = StaticDecodeStep(engine, active, key_masked, sampling, devices.graph_pool(engine.actor.device))
     done = torch.zeros(b, dtype=torch.bool, device=dev)
     last_tok = torch.zeros(b, dtype=torch.long, device=dev)
     resp_dev = torch.zeros((b, n_new), dtype=torch.long, device=dev)
@@ -936,10 +827,7 @@ def _decode(
                     # freeing the old step's graphs drops that pool's use count to 0, and capturing into it
                     # again trips the CUDA caching allocator's `use_count > 0` assert.
                     pool = devices.graph_pool(engine.actor.device)
-                    spans = step.spans
-                    if spans is not None:
-                        spans = RowSpans(spans.first[keep], spans.max_len, spans.use_flash)
-                    step = StaticDecodeStep(engine, active, step.key_masked[keep], sampling, pool, spans)
+                    step = StaticDecodeStep(engine, active, step.key_masked[keep], sampling, pool)
         if step is not None:
             tok, lp = step(last_tok[active], p + t, uniform[t + 1, active])
             continue

@@ -174,6 +174,8 @@ def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket)
     from rltrain.megatron import inference
 
     monkeypatch.setattr(inference, "KEY_BUCKET", bucket)
+    # 6 rows read buckets of `bucket` columns; after the compaction to 3 rows, twice as wide.
+    monkeypatch.setattr(inference, "BUCKET_ROWS", 6)
     rows_per_step: list[int] = []
     inner = inference.StaticDecodeStep.__call__
 
@@ -196,36 +198,15 @@ def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket)
     assert rows_per_step[0] == 3
 
 
-def test_row_span_decode_matches_the_dynamic_path(actor, monkeypatch):
-    """The static step over a rows-first cache, each row attending over its own span (`RowSpans`: on cuda
-    the flash kernel with per-row key lengths, here SDPA with the span as its mask; the layout, the writes
-    and compaction are the same code): the dynamic path's batch on padded prompts, with sampling filters
-    and with stop tokens that compact the cache; every step reads the whole row width (one graph)."""
+def test_key_buckets_widen_as_rows_shrink(monkeypatch):
     from rltrain.megatron import inference
 
-    monkeypatch.setattr(inference, "ROW_SPANS", True)
-    widths: list[int] = []
-    layouts: list[bool] = []
-    inner = inference.StaticDecodeStep._body
-
-    def body(step, keys):
-        widths.append(keys)
-        layouts.append(step.engine.rows_first and step.spans is not None)
-        return inner(step, keys)
-
-    monkeypatch.setattr(inference.StaticDecodeStep, "_body", body)
-    prompts = _prompts()
-    free = actor.generate(prompts, 8, temperature=0.0, pad_id=0)["responses"]
-    stop_kw = dict(temperature=0.0, eos_id=int(free[0, 0]), stop_token_ids=(int(free[3, 2]),))
-    sample_kw = dict(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=3)
-    for kw in (dict(temperature=0.0), sample_kw, stop_kw):
-        widths.clear()
-        dynamic = actor.generate(prompts, 8, pad_id=0, **kw)
-        static = actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **kw)
-        _assert_same_batch(dynamic, static, str(kw))
-        assert widths and set(widths) == {prompts.shape[1] + 8}, widths
-        assert all(layouts)
-    assert bool((static["response_mask"].sum(-1) < 8).any()), "no row stopped early: compaction not exercised"
+    monkeypatch.setattr(inference, "KEY_BUCKET", 256)
+    monkeypatch.setattr(inference, "BUCKET_ROWS", 256)
+    widths = [inference.key_bucket(rows) for rows in (1024, 512, 256, 200, 128, 64, 8, 1, 0)]
+    assert widths == [256, 256, 256, 256, 512, 1024, 8192, 65536, 65536]
+    # Columns read past the current length stay bounded by rows x width (>= KEY_BUCKET columns).
+    assert all(rows * inference.key_bucket(rows) <= 256 * 256 for rows in range(1, 257))
 
 
 # ------------------------------------------------------------------------------------ attention

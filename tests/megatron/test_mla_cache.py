@@ -112,6 +112,7 @@ def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch):
     from rltrain.megatron import inference
 
     monkeypatch.setattr(inference, "KEY_BUCKET", 4)  # decode crosses key-length buckets
+    monkeypatch.setattr(inference, "BUCKET_ROWS", 1)
     prompts = _prompts()
     for kw in (dict(temperature=0.0), dict(temperature=0.7, top_p=0.9, top_k=20, seed=3)):
         _same_batch(actor.generate(prompts, 8, pad_id=0, **kw),
