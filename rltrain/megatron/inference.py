@@ -547,8 +547,8 @@ class StaticDecodeStep:
     Why: on a GPU an eager decode step of a 0.5B model is ~400 kernel launches and their Python, ~30 ms
     whatever the batch, while its math takes well under a millisecond; replaying a captured graph costs
     one launch. A graph replays fixed addresses and shapes, so every input lives in a buffer of this
-    object (token, position, cache column, uniform draw) and the step reads whole buckets of KEY_BUCKET
-    cache columns: the key-padding mask `key_masked` [rows, max_len] (True = hidden) starts as the prompt
+    object (token, position, cache column, uniform draw) and the step reads whole buckets of
+    `key_bucket(rows)` cache columns (wider for fewer rows): the key-padding mask `key_masked` [rows, max_len] (True = hidden) starts as the prompt
     pads plus every response column, and each step unmasks its own column on the device. One graph is
     captured per bucket the decode reaches, on first use, for this set of rows (compaction builds a new
     step over the new cache). Forward, logits and sampling are all inside the graph; sampling parameters
