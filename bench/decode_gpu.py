@@ -58,6 +58,18 @@ def per_call_ms(fn, device: str, iters: int = 20, warmup: int = 3) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
+def timed_generate(actor, ids: torch.Tensor, n_new: int, device: str, eos_id: int | None = None) -> dict:
+    """One `generate(cuda_graph=True)` of `ids` (T = 1, seed 3), timed: s, tokens, tokens/s and the batch."""
+    sync(device)
+    t0 = time.perf_counter()
+    out = actor.generate(ids, n_new, temperature=1.0, eos_id=eos_id, pad_id=0,
+                         prompt_mask=torch.ones_like(ids), cuda_graph=True, seed=3)  # fmt: skip
+    sync(device)
+    s = time.perf_counter() - t0
+    tokens = int(out["response_mask"].sum())
+    return {"s": s, "tokens": tokens, "tokens_per_s": tokens / s, "batch": out}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="qwen15b", choices=["qwen05b", "qwen15b", "tiny"])
@@ -183,16 +195,7 @@ def main() -> int:
         for mode in MODES:
             use(mode)
 
-            def run() -> dict:
-                sync(dev)
-                t0 = time.perf_counter()
-                out = actor.generate(ids, n_new, temperature=1.0, eos_id=None, pad_id=0,
-                                     prompt_mask=torch.ones_like(ids), cuda_graph=True, seed=3)  # fmt: skip
-                sync(dev)
-                s = time.perf_counter() - t0
-                return {"s": s, "tokens_per_s": int(out["response_mask"].sum()) / s, "batch": out}
-
-            res = attempt(f"generate_{mode}", run)
+            res = attempt(f"generate_{mode}", lambda: timed_generate(actor, ids, n_new, dev))
             if res is not None:
                 batch = res.pop("batch")
                 report["generate"][mode] = res

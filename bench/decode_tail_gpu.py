@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.decode_gpu import per_call_ms, sync
+from bench.decode_gpu import per_call_ms, sync, timed_generate
 from bench.rollout_gpu import get_arch
 from tests.megatron._common import actor_of, init_groups
 
@@ -357,14 +357,7 @@ def main() -> int:
         eos = None if share is None else 1
 
         def run(eos=eos) -> dict:
-            sync(dev)
-            t0 = time.perf_counter()
-            out = actor.generate(ids, n_new, temperature=1.0, eos_id=eos, pad_id=0,
-                                 prompt_mask=torch.ones_like(ids), cuda_graph=True, seed=3)  # fmt: skip
-            sync(dev)
-            s = time.perf_counter() - t0
-            tokens = int(out["response_mask"].sum())
-            return {"s": s, "tokens": tokens, "tokens_per_s": tokens / s, "batch": out}
+            return timed_generate(actor, ids, n_new, dev, eos)
 
         # The first call compiles; then fixed 256-column key buckets against buckets that widen as rows
         # leave (inference.BUCKET_ROWS), side by side.
