@@ -44,9 +44,11 @@ def varlen_case(report: dict) -> None:
 
     from torch.nn.attention.varlen import varlen_attn
 
-    names = inspect.signature(varlen_attn).parameters
-    causal = {"window_size": (-1, 0)} if "window_size" in names else {"is_causal": True}
-    report["varlen_signature"] = list(names)
+    from rltrain.megatron.packing import varlen_causal
+
+    names = frozenset(inspect.signature(varlen_attn).parameters)
+    causal = varlen_causal(names)
+    report["varlen_signature"] = sorted(names)
     report["flash_forward_schema"] = str(torch.ops.aten._flash_attention_forward.default._schema)
     report["flash_backward_schema"] = str(torch.ops.aten._flash_attention_backward.default._schema)
     print(report["flash_forward_schema"], report["flash_backward_schema"], sep="\n", flush=True)

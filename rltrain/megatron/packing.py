@@ -143,6 +143,12 @@ def _varlen() -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
+def varlen_causal(names: frozenset[str]) -> dict[str, object]:
+    """The keyword that makes torch's varlen attention causal, given its parameter names: `window_size`
+    (-1, 0) in newer torch, `is_causal` in torch 2.11."""
+    return {"window_size": (-1, 0)} if "window_size" in names else {"is_causal": True}
+
+
 @functools.cache
 def _varlen_groups_heads() -> bool:
     """Whether torch's varlen kernel takes fewer KV heads than query heads without `enable_gqa` (its flash
@@ -151,9 +157,8 @@ def _varlen_groups_heads() -> bool:
     q = torch.zeros((2, 2, 64), dtype=torch.bfloat16, device="cuda")
     kv = torch.zeros((2, 1, 64), dtype=torch.bfloat16, device="cuda")
     cu = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
-    causal = {"window_size": (-1, 0)} if "window_size" in names else {"is_causal": True}
     try:
-        fn(q, kv, kv, cu, cu, 2, 2, **causal)
+        fn(q, kv, kv, cu, cu, 2, 2, **varlen_causal(names))
     except (RuntimeError, ValueError):
         return False
     return True
@@ -182,11 +187,7 @@ def packed_attention(
     found = _varlen()
     if varlen_supported(q, dropout_p) and found is not None:
         fn, names = found
-        kwargs: dict[str, object] = {"scale": scale}
-        if "window_size" in names:
-            kwargs["window_size"] = (-1, 0)  # causal
-        else:
-            kwargs["is_causal"] = True
+        kwargs: dict[str, object] = {"scale": scale, **varlen_causal(names)}
         if gqa and "enable_gqa" in names:
             kwargs["enable_gqa"] = True
         cu_q, cu_k = params.cu_seqlens_q, params.cu_seqlens_kv
