@@ -6,12 +6,14 @@ Reported (decode_tail_gpu.json in --out):
   varlen         packed causal attention fwd+bwd on 8 rows of 400..4096 tokens (12 query / 2 KV heads):
                  torch's varlen flash kernel with the KV heads as they are (grouped) against repeated
                  (what packing.packed_attention did), and whether both give the same output
-  step_ms        one captured decode step (forward, logits, sampling) per (rows, cached key columns):
-                 the cost model a + rows x keys that compaction and key buckets trade against
+  step_ms        one captured decode step (forward, logits, sampling) per (rows, cache columns read: the
+                 fixed 256-column bucket holding --grid-keys): the cost that compaction and key buckets
+                 trade against
   capture_s      one graph capture of the step (--captures, with a torch profile of the eager step)
   generate       `MegatronActor.generate(cuda_graph=True)` of the preset's rollout with every row ending at
                  a long-tailed length (RLPLAN_BENCH_FORCE_EOS, mean 40% of the maximum): seconds, tokens/s,
-                 number of compactions and graph captures and the seconds they took
+                 number of compactions and graph captures and the seconds they took, with fixed 256-column
+                 key buckets and with buckets that widen as rows leave (inference.key_bucket), side by side
 
 Run on the GPU machine:  python3 bench/decode_tail_gpu.py --out $OUT
 CPU smoke:  OMP_NUM_THREADS=1 .venv/bin/python bench/decode_tail_gpu.py --arch tiny --device cpu --rows 8 \
@@ -193,65 +195,64 @@ def main() -> int:
     positions = torch.arange(max_len, device=dev).expand(b, max_len).contiguous()
     uniform = torch.rand(b, device=dev)
 
-    # ---- the step cost model: captured step per (rows, keys)
+    def static_step(rows: int, pool: bool = True):
+        """A zeroed cache of `rows` rows (prompt columns visible) and a static decode step over it."""
+        engine = inference.KVCacheGenerator(actor, positions[:rows], zero_cache=True)
+        engine._allocate(rows)
+        key_masked = torch.zeros((rows, max_len), dtype=torch.bool, device=dev)
+        key_masked[:, p:] = True
+        return inference.StaticDecodeStep(
+            engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
+            devices.graph_pool(dev) if pool else None,
+        )  # fmt: skip
+
+    def columns_read(rows: int, keys: int) -> int:
+        """The cache columns a step writing column keys - 1 attends over (the whole bucket holding it)."""
+        width = inference.key_bucket(rows)
+        return min(-(-keys // width) * width, max_len)
+
+    # ---- the step cost model: captured step per (rows, columns read), fixed 256-column buckets
     report["step_ms"] = {}
 
     def grid() -> None:
         with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
             actor.eval()
             for rows in (int(x) for x in args.grid_rows.split(",") if x):
-                engine = inference.KVCacheGenerator(actor, positions[:rows], zero_cache=True)
-                engine._allocate(rows)
-                key_masked = torch.zeros((rows, max_len), dtype=torch.bool, device=dev)
-                key_masked[:, p:] = True
-                step = inference.StaticDecodeStep(
-                    engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
-                    devices.graph_pool(dev),
-                )  # fmt: skip
                 tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
                 for keys in (int(x) for x in args.grid_keys.split(",")):
-                    keys = min(keys, max_len)
-                    step = inference.StaticDecodeStep(
-                        engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
-                        devices.graph_pool(dev),
-                    )  # fmt: skip
+                    step = static_step(rows)  # a new step: its first call captures this bucket's graph
+                    keys, cols = min(keys, max_len), columns_read(rows, min(keys, max_len))
                     t0 = time.perf_counter()
-                    step(tokens, keys - 1, uniform[:rows])  # captures this bucket's graph
+                    step(tokens, keys - 1, uniform[:rows])
                     sync(dev)
                     capture_s = time.perf_counter() - t0
                     ms = per_call_ms(
                         lambda st=step, tk=tokens, k=keys, r=rows: st(tk, k - 1, uniform[:r]), dev, iters=10
                     )
-                    report["step_ms"][f"{rows}x{keys}"] = {"ms": ms, "first_call_s": capture_s}
+                    report["step_ms"][f"{rows}x{cols}"] = {"ms": ms, "first_call_s": capture_s}
                     print(
-                        f"step rows {rows} keys {keys}: {ms:.2f} ms (first call {capture_s:.3f} s)",
+                        f"step rows {rows} columns {cols}: {ms:.2f} ms (first call {capture_s:.3f} s)",
                         flush=True,
                     )
                 t0 = time.perf_counter()
-                engine.select_rows(torch.arange(rows // 2, device=dev))
+                step.engine.select_rows(torch.arange(rows // 2, device=dev))
                 sync(dev)
                 report.setdefault("select_rows_s", {})[rows] = time.perf_counter() - t0
-                del step, engine
+                del step
                 if dev == "cuda":
                     torch.cuda.empty_cache()
 
+    inference.BUCKET_ROWS = 1  # the grid and the capture timings: fixed KEY_BUCKET-column buckets
     attempt("grid", grid)
 
     def captures() -> None:
         rows, keys = min(256, b), min(576, max_len)
         with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
             actor.eval()
-            engine = inference.KVCacheGenerator(actor, positions[:rows], zero_cache=True)
-            engine._allocate(rows)
-            key_masked = torch.zeros((rows, max_len), dtype=torch.bool, device=dev)
-            key_masked[:, p:] = True
             tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
             res: list[float] = []
             for _ in range(3):  # one graph capture each (the first also compiles)
-                step = inference.StaticDecodeStep(
-                    engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0),
-                    devices.graph_pool(dev),
-                )  # fmt: skip
+                step = static_step(rows)
                 sync(dev)
                 t0 = time.perf_counter()
                 step(tokens, keys - 1, uniform[:rows])
@@ -263,13 +264,12 @@ def main() -> int:
             if dev == "cuda":
                 from torch.profiler import ProfilerActivity, profile
 
-                step = inference.StaticDecodeStep(
-                    engine, torch.arange(rows, device=dev), key_masked, (1.0, 1.0, -1, 0.0), None
-                )
-                step._body(keys)
+                step = static_step(rows, pool=False)
+                cols = columns_read(rows, keys)
+                step._body(cols)
                 with profile(activities=[ProfilerActivity.CUDA]) as prof:
                     for _ in range(3):
-                        step._body(keys)
+                        step._body(cols)
                     torch.cuda.synchronize()
                 events = prof.key_averages()
                 report["kernels_per_step"] = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
@@ -354,18 +354,14 @@ def main() -> int:
             os.environ.pop(inference.FORCE_EOS_ENV, None)
         else:
             os.environ[inference.FORCE_EOS_ENV] = str(share)
-        for key in counts:
-            counts[key] = 0
         eos = None if share is None else 1
-
-        def run(eos=eos) -> dict:
-            return timed_generate(actor, ids, n_new, dev, eos)
-
         # The first call compiles; then fixed 256-column key buckets against buckets that widen as rows
         # leave (inference.BUCKET_ROWS), side by side.
         for label in ["warm-up", "fixed", "adaptive"] if share is None else ["fixed", "adaptive"]:
             inference.BUCKET_ROWS = 1 if label == "fixed" else 256
-            res = attempt(f"generate_{share}_{label}", run)
+            res = attempt(
+                f"generate_{share}_{label}", lambda eos=eos: timed_generate(actor, ids, n_new, dev, eos)
+            )
             if res is not None and label == "adaptive" and args.logprob:
                 batch = res.pop("batch")
                 attempt(f"logprob_{share}", lambda batch=batch, share=share: logprob(batch, share))

@@ -532,7 +532,7 @@ KEY_BUCKET = 256
 # A step over fewer rows reads wider buckets: KEY_BUCKET x (BUCKET_ROWS // rows) columns (at least
 # KEY_BUCKET), so the columns it reads past the current length cost about what they cost at BUCKET_ROWS
 # rows, while small row sets (a realistic rollout's tail, after compactions) capture fewer graphs. One H200,
-# 1.5B: a capture costs 75-170 ms; a step over 64 rows 3.05 / 3.27 ms at 320 / 1,088 columns.
+# 1.5B: a capture costs 75-170 ms; a step over 64 rows 2.93 / 3.27 ms reading 256 / 1,088 columns.
 BUCKET_ROWS = 256
 
 
@@ -548,8 +548,9 @@ class StaticDecodeStep:
     whatever the batch, while its math takes well under a millisecond; replaying a captured graph costs
     one launch. A graph replays fixed addresses and shapes, so every input lives in a buffer of this
     object (token, position, cache column, uniform draw) and the step reads whole buckets of
-    `key_bucket(rows)` cache columns (wider for fewer rows): the key-padding mask `key_masked` [rows, max_len] (True = hidden) starts as the prompt
-    pads plus every response column, and each step unmasks its own column on the device. One graph is
+    `key_bucket(rows)` cache columns (wider for fewer rows): the key-padding mask `key_masked`
+    [rows, max_len] (True = hidden) starts as the prompt pads plus every response column, and each step
+    unmasks its own column on the device. One graph is
     captured per bucket the decode reaches, on first use, for this set of rows (compaction builds a new
     step over the new cache). Forward, logits and sampling are all inside the graph; sampling parameters
     are fixed per call. Graphs share one memory pool and are freed with this object, at the end of a
