@@ -7,13 +7,14 @@ Reported (decode_tail_gpu.json in --out):
                  torch's varlen flash kernel with the KV heads as they are (grouped) against repeated
                  (what packing.packed_attention did), and whether both give the same output
   step_ms        one captured decode step (forward, logits, sampling) per (rows, cache columns read: the
-                 fixed 256-column bucket holding --grid-keys): the cost that compaction and key buckets
-                 trade against
-  capture_s      one graph capture of the step (--captures, with a torch profile of the eager step)
+                 fixed 256-column bucket holding --grid-keys, glue unfused / fused): the cost that
+                 compaction and key buckets trade against
+  capture_s      one graph capture of the step (--captures, with a torch profile of the eager step and its
+                 kernels per step, glue unfused / fused)
   generate       `MegatronActor.generate(cuda_graph=True)` of the preset's rollout with every row ending at
                  a long-tailed length (RLPLAN_BENCH_FORCE_EOS, mean 40% of the maximum): seconds, tokens/s,
-                 number of compactions and graph captures and the seconds they took, with fixed 256-column
-                 key buckets and with buckets that widen as rows leave (inference.key_bucket), side by side
+                 number of compactions and graph captures and the seconds they took, with the step's glue
+                 (attention inputs, mask) as megatron's modules one by one and fused, side by side
 
 Run on the GPU machine:  python3 bench/decode_tail_gpu.py --out $OUT
 CPU smoke:  OMP_NUM_THREADS=1 .venv/bin/python bench/decode_tail_gpu.py --arch tiny --device cpu --rows 8 \
@@ -38,6 +39,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.decode_gpu import per_call_ms, sync, timed_generate
 from bench.rollout_gpu import get_arch
 from tests.megatron._common import actor_of, init_groups
+
+
+# The static step's glue (inference.KVCacheGenerator.fuse_step_glue): megatron's modules one by one, or the
+# fused attention inputs and one additive mask per step.
+GLUE = ("unfused", "fused")
 
 
 def varlen_case(report: dict) -> None:
@@ -219,7 +225,8 @@ def main() -> int:
             actor.eval()
             for rows in (int(x) for x in args.grid_rows.split(",") if x):
                 tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
-                for keys in (int(x) for x in args.grid_keys.split(",")):
+                for keys, glue in ((int(x), g) for x in args.grid_keys.split(",") for g in GLUE):
+                    inference.KVCacheGenerator.fuse_step_glue = glue == "fused"
                     step = static_step(rows)  # a new step: its first call captures this bucket's graph
                     keys, cols = min(keys, max_len), columns_read(rows, min(keys, max_len))
                     t0 = time.perf_counter()
@@ -229,9 +236,9 @@ def main() -> int:
                     ms = per_call_ms(
                         lambda st=step, tk=tokens, k=keys, r=rows: st(tk, k - 1, uniform[:r]), dev, iters=10
                     )
-                    report["step_ms"][f"{rows}x{cols}"] = {"ms": ms, "first_call_s": capture_s}
+                    report["step_ms"][f"{rows}x{cols} {glue}"] = {"ms": ms, "first_call_s": capture_s}
                     print(
-                        f"step rows {rows} columns {cols}: {ms:.2f} ms (first call {capture_s:.3f} s)",
+                        f"step rows {rows} columns {cols} glue {glue}: {ms:.2f} ms (first call {capture_s:.3f} s)",
                         flush=True,
                     )
                 t0 = time.perf_counter()
@@ -261,9 +268,10 @@ def main() -> int:
                 del step
             report["capture_s"] = res
             print("capture_s", res, flush=True)
-            if dev == "cuda":
+            for glue in GLUE if dev == "cuda" else ():
                 from torch.profiler import ProfilerActivity, profile
 
+                inference.KVCacheGenerator.fuse_step_glue = glue == "fused"
                 step = static_step(rows, pool=False)
                 cols = columns_read(rows, keys)
                 step._body(cols)
@@ -272,11 +280,13 @@ def main() -> int:
                         step._body(cols)
                     torch.cuda.synchronize()
                 events = prof.key_averages()
-                report["kernels_per_step"] = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
+                kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
+                report.setdefault("kernels_per_step", {})[glue] = kernels
                 table = events.table(sort_by="cuda_time_total", row_limit=45)
-                (out_dir / "profile_step.txt").write_text(table)
-                print("kernels per step", report["kernels_per_step"], flush=True)
+                (out_dir / f"profile_step_{glue}.txt").write_text(table)
+                print("kernels per step", glue, kernels, flush=True)
                 print(table[:6000], flush=True)
+            inference.KVCacheGenerator.fuse_step_glue = True
 
     if args.captures:
         attempt("captures", captures)
@@ -355,14 +365,15 @@ def main() -> int:
         else:
             os.environ[inference.FORCE_EOS_ENV] = str(share)
         eos = None if share is None else 1
-        # The first call compiles; then fixed 256-column key buckets against buckets that widen as rows
-        # leave (inference.BUCKET_ROWS), side by side.
-        for label in ["warm-up", "fixed", "adaptive"] if share is None else ["fixed", "adaptive"]:
-            inference.BUCKET_ROWS = 1 if label == "fixed" else 256
+        # The first call compiles; then the step's glue as megatron's modules one by one against fused
+        # (inference.KVCacheGenerator.fuse_step_glue), side by side; key buckets widen as rows leave.
+        inference.BUCKET_ROWS = 256
+        for label in ["warm-up", *GLUE] if share is None else list(GLUE):
+            inference.KVCacheGenerator.fuse_step_glue = label != "unfused"
             res = attempt(
                 f"generate_{share}_{label}", lambda eos=eos: timed_generate(actor, ids, n_new, dev, eos)
             )
-            if res is not None and label == "adaptive" and args.logprob:
+            if res is not None and label == "fused" and args.logprob:
                 batch = res.pop("batch")
                 attempt(f"logprob_{share}", lambda batch=batch, share=share: logprob(batch, share))
             elif res is not None:

@@ -1,6 +1,7 @@
 """torch.compile'd kernels of the megatron engine (`model.fused_kernels`): RoPE for training (megatron's
-`apply_rope_fusion` hooks, padded and packed rows), RoPE for the decode step, and megatron's SwiGLU fusion
-compiled once; plus the start-up probe that the toolchain works.
+`apply_rope_fusion` hooks, padded and packed rows), RoPE and the attention inputs (split, q/k norm, RoPE,
+cache write) of the decode step, and megatron's SwiGLU fusion compiled once; plus the start-up probe that the
+toolchain works.
 
 Every compiled function here sees rows whose count (and head count) is unbacked, so it compiles once per
 dtype: dynamic=True alone still specialises sizes of 0 and 1 (a decode step's one column, a one-row prefill,
@@ -59,6 +60,75 @@ def fused_rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         torch._dynamo.decorators.mark_unbacked(x, 0)
     torch._dynamo.decorators.mark_unbacked(rows, 1)  # query and key heads (and a single KV head) alike
     return _compiled_rotate()(rows, c, n).view(s, b, heads, d)
+
+
+def decode_attention_inputs(
+    mixed: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    col: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """The glue of one decode step's attention between the QKV projection and the core attention.
+
+    mixed [n, groups, (q_per_group + 2) * d] is megatron's unsplit QKV (`get_query_key_value_tensors(...,
+    split_qkv=False)`, bias added), one decode column of n rows; cos / sin [n, 1, rot]; the caches
+    [max_len, n, groups, d]; col a 1-element column index. Splits q, k, v as megatron does, applies the
+    per-head RMSNorm of q and k when given (`q_norm` / `k_norm` weights, megatron's q/k_layernorm: the same
+    `F.rms_norm` call torch.nn.RMSNorm makes), RoPE (`rotate`), writes k and v into column `col` of the
+    caches and returns the rotated query [n, heads, d]. Compiled (`fused_decode_attention_inputs`) it is one
+    or two kernels where the unfused step launched six to ten per layer."""
+    n, groups, width = mixed.shape
+    d = k_cache.shape[-1]
+    torch._check(k_cache.shape[1] == n)
+    torch._check(v_cache.shape[1] == n)
+    torch._check(cos.shape[0] == n)
+    torch._check(sin.shape[0] == n)
+    query, key, value = torch.split(mixed, [width - 2 * d, d, d], dim=-1)
+    query = query.reshape(n, groups * (width // d - 2), d)  # no -1: n is unbacked
+    if q_norm is not None:
+        query = torch.nn.functional.rms_norm(query, (d,), q_norm, eps)
+    if k_norm is not None:
+        key = torch.nn.functional.rms_norm(key, (d,), k_norm, eps)
+    query = rotate(query, cos, sin)
+    key = rotate(key, cos, sin)
+    k_cache.index_copy_(0, col, key.view(1, n, groups, d))
+    v_cache.index_copy_(0, col, value.view(1, n, groups, d))
+    return query
+
+
+@functools.cache
+def _compiled_decode_attention_inputs() -> Callable[..., torch.Tensor]:
+    return torch.compile(decode_attention_inputs, dynamic=False, fullgraph=True)
+
+
+def fused_decode_attention_inputs(
+    mixed: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    col: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """`decode_attention_inputs` torch.compile'd (the caches written in place, no copy of them), compiled
+    once per dtype and norm layout: the row count is unbacked (a static step's rows, 1 for a rollout's last
+    row) and the cache length dynamic, so no row set, rollout length, key bucket or layer compiles it
+    again. The other sizes (heads, head dim) are static: with them symbolic too, inductor emitted code
+    naming an undefined size for the q/k norm (torch 2.13)."""
+    mixed = mixed.detach()
+    cos, sin = cos.detach().contiguous(), sin.detach().contiguous()
+    for t, dim in ((mixed, 0), (cos, 0), (sin, 0), (k_cache, 1), (v_cache, 1)):
+        torch._dynamo.decorators.mark_unbacked(t, dim)
+    for cache in (k_cache, v_cache):  # the rollout's length (prompt + new tokens), at least 2
+        torch._dynamo.decorators.mark_dynamic(cache, 0)
+    return _compiled_decode_attention_inputs()(mixed, cos, sin, k_cache, v_cache, col, q_norm, k_norm, eps)
 
 
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -71,10 +71,10 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
 from rltrain import device as devices
-from rltrain.megatron import mla_cache, moe_decode
+from rltrain.megatron import fused, mla_cache, moe_decode
 from rltrain.megatron.kv_session import KVSession
 from rltrain.megatron.lora import generation_weights
-from rltrain.megatron.model import fused_rotate, rotate
+from rltrain.megatron.model import SdpaAttention, fused_rotate, rotate
 from rltrain.rollout.batch import rollout_batch
 
 # Module attributes megatron reads to decide on sequence-parallel communication (cf. megatron's
@@ -245,6 +245,31 @@ def sequence_parallel_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
             setattr(obj, attr, True)
 
 
+def _qk_norms(attn: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None, float] | None:
+    """(q norm weight, k norm weight, eps) of a self-attention whose decode-step inputs
+    `fused.decode_attention_inputs` computes exactly; None where it cannot: an output gate, fewer query
+    groups than TP ranks (megatron gathers and re-slices the QKV), or a q/k norm other than an affine
+    torch.nn.RMSNorm over the head dimension."""
+    cfg = attn.config
+    if getattr(cfg, "attention_output_gate", False) or cfg.num_query_groups < attn.world_size:
+        return None
+    weights: list[torch.Tensor | None] = []
+    eps = 0.0
+    for norm in (attn.q_layernorm, attn.k_layernorm):
+        if norm is None or isinstance(norm, IdentityOp):
+            weights.append(None)
+            continue
+        if type(norm) is not torch.nn.RMSNorm or norm.weight is None or norm.eps is None:
+            return None
+        if tuple(norm.normalized_shape) != (attn.hidden_size_per_attention_head,):
+            return None
+        if eps and norm.eps != eps:
+            return None
+        weights.append(norm.weight)
+        eps = norm.eps
+    return weights[0], weights[1], eps
+
+
 def kv_cache_unsupported(actor) -> str | None:
     """Why the KV-cache engine cannot run this actor's model (None: it can).
 
@@ -318,11 +343,17 @@ class KVCacheGenerator:
 
     MoE layers run `moe_decode.moe_forward` (static shapes, no host sync) where `moe_decode.unsupported`
     accepts them and `static_moe` is on (the class switch; benchmarks turn it off to time megatron's
-    MoELayer), else megatron's MoELayer. `routing` holds the top-k experts of the last forward's static MoE
+    MoELayer), else megatron's MoELayer. The static step's attention inputs (split, q/k norm, RoPE, cache
+    write) run as one function (`fused.decode_attention_inputs`, compiled under the plan's fused kernels)
+    where `_qk_norms` accepts the layer, and its mask is SDPA's additive one, built once per step.
+    `routing` holds the top-k experts of the last forward's static MoE
     layers (by router layer number); `silent_routing` keeps them from an attached replay recorder.
     """
 
     static_moe = True
+    # The static decode step's glue: fused attention inputs and one additive mask per step (the class
+    # switch: benchmarks turn it off to time megatron's modules one by one, as before).
+    fuse_step_glue = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
@@ -350,6 +381,24 @@ class KVCacheGenerator:
             self.sin = freqs.sin().to(self.config.params_dtype)
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
         self.rotate = fused_rotate if actor.fused_kernels else rotate
+        # The static decode step's attention inputs (split, q/k norm, RoPE, cache write) as one function,
+        # compiled under the plan's fused kernels; per layer, the q/k norm weights it takes (layers it
+        # cannot follow are absent and run megatron's modules one by one).
+        self.attention_inputs = (
+            fused.fused_decode_attention_inputs if actor.fused_kernels else fused.decode_attention_inputs
+        )
+        self.fused_inputs = {
+            id(layer.self_attention): norms
+            for model in self.models
+            for layer in model.decoder.layers
+            if self.fuse_step_glue and not self.mla and (norms := _qk_norms(layer.self_attention)) is not None
+        }
+        # SdpaAttention takes SDPA's additive mask as is: the static step builds it once, not per layer.
+        self.additive_mask = self.fuse_step_glue and all(
+            type(layer.self_attention.core_attention) is SdpaAttention
+            for model in self.models
+            for layer in model.decoder.layers
+        )
         self.cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.models]
         self.expert_weights = moe_decode.ExpertWeights()
         self.routing: dict[int, torch.Tensor] = {}
@@ -479,6 +528,21 @@ class KVCacheGenerator:
                 layer,
                 layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout),
             )
+        norms = self.fused_inputs.get(id(attn)) if isinstance(start, torch.Tensor) else None
+        if norms is not None:
+            # One decode column: megatron's QKV projection, then split / norm / RoPE / cache write fused.
+            mixed, _ = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None, split_qkv=False)
+            s, n = hidden.shape[:2]
+            query = self.attention_inputs(
+                mixed.view(s * n, *mixed.shape[2:]), rope[0].view(s * n, 1, -1), rope[1].view(s * n, 1, -1),
+                kv[0], kv[1], start, *norms,
+            ).view(s, n, -1, kv[0].shape[-1])  # fmt: skip
+            context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
+            out = attn.linear_proj(context)
+            return self._mlp(
+                layer,
+                layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout),
+            )
         query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
         query = self.rotate(query, *rope)
         key = self.rotate(key, *rope)
@@ -594,6 +658,10 @@ class StaticDecodeStep:
         (model,) = engine.models  # one chunk, first and last stage (no pipeline parallel)
         self.key_masked.index_fill_(1, self.col, False)
         mask = self.key_masked[:, None, None, :keys]
+        if engine.additive_mask:  # SDPA's own form, once per step (SdpaAttention converted it per layer)
+            mask = torch.zeros(mask.shape, dtype=engine.config.params_dtype, device=mask.device).masked_fill_(
+                mask, float("-inf")
+            )
         rope = engine.rope_at(self.pos)
         hidden = model.embedding(input_ids=self.tokens, position_ids=self.pos)
         # A recorder attached to the routers would keep the capture's buffers: the step hands them out.

@@ -113,7 +113,11 @@ class SdpaAttention(DotProductAttention):
                 self.num_attention_heads_per_partition != self.num_query_groups_per_partition, dropout_p,
             )  # fmt: skip
             return ctx.permute(2, 0, 1, 3).reshape(sq, b, self.hidden_size_per_partition)
-        mask = None if attention_mask is None else ~attention_mask
+        # megatron's boolean mask (True = masked) or, from the decode step, SDPA's additive one as is.
+        if attention_mask is None or attention_mask.is_floating_point():
+            mask = attention_mask
+        else:
+            mask = ~attention_mask
         causal = mask is None and getattr(attn_mask_type, "name", "causal") != "no_mask"
         if causal and sq != sk:
             # SDPA's is_causal aligns the mask top-left, wrong when sq < sk: query i sits at key sk - sq + i.

@@ -102,6 +102,31 @@ def test_log_probs_match_transformers(mp_world, family_folder):
                           reference_log_probs(logits, batch), msg=family)  # fmt: skip
 
 
+def test_static_decode_step_matches_the_dynamic_path(mp_world, family_folder):
+    """The static decode step (what CUDA graphs capture; eager here) computes its attention inputs with
+    `fused.decode_attention_inputs` (split, Qwen3's q/k norm, RoPE, cache write in one function) and hands
+    SDPA an additive mask; the dynamic path runs megatron's modules one by one. Greedy tokens and rollout
+    log-probs agree for every family: biases (qwen2), q/k norm and a head_dim that is not hidden / heads
+    (qwen3), Llama 3.1 rope scaling, grouped KV heads."""
+    from rltrain.megatron.inference import KVCacheGenerator
+
+    family, path = family_folder
+    actor = _actor(path)
+    engine = KVCacheGenerator(actor, torch.zeros((1, 4), dtype=torch.long))
+    layers = [layer for model in actor.modules() for layer in model.decoder.layers]
+    assert all(id(layer.self_attention) in engine.fused_inputs for layer in layers), family
+    assert engine.additive_mask
+    if family == "qwen3":
+        assert all(engine.fused_inputs[id(layer.self_attention)][0] is not None for layer in layers)
+    prompts = make_batch(b=5)["input_ids"][:, :7]
+    prompts[1, :3] = 0  # left padding in one row
+    kw = dict(temperature=0.0, pad_id=0, eos_id=None)
+    dynamic = actor.generate(prompts, 9, **kw)
+    static = actor.generate(prompts, 9, cuda_graph=True, **kw)
+    assert torch.equal(dynamic["responses"], static["responses"]), family
+    assert_tiny_close(static["rollout_log_probs"], dynamic["rollout_log_probs"])
+
+
 def test_the_loader_reads_exactly_the_tensors_validate_checks(mp_world, family_folder, monkeypatch):
     """rlconf.model_files.hf_tensors is the one list: the megatron loader reads every tensor on it, and no
     other (so `rlconf validate` checks what the load needs, no more, no less)."""

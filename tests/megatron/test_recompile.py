@@ -4,8 +4,9 @@ and padded micro-batches, forward-only and training passes (on the H200 the 0.5B
 torch._dynamo's recompile limit and fell back to eager kernels).
 
 The compiled functions: megatron's SwiGLU and its backward (`fused.use_unbacked_swiglu`), the training RoPE
-(`fused.compiled_rope`, forward and backward), the decode step's RoPE (`fused.fused_rotate`) and the fused
-log-prob reductions (logprob.py). Each is called on rows whose count is unbacked, so no size is specialised.
+(`fused.compiled_rope`, forward and backward), the decode step's RoPE (`fused.fused_rotate`), the static
+decode step's attention inputs (`fused.fused_decode_attention_inputs`) and the fused log-prob reductions
+(logprob.py). Each is called on rows whose count is unbacked, so no size is specialised.
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ def test_engine_kernels_compile_once_across_prefill_and_packed_shapes(mp_world, 
     with torch._dynamo.config.patch(error_on_recompile=True):
         for i, (rows, cols) in enumerate(PREFILLS):
             prompts = torch.randint(1, 100, (rows, cols), generator=gen)
-            out = engines[True].generate(prompts, 2 + i % 3, temperature=1.0, seed=i)
+            # Every other rollout decodes through the static step (its fused attention inputs).
+            out = engines[True].generate(prompts, 2 + i % 3, temperature=1.0, seed=i, cuda_graph=bool(i % 2))
             assert out["responses"].shape[0] == rows
         for packed, actor in engines.items():
             for i, lengths in enumerate(BATCHES):
@@ -83,5 +85,61 @@ def test_engine_kernels_compile_once_across_prefill_and_packed_shapes(mp_world, 
                 batch = {**batch, "old_log_probs": old, "advantages": batch["response_mask"].float()}
                 metrics = actor.update_policy(batch)
                 assert metrics["actor/grad_norm"] == metrics["actor/grad_norm"], (packed, i)  # not nan
-    # SwiGLU forward / backward, RoPE forward / backward, the decode RoPE and the fused log-prob functions.
-    assert counters["stats"]["unique_graphs"] - before <= 10
+    # SwiGLU forward / backward, RoPE forward / backward, the decode RoPE, the static step's attention
+    # inputs and the fused log-prob functions.
+    assert counters["stats"]["unique_graphs"] - before <= 11
+
+
+@pytest.mark.parametrize("norms", [False, True], ids=["plain", "qk_norm"])
+def test_decode_attention_inputs_match_megatrons_modules_and_compile_once(norms):
+    """The static decode step's fused attention inputs (split, Qwen3's per-head q/k RMSNorm, RoPE, cache
+    write) against megatron's own ops on the same unsplit QKV: eager bit for bit, compiled to the dtype's
+    rounding, across row counts (one row: a rollout's last), cache lengths and columns, compiled once per
+    dtype; the caches are written in place at the column and nowhere else."""
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+    from torch._dynamo.utils import counters
+
+    from rltrain.megatron import fused
+
+    groups, per_group, d, rot = 2, 3, 16, 8
+    gen = torch.Generator().manual_seed(1)
+    before = counters["stats"]["unique_graphs"]
+    for dtype in (torch.float32, torch.bfloat16):
+        q_norm = torch.nn.RMSNorm(d, eps=1e-6).to(dtype) if norms else None
+        k_norm = torch.nn.RMSNorm(d, eps=1e-6).to(dtype) if norms else None
+        if norms:
+            with torch.no_grad():
+                q_norm.weight.normal_(1.0, 0.2, generator=gen)
+                k_norm.weight.normal_(1.0, 0.2, generator=gen)
+        weights = (q_norm.weight, k_norm.weight) if norms else (None, None)
+        for rows, max_len, col in ((1, 12, 3), (5, 12, 11), (3, 40, 0), (8, 40, 25), (1, 40, 39)):
+            mixed = torch.randn(rows, groups, (per_group + 2) * d, generator=gen).to(dtype)
+            freqs = torch.rand(rows, 1, rot, generator=gen) * 20
+            cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+            # megatron: get_query_key_value_tensors' split and reshape, the norm modules, its RoPE.
+            q_ref, k_ref, v_ref = torch.split(mixed[None], [per_group * d, d, d], dim=3)
+            q_ref = q_ref.reshape(1, rows, groups * per_group, d)
+            if norms:
+                q_ref, k_ref = q_norm(q_ref), k_norm(k_ref)
+            q_ref = _apply_rotary_pos_emb_bshd(q_ref, freqs[None])[0]
+            k_ref = _apply_rotary_pos_emb_bshd(k_ref, freqs[None])[0]
+            for fn in (fused.decode_attention_inputs, fused.fused_decode_attention_inputs):
+                caches = [torch.randn(max_len, rows, groups, d, generator=gen).to(dtype) for _ in range(2)]
+                before_write = [c.clone() for c in caches]
+                column = torch.tensor([col])
+                with torch.no_grad():
+                    query = fn(mixed, cos, sin, *caches, column, *weights, 1e-6)
+                exact = fn is fused.decode_attention_inputs and dtype == torch.float32
+                check = torch.testing.assert_close if not exact else _equal
+                kw = {} if exact else {"reduction": d}
+                (check if exact else assert_close)(query, q_ref, **kw)
+                (check if exact else assert_close)(caches[0][col], k_ref, **kw)
+                assert torch.equal(caches[1][col], v_ref[0]), "values are copied as they are"
+                for cache, old in zip(caches, before_write, strict=True):
+                    others = torch.arange(max_len) != col
+                    assert torch.equal(cache[others], old[others]), "only the decode column is written"
+    assert counters["stats"]["unique_graphs"] - before <= 2  # one graph per dtype, whatever the rows
+
+
+def _equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert torch.equal(actual, expected)
