@@ -40,7 +40,6 @@ from bench.decode_gpu import per_call_ms, sync, timed_generate
 from bench.rollout_gpu import get_arch
 from tests.megatron._common import actor_of, init_groups
 
-
 # The static step's glue (inference.KVCacheGenerator.fuse_step_glue): megatron's modules one by one, or the
 # fused attention inputs and one additive mask per step.
 GLUE = ("unfused", "fused")
