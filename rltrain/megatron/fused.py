@@ -94,7 +94,7 @@ def decode_attention_inputs(
         mixed = mixed + bias.view(groups, width)
     query, key, value = torch.split(mixed, [width - 2 * d, d, d], dim=-1)
     # [n, groups, q_per_group, d]: a view of the split (no copy before the kernel's own output).
-    query = query.view(n, groups, width // d - 2, d)
+    query = query.unflatten(-1, (width // d - 2, d))
     if q_norm is not None:
         query = torch.nn.functional.rms_norm(query, (d,), q_norm, eps)
     if k_norm is not None:
