@@ -1,7 +1,7 @@
 """torch.compile'd kernels of the megatron engine (`model.fused_kernels`): RoPE for training (megatron's
-`apply_rope_fusion` hooks, padded and packed rows), the decode step's RoPE and glue (its attention inputs:
-QKV bias, split, q/k norm, RoPE, cache write; the residual add with the next RMSNorm), and megatron's SwiGLU
-fusion compiled once; plus the start-up probe that the toolchain works.
+`apply_rope_fusion` hooks, padded and packed rows), RoPE and the attention inputs (split, q/k norm, RoPE,
+cache write) of the decode step, and megatron's SwiGLU fusion compiled once; plus the start-up probe that the
+toolchain works.
 
 Every compiled function here sees rows whose count (and head count) is unbacked, so it compiles once per
 dtype: dynamic=True alone still specialises sizes of 0 and 1 (a decode step's one column, a one-row prefill,
@@ -72,13 +72,11 @@ def decode_attention_inputs(
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     eps: float,
-    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The glue of one decode step's attention between the QKV projection and the core attention.
 
     mixed [n, groups, (q_per_group + 2) * d] is megatron's unsplit QKV (`get_query_key_value_tensors(...,
-    split_qkv=False)`), one decode column of n rows, and `bias` the QKV bias when megatron's linear left it
-    unadded (added here first, rounded to mixed's dtype as megatron's add is); cos / sin [n, 1, rot]; the caches
+    split_qkv=False)`, bias added), one decode column of n rows; cos / sin [n, 1, rot]; the caches
     [max_len, n, groups, d]; col a 1-element column index. Splits q, k, v as megatron does, applies the
     per-head RMSNorm of q and k when given (`q_norm` / `k_norm` weights, megatron's q/k_layernorm: the same
     `F.rms_norm` call torch.nn.RMSNorm makes), RoPE (`rotate`), writes k and v into column `col` of the
@@ -90,20 +88,17 @@ def decode_attention_inputs(
     torch._check(v_cache.shape[1] == n)
     torch._check(cos.shape[0] == n)
     torch._check(sin.shape[0] == n)
-    if bias is not None:
-        mixed = mixed + bias.view(groups, width)
     query, key, value = torch.split(mixed, [width - 2 * d, d, d], dim=-1)
-    # [n, groups, q_per_group, d]: a view of the split (no copy before the kernel's own output).
-    query = query.unflatten(-1, (width // d - 2, d))
+    query = query.reshape(n, groups * (width // d - 2), d)  # no -1: n is unbacked
     if q_norm is not None:
         query = torch.nn.functional.rms_norm(query, (d,), q_norm, eps)
     if k_norm is not None:
         key = torch.nn.functional.rms_norm(key, (d,), k_norm, eps)
-    query = rotate(query, cos[:, None], sin[:, None])
+    query = rotate(query, cos, sin)
     key = rotate(key, cos, sin)
     k_cache.index_copy_(0, col, key.view(1, n, groups, d))
     v_cache.index_copy_(0, col, value.view(1, n, groups, d))
-    return query.reshape(n, groups * (width // d - 2), d)  # no -1: n is unbacked
+    return query
 
 
 @functools.cache
@@ -121,7 +116,6 @@ def fused_decode_attention_inputs(
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     eps: float,
-    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention_inputs` torch.compile'd (the caches written in place, no copy of them), compiled
     once per dtype and norm layout: the row count is unbacked (a static step's rows, 1 for a rollout's last
@@ -134,35 +128,7 @@ def fused_decode_attention_inputs(
         torch._dynamo.decorators.mark_unbacked(t, dim)
     for cache in (k_cache, v_cache):  # the rollout's length (prompt + new tokens), at least 2
         torch._dynamo.decorators.mark_dynamic(cache, 0)
-    compiled = _compiled_decode_attention_inputs()
-    return compiled(mixed, cos, sin, k_cache, v_cache, col, q_norm, k_norm, eps, bias)
-
-
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(residual + x, its RMSNorm): megatron's residual add in eval (`bias_dropout_add` without bias or
-    dropout) followed by the next torch.nn.RMSNorm (the same `F.rms_norm` call), x / residual [..., h]."""
-    total = residual + x
-    return total, torch.nn.functional.rms_norm(total, (total.shape[-1],), weight, eps)
-
-
-@functools.cache
-def _compiled_add_rms_norm() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    return torch.compile(add_rms_norm, dynamic=False, fullgraph=True)
-
-
-def fused_add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`add_rms_norm` as one torch.compile'd kernel (two launches, an add and a norm, in the unfused
-    step), compiled once per dtype: x and residual are seen as rows [n, h] with n unbacked."""
-    shape = x.shape
-    rows = [t.reshape(-1, shape[-1]).detach().contiguous() for t in (x, residual)]
-    for t in rows:
-        torch._dynamo.decorators.mark_unbacked(t, 0)
-    total, normed = _compiled_add_rms_norm()(*rows, weight.detach(), eps)
-    return total.view(shape), normed.view(shape)
+    return _compiled_decode_attention_inputs()(mixed, cos, sin, k_cache, v_cache, col, q_norm, k_norm, eps)
 
 
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -60,15 +60,12 @@ own inference does the same) and restored afterwards. Context parallel is not su
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -248,35 +245,11 @@ def sequence_parallel_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
             setattr(obj, attr, True)
 
 
-@dataclasses.dataclass(frozen=True)
-class StepGlue:
-    """What the static decode step fuses in one layer (`step_glue` decides it once per layer).
-
-    q_norm / k_norm / eps: the per-head q and k RMSNorm weights (None: no such norm) for
-    `fused.decode_attention_inputs`; qkv_bias: the QKV projection's bias, added there instead of by megatron's
-    linear (a separate kernel); pre_mlp_norm: the pre-MLP RMSNorm, fused with the attention's residual add
-    (`fused.add_rms_norm`), None where the layer's norm or residual add is not the plain one."""
-
-    q_norm: torch.Tensor | None
-    k_norm: torch.Tensor | None
-    eps: float
-    qkv_bias: torch.Tensor | None
-    pre_mlp_norm: torch.nn.RMSNorm | None
-
-
-def _rms_norm(norm: torch.nn.Module, width: int) -> torch.nn.RMSNorm | None:
-    """`norm` when it is an affine torch.nn.RMSNorm over the last `width` columns (what the fused kernels
-    compute), else None."""
-    if type(norm) is not torch.nn.RMSNorm or norm.weight is None or norm.eps is None:
-        return None
-    return norm if tuple(norm.normalized_shape) == (width,) else None
-
-
-def step_glue(layer: torch.nn.Module) -> StepGlue | None:
-    """The static decode step's fused glue of one GPT layer, or None where `fused.decode_attention_inputs`
-    cannot follow its attention exactly: an output gate, fewer query groups than TP ranks (megatron gathers
-    and re-slices the QKV), or a q/k norm other than an affine torch.nn.RMSNorm over the head dimension."""
-    attn = layer.self_attention
+def _qk_norms(attn: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None, float] | None:
+    """(q norm weight, k norm weight, eps) of a self-attention whose decode-step inputs
+    `fused.decode_attention_inputs` computes exactly; None where it cannot: an output gate, fewer query
+    groups than TP ranks (megatron gathers and re-slices the QKV), or a q/k norm other than an affine
+    torch.nn.RMSNorm over the head dimension."""
     cfg = attn.config
     if getattr(cfg, "attention_output_gate", False) or cfg.num_query_groups < attn.world_size:
         return None
@@ -286,32 +259,15 @@ def step_glue(layer: torch.nn.Module) -> StepGlue | None:
         if norm is None or isinstance(norm, IdentityOp):
             weights.append(None)
             continue
-        rms = _rms_norm(norm, attn.hidden_size_per_attention_head)
-        if rms is None or (eps and rms.eps != eps):
+        if type(norm) is not torch.nn.RMSNorm or norm.weight is None or norm.eps is None:
             return None
-        weights.append(rms.weight)
-        eps = rms.eps  # type: ignore[assignment]
-    # The QKV bias moves into the fused kernel only from megatron's own column-parallel linear (whose
-    # skip_bias_add returns the bias unadded); LoRA or Transformer Engine linears keep adding it themselves.
-    linear = attn.linear_qkv
-    fold = type(linear) is ColumnParallelLinear and linear.bias is not None and not linear.skip_bias_add
-    # The residual add the fused add + norm replaces: megatron's bias-dropout-add, called in eval.
-    plain_residual = layer.self_attn_bda is get_bias_dropout_add
-    pre_mlp = _rms_norm(layer.pre_mlp_layernorm, cfg.hidden_size) if plain_residual else None
-    return StepGlue(weights[0], weights[1], eps, linear.bias if fold else None, pre_mlp)
-
-
-@contextlib.contextmanager
-def _bias_unadded(linear: torch.nn.Module, skip: bool) -> Iterator[None]:
-    """megatron's linear returns its bias instead of adding it (the fused kernel adds it), within."""
-    if not skip:
-        yield
-        return
-    linear.skip_bias_add = True
-    try:
-        yield
-    finally:
-        linear.skip_bias_add = False
+        if tuple(norm.normalized_shape) != (attn.hidden_size_per_attention_head,):
+            return None
+        if eps and norm.eps != eps:
+            return None
+        weights.append(norm.weight)
+        eps = norm.eps
+    return weights[0], weights[1], eps
 
 
 def kv_cache_unsupported(actor) -> str | None:
@@ -387,9 +343,9 @@ class KVCacheGenerator:
 
     MoE layers run `moe_decode.moe_forward` (static shapes, no host sync) where `moe_decode.unsupported`
     accepts them and `static_moe` is on (the class switch; benchmarks turn it off to time megatron's
-    MoELayer), else megatron's MoELayer. The static step fuses the glue between megatron's modules where
-    `step_glue` accepts the layer (the attention inputs and the residual add + pre-MLP norm, fused.py,
-    compiled under the plan's fused kernels), and its mask is SDPA's additive one, built once per step.
+    MoELayer), else megatron's MoELayer. The static step's attention inputs (split, q/k norm, RoPE, cache
+    write) run as one function (`fused.decode_attention_inputs`, compiled under the plan's fused kernels)
+    where `_qk_norms` accepts the layer, and its mask is SDPA's additive one, built once per step.
     `routing` holds the top-k experts of the last forward's static MoE
     layers (by router layer number); `silent_routing` keeps them from an attached replay recorder.
     """
@@ -425,19 +381,17 @@ class KVCacheGenerator:
             self.sin = freqs.sin().to(self.config.params_dtype)
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
         self.rotate = fused_rotate if actor.fused_kernels else rotate
-        # The static decode step's glue, compiled under the plan's fused kernels: the attention inputs
-        # (QKV bias, split, q/k norm, RoPE, cache write) as one function and the residual add with the
-        # pre-MLP norm as another; per layer what it fuses (layers it cannot follow are absent and run
-        # megatron's modules one by one).
+        # The static decode step's attention inputs (split, q/k norm, RoPE, cache write) as one function,
+        # compiled under the plan's fused kernels; per layer, the q/k norm weights it takes (layers it
+        # cannot follow are absent and run megatron's modules one by one).
         self.attention_inputs = (
             fused.fused_decode_attention_inputs if actor.fused_kernels else fused.decode_attention_inputs
         )
-        self.add_rms_norm = fused.fused_add_rms_norm if actor.fused_kernels else fused.add_rms_norm
-        self.glue = {
-            id(layer): glue
+        self.fused_inputs = {
+            id(layer.self_attention): norms
             for model in self.models
             for layer in model.decoder.layers
-            if self.fuse_step_glue and not self.mla and (glue := step_glue(layer)) is not None
+            if self.fuse_step_glue and not self.mla and (norms := _qk_norms(layer.self_attention)) is not None
         }
         # SdpaAttention takes SDPA's additive mask as is: the static step builds it once, not per layer.
         self.additive_mask = self.fuse_step_glue and all(
@@ -574,9 +528,21 @@ class KVCacheGenerator:
                 layer,
                 layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout),
             )
-        glue = self.glue.get(id(layer)) if isinstance(start, torch.Tensor) else None
-        if glue is not None:
-            return self._glued_layer(layer, glue, hidden, kv, start, keys, rope, mask, mask_type)
+        norms = self.fused_inputs.get(id(attn)) if isinstance(start, torch.Tensor) else None
+        if norms is not None:
+            # One decode column: megatron's QKV projection, then split / norm / RoPE / cache write fused.
+            mixed, _ = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None, split_qkv=False)
+            s, n = hidden.shape[:2]
+            query = self.attention_inputs(
+                mixed.view(s * n, *mixed.shape[2:]), rope[0].view(s * n, 1, -1), rope[1].view(s * n, 1, -1),
+                kv[0], kv[1], start, *norms,
+            ).view(s, n, -1, kv[0].shape[-1])  # fmt: skip
+            context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
+            out = attn.linear_proj(context)
+            return self._mlp(
+                layer,
+                layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout),
+            )
         query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
         query = self.rotate(query, *rope)
         key = self.rotate(key, *rope)
@@ -592,53 +558,17 @@ class KVCacheGenerator:
             layer, layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
         )
 
-    def _glued_layer(
-        self,
-        layer: torch.nn.Module,
-        glue: StepGlue,
-        hidden: torch.Tensor,
-        kv: tuple[torch.Tensor, torch.Tensor],
-        col: torch.Tensor,
-        keys: int,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
-        mask_type: AttnMaskType,
-    ) -> torch.Tensor:
-        """`_layer` of one static decode column with the glue between megatron's modules fused (`StepGlue`):
-        megatron's norm and QKV projection, then QKV bias / split / q-k norm / RoPE / cache write in one
-        function, megatron's core attention and output projection, then the residual add with the pre-MLP
-        norm in one function, megatron's MLP and residual."""
-        attn = layer.self_attention
-        with _bias_unadded(attn.linear_qkv, glue.qkv_bias is not None):
-            mixed, _ = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None, split_qkv=False)
-        s, n = hidden.shape[:2]
-        query = self.attention_inputs(
-            mixed.view(s * n, *mixed.shape[2:]), rope[0].view(s * n, 1, -1), rope[1].view(s * n, 1, -1),
-            kv[0], kv[1], col, glue.q_norm, glue.k_norm, glue.eps, glue.qkv_bias,
-        ).view(s, n, -1, kv[0].shape[-1])  # fmt: skip
-        context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
-        out, out_bias = attn.linear_proj(context)
-        norm = glue.pre_mlp_norm
-        if norm is None or out_bias is not None:
-            bda = layer.self_attn_bda(False, layer.config.bias_dropout_fusion)
-            return self._mlp(layer, bda((out, out_bias), hidden, layer.hidden_dropout))
-        hidden, normed = self.add_rms_norm(out, hidden, norm.weight, norm.eps)
-        return self._mlp(layer, hidden, normed)
-
-    def _mlp(
-        self, layer: torch.nn.Module, hidden: torch.Tensor, normed: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """The rest of megatron's TransformerLayer.forward after self-attention: norm (unless `normed` is
-        given: the pre-MLP norm of `hidden`), MLP, residual."""
+    def _mlp(self, layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """The rest of megatron's TransformerLayer.forward after self-attention: norm, MLP, residual."""
         cfg = layer.config
         residual = hidden
-        if normed is None:
-            normed = layer.pre_mlp_layernorm(hidden)
         if id(layer.mlp) in self.moe_static:
-            out, index = moe_decode.moe_forward(layer.mlp, normed, self.expert_weights, self.silent_routing)
+            out, index = moe_decode.moe_forward(
+                layer.mlp, layer.pre_mlp_layernorm(hidden), self.expert_weights, self.silent_routing
+            )
             self.routing[layer.mlp.router.layer_number] = index
         else:
-            out = layer.mlp(normed)
+            out = layer.mlp(layer.pre_mlp_layernorm(hidden))
         return layer.mlp_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
 
     def sample(
