@@ -22,7 +22,9 @@ no expert parallel, no expert tensor parallel, no token dropping):
      per-expert loop elsewhere) with megatron's SwiGLU and probability product in between, in the order and
      dtypes of `moe_experts.GroupedSwiGLU` / megatron's `MLP.forward`.
   4. The k outputs of each token put back in token order and summed (a [T, k, H] sum, deterministic, where
-     megatron scatter-adds); shared experts, when the model has them, added as megatron does.
+     megatron scatter-adds); shared experts, when the model has them, added as megatron does. In training
+     both row permutations take their gradients back by gathers through the inverse permutation (no atomic
+     index_add: deterministic, and 0.85 s less in a qwen3-moe update on the H200).
 
 Every shape depends only on T, so the step is graph-capturable. The KV-cache engine stacks the expert
 weights once ([E, 2F, H] and [E, H, F], `ExpertWeights`): the copy lives as long as one `generate` call.
@@ -120,6 +122,40 @@ class ExpertWeights:
         return self._stacked[key]
 
 
+class _ExpertRows(torch.autograd.Function):
+    """x [T, H] -> its rows in expert order [T k, H] (row j is token order[j] // k), where `order` is a
+    permutation of the T x k (token, slot) pairs and `inverse` its inverse. The backward gathers each
+    token's k gradients through `inverse` and sums them (in fp32): index_select's own backward is an atomic
+    index_add into [T, H], 0.85 s of a 10 s qwen3-moe update on the H200 (docs/benchmarks.md)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        per_token = grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1])
+        return per_token.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
+
+
+class _Permuted(torch.autograd.Function):
+    """y.index_select(0, perm) for a permutation `perm` (inverse `inverse`): the backward is the gather by
+    the inverse permutation, not an atomic index_add."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        return y.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 def moe_forward(
     mlp: torch.nn.Module,
     hidden: torch.Tensor,
@@ -154,14 +190,14 @@ def moe_forward(
         w2 = torch.stack([e.linear_fc2.weight for e in mlp.experts.local_experts])
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # expert-major, token order within an expert
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = counts.cumsum(0, dtype=torch.int32)
     p = probs.gather(1, index).reshape(-1).index_select(0, order)
-    y = GroupedSwiGLU.apply(x.index_select(0, order // k), w1, w2, p, offsets)  # [T k, H]
+    y = GroupedSwiGLU.apply(_ExpertRows.apply(x, order, inverse, k), w1, w2, p, offsets)  # [T k, H]
     # Back to (token, slot) order through the inverse permutation, then each token's k outputs summed.
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    out = y.index_select(0, inverse).view(tokens, k, -1).sum(1, dtype=torch.float32)
+    out = _Permuted.apply(y, inverse, order).view(tokens, k, -1).sum(1, dtype=torch.float32)
     out = out.to(hidden.dtype).view_as(hidden)
     if mlp.use_shared_expert:
         out = out + mlp.shared_experts(hidden)
