@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -80,8 +81,9 @@ def decode_attention_inputs(
     [max_len, n, groups, d]; col a 1-element column index. Splits q, k, v as megatron does, applies the
     per-head RMSNorm of q and k when given (`q_norm` / `k_norm` weights, megatron's q/k_layernorm: the same
     `F.rms_norm` call torch.nn.RMSNorm makes), RoPE (`rotate`), writes k and v into column `col` of the
-    caches and returns the rotated query [n, heads, d]. Compiled (`fused_decode_attention_inputs`) it is one
-    or two kernels where the unfused step launched six to ten per layer."""
+    caches and returns the rotated query [n, heads, d]. Compiled (`fused_decode_attention_inputs`) it is
+    five small kernels where the unfused step launched seven per layer (on the H200: 664 -> 526 kernels per
+    1.5B step with the additive mask, docs/benchmarks.md)."""
     n, groups, width = mixed.shape
     d = k_cache.shape[-1]
     torch._check(k_cache.shape[1] == n)
@@ -112,12 +114,9 @@ def fused_decode_attention_inputs(
     sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    col: torch.Tensor,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
+    *rest: Any,
 ) -> torch.Tensor:
-    """`decode_attention_inputs` torch.compile'd (the caches written in place, no copy of them), compiled
+    """`decode_attention_inputs` (the same arguments) torch.compile'd (the caches written in place, no copy of them), compiled
     once per dtype and norm layout: the row count is unbacked (a static step's rows, 1 for a rollout's last
     row) and the cache length dynamic, so no row set, rollout length, key bucket or layer compiles it
     again. The other sizes (heads, head dim) are static: with them symbolic too, inductor emitted code
@@ -128,7 +127,7 @@ def fused_decode_attention_inputs(
         torch._dynamo.decorators.mark_unbacked(t, dim)
     for cache in (k_cache, v_cache):  # the rollout's length (prompt + new tokens), at least 2
         torch._dynamo.decorators.mark_dynamic(cache, 0)
-    return _compiled_decode_attention_inputs()(mixed, cos, sin, k_cache, v_cache, col, q_norm, k_norm, eps)
+    return _compiled_decode_attention_inputs()(mixed, cos, sin, k_cache, v_cache, *rest)
 
 
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
