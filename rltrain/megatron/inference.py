@@ -60,7 +60,6 @@ own inference does the same) and restored afterwards. Context parallel is not su
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -103,11 +102,9 @@ def sample_tokens(
     uniform per row (`uniform` [B] in [0, 1), else drawn from `generator`), so every rank that holds the
     same logits and uniforms picks the same tokens (`inverse_cdf`).
     """
+    logits = logits.float()
     if uniform is None:
         uniform = torch.rand(logits.shape[0], generator=generator)
-    if temperature > 0.0 and not filtered_sampling(top_p, top_k, min_p, logits.shape[-1]):
-        return sample_unfiltered(logits, logits.shape[-1], temperature, uniform)
-    logits = logits.float()
     if temperature <= 0.0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
@@ -134,42 +131,6 @@ def sample_tokens(
     return tok, scaled.gather(1, tok[:, None]).squeeze(1) - log_z
 
 
-def filtered_sampling(top_p: float, top_k: int, min_p: float, vocab: int) -> bool:
-    """Whether top-p, top-k or min-p drop any token (else sampling is from the whole distribution)."""
-    return top_p < 1.0 or (top_k is not None and 0 < top_k < vocab) or min_p > 0.0
-
-
-def sample_unfiltered(
-    logits: torch.Tensor, vocab: int, temperature: float, uniform: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_tokens` at temperature > 0 without filters, from the output layer's logits as they are
-    ([B, >= vocab] in its dtype; the columns past `vocab` are the padded vocabulary): (tokens, log-probs).
-    Compiled under the plan's fused kernels (`fused_sample_unfiltered`) the float copy, the maximum, the
-    block sums of the weights and the log-prob read the logits twice instead of writing and re-reading
-    [B, V] fp32 copies (~0.45 ms of a 1.5B decode step at 256 rows, docs/benchmarks.md)."""
-    scaled = logits[:, :vocab].float()
-    if temperature != 1.0:
-        scaled = scaled / temperature
-    top = scaled.amax(-1, keepdim=True)
-    tok, mass = inverse_cdf(scaled, top, uniform)
-    return tok, scaled.gather(1, tok[:, None]).squeeze(1) - (top.squeeze(1) + mass.log())
-
-
-@functools.cache
-def _compiled_sample_unfiltered() -> Any:
-    return torch.compile(sample_unfiltered, dynamic=False, fullgraph=True)
-
-
-def fused_sample_unfiltered(
-    logits: torch.Tensor, vocab: int, temperature: float, uniform: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`sample_unfiltered` torch.compile'd once per dtype and temperature (the row count unbacked)."""
-    logits, uniform = logits.detach(), uniform.detach()
-    torch._dynamo.decorators.mark_unbacked(logits, 0)
-    torch._dynamo.decorators.mark_unbacked(uniform, 0)
-    return _compiled_sample_unfiltered()(logits, vocab, temperature, uniform)
-
-
 # Vocabulary entries per block of `inverse_cdf`'s two-level search.
 CDF_BLOCK = 1024
 
@@ -189,12 +150,12 @@ def inverse_cdf(
     """
     b, v = logits.shape
     full, tail = divmod(v, CDF_BLOCK)
-    # The weights exp(logits - top) per block, summed; the last block is ragged when CDF_BLOCK does not
-    # divide V. The chosen block's weights are computed again below from its logits (the same numbers),
-    # so a compiled caller never writes the [B, V] weights.
-    sums = torch.exp(logits[:, : full * CDF_BLOCK].view(b, full, CDF_BLOCK) - top[:, :, None]).sum(-1)
+    # Contiguous [B, V] weights (a strided view would make the elementwise kernels 3x slower); the last
+    # block is ragged when CDF_BLOCK does not divide V.
+    weights = torch.exp(logits - top)
+    sums = weights[:, : full * CDF_BLOCK].view(b, full, CDF_BLOCK).sum(-1)
     if tail:
-        sums = torch.cat([sums, torch.exp(logits[:, full * CDF_BLOCK :] - top).sum(-1, keepdim=True)], 1)
+        sums = torch.cat([sums, weights[:, full * CDF_BLOCK :].sum(-1, keepdim=True)], 1)
     nb = sums.shape[1]
     block_cdf = sums.cumsum(-1)  # [B, nb]
     total = block_cdf[:, -1:]
@@ -203,7 +164,7 @@ def inverse_cdf(
     j = torch.searchsorted(block_cdf, draw).clamp(max=nb - 1)  # [B, 1]
     before = torch.where(j > 0, block_cdf.gather(1, (j - 1).clamp(min=0)), 0.0)
     cols = j * CDF_BLOCK + torch.arange(CDF_BLOCK, device=logits.device)  # [B, block]
-    inside = torch.where(cols < v, torch.exp(logits.gather(1, cols.clamp(max=v - 1)) - top), 0.0).cumsum(-1)
+    inside = torch.where(cols < v, weights.gather(1, cols.clamp(max=v - 1)), 0.0).cumsum(-1)
     rest = torch.minimum((draw - before).clamp(min=tiny), inside[:, -1:])
     k = torch.searchsorted(inside, rest).clamp(max=CDF_BLOCK - 1)
     return (j * CDF_BLOCK + k).squeeze(1).clamp(max=v - 1), total.squeeze(1)
@@ -390,8 +351,8 @@ class KVCacheGenerator:
     """
 
     static_moe = True
-    # The static decode step's glue: fused attention inputs, one additive mask per step, sampling straight
-    # from the output layer's logits (the class switch: benchmarks turn it off to time the step as before).
+    # The static decode step's glue: fused attention inputs and one additive mask per step (the class
+    # switch: benchmarks turn it off to time megatron's modules one by one, as before).
     fuse_step_glue = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
@@ -420,7 +381,6 @@ class KVCacheGenerator:
             self.sin = freqs.sin().to(self.config.params_dtype)
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
         self.rotate = fused_rotate if actor.fused_kernels else rotate
-        self.sample_unfiltered = fused_sample_unfiltered if actor.fused_kernels else sample_unfiltered
         # The static decode step's attention inputs (split, q/k norm, RoPE, cache write) as one function,
         # compiled under the plan's fused kernels; per layer, the q/k norm weights it takes (layers it
         # cannot follow are absent and run megatron's modules one by one).
@@ -528,11 +488,6 @@ class KVCacheGenerator:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary fp32 logits [n, V] of the last column of the last stage's `hidden` [s, n, h]."""
-        return self.raw_logits(hidden)[:, : self.vocab_size].float()
-
-    def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output layer's logits [n, padded V] (its dtype) of the last column of the last stage's
-        `hidden` [s, n, h]."""
         last = self.models[-1]
         # Only the last column's logits are needed: norm and project [1, n, h], not the whole prefill.
         hidden = hidden[-1:]
@@ -542,7 +497,7 @@ class KVCacheGenerator:
             last.shared_embedding_or_output_weight() if last.share_embeddings_and_output_weights else None
         )
         logits, _ = last.output_layer(hidden, weight=weight, runtime_gather_output=True)
-        return logits[0]
+        return logits[0, :, : self.vocab_size].float()
 
     def _layer(
         self,
@@ -716,18 +671,7 @@ class StaticDecodeStep:
                 hidden = engine._layer(layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask)
         finally:
             engine.silent_routing = False
-        temperature, top_p, top_k, min_p = self.sampling
-        if (
-            engine.fuse_step_glue
-            and temperature > 0.0
-            and not filtered_sampling(top_p, top_k, min_p, engine.vocab_size)
-        ):
-            # Straight from the output layer's logits (no fp32 copy of [rows, V] first).
-            tok, lp = engine.sample_unfiltered(
-                engine.raw_logits(hidden), engine.vocab_size, temperature, self.uniform
-            )
-        else:
-            tok, lp = sample_tokens(engine.logits(hidden), *self.sampling, uniform=self.uniform)
+        tok, lp = sample_tokens(engine.logits(hidden), *self.sampling, uniform=self.uniform)
         return tok, lp, dict(engine.routing)
 
     def __call__(
@@ -1015,7 +959,6 @@ __all__ = [
     "left_pad",
     "prefill_mask",
     "sample_tokens",
-    "sample_unfiltered",
     "sequence_parallel_off",
     "static_moe_unsupported",
     "unique_rows",
