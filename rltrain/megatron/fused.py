@@ -12,6 +12,7 @@ shape until torch's recompile limit (tests/megatron/test_recompile.py counts).
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -117,8 +118,8 @@ def fused_decode_attention_inputs(
     *rest: Any,
 ) -> torch.Tensor:
     """`decode_attention_inputs` (the same arguments) torch.compile'd (the caches written in place, no copy of them), compiled
-    once per dtype and norm layout: the row count is unbacked (a static step's rows, 1 for a rollout's last
-    row) and the cache length dynamic, so no row set, rollout length, key bucket or layer compiles it
+    once per attention shape and dtype: the row count is unbacked (a static step's rows, 1 for a rollout's
+    last row) and the cache length dynamic, so no row set, rollout length, key bucket or layer compiles it
     again. The other sizes (heads, head dim) are static: with them symbolic too, inductor emitted code
     naming an undefined size for the q/k norm (torch 2.13)."""
     mixed = mixed.detach()
@@ -127,7 +128,23 @@ def fused_decode_attention_inputs(
         torch._dynamo.decorators.mark_unbacked(t, dim)
     for cache in (k_cache, v_cache):  # the rollout's length (prompt + new tokens), at least 2
         torch._dynamo.decorators.mark_dynamic(cache, 0)
-    return _compiled_decode_attention_inputs()(mixed, cos, sin, k_cache, v_cache, *rest)
+    try:
+        return _compiled_decode_attention_inputs()(mixed, cos, sin, k_cache, v_cache, *rest)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        # One graph per attention shape (heads, head dim, rotary width, norms, dtype): a process that
+        # decodes more than torch's recompile limit of model shapes (a long test session) runs the rest
+        # eagerly, the same function, instead of failing.
+        _warn_eager_once()
+        return decode_attention_inputs(mixed, cos, sin, k_cache, v_cache, *rest)
+
+
+@functools.cache
+def _warn_eager_once() -> None:
+    warnings.warn(
+        "fused.decode_attention_inputs reached torch's recompile limit (more attention shapes in this "
+        "process than it compiles); further shapes run eagerly",
+        stacklevel=3,
+    )
 
 
 def rope_bshd(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

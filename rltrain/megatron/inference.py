@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -248,10 +249,13 @@ def sequence_parallel_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
 def _qk_norms(attn: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None, float] | None:
     """(q norm weight, k norm weight, eps) of a self-attention whose decode-step inputs
     `fused.decode_attention_inputs` computes exactly; None where it cannot: an output gate, fewer query
-    groups than TP ranks (megatron gathers and re-slices the QKV), or a q/k norm other than an affine
-    torch.nn.RMSNorm over the head dimension."""
+    groups than TP ranks (megatron gathers and re-slices the QKV), a QKV split other than megatron's
+    SelfAttention's, or a q/k norm other than an affine torch.nn.RMSNorm over the head dimension."""
     cfg = attn.config
     if getattr(cfg, "attention_output_gate", False) or cfg.num_query_groups < attn.world_size:
+        return None
+    # megatron's own QKV split (a subclass with its own would not be what the fused function computes).
+    if type(attn).get_query_key_value_tensors is not SelfAttention.get_query_key_value_tensors:
         return None
     weights: list[torch.Tensor | None] = []
     eps = 0.0
@@ -394,6 +398,7 @@ class KVCacheGenerator:
             if self.fuse_step_glue and not self.mla and (norms := _qk_norms(layer.self_attention)) is not None
         }
         # SdpaAttention takes SDPA's additive mask as is: the static step builds it once, not per layer.
+        # The exact class: MLA's core attention subclasses it and inverts a boolean mask itself.
         self.additive_mask = self.fuse_step_glue and all(
             type(layer.self_attention.core_attention) is SdpaAttention
             for model in self.models
