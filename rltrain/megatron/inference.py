@@ -391,18 +391,16 @@ class KVCacheGenerator:
         self.attention_inputs = (
             fused.fused_decode_attention_inputs if actor.fused_kernels else fused.decode_attention_inputs
         )
+        layers = [layer for model in self.models for layer in model.decoder.layers]
         self.fused_inputs = {
             id(layer.self_attention): norms
-            for model in self.models
-            for layer in model.decoder.layers
+            for layer in layers
             if self.fuse_step_glue and not self.mla and (norms := _qk_norms(layer.self_attention)) is not None
         }
         # SdpaAttention takes SDPA's additive mask as is: the static step builds it once, not per layer.
         # The exact class: MLA's core attention subclasses it and inverts a boolean mask itself.
         self.additive_mask = self.fuse_step_glue and all(
-            type(layer.self_attention.core_attention) is SdpaAttention
-            for model in self.models
-            for layer in model.decoder.layers
+            type(layer.self_attention.core_attention) is SdpaAttention for layer in layers
         )
         self.cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.models]
         self.expert_weights = moe_decode.ExpertWeights()
@@ -411,8 +409,7 @@ class KVCacheGenerator:
         # Decided once per engine: the same MoE code in prefill, dynamic and static decode.
         self.moe_static = {
             id(layer.mlp)
-            for model in self.models
-            for layer in model.decoder.layers
+            for layer in layers
             if self.static_moe and moe_decode.is_moe(layer.mlp) and moe_decode.unsupported(layer.mlp) is None
         }
 
@@ -533,21 +530,33 @@ class KVCacheGenerator:
                 layer,
                 layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout),
             )
+        query = self._attention_inputs(layer, hidden, kv, start, rope)
+        context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
+        out = attn.linear_proj(context)
+        return self._mlp(
+            layer, layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
+        )
+
+    def _attention_inputs(
+        self,
+        layer: torch.nn.Module,
+        hidden: torch.Tensor,
+        kv: tuple[torch.Tensor, torch.Tensor],
+        start: int | torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
+        """The rotated query [s, n, heads, d] of `hidden` (megatron's input norm and QKV projection), its
+        keys / values written into the cache at `start` (see `_layer`)."""
+        attn = layer.self_attention
         norms = self.fused_inputs.get(id(attn)) if isinstance(start, torch.Tensor) else None
         if norms is not None:
             # One decode column: megatron's QKV projection, then split / norm / RoPE / cache write fused.
             mixed, _ = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None, split_qkv=False)
             s, n = hidden.shape[:2]
-            query = self.attention_inputs(
+            return self.attention_inputs(
                 mixed.view(s * n, *mixed.shape[2:]), rope[0].view(s * n, 1, -1), rope[1].view(s * n, 1, -1),
                 kv[0], kv[1], start, *norms,
             ).view(s, n, -1, kv[0].shape[-1])  # fmt: skip
-            context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
-            out = attn.linear_proj(context)
-            return self._mlp(
-                layer,
-                layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout),
-            )
         query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
         query = self.rotate(query, *rope)
         key = self.rotate(key, *rope)
@@ -557,11 +566,7 @@ class KVCacheGenerator:
         else:
             kv[0][start : start + hidden.shape[0]] = key
             kv[1][start : start + hidden.shape[0]] = value
-        context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
-        out = attn.linear_proj(context)
-        return self._mlp(
-            layer, layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
-        )
+        return query
 
     def _mlp(self, layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The rest of megatron's TransformerLayer.forward after self-attention: norm, MLP, residual."""

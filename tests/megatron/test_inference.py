@@ -364,7 +364,7 @@ def _check_layouts(rank: int, world: int, port: int, hf_path: str, ref: dict) ->
         assert_tiny_close(sampled["rollout_log_probs"], ref["sampled_lp"])
         lp = actor.compute_log_prob(sampled, with_entropy=False)["log_probs"]
         assert_tiny_close(sampled["rollout_log_probs"], lp, msg=name)
-        # The static step (fused glue, unfiltered sampler; PP layouts decode dynamically) on TP shards.
+        # The static step (fused attention inputs, additive mask; PP layouts decode dynamically) on TP shards.
         plain = dict(temperature=1.0, eos_id=5, pad_id=0, seed=7)
         dynamic = actor.generate(ref["prompts"], 8, **plain)
         static = actor.generate(ref["prompts"], 8, cuda_graph=True, **plain)
