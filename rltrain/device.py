@@ -28,6 +28,7 @@ torch loads), torch_npu only on npu and only through rltrain/npu.py.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -285,23 +286,56 @@ def graph_pool(device: str) -> Any:
     return torch.cuda.graph_pool_handle() if graphs_supported(device) else None
 
 
-def capture_graph(device: str, fn: Callable[[], Any], pool: Any = None) -> tuple[Any, Any]:
+def capture_graph(device: str, fn: Callable[[], Any], pool: Any = None, warm: bool = True) -> tuple[Any, Any]:
     """Capture `fn` as a device graph: (graph with `.replay()`, fn's outputs, which each replay rewrites).
 
-    `fn` runs once on a side stream first (the warm-up torch.cuda.graph asks for: lazy initialisation and
-    allocator state happen outside the capture), so it must be safe to run twice with the same inputs.
+    `warm`: `fn` runs once on a side stream first (the warm-up torch.cuda.graph asks for: lazy
+    initialisation, compilation and allocator state happen outside the capture), so it must be safe to run
+    twice with the same inputs. Without it (a shape the caller captured before) the capture goes first, and
+    if it fails (something still initialised lazily) it is warmed up and captured again.
     """
     import torch
 
-    side = torch.cuda.Stream()
+    if not warm:
+        try:
+            return _capture(torch, fn, pool)
+        except RuntimeError:
+            pass
+    side = _capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
     torch.cuda.current_stream().wait_stream(side)
+    return _capture(torch, fn, pool)
+
+
+def _capture(torch: Any, fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
+    """`fn` captured on this process's capture stream. Not `torch.cuda.graph`: it empties the allocator's
+    cache before every capture, so the KV cache a compaction has just freed goes back to the driver and
+    the next allocations pay cudaMalloc again."""
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, pool=pool):
-        out = fn()
+    stream = _capture_stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*(() if pool is None else (pool,)))
+        try:
+            out = fn()
+        except BaseException:
+            with contextlib.suppress(RuntimeError):  # the capture is invalid; end it, keep fn's error
+                graph.capture_end()
+            raise
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(stream)
     return graph, out
+
+
+@functools.cache
+def _capture_stream() -> Any:
+    """One side stream for every capture and warm-up of the process (one device per process), so their
+    allocations come from one stream's cached blocks."""
+    import torch
+
+    return torch.cuda.Stream()
 
 
 # ============================================================================================ processes

@@ -128,22 +128,28 @@ def fused_decode_attention_inputs(
         torch._dynamo.decorators.mark_unbacked(t, dim)
     for cache in (k_cache, v_cache):  # the rollout's length (prompt + new tokens), at least 2
         torch._dynamo.decorators.mark_dynamic(cache, 0)
+    return compiled_or_eager(_compiled_decode_attention_inputs(), decode_attention_inputs, mixed, cos, sin,
+                             k_cache, v_cache, *rest)  # fmt: skip
+
+
+def compiled_or_eager(compiled: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
+    """`compiled(*args)`; past torch's recompile limit `eager(*args)` (the same function uncompiled), with a
+    warning once per function. The decode-step functions compile one graph per model shape and dtype: a
+    process that decodes more model shapes than the limit (a long test session) runs the rest eagerly
+    instead of failing."""
     try:
-        return _compiled_decode_attention_inputs()(mixed, cos, sin, k_cache, v_cache, *rest)
+        return compiled(*args)
     except torch._dynamo.exc.FailOnRecompileLimitHit:
-        # One graph per attention shape (heads, head dim, rotary width, norms, dtype): a process that
-        # decodes more than torch's recompile limit of model shapes (a long test session) runs the rest
-        # eagerly, the same function, instead of failing.
-        _warn_eager_once()
-        return decode_attention_inputs(mixed, cos, sin, k_cache, v_cache, *rest)
+        _warn_eager_once(eager.__qualname__)
+        return eager(*args)
 
 
 @functools.cache
-def _warn_eager_once() -> None:
+def _warn_eager_once(name: str) -> None:
     warnings.warn(
-        "fused.decode_attention_inputs reached torch's recompile limit (more attention shapes in this "
-        "process than it compiles); further shapes run eagerly",
-        stacklevel=3,
+        f"{name} reached torch's recompile limit (more shapes in this process than it compiles); further "
+        "shapes run eagerly",
+        stacklevel=4,
     )
 
 

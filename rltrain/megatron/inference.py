@@ -60,6 +60,7 @@ own inference does the same) and restored afterwards. Context parallel is not su
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -103,9 +104,11 @@ def sample_tokens(
     uniform per row (`uniform` [B] in [0, 1), else drawn from `generator`), so every rank that holds the
     same logits and uniforms picks the same tokens (`inverse_cdf`).
     """
-    logits = logits.float()
     if uniform is None:
         uniform = torch.rand(logits.shape[0], generator=generator)
+    if temperature > 0.0 and not filtered_sampling(top_p, top_k, min_p, logits.shape[-1]):
+        return sample_unfiltered(logits, logits.shape[-1], temperature, uniform)
+    logits = logits.float()
     if temperature <= 0.0:
         tok = logits.argmax(-1)
         return tok, torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
@@ -132,6 +135,50 @@ def sample_tokens(
     return tok, scaled.gather(1, tok[:, None]).squeeze(1) - log_z
 
 
+def filtered_sampling(top_p: float, top_k: int, min_p: float, vocab: int) -> bool:
+    """Whether top-p, top-k or min-p drop any token (else sampling is from the whole distribution)."""
+    return top_p < 1.0 or (top_k is not None and 0 < top_k < vocab) or min_p > 0.0
+
+
+def sample_unfiltered(
+    logits: torch.Tensor, vocab: int, temperature: float | torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_tokens` at temperature > 0 without filters, from the output layer's logits as they are
+    ([B, >= vocab] in its dtype; the columns past `vocab` are the padded vocabulary): (tokens, log-probs).
+    Compiled under the plan's fused kernels (`fused_sample_unfiltered`) the float copy, the maximum, the
+    block sums of the weights and the log-prob read the logits twice instead of writing and re-reading
+    [B, V] fp32 copies (~0.45 ms of a 1.5B decode step at 256 rows, docs/benchmarks.md).
+
+    `temperature` may be a 0-d fp32 tensor on the logits' device (the static step's buffer): the compiled
+    function then serves every temperature with one graph (a Python float is a constant it specialises
+    on). Dividing by 1.0 is exact, so both forms give `sample_tokens`' numbers."""
+    scaled = logits[:, :vocab].float()
+    if isinstance(temperature, torch.Tensor) or temperature != 1.0:
+        scaled = scaled / temperature
+    top = scaled.amax(-1, keepdim=True)
+    tok, mass = inverse_cdf(scaled, top, uniform)
+    return tok, scaled.gather(1, tok[:, None]).squeeze(1) - (top.squeeze(1) + mass.log())
+
+
+@functools.cache
+def _compiled_sample_unfiltered() -> Any:
+    return torch.compile(sample_unfiltered, dynamic=False, fullgraph=True)
+
+
+def fused_sample_unfiltered(
+    logits: torch.Tensor, vocab: int, temperature: float | torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_unfiltered` torch.compile'd once per logits dtype (the row count unbacked; a float
+    temperature adds one graph per value, a tensor one does not). Past torch's recompile limit it runs
+    eagerly, with a warning (`fused.compiled_or_eager`)."""
+    logits, uniform = logits.detach(), uniform.detach()
+    torch._dynamo.decorators.mark_unbacked(logits, 0)
+    torch._dynamo.decorators.mark_unbacked(uniform, 0)
+    return fused.compiled_or_eager(
+        _compiled_sample_unfiltered(), sample_unfiltered, logits, vocab, temperature, uniform
+    )
+
+
 # Vocabulary entries per block of `inverse_cdf`'s two-level search.
 CDF_BLOCK = 1024
 
@@ -151,12 +198,12 @@ def inverse_cdf(
     """
     b, v = logits.shape
     full, tail = divmod(v, CDF_BLOCK)
-    # Contiguous [B, V] weights (a strided view would make the elementwise kernels 3x slower); the last
-    # block is ragged when CDF_BLOCK does not divide V.
-    weights = torch.exp(logits - top)
-    sums = weights[:, : full * CDF_BLOCK].view(b, full, CDF_BLOCK).sum(-1)
+    # The weights exp(logits - top) per block, summed; the last block is ragged when CDF_BLOCK does not
+    # divide V. The chosen block's weights are computed again below from its logits (the same numbers),
+    # so a compiled caller never writes the [B, V] weights.
+    sums = torch.exp(logits[:, : full * CDF_BLOCK].view(b, full, CDF_BLOCK) - top[:, :, None]).sum(-1)
     if tail:
-        sums = torch.cat([sums, weights[:, full * CDF_BLOCK :].sum(-1, keepdim=True)], 1)
+        sums = torch.cat([sums, torch.exp(logits[:, full * CDF_BLOCK :] - top).sum(-1, keepdim=True)], 1)
     nb = sums.shape[1]
     block_cdf = sums.cumsum(-1)  # [B, nb]
     total = block_cdf[:, -1:]
@@ -165,7 +212,7 @@ def inverse_cdf(
     j = torch.searchsorted(block_cdf, draw).clamp(max=nb - 1)  # [B, 1]
     before = torch.where(j > 0, block_cdf.gather(1, (j - 1).clamp(min=0)), 0.0)
     cols = j * CDF_BLOCK + torch.arange(CDF_BLOCK, device=logits.device)  # [B, block]
-    inside = torch.where(cols < v, weights.gather(1, cols.clamp(max=v - 1)), 0.0).cumsum(-1)
+    inside = torch.where(cols < v, torch.exp(logits.gather(1, cols.clamp(max=v - 1)) - top), 0.0).cumsum(-1)
     rest = torch.minimum((draw - before).clamp(min=tiny), inside[:, -1:])
     k = torch.searchsorted(inside, rest).clamp(max=CDF_BLOCK - 1)
     return (j * CDF_BLOCK + k).squeeze(1).clamp(max=v - 1), total.squeeze(1)
@@ -355,8 +402,8 @@ class KVCacheGenerator:
     """
 
     static_moe = True
-    # The static decode step's glue: fused attention inputs and one additive mask per step (the class
-    # switch: benchmarks turn it off to time megatron's modules one by one, as before).
+    # The static decode step's glue: fused attention inputs, one additive mask per step, sampling straight
+    # from the output layer's logits (the class switch: benchmarks turn it off to time the step as before).
     fuse_step_glue = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
@@ -385,6 +432,7 @@ class KVCacheGenerator:
             self.sin = freqs.sin().to(self.config.params_dtype)
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
         self.rotate = fused_rotate if actor.fused_kernels else rotate
+        self.sample_unfiltered = fused_sample_unfiltered if actor.fused_kernels else sample_unfiltered
         # The static decode step's attention inputs (split, q/k norm, RoPE, cache write) as one function,
         # compiled under the plan's fused kernels; per layer, the q/k norm weights it takes (layers it
         # cannot follow are absent and run megatron's modules one by one).
@@ -490,6 +538,11 @@ class KVCacheGenerator:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary fp32 logits [n, V] of the last column of the last stage's `hidden` [s, n, h]."""
+        return self.raw_logits(hidden)[:, : self.vocab_size].float()
+
+    def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer's logits [n, padded V] (its dtype) of the last column of the last stage's
+        `hidden` [s, n, h]."""
         last = self.models[-1]
         # Only the last column's logits are needed: norm and project [1, n, h], not the whole prefill.
         hidden = hidden[-1:]
@@ -499,7 +552,7 @@ class KVCacheGenerator:
             last.shared_embedding_or_output_weight() if last.share_embeddings_and_output_weights else None
         )
         logits, _ = last.output_layer(hidden, weight=weight, runtime_gather_output=True)
-        return logits[0, :, : self.vocab_size].float()
+        return logits[0]
 
     def _layer(
         self,
@@ -615,6 +668,11 @@ def key_bucket(rows: int) -> int:
     return KEY_BUCKET * max(1, BUCKET_ROWS // max(rows, 1))
 
 
+# Static decode step shapes (`StaticDecodeStep._shape`) this process has captured: their captures skip the
+# warm-up run (a false hit, e.g. a reused object id, only costs the retry `capture_graph` does on failure).
+_CAPTURED_SHAPES: set[tuple[Any, ...]] = set()
+
+
 class StaticDecodeStep:
     """The one-token decode step of a fixed set of cache rows with static shapes, optionally in CUDA graphs.
 
@@ -657,6 +715,8 @@ class StaticDecodeStep:
         self.pos = torch.zeros((n, 1), dtype=torch.long, device=dev)
         self.col = torch.zeros((1,), dtype=torch.long, device=dev)
         self.uniform = torch.zeros((n,), dtype=torch.float32, device=dev)
+        # A buffer, not a constant: the compiled sampler then serves every temperature with one graph.
+        self.temperature = torch.tensor(float(sampling[0]), dtype=torch.float32, device=dev)
         self.device = engine.actor.device  # the `cluster.device` name, for the device layer
         self.capture = devices.graphs_supported(self.device)
         self.graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]]] = {}
@@ -681,8 +741,27 @@ class StaticDecodeStep:
                 hidden = engine._layer(layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask)
         finally:
             engine.silent_routing = False
-        tok, lp = sample_tokens(engine.logits(hidden), *self.sampling, uniform=self.uniform)
+        temperature, top_p, top_k, min_p = self.sampling
+        if (
+            engine.fuse_step_glue
+            and temperature > 0.0
+            and not filtered_sampling(top_p, top_k, min_p, engine.vocab_size)
+        ):
+            # Straight from the output layer's logits (no fp32 copy of [rows, V] first).
+            tok, lp = engine.sample_unfiltered(
+                engine.raw_logits(hidden), engine.vocab_size, self.temperature, self.uniform
+            )
+        else:
+            tok, lp = sample_tokens(engine.logits(hidden), *self.sampling, uniform=self.uniform)
         return tok, lp, dict(engine.routing)
+
+    def _shape(self, keys: int) -> tuple[Any, ...]:
+        """What the kernels of a step reading `keys` columns depend on besides buffer addresses."""
+        engine = self.engine
+        return (
+            tuple(id(m) for m in engine.models), self.rows.numel(), keys, engine.positions.shape[1],
+            self.sampling, engine.fuse_step_glue, engine.additive_mask, tuple(sorted(engine.moe_static)),
+        )  # fmt: skip
 
     def __call__(
         self, tokens: torch.Tensor, start: int, uniform: torch.Tensor
@@ -699,8 +778,13 @@ class StaticDecodeStep:
             return tok, lp
         if keys not in self.graphs:
             # The warm-up and the capture both run the real step on the real buffers; it is idempotent: it
-            # rewrites this column's keys/values and mask bit.
-            self.graphs[keys] = devices.capture_graph(self.device, lambda: self._body(keys), self.pool)
+            # rewrites this column's keys/values and mask bit. A shape this process captured before needs
+            # no warm-up (compiled functions and kernel plans already exist for it): half a capture's cost.
+            shape = self._shape(keys)
+            self.graphs[keys] = devices.capture_graph(
+                self.device, lambda: self._body(keys), self.pool, warm=shape not in _CAPTURED_SHAPES
+            )
+            _CAPTURED_SHAPES.add(shape)
         graph, (tok, lp, self.routing) = self.graphs[keys]
         graph.replay()
         return tok, lp
@@ -868,6 +952,7 @@ def _decode(
     mask_dev = torch.zeros((b, n_new), dtype=torch.bool, device=dev)
     forced_dev = forced.to(dev) if forced is not None and stops else None
     live_count = HostCount(dev, devices.new_event(engine.actor.device))
+    retired: list[StaticDecodeStep] = []  # steps before a compaction: their graphs hold the shared pool
     for t in range(n_new):
         if forced_dev is not None:  # FORCE_EOS_ENV (benchmarks): the row's stop token at its drawn length
             tok = torch.where(forced_dev[active] == t + 1, stop_t[0], tok)
@@ -892,21 +977,25 @@ def _decode(
                 break
             if n_live * 2 <= active.numel():
                 # Drop finished rows from the cache (a copy of it; at most log2(B) times per call).
-                keep = still.nonzero().squeeze(1)
-                if keep.numel() == 0:  # every row stopped in the step the count had not seen
+                if not bool(still.any()):  # every row stopped in the step the count had not seen
                     break
+                # The count is the last step's, so at least the exact one: the power of two that the
+                # static step rounds up to stays below the rows it has (< 2 x exact <= rows).
+                kept = still if step is None else _power_of_two_rows(still)
+                keep = kept.nonzero().squeeze(1)
                 if reuse is not None:  # the session holds the leaving rows' keys/values
-                    gone = (~still).nonzero().squeeze(1)
+                    gone = (~kept).nonzero().squeeze(1)
                     harvest.append((active[gone], [[(k.index_select(1, gone), v.index_select(1, gone))
                                                     for k, v in c] for c in engine.cache]))  # fmt: skip
                 engine.select_rows(keep)
                 active = active[keep]
                 if step is not None:
-                    # New cache tensors: new buffers and graphs in a pool of their own. Not the old pool:
-                    # freeing the old step's graphs drops that pool's use count to 0, and capturing into it
-                    # again trips the CUDA caching allocator's `use_count > 0` assert.
-                    pool = devices.graph_pool(engine.actor.device)
-                    step = StaticDecodeStep(engine, active, step.key_masked[keep], sampling, pool)
+                    # New cache tensors: a new step with its own buffers and graphs, in the same pool (the
+                    # old step stays alive until the call ends, so the pool's use count never drops to 0,
+                    # which would trip the CUDA caching allocator's `use_count > 0` assert on the next
+                    # capture into it).
+                    retired.append(step)
+                    step = StaticDecodeStep(engine, active, step.key_masked[keep], sampling, step.pool)
         if step is not None:
             tok, lp = step(last_tok[active], p + t, uniform[t + 1, active])
             continue
@@ -926,6 +1015,21 @@ def _decode(
     if reuse is not None:
         harvest.append((active, engine.cache))
     return harvest
+
+
+def _power_of_two_rows(still: torch.Tensor) -> torch.Tensor:
+    """The rows a compaction of the static step keeps: the running ones (`still`), plus as many finished
+    ones (first in row order) as make their count a power of two, at most all rows. Their decode steps
+    then have the same shapes in every rollout of a process, so graphs after the first rollout are
+    captured without a warm-up run (`StaticDecodeStep`) and compiled functions see no new row count. A
+    finished row kept costs its share of the step; its tokens are not written (`done`)."""
+    n = int(still.sum())
+    extra = min(1 << max(n - 1, 0).bit_length(), still.numel()) - n
+    if extra <= 0:
+        return still
+    kept = still.clone()
+    kept[(~still).nonzero().squeeze(1)[:extra]] = True
+    return kept
 
 
 def _prefill(
@@ -969,6 +1073,7 @@ __all__ = [
     "left_pad",
     "prefill_mask",
     "sample_tokens",
+    "sample_unfiltered",
     "sequence_parallel_off",
     "static_moe_unsupported",
     "unique_rows",

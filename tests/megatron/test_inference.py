@@ -194,8 +194,25 @@ def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket)
         static = actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **kw)
         _assert_same_batch(dynamic, static, str(kw))
         assert len(rows_per_step) == 7, "every decode step after the first sample is a static step"
-    # With stops, rows 0-2 finish at their first token and the static step is rebuilt over 3 rows.
-    assert rows_per_step[0] == 3
+    # With stops, rows 0-2 finish at their first token and the static step is rebuilt over 4 rows: the 3
+    # still running and one finished row, so that compacted row sets have power-of-two sizes.
+    assert rows_per_step[0] == 4
+
+
+@given(still=st.lists(st.booleans(), min_size=1, max_size=70).filter(any))
+def test_compaction_keeps_a_power_of_two_of_rows(still):
+    """The static step's compaction keeps every running row plus the first finished ones up to a power of
+    two (at most all rows), so its shapes recur from one rollout to the next."""
+    from rltrain.megatron.inference import _power_of_two_rows
+
+    running = torch.tensor(still)
+    kept = _power_of_two_rows(running)
+    n, total = int(running.sum()), len(still)
+    assert bool(kept[running].all())
+    size = int(kept.sum())
+    assert size == min(1 << (n - 1).bit_length(), total) and size >= n
+    finished = (~running).nonzero().squeeze(1)
+    assert torch.equal(kept[finished], torch.arange(finished.numel()) < size - n)
 
 
 def test_key_buckets_widen_as_rows_shrink(monkeypatch):

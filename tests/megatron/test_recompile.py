@@ -5,8 +5,8 @@ torch._dynamo's recompile limit and fell back to eager kernels).
 
 The compiled functions: megatron's SwiGLU and its backward (`fused.use_unbacked_swiglu`), the training RoPE
 (`fused.compiled_rope`, forward and backward), the decode step's RoPE (`fused.fused_rotate`), the static
-decode step's attention inputs (`fused.fused_decode_attention_inputs`) and the fused log-prob reductions
-(logprob.py). Each is called on rows whose count is unbacked, so no size is specialised.
+decode step's attention inputs (`fused.fused_decode_attention_inputs`) and sampler
+(`inference.fused_sample_unfiltered`), and the fused log-prob reductions (logprob.py). Each is called on rows whose count is unbacked, so no size is specialised.
 """
 
 from __future__ import annotations
@@ -86,8 +86,8 @@ def test_engine_kernels_compile_once_across_prefill_and_packed_shapes(mp_world, 
                 metrics = actor.update_policy(batch)
                 assert metrics["actor/grad_norm"] == metrics["actor/grad_norm"], (packed, i)  # not nan
     # SwiGLU forward / backward, RoPE forward / backward, the decode RoPE, the static step's attention
-    # inputs and the fused log-prob functions.
-    assert counters["stats"]["unique_graphs"] - before <= 11
+    # inputs and sampler, and the fused log-prob functions.
+    assert counters["stats"]["unique_graphs"] - before <= 12
 
 
 @pytest.mark.parametrize("norms", [False, True], ids=["plain", "qk_norm"])
@@ -164,3 +164,59 @@ def test_decode_attention_inputs_past_the_recompile_limit_run_eagerly():
                                                  torch.tensor([1]), None, None, 0.0)  # fmt: skip
             assert_close(got, want, reduction=1)
     assert torch._dynamo.config.recompile_limit == limit
+
+
+def _reference_draw(
+    logits: torch.Tensor, temperature: float, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sampling in float64 over the whole vocabulary, written independently of `inverse_cdf`:
+    (tokens, log-probs, whether each row's draw is clear of a CDF step by more than fp32 rounding)."""
+    scaled = logits.double() / temperature
+    cdf = torch.softmax(scaled, -1).cumsum(-1)
+    u = uniform.double()[:, None]
+    tok = torch.searchsorted(cdf, u).squeeze(1).clamp(max=logits.shape[1] - 1)
+    lp = torch.log_softmax(scaled, -1).gather(1, tok[:, None]).squeeze(1)
+    clear = (cdf - u).abs().amin(-1) > 1e-4
+    return tok, lp, clear
+
+
+def test_unfiltered_sampler_reads_the_output_layers_logits_and_compiles_once():
+    """The static step samples from the output layer's logits as they are (bf16, padded vocabulary):
+    `sample_unfiltered` draws what a float64 inverse CDF over the real vocabulary draws (never a padded
+    column) with its log-probs; `sample_tokens` on the fp32 copy gives the same bits; compiled, the same
+    tokens, with a float temperature or the static step's tensor one; and with the tensor it compiles
+    once per dtype across row counts and temperatures (one row: a rollout's last)."""
+    from torch._dynamo.utils import counters
+
+    from rltrain.megatron.inference import (
+        CDF_BLOCK,
+        fused_sample_unfiltered,
+        sample_tokens,
+        sample_unfiltered,
+    )
+
+    vocab, padded = 2 * CDF_BLOCK + 37, 2 * CDF_BLOCK + 64  # a ragged last block, padded columns past it
+    gen = torch.Generator().manual_seed(3)
+    compared = 0
+    for dtype in (torch.float32, torch.bfloat16):
+        before = counters["stats"]["unique_graphs"]
+        for rows in (1, 6, 17, 1):
+            logits = (torch.randn(rows, padded, generator=gen) * 3).to(dtype)
+            logits[:, vocab:] = 50.0  # padding that would win every draw if it were read
+            uniform = torch.rand(rows, generator=gen)
+            for temperature in (1.0, 0.7, 1.3):
+                ref_tok, ref_lp, clear = _reference_draw(logits[:, :vocab].float(), temperature, uniform)
+                tok, lp = sample_unfiltered(logits, vocab, temperature, uniform)
+                assert torch.equal(tok[clear], ref_tok[clear]), (dtype, rows, temperature)
+                assert bool((tok < vocab).all())
+                assert_close(lp[clear], ref_lp[clear].float(), reduction=vocab)
+                compared += int(clear.sum())
+                full_tok, full_lp = sample_tokens(logits[:, :vocab].float(), temperature, uniform=uniform)
+                assert torch.equal(full_tok, tok) and torch.equal(full_lp, lp)
+                as_tensor = torch.tensor(temperature)
+                assert all(map(torch.equal, sample_unfiltered(logits, vocab, as_tensor, uniform), (tok, lp)))
+                got_tok, got_lp = fused_sample_unfiltered(logits, vocab, as_tensor, uniform)
+                assert torch.equal(got_tok, tok), (dtype, rows, temperature)
+                assert_close(got_lp, lp, reduction=vocab)
+        assert counters["stats"]["unique_graphs"] - before <= 1, dtype  # one graph per dtype
+    assert compared >= 60  # (of 72 draws: a draw within 1e-4 of a CDF step is left out)
