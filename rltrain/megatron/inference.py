@@ -358,6 +358,10 @@ class KVCacheGenerator:
     # The static decode step's glue: fused attention inputs and one additive mask per step (the class
     # switch: benchmarks turn it off to time megatron's modules one by one, as before).
     fuse_step_glue = True
+    # The static MoE layers' glue (dispatch by rank for decode-sized batches, SwiGLU-times-probability,
+    # combine) as `moe_decode.DecodeGlue`'s functions, compiled under the plan's fused kernels (the class
+    # switch: off runs the argsort path, which benchmarks time against it).
+    fuse_moe_glue = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
@@ -412,6 +416,11 @@ class KVCacheGenerator:
             for layer in layers
             if self.static_moe and moe_decode.is_moe(layer.mlp) and moe_decode.unsupported(layer.mlp) is None
         }
+        self.moe_glue = (
+            (moe_decode.FUSED_GLUE if actor.fused_kernels else moe_decode.EAGER_GLUE)
+            if self.fuse_moe_glue
+            else None
+        )
 
     # --------------------------------------------------------------------------------- cache rows
     def _allocate(self, rows: int) -> None:
@@ -574,7 +583,11 @@ class KVCacheGenerator:
         residual = hidden
         if id(layer.mlp) in self.moe_static:
             out, index = moe_decode.moe_forward(
-                layer.mlp, layer.pre_mlp_layernorm(hidden), self.expert_weights, self.silent_routing
+                layer.mlp,
+                layer.pre_mlp_layernorm(hidden),
+                self.expert_weights,
+                self.silent_routing,
+                glue=self.moe_glue,
             )
             self.routing[layer.mlp.router.layer_number] = index
         else:
