@@ -127,6 +127,34 @@ def test_decode_glue_is_the_argsort_path_bit_for_bit(mp_world, moe_model, monkey
                 assert not torch.allclose(want, torch.zeros_like(want))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_glue_keeps_grouped_swiglus_dtypes(dtype):
+    """In 16 bits too (where the order of roundings shows), the eager glue around the grouped products is
+    GroupedSwiGLU.forward plus the argsort path's unpermute-and-sum, bit for bit: activations in `dtype`,
+    the router's fp32 probabilities, the sum over k in fp32."""
+    from rltrain.megatron.moe_decode import EAGER_GLUE
+    from rltrain.megatron.moe_experts import GroupedSwiGLU, grouped_mm
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, k, experts, hidden, ffn = 9, 3, 5, 16, 8
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    probs = torch.rand(tokens, experts, generator=gen)  # fp32, as megatron's router hands them out
+    index = torch.rand(tokens, experts, generator=gen).topk(k, dim=1).indices
+    w1 = (torch.randn(experts, 2 * ffn, hidden, generator=gen) * 0.3).to(dtype)
+    w2 = (torch.randn(experts, hidden, ffn, generator=gen) * 0.3).to(dtype)
+    rows, p, inverse, offsets = EAGER_GLUE.dispatch(x, index, probs, True)
+    h = grouped_mm(rows, w1.transpose(1, 2), offsets)
+    got = EAGER_GLUE.combine(grouped_mm(EAGER_GLUE.swiglu(h, p), w2.transpose(1, 2), offsets), inverse, dtype)
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    y = GroupedSwiGLU.apply(
+        x.index_select(0, order // k), w1, w2, probs.gather(1, index).reshape(-1)[order], offsets
+    )
+    want = y.index_select(0, inverse.reshape(-1)).view(tokens, k, -1).sum(1, dtype=torch.float32).to(dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got, want)
+
+
 def test_decode_glue_refuses_autograd(mp_world, moe_model):
     """The glue has no backward: moe_forward takes it only with the engine's stacked weights."""
     from rltrain.megatron import moe_decode
