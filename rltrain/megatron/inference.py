@@ -347,7 +347,8 @@ class KVCacheGenerator:
 
     MoE layers run `moe_decode.moe_forward` (static shapes, no host sync) where `moe_decode.unsupported`
     accepts them and `static_moe` is on (the class switch; benchmarks turn it off to time megatron's
-    MoELayer), else megatron's MoELayer. The static step's attention inputs (split, q/k norm, RoPE, cache
+    MoELayer), else megatron's MoELayer; their glue around the grouped GEMMs is `moe_decode.DecodeGlue`'s
+    (dispatch by rank, compiled under the plan's fused kernels) while `fuse_moe_glue` is on. The static step's attention inputs (split, q/k norm, RoPE, cache
     write) run as one function (`fused.decode_attention_inputs`, compiled under the plan's fused kernels)
     where `_qk_norms` accepts the layer, and its mask is SDPA's additive one, built once per step.
     `routing` holds the top-k experts of the last forward's static MoE

@@ -27,6 +27,14 @@ no expert parallel, no expert tensor parallel, no token dropping):
      index_select's atomic index_add (deterministic; the index_add took 0.85 s of kernel time in a profiled
      qwen3-moe update on the H200).
 
+Generation (the engine's stacked weights, no autograd) runs steps 2-4 as `DecodeGlue`'s three functions
+around the two grouped products (`moe_forward(..., glue=)`, the class switch
+`KVCacheGenerator.fuse_moe_glue`), compiled under the plan's fused kernels: the dispatch ranks each pair
+within its expert by a scan over an [E, T k] one-hot instead of the argsort, up to RANK_DISPATCH_MAX_PAIRS
+pairs (a decode step's; prefills keep the sort), with the sort's integers exactly. Why: a 256-row
+qwen3-moe decode step on the H200 spent 0.78 ms in the radix sort and launched ~1,100 small kernels, mostly
+this glue; a captured step is bound by their count and latency, not their arithmetic.
+
 Every shape depends only on T, so the step is graph-capturable. The KV-cache engine stacks the expert
 weights once ([E, 2F, H] and [E, H, F], `ExpertWeights`): the copy lives as long as one `generate` call.
 Training passes (`GroupedMoELayer`, the MoE layer of `model.moe_grouped_gemm`) stack them through autograd
