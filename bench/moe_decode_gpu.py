@@ -17,6 +17,7 @@ so every row decodes to the end. Reported (decode_moe.json in --out):
                    aten ops on the CPU; profile_step_glue_{off,on}.txt the tables
   parity           greedy tokens of `before` vs `graph` over --new-tokens: the first column where any row
                    differs, the share of equal tokens, the largest log-prob gap before the first difference
+  parity_glue      the same, `graph` with the MoE decode glue on vs off
   profile_*.txt    torch.profiler of 3 eager decode steps (host and device time; syncs show as
                    cudaStreamSynchronize / aten::item / aten::_local_scalar_dense)
 
@@ -133,9 +134,9 @@ def main() -> int:
         report["graph_over_before"] = g["tokens_per_s"] / before["tokens_per_s"]
         print(f"graph / before: {report['graph_over_before']:.2f}x", flush=True)
 
-    def parity() -> dict:
-        _, want = generate("before", a.new_tokens, temperature=0.0)
-        _, got = generate("graph", a.new_tokens, temperature=0.0)
+    def parity(want_case: str = "before", glue: bool = True) -> dict:
+        _, want = generate(want_case, a.new_tokens, temperature=0.0, glue=False)
+        _, got = generate("graph", a.new_tokens, temperature=0.0, glue=glue)
         same = got["responses"] == want["responses"]
         cols = (~same).any(0).nonzero()
         first = int(cols[0]) if cols.numel() else a.new_tokens
@@ -146,6 +147,9 @@ def main() -> int:
     if not a.only_glue:
         report["parity"] = attempt("parity", parity)
         print(f"parity: {report['parity']}", flush=True)
+    # The glue against the argsort path, both in the graph step (compiled glue: bf16 roundings differ).
+    report["parity_glue"] = attempt("parity_glue", lambda: parity("graph", glue=True))
+    print(f"parity glue on vs off: {report['parity_glue']}", flush=True)
 
     # One captured step per bucket with the MoE decode glue off and on, the kernels of each step, and the
     # profiles of eager dynamic decode steps (before / after).
