@@ -8,16 +8,24 @@ so every row decodes to the end. Reported (decode_moe.json in --out):
 
   generate[case]   MegatronActor.generate of --new-tokens (`before`, `dynamic` = static MoE layer without
                    graphs, `graph` = static MoE layer in the CUDA-graph step): s, tokens/s
-  generate_full    `graph` over --full-tokens (the preset's 1,024): s, tokens/s
-  step_ms[bucket]  one captured decode step (replay) at `bucket` cached columns
+  generate_full    `graph` over --full-tokens (the preset's 1,024), with the MoE decode glue
+                   (`KVCacheGenerator.fuse_moe_glue`: dispatch by rank, compiled SwiGLU-times-probability and
+                   combine) off and on: s, tokens/s, and on / off
+  step_ms[glue]    one captured decode step (replay) at each --buckets count of cached columns, glue off / on
+  step_kernels     per static decode step, glue off / on, from torch.profiler over 3 eager steps (the
+                   step the graph captures, run without capture): device kernels and launches on CUDA,
+                   aten ops on the CPU; profile_step_glue_{off,on}.txt the tables
   parity           greedy tokens of `before` vs `graph` over --new-tokens: the first column where any row
                    differs, the share of equal tokens, the largest log-prob gap before the first difference
+  parity_glue      the same, `graph` with the MoE decode glue on vs off
   profile_*.txt    torch.profiler of 3 eager decode steps (host and device time; syncs show as
                    cudaStreamSynchronize / aten::item / aten::_local_scalar_dense)
 
     python3 bench/moe_decode_gpu.py --out $OUT
+    python3 bench/moe_decode_gpu.py --only-glue --out $OUT    (only the glue off / on comparison)
 CPU smoke: OMP_NUM_THREADS=1 .venv/bin/python bench/moe_decode_gpu.py --device cpu --tiny --groups 2 --samples 2 \
                --prompt 8 --new-tokens 8 --full-tokens 16 --buckets 16 --out /tmp/moe_decode
+           (add --fused-kernels compiled to run the compiled glue on the CPU too)
 """
 
 from __future__ import annotations
@@ -54,6 +62,10 @@ def main() -> int:
     ap.add_argument("--full-tokens", type=int, default=1024)
     ap.add_argument("--buckets", default="256,1024")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--fused-kernels", default="auto", choices=["auto", "compiled", "eager"],
+                    help="model.fused_kernels (auto: compiled on cuda); the CPU smoke can compile the glue too")  # fmt: skip
+    ap.add_argument("--only-glue", action="store_true",
+                    help="skip megatron's MoELayer (`before`), the dynamic case, parity and their profiles")  # fmt: skip
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
     dev = a.device
@@ -75,7 +87,8 @@ def main() -> int:
                        moe_router_topk=2, moe_ffn_hidden_size=32)  # fmt: skip
     arch = replace(arch, max_position_embeddings=max(arch.max_position_embeddings, p + a.full_tokens))
     model_cfg = ModelConfig(arch=arch, params_dtype="bfloat16" if dev == "cuda" else "float32",
-                            attention_backend="sdpa", moe_grouped_gemm=True)  # type: ignore[arg-type]  # fmt: skip
+                            attention_backend="sdpa", moe_grouped_gemm=True,
+                            fused_kernels=a.fused_kernels)  # type: ignore[arg-type]  # fmt: skip
     actor = actor_of(model_cfg, ActorConfig(megatron=MegatronConfig()), dev, trainable=False)
     report: dict = {"rows": b, "prompt": p, "new_tokens": a.new_tokens, "torch": torch.__version__,
                     "device": torch.cuda.get_device_name() if dev == "cuda" else "cpu",
@@ -93,9 +106,10 @@ def main() -> int:
     ids = torch.randint(1, actor.vocab_size, (a.groups, p), generator=gen).repeat_interleave(a.samples, 0)
     cases = {"before": (False, False), "dynamic": (True, False), "graph": (True, True)}
 
-    def generate(case: str, n: int, temperature: float = 1.0) -> tuple[dict, dict]:
+    def generate(case: str, n: int, temperature: float = 1.0, glue: bool = True) -> tuple[dict, dict]:
         static_moe, graph = cases[case]
         inference.KVCacheGenerator.static_moe = static_moe
+        inference.KVCacheGenerator.fuse_moe_glue = glue
         GroupedMoELayer.static = static_moe  # before: megatron's MoELayer.forward (its token dispatcher)
         try:
             sync(dev)
@@ -106,10 +120,11 @@ def main() -> int:
             s = time.perf_counter() - t0
         finally:
             inference.KVCacheGenerator.static_moe = GroupedMoELayer.static = True
+            inference.KVCacheGenerator.fuse_moe_glue = True
         return {"s": s, "tokens_per_s": int(out["response_mask"].sum()) / s}, out
 
     report["generate"] = {}
-    for case in cases:
+    for case in [] if a.only_glue else cases:
         attempt(f"warm_{case}", lambda case=case: generate(case, 4))  # compile, allocator, cuBLAS handles
         res = attempt(case, lambda case=case: generate(case, a.new_tokens)[0])
         report["generate"][case] = res
@@ -119,9 +134,9 @@ def main() -> int:
         report["graph_over_before"] = g["tokens_per_s"] / before["tokens_per_s"]
         print(f"graph / before: {report['graph_over_before']:.2f}x", flush=True)
 
-    def parity() -> dict:
-        _, want = generate("before", a.new_tokens, temperature=0.0)
-        _, got = generate("graph", a.new_tokens, temperature=0.0)
+    def parity(want_case: str = "before", glue: bool = True) -> dict:
+        _, want = generate(want_case, a.new_tokens, temperature=0.0, glue=False)
+        _, got = generate("graph", a.new_tokens, temperature=0.0, glue=glue)
         same = got["responses"] == want["responses"]
         cols = (~same).any(0).nonzero()
         first = int(cols[0]) if cols.numel() else a.new_tokens
@@ -129,46 +144,82 @@ def main() -> int:
         return {"first_differing_column": first, "equal_token_share": float(same.float().mean()),
                 "max_logprob_gap_before_first": float(gap.max()) if first else None}  # fmt: skip
 
-    report["parity"] = attempt("parity", parity)
-    print(f"parity: {report['parity']}", flush=True)
+    if not a.only_glue:
+        report["parity"] = attempt("parity", parity)
+        print(f"parity: {report['parity']}", flush=True)
+    # The glue against the argsort path, both in the graph step (compiled glue: bf16 roundings differ).
+    report["parity_glue"] = attempt("parity_glue", lambda: parity("graph", glue=True))
+    print(f"parity glue on vs off: {report['parity_glue']}", flush=True)
 
-    # One captured step per bucket, and the profiles of eager decode steps (before / after).
+    # One captured step per bucket with the MoE decode glue off and on, the kernels of each step, and the
+    # profiles of eager dynamic decode steps (before / after).
     def steps() -> None:
+        from torch.profiler import ProfilerActivity, profile
+
         max_len = p + a.full_tokens
         positions = torch.arange(max_len, device=dev).expand(b, max_len).contiguous()
-        report["step_ms"] = {}
+        report["step_ms"], report["step_kernels"] = {}, {}
+        rows = torch.arange(b, device=dev)
+        tokens = torch.randint(0, actor.vocab_size, (b,), device=dev)
+        uniform = torch.rand(b, device=dev)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
         with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
             actor.eval()
-            engine = inference.KVCacheGenerator(actor, positions, zero_cache=True)
-            engine.forward(
-                ids.to(dev), 0, torch.arange(b, device=dev), None
-            )  # prefill: cache, stacked experts
-            key_masked = torch.zeros((b, max_len), dtype=torch.bool, device=dev)
-            key_masked[:, p:] = True
-            rows = torch.arange(b, device=dev)
-            step = inference.StaticDecodeStep(engine, rows, key_masked, (1.0, 1.0, -1, 0.0),
-                                              inference.devices.graph_pool(dev))  # fmt: skip
-            tokens = torch.randint(0, actor.vocab_size, (b,), device=dev)
-            uniform = torch.rand(b, device=dev)
-            for bucket in [int(x) for x in a.buckets.split(",")]:
-                col = min(bucket, max_len) - 1
-                fn = lambda col=col: step(tokens, col, uniform)  # noqa: E731
-                for _ in range(3):
-                    fn()
+            for glue in (False, True):
+                name = f"glue_{'on' if glue else 'off'}"
+                inference.KVCacheGenerator.fuse_moe_glue = glue  # read when the engine is built
+                try:
+                    engine = inference.KVCacheGenerator(actor, positions, zero_cache=True)
+                finally:
+                    inference.KVCacheGenerator.fuse_moe_glue = True
+                assert (engine.moe_glue is not None) is glue
+                engine.forward(ids.to(dev), 0, rows, None)  # prefill: cache, stacked experts
+                key_masked = torch.zeros((b, max_len), dtype=torch.bool, device=dev)
+                key_masked[:, p:] = True
+                step = inference.StaticDecodeStep(engine, rows, key_masked, (1.0, 1.0, -1, 0.0),
+                                                  inference.devices.graph_pool(dev))  # fmt: skip
+                report["step_ms"][name] = {}
+                for bucket in [int(x) for x in a.buckets.split(",")]:
+                    col = min(bucket, max_len) - 1
+                    fn = lambda col=col, step=step: step(tokens, col, uniform)  # noqa: E731
+                    for _ in range(3):
+                        fn()
+                    sync(dev)
+                    t0 = time.perf_counter()
+                    for _ in range(20):
+                        fn()
+                    sync(dev)
+                    ms = (time.perf_counter() - t0) / 20 * 1e3
+                    report["step_ms"][name][bucket] = ms
+                    print(f"graph step, {name}, at {bucket} columns: {ms:.2f} ms ({b / ms * 1e3:.0f} tokens/s)",
+                          flush=True)  # fmt: skip
+                # The step the graph captures, run eagerly (no capture) at the first bucket: what it launches.
+                keys = min(int(a.buckets.split(",")[0]), max_len)
+                step.pos.copy_(engine.positions[rows, keys - 1 : keys])
+                step.col.fill_(keys - 1)
+                step._body(keys)
                 sync(dev)
-                t0 = time.perf_counter()
-                for _ in range(20):
-                    fn()
-                sync(dev)
-                ms = (time.perf_counter() - t0) / 20 * 1e3
-                report["step_ms"][bucket] = ms
-                print(
-                    f"graph step at {bucket} columns: {ms:.2f} ms ({b / ms * 1e3:.0f} tokens/s)", flush=True
-                )
-            if dev != "cuda":
+                with profile(activities=activities) as prof:
+                    for _ in range(3):
+                        step._body(keys)
+                    sync(dev)
+                avg = prof.key_averages()
+                sort = "self_cuda_time_total" if dev == "cuda" else "self_cpu_time_total"
+                (out_dir / f"profile_step_{name}.txt").write_text(avg.table(sort_by=sort, row_limit=40))
+                device_kernels = sum(e.count for e in avg if e.device_type == torch.autograd.DeviceType.CUDA)
+                launches = sum(e.count for e in avg if e.key in ("cudaLaunchKernel", "cuLaunchKernel",
+                                                                 "cudaLaunchKernelExC"))  # fmt: skip
+                aten = sum(e.count for e in avg if e.key.startswith("aten::"))
+                report["step_kernels"][name] = {"device_kernels": device_kernels / 3, "launches": launches / 3,
+                                                "aten_ops": aten / 3}  # fmt: skip
+                print(f"static step, {name}, per step: {report['step_kernels'][name]}", flush=True)
+                del step, engine
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
+            if dev != "cuda" or a.only_glue:
                 return
-            from torch.profiler import ProfilerActivity, profile
-
+            engine = inference.KVCacheGenerator(actor, positions, zero_cache=True)
+            engine.forward(ids.to(dev), 0, rows, None)
             static_layers = set(engine.moe_static)
             for name, static_moe in (("before", False), ("after", True)):
                 GroupedMoELayer.static = static_moe
@@ -202,17 +253,25 @@ def main() -> int:
                 print(f"eager dynamic step {name}: {eager_ms:.1f} ms; per 3 steps {syncs}, {launches} launches",
                       flush=True)  # fmt: skip
                 print(avg.table(sort_by="self_cpu_time_total", row_limit=12), flush=True)
+            GroupedMoELayer.static = True
 
     attempt("steps", steps)
     if dev == "cuda":
         torch.cuda.empty_cache()
 
-    def full() -> dict:
-        res, _ = generate("graph", a.full_tokens)
+    def full(glue: bool) -> dict:
+        res, _ = generate("graph", a.full_tokens, glue=glue)
         return res
 
-    report["generate_full"] = attempt("full", full)
-    print(f"generate graph ({a.full_tokens} new): {report['generate_full']}", flush=True)
+    report["generate_full"] = {}
+    for glue in (False, True):
+        name = f"glue_{'on' if glue else 'off'}"
+        report["generate_full"][name] = res = attempt(f"full_{name}", lambda glue=glue: full(glue))
+        print(f"generate graph, {name} ({a.full_tokens} new): {res}", flush=True)
+    off, on = report["generate_full"]["glue_off"], report["generate_full"]["glue_on"]
+    if off and on:
+        report["full_glue_on_over_off"] = on["tokens_per_s"] / off["tokens_per_s"]
+        print(f"glue on / off ({a.full_tokens} new): {report['full_glue_on_over_off']:.3f}x", flush=True)
     (out_dir / "decode_moe.json").write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps(report, default=str))
     return 0

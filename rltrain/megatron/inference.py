@@ -394,7 +394,8 @@ class KVCacheGenerator:
 
     MoE layers run `moe_decode.moe_forward` (static shapes, no host sync) where `moe_decode.unsupported`
     accepts them and `static_moe` is on (the class switch; benchmarks turn it off to time megatron's
-    MoELayer), else megatron's MoELayer. The static step's attention inputs (split, q/k norm, RoPE, cache
+    MoELayer), else megatron's MoELayer; their glue around the grouped GEMMs is `moe_decode.DecodeGlue`'s
+    (dispatch by rank, compiled under the plan's fused kernels) while `fuse_moe_glue` is on. The static step's attention inputs (split, q/k norm, RoPE, cache
     write) run as one function (`fused.decode_attention_inputs`, compiled under the plan's fused kernels)
     where `_qk_norms` accepts the layer, and its mask is SDPA's additive one, built once per step.
     `routing` holds the top-k experts of the last forward's static MoE
@@ -405,6 +406,10 @@ class KVCacheGenerator:
     # The static decode step's glue: fused attention inputs, one additive mask per step, sampling straight
     # from the output layer's logits (the class switch: benchmarks turn it off to time the step as before).
     fuse_step_glue = True
+    # The static MoE layers' glue (dispatch by rank for decode-sized batches, SwiGLU-times-probability,
+    # combine) as `moe_decode.DecodeGlue`'s functions, compiled under the plan's fused kernels (the class
+    # switch: off runs the argsort path, which benchmarks time against it).
+    fuse_moe_glue = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
@@ -460,6 +465,11 @@ class KVCacheGenerator:
             for layer in layers
             if self.static_moe and moe_decode.is_moe(layer.mlp) and moe_decode.unsupported(layer.mlp) is None
         }
+        self.moe_glue = (
+            (moe_decode.FUSED_GLUE if actor.fused_kernels else moe_decode.EAGER_GLUE)
+            if self.fuse_moe_glue
+            else None
+        )
 
     # --------------------------------------------------------------------------------- cache rows
     def _allocate(self, rows: int) -> None:
@@ -627,7 +637,11 @@ class KVCacheGenerator:
         residual = hidden
         if id(layer.mlp) in self.moe_static:
             out, index = moe_decode.moe_forward(
-                layer.mlp, layer.pre_mlp_layernorm(hidden), self.expert_weights, self.silent_routing
+                layer.mlp,
+                layer.pre_mlp_layernorm(hidden),
+                self.expert_weights,
+                self.silent_routing,
+                glue=self.moe_glue,
             )
             self.routing[layer.mlp.router.layer_number] = index
         else:

@@ -27,6 +27,14 @@ no expert parallel, no expert tensor parallel, no token dropping):
      index_select's atomic index_add (deterministic; the index_add took 0.85 s of kernel time in a profiled
      qwen3-moe update on the H200).
 
+Generation (the engine's stacked weights, no autograd) runs steps 2-4 as `DecodeGlue`'s three functions
+around the two grouped products (`moe_forward(..., glue=)`, the class switch
+`KVCacheGenerator.fuse_moe_glue`), compiled under the plan's fused kernels: the dispatch ranks each pair
+within its expert by a scan over an [E, T k] one-hot instead of the argsort, up to RANK_DISPATCH_MAX_PAIRS
+pairs (a decode step's; prefills keep the sort), with the sort's integers exactly. Why: a 256-row
+qwen3-moe decode step on the H200 spent 0.78 ms in the radix sort and launched ~1,100 small kernels, mostly
+this glue; a captured step is bound by their count and latency, not their arithmetic.
+
 Every shape depends only on T, so the step is graph-capturable. The KV-cache engine stacks the expert
 weights once ([E, 2F, H] and [E, H, F], `ExpertWeights`): the copy lives as long as one `generate` call.
 Training passes (`GroupedMoELayer`, the MoE layer of `model.moe_grouped_gemm`) stack them through autograd
@@ -36,7 +44,9 @@ load-balancing loss, z-loss and replay are the router's own, so they are unchang
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,6 +54,7 @@ import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
+from rltrain.megatron import fused, moe_experts
 from rltrain.megatron.moe_experts import GroupedGemmExperts, GroupedSwiGLU
 
 
@@ -157,12 +168,148 @@ class _Permuted(torch.autograd.Function):
         return grad.index_select(0, inverse), None, None
 
 
+# Generation: where N = T x k (token, slot) pairs are at most this many, the dispatch ranks each pair within
+# its expert by a scan along the pairs of an [E, N] one-hot (inner dimension), not by an argsort (a radix sort
+# of several kernels per layer, 0.78 ms of a 256-row qwen3-moe decode step on the H200). The one-hot grows
+# as E x N, so larger batches (prefills) keep the sort.
+RANK_DISPATCH_MAX_PAIRS = 4096
+
+
+def expert_positions(
+    index: torch.Tensor, experts: int, by_rank: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where the (token, slot) pairs of `index` [T, k] go in expert-major order: (order [T k]: the pair
+    (flat index) at each row, inverse [T, k]: each pair's row, offsets [E] int32: the cumulative row counts
+    per expert), token order within an expert (a stable sort's).
+
+    by_rank: a pair's row is its expert's first row (exclusive prefix of the counts) plus the number of
+    earlier pairs of the same expert, counted by a cumulative sum along the pairs of the [E, T k] one-hot
+    (the inner dimension: a scan over the outer one was 12x slower than the sort on the H200). Otherwise
+    the stable argsort. Both give the same integers (tests/megatron/test_moe_decode.py)."""
+    flat = index.reshape(-1)
+    if by_rank:
+        hot = flat.unsqueeze(0) == torch.arange(experts, device=flat.device).unsqueeze(1)  # [E, N]
+        seen = hot.cumsum(1, dtype=torch.int32)  # pairs of expert e among the first j + 1
+        counts = hot.sum(1, dtype=torch.int32)
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        # A pair's row: rows before its expert's, then earlier pairs of its expert (seen - 1 at itself).
+        before = (offsets - counts).index_select(0, flat)
+        rank = seen.gather(0, flat.unsqueeze(0)).squeeze(0) - 1
+        inverse = (before + rank).long()
+        order = torch.empty_like(inverse).scatter_(0, inverse, torch.arange(flat.numel(), device=flat.device))
+        return order, inverse.view(index.shape), offsets
+    order = torch.argsort(flat, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = torch.zeros(experts, dtype=torch.int32, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    return order, inverse.view(index.shape), counts.cumsum(0, dtype=torch.int32)
+
+
+def dispatch(
+    x: torch.Tensor, index: torch.Tensor, probs: torch.Tensor, by_rank: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The generation path's glue from the router to the first grouped GEMM: x [T, H] the tokens, index
+    [T, k] the router's top-k experts, probs [T, E] its dense probabilities -> (rows [T k, H]: each pair's
+    token in expert-major order, p [T k]: each row's probability, inverse [T, k]: each pair's row, offsets
+    [E] int32: the grouped GEMMs' cumulative row counts). The ops of the training path's dispatch
+    (`moe_forward` without `glue`), so the same values; `fused_dispatch` compiles it (by rank)."""
+    k = index.shape[1]
+    order, inverse, offsets = expert_positions(index, probs.shape[1], by_rank)
+    rows = x.index_select(0, order // k)
+    p = probs.gather(1, index).reshape(-1).index_select(0, order)
+    return rows, p, inverse, offsets
+
+
+def scaled_swiglu(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Between the grouped GEMMs: megatron's SwiGLU of h [M, 2F] ([gate, up]) times each row's probability p
+    [M], in `GroupedSwiGLU.forward`'s order and dtypes (the product in the promoted dtype, then rounded to
+    the activation's), so eager it is the same bits."""
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    return (act * p.unsqueeze(-1)).to(act.dtype)
+
+
+def combine(y: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """After the second grouped GEMM: each token's k expert outputs (rows `inverse` [T, k] of y [T k, H])
+    summed in fp32 (a deterministic sum, where megatron scatter-adds) and cast to `dtype`: [T, H]."""
+    return y[inverse].sum(1, dtype=torch.float32).to(dtype)
+
+
+def _fused_dispatch_rows(
+    x: torch.Tensor, index: torch.Tensor, probs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`dispatch` by rank over T unbacked rows (the same T for all three)."""
+    torch._check(index.shape[0] == x.shape[0])
+    torch._check(probs.shape[0] == x.shape[0])
+    return dispatch(x, index, probs, by_rank=True)
+
+
+def _fused_swiglu_rows(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    torch._check(p.shape[0] == h.shape[0])
+    return scaled_swiglu(h, p)
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def _run_compiled(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn` compiled (once per model shape and dtype: the callers mark the rows unbacked), or eagerly past
+    torch's recompile limit (`fused.compiled_or_eager`)."""
+    return fused.compiled_or_eager(_compiled(fn), fn, *args)
+
+
+def _unbacked(t: torch.Tensor) -> torch.Tensor:
+    """t detached and contiguous (no view base or stride to guard on) with its row count unbacked, so the
+    compiled glue sees every row count (a step's rows, a one-row tail, a prefill) as one shape."""
+    t = t.detach().contiguous()
+    torch._dynamo.decorators.mark_unbacked(t, 0)
+    return t
+
+
+def fused_dispatch(
+    x: torch.Tensor, index: torch.Tensor, probs: torch.Tensor, by_rank: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`dispatch` torch.compile'd (by rank: one-hot, scan, gathers and scatter in a few kernels); the sort
+    (`by_rank` False, batches past RANK_DISPATCH_MAX_PAIRS) stays eager: there kernels are not the cost."""
+    if not by_rank:
+        return dispatch(x, index, probs, by_rank=False)
+    return _run_compiled(_fused_dispatch_rows, _unbacked(x), _unbacked(index), _unbacked(probs))
+
+
+def fused_scaled_swiglu(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`scaled_swiglu` as one compiled elementwise kernel (the product rounded once: not eager's bits in 16
+    bits)."""
+    return _run_compiled(_fused_swiglu_rows, _unbacked(h), _unbacked(p))
+
+
+def fused_combine(y: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`combine` compiled: one gather-and-sum kernel."""
+    return _run_compiled(combine, _unbacked(y), _unbacked(inverse), dtype)
+
+
+@dataclass(frozen=True)
+class DecodeGlue:
+    """The generation path's MoE glue around the grouped GEMMs: `dispatch`, `scaled_swiglu`, `combine`
+    (EAGER_GLUE) or their compiled versions (FUSED_GLUE, the engine's choice under `fused_kernels`)."""
+
+    dispatch: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    combine: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+
+
+EAGER_GLUE = DecodeGlue(dispatch, scaled_swiglu, combine)
+FUSED_GLUE = DecodeGlue(fused_dispatch, fused_scaled_swiglu, fused_combine)
+
+
 def moe_forward(
     mlp: torch.nn.Module,
     hidden: torch.Tensor,
     weights: ExpertWeights | None = None,
     silent: bool = False,
     padding_mask: torch.Tensor | None = None,
+    glue: DecodeGlue | None = None,
 ) -> tuple[tuple[torch.Tensor, None], torch.Tensor]:
     """megatron's MoELayer.forward on `hidden` [s, n, H] with static shapes: ((output, None), the router's
     top-k expert indices [s x n, k] in megatron's token order).
@@ -171,7 +318,10 @@ def moe_forward(
     autograd on every call (training: gradients reach each expert's own parameters, as with
     `GroupedGemmExperts`). `silent`: the router's replay object (recording) does not see this call (a
     captured step hands the indices out itself). `padding_mask` [s, n] True on padding, for the router's
-    load-balancing loss (MoELayer.route's argument)."""
+    load-balancing loss (MoELayer.route's argument). `glue` (generation only, with `weights`): the dispatch
+    (by rank up to RANK_DISPATCH_MAX_PAIRS pairs), SwiGLU-times-probability and combine as `DecodeGlue`'s
+    functions, the grouped GEMMs between them, no autograd Functions; None runs the argsort path below
+    (training's, and the engine's with the class switch `KVCacheGenerator.fuse_moe_glue` off)."""
     router = mlp.router
     saved = router.router_replay
     tap = router.router_replay = _TopkTap(saved, silent)
@@ -189,6 +339,16 @@ def moe_forward(
     else:
         w1 = torch.stack([e.linear_fc1.weight for e in mlp.experts.local_experts])
         w2 = torch.stack([e.linear_fc2.weight for e in mlp.experts.local_experts])
+    if glue is not None:
+        assert weights is not None, "the decode glue has no backward: generation only"
+        rows, p, inverse, offsets = glue.dispatch(x, index, probs, tokens * k <= RANK_DISPATCH_MAX_PAIRS)
+        # GroupedSwiGLU.forward's products and SwiGLU, the products outside the glue (torch._grouped_mm).
+        h = moe_experts.grouped_mm(rows, w1.transpose(1, 2), offsets)
+        y = moe_experts.grouped_mm(glue.swiglu(h, p), w2.transpose(1, 2), offsets)
+        out = glue.combine(y, inverse, hidden.dtype).view_as(hidden)
+        if mlp.use_shared_expert:
+            out = out + mlp.shared_experts(hidden)
+        return (out, None), index
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # expert-major, token order within an expert
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
@@ -234,4 +394,21 @@ class GroupedMoELayer(MoELayer):
         return out, bias
 
 
-__all__ = ["ExpertWeights", "GroupedMoELayer", "is_moe", "moe_forward", "unsupported"]
+__all__ = [
+    "EAGER_GLUE",
+    "FUSED_GLUE",
+    "RANK_DISPATCH_MAX_PAIRS",
+    "DecodeGlue",
+    "ExpertWeights",
+    "GroupedMoELayer",
+    "combine",
+    "dispatch",
+    "expert_positions",
+    "fused_combine",
+    "fused_dispatch",
+    "fused_scaled_swiglu",
+    "is_moe",
+    "moe_forward",
+    "scaled_swiglu",
+    "unsupported",
+]

@@ -1,13 +1,16 @@
 """The KV-cache engine's static-shape MoE layer (rltrain/megatron/moe_decode.py) on tiny random MoE models
 (CPU, fp32): it computes what megatron's MoELayer computes, so MoE generation can take the static decode
 step (CUDA graphs on a GPU; eager here) and give the tokens and log-probs of megatron's MoELayer on the
-dynamic path; router replay records the same routing through the static step.
+dynamic path; router replay records the same routing through the static step. The generation path's glue
+(`moe_decode.DecodeGlue`: dispatch by rank, SwiGLU-times-probability, combine) gives the argsort path's bits.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ._common import actor_of
 from .test_moe import _actor, _batch, make_tiny_moe
@@ -55,6 +58,113 @@ def test_static_moe_layer_equals_megatrons_moe_layer(mp_world, moe_model):
             assert torch.equal(chosen, routing_map)
             # Not a trivially equal pair: another routing gives another output.
             assert not torch.allclose(got, torch.zeros_like(got))
+
+
+@st.composite
+def _routings(draw):
+    """A top-k index [T, k] over E experts with ties across tokens (few experts, many pairs) and within a
+    token (megatron's top-k never repeats an expert in a row, the dispatch does not rely on it)."""
+    tokens, k, experts = draw(st.integers(1, 64)), draw(st.integers(1, 8)), draw(st.integers(1, 16))
+    seed = draw(st.integers(0, 2**31 - 1))
+    if draw(st.booleans()) and k <= experts:  # distinct experts per token, as the router picks
+        gen = torch.Generator().manual_seed(seed)
+        return torch.rand(tokens, experts, generator=gen).topk(k, dim=1).indices, experts
+    few = draw(st.integers(1, experts))  # only the first `few` experts used: long runs of one expert
+    return torch.randint(0, few, (tokens, k), generator=torch.Generator().manual_seed(seed)), experts
+
+
+@settings(max_examples=200, deadline=None)
+@given(_routings())
+def test_dispatch_by_rank_is_the_stable_argsort(routing):
+    """The rank dispatch (no sort) gives the stable argsort's order, inverse and offsets exactly: expert-major
+    rows, token order within an expert, empty experts included."""
+    from rltrain.megatron.moe_decode import expert_positions
+
+    index, experts = routing
+    want = expert_positions(index, experts, by_rank=False)
+    got = expert_positions(index, experts, by_rank=True)
+    for name, g, w in zip(("order", "inverse", "offsets"), got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), name
+    # And the argsort's own meaning, not only the agreement of the two: rows sorted by expert, stable.
+    order, inverse, offsets = got
+    flat = index.reshape(-1)
+    keys = flat[order] * flat.numel() + order  # expert-major, then pair index: strictly increasing
+    assert bool((keys[1:] > keys[:-1]).all())
+    assert torch.equal(order[inverse.reshape(-1)], torch.arange(flat.numel()))
+    assert torch.equal(offsets.long(), torch.bincount(flat, minlength=experts).cumsum(0))
+
+
+def test_decode_glue_is_the_argsort_path_bit_for_bit(mp_world, moe_model, monkeypatch):
+    """moe_forward with the generation glue (eager: the reference the engine runs without fused kernels)
+    equals the argsort path bit for bit in fp32, by rank and past RANK_DISPATCH_MAX_PAIRS (the sort), and
+    megatron's MoELayer within the existing tolerance; the compiled glue equals it to fp32 rounding."""
+    from rltrain.megatron import moe_decode
+
+    actor = _actor(moe_model)
+    actor.eval()
+    weights = moe_decode.ExpertWeights()
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for layer in _moe_layers(actor):
+            for s, n in ((1, 1), (1, 7), (5, 3)):  # a one-row decode step, a decode column, a prefill
+                hidden = torch.randn(s, n, layer.config.hidden_size, generator=gen)
+                (want, _), want_index = moe_decode.moe_forward(layer.mlp, hidden, weights)
+                megatron, _ = layer.mlp(hidden)
+                for limit in (moe_decode.RANK_DISPATCH_MAX_PAIRS, 0):  # by rank, then by the sort
+                    monkeypatch.setattr(moe_decode, "RANK_DISPATCH_MAX_PAIRS", limit)
+                    (got, bias), index = moe_decode.moe_forward(
+                        layer.mlp, hidden, weights, glue=moe_decode.EAGER_GLUE
+                    )
+                    assert bias is None and torch.equal(index, want_index)
+                    assert torch.equal(got, want), (s, n, limit)
+                    torch.testing.assert_close(got, megatron, rtol=1e-5, atol=1e-6)
+                    (fused, _), _ = moe_decode.moe_forward(
+                        layer.mlp, hidden, weights, glue=moe_decode.FUSED_GLUE
+                    )
+                    torch.testing.assert_close(fused, want, rtol=1e-5, atol=1e-6)
+                monkeypatch.undo()
+                assert not torch.allclose(want, torch.zeros_like(want))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decode_glue_keeps_grouped_swiglus_dtypes(dtype):
+    """In 16 bits too (where the order of roundings shows), the eager glue around the grouped products is
+    GroupedSwiGLU.forward plus the argsort path's unpermute-and-sum, bit for bit: activations in `dtype`,
+    the router's fp32 probabilities, the sum over k in fp32."""
+    from rltrain.megatron.moe_decode import EAGER_GLUE
+    from rltrain.megatron.moe_experts import GroupedSwiGLU, grouped_mm
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, k, experts, hidden, ffn = 9, 3, 5, 16, 8
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    probs = torch.rand(tokens, experts, generator=gen)  # fp32, as megatron's router hands them out
+    index = torch.rand(tokens, experts, generator=gen).topk(k, dim=1).indices
+    w1 = (torch.randn(experts, 2 * ffn, hidden, generator=gen) * 0.3).to(dtype)
+    w2 = (torch.randn(experts, hidden, ffn, generator=gen) * 0.3).to(dtype)
+    rows, p, inverse, offsets = EAGER_GLUE.dispatch(x, index, probs, True)
+    h = grouped_mm(rows, w1.transpose(1, 2), offsets)
+    got = EAGER_GLUE.combine(grouped_mm(EAGER_GLUE.swiglu(h, p), w2.transpose(1, 2), offsets), inverse, dtype)
+    flat = index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    y = GroupedSwiGLU.apply(
+        x.index_select(0, order // k), w1, w2, probs.gather(1, index).reshape(-1)[order], offsets
+    )
+    want = y.index_select(0, inverse.reshape(-1)).view(tokens, k, -1).sum(1, dtype=torch.float32).to(dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got, want)
+
+
+def test_decode_glue_refuses_autograd(mp_world, moe_model):
+    """The glue has no backward: moe_forward takes it only with the engine's stacked weights."""
+    from rltrain.megatron import moe_decode
+
+    actor = _actor(moe_model)
+    layer = _moe_layers(actor)[0]
+    with pytest.raises(AssertionError, match="generation only"), torch.no_grad():
+        moe_decode.moe_forward(
+            layer.mlp, torch.randn(2, 1, layer.config.hidden_size), glue=moe_decode.EAGER_GLUE
+        )
 
 
 def test_grouped_mm_takes_device_offsets_and_skips_empty_groups():
@@ -108,6 +218,54 @@ def test_moe_generation_takes_the_static_step_with_megatrons_results(mp_world, m
         assert torch.equal(got["responses"], want["responses"]), kw
         assert torch.equal(got["response_mask"], want["response_mask"])
         torch.testing.assert_close(got["rollout_log_probs"], want["rollout_log_probs"], rtol=1e-4, atol=1e-5)
+    assert bool((got["response_mask"].sum(-1) < 8).any()), "no row stopped early: compaction not exercised"
+
+
+@pytest.mark.slow
+def test_static_generation_with_and_without_the_decode_glue(mp_world, moe_model, monkeypatch):
+    """The static decode step with the MoE glue (the class switch KVCacheGenerator.fuse_moe_glue, eager and
+    compiled) gives the argsort path's tokens, greedy and sampled with stop tokens, and its log-probs (bit
+    for bit eagerly, to fp32 rounding compiled); the glue is what ran."""
+    from rlconf.config import ModelConfig
+    from rltrain.megatron import inference, moe_decode
+
+    from .test_moe import _layout_cfg
+
+    prompts = _batch()["input_ids"][:4, :12].repeat(2, 1)
+    glues = []
+    original = moe_decode.moe_forward
+    monkeypatch.setattr(
+        moe_decode, "moe_forward", lambda *a, **kw: (glues.append(kw["glue"]), original(*a, **kw))[1]
+    )
+    for fused in (False, True):
+        model = ModelConfig(
+            path=str(moe_model), attention_backend="sdpa", fused_kernels="compiled" if fused else "eager"
+        )
+        actor = actor_of(model, _layout_cfg(), "cpu", trainable=False, total_steps=4)
+        assert actor.fused_kernels is fused
+        for kw in (
+            {"temperature": 0.0},
+            {"temperature": 1.0, "eos_id": 7, "stop_token_ids": (11, 13, 17, 19)},
+        ):
+            results = {}
+            for on in (False, True):
+                inference.KVCacheGenerator.fuse_moe_glue = on
+                glues.clear()
+                try:
+                    results[on] = _generate(actor, prompts, static=True, megatron_moe=False, **kw)
+                finally:
+                    inference.KVCacheGenerator.fuse_moe_glue = True
+                expected = (moe_decode.FUSED_GLUE if fused else moe_decode.EAGER_GLUE) if on else None
+                assert glues and all(g is expected for g in glues), (fused, on)
+            want, got = results[False], results[True]
+            assert torch.equal(got["responses"], want["responses"]), (fused, kw)
+            assert torch.equal(got["response_mask"], want["response_mask"])
+            if fused:
+                torch.testing.assert_close(
+                    got["rollout_log_probs"], want["rollout_log_probs"], rtol=1e-4, atol=1e-5
+                )
+            else:
+                assert torch.equal(got["rollout_log_probs"], want["rollout_log_probs"])
     assert bool((got["response_mask"].sum(-1) < 8).any()), "no row stopped early: compaction not exercised"
 
 

@@ -6,7 +6,9 @@ torch._dynamo's recompile limit and fell back to eager kernels).
 The compiled functions: megatron's SwiGLU and its backward (`fused.use_unbacked_swiglu`), the training RoPE
 (`fused.compiled_rope`, forward and backward), the decode step's RoPE (`fused.fused_rotate`), the static
 decode step's attention inputs (`fused.fused_decode_attention_inputs`) and sampler
-(`inference.fused_sample_unfiltered`), and the fused log-prob reductions (logprob.py). Each is called on rows whose count is unbacked, so no size is specialised.
+(`inference.fused_sample_unfiltered`), the static MoE layers' decode glue (`moe_decode.FUSED_GLUE`) and the
+fused log-prob reductions (logprob.py). Each is called on rows whose count is unbacked, so no size is
+specialised.
 """
 
 from __future__ import annotations
@@ -220,3 +222,52 @@ def test_unfiltered_sampler_reads_the_output_layers_logits_and_compiles_once():
                 assert_close(got_lp, lp, reduction=vocab)
         assert counters["stats"]["unique_graphs"] - before <= 1, dtype  # one graph per dtype
     assert compared >= 60  # (of 72 draws: a draw within 1e-4 of a CDF step is left out)
+
+
+def test_moe_decode_glue_compiles_once_across_row_counts():
+    """The compiled MoE glue (dispatch by rank, SwiGLU-times-probability, combine) over every row count a
+    rollout meets (one row, a decode batch, a prefill's) compiles once per function and dtype (a recompile
+    raises), and gives the eager reference's integers and rows exactly, its activations to rounding."""
+    from torch._dynamo.utils import counters
+
+    from rltrain.megatron import moe_decode
+
+    gen = torch.Generator().manual_seed(6)
+    k, experts, hidden, ffn = 4, 6, 16, 8
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for tokens in (1, 2, 7, 64, 3, 33):
+            x = torch.randn(tokens, hidden, generator=gen)
+            probs = torch.rand(tokens, experts, generator=gen)
+            index = torch.rand(tokens, experts, generator=gen).topk(k, dim=1).indices
+            got = moe_decode.fused_dispatch(x, index, probs)
+            want = moe_decode.dispatch(x, index, probs)
+            for g, w in zip(got, want, strict=True):
+                assert g.dtype == w.dtype and torch.equal(g, w), tokens
+            h = torch.randn(tokens * k, 2 * ffn, generator=gen)
+            assert_close(
+                moe_decode.fused_scaled_swiglu(h, want[1]), moe_decode.scaled_swiglu(h, want[1]), reduction=1
+            )
+            y = torch.randn(tokens * k, hidden, generator=gen)
+            assert_close(
+                moe_decode.fused_combine(y, want[2], torch.float32),
+                moe_decode.combine(y, want[2], torch.float32),
+                reduction=k,
+            )
+    assert counters["stats"]["unique_graphs"] - before == 3  # dispatch, SwiGLU, combine: once each
+
+
+def test_moe_decode_glue_past_the_recompile_limit_runs_eagerly():
+    """More MoE shapes in one process than torch compiles run the glue eagerly, with a warning."""
+    from rltrain.megatron import moe_decode
+
+    gen = torch.Generator().manual_seed(7)
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(UserWarning, match="recompile limit"):
+        for experts in (3, 4, 5):  # the expert count is static: a new graph each
+            x = torch.randn(5, 8, generator=gen)
+            probs = torch.rand(5, experts, generator=gen)
+            index = torch.randint(0, experts, (5, 2), generator=gen)
+            got = moe_decode.fused_dispatch(x, index, probs)
+            for g, w in zip(got, moe_decode.dispatch(x, index, probs), strict=True):
+                assert torch.equal(g, w)
