@@ -62,7 +62,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -152,12 +152,17 @@ def sample_unfiltered(
     `temperature` may be a 0-d fp32 tensor on the logits' device (the static step's buffer): the compiled
     function then serves every temperature with one graph (a Python float is a constant it specialises
     on). Dividing by 1.0 is exact, so both forms give `sample_tokens`' numbers."""
-    scaled = logits[:, :vocab].float()
-    if isinstance(temperature, torch.Tensor) or temperature != 1.0:
-        scaled = scaled / temperature
-    top = scaled.amax(-1, keepdim=True)
-    tok, mass = inverse_cdf(scaled, top, uniform)
-    return tok, scaled.gather(1, tok[:, None]).squeeze(1) - (top.squeeze(1) + mass.log())
+    divide = isinstance(temperature, torch.Tensor) or temperature != 1.0
+
+    def scale(raw: torch.Tensor) -> torch.Tensor:
+        # Applied wherever the logits are read (the maximum, the block sums, the gathers), so a compiled
+        # caller never writes the fp32 [B, V] copy: every kernel reads the output layer's logits.
+        return raw.float() / temperature if divide else raw.float()
+
+    raw = logits[:, :vocab]
+    top = scale(raw).amax(-1, keepdim=True)
+    tok, mass = inverse_cdf(raw, top, uniform, scale)
+    return tok, scale(raw.gather(1, tok[:, None])).squeeze(1) - (top.squeeze(1) + mass.log())
 
 
 @functools.cache
@@ -184,10 +189,14 @@ CDF_BLOCK = 1024
 
 
 def inverse_cdf(
-    logits: torch.Tensor, top: torch.Tensor, uniform: torch.Tensor
+    logits: torch.Tensor,
+    top: torch.Tensor,
+    uniform: torch.Tensor,
+    scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse-CDF draw from softmax(logits) [B, V] (-inf = excluded) with one uniform per row: (the first
-    token whose cumulative weight reaches u x the total, that total [B]).
+    token whose cumulative weight reaches u x the total, that total [B]). With `scale`, the distribution
+    is softmax(scale(logits)), `scale` elementwise (the unfiltered sampler's cast and temperature).
 
     `top` [B, 1] is at least each row's largest logit, so the weights exp(logits - top) cannot overflow.
     Two levels instead of a cumulative sum over the whole vocabulary (a [B, V] scan was 0.48 ms of a
@@ -196,14 +205,18 @@ def inverse_cdf(
     the draw, clamped into (0, total], so a zero-weight token is never picked: the cumulative weight only
     reaches a positive draw where the weight is positive.
     """
+    if scale is None:
+        scale = _identity
     b, v = logits.shape
     full, tail = divmod(v, CDF_BLOCK)
     # The weights exp(logits - top) per block, summed; the last block is ragged when CDF_BLOCK does not
     # divide V. The chosen block's weights are computed again below from its logits (the same numbers),
     # so a compiled caller never writes the [B, V] weights.
-    sums = torch.exp(logits[:, : full * CDF_BLOCK].view(b, full, CDF_BLOCK) - top[:, :, None]).sum(-1)
+    blocks = scale(logits[:, : full * CDF_BLOCK].view(b, full, CDF_BLOCK))
+    sums = torch.exp(blocks - top[:, :, None]).sum(-1)
     if tail:
-        sums = torch.cat([sums, torch.exp(logits[:, full * CDF_BLOCK :] - top).sum(-1, keepdim=True)], 1)
+        last = scale(logits[:, full * CDF_BLOCK :])
+        sums = torch.cat([sums, torch.exp(last - top).sum(-1, keepdim=True)], 1)
     nb = sums.shape[1]
     block_cdf = sums.cumsum(-1)  # [B, nb]
     total = block_cdf[:, -1:]
@@ -212,10 +225,15 @@ def inverse_cdf(
     j = torch.searchsorted(block_cdf, draw).clamp(max=nb - 1)  # [B, 1]
     before = torch.where(j > 0, block_cdf.gather(1, (j - 1).clamp(min=0)), 0.0)
     cols = j * CDF_BLOCK + torch.arange(CDF_BLOCK, device=logits.device)  # [B, block]
-    inside = torch.where(cols < v, torch.exp(logits.gather(1, cols.clamp(max=v - 1)) - top), 0.0).cumsum(-1)
+    chosen = scale(logits.gather(1, cols.clamp(max=v - 1)))
+    inside = torch.where(cols < v, torch.exp(chosen - top), 0.0).cumsum(-1)
     rest = torch.minimum((draw - before).clamp(min=tiny), inside[:, -1:])
     k = torch.searchsorted(inside, rest).clamp(max=CDF_BLOCK - 1)
     return (j * CDF_BLOCK + k).squeeze(1).clamp(max=v - 1), total.squeeze(1)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 # ------------------------------------------------------------------------------------ layout helpers
