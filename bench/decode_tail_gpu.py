@@ -13,8 +13,7 @@ Reported (decode_tail_gpu.json in --out):
                  kernels per step, glue unfused / fused)
   generate       `MegatronActor.generate(cuda_graph=True)` of the preset's rollout with every row ending at
                  a long-tailed length (RLPLAN_BENCH_FORCE_EOS, mean 40% of the maximum): seconds, tokens/s,
-                 number of compactions and graph captures (those without a warm-up run) and the seconds
-                 they took, with the step's glue (attention inputs, mask, sampler) as megatron's modules one
+                 number of compactions and graph captures and the seconds they took, with the step's glue (attention inputs, mask, sampler) as megatron's modules one
                  by one and fused, side by side, and the fused rollout again (its shapes captured before)
 
 Run on the GPU machine:  python3 bench/decode_tail_gpu.py --out $OUT
@@ -292,7 +291,7 @@ def main() -> int:
         attempt("captures", captures)
 
     # ---- the realistic rollout, with compactions and captures counted and timed
-    counts = {"compactions": 0, "compaction_s": 0.0, "captures": 0, "capture_s": 0.0, "unwarmed_captures": 0}
+    counts = {"compactions": 0, "compaction_s": 0.0, "captures": 0, "capture_s": 0.0}
     real_select, real_capture = inference.KVCacheGenerator.select_rows, devices.capture_graph
 
     def select_rows(self, rows):
@@ -303,13 +302,12 @@ def main() -> int:
         counts["compactions"] += 1
         counts["compaction_s"] += time.perf_counter() - t0
 
-    def capture_graph(device, fn, pool=None, warm=True):
+    def capture_graph(device, fn, pool=None):
         sync(dev)
         t0 = time.perf_counter()
-        out = real_capture(device, fn, pool, warm)
+        out = real_capture(device, fn, pool)
         sync(dev)
         counts["captures"] += 1
-        counts["unwarmed_captures"] += not warm
         counts["capture_s"] += time.perf_counter() - t0
         return out
 
@@ -369,8 +367,8 @@ def main() -> int:
         # The first call compiles; then the step's glue as megatron's modules one by one against fused
         # (inference.KVCacheGenerator.fuse_step_glue), side by side; key buckets widen as rows leave.
         inference.BUCKET_ROWS = 256
-        # "fused again": the same rollout once more, its graphs' shapes captured before in this process (no
-        # warm-up runs; what every rollout after a run's first one pays).
+        # "fused again": the same rollout once more, its graphs' shapes seen before in this process (what
+        # every rollout after a run's first one pays).
         for label in ["warm-up", *GLUE] if share is None else [*GLUE, "fused again"]:
             inference.KVCacheGenerator.fuse_step_glue = label != "unfused"
             res = attempt(

@@ -286,21 +286,18 @@ def graph_pool(device: str) -> Any:
     return torch.cuda.graph_pool_handle() if graphs_supported(device) else None
 
 
-def capture_graph(device: str, fn: Callable[[], Any], pool: Any = None, warm: bool = True) -> tuple[Any, Any]:
+def capture_graph(device: str, fn: Callable[[], Any], pool: Any = None) -> tuple[Any, Any]:
     """Capture `fn` as a device graph: (graph with `.replay()`, fn's outputs, which each replay rewrites).
 
-    `warm`: `fn` runs once on a side stream first (the warm-up torch.cuda.graph asks for: lazy
-    initialisation, compilation and allocator state happen outside the capture), so it must be safe to run
-    twice with the same inputs. Without it (a shape the caller captured before) the capture goes first, and
-    if it fails (something still initialised lazily) it is warmed up and captured again.
+    `fn` runs once on the capture stream first (the warm-up torch.cuda.graph asks for: lazy initialisation,
+    compilation and allocator state happen outside the capture), so it must be safe to run twice with the
+    same inputs. The warm-up is never skipped, even for a shape captured before: a capture that fails
+    leaves torch's allocator recording into the pool and its RNG in capture mode (measured on the H200:
+    every later capture and random draw of the process then fails), so nothing may be left to chance
+    inside one.
     """
     import torch
 
-    if not warm:
-        try:
-            return _capture(torch, fn, pool)
-        except RuntimeError:
-            pass
     side = _capture_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -320,11 +317,8 @@ def _capture(torch: Any, fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
         graph.capture_begin(*(() if pool is None else (pool,)))
         try:
             out = fn()
-        except BaseException:
-            with contextlib.suppress(RuntimeError):  # the capture is invalid; end it, keep fn's error
-                graph.capture_end()
-            raise
-        graph.capture_end()
+        finally:
+            graph.capture_end()
     torch.cuda.current_stream().wait_stream(stream)
     return graph, out
 
