@@ -6,8 +6,16 @@ Both run on the same per-expert parameters (the layout both modules keep), the s
 probabilities; the grouped time includes stacking the weights (a copy each call, the price of keeping
 SequentialMLP's checkpoint layout). Outputs and gradients are compared before timing.
 
+`update_ms` times the training path of one layer (`moe_experts.expert_swiglu`) over `--micro-batches`
+micro-batches of one optimizer step, with megatron DDP's gradient protocol emulated (an fp32 main_grad per
+expert weight and DDP's per-parameter backward hook, `_make_backward_post_hook`'s add_), side by side:
+`off` (moe_experts.ExpertUpdate all off: weights stacked through autograd per micro-batch, the hooks add
+each gradient), `on` (main_grad by one multi-tensor add, stacks cached for the step, elementwise compiled
+with `--fused`), and each switch alone. The main_grads of `off` and `on` are compared before timing.
+
     python bench/moe_experts_gpu.py                      # Qwen3-30B-A3B layer: 128 experts, top 8, H 2048, F 768
     python bench/moe_experts_gpu.py --tokens 4096 --experts 64 --device cpu --dtype float32 --hidden 256 --ffn 128
+    python bench/moe_experts_gpu.py --tokens 4096 --experts 64 --hidden 1024 --ffn 512 --micro-batches 4  # qwen3-moe-grpo
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from rltrain.megatron.moe_experts import GroupedSwiGLU
+from rltrain.megatron.moe_experts import ExpertUpdate, GroupedSwiGLU, cached_expert_stacks, expert_swiglu
 
 
 def sequential(x, w1s, w2s, probs, counts):
@@ -54,6 +62,109 @@ def timed(fn, args, dy, device: str, repeat: int) -> float:
     return (time.perf_counter() - t0) / repeat * 1e3
 
 
+class _Config:
+    """The TransformerConfig fields expert_swiglu reads."""
+
+    def __init__(self, fused: bool) -> None:
+        self.bias_activation_fusion = fused
+        self.recompute_granularity = None
+
+
+def _ddp_experts(w1s, w2s) -> list[torch.nn.Module]:
+    """Experts holding the given weights (as parameters) with megatron DDP's gradient protocol: a main_grad
+    (fp32) per weight, the grad_added_to_main_grad flag and DDP's backward post-hook on the gradient
+    accumulator (add param.grad unless the flag is set, then drop it)."""
+    experts = []
+    for a, b in zip(w1s, w2s, strict=True):
+        e = torch.nn.Module()
+        e.linear_fc1, e.linear_fc2 = torch.nn.Module(), torch.nn.Module()
+        e.linear_fc1.weight = torch.nn.Parameter(a.detach().clone())
+        e.linear_fc2.weight = torch.nn.Parameter(b.detach().clone())
+        e.accumulators = []  # the gradient accumulators whose hooks these are, kept alive
+        for param in (e.linear_fc1.weight, e.linear_fc2.weight):
+            param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            param.grad_added_to_main_grad = False
+
+            def hook(*_unused, param=param):
+                if param.grad is not None and not param.grad_added_to_main_grad:
+                    param.main_grad.add_(param.grad.data)
+                param.grad = None
+
+            acc = param.expand_as(param).grad_fn.next_functions[0][0]
+            acc.register_hook(hook)
+            e.accumulators.append(acc)
+        experts.append(e)
+    return experts
+
+
+def update_step(experts, batches, config) -> None:
+    """One optimizer step's forward + backward of the layer's experts: zero_grad_buffer, then the
+    micro-batches inside the engine's stack cache (run_schedule enters it)."""
+    for e in experts:
+        for p in (e.linear_fc1.weight, e.linear_fc2.weight):
+            p.main_grad.zero_()
+            p.grad_added_to_main_grad = False
+    with cached_expert_stacks():
+        for x, probs, groups, dy in batches:
+            x, probs = x.detach().requires_grad_(), probs.detach().requires_grad_()
+            expert_swiglu(experts, x, probs, groups, config).backward(dy)
+
+
+def update_path(a, w1s, w2s, dtype, dev, g) -> dict:
+    """`update_ms` (see the module docstring): switch settings side by side, main_grads compared first."""
+    batches = []
+    for _ in range(a.micro_batches):
+        choice = torch.rand(a.tokens, a.experts, generator=g).argsort(-1)[:, : a.topk].flatten()
+        counts = torch.bincount(choice, minlength=a.experts)
+        rows = int(counts.sum())
+        batches.append((
+            (torch.randn(rows, a.hidden, generator=g) * 0.5).to(dev, dtype),
+            torch.rand(rows, generator=g).to(dev),
+            counts.cumsum(0).to(dev, torch.int32),  # device offsets, as moe_forward passes them
+            torch.randn(rows, a.hidden, generator=g).to(dev, dtype),
+        ))  # fmt: skip
+    experts = _ddp_experts(w1s, w2s)
+    params = [p for e in experts for p in (e.linear_fc1.weight, e.linear_fc2.weight)]
+    settings = {  # (fuse, main_grad, cache)
+        "off": (False, False, False),
+        "on": (a.fused, True, True),
+        "fuse_only": (a.fused, False, False),
+        "main_grad_only": (False, True, False),
+        "cache_only": (False, False, True),
+    }
+    before = (ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache)
+    config = _Config(a.fused)
+    grads, ms = {}, {}
+    try:
+        for name, (fuse, main_grad, cache) in settings.items():
+            ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache = fuse, main_grad, cache
+            update_step(experts, batches, config)
+            grads[name] = [p.main_grad.clone() for p in params]
+
+            def step(_e=experts, _b=batches, _c=config):
+                update_step(_e, _b, _c)
+
+            ms[name] = timed_step(step, a.device, a.repeat)
+    finally:
+        ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache = before
+    scale = max(float(t.abs().max()) for t in grads["off"]) or 1.0
+    diff = max(float((x - y).abs().max()) for x, y in zip(grads["off"], grads["on"], strict=True)) / scale
+    return {"update_ms": ms, "update_speedup": ms["off"] / ms["on"], "update_main_grad_max_rel_diff": diff}
+
+
+def timed_step(fn, device: str, repeat: int) -> float:
+    for _ in range(2):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / repeat * 1e3
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=8192, help="tokens entering the layer (before top-k)")
@@ -64,7 +175,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--repeat", type=int, default=10)
+    ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches of one step (update_ms)")
+    ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
+                    help="compiled elementwise work in update_ms's 'on' (default: on cuda)")  # fmt: skip
     a = ap.parse_args()
+    if a.fused is None:
+        a.fused = a.device == "cuda"
     dtype = getattr(torch, a.dtype)
     dev = torch.device(a.device)
     g = torch.Generator().manual_seed(0)
@@ -95,12 +211,14 @@ def main() -> None:
 
     ms = {name: timed(fn, (x, w1s, w2s, probs, counts), dy, a.device, a.repeat)
           for name, fn in (("sequential", sequential), ("grouped", grouped))}  # fmt: skip
+    update = update_path(a, w1s, w2s, dtype, dev, g)
     print(json.dumps({
         "shape": {"tokens": a.tokens, "experts": a.experts, "topk": a.topk, "hidden": a.hidden, "ffn": a.ffn,
                   "rows": rows, "dtype": a.dtype, "device": a.device},
         "fwd_bwd_ms": ms, "speedup": ms["sequential"] / ms["grouped"],
         "max_rel_diff": {"output": out_err, "grads": grad_err},
         "grouped_kernel": a.device == "cuda" and dtype == torch.bfloat16,
+        "micro_batches": a.micro_batches, "fused": a.fused, **update,
     }, indent=1))  # fmt: skip
 
 

@@ -168,3 +168,34 @@ def test_log_prob_chunk_sizes_are_the_engines() -> None:
     from rltrain.megatron import logprob
 
     assert memory.LOGPROB_CHUNK_ELEMENTS == logprob.DEFAULT_CHUNK_ELEMENTS
+
+
+def test_stacked_expert_weights_count_once_for_the_micro_batches_in_flight() -> None:
+    """Grouped-GEMM experts stack each layer's weights once per mini-batch (moe_experts.cached_expert_stacks):
+    more micro-batches in flight (pipeline parallel) multiply the per-token activations, not the stacks;
+    under full recompute the stacks are per call again (one layer re-materialised at a time)."""
+    from rlconf.plan import compile_plan
+    from rlconf.plan.memory import _layer_activations, _stage_activation_bytes
+
+    c = get_preset("qwen3-moe-grpo")
+    assert c.model.moe_grouped_gemm
+    engine = compile_plan(c).engine("actor")
+    arch, lay = engine.model.arch, engine.layout
+    st = lay.stages[0]
+    ov = c.actor.megatron.override_transformer_config
+    assert ov.recompute_granularity != "full"
+    elem, tokens = 2, 4096
+    acts = _layer_activations(arch, lay, ov, elem, True, False, True)
+    assert acts.per_layer > 0
+    one, three = (
+        _stage_activation_bytes(arch, lay, st, ov, elem, tokens, held, False, True) for held in (1, 3)
+    )
+    assert one == pytest.approx(st.num_layers * (acts.per_token * tokens + acts.per_layer))
+    assert three - one == pytest.approx(2 * st.num_layers * acts.per_token * tokens)
+    full = replace(ov, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    recomputed = _layer_activations(arch, lay, full, elem, True, False, True)
+    held3 = _stage_activation_bytes(arch, lay, st, full, elem, tokens, 3, False, True)
+    inp = elem * arch.hidden_size * tokens
+    assert held3 == pytest.approx(
+        3 * st.num_layers * inp + recomputed.per_token * tokens + recomputed.per_layer
+    )

@@ -127,8 +127,9 @@ class _LayerActs:
     experts: the top-k permuted token copies [k h] and each copy's fc1 output [k 2f_e] (plus, unfused
     sequential experts, the silu output and product [k 2f_e]); a shared expert like a dense MLP."""
     per_layer: float = 0.0
-    """Not per token: grouped-GEMM experts stack the layer's local expert weights (fc1 and fc2) into one
-    tensor per call, saved for the backward."""
+    """Not per token: grouped-GEMM experts stack the layer's local expert weights (fc1 and fc2), saved for
+    the backward: once per mini-batch for all micro-batches in flight (held until the mini-batch's last
+    backward), or per call under full recompute (one layer re-materialised at a time)."""
 
     @property
     def per_token(self) -> float:
@@ -213,7 +214,10 @@ def _stage_activation_bytes(
     largest = max(a.per_token * tokens + a.per_layer for a, _ in kinds)
     inp = elem * arch.hidden_size / (lay.tp if lay.sequence_parallel else 1) * tokens  # a layer's input
     if ov.recompute_granularity != "full":
-        return held * total
+        # The stacked expert weights are made once per mini-batch and shared by the micro-batches in flight
+        # (rltrain/megatron/moe_experts.py cached_expert_stacks), so they count once, not `held` times.
+        stacks = sum(n * a.per_layer for a, n in kinds)
+        return held * (total - stacks) + stacks
     if ov.recompute_method == "block":
         per_chunk = ov.recompute_num_layers if ov.recompute_num_layers is not None else layers
         recomputed = sum(min(per_chunk, ch.num_layers) for ch in stage.chunks)
@@ -624,7 +628,8 @@ def _memory_notes(
         "activations: what megatron's local layer saves for the backward, per token and layer: norms 4h "
         "(2 inputs, 2 outputs); attention 4q + 3g (qkv output, rotated q and k, SDPA output and its copy; "
         "+q with QK-norm; no s^2 term); SwiGLU MLP 4f eager (fc1 2f, silu f, product f) or 3f fused; "
-        "routed experts k(h + 2f_e) per token + the stacked expert weights per layer; for the micro-batches "
+        "routed experts k(h + 2f_e) per token + the stacked expert weights per layer (grouped GEMM: once per "
+        "mini-batch, not per micro-batch in flight, except under full recompute); for the micro-batches "
         "in flight under 1F1B, reduced by recompute"
         + (
             " (model.fused_kernels on: fused SwiGLU and log-prob)" if fused_kernels(c) else " (eager kernels)"

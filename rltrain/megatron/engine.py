@@ -39,6 +39,7 @@ from rltrain.megatron import context_parallel as cp
 from rltrain.megatron import model as mmodel
 from rltrain.megatron import packing
 from rltrain.megatron.hf_weights import load_hf_weights
+from rltrain.megatron.moe_experts import cached_expert_stacks
 from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, unique_storages
 from rltrain.megatron.parallel import init_parallel, seed_parallel_rng
 
@@ -590,7 +591,10 @@ class MegatronEngine:
         if len(chunks) == 1:
             iters = iters[0]
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-        with grad_ctx:
+        # A training pass stacks each MoE layer's expert weights once for all its micro-batches (the
+        # optimizer step, which changes them, comes after; moe_experts.ExpertUpdate.cache).
+        stacks = contextlib.nullcontext() if forward_only else cached_expert_stacks()
+        with grad_ctx, stacks:
             return fb(
                 forward_step_func=forward_step,
                 data_iterator=iters,

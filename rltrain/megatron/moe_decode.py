@@ -37,8 +37,8 @@ this glue; a captured step is bound by their count and latency, not their arithm
 
 Every shape depends only on T, so the step is graph-capturable. The KV-cache engine stacks the expert
 weights once ([E, 2F, H] and [E, H, F], `ExpertWeights`): the copy lives as long as one `generate` call.
-Training passes (`GroupedMoELayer`, the MoE layer of `model.moe_grouped_gemm`) stack them through autograd
-on every call, as `GroupedGemmExperts` does, and `GroupedSwiGLU` gives the gradients; the router's
+Training passes (`GroupedMoELayer`, the MoE layer of `model.moe_grouped_gemm`) run the experts' own
+parameters through `moe_experts.expert_swiglu`, as `GroupedGemmExperts` does; the router's
 load-balancing loss, z-loss and replay are the router's own, so they are unchanged.
 """
 
@@ -55,7 +55,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from rltrain.megatron import fused, moe_experts
-from rltrain.megatron.moe_experts import GroupedGemmExperts, GroupedSwiGLU
+from rltrain.megatron.moe_experts import GroupedGemmExperts, GroupedSwiGLU, expert_swiglu
 
 
 def is_moe(mlp: torch.nn.Module) -> bool:
@@ -314,8 +314,8 @@ def moe_forward(
     """megatron's MoELayer.forward on `hidden` [s, n, H] with static shapes: ((output, None), the router's
     top-k expert indices [s x n, k] in megatron's token order).
 
-    `weights`: the engine's stacked expert weights (generation); None stacks the experts' parameters through
-    autograd on every call (training: gradients reach each expert's own parameters, as with
+    `weights`: the engine's stacked expert weights (generation); None runs the experts' parameters through
+    `moe_experts.expert_swiglu` (training: gradients reach each expert's own parameters, as with
     `GroupedGemmExperts`). `silent`: the router's replay object (recording) does not see this call (a
     captured step hands the indices out itself). `padding_mask` [s, n] True on padding, for the router's
     load-balancing loss (MoELayer.route's argument). `glue` (generation only, with `weights`): the dispatch
@@ -334,13 +334,10 @@ def moe_forward(
     assert index is not None
     tokens, k = index.shape
     x = hidden.reshape(tokens, -1)
-    if weights is not None:
-        w1, w2 = weights(mlp)
-    else:
-        w1 = torch.stack([e.linear_fc1.weight for e in mlp.experts.local_experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in mlp.experts.local_experts])
+    experts = mlp.experts.local_experts
     if glue is not None:
         assert weights is not None, "the decode glue has no backward: generation only"
+        w1, w2 = weights(mlp)
         rows, p, inverse, offsets = glue.dispatch(x, index, probs, tokens * k <= RANK_DISPATCH_MAX_PAIRS)
         # GroupedSwiGLU.forward's products and SwiGLU, the products outside the glue (torch._grouped_mm).
         h = moe_experts.grouped_mm(rows, w1.transpose(1, 2), offsets)
@@ -352,11 +349,15 @@ def moe_forward(
     flat = index.reshape(-1)
     order = torch.argsort(flat, stable=True)  # expert-major, token order within an expert
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    counts = torch.zeros(w1.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(len(experts), dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offsets = counts.cumsum(0, dtype=torch.int32)
     p = probs.gather(1, index).reshape(-1).index_select(0, order)
-    y = GroupedSwiGLU.apply(_ExpertRows.apply(x, order, inverse, k), w1, w2, p, offsets)  # [T k, H]
+    rows = _ExpertRows.apply(x, order, inverse, k)
+    if weights is not None:
+        y = GroupedSwiGLU.apply(rows, *weights(mlp), p, offsets)  # [T k, H]
+    else:  # training: gradients into each expert's parameters (`moe_experts.ExpertUpdate` picks the way)
+        y = expert_swiglu(experts, rows, p, offsets, mlp.config)
     # Back to (token, slot) order through the inverse permutation, then each token's k outputs summed.
     out = _Permuted.apply(y, inverse, order).view(tokens, k, -1).sum(1, dtype=torch.float32)
     out = out.to(hidden.dtype).view_as(hidden)

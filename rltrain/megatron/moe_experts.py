@@ -9,10 +9,9 @@ measurement of one Qwen3-MoE-shaped layer put the grouped kernel at 5.1 ms again
 bench/moe_experts_gpu.py times forward + backward of both modules.
 
 Layout: `GroupedGemmExperts` *is* a SequentialMLP (same submodules, parameter names, sharded state dict,
-HF mapping, expert marking and offload): only `forward` differs. Each call stacks the local experts' fc1
-[2F, H] and fc2 [H, F] weights into [E, 2F, H] / [E, H, F] (a copy of the layer's expert weights, through
-autograd, so gradients land in each expert's own parameter as before) and runs `GroupedSwiGLU`. The stack
-is the price of keeping the checkpoint layout; it is included in the benchmark.
+HF mapping, expert marking and offload): only `forward` differs. It stacks the local experts' fc1 [2F, H]
+and fc2 [H, F] weights into [E, 2F, H] / [E, H, F] (a copy of the layer's expert weights, the price of
+keeping the checkpoint layout, included in the benchmark) and runs the grouped products (`expert_swiglu`).
 
 `GroupedSwiGLU` is one autograd.Function: y_e = ((silu(x_e G_e^T) * x_e U_e^T) * p) W2_e^T for the rows
 x_e of expert e (rows sorted by expert, `tokens_per_expert` of them each; [G; U] = fc1 as megatron fuses
@@ -20,15 +19,27 @@ it), p the routing probability of each row, multiplied in megatron's order and d
 backward is written out (dx, dW1, dW2, dp). The products go through `grouped_mm` / `grouped_mm_weight`:
 `torch._grouped_mm` for bf16 on CUDA, else a per-expert loop of the same products, so the CPU tests run
 this Function's forward and backward too.
+
+The training path (`expert_swiglu`, issue 36: a qwen3-moe update on the H200 spent as much time in glue as
+in the grouped products) takes three steps past stacking through autograd per call, each behind a class
+switch of `ExpertUpdate`: the elementwise work compiled (`fused_swiglu_probs`, its backward); the weights
+entering `ExpertParamsSwiGLU` as parameters, their gradients added into megatron DDP's main_grads in one
+multi-tensor add (instead of DDP's hook per expert weight); the stacks made once per mini-batch
+(`cached_expert_stacks`) instead of per micro-batch.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
+
+from rltrain.megatron.fused import compiled_or_eager
 
 
 def _use_grouped_kernel(t: torch.Tensor) -> bool:
@@ -81,44 +92,293 @@ def grouped_mm_weight(a: torch.Tensor, b: torch.Tensor, groups: Groups) -> torch
     return out
 
 
+class ExpertUpdate:
+    """Class switches of the training path's expert work (issue 36: a qwen3-moe update was host-bound on the
+    H200), all on by default; benchmarks turn them off to time the path before them side by side
+    (bench/moe_experts_gpu.py, bench/grpo_step_gpu.py).
+
+    `fuse`: GroupedSwiGLU's elementwise work (SwiGLU, probability product, their backward) as compiled
+    kernels, where the engine runs fused kernels (`model.fused_kernels`: megatron's `bias_activation_fusion`).
+    `main_grad`: the expert weights enter `ExpertParamsSwiGLU` as parameters and their gradients are added
+    into megatron DDP's main_grad buffers in one multi-tensor add per layer, not by DDP's per-parameter
+    hooks (one add_ per expert weight per micro-batch). `cache`: inside `cached_expert_stacks` (the engine's
+    forward + backward of one mini-batch) each layer's weights are stacked once, not per micro-batch.
+    Off, all three: the experts' weights are stacked through autograd on every call, as before."""
+
+    fuse: bool = True
+    main_grad: bool = True
+    cache: bool = True
+
+    @classmethod
+    def set(cls, on: bool) -> None:
+        """All three switches on or off."""
+        cls.fuse = cls.main_grad = cls.cache = on
+
+
+def swiglu_probs(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """The forward's elementwise work: fc1's output h [M, 2F] = [gate, up] to fc2's input (silu(gate) * up)
+    * p [M, F], megatron's order and dtypes (`MLP.forward`: the product with fp32 probabilities rounded back
+    to the activation's dtype)."""
+    gate, up = h.chunk(2, dim=-1)
+    act = F.silu(gate) * up
+    return (act * probs.unsqueeze(-1)).to(act.dtype)
+
+
+def swiglu_probs_backward(
+    h: torch.Tensor, probs: torch.Tensor, dscaled: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The backward's elementwise work from fc1's output h [M, 2F], the probabilities p [M] and the gradient
+    of fc2's input dscaled [M, F]: (fc2's input recomputed as the forward rounded it, for fc2's weight
+    gradient; dh [M, 2F] in h's dtype; dp [M] in p's dtype). In at least fp32 (16-bit activations are
+    upcast, float64 stays)."""
+    wide = torch.promote_types(h.dtype, torch.float32)
+    gate, up = (t.to(wide) for t in h.chunk(2, dim=-1))
+    sig = torch.sigmoid(gate)
+    silu = gate * sig
+    act = (F.silu(gate.to(h.dtype)) * up.to(h.dtype)).to(wide)  # the forward's activation, its rounding
+    scaled = (act * probs.unsqueeze(-1)).to(h.dtype)
+    dscaled = dscaled.to(wide)
+    dprobs = (dscaled * act).sum(-1).to(probs.dtype)
+    dact = dscaled * probs.to(wide).unsqueeze(-1)
+    dgate = dact * up * (sig * (1 + gate * (1 - sig)))
+    dup = dact * silu
+    dh = torch.cat([dgate, dup], dim=-1).to(h.dtype)
+    return scaled, dh, dprobs
+
+
+def _swiglu_probs_rows(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    torch._check(probs.shape[0] == h.shape[0])
+    return swiglu_probs(h, probs)
+
+
+def _swiglu_probs_backward_rows(
+    h: torch.Tensor, probs: torch.Tensor, dscaled: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    torch._check(probs.shape[0] == h.shape[0])
+    torch._check(dscaled.shape[0] == h.shape[0])
+    return swiglu_probs_backward(h, probs, dscaled)
+
+
+@functools.cache
+def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # dynamic=False: the widths (H, F) are the model's; the row count alone varies and is unbacked.
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def _unbacked_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Detached contiguous tensors whose row count (dim 0) is unbacked: no row count (a micro-batch's tokens
+    x top-k, 0 or 1 among them), stride or view base is guarded on, so one graph serves every batch."""
+    rows = [t.detach().contiguous() for t in tensors]
+    for r in rows:
+        torch._dynamo.decorators.mark_unbacked(r, 0)
+    return rows
+
+
+def fused_swiglu_probs(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    """`swiglu_probs` torch.compile'd (one kernel, fp32 inside, one rounding), once per dtype."""
+    return compiled_or_eager(_compiled(_swiglu_probs_rows), _swiglu_probs_rows, *_unbacked_rows(h, probs))
+
+
+def fused_swiglu_probs_backward(
+    h: torch.Tensor, probs: torch.Tensor, dscaled: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`swiglu_probs_backward` torch.compile'd, once per dtype (eager's ~20 kernels of [M, F] in fp32
+    become a pointwise kernel and the dp reduction)."""
+    rows = _unbacked_rows(h, probs, dscaled)
+    return compiled_or_eager(_compiled(_swiglu_probs_backward_rows), _swiglu_probs_backward_rows, *rows)
+
+
+def _swiglu_forward(
+    x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor, groups: Groups, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y [M, H], fc1's output h [M, 2F], saved for the backward)."""
+    # w1 [E, 2F, H], w2 [E, H, F]; the transposed views are what the products take (no copy).
+    h = grouped_mm(x, w1.transpose(1, 2), groups)  # [M, 2F]
+    scaled = (fused_swiglu_probs if fused else swiglu_probs)(h, probs)
+    return grouped_mm(scaled, w2.transpose(1, 2), groups), h  # [M, H]
+
+
+def _swiglu_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    probs: torch.Tensor,
+    h: torch.Tensor,
+    groups: Groups,
+    fused: bool,
+    weight_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(dx, dW1 [E, 2F, H], dW2 [E, H, F], dp); the weight gradients only when `weight_grads`."""
+    dy = dy.contiguous()
+    dscaled = grouped_mm(dy, w2, groups)  # [M, F]
+    scaled, dh, dprobs = (fused_swiglu_probs_backward if fused else swiglu_probs_backward)(h, probs, dscaled)
+    dw2 = grouped_mm_weight(dy.t(), scaled, groups) if weight_grads else None  # [E, H, F]
+    dw1 = grouped_mm_weight(dh.t(), x, groups) if weight_grads else None  # [E, 2F, H]
+    dx = grouped_mm(dh, w1, groups)  # [M, H]
+    return dx, dw1, dw2, dprobs
+
+
 class GroupedSwiGLU(torch.autograd.Function):
-    """All experts' gated MLP over expert-sorted rows; see the module docstring for the math."""
+    """All experts' gated MLP over expert-sorted rows, from stacked weights w1 [E, 2F, H] and w2 [E, H, F];
+    see the module docstring for the math. `fused`: the elementwise work compiled (`fused_swiglu_probs`)."""
 
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor, counts: Groups
+        ctx: Any,
+        x: torch.Tensor,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        probs: torch.Tensor,
+        counts: Groups,
+        fused: bool = False,
     ) -> torch.Tensor:
-        # w1 [E, 2F, H], w2 [E, H, F]; the transposed views are what the products take (no copy).
-        h = grouped_mm(x, w1.transpose(1, 2), counts)  # [M, 2F]
-        gate, up = h.chunk(2, dim=-1)
-        act = F.silu(gate) * up
-        scaled = (act * probs.unsqueeze(-1)).to(act.dtype)
+        y, h = _swiglu_forward(x, w1, w2, probs, counts, fused)
         ctx.save_for_backward(x, w1, w2, probs, h)
-        ctx.counts = counts
-        return grouped_mm(scaled, w2.transpose(1, 2), counts)  # [M, H]
+        ctx.counts, ctx.fused = counts, fused
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w1, w2, probs, h = ctx.saved_tensors
-        counts = ctx.counts
-        dy = dy.contiguous()
-        # Elementwise gradients in at least fp32 (16-bit activations are upcast, float64 stays).
-        wide = torch.promote_types(h.dtype, torch.float32)
-        gate, up = (t.to(wide) for t in h.chunk(2, dim=-1))
-        sig = torch.sigmoid(gate)
-        silu = gate * sig
-        act = (F.silu(gate.to(h.dtype)) * up.to(h.dtype)).to(wide)  # the forward's activation, its rounding
-        scaled = (act * probs.unsqueeze(-1)).to(h.dtype)
-        dw2 = grouped_mm_weight(dy.t(), scaled, counts)  # [E, H, F]
-        dscaled = grouped_mm(dy, w2, counts).to(wide)  # [M, F]
-        dprobs = (dscaled * act).sum(-1).to(probs.dtype)
-        dact = dscaled * probs.to(wide).unsqueeze(-1)
-        dgate = dact * up * (sig * (1 + gate * (1 - sig)))
-        dup = dact * silu
-        dh = torch.cat([dgate, dup], dim=-1).to(h.dtype)  # [M, 2F]
-        dw1 = grouped_mm_weight(dh.t(), x, counts)  # [E, 2F, H]
-        dx = grouped_mm(dh, w1, counts)  # [M, H]
-        return dx, dw1, dw2, dprobs, None
+        dx, dw1, dw2, dprobs = _swiglu_backward(dy, x, w1, w2, probs, h, ctx.counts, ctx.fused, True)
+        return dx, dw1, dw2, dprobs, None, None
+
+
+_STACKS: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] | None = None
+"""Inside `cached_expert_stacks`: each layer's stacked expert weights (keyed by its first fc1 weight) and
+the parameters' version counters they were stacked at."""
+
+
+@contextlib.contextmanager
+def cached_expert_stacks() -> Iterator[None]:
+    """Within this context each MoE layer stacks its expert weights once (`ExpertUpdate.cache`): the engine
+    enters it around one mini-batch's forward + backward (rltrain/megatron/engine.py `run_schedule`), so
+    the optimizer, which changes the weights, runs outside it; the stacks are dropped on exit.
+
+    Why not keyed on the parameters' version counters alone: megatron's distributed optimizer writes the
+    new weights into its parameter buffer, which does not bump the parameters' own counters. The counters
+    are checked too, so an in-place change inside the context (a test, a user's hook) restacks. Memory:
+    the stacks of every MoE layer of the stage are held for the mini-batch, where per-call stacks were
+    held for each micro-batch in flight (the same at pp = 1; rlconf/plan/memory.py counts it)."""
+    global _STACKS
+    outer = _STACKS
+    _STACKS = {} if outer is None else outer  # nested: the outer context's stacks
+    try:
+        yield
+    finally:
+        _STACKS = outer
+
+
+def _stack(fc1: Sequence[torch.Tensor], fc2: Sequence[torch.Tensor], cache: bool) -> tuple[torch.Tensor, ...]:
+    """w1 [E, 2F, H], w2 [E, H, F] stacked without autograd; from `cached_expert_stacks` when `cache`."""
+    if not cache or _STACKS is None:
+        return torch.stack([w.detach() for w in fc1]), torch.stack([w.detach() for w in fc2])
+    versions = tuple(w._version for w in (*fc1, *fc2))
+    key = id(fc1[0])
+    hit = _STACKS.get(key)
+    if hit is not None and hit[0] == versions:
+        return hit[1], hit[2]
+    w1, w2 = torch.stack([w.detach() for w in fc1]), torch.stack([w.detach() for w in fc2])
+    _STACKS[key] = (versions, w1, w2)
+    return w1, w2
+
+
+def _into_main_grads(params: Sequence[torch.Tensor]) -> bool:
+    """Whether every parameter takes megatron DDP's fused weight-gradient protocol: a main_grad buffer (one
+    dtype for all), the `grad_added_to_main_grad` flag DDP resets in `zero_grad_buffer`, and no
+    `zero_out_wgrad` (megatron's hook adds param.grad for those whatever the flag; only the shared
+    embedding has it)."""
+    dtypes = set()
+    for p in params:
+        main = getattr(p, "main_grad", None)
+        if main is None or not hasattr(p, "grad_added_to_main_grad") or getattr(p, "zero_out_wgrad", False):
+            return False
+        dtypes.add(main.dtype)
+    return len(dtypes) == 1
+
+
+class ExpertParamsSwiGLU(torch.autograd.Function):
+    """`GroupedSwiGLU` over the experts' own weights: `weights` are the E fc1 weights [2F, H] then the E fc2
+    weights [H, F] (the parameters themselves), stacked inside forward without autograd (`_stack`; once
+    per mini-batch under `cached_expert_stacks` when `cache`).
+
+    Gradients: dW1 / dW2 come out stacked. Where every weight has megatron DDP's main_grad (`_into_main_grads`
+    and `main_grad`), they are added into the main_grads by one `torch._foreach_add_` (cast once to the
+    buffer's dtype), `grad_added_to_main_grad` is set, and the per-expert views of dW1 / dW2 are returned
+    as the parameters' gradients: DDP's hooks still fire (overlap_grad_reduce marks parameters ready in
+    them), see the flag and skip their own add_, and the views cost no copy (autograd takes an unshared
+    gradient of the parameter's layout as it is). This is Transformer Engine's and megatron's own
+    `gradient_accumulation_fusion` contract (tensor_parallel/layers.py), whose dummy gradient is a fresh
+    empty tensor. Otherwise the same views are the real gradients (no DDP: plain modules, tests)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: torch.Tensor,
+        probs: torch.Tensor,
+        groups: Groups,
+        fused: bool,
+        cache: bool,
+        main_grad: bool,
+        *weights: torch.Tensor,
+    ) -> torch.Tensor:
+        n = len(weights) // 2
+        w1, w2 = _stack(weights[:n], weights[n:], cache)
+        y, h = _swiglu_forward(x, w1, w2, probs, groups, fused)
+        ctx.save_for_backward(x, w1, w2, probs, h)
+        ctx.groups, ctx.fused, ctx.main_grad, ctx.params = groups, fused, main_grad, weights
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, w1, w2, probs, h = ctx.saved_tensors
+        params = ctx.params
+        need = ctx.needs_input_grad[6:]
+        dx, dw1, dw2, dprobs = _swiglu_backward(dy, x, w1, w2, probs, h, ctx.groups, ctx.fused, any(need))
+        if dw1 is None or dw2 is None:  # frozen experts (LoRA)
+            return dx, dprobs, None, None, None, None, *([None] * len(params))
+        grads = [*dw1.unbind(0), *dw2.unbind(0)]
+        if ctx.main_grad and all(need) and _into_main_grads(params):
+            mains = [p.main_grad for p in params]
+            wide = mains[0].dtype
+            torch._foreach_add_(mains, [*dw1.to(wide).unbind(0), *dw2.to(wide).unbind(0)])
+            for p in params:
+                p.grad_added_to_main_grad = True
+        else:
+            for p in params:  # a flag a fused call of this step left set would make DDP drop these gradients
+                if getattr(p, "grad_added_to_main_grad", False):
+                    p.grad_added_to_main_grad = False
+        return (
+            dx,
+            dprobs,
+            None,
+            None,
+            None,
+            None,
+            *(g if nd else None for g, nd in zip(grads, need, strict=True)),
+        )
+
+
+def expert_swiglu(
+    experts: Sequence[torch.nn.Module], x: torch.Tensor, probs: torch.Tensor, groups: Groups, config: Any
+) -> torch.Tensor:
+    """The training path's experts: `GroupedSwiGLU`'s math over expert-sorted rows x [M, H] with the
+    local experts' (megatron MLPs') own fc1 / fc2 weights, gradients reaching each expert's parameters.
+
+    `ExpertUpdate` picks the way: the weights as parameters of `ExpertParamsSwiGLU` (main_grad or cache on),
+    or stacked through autograd on every call into `GroupedSwiGLU` (both off, the path before them). The
+    elementwise work is compiled where the engine's fused kernels are on (`config.bias_activation_fusion`,
+    set by `model.fused_kernels`) and `ExpertUpdate.fuse`. The stacks are cached (`cached_expert_stacks`)
+    except under full recompute, which keeps one layer's activations at a time (a cache would hold every
+    layer's stack)."""
+    fused = bool(config.bias_activation_fusion) and ExpertUpdate.fuse
+    fc1 = [e.linear_fc1.weight for e in experts]
+    fc2 = [e.linear_fc2.weight for e in experts]
+    if not (ExpertUpdate.main_grad or ExpertUpdate.cache):
+        return GroupedSwiGLU.apply(x, torch.stack(fc1), torch.stack(fc2), probs, groups, fused)
+    cache = ExpertUpdate.cache and config.recompute_granularity != "full"
+    return ExpertParamsSwiGLU.apply(x, probs, groups, fused, cache, ExpertUpdate.main_grad, *fc1, *fc2)
 
 
 class GroupedGemmExperts(SequentialMLP):
@@ -147,10 +407,24 @@ class GroupedGemmExperts(SequentialMLP):
             groups = tokens_per_expert.cumsum(0).to(torch.int32)  # the kernel reads them on the device
         else:
             groups = [int(n) for n in tokens_per_expert.tolist()]
-        w1 = torch.stack([e.linear_fc1.weight for e in self.local_experts])
-        w2 = torch.stack([e.linear_fc2.weight for e in self.local_experts])
-        out = GroupedSwiGLU.apply(x.reshape(-1, x.shape[-1]), w1, w2, permuted_probs, groups)
+        out = expert_swiglu(
+            self.local_experts, x.reshape(-1, x.shape[-1]), permuted_probs, groups, self.config
+        )
         return out.view(*x.shape[:-1], out.shape[-1]), None
 
 
-__all__ = ["GroupedGemmExperts", "GroupedSwiGLU", "Groups", "grouped_mm", "grouped_mm_weight"]
+__all__ = [
+    "ExpertParamsSwiGLU",
+    "ExpertUpdate",
+    "GroupedGemmExperts",
+    "GroupedSwiGLU",
+    "Groups",
+    "cached_expert_stacks",
+    "expert_swiglu",
+    "fused_swiglu_probs",
+    "fused_swiglu_probs_backward",
+    "grouped_mm",
+    "grouped_mm_weight",
+    "swiglu_probs",
+    "swiglu_probs_backward",
+]

@@ -8,6 +8,8 @@ parameters and names). The CUDA kernel path (torch._grouped_mm, bf16) is timed b
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import replace
 
 import pytest
@@ -16,6 +18,7 @@ import torch.nn.functional as F
 
 from rlconf.config import ModelConfig
 
+from ..tolerance import assert_close, tolerance
 from ._common import actor_of, assert_export_round_trips
 from .test_moe import (
     MOE_CONFIGS,
@@ -118,3 +121,280 @@ def test_plan_carries_the_switch():
     cfg: RLConfig = get_preset("tiny-grpo-moe")
     cfg = replace(cfg, model=replace(cfg.model, moe_grouped_gemm=True))
     assert compile_plan(cfg).engine("actor").settings.transformer.moe_grouped_gemm
+
+
+# ------------------------------------------------------------------ the update path (moe_experts.ExpertUpdate)
+class _Experts(torch.nn.Module):
+    """E megatron-shaped experts (linear_fc1.weight [2F, H], linear_fc2.weight [H, F]) from stacked weights."""
+
+    def __init__(self, w1: torch.Tensor, w2: torch.Tensor) -> None:
+        super().__init__()
+        self.local_experts = torch.nn.ModuleList()
+        for a, b in zip(w1, w2, strict=True):
+            e = torch.nn.Module()
+            e.linear_fc1, e.linear_fc2 = torch.nn.Module(), torch.nn.Module()
+            e.linear_fc1.weight = torch.nn.Parameter(a.detach().clone())
+            e.linear_fc2.weight = torch.nn.Parameter(b.detach().clone())
+            self.local_experts.append(e)
+
+    def weights(self) -> list[torch.nn.Parameter]:
+        return [e.linear_fc1.weight for e in self.local_experts] + [
+            e.linear_fc2.weight for e in self.local_experts
+        ]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    """The two TransformerConfig fields `expert_swiglu` reads."""
+
+    bias_activation_fusion: bool = False
+    recompute_granularity: str | None = None
+
+
+@contextlib.contextmanager
+def _switches(on: bool):
+    from rltrain.megatron.moe_experts import ExpertUpdate
+
+    before = (ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache)
+    ExpertUpdate.set(on)
+    try:
+        yield
+    finally:
+        ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache = before
+
+
+def _run(experts: _Experts, x, probs, counts, dy, config=_Config()):
+    """Output, and the gradients of x, probs and every expert weight (as autograd leaves them)."""
+    from rltrain.megatron.moe_experts import expert_swiglu
+
+    x, probs = x.detach().requires_grad_(), probs.detach().requires_grad_()
+    out = expert_swiglu(experts.local_experts, x, probs, counts, config)
+    out.backward(dy)
+    grads = [x.grad, probs.grad] + [p.grad for p in experts.weights()]
+    for p in experts.weights():
+        p.grad = None
+    return out.detach(), grads
+
+
+@pytest.mark.parametrize("on", [False, True])
+def test_expert_params_path_gives_every_expert_parameter_its_gradient(on):
+    """Without DDP (no main_grad) both ways give each expert parameter the per-expert math's gradient
+    (float64), the expert without tokens zeros; switched on and off they are bit-identical."""
+    x, w1, w2, p = _inputs()
+    dy = torch.randn(sum(COUNTS), H, dtype=torch.float64)
+    want = _reference(x, w1, w2, p, COUNTS)
+    ref = torch.autograd.grad(want, (x, p, w1, w2), dy)
+    experts = _Experts(w1, w2)
+    with _switches(on):
+        out, grads = _run(experts, x, p, COUNTS, dy)
+    with _switches(not on):
+        out_other, grads_other = _run(experts, x, p, COUNTS, dy)
+    torch.testing.assert_close(out, want.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grads[0], ref[0], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(grads[1], ref[1], rtol=1e-10, atol=1e-12)
+    e = len(COUNTS)
+    for i in range(e):
+        torch.testing.assert_close(grads[2 + i], ref[2][i], rtol=1e-10, atol=1e-12, msg=f"fc1 {i}")
+        torch.testing.assert_close(grads[2 + e + i], ref[3][i], rtol=1e-10, atol=1e-12, msg=f"fc2 {i}")
+    assert bool((grads[3] == 0).all()) and bool((grads[3 + e] == 0).all())  # expert 1 has no token
+    assert torch.equal(out, out_other)
+    for a, b in zip(grads, grads_other, strict=True):
+        assert torch.equal(a, b)
+
+
+def _ddp_like(experts: _Experts, main_dtype: torch.dtype) -> dict[str, list]:
+    """megatron DDP's gradient protocol on the experts' weights: a main_grad per parameter, the
+    grad_added_to_main_grad flag, and its backward post-hook on each gradient accumulator
+    (distributed_data_parallel.py `_make_backward_post_hook`: add param.grad unless the flag says it was
+    added, then drop param.grad). Records each hook call's gradient storage."""
+    seen: dict[str, list] = {"fired": [], "storage": []}
+    keep = []
+    for i, param in enumerate(experts.weights()):
+        param.main_grad = torch.zeros(param.shape, dtype=main_dtype)
+        param.grad_added_to_main_grad = False
+
+        def hook(*_unused, param=param, i=i):
+            assert param.grad is not None  # what overlap_grad_reduce asserts
+            seen["fired"].append(i)
+            seen["storage"].append(param.grad.untyped_storage().data_ptr())
+            if not param.grad_added_to_main_grad:
+                param.main_grad.add_(param.grad.data)
+            param.grad = None
+
+        acc = param.expand_as(param).grad_fn.next_functions[0][0]
+        acc.register_hook(hook)
+        keep.append(acc)
+    seen["accumulators"] = keep
+    return seen
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_main_grads_accumulate_over_micro_batches_without_the_hooks_adding(dtype):
+    """With megatron DDP's protocol (fp32 main_grad, bf16 or fp32 weights), three micro-batches (different
+    rows, an expert without tokens in one) accumulate into main_grad exactly what DDP's per-parameter hooks
+    accumulate with the switches off; on, the hooks still fire for every parameter with a gradient (what
+    overlap_grad_reduce needs), the gradients they see are views of one stacked tensor per weight kind (no
+    copy per parameter), and the flag tells them not to add."""
+    g = torch.Generator().manual_seed(1)
+    e = len(COUNTS)
+    w1 = (torch.randn(e, 2 * FF, H, generator=g) * 0.3).to(dtype)
+    w2 = (torch.randn(e, H, FF, generator=g) * 0.3).to(dtype)
+    batches = []
+    for counts in (COUNTS, [1, 4, 0, 2], [2, 2, 2, 2]):
+        m = sum(counts)
+        batches.append((torch.randn(m, H, generator=g).to(dtype), torch.rand(m, generator=g), counts,
+                        torch.randn(m, H, generator=g).to(dtype)))  # fmt: skip
+    mains = {}
+    for on in (False, True):
+        experts = _Experts(w1, w2)
+        seen = _ddp_like(experts, torch.float32)
+        with _switches(on):
+            for x, p, counts, dy in batches:
+                _run(experts, x, p, counts, dy)
+        params = experts.weights()
+        for b in range(len(batches)):  # every hook once per micro-batch
+            assert sorted(seen["fired"][b * 2 * e : (b + 1) * 2 * e]) == list(range(2 * e))
+        assert all(p.grad is None for p in params)
+        assert all(p.grad_added_to_main_grad == on for p in params)
+        if on:  # per micro-batch: the E fc1 gradients share one storage, the E fc2 gradients another
+            for b in range(len(batches)):
+                storages = seen["storage"][b * 2 * e : (b + 1) * 2 * e]
+                assert len(set(storages)) == 2, storages
+        mains[on] = [p.main_grad.clone() for p in params]
+        assert any(bool(m.abs().sum() > 0) for m in mains[on])
+    for a, b in zip(mains[False], mains[True], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_stacks_are_made_once_per_context_and_again_after_an_in_place_change(monkeypatch):
+    """Inside `cached_expert_stacks` the second micro-batch reuses the first one's stacks; an in-place change
+    of a weight (its version counter) restacks; outside the context (and under full recompute) every call
+    stacks. Outputs equal the uncached path's."""
+    from rltrain.megatron import moe_experts
+    from rltrain.megatron.moe_experts import cached_expert_stacks
+
+    stacks = []
+    real_stack = torch.stack
+    monkeypatch.setattr(
+        moe_experts.torch, "stack", lambda ts, *a, **k: stacks.append(len(ts)) or real_stack(ts, *a, **k)
+    )
+    x, w1, w2, p = _inputs()
+    dy = torch.randn(sum(COUNTS), H, dtype=torch.float64)
+    experts = _Experts(w1, w2)
+    with _switches(True):
+        plain, _ = _run(experts, x, p, COUNTS, dy)
+        assert len(stacks) == 2  # fc1 and fc2, no cache outside the context
+        with cached_expert_stacks():
+            first, _ = _run(experts, x, p, COUNTS, dy)
+            second, _ = _run(experts, x, p, COUNTS, dy)
+            assert len(stacks) == 4
+            assert torch.equal(first, plain) and torch.equal(second, plain)
+            _run(experts, x, p, COUNTS, dy, _Config(recompute_granularity="full"))
+            assert len(stacks) == 6
+            with torch.no_grad():
+                experts.local_experts[2].linear_fc2.weight.mul_(2)
+            changed, _ = _run(experts, x, p, COUNTS, dy)
+            assert len(stacks) == 8
+            assert not torch.equal(changed, plain)
+        assert moe_experts._STACKS is None
+        _run(experts, x, p, COUNTS, dy)
+        assert len(stacks) == 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_elementwise_equals_eager_and_compiles_once_across_row_counts(dtype):
+    """The compiled SwiGLU x probability and its backward equal the eager functions within the dtype's
+    rounding, for row counts 0, 1 and more; each compiles one graph for the dtype (a recompile raises)."""
+    from torch._dynamo.utils import counters
+
+    from rltrain.megatron.moe_experts import (
+        fused_swiglu_probs,
+        fused_swiglu_probs_backward,
+        swiglu_probs,
+        swiglu_probs_backward,
+    )
+
+    g = torch.Generator().manual_seed(2)
+    torch._dynamo.reset()
+    before = counters["stats"]["unique_graphs"]
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for m in (7, 1, 0, 33, 2):
+            h = torch.randn(m, 2 * FF, generator=g).to(dtype)
+            probs = torch.rand(m, generator=g)
+            dscaled = torch.randn(m, FF, generator=g).to(dtype)
+            got = fused_swiglu_probs(h, probs)
+            want = swiglu_probs(h, probs)
+            assert got.dtype == want.dtype and got.shape == want.shape
+            assert_close(got, want, reduction=2)
+            for a, b in zip(fused_swiglu_probs_backward(h, probs, dscaled), swiglu_probs_backward(h, probs, dscaled),
+                            strict=True):  # fmt: skip
+                assert a.dtype == b.dtype and a.shape == b.shape
+                # dp is fp32 but sums the activation eager rounds to the input's dtype: that dtype's rounding.
+                magnitude = float(b.abs().max()) if b.numel() else 1.0
+                torch.testing.assert_close(
+                    a.float(), b.float(), **tolerance(dtype, 2 * FF, magnitude=magnitude)
+                )
+    assert counters["stats"]["unique_graphs"] - before == 2
+
+
+def test_fused_switch_follows_the_engines_fused_kernels(monkeypatch):
+    """`expert_swiglu` runs the compiled elementwise functions only where the config says fused kernels
+    (`bias_activation_fusion`) and the switch is on; gradients through them match the eager path's."""
+    from rltrain.megatron import moe_experts
+
+    calls = []
+    for name in ("fused_swiglu_probs", "fused_swiglu_probs_backward"):
+        eager = getattr(moe_experts, name.removeprefix("fused_"))
+        monkeypatch.setattr(moe_experts, name, lambda *t, _n=name, _f=eager: calls.append(_n) or _f(*t))
+    x, w1, w2, p = _inputs(torch.float32)
+    dy = torch.randn(sum(COUNTS), H)
+    experts = _Experts(w1, w2)
+    with _switches(True):
+        _, eager = _run(experts, x, p, COUNTS, dy)
+        assert calls == []
+        _, fused = _run(experts, x, p, COUNTS, dy, _Config(bias_activation_fusion=True))
+        assert calls == ["fused_swiglu_probs", "fused_swiglu_probs_backward"]
+    with _switches(False):
+        _run(experts, x, p, COUNTS, dy, _Config(bias_activation_fusion=True))
+        assert len(calls) == 2
+    for a, b in zip(fused, eager, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_update_through_megatron_ddp_equals_the_path_before(mp_world, qwen3_moe):
+    """A grouped-GEMM actor's update (megatron DDP and distributed optimizer on gloo, fp32, four
+    micro-batches of two rows into one optimizer step) gives the same main_grads and the same parameters
+    after the step with the update path's switches on as off: the gradients went into main_grad by the
+    multi-tensor add (the flag is still set after the step) and the stacks were reused across micro-batches."""
+    from rltrain.megatron import moe_experts
+    from rltrain.megatron.model import unwrap
+
+    batch = _batch()
+    results = {}
+    for on in (False, True):
+        with _switches(on):
+            actor = _actor(qwen3_moe, True)
+            old = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+            stacks: list[torch.Tensor] = []
+
+            def record(*args, _real=moe_experts._stack, _out=stacks):
+                w1, w2 = _real(*args)
+                _out.append(w1)
+                return w1, w2
+
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(moe_experts, "_stack", record)
+                actor.update_policy(_rl_batch(batch, old))
+            model = unwrap(actor.chunks[0])
+            named = dict(model.named_parameters())
+            experts = [n for n in named if ".experts.local_experts." in n]
+            assert experts
+            assert all(named[n].grad_added_to_main_grad == on for n in experts)
+            # On: 2 layers x 4 micro-batches, one stack per layer from the context's cache; off: none (the
+            # weights stacked through autograd instead).
+            assert (len(stacks), len({id(t) for t in stacks})) == ((8, 2) if on else (0, 0))
+            results[on] = {n: (p.main_grad.clone(), p.detach().clone()) for n, p in named.items()}
+    assert results[True].keys() == results[False].keys()
+    for n, (grad, param) in results[True].items():
+        assert torch.equal(grad, results[False][n][0]), n
+        assert torch.equal(param, results[False][n][1]), n
