@@ -298,14 +298,28 @@ def _into_main_grads(params: Sequence[torch.Tensor]) -> bool:
     return len(dtypes) == 1
 
 
+# The most bytes of expert gradients cast to the main_grad dtype for one foreach add: a whole layer's dW in
+# fp32 at once would be a transient of GBs for 30B-class models (4 bytes per local expert parameter) at the
+# backward's peak, which the memory estimate does not hold; 256 MiB keeps it to a few adds per layer.
+MAIN_GRAD_CHUNK_BYTES = 256 * 2**20
+
+
+def _add_into_main_grads(mains: Sequence[torch.Tensor], dw: torch.Tensor) -> None:
+    """main_grads[e] += dw[e] for the stacked gradients dw [E, ...], a chunk of experts per foreach add."""
+    wide = mains[0].dtype
+    chunk = max(1, MAIN_GRAD_CHUNK_BYTES // max(1, dw[0].numel() * wide.itemsize))
+    for lo in range(0, dw.shape[0], chunk):
+        torch._foreach_add_(list(mains[lo : lo + chunk]), dw[lo : lo + chunk].to(wide).unbind(0))
+
+
 class ExpertParamsSwiGLU(torch.autograd.Function):
     """`GroupedSwiGLU` over the experts' own weights: `weights` are the E fc1 weights [2F, H] then the E fc2
     weights [H, F] (the parameters themselves), stacked inside forward without autograd (`_stack`; once
     per mini-batch under `cached_expert_stacks` when `cache`).
 
     Gradients: dW1 / dW2 come out stacked. Where every weight has megatron DDP's main_grad (`_into_main_grads`
-    and `main_grad`), they are added into the main_grads by one `torch._foreach_add_` (cast once to the
-    buffer's dtype), `grad_added_to_main_grad` is set, and the per-expert views of dW1 / dW2 are returned
+    and `main_grad`), they are added into the main_grads by `torch._foreach_add_` (cast to the buffer's
+    dtype a chunk of experts at a time, `MAIN_GRAD_CHUNK_BYTES`), `grad_added_to_main_grad` is set, and the per-expert views of dW1 / dW2 are returned
     as the parameters' gradients: DDP's hooks still fire (overlap_grad_reduce marks parameters ready in
     them), see the flag and skip their own add_, and the views cost no copy (autograd takes an unshared
     gradient of the parameter's layout as it is). This is Transformer Engine's and megatron's own
@@ -340,9 +354,9 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
             return dx, dprobs, None, None, None, None, *([None] * len(params))
         grads = [*dw1.unbind(0), *dw2.unbind(0)]
         if ctx.main_grad and all(need) and _into_main_grads(params):
-            mains = [p.main_grad for p in params]
-            wide = mains[0].dtype
-            torch._foreach_add_(mains, [*dw1.to(wide).unbind(0), *dw2.to(wide).unbind(0)])
+            n = len(params) // 2
+            _add_into_main_grads([p.main_grad for p in params[:n]], dw1)
+            _add_into_main_grads([p.main_grad for p in params[n:]], dw2)
             for p in params:
                 p.grad_added_to_main_grad = True
         else:
@@ -370,14 +384,17 @@ def expert_swiglu(
     or stacked through autograd on every call into `GroupedSwiGLU` (both off, the path before them). The
     elementwise work is compiled where the engine's fused kernels are on (`config.bias_activation_fusion`,
     set by `model.fused_kernels`) and `ExpertUpdate.fuse`. The stacks are cached (`cached_expert_stacks`)
-    except under full recompute, which keeps one layer's activations at a time (a cache would hold every
-    layer's stack)."""
+    except where megatron recomputes the MoE layer (full recompute, or selective with "moe"), which keeps
+    one layer's activations at a time: a cache would hold every layer's stack."""
     fused = bool(config.bias_activation_fusion) and ExpertUpdate.fuse
     fc1 = [e.linear_fc1.weight for e in experts]
     fc2 = [e.linear_fc2.weight for e in experts]
     if not (ExpertUpdate.main_grad or ExpertUpdate.cache):
         return GroupedSwiGLU.apply(x, torch.stack(fc1), torch.stack(fc2), probs, groups, fused)
-    cache = ExpertUpdate.cache and config.recompute_granularity != "full"
+    recomputed = config.recompute_granularity == "full" or (
+        config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or ())
+    )
+    cache = ExpertUpdate.cache and not recomputed
     return ExpertParamsSwiGLU.apply(x, probs, groups, fused, cache, ExpertUpdate.main_grad, *fc1, *fc2)
 
 

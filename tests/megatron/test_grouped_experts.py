@@ -145,10 +145,11 @@ class _Experts(torch.nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    """The two TransformerConfig fields `expert_swiglu` reads."""
+    """The TransformerConfig fields `expert_swiglu` reads."""
 
     bias_activation_fusion: bool = False
     recompute_granularity: str | None = None
+    recompute_modules: tuple[str, ...] | None = None
 
 
 @contextlib.contextmanager
@@ -228,13 +229,19 @@ def _ddp_like(experts: _Experts, main_dtype: torch.dtype) -> dict[str, list]:
     return seen
 
 
+@pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-add", "an-add-per-expert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_main_grads_accumulate_over_micro_batches_without_the_hooks_adding(dtype):
+def test_main_grads_accumulate_over_micro_batches_without_the_hooks_adding(dtype, chunk_bytes, monkeypatch):
     """With megatron DDP's protocol (fp32 main_grad, bf16 or fp32 weights), three micro-batches (different
     rows, an expert without tokens in one) accumulate into main_grad exactly what DDP's per-parameter hooks
     accumulate with the switches off; on, the hooks still fire for every parameter with a gradient (what
     overlap_grad_reduce needs), the gradients they see are views of one stacked tensor per weight kind (no
-    copy per parameter), and the flag tells them not to add."""
+    copy per parameter), and the flag tells them not to add. The same whether the experts' fp32 gradients
+    are added all at once or in chunks (`MAIN_GRAD_CHUNK_BYTES`, here down to one expert per add)."""
+    from rltrain.megatron import moe_experts
+
+    if chunk_bytes is not None:
+        monkeypatch.setattr(moe_experts, "MAIN_GRAD_CHUNK_BYTES", chunk_bytes)
     g = torch.Generator().manual_seed(1)
     e = len(COUNTS)
     w1 = (torch.randn(e, 2 * FF, H, generator=g) * 0.3).to(dtype)
@@ -268,8 +275,8 @@ def test_main_grads_accumulate_over_micro_batches_without_the_hooks_adding(dtype
 
 def test_stacks_are_made_once_per_context_and_again_after_an_in_place_change(monkeypatch):
     """Inside `cached_expert_stacks` the second micro-batch reuses the first one's stacks; an in-place change
-    of a weight (its version counter) restacks; outside the context (and under full recompute) every call
-    stacks. Outputs equal the uncached path's."""
+    of a weight (its version counter) restacks; outside the context (and where megatron recomputes the MoE
+    layer) every call stacks. Outputs equal the uncached path's."""
     from rltrain.megatron import moe_experts
     from rltrain.megatron.moe_experts import cached_expert_stacks
 
@@ -291,14 +298,33 @@ def test_stacks_are_made_once_per_context_and_again_after_an_in_place_change(mon
             assert torch.equal(first, plain) and torch.equal(second, plain)
             _run(experts, x, p, COUNTS, dy, _Config(recompute_granularity="full"))
             assert len(stacks) == 6
+            # megatron recomputes the MoE layer: a cache would hold every layer's stack at once.
+            _run(
+                experts,
+                x,
+                p,
+                COUNTS,
+                dy,
+                _Config(recompute_granularity="selective", recompute_modules=("moe",)),
+            )
+            assert len(stacks) == 8
+            _run(
+                experts,
+                x,
+                p,
+                COUNTS,
+                dy,
+                _Config(recompute_granularity="selective", recompute_modules=("mlp",)),
+            )
+            assert len(stacks) == 8  # other modules recomputed: the cached stacks serve
             with torch.no_grad():
                 experts.local_experts[2].linear_fc2.weight.mul_(2)
             changed, _ = _run(experts, x, p, COUNTS, dy)
-            assert len(stacks) == 8
+            assert len(stacks) == 10
             assert not torch.equal(changed, plain)
         assert moe_experts._STACKS is None
         _run(experts, x, p, COUNTS, dy)
-        assert len(stacks) == 10
+        assert len(stacks) == 12
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
