@@ -815,11 +815,22 @@ def training_gaps(arch: ModelArch, from_folder: bool = False) -> list[tuple[str,
 
 
 def expert_layout_issues(
-    arch: ModelArch, source: str, ep: int, etp: int, tp: int = 1, sequence_parallel: bool = True
+    arch: ModelArch,
+    source: str,
+    ep: int,
+    etp: int,
+    tp: int = 1,
+    sequence_parallel: bool = True,
+    overlap_param_gather: bool = False,
 ) -> list[tuple[str, str, str]]:
     """(megatron field, message, fix) for each way expert parallel size `ep` and expert tensor parallel size
-    `etp` cannot split `arch`'s experts (`source` names where the architecture comes from), and for MoE
-    training at tensor parallel size `tp` > 1 without sequence parallel (megatron-core refuses it)."""
+    `etp` cannot split `arch`'s experts (`source` names where the architecture comes from), for MoE
+    training at tensor parallel size `tp` > 1 without sequence parallel (megatron-core refuses it), and for
+    MoE training with the distributed optimizer's overlapped parameter all-gather (`overlap_param_gather`,
+    as the plan would run it): megatron waits for a gathered weight only in the forward pre-hook of the
+    module that owns it, and rlplan's MoE layers (grouped-GEMM experts, the rollout engine's static MoE
+    layers) read the experts' weights without calling those modules, so they could read weights whose
+    all-gather has not landed."""
     if arch.num_moe_experts is None:
         if ep > 1:
             return [("expert_model_parallel_size", f"expert parallel needs mixture-of-experts layers, and "
@@ -839,6 +850,11 @@ def expert_layout_issues(
         out.append(("sequence_parallel", f"{source} is a mixture of experts and tensor parallel size is {tp}: "
                     "megatron-core trains MoE layers with tensor parallel only with sequence parallel",
                     "set sequence_parallel: true"))  # fmt: skip
+    if overlap_param_gather:
+        out.append(("override_ddp_config.overlap_param_gather", f"{source} is a mixture of experts: rlplan's MoE "
+                    "layers read the expert weights directly, and megatron's overlapped parameter all-gather "
+                    "waits for a weight only when the module that owns it runs, so experts could read weights "
+                    "before their all-gather lands", "set override_ddp_config.overlap_param_gather: false"))  # fmt: skip
     return out
 
 

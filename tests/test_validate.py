@@ -20,6 +20,10 @@ CASES = [
     # expert layout
     (["cluster.gpus_per_node=4", "actor.megatron.expert_model_parallel_size=3"],
      "actor.megatron.expert_model_parallel_size", "world-divisible-by-model-parallel", "error"),
+    # MoE training with the overlapped parameter all-gather: rlplan's MoE layers read expert weights directly
+    (["model.arch.num_moe_experts=4", "model.arch.family=qwen3_moe", "model.arch.moe_ffn_hidden_size=64",
+      "actor.megatron.override_ddp_config.overlap_param_gather=true"],
+     "actor.megatron.override_ddp_config.overlap_param_gather", "engine-support", "error"),
     # heads divisible by tp; query groups divide tp or are divisible by it (heads 6, groups 3, tp 2)
     (["cluster.gpus_per_node=2", "actor.megatron.tensor_model_parallel_size=2", "model.arch.num_attention_heads=6",
       "model.arch.num_query_groups=3", "model.arch.hidden_size=96"],

@@ -24,6 +24,7 @@ from rlconf.plan.roles import (
     builds_model_arch,
     configured_roles,
     data_parallel,
+    gathers_params_async,
     head_issues,
     layer_split_issues,
     megatron_roles,
@@ -117,7 +118,7 @@ def engine_support(c: RLConfig) -> Iterator[Issue]:
         for path, message, fix in expert_layout_issues(
             c.model.arch, "model.arch", m.expert_model_parallel_size,
             m.expert_tensor_parallel_size or m.tensor_model_parallel_size, m.tensor_model_parallel_size,
-            m.sequence_parallel,
+            m.sequence_parallel, gathers_params_async(f"{prefix}.megatron", m),
         ):  # fmt: skip
             yield error(f"{prefix}.megatron.{path}", message, fix, "engine-support")
 

@@ -35,6 +35,7 @@ from rlconf.plan.model_fit import engine_gap_issues, sliding_window_issue
 from rlconf.plan.roles import (
     checkpointed_roles,
     data_parallel,
+    gathers_params_async,
     head_issues,
     layer_split_issues,
     megatron_of,
@@ -247,7 +248,9 @@ def role_layouts(
             # the same rule names.
             issues += _arch_layout_issues(spec, role, tp_path, tp, pp, vpp, m)
             for field, message, fix in (
-                expert_layout_issues(arch, spec.source, ep, etp, tp, sp) if role != "rollout" else ()
+                expert_layout_issues(arch, spec.source, ep, etp, tp, sp, gathers_params_async(prefix, m))
+                if role != "rollout" and m is not None
+                else ()
             ):
                 path = tp_path.replace("tensor_model_parallel_size", field)
                 issues.append(error(path, message, fix, "engine-support"))

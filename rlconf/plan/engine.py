@@ -16,7 +16,7 @@ from rlconf.config import (
 )
 from rlconf.errors import ConfigError
 from rlconf.fields import get_path
-from rlconf.plan.roles import megatron_of, packing_blocker, packing_issue, role_spec
+from rlconf.plan.roles import megatron_of, overlaps_param_gather, packing_blocker, packing_issue, role_spec
 from rlconf.plan.types import (
     ENGINE_ROLES,
     DdpSettings,
@@ -93,7 +93,7 @@ def _settings(c: RLConfig, role: str, arch: ModelArch) -> EngineSettings:
             use_distributed_optimizer=m.use_distributed_optimizer,
             grad_reduce_in_fp32=ddp.grad_reduce_in_fp32,
             overlap_grad_reduce=ddp.overlap_grad_reduce,
-            overlap_param_gather=ddp.overlap_param_gather and m.use_distributed_optimizer,
+            overlap_param_gather=overlaps_param_gather(m),
             bucket_size=ddp.bucket_size,
             average_in_collective=ddp.average_in_collective,
         ),

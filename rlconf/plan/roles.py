@@ -267,6 +267,19 @@ def trained_roles(c: RLConfig) -> list[RoleSpec]:
     return [ROLE_SPECS[r] for r in configured_roles(c) if ROLE_SPECS[r].trained]
 
 
+def overlaps_param_gather(m: MegatronConfig) -> bool:
+    """Whether a layout runs megatron's overlapped parameter all-gather: override_ddp_config's
+    overlap_param_gather, which only the distributed optimizer has (off without it)."""
+    return m.override_ddp_config.overlap_param_gather and m.use_distributed_optimizer
+
+
+def gathers_params_async(megatron_path: str, m: MegatronConfig) -> bool:
+    """Whether the role whose megatron section is at `megatron_path` (e.g. "actor.megatron") trains (actor,
+    critic) with the overlapped parameter all-gather after each optimizer step (`overlaps_param_gather`)."""
+    trained = any(spec.trained and spec.megatron == megatron_path for spec in ROLE_SPECS.values())
+    return trained and overlaps_param_gather(m)
+
+
 def megatron_roles(c: RLConfig) -> Iterator[tuple[str, MegatronConfig, int]]:
     """(config prefix, layout, world size) for every trained or frozen Megatron role the config enables."""
     for role in configured_roles(c):
