@@ -104,11 +104,6 @@ def decode_attention_inputs(
     return query
 
 
-@functools.cache
-def _compiled_decode_attention_inputs() -> Callable[..., torch.Tensor]:
-    return torch.compile(decode_attention_inputs, dynamic=False, fullgraph=True)
-
-
 def fused_decode_attention_inputs(
     mixed: torch.Tensor,
     cos: torch.Tensor,
@@ -128,8 +123,26 @@ def fused_decode_attention_inputs(
         torch._dynamo.decorators.mark_unbacked(t, dim)
     for cache in (k_cache, v_cache):  # the rollout's length (prompt + new tokens), at least 2
         torch._dynamo.decorators.mark_dynamic(cache, 0)
-    return compiled_or_eager(_compiled_decode_attention_inputs(), decode_attention_inputs, mixed, cos, sin,
+    return compiled_or_eager(compiled(decode_attention_inputs), decode_attention_inputs, mixed, cos, sin,
                              k_cache, v_cache, *rest)  # fmt: skip
+
+
+@functools.cache
+def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` torch.compile'd whole, its sizes static (dynamic=False: the widths are the model's), compiled once
+    per function: callers mark the row count unbacked (`unbacked_rows`) so that one graph per model shape
+    and dtype serves every batch."""
+    return torch.compile(fn, dynamic=False, fullgraph=True)
+
+
+def unbacked_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors detached and contiguous with their row count (dim 0) unbacked: no row count (0 and 1
+    among them), stride or view base is guarded on. Rows of different tensors are separate symbols; a
+    compiled function that relates them says so with torch._check."""
+    rows = [t.detach().contiguous() for t in tensors]
+    for r in rows:
+        torch._dynamo.decorators.mark_unbacked(r, 0)
+    return rows
 
 
 def compiled_or_eager(compiled: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:

@@ -44,7 +44,6 @@ load-balancing loss, z-loss and replay are the router's own, so they are unchang
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -220,15 +219,6 @@ def dispatch(
     return rows, p, inverse, offsets
 
 
-def scaled_swiglu(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Between the grouped GEMMs: megatron's SwiGLU of h [M, 2F] ([gate, up]) times each row's probability p
-    [M], in `GroupedSwiGLU.forward`'s order and dtypes (the product in the promoted dtype, then rounded to
-    the activation's), so eager it is the same bits."""
-    gate, up = h.chunk(2, dim=-1)
-    act = F.silu(gate) * up
-    return (act * p.unsqueeze(-1)).to(act.dtype)
-
-
 def combine(y: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """After the second grouped GEMM: each token's k expert outputs (rows `inverse` [T, k] of y [T k, H])
     summed in fp32 (a deterministic sum, where megatron scatter-adds) and cast to `dtype`: [T, H]."""
@@ -244,30 +234,6 @@ def _fused_dispatch_rows(
     return dispatch(x, index, probs, by_rank=True)
 
 
-def _fused_swiglu_rows(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    torch._check(p.shape[0] == h.shape[0])
-    return scaled_swiglu(h, p)
-
-
-@functools.cache
-def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    return torch.compile(fn, dynamic=False, fullgraph=True)
-
-
-def _run_compiled(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn` compiled (once per model shape and dtype: the callers mark the rows unbacked), or eagerly past
-    torch's recompile limit (`fused.compiled_or_eager`)."""
-    return fused.compiled_or_eager(_compiled(fn), fn, *args)
-
-
-def _unbacked(t: torch.Tensor) -> torch.Tensor:
-    """t detached and contiguous (no view base or stride to guard on) with its row count unbacked, so the
-    compiled glue sees every row count (a step's rows, a one-row tail, a prefill) as one shape."""
-    t = t.detach().contiguous()
-    torch._dynamo.decorators.mark_unbacked(t, 0)
-    return t
-
-
 def fused_dispatch(
     x: torch.Tensor, index: torch.Tensor, probs: torch.Tensor, by_rank: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -275,23 +241,18 @@ def fused_dispatch(
     (`by_rank` False, batches past RANK_DISPATCH_MAX_PAIRS) stays eager: there kernels are not the cost."""
     if not by_rank:
         return dispatch(x, index, probs, by_rank=False)
-    return _run_compiled(_fused_dispatch_rows, _unbacked(x), _unbacked(index), _unbacked(probs))
-
-
-def fused_scaled_swiglu(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """`scaled_swiglu` as one compiled elementwise kernel (the product rounded once: not eager's bits in 16
-    bits)."""
-    return _run_compiled(_fused_swiglu_rows, _unbacked(h), _unbacked(p))
+    rows = fused.unbacked_rows(x, index, probs)
+    return fused.compiled_or_eager(fused.compiled(_fused_dispatch_rows), _fused_dispatch_rows, *rows)
 
 
 def fused_combine(y: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`combine` compiled: one gather-and-sum kernel."""
-    return _run_compiled(combine, _unbacked(y), _unbacked(inverse), dtype)
+    return fused.compiled_or_eager(fused.compiled(combine), combine, *fused.unbacked_rows(y, inverse), dtype)
 
 
 @dataclass(frozen=True)
 class DecodeGlue:
-    """The generation path's MoE glue around the grouped GEMMs: `dispatch`, `scaled_swiglu`, `combine`
+    """The generation path's MoE glue around the grouped GEMMs: `dispatch`, `moe_experts.swiglu_probs`, `combine`
     (EAGER_GLUE) or their compiled versions (FUSED_GLUE, the engine's choice under `fused_kernels`)."""
 
     dispatch: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -299,8 +260,8 @@ class DecodeGlue:
     combine: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
 
 
-EAGER_GLUE = DecodeGlue(dispatch, scaled_swiglu, combine)
-FUSED_GLUE = DecodeGlue(fused_dispatch, fused_scaled_swiglu, fused_combine)
+EAGER_GLUE = DecodeGlue(dispatch, moe_experts.swiglu_probs, combine)
+FUSED_GLUE = DecodeGlue(fused_dispatch, moe_experts.fused_swiglu_probs, fused_combine)
 
 
 def moe_forward(
@@ -346,12 +307,9 @@ def moe_forward(
         if mlp.use_shared_expert:
             out = out + mlp.shared_experts(hidden)
         return (out, None), index
-    flat = index.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # expert-major, token order within an expert
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    counts = torch.zeros(len(experts), dtype=torch.int32, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offsets = counts.cumsum(0, dtype=torch.int32)
+    # Expert-major, token order within an expert (the stable argsort: any batch size, autograd).
+    order, inverse, offsets = expert_positions(index, len(experts), by_rank=False)
+    inverse = inverse.reshape(-1)
     p = probs.gather(1, index).reshape(-1).index_select(0, order)
     rows = _ExpertRows.apply(x, order, inverse, k)
     if weights is not None:
@@ -407,9 +365,7 @@ __all__ = [
     "expert_positions",
     "fused_combine",
     "fused_dispatch",
-    "fused_scaled_swiglu",
     "is_moe",
     "moe_forward",
-    "scaled_swiglu",
     "unsupported",
 ]

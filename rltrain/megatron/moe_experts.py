@@ -31,15 +31,14 @@ multi-tensor add (instead of DDP's hook per expert weight); the stacks made once
 from __future__ import annotations
 
 import contextlib
-import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from rltrain.megatron.fused import compiled_or_eager
+from rltrain.megatron.fused import compiled, compiled_or_eager, unbacked_rows
 
 
 def _use_grouped_kernel(t: torch.Tensor) -> bool:
@@ -159,24 +158,9 @@ def _swiglu_probs_backward_rows(
     return swiglu_probs_backward(h, probs, dscaled)
 
 
-@functools.cache
-def _compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    # dynamic=False: the widths (H, F) are the model's; the row count alone varies and is unbacked.
-    return torch.compile(fn, dynamic=False, fullgraph=True)
-
-
-def _unbacked_rows(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """Detached contiguous tensors whose row count (dim 0) is unbacked: no row count (a micro-batch's tokens
-    x top-k, 0 or 1 among them), stride or view base is guarded on, so one graph serves every batch."""
-    rows = [t.detach().contiguous() for t in tensors]
-    for r in rows:
-        torch._dynamo.decorators.mark_unbacked(r, 0)
-    return rows
-
-
 def fused_swiglu_probs(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
     """`swiglu_probs` torch.compile'd (one kernel, fp32 inside, one rounding), once per dtype."""
-    return compiled_or_eager(_compiled(_swiglu_probs_rows), _swiglu_probs_rows, *_unbacked_rows(h, probs))
+    return compiled_or_eager(compiled(_swiglu_probs_rows), _swiglu_probs_rows, *unbacked_rows(h, probs))
 
 
 def fused_swiglu_probs_backward(
@@ -184,8 +168,8 @@ def fused_swiglu_probs_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`swiglu_probs_backward` torch.compile'd, once per dtype (eager's ~20 kernels of [M, F] in fp32
     become a pointwise kernel and the dp reduction)."""
-    rows = _unbacked_rows(h, probs, dscaled)
-    return compiled_or_eager(_compiled(_swiglu_probs_backward_rows), _swiglu_probs_backward_rows, *rows)
+    rows = unbacked_rows(h, probs, dscaled)
+    return compiled_or_eager(compiled(_swiglu_probs_backward_rows), _swiglu_probs_backward_rows, *rows)
 
 
 def _swiglu_forward(

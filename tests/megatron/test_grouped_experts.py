@@ -365,13 +365,14 @@ def test_compiled_elementwise_equals_eager_and_compiles_once_across_row_counts(d
 
 def test_fused_switch_follows_the_engines_fused_kernels(monkeypatch):
     """`expert_swiglu` runs the compiled elementwise functions only where the config says fused kernels
-    (`bias_activation_fusion`) and the switch is on; gradients through them match the eager path's."""
+    (`bias_activation_fusion`) and the switch is on; the gradients through them (compiled for real) match
+    the eager path's to rounding."""
     from rltrain.megatron import moe_experts
 
     calls = []
     for name in ("fused_swiglu_probs", "fused_swiglu_probs_backward"):
-        eager = getattr(moe_experts, name.removeprefix("fused_"))
-        monkeypatch.setattr(moe_experts, name, lambda *t, _n=name, _f=eager: calls.append(_n) or _f(*t))
+        real = getattr(moe_experts, name)
+        monkeypatch.setattr(moe_experts, name, lambda *t, _n=name, _f=real: calls.append(_n) or _f(*t))
     x, w1, w2, p = _inputs(torch.float32)
     dy = torch.randn(sum(COUNTS), H)
     experts = _Experts(w1, w2)
@@ -384,7 +385,7 @@ def test_fused_switch_follows_the_engines_fused_kernels(monkeypatch):
         _run(experts, x, p, COUNTS, dy, _Config(bias_activation_fusion=True))
         assert len(calls) == 2
     for a, b in zip(fused, eager, strict=True):
-        assert torch.equal(a, b)
+        assert_close(a, b, reduction=max(sum(COUNTS), 2 * FF))
 
 
 def test_update_through_megatron_ddp_equals_the_path_before(mp_world, qwen3_moe):

@@ -152,6 +152,7 @@ def test_decode_attention_inputs_past_the_recompile_limit_run_eagerly():
     session) run the same function eagerly, with a warning, instead of failing."""
     from rltrain.megatron import fused
 
+    fused._warn_eager_once.cache_clear()  # the warning is once per function and process
     gen = torch.Generator().manual_seed(4)
     limit = torch._dynamo.config.recompile_limit
     with torch._dynamo.config.patch(recompile_limit=2), pytest.warns(UserWarning, match="recompile limit"):
@@ -246,9 +247,8 @@ def test_moe_decode_glue_compiles_once_across_row_counts():
             for g, w in zip(got, want, strict=True):
                 assert g.dtype == w.dtype and torch.equal(g, w), tokens
             h = torch.randn(tokens * k, 2 * ffn, generator=gen)
-            assert_close(
-                moe_decode.fused_scaled_swiglu(h, want[1]), moe_decode.scaled_swiglu(h, want[1]), reduction=1
-            )
+            fused_glue, eager_glue = moe_decode.FUSED_GLUE, moe_decode.EAGER_GLUE
+            assert_close(fused_glue.swiglu(h, want[1]), eager_glue.swiglu(h, want[1]), reduction=1)
             y = torch.randn(tokens * k, hidden, generator=gen)
             assert_close(
                 moe_decode.fused_combine(y, want[2], torch.float32),
@@ -260,8 +260,9 @@ def test_moe_decode_glue_compiles_once_across_row_counts():
 
 def test_moe_decode_glue_past_the_recompile_limit_runs_eagerly():
     """More MoE shapes in one process than torch compiles run the glue eagerly, with a warning."""
-    from rltrain.megatron import moe_decode
+    from rltrain.megatron import fused, moe_decode
 
+    fused._warn_eager_once.cache_clear()  # the warning is once per function and process
     gen = torch.Generator().manual_seed(7)
     with torch._dynamo.config.patch(recompile_limit=1), pytest.warns(UserWarning, match="recompile limit"):
         for experts in (3, 4, 5):  # the expert count is static: a new graph each
