@@ -13,8 +13,9 @@ Reported (decode_tail_gpu.json in --out):
                  kernels per step, glue unfused / fused)
   generate       `MegatronActor.generate(cuda_graph=True)` of the preset's rollout with every row ending at
                  a long-tailed length (RLPLAN_BENCH_FORCE_EOS, mean 40% of the maximum): seconds, tokens/s,
-                 number of compactions and graph captures and the seconds they took, with the step's glue (attention inputs, mask, sampler) as megatron's modules one
-                 by one and fused, side by side, and the fused rollout again (its shapes captured before)
+                 number of compactions and graph captures and the seconds they took, with the step's
+                 glue (attention inputs, mask, sampler) as megatron's modules one by one and fused, side by
+                 side, and the fused rollout again (its shapes seen before in the process)
 
 Run on the GPU machine:  python3 bench/decode_tail_gpu.py --out $OUT
 CPU smoke:  OMP_NUM_THREADS=1 .venv/bin/python bench/decode_tail_gpu.py --arch tiny --device cpu --rows 8 \

@@ -298,7 +298,7 @@ def capture_graph(device: str, fn: Callable[[], Any], pool: Any = None) -> tuple
     """
     import torch
 
-    side = _capture_stream()
+    side = _capture_stream(torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         fn()
@@ -311,7 +311,7 @@ def _capture(torch: Any, fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
     cache before every capture, so the KV cache a compaction has just freed goes back to the driver and
     the next allocations pay cudaMalloc again."""
     graph = torch.cuda.CUDAGraph()
-    stream = _capture_stream()
+    stream = _capture_stream(torch.cuda.current_device())
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         graph.capture_begin(*(() if pool is None else (pool,)))
@@ -324,12 +324,12 @@ def _capture(torch: Any, fn: Callable[[], Any], pool: Any) -> tuple[Any, Any]:
 
 
 @functools.cache
-def _capture_stream() -> Any:
-    """One side stream for every capture and warm-up of the process (one device per process), so their
-    allocations come from one stream's cached blocks."""
+def _capture_stream(device_index: int) -> Any:
+    """One side stream per device for every capture and warm-up on it, so their allocations come from one
+    stream's cached blocks."""
     import torch
 
-    return torch.cuda.Stream()
+    return torch.cuda.Stream(device=device_index)
 
 
 # ============================================================================================ processes

@@ -113,8 +113,8 @@ def fused_decode_attention_inputs(
     *rest: Any,
 ) -> torch.Tensor:
     """`decode_attention_inputs` (the same arguments) torch.compile'd, the caches written in place (no
-    copy of them), compiled once per attention shape and dtype: the row count is unbacked (a static step's rows, 1 for a rollout's
-    last row) and the cache length dynamic, so no row set, rollout length, key bucket or layer compiles it
+    copy of them), compiled once per attention shape and dtype: the row count is unbacked (a static
+    step's rows, 1 for a rollout's last row) and the cache length dynamic, so no row set, rollout length, key bucket or layer compiles it
     again. The other sizes (heads, head dim) are static: with them symbolic too, inductor emitted code
     naming an undefined size for the q/k norm (torch 2.13)."""
     mixed = mixed.detach()

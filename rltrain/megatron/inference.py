@@ -60,7 +60,6 @@ own inference does the same) and restored afterwards. Context parallel is not su
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -145,29 +144,44 @@ def sample_unfiltered(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`sample_tokens` at temperature > 0 without filters, from the output layer's logits as they are
     ([B, >= vocab] in its dtype; the columns past `vocab` are the padded vocabulary): (tokens, log-probs).
-    Compiled under the plan's fused kernels (`fused_sample_unfiltered`) the float copy, the maximum, the
-    block sums of the weights and the log-prob read the logits twice instead of writing and re-reading
-    [B, V] fp32 copies (~0.45 ms of a 1.5B decode step at 256 rows, docs/benchmarks.md).
 
     `temperature` may be a 0-d fp32 tensor on the logits' device (the static step's buffer): the compiled
-    function then serves every temperature with one graph (a Python float is a constant it specialises
-    on). Dividing by 1.0 is exact, so both forms give `sample_tokens`' numbers."""
+    form (`fused_sample_unfiltered`) then serves every temperature with one graph (a Python float is a
+    constant it specialises on). Dividing by 1.0 is exact, so both forms give the same numbers."""
+    return _draw_unfiltered(logits, vocab, temperature, uniform, at_reads=False)
+
+
+def _draw_unfiltered(
+    logits: torch.Tensor,
+    vocab: int,
+    temperature: float | torch.Tensor,
+    uniform: torch.Tensor,
+    at_reads: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_unfiltered`. `at_reads`: the cast and temperature are applied wherever the logits are read
+    (the maximum, the block sums, the gathers), so a compiled caller never writes the fp32 [B, V] copy
+    (~0.45 ms of a 1.5B decode step at 256 rows, docs/benchmarks.md); eagerly they are applied once, into
+    that copy (applied at every read, eager kernels would write it three times). The same numbers."""
     divide = isinstance(temperature, torch.Tensor) or temperature != 1.0
 
     def scale(raw: torch.Tensor) -> torch.Tensor:
-        # Applied wherever the logits are read (the maximum, the block sums, the gathers), so a compiled
-        # caller never writes the fp32 [B, V] copy: every kernel reads the output layer's logits.
         return raw.float() / temperature if divide else raw.float()
 
     raw = logits[:, :vocab]
+    if not at_reads:
+        raw, scale = scale(raw), _identity
     top = scale(raw).amax(-1, keepdim=True)
     tok, mass = inverse_cdf(raw, top, uniform, scale)
     return tok, scale(raw.gather(1, tok[:, None])).squeeze(1) - (top.squeeze(1) + mass.log())
 
 
-@functools.cache
-def _compiled_sample_unfiltered() -> Any:
-    return torch.compile(sample_unfiltered, dynamic=False, fullgraph=True)
+def _sample_unfiltered_rows(
+    logits: torch.Tensor, vocab: int, temperature: float | torch.Tensor, uniform: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_unfiltered` over unbacked rows (the same count for the logits and the uniforms), the scale
+    applied at every read."""
+    torch._check(uniform.shape[0] == logits.shape[0])
+    return _draw_unfiltered(logits, vocab, temperature, uniform, at_reads=True)
 
 
 def fused_sample_unfiltered(
@@ -176,11 +190,9 @@ def fused_sample_unfiltered(
     """`sample_unfiltered` torch.compile'd once per logits dtype (the row count unbacked; a float
     temperature adds one graph per value, a tensor one does not). Past torch's recompile limit it runs
     eagerly, with a warning (`fused.compiled_or_eager`)."""
-    logits, uniform = logits.detach(), uniform.detach()
-    torch._dynamo.decorators.mark_unbacked(logits, 0)
-    torch._dynamo.decorators.mark_unbacked(uniform, 0)
+    logits, uniform = fused.unbacked_rows(logits, uniform)
     return fused.compiled_or_eager(
-        _compiled_sample_unfiltered(), sample_unfiltered, logits, vocab, temperature, uniform
+        fused.compiled(_sample_unfiltered_rows), sample_unfiltered, logits, vocab, temperature, uniform
     )
 
 
@@ -198,7 +210,8 @@ def inverse_cdf(
     token whose cumulative weight reaches u x the total, that total [B]). With `scale`, the distribution
     is softmax(scale(logits)), `scale` elementwise (the unfiltered sampler's cast and temperature).
 
-    `top` [B, 1] is at least each row's largest logit, so the weights exp(logits - top) cannot overflow.
+    `top` [B, 1] is at least each row's largest (scaled) logit, so the weights exp(scale(logits) - top)
+    cannot overflow.
     Two levels instead of a cumulative sum over the whole vocabulary (a [B, V] scan was 0.48 ms of a
     10 ms 1.5B decode step at B = 512, docs/benchmarks.md): per-block sums pick the block, then a scan
     over that block's CDF_BLOCK weights picks the token. Searches look for the first cumulative weight >=
@@ -413,9 +426,10 @@ class KVCacheGenerator:
     MoE layers run `moe_decode.moe_forward` (static shapes, no host sync) where `moe_decode.unsupported`
     accepts them and `static_moe` is on (the class switch; benchmarks turn it off to time megatron's
     MoELayer), else megatron's MoELayer; their glue around the grouped GEMMs is `moe_decode.DecodeGlue`'s
-    (dispatch by rank, compiled under the plan's fused kernels) while `fuse_moe_glue` is on. The static step's attention inputs (split, q/k norm, RoPE, cache
-    write) run as one function (`fused.decode_attention_inputs`, compiled under the plan's fused kernels)
-    where `_qk_norms` accepts the layer, and its mask is SDPA's additive one, built once per step.
+    (dispatch by rank, compiled under the plan's fused kernels) while `fuse_moe_glue` is on. The static
+    step's attention inputs (split, q/k norm, RoPE, cache write) run as one function
+    (`fused.decode_attention_inputs`, compiled under the plan's fused kernels) where `_qk_norms` accepts
+    the layer, and its mask is SDPA's additive one, built once per step.
     `routing` holds the top-k experts of the last forward's static MoE
     layers (by router layer number); `silent_routing` keeps them from an attached replay recorder.
     """
@@ -712,8 +726,11 @@ class StaticDecodeStep:
     unmasks its own column on the device. One graph is
     captured per bucket the decode reaches, on first use, for this set of rows (compaction builds a new
     step over the new cache). Forward, logits and sampling are all inside the graph; sampling parameters
-    are fixed per call. Graphs share one memory pool and are freed with this object, at the end of a
-    `generate` call, so no memory outlives a rollout.
+    are fixed per call (the temperature is a buffer, so one compiled sampler serves every temperature).
+    The steps of one `generate` call (one per compaction) capture into one memory pool; a step a
+    compaction replaced stays alive until the call ends (freeing its graphs would drop the pool's use
+    count to 0, and capturing into it again trips the CUDA caching allocator's assert), so no graph
+    memory outlives a rollout.
 
     Where the device layer has no graphs (cpu, npu) the same static-shape step runs eagerly (the CPU tests
     check it that way against the dynamic path). Pipeline parallel is not captured (the point-to-point

@@ -327,8 +327,8 @@ def moe_forward(
 class GroupedMoELayer(MoELayer):
     """megatron's MoELayer (same submodules, parameters, checkpoints) whose forward is `moe_forward` where
     `unsupported` accepts the layer (`model.moe_grouped_gemm`): no token-count copy to the host, the
-    permutation an argsort on the device, all experts in `GroupedSwiGLU` with device offsets. megatron's
-    own forward runs otherwise (expert parallel, expert TP, recomputation of the MoE layer, ...) and while
+    permutation an argsort on the device, all experts in `moe_experts.expert_swiglu` with device offsets.
+    megatron's own forward runs otherwise (expert parallel, expert TP, recomputation of the MoE layer, ...) and while
     the class switch `static` is off (benchmarks time megatron's path with it)."""
 
     static = True

@@ -303,8 +303,8 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
 
     Gradients: dW1 / dW2 come out stacked. Where every weight has megatron DDP's main_grad (`_into_main_grads`
     and `main_grad`), they are added into the main_grads by `torch._foreach_add_` (cast to the buffer's
-    dtype a chunk of experts at a time, `MAIN_GRAD_CHUNK_BYTES`), `grad_added_to_main_grad` is set, and the per-expert views of dW1 / dW2 are returned
-    as the parameters' gradients: DDP's hooks still fire (overlap_grad_reduce marks parameters ready in
+    dtype a chunk of experts at a time, `MAIN_GRAD_CHUNK_BYTES`), `grad_added_to_main_grad` is set, and
+    the per-expert views of dW1 / dW2 are returned as the parameters' gradients: DDP's hooks still fire (overlap_grad_reduce marks parameters ready in
     them), see the flag and skip their own add_, and the views cost no copy (autograd takes an unshared
     gradient of the parameter's layout as it is). This is Transformer Engine's and megatron's own
     `gradient_accumulation_fusion` contract (tensor_parallel/layers.py), whose dummy gradient is a fresh
@@ -384,7 +384,7 @@ def expert_swiglu(
 
 class GroupedGemmExperts(SequentialMLP):
     """megatron's SequentialMLP (parameters, checkpoints, HF names unchanged) whose forward runs every local
-    expert through `GroupedSwiGLU` (SwiGLU experts without bias, as all families here have)."""
+    expert through `expert_swiglu` (SwiGLU experts without bias, as all families here have)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
