@@ -147,6 +147,53 @@ def test_a_session_reuses_only_the_matching_prefix(actor):
     assert_tiny_close(cached["rollout_log_probs"], plain["rollout_log_probs"])
 
 
+def test_static_decode_with_a_session_keeps_the_rows_a_compaction_kept_finished(actor, monkeypatch):
+    """The static (CUDA-graph) decode step with a session: compactions keep a power of two of rows, i.e.
+    some rows that already stopped stay in the cache (harvested at the end, not when they stopped). Both
+    calls of a two-call conversation give what the same calls give without a session, and the second
+    reuses the cached columns, also of a row that stayed in the cache after it stopped."""
+    from rltrain.data import left_pad
+    from rltrain.megatron import inference
+    from rltrain.megatron.inference import KVSession, generate_with_kv_cache
+
+    kept = []
+    real = inference._power_of_two_rows
+    monkeypatch.setattr(
+        inference,
+        "_power_of_two_rows",
+        lambda still: kept.append((int(still.sum()), int(real(still).sum()))) or real(still),
+    )
+    tok = CharTokenizer()
+    contexts = [tok.encode(t) for t in ("12*34=<", "5+6=", "7-1=", "99*9=", "3+3=", "8/2=")]
+    seeds = list(range(20, 26))
+    ids, mask = left_pad(contexts, tok.pad_token_id)
+    free = generate_with_kv_cache(
+        actor, ids, mask, 6, temperature=1.0, pad_id=tok.pad_token_id, row_seeds=seeds
+    )
+    # Stop on the first token rows 0-2 sample: at least three of six rows stop at once (a compaction).
+    stops = sorted({int(free["responses"][i, 0]) for i in range(3)})
+    kw = dict(
+        temperature=1.0, pad_id=tok.pad_token_id, row_seeds=seeds, stop_token_ids=stops, static_decode=True
+    )
+    session = KVSession()
+    first = generate_with_kv_cache(actor, ids, mask, 6, session=session, row_ids=list(range(6)), **kw)
+    assert any(n_kept > n for n, n_kept in kept), kept  # a compaction kept a finished row
+    plain_first = generate_with_kv_cache(actor, ids, mask, 6, **kw)
+    assert torch.equal(first["responses"], plain_first["responses"])
+    assert_tiny_close(first["rollout_log_probs"], plain_first["rollout_log_probs"])
+    # Every row goes on after its response and an observation.
+    later = [
+        c + first["responses"][i][first["response_mask"][i].bool()].tolist() + tok.encode("=1")
+        for i, c in enumerate(contexts)
+    ]
+    ids, mask = left_pad(later, tok.pad_token_id)
+    cached = generate_with_kv_cache(actor, ids, mask, 6, session=session, row_ids=list(range(6)), **kw)
+    plain = generate_with_kv_cache(actor, ids, mask, 6, **kw)
+    assert session.reused_tokens >= sum(len(c) for c in contexts)  # every row's first context came back
+    assert torch.equal(cached["responses"], plain["responses"])
+    assert_tiny_close(cached["rollout_log_probs"], plain["rollout_log_probs"])
+
+
 # ------------------------------------------------------------------------------------ asynchronous tools
 _SCRIPT_TOOL = """
 import os, time, uuid
