@@ -915,6 +915,11 @@ def generate_with_kv_cache(
             if reuse is not None:
                 generated = [responses[i][resp_mask[i].bool()].tolist() for i in range(b)]
                 reuse[0].store(harvest, reuse[1], reuse[2], p, generated)
+        if static:
+            # Captures no longer empty the allocator's cache (devices.capture_graph); blocks the warm-ups
+            # left cached for the capture stream would stay out of the training passes' reach (a stream's
+            # cached blocks serve that stream only), so they go back once per rollout.
+            devices.empty_cache(actor.device)
     elif session is not None and row_ids is not None:
         session.drop(list(row_ids))  # nothing generated: nothing to hold (the next call prefills them)
     return rollout_batch(left, left_mask, responses, resp_mask, logps)
