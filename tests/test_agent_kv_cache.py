@@ -19,6 +19,7 @@ from rlconf.plan.run import tool_plan
 from rltrain.rollout.agent import AgentLoop, WorkerRolloutClient
 from rltrain.rollout.generation import RolloutServer
 from rltrain.tokenizer import CharTokenizer
+from tests.megatron._common import spawn
 
 from .megatron._common import (
     CountForwards,
@@ -348,7 +349,7 @@ def test_dp_tp_and_pp_layouts_keep_the_cache_and_match_one_process(actor, tiny_h
     """DP=2 (rows sharded by the client, each on one rank for the whole rollout), TP=2 and PP=2 keep the
     cache and give the single process's rollout (the same weights, loaded from one folder)."""
     ref = {"batch": rollout(_client(_Worker(actor, temperature=1.0), cache=True)).batch}
-    torch.multiprocessing.spawn(_layout_worker, args=(free_port(), tiny_hf, ref), nprocs=2, join=True)
+    spawn(_layout_worker, args=(free_port(), tiny_hf, ref), nprocs=2, join=True)
 
 
 @pytest.mark.slow

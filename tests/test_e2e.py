@@ -57,18 +57,6 @@ def test_tiny_grpo_run_writes_the_run_folder(tmp_path):
     assert (profile / "profile_summary.md").exists()
 
 
-def test_tiny_ppo_trains_critic_and_uses_kl_in_reward(tmp_path):
-    out = tmp_path / "ppo"
-    # critic_warmup 0: the preset trains its critic alone for 5 steps; here the actor updates from step 1.
-    result = rltrain("tiny-ppo", "--trainer.total_steps", "2", "--trainer.critic_warmup", "0",
-                     "--trainer.output_dir", str(out))  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    rows = metrics(out)
-    assert len(rows) == 2
-    assert all("critic/vf_loss" in r and "actor/reward_kl" in r for r in rows)
-    assert all(r["actor/ppo_kl_k3"] >= 0 for r in rows)  # the plot's per-update KL: k3 is never negative
-
-
 def test_data_parallel_and_tensor_parallel_runs(tmp_path):
     """2 worker processes: DP=2 splits the responses, TP=2 shares them (dispatch follows the rank grid)."""
     for name, flags in (
@@ -95,7 +83,9 @@ def test_reward_rises_on_the_tiny_task(tmp_path):
 
 def test_tiny_ppo_reward_rises(tmp_path):
     """tiny-ppo learns as visibly as tiny-grpo (the README lists both among presets that learn in minutes):
-    on 2 cores the last 10 of 60 steps averaged 0.32 against 0.03 for the first 10, and validation rose."""
+    on 2 cores the last 10 of 60 steps averaged 0.32 against 0.03 for the first 10, and validation rose.
+    The same run checks that the critic trains and the KL penalty is in the reward (one run, not two:
+    each CLI run costs ~30 s of start-up on 2 cores)."""
     out = tmp_path / "ppo-learn"
     result = rltrain("tiny-ppo", "--trainer.total_steps", "60", "--trainer.test_freq", "30",
                      "--trainer.save_freq", "0", "--trainer.output_dir", str(out))  # fmt: skip
@@ -107,6 +97,11 @@ def test_tiny_ppo_reward_rises(tmp_path):
     val = [r["val/reward/mean"] for r in rows if "val/reward/mean" in r]
     before = [r["val_before/reward/mean"] for r in rows if "val_before/reward/mean" in r]
     assert before and val and val[-1] > before[0], (before, val)
+    # The critic trains and the KL penalty is in the reward at every step; the actor updates after the
+    # preset's critic warm-up, and its per-update KL (the plot's k3) is never negative.
+    assert all("critic/vf_loss" in r and "actor/reward_kl" in r for r in rows)
+    updates = [r["actor/ppo_kl_k3"] for r in rows if r.get("actor/ppo_kl_k3") is not None]
+    assert len(updates) >= len(rows) - 5 and all(k >= 0 for k in updates), updates
 
 
 # Wall-clock measurements; every other metric of a step is a function of (seed, step) on one machine.

@@ -87,7 +87,7 @@ def test_runner_cuts_off_a_hanging_tool_without_holding_up_the_others(tmp_path, 
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     cfg = tool_plan(MultiTurnConfig(tools=("my_tools:slow", "my_tools:crash", "my_tools:loud", "calculator"),
-                          tool_timeout_s=1.0, max_tool_response_length=64, max_parallel_tools=4))  # fmt: skip
+                          tool_timeout_s=3.0, max_tool_response_length=64, max_parallel_tools=4))  # fmt: skip
     runner = ToolRunner(cfg)
     t0 = time.perf_counter()
     hang, crash, loud, ok, unknown = runner.run_many([
@@ -97,12 +97,14 @@ def test_runner_cuts_off_a_hanging_tool_without_holding_up_the_others(tmp_path, 
     ])  # fmt: skip
     elapsed = time.perf_counter() - t0
     runner.close()
-    assert elapsed < 5  # the hanging call's worker is killed at its deadline
+    assert elapsed < 10  # the hanging call's worker is killed at its deadline (3 s), not after its 30 s
     assert hang.error and "timed out" in hang.text
     assert crash.error and "RuntimeError: tool bug" in crash.text
     assert loud.truncated and not loud.error and len(loud.text) <= 64 + 3
     assert (ok.text, ok.error) == ("376", False)
-    assert ok.seconds < 1.0  # not held up by the hanging call
+    # Not held up by the hanging call: done before the hanging call's deadline (a loaded machine may take
+    # a second to start a sandbox, so the deadline is 3 s, not 1).
+    assert ok.seconds < cfg.tool_timeout_s
     assert unknown.error and "unknown tool" in unknown.text
 
 

@@ -128,6 +128,31 @@ def assert_export_round_trips(
     assert type(loaded).__name__ == hf_class, msg
 
 
+# What every spawned test process imports anyway (torch, megatron-core, transformers, rltrain's engine): the
+# fork server imports it once per test session and forks each child from there, so a child starts in
+# milliseconds instead of re-importing ~10 s of modules (on 2 cores, the bulk of a multi-process test).
+FORKSERVER_PRELOAD = [
+    "torch",
+    "megatron.core",
+    "transformers",
+    "rltrain.megatron.engine",
+    "tests.megatron._common",
+]
+
+
+def spawn(fn: Callable[..., None], args: tuple = (), nprocs: int = 1, join: bool = True) -> object:
+    """torch.multiprocessing.spawn's contract (fn(rank, *args) in `nprocs` processes, a child's failure
+    raised here) with children forked from a fork server that preloaded FORKSERVER_PRELOAD. A fork server
+    is a fresh single-threaded process (not this one, with its threads and gloo groups), so each child is
+    as clean as a spawned one."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)
+    return mp.start_processes(fn, args=args, nprocs=nprocs, join=join, start_method="forkserver")
+
+
 def run_spawned(fn: Callable[..., None], *args: object) -> None:
     """Body of a torch.multiprocessing.spawn child on CPU: one thread, and the child's traceback printed
     (mp.spawn reports only the exception type of a child otherwise)."""

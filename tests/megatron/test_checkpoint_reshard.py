@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ._common import (
     UPDATE_DEPTH,
     actor_cfg,
@@ -154,9 +156,7 @@ def test_reshard_tp_pp_dp_with_optimizer(mp_world, tiny_hf, tmp_path):
     ref = _train_save_continue(str(tiny_hf), _cfg(), rl, tmp_path / "tp1" / "actor", slice(None))
     assert read_role_meta(tmp_path / "tp1" / "actor")["optimizer_sharding"] == "fully_reshardable"
 
-    torch.multiprocessing.spawn(
-        _worker, args=(2, free_port(), str(tiny_hf), str(tmp_path), rl, ref), nprocs=2, join=True
-    )
+    spawn(_worker, args=(2, free_port(), str(tiny_hf), str(tmp_path), rl, ref), nprocs=2, join=True)
 
     # TP=2 and PP=2 checkpoints at TP=1: the same log-probs, and the next update continues their run.
     results = torch.load(tmp_path / "worker_results.pt", weights_only=False)
@@ -215,6 +215,4 @@ def test_four_processes_tp2pp2_save_resumes_at_tp2dp2(mp_world, tiny_hf, tmp_pat
     del frozen
     ref = _train_save_continue(str(tiny_hf), _cfg(), rl, tmp_path / "tp1" / "actor", slice(None))
     ref["initial"] = initial
-    torch.multiprocessing.spawn(
-        _four_worker, args=(4, free_port(), str(tiny_hf), str(tmp_path), rl, ref), nprocs=4, join=True
-    )
+    spawn(_four_worker, args=(4, free_port(), str(tiny_hf), str(tmp_path), rl, ref), nprocs=4, join=True)

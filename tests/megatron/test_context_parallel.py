@@ -26,6 +26,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tests.megatron._common import spawn
+
 from ..tolerance import rel_tolerance
 from ._common import (
     TINY_REDUCTION,
@@ -140,7 +142,7 @@ def test_cp2_matches_cp1_and_transformers(mp_world, tiny_hf, tmp_path):
     hf_ent = -(lp_all.exp() * lp_all).sum(-1) * batch["response_mask"]
     rl = _rl(batch, hf_lp)
     cp1 = _run_engines(str(tiny_hf), 1, rl)
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tiny_hf), rl, str(tmp_path)), nprocs=2)
+    spawn(_worker, args=(free_port(), str(tiny_hf), rl, str(tmp_path)), nprocs=2)
     diffs = {}
     for rank in range(2):
         cp2 = torch.load(tmp_path / f"cp2_rank{rank}.pt")
@@ -228,7 +230,7 @@ def test_cp2_holds_only_its_own_chunk_of_the_logits(mp_world, tiny_hf, tmp_path)
     that is 4 x 14 = 56 positions of V; the whole sequence would be 112."""
     batch = _batch()
     rl = _rl(batch, _cp1_log_probs(str(tiny_hf), batch))
-    torch.multiprocessing.spawn(_logits_worker, args=(free_port(), str(tiny_hf), rl, str(tmp_path)), nprocs=2)
+    spawn(_logits_worker, args=(free_port(), str(tiny_hf), rl, str(tmp_path)), nprocs=2)
     local_rows = 4 * 28 // 2
     for rank in range(2):
         rows = torch.load(tmp_path / f"rows_rank{rank}.pt")

@@ -18,6 +18,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ..tolerance import rel_tolerance
 from ._common import UPDATE_DEPTH, assert_tiny_close, free_port, init_groups, run_spawned
 from .test_moe import MOE_DEPTH, MOE_REDUCTION, _actor, _batch, _layout_cfg, _rl_batch, make_tiny_moe
@@ -100,7 +102,7 @@ def test_cp2_with_moe_matches_cp1(mp_world, tmp_path):
     # The load-balancing loss moves the weights: the two updates differ, so each comparison below checks it.
     assert not torch.equal(cp1["after_0.0"], cp1["after_None"])
     assert float((cp1["after_0.0"] - cp1["log_probs"]).abs().max()) > 1e-4  # the update moved the policy
-    torch.multiprocessing.spawn(_worker, args=(free_port(), path, rl, str(tmp_path)), nprocs=2)
+    spawn(_worker, args=(free_port(), path, rl, str(tmp_path)), nprocs=2)
     diffs: dict[str, float] = {}
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")

@@ -19,6 +19,8 @@ import os
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ._common import (
     UPDATE_DEPTH,
     actor_of,
@@ -91,7 +93,7 @@ def test_cp2_pp2_and_vpp2_match_cp1(mp_world, tiny_hf, tmp_path):
     rl = _rl(batch, old)
     ref = _run(str(tiny_hf), 1, 1, rl)
     assert float((ref["after"] - ref["log_probs"]).abs().max()) > 1e-4  # the update moved the policy
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(tiny_hf), rl, str(tmp_path)), nprocs=4)
+    spawn(_worker, args=(free_port(), str(tiny_hf), rl, str(tmp_path)), nprocs=4)
     diffs = {}
     for rank in range(4):  # every stage returns the last stage's results
         for name, *_ in LAYOUTS:

@@ -11,6 +11,8 @@ import threading
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 # megatron-core warns about missing apex / Transformer Engine and deprecated arguments on every build.
 _QUIET = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
@@ -241,9 +243,7 @@ def test_pipeline_sends_do_not_wait_for_their_receive(tmp_path):
     interleaved schedule posts only in a later call (NCCL lets the send finish)."""
     from ._common import free_port
 
-    ctx = torch.multiprocessing.spawn(
-        _crossing_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False
-    )
+    ctx = spawn(_crossing_worker, args=(free_port(), str(tmp_path)), nprocs=2, join=False)
     import time
 
     deadline = time.monotonic() + 120

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from rlconf.config import ModelConfig
+from tests.megatron._common import spawn
 
 from ._common import (
     TINY,
@@ -288,9 +289,7 @@ def test_families_at_tp2_and_pp2_match_transformers_and_round_trip(mp_world, tmp
         assert torch.equal(ref["gen"], _hf_greedy(Path(ref["path"]), ref["prompts"])), ref["family"]
     out_dir = tmp_path / "exports"
     out_dir.mkdir()
-    torch.multiprocessing.spawn(
-        _layouts_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True
-    )
+    spawn(_layouts_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True)
 
     batch = _parity_batches()[1]
     for family, src in folders.items():

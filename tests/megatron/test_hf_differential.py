@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from rlconf.config import ModelConfig
+from tests.megatron._common import spawn
 
 from ..test_hf_config_json import v4_style
 from ..tolerance import assert_close
@@ -212,9 +213,7 @@ def test_tp2_and_pp2_match_transformers_and_export_the_source(mp_world, folders,
     }
     out_dir = tmp_path / "exports"
     out_dir.mkdir()
-    torch.multiprocessing.spawn(
-        _layouts_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True
-    )
+    spawn(_layouts_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True)
     for name, src in folders.items():
         for layout, _, _ in LAYOUTS:
             assert_source_again(src, out_dir / f"{name}_{layout}", f"{name} {layout}")

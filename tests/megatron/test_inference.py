@@ -16,6 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.megatron._common import spawn
+
 from ..tolerance import assert_close
 from ._common import (
     CountForwards,
@@ -409,7 +411,7 @@ def test_tp_and_pp_layouts_match_single_process(actor):
         "sampled_lp": sampled["rollout_log_probs"],
     }
     hf_path = actor.spec.model.weights
-    torch.multiprocessing.spawn(_layout_worker, args=(2, free_port(), hf_path, ref), nprocs=2, join=True)
+    spawn(_layout_worker, args=(2, free_port(), hf_path, ref), nprocs=2, join=True)
 
 
 @settings(max_examples=60, deadline=None)

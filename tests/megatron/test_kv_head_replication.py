@@ -21,6 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ._common import (
     TINY,
     UPDATE_DEPTH,
@@ -157,7 +159,7 @@ def test_tp_above_the_kv_heads_matches_tp_equal_to_them(mp_world, tmp_path):
     )["log_probs"]
     rl = _rl(batch, old)
     ref = _train(str(hf), 1, rl)
-    torch.multiprocessing.spawn(_worker, args=(free_port(), str(hf), rl, str(tmp_path)), nprocs=2)
+    spawn(_worker, args=(free_port(), str(hf), rl, str(tmp_path)), nprocs=2)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     report: dict[str, float] = {}
     # training at TP = 2 over one KV head

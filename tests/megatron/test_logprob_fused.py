@@ -15,6 +15,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ..tolerance import assert_close
 from ._common import free_port, init_groups, run_spawned
 
@@ -204,4 +206,4 @@ def test_fused_equals_eager_at_tp2():
         "ent": ent.detach(),
         "grad": full.grad,
     }
-    torch.multiprocessing.spawn(_tp2_worker, args=(2, free_port(), ref), nprocs=2, join=True)
+    spawn(_tp2_worker, args=(2, free_port(), ref), nprocs=2, join=True)

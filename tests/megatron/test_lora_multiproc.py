@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlconf.config import LoraConfig, Optim
+from tests.megatron._common import spawn
 
 from ..tolerance import rel_tolerance
 from ._common import (
@@ -126,9 +127,7 @@ def test_lora_layouts_match_tp1(mp_world, tiny_hf, tmp_path):
     assert (ref["before"] - ref["after"]).abs().max() > 1e-3
     payload = {"before": ref["before"], "after": ref["after"], "grad_norm": ref["grad_norm"]}
     del ref
-    torch.multiprocessing.spawn(
-        _worker, args=(2, free_port(), str(tiny_hf), adapter, str(tmp_path), payload), nprocs=2, join=True
-    )
+    spawn(_worker, args=(2, free_port(), str(tiny_hf), adapter, str(tmp_path), payload), nprocs=2, join=True)
     expected = load_file(str(tmp_path / "after_tp1" / "adapter_model.safetensors"))
     for name, *_ in LAYOUTS:
         got = load_file(str(tmp_path / f"after_{name}" / "adapter_model.safetensors"))

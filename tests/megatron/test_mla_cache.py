@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlconf.config import ModelConfig
+from tests.megatron._common import spawn
 
 from ..tolerance import assert_close
 from ._common import actor_cfg, actor_of, make_batch
@@ -189,9 +190,7 @@ def test_the_latent_cache_in_tp2_pp2_and_ep2_layouts(mp_world, tmp_path):
     rank, args = CASES["q-lora"]
     path = make_deepseek_v3(tmp_path / "hf", rank, **args)
     out = tmp_path / "greedy.pt"
-    torch.multiprocessing.spawn(
-        _layouts_worker, args=(2, free_port(), str(path), str(out)), nprocs=2, join=True
-    )
+    spawn(_layouts_worker, args=(2, free_port(), str(path), str(out)), nprocs=2, join=True)
     single = actor_of(
         ModelConfig(path=str(path), attention_backend="sdpa"), actor_cfg(), "cpu", trainable=False
     )

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rlconf.config import MegatronConfig, ModelConfig
+from tests.megatron._common import spawn
 
 from ..tolerance import assert_close
 from ._common import actor_cfg, actor_of, batch_from_lengths, free_port, hf_logits, init_groups, run_spawned
@@ -206,9 +207,7 @@ def test_ep2_and_tp2_match_transformers_and_export_the_source(mp_world, folders,
             "cases": {n: {"path": str(p), "expected": references[n]} for n, p in folders.items()}}  # fmt: skip
     out_dir = tmp_path / "exports"
     out_dir.mkdir()
-    torch.multiprocessing.spawn(
-        _layouts_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True
-    )
+    spawn(_layouts_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True)
     for name, src in folders.items():
         for layout, _ in LAYOUTS:
             assert_source_again(src, out_dir / f"{name}_{layout}", f"{name} {layout}")

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from rlconf.config import ModelConfig, Optim
+from tests.megatron._common import spawn
 
 from ..tolerance import rel_tolerance
 from ._common import (
@@ -284,7 +285,7 @@ def test_moe_at_ep2_and_tp2_ep2_match_transformers_and_ep1(mp_world, tmp_path):
             "updates": updates, "gen": gen}  # fmt: skip
     out_dir = tmp_path / "exports"
     out_dir.mkdir()
-    torch.multiprocessing.spawn(_ep_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True)
+    spawn(_ep_worker, args=(2, free_port(), refs, str(out_dir)), nprocs=2, join=True)
     for family, src in folders.items():
         for name, *_ in EP_LAYOUTS:
             assert_same_safetensors(src, out_dir / f"{family}_{name}")
@@ -390,7 +391,7 @@ def test_moe_checkpoints_reshard_across_expert_parallel(mp_world, tmp_path):
     rl = _rl_batch(batch, old)
     cfg = _layout_cfg(aux=0.0)
     ref = _train_save_continue(path, cfg, rl, tmp_path / "ep1" / "actor")
-    torch.multiprocessing.spawn(_ckpt_worker, args=(2, free_port(), path, str(tmp_path), rl, ref), nprocs=2,
+    spawn(_ckpt_worker, args=(2, free_port(), path, str(tmp_path), rl, ref), nprocs=2,
                                 join=True)  # fmt: skip
     ep2 = torch.load(tmp_path / "ep2_results.pt")
     # The EP=2 run started from the same weights and batch: its own save / continuation equal EP=1's ...

@@ -22,6 +22,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ..tolerance import rel_tolerance
 from ._common import (
     TINY_REDUCTION,
@@ -250,9 +252,7 @@ def test_layouts_match_single_process(mp_world, tiny_hf, tmp_path):
     untied = make_tiny_qwen2(tmp_path / "untied", tie=False, seed=1)
     ref = _reference(str(tiny_hf))
     paths = {"tied": str(tiny_hf), "untied": str(untied)}
-    torch.multiprocessing.spawn(
-        _worker, args=(2, free_port(), paths, str(tmp_path), ref), nprocs=2, join=True
-    )
+    spawn(_worker, args=(2, free_port(), paths, str(tmp_path), ref), nprocs=2, join=True)
     # HF -> megatron at TP=2 / PP=2 -> HF: every tensor bit-identical to the source folder.
     assert_same_safetensors(tiny_hf, tmp_path / "export_tp2")
     assert_same_safetensors(tiny_hf, tmp_path / "export_pp2")

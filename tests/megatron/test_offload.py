@@ -16,6 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ._common import actor_cfg, actor_of, free_port, init_groups, make_batch, tiny_model_cfg
 
 pytestmark = [
@@ -247,5 +249,5 @@ def _gpu_offload(port: int, hf_path: str, out: str) -> None:
 @pytest.mark.multiproc
 def test_gpu_offload_releases_device_memory(tiny_hf, tmp_path):
     out = tmp_path / "gpu_offload.txt"
-    torch.multiprocessing.spawn(_gpu_worker, args=(free_port(), str(tiny_hf), str(out)), nprocs=1, join=True)
+    spawn(_gpu_worker, args=(free_port(), str(tiny_hf), str(out)), nprocs=1, join=True)
     print(out.read_text())

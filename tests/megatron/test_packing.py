@@ -17,6 +17,8 @@ import dataclasses
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ..tolerance import assert_close, rel_tolerance
 from ._common import (
     TINY_DEPTH,
@@ -195,7 +197,6 @@ def _tp2_run(rank: int, world: int, port: int, path: str, ref: dict) -> None:
 @pytest.mark.slow
 @pytest.mark.multiproc
 def test_packed_tp2_sequence_parallel_equals_padded_tp1(mp_world, tiny_hf):
-    import torch.multiprocessing as mp
 
     batch = _batch()
     frozen = actor_of(_model(str(tiny_hf), False), _cfg(True), "cpu", trainable=False)
@@ -203,7 +204,7 @@ def test_packed_tp2_sequence_parallel_equals_padded_tp1(mp_world, tiny_hf):
     metrics, _ = _update(str(tiny_hf), False, _cfg(True), batch, out["log_probs"])
     ref = {"batch": batch, "log_probs": out["log_probs"], "entropy": out["entropy"], "old": out["log_probs"],
            "metrics": metrics}  # fmt: skip
-    mp.spawn(_tp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)
+    spawn(_tp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------------------------ PP = 2
@@ -236,7 +237,6 @@ def _pp2_run(rank: int, world: int, port: int, path: str, ref: dict) -> None:
 def test_packed_pp2_equals_padded_pp1(mp_world, tiny_hf):
     """Pipeline parallel (two stages, megatron's 1F1B schedule sends each packed micro-batch's [T, 1, h]
     activations between them): packed log-probs and the update equal the padded single-process ones."""
-    import torch.multiprocessing as mp
 
     batch = _batch()
     frozen = actor_of(_model(str(tiny_hf), False), _cfg(True), "cpu", trainable=False)
@@ -244,7 +244,7 @@ def test_packed_pp2_equals_padded_pp1(mp_world, tiny_hf):
     metrics, _ = _update(str(tiny_hf), False, _cfg(True), batch, out["log_probs"])
     ref = {"batch": batch, "log_probs": out["log_probs"], "entropy": out["entropy"], "old": out["log_probs"],
            "metrics": metrics}  # fmt: skip
-    mp.spawn(_pp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)
+    spawn(_pp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------------------------ DP = 2 balancing
@@ -283,13 +283,12 @@ def _dp2_run(rank: int, world: int, port: int, path: str, ref: dict) -> None:
 def test_dp2_token_balanced_update_equals_contiguous_split(mp_world, tiny_hf):
     """The controller's update spread (`token_balance.dp_balanced_columns`) changes which rank computes a
     row, not the update: two mini-batches, shuffled, at DP = 2 give the contiguous split's weights."""
-    import torch.multiprocessing as mp
 
     # The longest rows first: the contiguous split gives rank 0 all the long ones.
     batch = batch_from_lengths(sorted(LENGTHS, key=sum, reverse=True), 12, 20, seed=3)
     frozen = actor_of(_model(str(tiny_hf), True), _cfg(True), "cpu", trainable=False)
     ref = {"batch": batch, "old": frozen.compute_log_prob(batch, with_entropy=False)["log_probs"]}
-    mp.spawn(_dp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)
+    spawn(_dp2_worker, args=(2, free_port(), str(tiny_hf), ref), nprocs=2, join=True)
 
 
 # ------------------------------------------------------------------------------------ mixture of experts

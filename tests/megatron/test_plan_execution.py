@@ -29,6 +29,7 @@ from rlconf.config import (
     TrainerConfig,
 )
 from rlconf.plan import TrainerPlan, compile_plan
+from tests.megatron._common import spawn
 
 from ._common import batch_from_lengths, free_port, run_spawned
 
@@ -304,7 +305,7 @@ def _spawned(rank: int, port: int, out_dir: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.slow
 def test_workers_run_the_plan_at_dp2_and_tp2(tmp_path):
-    torch.multiprocessing.spawn(_spawned, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn(_spawned, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
     assert json.loads((tmp_path / "layouts.json").read_text()) == {
         "dp2": {"dp": 2, "steps": TOTAL_STEPS},
         "tp2": {"dp": 1, "steps": TOTAL_STEPS},

@@ -19,6 +19,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ._common import actor_cfg, actor_of, free_port, init_groups, make_tiny_qwen2, run_spawned, tiny_model_cfg
 
 pytestmark = [
@@ -106,9 +108,7 @@ def _assert_same_tensors(
 def test_reshard_to_another_tp_gives_the_actors_weights(tmp_path):
     untied = make_tiny_qwen2(tmp_path / "untied", tie=False, seed=1)
     tied = make_tiny_qwen2(tmp_path / "tied", tie=True, seed=2)
-    torch.multiprocessing.spawn(
-        _worker, args=(2, free_port(), str(untied), str(tied), str(tmp_path)), nprocs=2, join=True
-    )
+    spawn(_worker, args=(2, free_port(), str(untied), str(tied), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     src = {"untied": _tensors(untied), "tied": _tensors(tied)}
     for label in ("tp2_to_tp1", "tp1_to_tp2", "pp2_to_tp1", "tied_pp2_to_tp2"):
@@ -268,9 +268,7 @@ def test_a_lora_actor_resharded_to_another_tp_samples_from_its_adapted_policy(tm
     """TP=2 actor with a non-zero adapter -> TP=1 replica: the sampler's log-probs are the adapted policy's (not
     the base model's), and the actor's base weights come back bit for bit after the merged refit."""
     hf = make_tiny_qwen2(tmp_path / "hf", tie=False, seed=3)
-    torch.multiprocessing.spawn(
-        _lora_worker, args=(2, free_port(), str(hf), str(tmp_path)), nprocs=2, join=True
-    )
+    spawn(_lora_worker, args=(2, free_port(), str(hf), str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         r = torch.load(tmp_path / f"lora_rank{rank}.pt")
         assert r["tokens"] > 0 and r["restored"], r
@@ -335,9 +333,7 @@ def test_moe_reshard_to_another_tp_gives_every_expert(tmp_path):
     from .test_moe import make_tiny_moe
 
     folders = {f: str(make_tiny_moe(tmp_path / f, f, seed=4)) for f in ("qwen3_moe", "qwen2_moe")}
-    torch.multiprocessing.spawn(
-        _moe_worker, args=(2, free_port(), folders, str(tmp_path)), nprocs=2, join=True
-    )
+    spawn(_moe_worker, args=(2, free_port(), folders, str(tmp_path)), nprocs=2, join=True)
     for label, family, _, _ in MOE_CASES:
         _assert_same_tensors(_tensors(tmp_path / label), _tensors(folders[family]), label)
     for rank in (0, 1):
@@ -397,7 +393,7 @@ def test_router_replay_records_the_resharded_rollouts_routing(tmp_path):
     from .test_moe import make_tiny_moe
 
     hf = str(make_tiny_moe(tmp_path / "hf", "qwen3_moe", seed=4))
-    torch.multiprocessing.spawn(_replay_worker, args=(2, free_port(), hf, str(tmp_path)), nprocs=2, join=True)
+    spawn(_replay_worker, args=(2, free_port(), hf, str(tmp_path)), nprocs=2, join=True)
     for rank in (0, 1):
         r = torch.load(tmp_path / f"replay_rank{rank}.pt")
         rows, seq, layers, k = r["shape"]
@@ -480,9 +476,7 @@ def test_deepseek_v3_reshard_carries_mla_experts_and_the_score_bias(tmp_path):
     from .test_mla_parity import make_deepseek_v3
 
     hf = make_deepseek_v3(tmp_path / "hf")
-    torch.multiprocessing.spawn(
-        _mla_worker, args=(2, free_port(), str(hf), str(tmp_path)), nprocs=2, join=True
-    )
+    spawn(_mla_worker, args=(2, free_port(), str(hf), str(tmp_path)), nprocs=2, join=True)
     src = _tensors(hf)
     assert any(k.endswith("e_score_correction_bias") for k in src)
     for label in ("mla_ep2_to_tp2", "mla_tp2_to_tp1"):

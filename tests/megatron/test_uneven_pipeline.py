@@ -20,6 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ._common import UPDATE_DEPTH, actor_of, assert_tiny_close, free_port, init_groups, run_spawned
 from .test_context_parallel import GRAD_NORM_REL, _batch, _cfg, _rl
 
@@ -161,7 +163,7 @@ def test_uneven_stages_match_pp1_and_reshard_checkpoints(mp_world, tmp_path):
     rl = _rl(batch, old)
     ref = _run(hf, _layout(), rl, tmp_path / "pp1" / "actor")
     assert float((ref["after"] - ref["log_probs"]).abs().max()) > 1e-4  # the update moved the policy
-    torch.multiprocessing.spawn(_worker, args=(free_port(), hf, other, rl, str(tmp_path)), nprocs=2)
+    spawn(_worker, args=(free_port(), hf, other, rl, str(tmp_path)), nprocs=2)
     diffs = {}
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for name, vpp, first, last, emb, loss, counts in LAYOUTS:

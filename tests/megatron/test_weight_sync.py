@@ -17,6 +17,8 @@ import os
 import pytest
 import torch
 
+from tests.megatron._common import spawn
+
 from ._common import (
     actor_cfg,
     actor_of,
@@ -116,7 +118,7 @@ def test_weight_sync_two_processes(tmp_path):
     from safetensors.torch import load_file
 
     hf = make_tiny_qwen2(tmp_path / "untied", tie=False, seed=1)
-    torch.multiprocessing.spawn(_worker, args=(2, free_port(), str(hf), str(tmp_path)), nprocs=2, join=True)
+    spawn(_worker, args=(2, free_port(), str(hf), str(tmp_path)), nprocs=2, join=True)
     r0, r1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
     src = load_file(hf / "model.safetensors")
     assert "lm_head.weight" in src
