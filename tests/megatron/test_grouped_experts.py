@@ -288,6 +288,10 @@ def test_stacks_are_made_once_per_context_and_again_after_an_in_place_change(mon
     x, w1, w2, p = _inputs()
     dy = torch.randn(sum(COUNTS), H, dtype=torch.float64)
     experts = _Experts(w1, w2)
+
+    def selective(*modules: str) -> _Config:
+        return _Config(recompute_granularity="selective", recompute_modules=modules)
+
     with _switches(True):
         plain, _ = _run(experts, x, p, COUNTS, dy)
         assert len(stacks) == 2  # fc1 and fc2, no cache outside the context
@@ -299,23 +303,9 @@ def test_stacks_are_made_once_per_context_and_again_after_an_in_place_change(mon
             _run(experts, x, p, COUNTS, dy, _Config(recompute_granularity="full"))
             assert len(stacks) == 6
             # megatron recomputes the MoE layer: a cache would hold every layer's stack at once.
-            _run(
-                experts,
-                x,
-                p,
-                COUNTS,
-                dy,
-                _Config(recompute_granularity="selective", recompute_modules=("moe",)),
-            )
+            _run(experts, x, p, COUNTS, dy, selective("moe"))
             assert len(stacks) == 8
-            _run(
-                experts,
-                x,
-                p,
-                COUNTS,
-                dy,
-                _Config(recompute_granularity="selective", recompute_modules=("mlp",)),
-            )
+            _run(experts, x, p, COUNTS, dy, selective("mlp"))
             assert len(stacks) == 8  # other modules recomputed: the cached stacks serve
             with torch.no_grad():
                 experts.local_experts[2].linear_fc2.weight.mul_(2)
