@@ -467,3 +467,23 @@ def test_critic_round_trip_and_no_hf_form(tmp_path):
     # A critic checkpoint is no policy: loading it into an actor is refused.
     with pytest.raises(CheckpointError, match="saved for another model"):
         ck.load_engine(_actor(), folder, ("model",))
+
+
+@pytest.mark.usefixtures("world")
+def test_the_write_results_queue_started_early_serves_the_first_save(tmp_path, hf_dir):
+    """Workers that save start megatron's write-results queue while their model builds (its spawned
+    manager costs seconds on a first save): the save uses that queue, left empty by the start."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from rltrain.checkpoint import engine_io
+
+    engine_io.start_write_results_queue()
+    engine_io.start_write_results_queue()  # once per process
+    engine_io._results_queue_start.join(timeout=300)
+    queue = filesystem_async._results_queue
+    assert queue is not None and queue.empty()
+    reg = CheckpointRegistry(tmp_path / "checkpoints", ["actor"])
+    assert ck.save_engine(
+        _actor(str(hf_dir)), reg.begin(1)["actor"], ("model", "optimizer", "extra"), {"step": 1}
+    )
+    assert filesystem_async._results_queue is queue and queue.empty()
