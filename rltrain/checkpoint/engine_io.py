@@ -318,7 +318,8 @@ def start_write_results_queue() -> None:
     method (a fresh interpreter that re-imports this process's main module), which imports torch on the
     first put. On 2 cores that was 4.4 s of a first save (5.3 s, against 0.85 s for the next one); started
     while the worker builds its model, it is ready by then. The same megatron function makes it; a save
-    waits until the start has ended. Call it after megatron is imported (no import runs in the thread)."""
+    waits until the start has ended. Megatron is imported here, in the caller's thread: the background
+    thread runs no import (two threads importing one package can deadlock on its module locks)."""
     global _results_queue_start
     if _results_queue_start is not None:
         return
@@ -378,8 +379,6 @@ def save_engine(
     request = None
     if has_dist:
         t1 = time.perf_counter()
-        if _results_queue_start is not None:
-            _results_queue_start.join()
         request = _save_dist(engine, folder, contents, async_save)
         timings["dist_save_s" if not async_save else "dist_plan_s"] = time.perf_counter() - t1
     if hf:
@@ -496,6 +495,8 @@ def _save_dist(engine: MegatronEngine, folder: Path, contents: tuple[str, ...], 
             # An optimizer that never stepped (e.g. the actor during critic warmup) has no state yet.
             ensure_optimizer_state(engine)
             state["optimizer"] = optimizer_sharded_state_dict(engine, model_sd, loading=False)
+        if _results_queue_start is not None:  # megatron's save reuses the queue it started
+            _results_queue_start.join()
         return dist_checkpointing.save(state, str(folder / DIST_DIR), async_sharded_save=async_save)
 
 
