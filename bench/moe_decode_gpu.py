@@ -8,21 +8,26 @@ so every row decodes to the end. Reported (decode_moe.json in --out):
 
   generate[case]   MegatronActor.generate of --new-tokens (`before`, `dynamic` = static MoE layer without
                    graphs, `graph` = static MoE layer in the CUDA-graph step): s, tokens/s
-  generate_full    `graph` over --full-tokens (the preset's 1,024), with the MoE decode glue
-                   (`KVCacheGenerator.fuse_moe_glue`: dispatch by rank, compiled SwiGLU-times-probability and
-                   combine) off and on: s, tokens/s, and on / off
-  step_ms[glue]    one captured decode step (replay) at each --buckets count of cached columns, glue off / on
-  step_kernels     per static decode step, glue off / on, from torch.profiler over 3 eager steps (the
+  generate_full    `graph` over --full-tokens (the preset's 1,024) per variant: `glue_off`, `glue_on` (the MoE
+                   decode glue, `KVCacheGenerator.fuse_moe_glue`: dispatch by rank, compiled
+                   SwiGLU-times-probability and combine; megatron's router), `router_on` (the glue and the
+                   static router, `KVCacheGenerator.fuse_moe_router`: gating GEMM, then the top-k routing as
+                   one compiled function, no dense [T, E] probabilities); s, tokens/s, and on / off
+  step_ms[variant] one captured decode step (replay) at each --buckets count of cached columns, per variant
+  step_kernels     per static decode step and variant, from torch.profiler over 3 eager steps (the
                    step the graph captures, run without capture): device kernels and launches on CUDA,
-                   aten ops on the CPU; profile_step_glue_{off,on}.txt the tables
+                   aten ops on the CPU; profile_step_{variant}.txt the tables
   parity           greedy tokens of `before` vs `graph` over --new-tokens: the first column where any row
                    differs, the share of equal tokens, the largest log-prob gap before the first difference
   parity_glue      the same, `graph` with the MoE decode glue on vs off
+  parity_router    the same, `graph` with the static router on vs off (the glue on in both)
   profile_*.txt    torch.profiler of 3 eager decode steps (host and device time; syncs show as
                    cudaStreamSynchronize / aten::item / aten::_local_scalar_dense)
 
     python3 bench/moe_decode_gpu.py --out $OUT
     python3 bench/moe_decode_gpu.py --only-glue --out $OUT    (only the glue off / on comparison)
+    python3 bench/moe_decode_gpu.py --only-router --out $OUT  (only the router off / on comparison, glue on:
+                                                               variants `router_off`, `router_on`)
 CPU smoke: OMP_NUM_THREADS=1 .venv/bin/python bench/moe_decode_gpu.py --device cpu --tiny --groups 2 --samples 2 \
                --prompt 8 --new-tokens 8 --full-tokens 16 --buckets 16 --out /tmp/moe_decode
            (add --fused-kernels compiled to run the compiled glue on the CPU too)
@@ -66,7 +71,17 @@ def main() -> int:
                     help="model.fused_kernels (auto: compiled on cuda); the CPU smoke can compile the glue too")  # fmt: skip
     ap.add_argument("--only-glue", action="store_true",
                     help="skip megatron's MoELayer (`before`), the dynamic case, parity and their profiles")  # fmt: skip
+    ap.add_argument("--only-router", action="store_true",
+                    help="as --only-glue, the static router off / on (the glue on in both)")  # fmt: skip
     a = ap.parse_args()
+    only = a.only_glue or a.only_router
+    # Variants of the static MoE layer: (KVCacheGenerator.fuse_moe_glue, KVCacheGenerator.fuse_moe_router).
+    if a.only_router:
+        variants = {"router_off": (True, False), "router_on": (True, True)}
+    elif a.only_glue:
+        variants = {"glue_off": (False, False), "glue_on": (True, False)}
+    else:
+        variants = {"glue_off": (False, False), "glue_on": (True, False), "router_on": (True, True)}
     warnings.filterwarnings("ignore")
     dev = a.device
     out_dir = Path(a.out)
@@ -106,10 +121,13 @@ def main() -> int:
     ids = torch.randint(1, actor.vocab_size, (a.groups, p), generator=gen).repeat_interleave(a.samples, 0)
     cases = {"before": (False, False), "dynamic": (True, False), "graph": (True, True)}
 
-    def generate(case: str, n: int, temperature: float = 1.0, glue: bool = True) -> tuple[dict, dict]:
+    def generate(
+        case: str, n: int, temperature: float = 1.0, glue: bool = True, router: bool = True
+    ) -> tuple[dict, dict]:
         static_moe, graph = cases[case]
         inference.KVCacheGenerator.static_moe = static_moe
         inference.KVCacheGenerator.fuse_moe_glue = glue
+        inference.KVCacheGenerator.fuse_moe_router = router
         GroupedMoELayer.static = static_moe  # before: megatron's MoELayer.forward (its token dispatcher)
         try:
             sync(dev)
@@ -121,10 +139,11 @@ def main() -> int:
         finally:
             inference.KVCacheGenerator.static_moe = GroupedMoELayer.static = True
             inference.KVCacheGenerator.fuse_moe_glue = True
+            inference.KVCacheGenerator.fuse_moe_router = True
         return {"s": s, "tokens_per_s": int(out["response_mask"].sum()) / s}, out
 
     report["generate"] = {}
-    for case in [] if a.only_glue else cases:
+    for case in [] if only else cases:
         attempt(f"warm_{case}", lambda case=case: generate(case, 4))  # compile, allocator, cuBLAS handles
         res = attempt(case, lambda case=case: generate(case, a.new_tokens)[0])
         report["generate"][case] = res
@@ -134,9 +153,12 @@ def main() -> int:
         report["graph_over_before"] = g["tokens_per_s"] / before["tokens_per_s"]
         print(f"graph / before: {report['graph_over_before']:.2f}x", flush=True)
 
-    def parity(want_case: str = "before", glue: bool = True) -> dict:
-        _, want = generate(want_case, a.new_tokens, temperature=0.0, glue=False)
-        _, got = generate("graph", a.new_tokens, temperature=0.0, glue=glue)
+    def parity(
+        want_case: str = "before", want_on: tuple = (False, False), got_on: tuple = (True, True)
+    ) -> dict:
+        """Greedy `want_case` with the switches (glue, router) `want_on` against `graph` with `got_on`."""
+        _, want = generate(want_case, a.new_tokens, 0.0, *want_on)
+        _, got = generate("graph", a.new_tokens, 0.0, *got_on)
         same = got["responses"] == want["responses"]
         cols = (~same).any(0).nonzero()
         first = int(cols[0]) if cols.numel() else a.new_tokens
@@ -144,15 +166,22 @@ def main() -> int:
         return {"first_differing_column": first, "equal_token_share": float(same.float().mean()),
                 "max_logprob_gap_before_first": float(gap.max()) if first else None}  # fmt: skip
 
-    if not a.only_glue:
+    if not only:
         report["parity"] = attempt("parity", parity)
         print(f"parity: {report['parity']}", flush=True)
     # The glue against the argsort path, both in the graph step (compiled glue: bf16 roundings differ).
-    report["parity_glue"] = attempt("parity_glue", lambda: parity("graph", glue=True))
-    print(f"parity glue on vs off: {report['parity_glue']}", flush=True)
+    if not a.only_router:
+        report["parity_glue"] = attempt("parity_glue", lambda: parity("graph", (False, False), (True, False)))
+        print(f"parity glue on vs off: {report['parity_glue']}", flush=True)
+    # The static router against megatron's, the glue on in both.
+    if not a.only_glue:
+        report["parity_router"] = attempt(
+            "parity_router", lambda: parity("graph", (True, False), (True, True))
+        )
+        print(f"parity router on vs off: {report['parity_router']}", flush=True)
 
-    # One captured step per bucket with the MoE decode glue off and on, the kernels of each step, and the
-    # profiles of eager dynamic decode steps (before / after).
+    # One captured step per bucket for each variant (MoE decode glue, static router), the kernels of each
+    # step, and the profiles of eager dynamic decode steps (before / after).
     def steps() -> None:
         from torch.profiler import ProfilerActivity, profile
 
@@ -165,14 +194,16 @@ def main() -> int:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
         with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
             actor.eval()
-            for glue in (False, True):
-                name = f"glue_{'on' if glue else 'off'}"
-                inference.KVCacheGenerator.fuse_moe_glue = glue  # read when the engine is built
+            for name, (glue, router) in variants.items():
+                # Read when the engine is built.
+                inference.KVCacheGenerator.fuse_moe_glue = glue
+                inference.KVCacheGenerator.fuse_moe_router = router
                 try:
                     engine = inference.KVCacheGenerator(actor, positions, zero_cache=True)
                 finally:
                     inference.KVCacheGenerator.fuse_moe_glue = True
-                assert (engine.moe_glue is not None) is glue
+                    inference.KVCacheGenerator.fuse_moe_router = True
+                assert (engine.moe_glue is not None) is glue and (engine.moe_route is not None) is router
                 engine.forward(ids.to(dev), 0, rows, None)  # prefill: cache, stacked experts
                 key_masked = torch.zeros((b, max_len), dtype=torch.bool, device=dev)
                 key_masked[:, p:] = True
@@ -216,7 +247,7 @@ def main() -> int:
                 del step, engine
                 if dev == "cuda":
                     torch.cuda.empty_cache()
-            if dev != "cuda" or a.only_glue:
+            if dev != "cuda" or only:
                 return
             engine = inference.KVCacheGenerator(actor, positions, zero_cache=True)
             engine.forward(ids.to(dev), 0, rows, None)
@@ -259,19 +290,20 @@ def main() -> int:
     if dev == "cuda":
         torch.cuda.empty_cache()
 
-    def full(glue: bool) -> dict:
-        res, _ = generate("graph", a.full_tokens, glue=glue)
+    def full(glue: bool, router: bool) -> dict:
+        res, _ = generate("graph", a.full_tokens, glue=glue, router=router)
         return res
 
-    report["generate_full"] = {}
-    for glue in (False, True):
-        name = f"glue_{'on' if glue else 'off'}"
-        report["generate_full"][name] = res = attempt(f"full_{name}", lambda glue=glue: full(glue))
+    report["generate_full"] = full_runs = {}
+    for name, switches in variants.items():
+        full_runs[name] = res = attempt(f"full_{name}", lambda switches=switches: full(*switches))
         print(f"generate graph, {name} ({a.full_tokens} new): {res}", flush=True)
-    off, on = report["generate_full"]["glue_off"], report["generate_full"]["glue_on"]
-    if off and on:
-        report["full_glue_on_over_off"] = on["tokens_per_s"] / off["tokens_per_s"]
-        print(f"glue on / off ({a.full_tokens} new): {report['full_glue_on_over_off']:.3f}x", flush=True)
+    # on / off: the glue (megatron's router in both), the static router (the glue on in both).
+    runs = {variants[name]: res for name, res in full_runs.items()}
+    for what, off, on in (("glue", (False, False), (True, False)), ("router", (True, False), (True, True))):
+        if runs.get(off) and runs.get(on):
+            report[f"full_{what}_on_over_off"] = ratio = runs[on]["tokens_per_s"] / runs[off]["tokens_per_s"]
+            print(f"{what} on / off ({a.full_tokens} new): {ratio:.3f}x", flush=True)
     (out_dir / "decode_moe.json").write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps(report, default=str))
     return 0

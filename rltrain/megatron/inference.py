@@ -426,7 +426,8 @@ class KVCacheGenerator:
     MoE layers run `moe_decode.moe_forward` (static shapes, no host sync) where `moe_decode.unsupported`
     accepts them and `static_moe` is on (the class switch; benchmarks turn it off to time megatron's
     MoELayer), else megatron's MoELayer; their glue around the grouped GEMMs is `moe_decode.DecodeGlue`'s
-    (dispatch by rank, compiled under the plan's fused kernels) while `fuse_moe_glue` is on. The static
+    (dispatch by rank, compiled under the plan's fused kernels) while `fuse_moe_glue` is on, and with it
+    their router runs as the gating GEMM and `moe_decode.route` while `fuse_moe_router` is on. The static
     step's attention inputs (split, q/k norm, RoPE, cache write) run as one function
     (`fused.decode_attention_inputs`, compiled under the plan's fused kernels) where `_qk_norms` accepts
     the layer, and its mask is SDPA's additive one, built once per step.
@@ -442,6 +443,11 @@ class KVCacheGenerator:
     # combine) as `moe_decode.DecodeGlue`'s functions, compiled under the plan's fused kernels (the class
     # switch: off runs the argsort path, which benchmarks time against it).
     fuse_moe_glue = True
+    # The static MoE layers' router with the glue: the gating GEMM, then megatron's top-k routing as one
+    # function up to the [T, k] probabilities the glue takes (`moe_decode.route`, compiled under the plan's
+    # fused kernels) where `moe_decode.moe_forward` finds it gives megatron's routing (the class switch: off
+    # runs megatron's TopKRouter, which benchmarks time against it).
+    fuse_moe_router = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
@@ -500,6 +506,11 @@ class KVCacheGenerator:
         self.moe_glue = (
             (moe_decode.FUSED_GLUE if actor.fused_kernels else moe_decode.EAGER_GLUE)
             if self.fuse_moe_glue
+            else None
+        )
+        self.moe_route = (
+            (moe_decode.fused_route if actor.fused_kernels else moe_decode.route)
+            if self.fuse_moe_router
             else None
         )
 
@@ -674,6 +685,7 @@ class KVCacheGenerator:
                 self.expert_weights,
                 self.silent_routing,
                 glue=self.moe_glue,
+                route=self.moe_route,
             )
             self.routing[layer.mlp.router.layer_number] = index
         else:

@@ -35,6 +35,15 @@ pairs (a decode step's; prefills keep the sort), with the sort's integers exactl
 qwen3-moe decode step on the H200 spent 0.78 ms in the radix sort and launched ~1,100 small kernels, mostly
 this glue; a captured step is bound by their count and latency, not their arithmetic.
 
+Generation's router (`route`, the class switch `KVCacheGenerator.fuse_moe_router`) is the router's gating
+GEMM and then one function, compiled under the plan's fused kernels (`fused_route`), that computes
+megatron's top-k routing (score function, expert bias, group-limited top-k, normalisation, scaling) up to
+the top-k probabilities [T, k] and indices, which the glue's dispatch takes as they are: megatron's router
+scatters them into dense [T, E] probabilities and a routing map that the dispatch only gathered back from
+(the router's 9 ops per layer become 3, bench/moe_layer_ops.py). It runs only where megatron's router would
+route the same and nothing else watches: routers `router_unsupported` accepts, no autograd, no replay
+object to see the call (`moe_forward`); elsewhere megatron's router runs as in item 1.
+
 Every shape depends only on T, so the step is graph-capturable. The KV-cache engine stacks the expert
 weights once ([E, 2F, H] and [E, H, F], `ExpertWeights`): the copy lives as long as one `generate` call.
 Training passes (`GroupedMoELayer`, the MoE layer of `model.moe_grouped_gemm`) run the experts' own
@@ -52,6 +61,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import group_limited_topk
 
 from rltrain.megatron import fused, moe_experts
 from rltrain.megatron.moe_experts import GroupedGemmExperts, GroupedSwiGLU, expert_swiglu
@@ -205,17 +215,26 @@ def expert_positions(
 
 
 def dispatch(
-    x: torch.Tensor, index: torch.Tensor, probs: torch.Tensor, by_rank: bool = True
+    x: torch.Tensor,
+    index: torch.Tensor,
+    probs: torch.Tensor,
+    by_rank: bool = True,
+    experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The generation path's glue from the router to the first grouped GEMM: x [T, H] the tokens, index
-    [T, k] the router's top-k experts, probs [T, E] its dense probabilities -> (rows [T k, H]: each pair's
+    [T, k] the router's top-k experts, probs either megatron's dense probabilities [T, E] (`experts` None:
+    gathered at `index` here) or the static router's top-k probabilities [T, k] aligned with `index`
+    (`route`; `experts` E, the count a dense tensor would have carried) -> (rows [T k, H]: each pair's
     token in expert-major order, p [T k]: each row's probability, inverse [T, k]: each pair's row, offsets
     [E] int32: the grouped GEMMs' cumulative row counts). The ops of the training path's dispatch
-    (`moe_forward` without `glue`), so the same values; `fused_dispatch` compiles it (by rank)."""
+    (`moe_forward` without `glue`), so the same values; `fused_dispatch` compiles it (by rank).
+
+    `experts` says which form `probs` has because the shapes cannot: with k == E both are [T, E]."""
     k = index.shape[1]
-    order, inverse, offsets = expert_positions(index, probs.shape[1], by_rank)
+    dense = experts is None
+    order, inverse, offsets = expert_positions(index, probs.shape[1] if dense else experts, by_rank)
     rows = x.index_select(0, order // k)
-    p = probs.gather(1, index).reshape(-1).index_select(0, order)
+    p = (probs.gather(1, index) if dense else probs).reshape(-1).index_select(0, order)
     return rows, p, inverse, offsets
 
 
@@ -226,28 +245,138 @@ def combine(y: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch
 
 
 def _fused_dispatch_rows(
-    x: torch.Tensor, index: torch.Tensor, probs: torch.Tensor
+    x: torch.Tensor, index: torch.Tensor, probs: torch.Tensor, experts: int | None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`dispatch` by rank over T unbacked rows (the same T for all three)."""
     torch._check(index.shape[0] == x.shape[0])
     torch._check(probs.shape[0] == x.shape[0])
-    return dispatch(x, index, probs, by_rank=True)
+    return dispatch(x, index, probs, True, experts)
 
 
 def fused_dispatch(
-    x: torch.Tensor, index: torch.Tensor, probs: torch.Tensor, by_rank: bool = True
+    x: torch.Tensor,
+    index: torch.Tensor,
+    probs: torch.Tensor,
+    by_rank: bool = True,
+    experts: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`dispatch` torch.compile'd (by rank: one-hot, scan, gathers and scatter in a few kernels); the sort
     (`by_rank` False, batches past RANK_DISPATCH_MAX_PAIRS) stays eager: there kernels are not the cost."""
     if not by_rank:
-        return dispatch(x, index, probs, by_rank=False)
+        return dispatch(x, index, probs, False, experts)
     rows = fused.unbacked_rows(x, index, probs)
-    return fused.compiled_or_eager(fused.compiled(_fused_dispatch_rows), _fused_dispatch_rows, *rows)
+    return fused.compiled_or_eager(fused.compiled(_fused_dispatch_rows), _fused_dispatch_rows, *rows, experts)
 
 
 def fused_combine(y: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`combine` compiled: one gather-and-sum kernel."""
     return fused.compiled_or_eager(fused.compiled(combine), combine, *fused.unbacked_rows(y, inverse), dtype)
+
+
+def router_unsupported(router: torch.nn.Module) -> str | None:
+    """Why `route` cannot give this router's choice and weights (None: it can; megatron's
+    `TopKRouter.forward` runs otherwise). For routers of layers `unsupported` accepts (no sinkhorn, no fused
+    routing, no token dropping). What `route` leaves out must not change an inference call's routing: the
+    z-loss, the load-balancing losses and the expert-bias token count act only with autograd on, which
+    `moe_forward` checks per call."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    cfg = router.config
+    if type(router) is not TopKRouter:  # a subclass may route otherwise
+        return f"router {type(router).__name__}"
+    if router.score_function not in ("softmax", "sigmoid"):
+        return f"score function {router.score_function}"
+    if cfg.moe_input_jitter_eps is not None:  # megatron jitters the input in eval too
+        return "input jitter (moe_input_jitter_eps)"
+    if cfg.moe_router_force_load_balancing:
+        return "random logits (moe_router_force_load_balancing)"
+    return None
+
+
+@dataclass(frozen=True)
+class TopkRouting:
+    """A TopKRouter's routing constants, as megatron's `TopKRouter.routing` passes them to
+    `topk_routing_with_score_function`. Frozen: torch.compile treats an instance as constants (one graph per
+    distinct value, not per instance)."""
+
+    topk: int
+    score_function: str  # softmax | sigmoid
+    pre_softmax: bool
+    num_groups: int | None
+    group_topk: int | None
+    scaling_factor: float | None
+
+    @staticmethod
+    def of(router: torch.nn.Module) -> TopkRouting:
+        cfg = router.config
+        return TopkRouting(router.topk, router.score_function, cfg.moe_router_pre_softmax,
+                           cfg.moe_router_num_groups, cfg.moe_router_group_topk,
+                           cfg.moe_router_topk_scaling_factor)  # fmt: skip
+
+
+def route(
+    logits: torch.Tensor, expert_bias: torch.Tensor | None, routing: TopkRouting
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron-core 0.16.1's `topk_routing_with_score_function` (unfused, no replay) on the gating logits
+    [T, E], stopped before it scatters into [T, E]: (probs [T, k] in the logits' dtype, index [T, k]), the
+    top-k probabilities and experts in its top-k order, where megatron hands out the dense probabilities and
+    routing map that the glue gathered back from. The same ops in the same order and dtypes: score function
+    (softmax over the k, or over all E before the top k with `pre_softmax`; sigmoid in fp32), the expert
+    bias added for the choice only (sigmoid), the top k (group-limited by megatron's own
+    `group_limited_topk` when `group_topk`), sigmoid weights renormalised over the k, then the scaling factor.
+
+    Why: megatron's router then builds the dense probabilities and routing map (two zero fills, two
+    scatters, a cast) that the decode glue only gathers back from, about half the router's kernels
+    (bench/moe_layer_ops.py). `fused_route` compiles it. A megatron upgrade that changes its routing shows
+    in tests/megatron/test_moe_router_decode.py, which compares the two bit for bit."""
+    tokens, experts = logits.shape
+
+    def topk(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if routing.group_topk:
+            return group_limited_topk(
+                scores, routing.topk, tokens, experts, routing.num_groups, routing.group_topk
+            )
+        return torch.topk(scores, k=routing.topk, dim=1)
+
+    if routing.score_function == "softmax":
+        if routing.pre_softmax:
+            probs, index = topk(torch.softmax(logits, dim=-1, dtype=torch.float32).type_as(logits))
+        else:
+            scores, index = topk(logits)
+            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).type_as(logits)
+    else:
+        scores = torch.sigmoid(logits.float()).type_as(logits)
+        if expert_bias is not None:
+            _, index = topk(scores + expert_bias)
+            scores = torch.gather(scores, dim=1, index=index).type_as(logits)
+        else:
+            scores, index = topk(scores)
+        probs = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) if routing.topk > 1 else scores
+    if routing.scaling_factor:
+        probs = probs * routing.scaling_factor
+    return probs, index
+
+
+def fused_route(
+    logits: torch.Tensor, expert_bias: torch.Tensor | None, routing: TopkRouting
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`route` torch.compile'd, once per routing and dtype (the rows unbacked): the score function,
+    normalisation and scaling fused around the top-k."""
+    (rows,) = fused.unbacked_rows(logits)
+    bias = None if expert_bias is None else expert_bias.detach()
+    return fused.compiled_or_eager(fused.compiled(route), route, rows, bias, routing)
+
+
+def static_routing(
+    router: torch.nn.Module, hidden: torch.Tensor, fn: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The router's choice for `hidden` [s, n, H] without megatron's TopKRouter.forward: (probs [T, k],
+    index [T, k]) from its gating GEMM (megatron's `gating`: the router's dtype, its own linear) and `fn`
+    (`route` or `fused_route`). For routers `router_unsupported` accepts, without autograd (`moe_forward`
+    decides)."""
+    router._maintain_float32_expert_bias()  # as TopKRouter.forward: fp32 again after a bf16 module cast
+    logits = router.gating(hidden)  # [s, n, E]
+    return fn(logits.view(-1, logits.shape[-1]), router.expert_bias, TopkRouting.of(router))
 
 
 @dataclass(frozen=True)
@@ -271,6 +400,7 @@ def moe_forward(
     silent: bool = False,
     padding_mask: torch.Tensor | None = None,
     glue: DecodeGlue | None = None,
+    route: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> tuple[tuple[torch.Tensor, None], torch.Tensor]:
     """megatron's MoELayer.forward on `hidden` [s, n, H] with static shapes: ((output, None), the router's
     top-k expert indices [s x n, k] in megatron's token order).
@@ -282,24 +412,48 @@ def moe_forward(
     load-balancing loss (MoELayer.route's argument). `glue` (generation only, with `weights`): the dispatch
     (by rank up to RANK_DISPATCH_MAX_PAIRS pairs), SwiGLU-times-probability and combine as `DecodeGlue`'s
     functions, the grouped GEMMs between them, no autograd Functions; None runs the argsort path below
-    (training's, and the engine's with the class switch `KVCacheGenerator.fuse_moe_glue` off)."""
+    (training's, and the engine's with the class switch `KVCacheGenerator.fuse_moe_glue` off).
+
+    `route` (`route` or `fused_route`; taken with `glue` only, the class switch
+    `KVCacheGenerator.fuse_moe_router`): the router's gating GEMM, then `route` for the top-k probabilities
+    [T, k] the glue takes as they are, instead of megatron's router and its dense [T, E] probabilities.
+    Only where megatron's router would give the same routing and nothing else: `router_unsupported`
+    accepts the router, autograd is off (no z-loss, load-balancing loss or expert-bias count) and no replay
+    object is to see the call (`silent`, or none attached: router replay's recording and replaying go
+    through megatron's router, so they are unchanged). The prefill of an engine without a recorder takes it
+    too: the same ops, so the same routing."""
     router = mlp.router
-    saved = router.router_replay
-    tap = router.router_replay = _TopkTap(saved, silent)
-    try:
-        # [T, E] dense probabilities (zero off the top k), the load-balancing loss attached in training.
-        probs, _ = router(hidden) if padding_mask is None else router(hidden, padding_mask)
-    finally:
-        router.router_replay = saved
-    index = tap.index
-    assert index is not None
+    static_route = (
+        route is not None
+        and glue is not None
+        and (silent or router.router_replay is None)
+        and not torch.is_grad_enabled()
+        and router_unsupported(router) is None
+    )
+    num_experts = None  # probs: megatron's dense [T, E]; with the static route its [T, k] (`dispatch`)
+    if static_route:
+        assert route is not None
+        probs, index = static_routing(router, hidden, route)
+        num_experts = router.num_experts
+    else:
+        saved = router.router_replay
+        tap = router.router_replay = _TopkTap(saved, silent)
+        try:
+            # [T, E] dense probabilities (zero off the top k), the load-balancing loss attached in training.
+            probs, _ = router(hidden) if padding_mask is None else router(hidden, padding_mask)
+        finally:
+            router.router_replay = saved
+        assert tap.index is not None
+        index = tap.index
     tokens, k = index.shape
     x = hidden.reshape(tokens, -1)
     experts = mlp.experts.local_experts
     if glue is not None:
         assert weights is not None, "the decode glue has no backward: generation only"
         w1, w2 = weights(mlp)
-        rows, p, inverse, offsets = glue.dispatch(x, index, probs, tokens * k <= RANK_DISPATCH_MAX_PAIRS)
+        rows, p, inverse, offsets = glue.dispatch(
+            x, index, probs, tokens * k <= RANK_DISPATCH_MAX_PAIRS, num_experts
+        )
         # GroupedSwiGLU.forward's products and SwiGLU, the products outside the glue (torch._grouped_mm).
         h = moe_experts.grouped_mm(rows, w1.transpose(1, 2), offsets)
         y = moe_experts.grouped_mm(glue.swiglu(h, p), w2.transpose(1, 2), offsets)
@@ -360,12 +514,17 @@ __all__ = [
     "DecodeGlue",
     "ExpertWeights",
     "GroupedMoELayer",
+    "TopkRouting",
     "combine",
     "dispatch",
     "expert_positions",
     "fused_combine",
     "fused_dispatch",
+    "fused_route",
     "is_moe",
     "moe_forward",
+    "route",
+    "router_unsupported",
+    "static_routing",
     "unsupported",
 ]

@@ -2,7 +2,9 @@
 (CPU, fp32): it computes what megatron's MoELayer computes, so MoE generation can take the static decode
 step (CUDA graphs on a GPU; eager here) and give the tokens and log-probs of megatron's MoELayer on the
 dynamic path; router replay records the same routing through the static step. The generation path's glue
-(`moe_decode.DecodeGlue`: dispatch by rank, SwiGLU-times-probability, combine) gives the argsort path's bits.
+(`moe_decode.DecodeGlue`: dispatch by rank, SwiGLU-times-probability, combine) and its static router
+(`moe_decode.route`; tests/megatron/test_moe_router_decode.py compares it with megatron's router) give the
+argsort path's bits.
 """
 
 from __future__ import annotations
@@ -224,18 +226,21 @@ def test_moe_generation_takes_the_static_step_with_megatrons_results(mp_world, m
 @pytest.mark.slow
 def test_static_generation_with_and_without_the_decode_glue(mp_world, moe_model, monkeypatch):
     """The static decode step with the MoE glue (the class switch KVCacheGenerator.fuse_moe_glue, eager and
-    compiled) gives the argsort path's tokens, greedy and sampled with stop tokens, and its log-probs (bit
-    for bit eagerly, to fp32 rounding compiled); the glue is what ran."""
+    compiled), with megatron's router and with the static router (KVCacheGenerator.fuse_moe_router, taken
+    with the glue), gives the argsort path's tokens, greedy and sampled with stop tokens, and its log-probs
+    (bit for bit eagerly, to fp32 rounding compiled); the glue and router are what ran."""
     from rlconf.config import ModelConfig
     from rltrain.megatron import inference, moe_decode
 
     from .test_moe import _layout_cfg
 
     prompts = _batch()["input_ids"][:4, :12].repeat(2, 1)
-    glues = []
+    calls = []
     original = moe_decode.moe_forward
     monkeypatch.setattr(
-        moe_decode, "moe_forward", lambda *a, **kw: (glues.append(kw["glue"]), original(*a, **kw))[1]
+        moe_decode,
+        "moe_forward",
+        lambda *a, **kw: (calls.append((kw["glue"], kw["route"])), original(*a, **kw))[1],
     )
     for fused in (False, True):
         model = ModelConfig(
@@ -248,24 +253,28 @@ def test_static_generation_with_and_without_the_decode_glue(mp_world, moe_model,
             {"temperature": 1.0, "eos_id": 7, "stop_token_ids": (11, 13, 17, 19)},
         ):
             results = {}
-            for on in (False, True):
-                inference.KVCacheGenerator.fuse_moe_glue = on
-                glues.clear()
+            for glue, router in ((False, False), (True, False), (True, True)):
+                inference.KVCacheGenerator.fuse_moe_glue = glue
+                inference.KVCacheGenerator.fuse_moe_router = router
+                calls.clear()
                 try:
-                    results[on] = _generate(actor, prompts, static=True, megatron_moe=False, **kw)
+                    results[glue, router] = _generate(actor, prompts, static=True, megatron_moe=False, **kw)
                 finally:
                     inference.KVCacheGenerator.fuse_moe_glue = True
-                expected = (moe_decode.FUSED_GLUE if fused else moe_decode.EAGER_GLUE) if on else None
-                assert glues and all(g is expected for g in glues), (fused, on)
-            want, got = results[False], results[True]
-            assert torch.equal(got["responses"], want["responses"]), (fused, kw)
-            assert torch.equal(got["response_mask"], want["response_mask"])
-            if fused:
-                torch.testing.assert_close(
-                    got["rollout_log_probs"], want["rollout_log_probs"], rtol=1e-4, atol=1e-5
-                )
-            else:
-                assert torch.equal(got["rollout_log_probs"], want["rollout_log_probs"])
+                    inference.KVCacheGenerator.fuse_moe_router = True
+                expected = (moe_decode.FUSED_GLUE if fused else moe_decode.EAGER_GLUE) if glue else None
+                route = (moe_decode.fused_route if fused else moe_decode.route) if router else None
+                assert calls and all(c == (expected, route) for c in calls), (fused, glue, router)
+            want = results[False, False]
+            for got in (results[True, False], results[True, True]):
+                assert torch.equal(got["responses"], want["responses"]), (fused, kw)
+                assert torch.equal(got["response_mask"], want["response_mask"])
+                if fused:
+                    torch.testing.assert_close(
+                        got["rollout_log_probs"], want["rollout_log_probs"], rtol=1e-4, atol=1e-5
+                    )
+                else:
+                    assert torch.equal(got["rollout_log_probs"], want["rollout_log_probs"])
     assert bool((got["response_mask"].sum(-1) < 8).any()), "no row stopped early: compaction not exercised"
 
 

@@ -6,9 +6,9 @@ torch._dynamo's recompile limit and fell back to eager kernels).
 The compiled functions: megatron's SwiGLU and its backward (`fused.use_unbacked_swiglu`), the training RoPE
 (`fused.compiled_rope`, forward and backward), the decode step's RoPE (`fused.fused_rotate`), the static
 decode step's attention inputs (`fused.fused_decode_attention_inputs`) and sampler
-(`inference.fused_sample_unfiltered`), the static MoE layers' decode glue (`moe_decode.FUSED_GLUE`) and the
-fused log-prob reductions (logprob.py). Each is called on rows whose count is unbacked, so no size is
-specialised.
+(`inference.fused_sample_unfiltered`), the static MoE layers' decode glue (`moe_decode.FUSED_GLUE`) and
+router (`moe_decode.fused_route`, once per routing too) and the fused log-prob reductions (logprob.py). Each
+is called on rows whose count is unbacked, so no size is specialised.
 """
 
 from __future__ import annotations
@@ -256,6 +256,35 @@ def test_moe_decode_glue_compiles_once_across_row_counts():
                 reduction=k,
             )
     assert counters["stats"]["unique_graphs"] - before == 3  # dispatch, SwiGLU, combine: once each
+
+
+def test_moe_decode_router_compiles_once_across_row_counts():
+    """The static MoE router (`moe_decode.fused_route`) over the row counts a rollout meets compiles once
+    per routing (a new TopkRouting instance of the same values is the same graph) and gives the eager
+    reference's experts and, to fp32 rounding, its probabilities."""
+    from torch._dynamo.utils import counters
+
+    from rltrain.megatron import moe_decode
+
+    gen = torch.Generator().manual_seed(9)
+    experts = 16
+    routings = (
+        moe_decode.TopkRouting(4, "softmax", False, None, None, None),
+        moe_decode.TopkRouting(4, "sigmoid", False, 4, 2, 2.5),
+    )
+    bias = torch.rand(experts, generator=gen) * 0.1
+    for routing in routings:
+        torch._dynamo.reset()
+        before = counters["stats"]["unique_graphs"]
+        b = bias if routing.score_function == "sigmoid" else None
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for tokens in (1, 2, 7, 64, 3):
+                logits = torch.randn(tokens, experts, generator=gen)
+                got_p, got_i = moe_decode.fused_route(logits, b, dataclasses.replace(routing))
+                want_p, want_i = moe_decode.route(logits, b, routing)
+                assert torch.equal(got_i, want_i), (tokens, routing)
+                torch.testing.assert_close(got_p, want_p, rtol=1e-5, atol=1e-6)
+        assert counters["stats"]["unique_graphs"] - before == 1
 
 
 def test_moe_decode_glue_past_the_recompile_limit_runs_eagerly():
