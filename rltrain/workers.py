@@ -94,11 +94,6 @@ class MegatronWorker:
         # this only makes anything that draws outside those streams reproducible too.
         torch.manual_seed(derive_seed(self.run.seed, rank, "process"))
         self.profiler = Profiler(plan.profile, worker=role, rank=rank, device=device)
-        if plan.checkpoint.save_steps and any(rc.role == role for rc in plan.checkpoint.roles):
-            # Megatron's first save would start its write-results process; start it while the model builds.
-            from rltrain.checkpoint.engine_io import start_write_results_queue
-
-            start_write_results_queue()
         self._memory_peaks: dict[str, float] = {}
         self.step = 0
 

@@ -470,20 +470,62 @@ def test_critic_round_trip_and_no_hf_form(tmp_path):
 
 
 @pytest.mark.usefixtures("world")
-def test_the_write_results_queue_started_early_serves_the_first_save(tmp_path, hf_dir):
-    """Workers that save start megatron's write-results queue while their model builds (its spawned
-    manager costs seconds on a first save): the save uses that queue, left empty by the start."""
+def test_saves_collect_their_write_results_without_a_manager_process(tmp_path, hf_dir, monkeypatch):
+    """megatron's own write-results queue is a Manager started by spawn (seconds on a first save, a process
+    kept alive): a synchronous save and an asynchronous one (a forked writer) hand their results through
+    rlplan's queue instead, start no process that outlives them, and leave the queue empty."""
+    import psutil
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    from rltrain.checkpoint import engine_io
+    from rltrain.checkpoint.results_queue import WriteResultsQueue
 
-    engine_io.start_write_results_queue()
-    engine_io.start_write_results_queue()  # once per process
-    engine_io._results_queue_start.join(timeout=300)
-    queue = filesystem_async._results_queue
-    assert queue is not None and queue.empty()
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)  # as in a fresh process
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     reg = CheckpointRegistry(tmp_path / "checkpoints", ["actor"])
-    assert ck.save_engine(
-        _actor(str(hf_dir)), reg.begin(1)["actor"], ("model", "optimizer", "extra"), {"step": 1}
-    )
+    a = _actor(str(hf_dir))
+    assert ck.save_engine(a, reg.begin(1)["actor"], ("model", "optimizer", "extra"), {"step": 1})
+    queue = filesystem_async._results_queue
+    assert isinstance(queue, WriteResultsQueue) and queue.empty()
+    staged = reg.begin(2)["actor"]
+    assert ck.save_engine(a, staged, ("model", "optimizer", "extra"), {"step": 2}, async_save=True) is False
+    assert ck.finalize_pending(blocking=True) == [staged]
     assert filesystem_async._results_queue is queue and queue.empty()
+    reg.commit(1)
+    reg.commit(2)
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before and p.is_running()]
+    assert not [p for p in left if p.status() != psutil.STATUS_ZOMBIE], left
+
+
+def _send_results(q, payload: bytes) -> None:
+    q.put({"payload": payload, "size": torch.Size([len(payload)])})
+
+
+def test_write_results_cross_the_fork_whole_and_a_silent_writer_is_reported(monkeypatch):
+    """The owner's own put, and two forked writers' results larger than a pipe's buffer sent at once,
+    arrive whole; a writer that dies before sending leaves an empty read after the arrival wait (megatron
+    then reports the missing results), not a hang."""
+    import multiprocessing
+    import queue as queue_module
+
+    from rltrain.checkpoint import results_queue
+
+    q = results_queue.WriteResultsQueue()
+    q.put("own")
+    assert q.get_nowait() == "own"
+    ctx = multiprocessing.get_context("fork")
+    payloads = [bytes([i]) * (3 << 20) for i in (1, 2)]  # 3 MiB each: many pipe buffers
+    writers = [ctx.Process(target=_send_results, args=(q, p)) for p in payloads]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(60)
+        assert w.exitcode == 0
+    got = sorted((q.get_nowait() for _ in writers), key=lambda r: r["payload"][0])
+    assert [r["payload"] for r in got] == payloads
+    assert [r["size"] for r in got] == [torch.Size([3 << 20])] * 2
+    silent = ctx.Process(target=os._exit, args=(0,))
+    silent.start()
+    silent.join(60)
+    monkeypatch.setattr(results_queue, "ARRIVAL_WAIT_S", 0.2)
+    with pytest.raises(queue_module.Empty):
+        q.get_nowait()

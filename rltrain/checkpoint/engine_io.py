@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import shutil
-import threading
 import time
 import uuid
 import warnings
@@ -34,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rltrain.checkpoint import results_queue
 from rltrain.checkpoint.engine_state import (
     OPTIM_SHARDING,
     adapters_only,
@@ -308,34 +308,6 @@ def _finish_role(folder: Path, role: str, expected: Sequence[str], step: int | N
     return manifest_s
 
 
-_results_queue_start: threading.Thread | None = None
-
-
-def start_write_results_queue() -> None:
-    """Start megatron's dist-checkpoint write-results queue now, in the background (once per process).
-
-    Why: megatron makes it on a process's first save: a multiprocessing Manager started by the spawn
-    method (a fresh interpreter that re-imports this process's main module), which imports torch on the
-    first put. On 2 cores that was 4.4 s of a first save (5.3 s, against 0.85 s for the next one); started
-    while the worker builds its model, it is ready by then. The same megatron function makes it; a save
-    waits until the start has ended. Megatron is imported here, in the caller's thread: the background
-    thread runs no import (two threads importing one package can deadlock on its module locks)."""
-    global _results_queue_start
-    if _results_queue_start is not None:
-        return
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    def start() -> None:
-        # Any failure leaves the queue to megatron's own first save, which then reports what fails.
-        with contextlib.suppress(Exception):
-            queue = filesystem_async._get_write_results_queue()
-            queue.put(torch.Size([0]))  # the manager imports torch now, not in the first save
-            queue.get(timeout=600)
-
-    _results_queue_start = threading.Thread(target=start, name="rlplan-ckpt-queue", daemon=True)
-    _results_queue_start.start()
-
-
 def save_engine(
     engine: MegatronEngine,
     folder: str | os.PathLike,
@@ -495,8 +467,7 @@ def _save_dist(engine: MegatronEngine, folder: Path, contents: tuple[str, ...], 
             # An optimizer that never stepped (e.g. the actor during critic warmup) has no state yet.
             ensure_optimizer_state(engine)
             state["optimizer"] = optimizer_sharded_state_dict(engine, model_sd, loading=False)
-        if _results_queue_start is not None:  # megatron's save reuses the queue it started
-            _results_queue_start.join()
+        results_queue.install()  # megatron's write-results queue, without its spawned manager
         return dist_checkpointing.save(state, str(folder / DIST_DIR), async_sharded_save=async_save)
 
 
