@@ -17,7 +17,17 @@ Reported (decode_tail_gpu.json in --out):
                  glue (attention inputs, mask, sampler) as megatron's modules one by one and fused, side by
                  side, and the fused rollout again (its shapes seen before in the process)
 
+  triton_inputs  (--only-triton-inputs, nothing else runs) the static step's attention inputs as the Triton
+                 kernel (inference.KVCacheGenerator.triton_attention_inputs on) against torch.compile's
+                 kernels (off): the kernel's outputs (query, both cache columns, the rest of the caches)
+                 against `fused.decode_attention_inputs` eager and compiled on random bf16 inputs (q/k norm on
+                 and off, several head counts and dims, partial rotary), each against an fp64 truth, and
+                 replayed in a CUDA graph with a new column; 28 calls of each captured and timed; the captured
+                 step per (rows, columns) of --triton-grid and its kernels per step; the full-length and
+                 the realistic rollout off / on; greedy tokens off against on
+
 Run on the GPU machine:  python3 bench/decode_tail_gpu.py --out $OUT
+Triton attention inputs:  python3 bench/decode_tail_gpu.py --only-triton-inputs --out $OUT
 CPU smoke:  OMP_NUM_THREADS=1 .venv/bin/python bench/decode_tail_gpu.py --arch tiny --device cpu --rows 8 \
                 --groups 2 --prompt 8 --new-tokens 32 --grid-rows 8,4 --grid-keys 16,40 --out /tmp/tail
 """
@@ -144,6 +154,256 @@ def varlen_case(report: dict) -> None:
     print("varlen", summary, flush=True)
 
 
+# (rows, KV groups, query heads per group, head dim, rotary dim, q/k norm) of the kernel's parity cases: the
+# 1.5B's layer, Qwen3-MoE's, partial rotary, one row, one query head per group, a head dim no power of two.
+TRITON_CASES = (
+    (512, 2, 6, 128, 128, False),
+    (512, 4, 8, 128, 128, True),
+    (7, 2, 6, 128, 64, True),
+    (1, 1, 4, 64, 64, False),
+    (33, 8, 1, 128, 128, True),
+    (16, 2, 7, 80, 80, True),
+    (64, 2, 6, 128, 32, False),
+)
+
+
+def _truth(mixed, cos, sin, d, weights, eps):
+    """`fused.decode_attention_inputs`'s math in float64: (query, key, value) [n, heads or groups, d]."""
+    n, _, width = mixed.shape
+    x = mixed.double()
+    q, k, v = x.split([width - 2 * d, d, d], dim=-1)
+    q = q.reshape(n, -1, d)
+    for i, w in enumerate(weights):
+        if w is not None:
+            t = (q, k)[i]
+            t = t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+            q, k = (t, k) if i == 0 else (q, t)
+    c, s = cos.double(), sin.double()
+    rot = c.shape[-1]
+
+    def rope(t):
+        a, rest = t[..., :rot], t[..., rot:]
+        a1, a2 = a.chunk(2, dim=-1)
+        return torch.cat((a * c + torch.cat((-a2, a1), -1) * s, rest), -1)
+
+    return rope(q), rope(k), v
+
+
+def triton_parity(report: dict) -> None:
+    """The Triton kernel against `fused.decode_attention_inputs` eager and compiled on random bf16 inputs:
+    max abs differences and the share of equal elements against each, and each one's error against an fp64
+    truth. Asserts the values exact, the rest of the caches untouched, and every query / key element within
+    bf16 rounding of the truth (half an ulp: 2^-8 of its magnitude, plus 2^-16 of the tensor's largest for
+    the fp32 arithmetic before the one rounding, where outputs cancel to near zero)."""
+    from rltrain.megatron import decode_kernels, fused
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    dt, eps, max_len, col = torch.bfloat16, 1e-6, 12, 5
+    res = report.setdefault("triton_parity", {})
+    for n, groups, per_group, d, rot, norms in TRITON_CASES:
+        why = decode_kernels.unsupported(torch.device("cuda"), dt, d, per_group, rot)
+        assert why is None, why
+        mixed = torch.randn(n, groups, (per_group + 2) * d, device="cuda", generator=gen).mul(3).to(dt)
+        weights = tuple(
+            torch.randn(d, device="cuda", generator=gen).mul(0.3).add(1).to(dt) if norms else None
+            for _ in range(2)
+        )
+        freqs = torch.rand(n, 1, rot, device="cuda", generator=gen) * 1000
+        cos, sin = freqs.cos().to(dt), freqs.sin().to(dt)
+        caches = [torch.randn(max_len, n, groups, d, device="cuda", generator=gen).to(dt) for _ in range(2)]
+        column = torch.tensor([col], device="cuda")
+        outs = {}
+        for name, fn in (("eager", fused.decode_attention_inputs), ("compiled", fused.fused_decode_attention_inputs),
+                         ("triton", decode_kernels.attention_inputs)):  # fmt: skip
+            kv = [c.clone() for c in caches]
+            with torch.no_grad():
+                query = fn(mixed, cos, sin, *kv, column, *weights, eps)
+            others = torch.arange(max_len, device="cuda") != col
+            for c, old in zip(kv, caches, strict=True):
+                assert torch.equal(c[others], old[others]), f"{name} wrote outside column {col}"
+            outs[name] = (query, kv[0][col], kv[1][col])
+        truth = _truth(mixed, cos, sin, d, weights, eps)
+        key = f"n{n} g{groups} p{per_group} d{d} rot{rot} norm{int(norms)}"
+        row: dict = {}
+        for i, part in enumerate(("query", "key", "value")):
+            tri = outs["triton"][i].float()
+            err = {name: float((o[i].double() - truth[i]).abs().max()) for name, o in outs.items()}
+            row[part] = {
+                "max_abs_diff_vs_eager": float((tri - outs["eager"][i].float()).abs().max()),
+                "max_abs_diff_vs_compiled": float((tri - outs["compiled"][i].float()).abs().max()),
+                "equal_share_vs_eager": float((outs["triton"][i] == outs["eager"][i]).float().mean()),
+                "equal_share_vs_compiled": float((outs["triton"][i] == outs["compiled"][i]).float().mean()),
+                "max_abs_err_vs_fp64": err,
+            }
+            if part == "value":
+                assert torch.equal(outs["triton"][i], outs["eager"][i]), (
+                    f"{key}: values are copied as they are"
+                )
+            else:
+                gap = (outs["triton"][i].double() - truth[i]).abs()
+                bound = 2**-8 * truth[i].abs() * 1.001 + 2**-16 * truth[i].abs().max()
+                row[part]["worst_error_over_half_ulp"] = float((gap / bound).max())
+                assert bool((gap <= bound).all()), (key, part, row[part])
+        res[key] = row
+        print("triton parity", key, json.dumps(row), flush=True)
+
+    # In a CUDA graph: the column is read on the device, so a replay after the column changed writes there.
+    n, groups, per_group, d, rot, _ = TRITON_CASES[0]
+    mixed = torch.randn(n, groups, (per_group + 2) * d, device="cuda", generator=gen).to(dt)
+    freqs = torch.rand(n, 1, rot, device="cuda", generator=gen) * 1000
+    cos, sin = freqs.cos().to(dt), freqs.sin().to(dt)
+    kv = [torch.zeros(max_len, n, groups, d, device="cuda", dtype=dt) for _ in range(2)]
+    column = torch.tensor([1], device="cuda")
+    call_args = (mixed, cos, sin, *kv, column, None, None, eps)
+    decode_kernels.attention_inputs(*call_args)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        query = decode_kernels.attention_inputs(*call_args)
+    column.fill_(9)
+    graph.replay()
+    ref_kv = [torch.zeros_like(c) for c in kv]
+    ref_q = decode_kernels.attention_inputs(mixed, cos, sin, *ref_kv, column, None, None, eps)
+    for c, ref in zip(kv, ref_kv, strict=True):
+        assert torch.equal(c[9], ref[9]) and bool(c[9].any()), (
+            "the replay writes the column set after capture"
+        )
+    assert torch.equal(query, ref_q)
+    report["triton_graph_replay_column"] = "ok"
+
+    # 28 calls (a 1.5B step's layers) captured in one graph: microseconds per call, compiled vs Triton.
+    calls: dict = {}
+    for name, fn in (
+        ("compiled", fused.fused_decode_attention_inputs),
+        ("triton", decode_kernels.attention_inputs),
+    ):
+        fn(*call_args)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(28):
+                fn(*call_args)
+        calls[name] = per_call_ms(graph.replay, "cuda", iters=50) * 1e3 / 28
+    report["triton_us_per_call_512x2x6x128"] = calls
+    print("attention inputs, us per call (512 rows, 1.5B layer):", calls, flush=True)
+
+
+def _token_parity(a: dict, b: dict) -> dict:
+    """Share of equal response tokens of two rollouts of the same prompts, and per row the first step
+    where they differ (the response length where none does)."""
+    ta, tb = a["responses"], b["responses"]
+    both = (a["response_mask"] > 0) & (b["response_mask"] > 0)
+    differ = (ta != tb) & both
+    first = torch.where(
+        differ.any(1), differ.int().argmax(1), torch.full_like(differ[:, 0], ta.shape[1], dtype=torch.long)
+    )
+    return {
+        "equal_token_share": float(((ta == tb) & both).sum() / both.sum().clamp(min=1)),
+        "rows_identical_share": float((~differ.any(1)).float().mean()),
+        "mean_first_difference": float(first.float().mean()),
+        "same_lengths_share": float((a["response_mask"].sum(1) == b["response_mask"].sum(1)).float().mean()),
+    }
+
+
+def triton_inputs(args, report, attempt, actor, static_step, columns_read, uniform, out_dir) -> None:
+    """--only-triton-inputs: the Triton attention inputs (`KVCacheGenerator.triton_attention_inputs`) off
+    against on: kernel parity, captured steps and their kernels per step, rollouts, greedy token parity."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rltrain.megatron import decode_kernels, inference
+
+    dev, b, p, n_new = args.device, args.rows, args.prompt, args.new_tokens
+    gen_cls = inference.KVCacheGenerator
+    if dev == "cuda":
+        attempt("triton_parity", lambda: triton_parity(report))
+    switch = {"off": False, "on": True}
+    engine = inference.KVCacheGenerator(actor, torch.arange(8, device=dev).expand(1, 8))
+    report["triton_engine_choice"] = {
+        "function": engine.attention_inputs.__qualname__, "unsupported": engine.triton_inputs_unsupported,
+    }  # fmt: skip
+    print("engine's attention inputs:", report["triton_engine_choice"], flush=True)
+    assert dev != "cuda" or engine.attention_inputs is decode_kernels.attention_inputs
+
+    def steps() -> None:
+        inference.BUCKET_ROWS = 1  # fixed KEY_BUCKET-column buckets, as the grid's
+        with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
+            actor.eval()
+            for rows, keys in (tuple(int(v) for v in x.split("x")) for x in args.triton_grid.split(",") if x):
+                rows, keys = min(rows, b), min(keys, p + n_new)
+                tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
+                for label, on in switch.items():
+                    gen_cls.triton_attention_inputs = on
+                    step = static_step(rows)
+                    ms = per_call_ms(
+                        lambda st=step, tk=tokens, k=keys, r=rows: st(tk, k - 1, uniform[:r]), dev, iters=20
+                    )
+                    cols = columns_read(rows, keys)
+                    report.setdefault("triton_step_ms", {})[f"{rows}x{cols} {label}"] = ms
+                    print(f"step rows {rows} columns {cols} triton inputs {label}: {ms:.3f} ms", flush=True)
+                    del step
+            rows, keys = min(256, b), min(576, p + n_new)
+            for label, on in switch.items() if dev == "cuda" else ():
+                gen_cls.triton_attention_inputs = on
+                step = static_step(rows, pool=False)
+                cols = columns_read(rows, keys)
+                step._body(cols)
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(3):
+                        step._body(cols)
+                    torch.cuda.synchronize()
+                events = prof.key_averages()
+                kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
+                report.setdefault("triton_kernels_per_step", {})[label] = kernels
+                table = events.table(sort_by="cuda_time_total", row_limit=30)
+                (out_dir / f"profile_step_triton_{label}.txt").write_text(table)
+                print("kernels per step, triton inputs", label, kernels, flush=True)
+                print(table[:4000], flush=True)
+        gen_cls.triton_attention_inputs = True
+
+    attempt("triton_steps", steps)
+
+    gen = torch.Generator().manual_seed(2)
+    prompts = torch.randint(1, actor.vocab_size, (args.groups, p), generator=gen)
+    ids = prompts.repeat_interleave(b // args.groups, 0)
+    inference.BUCKET_ROWS = 256
+    for share in (None, args.share):
+        if share is None:
+            os.environ.pop(inference.FORCE_EOS_ENV, None)
+        else:
+            os.environ[inference.FORCE_EOS_ENV] = str(share)
+        eos = None if share is None else 1
+        batches = {}
+        # The first call compiles and captures; then off and on side by side, twice each.
+        for label in ["warm-up", "off", "on", "off", "on"] if share is None else ["off", "on", "off", "on"]:
+            gen_cls.triton_attention_inputs = label != "off"
+            res = attempt(
+                f"triton_generate_{share}_{label}",
+                lambda eos=eos: timed_generate(actor, ids, n_new, dev, eos),
+            )
+            if res is None:
+                continue
+            batches[label] = res.pop("batch")
+            report.setdefault("triton_generate", {}).setdefault(f"{share} {label}", []).append(res)
+            print(f"generate share {share} triton inputs {label}: {res}", flush=True)
+        if "off" in batches and "on" in batches:  # the same seed's uniforms: tokens differ only by the kernel
+            parity = _token_parity(batches["off"], batches["on"])
+            report.setdefault("triton_sampled_parity", {})[str(share)] = parity
+            print(f"sampled tokens share {share}, off vs on:", parity, flush=True)
+    os.environ.pop(inference.FORCE_EOS_ENV, None)
+
+    def greedy() -> None:
+        out = {}
+        for label, on in switch.items():
+            gen_cls.triton_attention_inputs = on
+            out[label] = actor.generate(ids, n_new, temperature=0.0, pad_id=0, prompt_mask=torch.ones_like(ids),
+                                        cuda_graph=True, seed=3)  # fmt: skip
+        report["triton_greedy_parity"] = _token_parity(out["off"], out["on"])
+        print("greedy tokens, off vs on:", report["triton_greedy_parity"], flush=True)
+
+    attempt("triton_greedy", greedy)
+    gen_cls.triton_attention_inputs = True
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="qwen15b", choices=["qwen05b", "qwen15b", "tiny"])
@@ -158,6 +418,16 @@ def main() -> int:
     parser.add_argument("--captures", action="store_true", help="time graph captures, profile one step")
     parser.add_argument("--logprob", action="store_true", help="log-prob packed vs padded")
     parser.add_argument("--varlen", action="store_true", help="packed attention kernels")
+    parser.add_argument(
+        "--only-triton-inputs",
+        action="store_true",
+        help="the Triton attention inputs against the compiled ones (parity, steps, rollouts)",
+    )
+    parser.add_argument(
+        "--triton-grid",
+        default="512x1088,256x576,64x320,8x128",
+        help="rows x cache columns of the steps timed with --only-triton-inputs",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
@@ -216,6 +486,12 @@ def main() -> int:
         """The cache columns a step writing column keys - 1 attends over (the whole bucket holding it)."""
         width = inference.key_bucket(rows)
         return min(-(-keys // width) * width, max_len)
+
+    if args.only_triton_inputs:
+        triton_inputs(args, report, attempt, actor, static_step, columns_read, uniform, out_dir)
+        (out_dir / "decode_tail_gpu.json").write_text(json.dumps(report, indent=1, default=str))
+        print("errors:", errors)
+        return 0
 
     # ---- the step cost model: captured step per (rows, columns read), fixed 256-column buckets
     report["step_ms"] = {}

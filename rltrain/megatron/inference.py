@@ -72,7 +72,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
 from rltrain import device as devices
-from rltrain.megatron import fused, mla_cache, moe_decode
+from rltrain.megatron import decode_kernels, fused, mla_cache, moe_decode
 from rltrain.megatron.kv_session import KVSession
 from rltrain.megatron.lora import generation_weights
 from rltrain.megatron.model import SdpaAttention, fused_rotate, rotate
@@ -429,8 +429,9 @@ class KVCacheGenerator:
     (dispatch by rank, compiled under the plan's fused kernels) while `fuse_moe_glue` is on, and with it
     their router runs as the gating GEMM and `moe_decode.route` while `fuse_moe_router` is on. The static
     step's attention inputs (split, q/k norm, RoPE, cache write) run as one function
-    (`fused.decode_attention_inputs`, compiled under the plan's fused kernels) where `_qk_norms` accepts
-    the layer, and its mask is SDPA's additive one, built once per step.
+    (`fused.decode_attention_inputs`, compiled under the plan's fused kernels, on CUDA one Triton kernel:
+    `_pick_attention_inputs`) where `_qk_norms` accepts the layer, and its mask is SDPA's additive one,
+    built once per step.
     `routing` holds the top-k experts of the last forward's static MoE
     layers (by router layer number); `silent_routing` keeps them from an attached replay recorder.
     """
@@ -448,6 +449,11 @@ class KVCacheGenerator:
     # fused kernels) where `moe_decode.moe_forward` finds it gives megatron's routing (the class switch: off
     # runs megatron's TopKRouter, which benchmarks time against it).
     fuse_moe_router = True
+    # The static step's attention inputs as one handwritten Triton kernel per layer
+    # (`decode_kernels.attention_inputs`) where `_pick_attention_inputs` finds it can run, instead of
+    # torch.compile's five to seven (the class switch: off runs the compiled function, which benchmarks time
+    # against it).
+    triton_attention_inputs = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
@@ -476,18 +482,16 @@ class KVCacheGenerator:
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
         self.rotate = fused_rotate if actor.fused_kernels else rotate
         self.sample_unfiltered = fused_sample_unfiltered if actor.fused_kernels else sample_unfiltered
-        # The static decode step's attention inputs (split, q/k norm, RoPE, cache write) as one function,
-        # compiled under the plan's fused kernels; per layer, the q/k norm weights it takes (layers it
-        # cannot follow are absent and run megatron's modules one by one).
-        self.attention_inputs = (
-            fused.fused_decode_attention_inputs if actor.fused_kernels else fused.decode_attention_inputs
-        )
+        # The static decode step's attention inputs (split, q/k norm, RoPE, cache write) as one function:
+        # per layer, the q/k norm weights it takes (layers it cannot follow are absent and run megatron's
+        # modules one by one); the function itself is `_pick_attention_inputs`'s.
         layers = [layer for model in self.models for layer in model.decoder.layers]
         self.fused_inputs = {
             id(layer.self_attention): norms
             for layer in layers
             if self.fuse_step_glue and not self.mla and (norms := _qk_norms(layer.self_attention)) is not None
         }
+        self.attention_inputs, self.triton_inputs_unsupported = self._pick_attention_inputs(layers)
         # SdpaAttention takes SDPA's additive mask as is: the static step builds it once, not per layer.
         # The exact class: MLA's core attention subclasses it and inverts a boolean mask itself.
         self.additive_mask = self.fuse_step_glue and all(
@@ -513,6 +517,36 @@ class KVCacheGenerator:
             if self.fuse_moe_router
             else None
         )
+
+    def _pick_attention_inputs(
+        self, layers: list[torch.nn.Module]
+    ) -> tuple[Callable[..., torch.Tensor], str | None]:
+        """The static step's attention-inputs function, chosen once per engine, and why it is not the Triton
+        kernel (None when it is): `decode_kernels.attention_inputs` (one launch per layer) on CUDA with the
+        plan's fused kernels, `triton_attention_inputs` on and every fused layer's shapes supported;
+        otherwise `fused.decode_attention_inputs`, torch.compile'd under the plan's fused kernels."""
+        if not self.actor.fused_kernels:
+            return fused.decode_attention_inputs, "the plan's kernels are eager"
+        compiled = fused.fused_decode_attention_inputs
+        if not self.triton_attention_inputs:
+            return compiled, "KVCacheGenerator.triton_attention_inputs is off"
+        shapes = {
+            (
+                a.hidden_size_per_attention_head,
+                a.num_attention_heads_per_partition // a.num_query_groups_per_partition,
+            )
+            for layer in layers
+            if id(a := layer.self_attention) in self.fused_inputs
+        }
+        if not shapes:
+            return compiled, "no layer takes the fused attention inputs"
+        for d, per_group in sorted(shapes):
+            why = decode_kernels.unsupported(
+                self.device, self.config.params_dtype, d, per_group, self.cos.shape[-1]
+            )
+            if why is not None:
+                return compiled, why
+        return decode_kernels.attention_inputs, None
 
     # --------------------------------------------------------------------------------- cache rows
     def _allocate(self, rows: int) -> None:

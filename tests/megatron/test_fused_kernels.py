@@ -124,3 +124,61 @@ def test_a_machine_that_cannot_compile_stops_at_start_up_with_the_fix(tmp_path):
         done.stderr
     )
     assert "--model.fused_kernels eager" in done.stderr, done.stderr
+
+
+def test_the_engine_picks_its_attention_inputs_once(engines, monkeypatch):
+    """The static step's attention inputs: the eager plan takes the reference function, the compiled plan
+    torch.compile's on CPU (the Triton kernel names the device); where the kernel can run (its predicate
+    stubbed, as on a CUDA machine) the compiled plan takes it, asked once per layer shape, unless the class
+    switch is off or the predicate refuses a shape (its reason kept for benchmarks)."""
+    from rltrain.megatron import decode_kernels, fused
+    from rltrain.megatron.inference import KVCacheGenerator
+
+    eager, compiled = engines
+    pos = torch.arange(8).expand(2, 8)
+    assert KVCacheGenerator(eager, pos).attention_inputs is fused.decode_attention_inputs
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.attention_inputs is fused.fused_decode_attention_inputs
+    assert engine.triton_inputs_unsupported.startswith("device cpu")
+
+    asked = []
+    monkeypatch.setattr(decode_kernels, "unsupported", lambda *shape: asked.append(shape))  # None: it can
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.attention_inputs is decode_kernels.attention_inputs
+    assert engine.triton_inputs_unsupported is None
+    attn = compiled.modules()[0].decoder.layers[0].self_attention
+    per_group = attn.num_attention_heads_per_partition // attn.num_query_groups_per_partition
+    shape = (torch.device("cpu"), compiled.modules()[0].config.params_dtype,
+             attn.hidden_size_per_attention_head, per_group, engine.cos.shape[-1])  # fmt: skip
+    assert asked == [shape]  # every layer has the same shape: asked once
+    assert KVCacheGenerator(eager, pos).attention_inputs is fused.decode_attention_inputs
+
+    monkeypatch.setattr(decode_kernels, "unsupported", lambda *shape: "refused")
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.attention_inputs is fused.fused_decode_attention_inputs
+    assert engine.triton_inputs_unsupported == "refused"
+
+    monkeypatch.setattr(decode_kernels, "unsupported", lambda *shape: None)
+    monkeypatch.setattr(KVCacheGenerator, "triton_attention_inputs", False)
+    assert KVCacheGenerator(compiled, pos).attention_inputs is fused.fused_decode_attention_inputs
+
+
+def test_the_triton_kernel_names_the_shapes_it_cannot_run(monkeypatch):
+    """`decode_kernels.unsupported`: the 1.5B's and Qwen3-MoE's layers (partial rotary and a head dim that
+    is no power of two too) run on CUDA with triton; other dtypes, odd or too wide rotary dims, tiles past
+    the registers, another device or no triton each give their reason."""
+    from rltrain.megatron import decode_kernels
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    monkeypatch.setattr(decode_kernels, "triton", object())  # installed, as with torch's CUDA wheels
+    for d, per_group, rot in ((128, 6, 128), (128, 8, 128), (128, 6, 64), (80, 4, 80), (64, 1, 32)):
+        assert decode_kernels.unsupported(cuda, bf16, d, per_group, rot) is None, (d, per_group, rot)
+    assert decode_kernels.unsupported(cuda, torch.float64, 128, 6, 128).startswith("dtype")
+    for rot in (0, 63, 130):
+        assert decode_kernels.unsupported(cuda, bf16, 128, 6, rot).startswith("rotary dimension")
+    assert "tile of 16384" in decode_kernels.unsupported(cuda, bf16, 256, 40, 256)
+    assert decode_kernels.unsupported(torch.device("cpu"), bf16, 128, 6, 128).startswith("device cpu")
+    monkeypatch.setattr(decode_kernels, "triton", None)
+    assert decode_kernels.unsupported(cuda, bf16, 128, 6, 128) == "triton is not installed"
+    powers = [decode_kernels.next_power_of_2(x) for x in (1, 2, 3, 8, 10, 80, 128)]
+    assert powers == [1, 2, 4, 8, 16, 128, 128]
