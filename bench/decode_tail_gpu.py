@@ -288,6 +288,23 @@ def triton_parity(report: dict) -> None:
     print("attention inputs, us per call (512 rows, 1.5B layer):", calls, flush=True)
 
 
+def step_kernels(step, cols: int, table_path: Path, row_limit: int) -> tuple[float, str]:
+    """Device kernels per call of a static decode step's body (torch.profiler over 3 eager calls after a
+    warm-up) and the profile's table, also written to `table_path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step._body(cols)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            step._body(cols)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
+    table = events.table(sort_by="cuda_time_total", row_limit=row_limit)
+    table_path.write_text(table)
+    return kernels, table
+
+
 def _token_parity(a: dict, b: dict) -> dict:
     """Share of equal response tokens of two rollouts of the same prompts, and per row the first step
     where they differ (the response length where none does)."""
@@ -308,8 +325,6 @@ def _token_parity(a: dict, b: dict) -> dict:
 def triton_inputs(args, report, attempt, actor, static_step, columns_read, uniform, out_dir) -> None:
     """--only-triton-inputs: the Triton attention inputs (`KVCacheGenerator.triton_attention_inputs`) off
     against on: kernel parity, captured steps and their kernels per step, rollouts, greedy token parity."""
-    from torch.profiler import ProfilerActivity, profile
-
     from rltrain.megatron import decode_kernels, inference
 
     dev, b, p, n_new = args.device, args.rows, args.prompt, args.new_tokens
@@ -346,16 +361,8 @@ def triton_inputs(args, report, attempt, actor, static_step, columns_read, unifo
                 gen_cls.triton_attention_inputs = on
                 step = static_step(rows, pool=False)
                 cols = columns_read(rows, keys)
-                step._body(cols)
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        step._body(cols)
-                    torch.cuda.synchronize()
-                events = prof.key_averages()
-                kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
+                kernels, table = step_kernels(step, cols, out_dir / f"profile_step_triton_{label}.txt", 30)
                 report.setdefault("triton_kernels_per_step", {})[label] = kernels
-                table = events.table(sort_by="cuda_time_total", row_limit=30)
-                (out_dir / f"profile_step_triton_{label}.txt").write_text(table)
                 print("kernels per step, triton inputs", label, kernels, flush=True)
                 print(table[:4000], flush=True)
         gen_cls.triton_attention_inputs = True
@@ -545,21 +552,11 @@ def main() -> int:
             report["capture_s"] = res
             print("capture_s", res, flush=True)
             for glue in GLUE if dev == "cuda" else ():
-                from torch.profiler import ProfilerActivity, profile
-
                 inference.KVCacheGenerator.fuse_step_glue = glue == "fused"
                 step = static_step(rows, pool=False)
                 cols = columns_read(rows, keys)
-                step._body(cols)
-                with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(3):
-                        step._body(cols)
-                    torch.cuda.synchronize()
-                events = prof.key_averages()
-                kernels = sum(e.count for e in events if e.device_type.name == "CUDA") / 3
+                kernels, table = step_kernels(step, cols, out_dir / f"profile_step_{glue}.txt", 45)
                 report.setdefault("kernels_per_step", {})[glue] = kernels
-                table = events.table(sort_by="cuda_time_total", row_limit=45)
-                (out_dir / f"profile_step_{glue}.txt").write_text(table)
                 print("kernels per step", glue, kernels, flush=True)
                 print(table[:6000], flush=True)
             inference.KVCacheGenerator.fuse_step_glue = True
