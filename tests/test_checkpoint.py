@@ -529,3 +529,35 @@ def test_write_results_cross_the_fork_whole_and_a_silent_writer_is_reported(monk
     monkeypatch.setattr(results_queue, "ARRIVAL_WAIT_S", 0.2)
     with pytest.raises(queue_module.Empty):
         q.get_nowait()
+
+
+def _save_in_fork(conn) -> None:
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from rltrain.checkpoint import results_queue
+
+    inherited = filesystem_async._results_queue
+    own = results_queue.install()
+    own.put("mine")
+    conn.send((own is not inherited, own.owner == os.getpid(), own.get_nowait()))
+
+
+def test_a_process_forked_from_a_saver_gets_its_own_results_queue(monkeypatch):
+    """The inherited queue's reader thread lives in the parent: a forked process that saves installs its
+    own, while the parent keeps its."""
+    import multiprocessing
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from rltrain.checkpoint import results_queue
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    parent = results_queue.install()
+    assert results_queue.install() is parent  # once per process
+    ctx = multiprocessing.get_context("fork")
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_save_in_fork, args=(send,))
+    child.start()
+    assert recv.recv() == (True, True, "mine")
+    child.join(60)
+    assert child.exitcode == 0 and filesystem_async._results_queue is parent

@@ -33,7 +33,7 @@ class WriteResultsQueue:
 
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("fork")
-        self._owner = os.getpid()
+        self.owner = os.getpid()
         self._items: queue.Queue[Any] = queue.Queue()
         self._reader, self._writer = ctx.Pipe(duplex=False)
         # Two asynchronous saves may be in flight: their writers send one message at a time.
@@ -49,7 +49,7 @@ class WriteResultsQueue:
             self._items.put(item)
 
     def put(self, item: Any) -> None:
-        if os.getpid() == self._owner:
+        if os.getpid() == self.owner:
             self._items.put(item)
             return
         with self._send_lock:
@@ -69,10 +69,13 @@ class WriteResultsQueue:
 
 def install() -> WriteResultsQueue | Any:
     """Make megatron's write-results queue a `WriteResultsQueue` unless this process already has one
-    (megatron's own included); returns the queue in place. Megatron is imported by the caller."""
+    (megatron's own included); returns the queue in place. Called by the saving process before each save:
+    a process forked from a saver that saves itself gets its own (the inherited one's reader thread lives
+    in the parent). Megatron is imported by the caller."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    if filesystem_async._results_queue is None:
+    current = filesystem_async._results_queue
+    if current is None or (isinstance(current, WriteResultsQueue) and current.owner != os.getpid()):
         filesystem_async._results_queue = WriteResultsQueue()
     return filesystem_async._results_queue
 
