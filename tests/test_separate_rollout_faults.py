@@ -95,6 +95,9 @@ class _Side:
     def __init__(self, role: str, rank: int, world_size: int, master_addr: str, master_port: int):
         self.role = role
 
+    def ready(self) -> None:
+        """Both sides are up before the push, as in a run (an actor still starting would not die in time)."""
+
     def push(self) -> None:
         if self.role == "actor":
             raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
@@ -118,6 +121,7 @@ def test_a_push_that_breaks_because_a_peer_died_names_the_dead_worker(tmp_path):
         pool = Pool.reserve("push", 1, "cpu", 0.5, 2)
         trainer = WorkerGroup("actor", _Side, pool, 1, "cpu", 0.5, {})
         rollout = WorkerGroup("rollout", _Side, pool, 1, "cpu", 0.5, {})
+        wait_all([(trainer, trainer.submit("ready", [()])), (rollout, rollout.submit("ready", [()]))])
         with pytest.raises(WorkerError) as info:
             wait_all([(trainer, trainer.submit("push", [()])), (rollout, rollout.submit("push", [()]))])
         assert (info.value.role, info.value.rank, info.value.died) == ("rollout", 0, True), str(info.value)
