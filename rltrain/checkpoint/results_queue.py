@@ -60,9 +60,6 @@ class WriteResultsQueue:
         reads after the write ended), then raises queue.Empty as megatron's manager queue would."""
         return self._items.get(timeout=ARRIVAL_WAIT_S)
 
-    def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        return self._items.get(block, timeout)
-
     def empty(self) -> bool:
         return self._items.empty()
 
