@@ -26,8 +26,15 @@ Reported (decode_tail_gpu.json in --out):
                  step per (rows, columns) of --triton-grid and its kernels per step; the full-length and
                  the realistic rollout off / on; greedy tokens off against on
 
+  triton_attention  (--only-triton-attention, nothing else runs) the static step's attention as the Triton
+                 kernel over each row's own columns (KVCacheGenerator.triton_decode_attention on) against
+                 SDPA over key buckets (off), reported as triton_inputs is: the kernel against an fp32 truth
+                 and SDPA's error beside it, a graph replay with a moved column, microseconds per call, then
+                 the same steps, kernels per step, rollouts and token parity
+
 Run on the GPU machine:  python3 bench/decode_tail_gpu.py --out $OUT
 Triton attention inputs:  python3 bench/decode_tail_gpu.py --only-triton-inputs --out $OUT
+Triton decode attention:  python3 bench/decode_tail_gpu.py --only-triton-attention --out $OUT
 CPU smoke:  OMP_NUM_THREADS=1 .venv/bin/python bench/decode_tail_gpu.py --arch tiny --device cpu --rows 8 \
                 --groups 2 --prompt 8 --new-tokens 32 --grid-rows 8,4 --grid-keys 16,40 --out /tmp/tail
 """
@@ -35,6 +42,7 @@ CPU smoke:  OMP_NUM_THREADS=1 .venv/bin/python bench/decode_tail_gpu.py --arch t
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -272,20 +280,141 @@ def triton_parity(report: dict) -> None:
     report["triton_graph_replay_column"] = "ok"
 
     # 28 calls (a 1.5B step's layers) captured in one graph: microseconds per call, compiled vs Triton.
-    calls: dict = {}
-    for name, fn in (
-        ("compiled", fused.fused_decode_attention_inputs),
-        ("triton", decode_kernels.attention_inputs),
-    ):
-        fn(*call_args)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for _ in range(28):
-                fn(*call_args)
-        calls[name] = per_call_ms(graph.replay, "cuda", iters=50) * 1e3 / 28
+    calls = {
+        name: _graph_us_per_call(functools.partial(fn, *call_args), 28)
+        for name, fn in (
+            ("compiled", fused.fused_decode_attention_inputs),
+            ("triton", decode_kernels.attention_inputs),
+        )
+    }
     report["triton_us_per_call_512x2x6x128"] = calls
     print("attention inputs, us per call (512 rows, 1.5B layer):", calls, flush=True)
+
+
+# (rows, KV groups, query heads per group, head dim, cache columns, column written, splits: None = the kernel's
+# own choice): the 1.5B's and Qwen3-MoE's layers at full and few rows, MQA, a head dim that is no power of two.
+ATTENTION_CASES = (
+    (512, 2, 6, 128, 1088, 1000, None),
+    (256, 4, 4, 128, 1088, 700, None),
+    (8, 2, 6, 128, 1088, 900, None),
+    (8, 2, 6, 128, 1088, 900, 1),
+    (64, 1, 8, 64, 300, 130, None),
+    (16, 2, 7, 80, 300, 63, 4),
+    (3, 2, 6, 128, 200, 0, None),
+)
+
+
+def attention_parity(report: dict) -> None:
+    """The Triton decode attention against SDPA on random bf16 caches whose rows start after prompt pads of
+    their own (0 to 63 columns) and hold a hidden hole: each one's error against an fp32 truth over each row's
+    visible columns (the kernel's bound: 2^-7 of the largest |output| plus 2^-8 of each, the rounding of the
+    probabilities and of the output in bf16), the columns past the written one filled with NaN (the kernel
+    must not read them); a CUDA graph replayed after the column moved; then microseconds per call, 28 calls
+    (a 1.5B step's layers) in one graph, the kernel over each row's columns against SDPA over the engine's
+    key bucket (inference.key_bucket), as the static step calls them."""
+    from rltrain.megatron import decode_kernels, inference
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    dt = torch.bfloat16
+    res = report.setdefault("attention_parity", {})
+
+    def case(n, groups, per_group, d, max_len, col):
+        q = torch.randn(n, groups * per_group, d, device="cuda", generator=gen).to(dt)
+        k, v = (
+            torch.randn(max_len, n, groups, d, device="cuda", generator=gen).mul(2).to(dt) for _ in range(2)
+        )
+        pads = torch.randint(0, min(64, col + 1), (n,), device="cuda", generator=gen)
+        cols = torch.arange(max_len, device="cuda")
+        masked = (cols < pads[:, None]) | (cols > col)
+        if col > 8:
+            masked[0, pads[0] + 1] = True  # a hole
+        return q, k, v, masked, (~masked).int().argmax(1), torch.tensor([col], device="cuda")
+
+    def sdpa(q, k, v, masked, keys, scale):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, None], k[:keys].permute(1, 2, 0, 3), v[:keys].permute(1, 2, 0, 3),
+            attn_mask=~masked[:, None, None, :keys], scale=scale, enable_gqa=True,
+        ).reshape(q.shape[0], -1)  # fmt: skip
+
+    for n, groups, per_group, d, max_len, col, splits in ATTENTION_CASES:
+        why = decode_kernels.attention_unsupported(torch.device("cuda"), dt, d, per_group)
+        assert why is None, why
+        q, k, v, masked, first, column = case(n, groups, per_group, d, max_len, col)
+        scale = d**-0.5
+        truth = decode_kernels.decode_attention_reference(
+            q.float(), k.float(), v.float(), masked, first, column, scale
+        )
+        base = sdpa(q, k, v, masked, col + 1, scale)  # SDPA over exactly the written columns
+        k[col + 1 :], v[col + 1 :] = float("nan"), float("nan")
+        chosen = decode_kernels.attention_splits
+        if splits is not None:
+            decode_kernels.attention_splits = lambda rows, g, sms, s=splits: s
+        try:
+            out = decode_kernels.decode_attention(q, k, v, masked, first, column, scale)
+        finally:
+            decode_kernels.attention_splits = chosen
+        gap = (out.float() - truth).abs()
+        bound = 2**-7 * truth.abs().max() + 2**-8 * truth.abs()
+        key = f"n{n} g{groups} p{per_group} d{d} col{col} splits{splits or chosen(n, groups, 132)}"
+        res[key] = {
+            "max_abs_err_kernel": float(gap.max()),
+            "max_abs_err_sdpa": float((base.float() - truth).abs().max()),
+            "worst_error_over_bound": float((gap / bound).max()),
+        }
+        print("attention parity", key, res[key], flush=True)
+        assert not out.isnan().any() and bool((gap <= bound).all()), (key, res[key])
+
+    # A CUDA graph: first / col are read on the device, so a replay after the column moved reads up to it.
+    n, groups, per_group, d, max_len, _, _ = ATTENTION_CASES[0]
+    q, k, v, masked, first, column = case(n, groups, per_group, d, max_len, max_len - 1)
+    masked[:, 100:] = True
+    column.fill_(99)
+    decode_kernels.decode_attention(q, k, v, masked, first, column, 0.1)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = decode_kernels.decode_attention(q, k, v, masked, first, column, 0.1)
+    masked[:, 100:600] = False
+    column.fill_(599)
+    graph.replay()
+    want = decode_kernels.decode_attention_reference(
+        q.float(), k.float(), v.float(), masked, first, column, 0.1
+    )
+    assert float((out.float() - want).abs().max()) <= 2**-6 * float(want.abs().max()), (
+        "replay reads to the new column"
+    )
+    report["attention_graph_replay_column"] = "ok"
+
+    # Microseconds per call: 28 calls (a 1.5B step's layers) in one graph, kernel vs SDPA over the bucket.
+    calls: dict = {}
+    for rows, col in ((512, 1000), (512, 500), (256, 700), (64, 300), (8, 200)):
+        q, k, v, masked, first, column = case(rows, 2, 6, 128, 1088, col)
+        width = inference.key_bucket(rows)
+        keys = min(-(-(col + 1) // width) * width, 1088)
+        additive = torch.zeros(masked.shape, dtype=dt, device="cuda").masked_fill_(masked, float("-inf"))
+        fns = {
+            "sdpa_bucket": functools.partial(
+                torch.nn.functional.scaled_dot_product_attention,
+                q[:, :, None], k[:keys].permute(1, 2, 0, 3), v[:keys].permute(1, 2, 0, 3),
+                attn_mask=additive[:, None, None, :keys], scale=0.1, enable_gqa=True,
+            ),
+            "triton": functools.partial(decode_kernels.decode_attention, q, k, v, masked, first, column, 0.1),
+        }  # fmt: skip
+        for name, fn in fns.items():
+            calls[f"{rows} rows col {col} ({name}, sdpa reads {keys})"] = _graph_us_per_call(fn, 28)
+    report["attention_us_per_call_1.5b_layer"] = calls
+    print("decode attention, us per call (1.5B layer):", json.dumps(calls, indent=1), flush=True)
+
+
+def _graph_us_per_call(fn, calls: int) -> float:
+    """Microseconds per call of `fn` with `calls` calls captured in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return per_call_ms(graph.replay, "cuda", iters=30) * 1e3 / calls
 
 
 def step_kernels(step, cols: int, table_path: Path, row_limit: int) -> tuple[float, str]:
@@ -322,22 +451,45 @@ def _token_parity(a: dict, b: dict) -> dict:
     }
 
 
-def triton_inputs(args, report, attempt, actor, static_step, columns_read, uniform, out_dir) -> None:
-    """--only-triton-inputs: the Triton attention inputs (`KVCacheGenerator.triton_attention_inputs`) off
-    against on: kernel parity, captured steps and their kernels per step, rollouts, greedy token parity."""
-    from rltrain.megatron import decode_kernels, inference
+# The class switches --only-triton-inputs / --only-triton-attention time off against on: (the switch, the
+# kernel's parity function, the engine's attributes holding its choice and the reason it names).
+SWITCHES = {
+    "triton_inputs": (
+        "triton_attention_inputs",
+        triton_parity,
+        "attention_inputs",
+        "triton_inputs_unsupported",
+    ),
+    "triton_attention": (
+        "triton_decode_attention",
+        attention_parity,
+        "decode_attention",
+        "triton_attention_unsupported",
+    ),
+}
+
+
+def switch_side_by_side(
+    args, report, attempt, actor, static_step, columns_read, uniform, out_dir, tag
+) -> None:
+    """One of SWITCHES (`KVCacheGenerator.<switch>`) off against on: kernel parity, captured steps and their
+    kernels per step, rollouts, greedy token parity."""
+    from rltrain.megatron import inference
 
     dev, b, p, n_new = args.device, args.rows, args.prompt, args.new_tokens
+    name, parity, chosen, reason = SWITCHES[tag]
     gen_cls = inference.KVCacheGenerator
     if dev == "cuda":
-        attempt("triton_parity", lambda: triton_parity(report))
+        attempt(f"{tag}_parity", lambda: parity(report))
     switch = {"off": False, "on": True}
     engine = inference.KVCacheGenerator(actor, torch.arange(8, device=dev).expand(1, 8))
-    report["triton_engine_choice"] = {
-        "function": engine.attention_inputs.__qualname__, "unsupported": engine.triton_inputs_unsupported,
-    }  # fmt: skip
-    print("engine's attention inputs:", report["triton_engine_choice"], flush=True)
-    assert dev != "cuda" or engine.attention_inputs is decode_kernels.attention_inputs
+    picked = getattr(engine, chosen)
+    report[f"{tag}_engine_choice"] = {
+        "function": getattr(picked, "__qualname__", None),
+        "unsupported": getattr(engine, reason),
+    }
+    print("engine's choice:", report[f"{tag}_engine_choice"], flush=True)
+    assert dev != "cuda" or getattr(engine, reason) is None
 
     def steps() -> None:
         inference.BUCKET_ROWS = 1  # fixed KEY_BUCKET-column buckets, as the grid's
@@ -347,27 +499,27 @@ def triton_inputs(args, report, attempt, actor, static_step, columns_read, unifo
                 rows, keys = min(rows, b), min(keys, p + n_new)
                 tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
                 for label, on in switch.items():
-                    gen_cls.triton_attention_inputs = on
+                    setattr(gen_cls, name, on)
                     step = static_step(rows)
                     ms = per_call_ms(
                         lambda st=step, tk=tokens, k=keys, r=rows: st(tk, k - 1, uniform[:r]), dev, iters=20
                     )
                     cols = columns_read(rows, keys)
-                    report.setdefault("triton_step_ms", {})[f"{rows}x{cols} {label}"] = ms
-                    print(f"step rows {rows} columns {cols} triton inputs {label}: {ms:.3f} ms", flush=True)
+                    report.setdefault(f"{tag}_step_ms", {})[f"{rows}x{cols} {label}"] = ms
+                    print(f"step rows {rows} columns {cols} {tag} {label}: {ms:.3f} ms", flush=True)
                     del step
             rows, keys = min(256, b), min(576, p + n_new)
             for label, on in switch.items() if dev == "cuda" else ():
-                gen_cls.triton_attention_inputs = on
+                setattr(gen_cls, name, on)
                 step = static_step(rows, pool=False)
                 cols = columns_read(rows, keys)
-                kernels, table = step_kernels(step, cols, out_dir / f"profile_step_triton_{label}.txt", 30)
-                report.setdefault("triton_kernels_per_step", {})[label] = kernels
-                print("kernels per step, triton inputs", label, kernels, flush=True)
+                kernels, table = step_kernels(step, cols, out_dir / f"profile_step_{tag}_{label}.txt", 30)
+                report.setdefault(f"{tag}_kernels_per_step", {})[label] = kernels
+                print("kernels per step,", tag, label, kernels, flush=True)
                 print(table[:4000], flush=True)
-        gen_cls.triton_attention_inputs = True
+        setattr(gen_cls, name, True)
 
-    attempt("triton_steps", steps)
+    attempt(f"{tag}_steps", steps)
 
     gen = torch.Generator().manual_seed(2)
     prompts = torch.randint(1, actor.vocab_size, (args.groups, p), generator=gen)
@@ -382,33 +534,33 @@ def triton_inputs(args, report, attempt, actor, static_step, columns_read, unifo
         batches = {}
         # The first call compiles and captures; then off and on side by side, twice each.
         for label in ["warm-up", "off", "on", "off", "on"] if share is None else ["off", "on", "off", "on"]:
-            gen_cls.triton_attention_inputs = label != "off"
+            setattr(gen_cls, name, label != "off")
             res = attempt(
-                f"triton_generate_{share}_{label}",
+                f"{tag}_generate_{share}_{label}",
                 lambda eos=eos: timed_generate(actor, ids, n_new, dev, eos),
             )
             if res is None:
                 continue
             batches[label] = res.pop("batch")
-            report.setdefault("triton_generate", {}).setdefault(f"{share} {label}", []).append(res)
-            print(f"generate share {share} triton inputs {label}: {res}", flush=True)
+            report.setdefault(f"{tag}_generate", {}).setdefault(f"{share} {label}", []).append(res)
+            print(f"generate share {share} {tag} {label}: {res}", flush=True)
         if "off" in batches and "on" in batches:  # the same seed's uniforms: tokens differ only by the kernel
             parity = _token_parity(batches["off"], batches["on"])
-            report.setdefault("triton_sampled_parity", {})[str(share)] = parity
+            report.setdefault(f"{tag}_sampled_parity", {})[str(share)] = parity
             print(f"sampled tokens share {share}, off vs on:", parity, flush=True)
     os.environ.pop(inference.FORCE_EOS_ENV, None)
 
     def greedy() -> None:
         out = {}
         for label, on in switch.items():
-            gen_cls.triton_attention_inputs = on
+            setattr(gen_cls, name, on)
             out[label] = actor.generate(ids, n_new, temperature=0.0, pad_id=0, prompt_mask=torch.ones_like(ids),
                                         cuda_graph=True, seed=3)  # fmt: skip
-        report["triton_greedy_parity"] = _token_parity(out["off"], out["on"])
-        print("greedy tokens, off vs on:", report["triton_greedy_parity"], flush=True)
+        report[f"{tag}_greedy_parity"] = _token_parity(out["off"], out["on"])
+        print("greedy tokens, off vs on:", report[f"{tag}_greedy_parity"], flush=True)
 
-    attempt("triton_greedy", greedy)
-    gen_cls.triton_attention_inputs = True
+    attempt(f"{tag}_greedy", greedy)
+    setattr(gen_cls, name, True)
 
 
 def main() -> int:
@@ -431,9 +583,14 @@ def main() -> int:
         help="the Triton attention inputs against the compiled ones (parity, steps, rollouts)",
     )
     parser.add_argument(
+        "--only-triton-attention",
+        action="store_true",
+        help="the Triton decode attention against SDPA over key buckets (parity, steps, rollouts)",
+    )
+    parser.add_argument(
         "--triton-grid",
         default="512x1088,256x576,64x320,8x128",
-        help="rows x cache columns of the steps timed with --only-triton-inputs",
+        help="rows x cache columns of the steps timed with --only-triton-inputs / --only-triton-attention",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     args = parser.parse_args()
@@ -494,8 +651,15 @@ def main() -> int:
         width = inference.key_bucket(rows)
         return min(-(-keys // width) * width, max_len)
 
-    if args.only_triton_inputs:
-        triton_inputs(args, report, attempt, actor, static_step, columns_read, uniform, out_dir)
+    tag = (
+        "triton_inputs"
+        if args.only_triton_inputs
+        else "triton_attention"
+        if args.only_triton_attention
+        else None
+    )
+    if tag is not None:
+        switch_side_by_side(args, report, attempt, actor, static_step, columns_read, uniform, out_dir, tag)
         (out_dir / "decode_tail_gpu.json").write_text(json.dumps(report, indent=1, default=str))
         print("errors:", errors)
         return 0

@@ -5,14 +5,23 @@ Why: a captured decode step is bound by its kernel count, not its bytes (~500 ke
 (`fused.decode_attention_inputs`: split of megatron's unsplit QKV, Qwen3's per-head q/k RMSNorm, RoPE,
 cache write) as five to seven Triton kernels; `attention_inputs` here is all of it in one launch.
 
-`fused.decode_attention_inputs` stays the reference (and the CPU path); `KVCacheGenerator` takes this one
-only on CUDA with the plan's fused kernels and where `unsupported` names no reason (inference.py). Triton
-is imported guarded: CPU machines (no triton package) import this module and get the reason instead.
+`decode_attention` is the step's attention over each row's own cache columns: cuDNN's kernel behind SDPA
+reads whole 256-column buckets, prompt pads included, at ~2 TB/s (its GQA form reads each key once per query
+head), and every bucket the decode reaches costs a graph capture; this one reads each key and value once per
+KV group, only up to the column written, so one captured graph serves a row set's whole decode.
+
+`fused.decode_attention_inputs` and SDPA stay the references (and the CPU path); `KVCacheGenerator` takes
+these kernels only on CUDA with the plan's fused kernels and where `unsupported` / `attention_unsupported`
+name no reason (inference.py). Triton is imported guarded: CPU machines (no triton package) import this
+module and get the reason instead.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
+import torch.nn.functional as F
 
 try:  # triton ships with torch's CUDA wheels; CPU installs have none (and must not add it)
     import triton
@@ -172,3 +181,214 @@ if triton is not None:
             y.to(v_ptr.dtype.element_ty),
             mask=(h == P + 1) & in_d,
         )
+
+
+# ------------------------------------------------------------------------------ decode attention
+# Cache columns per iteration of the attention kernel's loop, and the programs it aims to keep in flight: a
+# step over few rows splits each row's columns into up to MAX_SPLITS parts (flash-decoding), combined by a
+# second kernel, so the loads of few rows still spread over the device's SMs.
+BLOCK_N = 64
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 16
+
+
+def attention_unsupported(
+    device: torch.device, dtype: torch.dtype, head_dim: int, q_per_group: int
+) -> str | None:
+    """Why `decode_attention` cannot serve a layer of these shapes (None: it can)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (the kernel's products take bf16 or fp16)"
+    if not 16 <= head_dim <= 256:
+        return f"head dimension {head_dim} (the kernel takes 16 to 256)"
+    if not 1 <= q_per_group <= 64:
+        return f"{q_per_group} query heads per KV group (the kernel takes 1 to 64)"
+    if device.type != "cuda":
+        return f"device {device.type} (the Triton kernel runs on CUDA)"
+    if triton is None:
+        return "triton is not installed"
+    return None
+
+
+def attention_splits(rows: int, groups: int, sms: int) -> int:
+    """Parts each row's columns are split into: the power of two (at most MAX_SPLITS) that brings the
+    programs of a step over `rows` rows and `groups` KV groups to PROGRAMS_PER_SM per SM of `sms`."""
+    want = -(-PROGRAMS_PER_SM * sms // max(rows * groups, 1))
+    return min(next_power_of_2(want), MAX_SPLITS)
+
+
+def decode_attention_reference(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_masked: torch.Tensor,
+    first: torch.Tensor,
+    col: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """What `decode_attention` computes, in torch (fp32 SDPA over the whole cache, the columns a row may not
+    see masked): the CPU tests run the static step's kernel path through it."""
+    n, heads, d = query.shape
+    cols = torch.arange(k_cache.shape[0], device=query.device)
+    hidden = key_masked | (cols > col) | (cols < first[:, None])
+    # Hidden columns never enter the sums (the kernel does not load them): zeros, not whatever they hold.
+    k, v = (
+        c.permute(1, 2, 0, 3).float().masked_fill(hidden[:, None, :, None], 0.0) for c in (k_cache, v_cache)
+    )
+    out = F.scaled_dot_product_attention(
+        query[:, :, None].float(), k, v, attn_mask=~hidden[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out.to(query.dtype).view(n, heads * d)
+
+
+def decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    key_masked: torch.Tensor,
+    first: torch.Tensor,
+    col: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Attention of one decode column over each row's own cache columns: [n, heads * d] (the query's dtype).
+
+    query [n, heads, d]; k_cache / v_cache [max_len, n, groups, d] (the engine's sequence-first cache, the
+    new column already written); key_masked [n, max_len] bool (True = hidden, SDPA's mask inverted);
+    first [n] the first column a row may see and col [1] the column just written, both read on the device
+    (a CUDA graph replays them). Row r attends over columns first[r]..col not hidden by key_masked: the loop
+    ends at the column written, not at a bucket's end, and starts past the row's prompt pads, so the
+    kernel reads the row's real keys and values only, and one captured graph serves every column.
+
+    The grid is (row, KV group, split): one program holds its group's query heads ([q_per_group, d],
+    padded to 16 rows for the tensor cores) and reads each key and value of its columns once for all of
+    them (SDPA reads them once per query head). Numerics: q.k in fp32 from the stored dtype, online softmax
+    in fp32 (base 2, the scale folded in), the probabilities rounded to the stored dtype for the p.v
+    product (as flash attention does), fp32 accumulation, one rounding of the output."""
+    assert triton is not None, "triton is not installed (decode_kernels.attention_unsupported)"
+    n, heads, d = query.shape
+    groups = k_cache.shape[2]
+    per_group = heads // groups
+    assert heads == per_group * groups and k_cache.shape[1:] == v_cache.shape[1:] == (n, groups, d), (
+        query.shape,
+        k_cache.shape,
+        v_cache.shape,
+    )
+    assert key_masked.shape == (n, k_cache.shape[0]) and first.shape == (n,), (key_masked.shape, first.shape)
+    assert k_cache.stride(-1) == v_cache.stride(-1) == 1 and key_masked.stride(-1) == 1
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    out = torch.empty((n, heads, d), dtype=query.dtype, device=query.device)
+    if n == 0:
+        return out.view(n, heads * d)
+    splits = attention_splits(n, groups, _sm_count(query.device.index))
+    block_h, block_d = max(16, next_power_of_2(per_group)), max(16, next_power_of_2(d))
+    if splits > 1:
+        part = torch.empty((n, heads, splits, d), dtype=torch.float32, device=query.device)
+        stats = torch.empty((n, heads, splits, 2), dtype=torch.float32, device=query.device)
+    else:  # the kernel writes the output itself (its SPLITS switch never touches these)
+        part, stats = out, out
+    _attention_kernel[(n, groups, splits)](
+        query, k_cache, v_cache, key_masked.view(torch.uint8), first, col, out, part, stats,
+        query.stride(0), query.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        key_masked.stride(0), scale * 1.4426950408889634,
+        P=per_group, D=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=BLOCK_N, SPLITS=splits,
+        num_warps=4, num_stages=2,
+    )  # fmt: skip
+    if splits > 1:
+        _combine_kernel[(n, heads)](part, stats, out, D=d, BLOCK_D=block_d, SPLITS=splits, num_warps=4)
+    return out.view(n, heads * d)
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attention_kernel(
+        q_ptr, k_ptr, v_ptr, mask_ptr, first_ptr, col_ptr, out_ptr, part_ptr, stats_ptr,
+        q_row, q_head, k_col, k_row, k_group, v_col, v_row, v_group, mask_row, scale_log2,
+        P: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+    ):  # fmt: skip
+        """One (row, KV group, split): its query heads against its share of the row's columns."""
+        row = tl.program_id(0).to(tl.int64)
+        group = tl.program_id(1).to(tl.int64)
+        split = tl.program_id(2)
+        h = tl.arange(0, BLOCK_H)
+        j = tl.arange(0, BLOCK_D)
+        in_d = j < D
+        head = group * P + h
+        q = tl.load(
+            q_ptr + row * q_row + head[:, None] * q_head + j[None, :],
+            mask=(h < P)[:, None] & in_d[None, :],
+            other=0.0,
+        )
+        # The row's columns first..col, split into SPLITS parts of whole blocks.
+        lo = tl.load(first_ptr + row).to(tl.int32)
+        hi = tl.load(col_ptr).to(tl.int32) + 1
+        lo = tl.minimum(lo, hi - 1) // BLOCK_N * BLOCK_N
+        per = tl.cdiv(tl.cdiv(hi - lo, SPLITS), BLOCK_N) * BLOCK_N
+        start = lo + split * per
+        stop = tl.minimum(start + per, hi)
+        m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_H,), tl.float32)
+        acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
+        k_base = k_ptr + row * k_row + group * k_group
+        v_base = v_ptr + row * v_row + group * v_group
+        for c0 in range(start, stop, BLOCK_N):
+            c = c0 + tl.arange(0, BLOCK_N)
+            hidden = tl.load(mask_ptr + row * mask_row + c, mask=c < stop, other=1)
+            seen = (c < stop) & (hidden == 0)
+            k = tl.load(
+                k_base + c[:, None].to(tl.int64) * k_col + j[None, :],
+                mask=seen[:, None] & in_d[None, :],
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k)) * scale_log2
+            s = tl.where(seen[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            # A block with no column seen keeps m at -inf: its exponentials are taken against 0 (all 0).
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(
+                v_base + c[:, None].to(tl.int64) * v_col + j[None, :],
+                mask=seen[:, None] & in_d[None, :],
+                other=0.0,
+            )
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        if SPLITS == 1:
+            o = acc / l_i[:, None]
+            tl.store(
+                out_ptr + (row * (P * tl.num_programs(1)) + head)[:, None] * D + j[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=(h < P)[:, None] & in_d[None, :],
+            )
+        else:
+            at = (row * (P * tl.num_programs(1)) + head) * SPLITS + split
+            tl.store(part_ptr + at[:, None] * D + j[None, :], acc, mask=(h < P)[:, None] & in_d[None, :])
+            tl.store(stats_ptr + at * 2, m_i, mask=h < P)
+            tl.store(stats_ptr + at * 2 + 1, l_i, mask=h < P)
+
+    @triton.jit
+    def _combine_kernel(
+        part_ptr, stats_ptr, out_ptr, D: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr
+    ):
+        """One (row, head): its SPLITS partial sums rescaled to their common maximum and normalised."""
+        at = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)
+        s = tl.arange(0, SPLITS)
+        j = tl.arange(0, BLOCK_D)
+        m = tl.load(stats_ptr + (at * SPLITS + s) * 2)
+        total = tl.load(stats_ptr + (at * SPLITS + s) * 2 + 1)
+        m_all = tl.max(m, 0)
+        w = tl.exp2(m - m_all)  # a split that saw no column has m = -inf: weight 0
+        acc = tl.load(
+            part_ptr + (at * SPLITS + s)[:, None] * D + j[None, :], mask=(j < D)[None, :], other=0.0
+        )
+        o = tl.sum(acc * w[:, None], 0) / tl.sum(total * w, 0)
+        tl.store(out_ptr + at * D + j, o.to(out_ptr.dtype.element_ty), mask=j < D)

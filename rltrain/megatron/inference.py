@@ -60,6 +60,7 @@ own inference does the same) and restored afterwards. Context parallel is not su
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -454,6 +455,10 @@ class KVCacheGenerator:
     # torch.compile's five to seven (the class switch: off runs the compiled function, which benchmarks time
     # against it).
     triton_attention_inputs = True
+    # The static step's attention as `decode_kernels.decode_attention` (each row's own columns, one graph per
+    # row set) where `_pick_decode_attention` finds it can run, instead of SDPA over whole key buckets (the
+    # class switch: off runs SDPA, which benchmarks time against it).
+    triton_decode_attention = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
@@ -492,6 +497,7 @@ class KVCacheGenerator:
             if self.fuse_step_glue and not self.mla and (norms := _qk_norms(layer.self_attention)) is not None
         }
         self.attention_inputs, self.triton_inputs_unsupported = self._pick_attention_inputs(layers)
+        self.decode_attention, self.triton_attention_unsupported = self._pick_decode_attention(layers)
         # SdpaAttention takes SDPA's additive mask as is: the static step builds it once, not per layer.
         # The exact class: MLA's core attention subclasses it and inverts a boolean mask itself.
         self.additive_mask = self.fuse_step_glue and all(
@@ -547,6 +553,41 @@ class KVCacheGenerator:
             if why is not None:
                 return compiled, why
         return decode_kernels.attention_inputs, None
+
+    def _pick_decode_attention(
+        self, layers: list[torch.nn.Module]
+    ) -> tuple[Callable[..., torch.Tensor] | None, str | None]:
+        """The static step's attention, chosen once per engine: `decode_kernels.decode_attention` and None,
+        or None (the layers' own core attention, SDPA over whole key buckets) and why not: the kernel runs on
+        CUDA with the plan's fused kernels, `triton_decode_attention` on, every layer's core attention
+        exactly `SdpaAttention` (whose math it computes) and its shapes supported."""
+        if not self.actor.fused_kernels:
+            return None, "the plan's kernels are eager"
+        if not self.triton_decode_attention:
+            return None, "KVCacheGenerator.triton_decode_attention is off"
+        if self.mla:
+            return None, "multi-head latent attention (its own cached attention)"
+        shapes = set()
+        for layer in layers:
+            a = layer.self_attention
+            if type(a.core_attention) is not SdpaAttention:
+                return (
+                    None,
+                    f"core attention {type(a.core_attention).__name__} (the kernel computes SdpaAttention's)",
+                )
+            shapes.add(
+                (
+                    a.hidden_size_per_attention_head,
+                    a.num_attention_heads_per_partition // a.num_query_groups_per_partition,
+                )
+            )
+        if not shapes:
+            return None, "no attention layers"
+        for d, per_group in sorted(shapes):
+            why = decode_kernels.attention_unsupported(self.device, self.config.params_dtype, d, per_group)
+            if why is not None:
+                return None, why
+        return decode_kernels.decode_attention, None
 
     # --------------------------------------------------------------------------------- cache rows
     def _allocate(self, rows: int) -> None:
@@ -649,14 +690,15 @@ class KVCacheGenerator:
         start: int | torch.Tensor,
         keys: int,
         rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | None,
+        mask: torch.Tensor | StepKeys | None,
         mask_type: AttnMaskType,
     ) -> torch.Tensor:
         """megatron's TransformerLayer.forward (eval, no cross attention) with cached self-attention.
 
         The new keys/values go to cache columns `start` (an int: columns start.. of a slice; a 1-element
         device tensor: one column chosen on the device, as a CUDA graph needs) and the attention reads
-        the first `keys` columns.
+        the first `keys` columns, or, given the static step's `StepKeys`, each row's own columns through
+        `decode_attention`.
         """
         cfg = layer.config
         attn = layer.self_attention
@@ -671,7 +713,13 @@ class KVCacheGenerator:
                 layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout),
             )
         query = self._attention_inputs(layer, hidden, kv, start, rope)
-        context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
+        if isinstance(mask, StepKeys):  # the static step with `decode_attention`: each row's own columns
+            assert self.decode_attention is not None
+            context = self.decode_attention(
+                query[0], kv[0], kv[1], mask.masked, mask.first, mask.col, attn.core_attention.softmax_scale
+            ).unsqueeze(0)
+        else:
+            context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
         out = attn.linear_proj(context)
         return self._mlp(
             layer, layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
@@ -760,6 +808,17 @@ def key_bucket(rows: int) -> int:
     return KEY_BUCKET * max(1, BUCKET_ROWS // max(rows, 1))
 
 
+@dataclasses.dataclass(frozen=True)
+class StepKeys:
+    """The keys a static decode step's rows see, for `decode_kernels.decode_attention`: `masked` [rows,
+    max_len] (True = hidden), `first` [rows] each row's first visible column, `col` [1] the column written
+    (all buffers of the step, read on the device)."""
+
+    masked: torch.Tensor
+    first: torch.Tensor
+    col: torch.Tensor
+
+
 class StaticDecodeStep:
     """The one-token decode step of a fixed set of cache rows with static shapes, optionally in CUDA graphs.
 
@@ -771,7 +830,8 @@ class StaticDecodeStep:
     [rows, max_len] (True = hidden) starts as the prompt pads plus every response column, and each step
     unmasks its own column on the device. One graph is
     captured per bucket the decode reaches, on first use, for this set of rows (compaction builds a new
-    step over the new cache). Forward, logits and sampling are all inside the graph; sampling parameters
+    step over the new cache); where the engine has `decode_attention` (each row's own columns, read up to
+    the column written) there are no buckets: one graph serves the row set's whole decode. Forward, logits and sampling are all inside the graph; sampling parameters
     are fixed per call (the temperature is a buffer, so one compiled sampler serves every temperature).
     The steps of one `generate` call (one per compaction) capture into one memory pool; a step a
     compaction replaced stays alive until the call ends (freeing its graphs would drop the pool's use
@@ -804,6 +864,8 @@ class StaticDecodeStep:
         self.tokens = torch.zeros((n, 1), dtype=torch.long, device=dev)
         self.pos = torch.zeros((n, 1), dtype=torch.long, device=dev)
         self.col = torch.zeros((1,), dtype=torch.long, device=dev)
+        # Each row's first visible column (past its prompt pads), for the kernel's loop; fixed for the step.
+        self.first = (~key_masked).int().argmax(1)
         self.uniform = torch.zeros((n,), dtype=torch.float32, device=dev)
         # A buffer, not a constant: the compiled sampler then serves every temperature with one graph.
         self.temperature = torch.tensor(float(sampling[0]), dtype=torch.float32, device=dev)
@@ -817,8 +879,10 @@ class StaticDecodeStep:
         engine = self.engine
         (model,) = engine.models  # one chunk, first and last stage (no pipeline parallel)
         self.key_masked.index_fill_(1, self.col, False)
-        mask = self.key_masked[:, None, None, :keys]
-        if engine.additive_mask:  # SDPA's own form, once per step (SdpaAttention converted it per layer)
+        mask: torch.Tensor | StepKeys = self.key_masked[:, None, None, :keys]
+        if engine.decode_attention is not None:
+            mask = StepKeys(self.key_masked, self.first, self.col)
+        elif engine.additive_mask:  # SDPA's own form, once per step (SdpaAttention converted it per layer)
             mask = torch.zeros(mask.shape, dtype=engine.config.params_dtype, device=mask.device).masked_fill_(
                 mask, float("-inf")
             )
@@ -853,7 +917,8 @@ class StaticDecodeStep:
         self.pos.copy_(self.engine.positions[self.rows, start : start + 1])
         self.col.fill_(start)
         self.uniform.copy_(uniform)
-        width = key_bucket(self.rows.numel())
+        # `decode_attention` reads each row's own columns: one graph for the whole decode of these rows.
+        width = self.key_masked.shape[1] if self.engine.decode_attention else key_bucket(self.rows.numel())
         keys = min(-(-(start + 1) // width) * width, self.key_masked.shape[1])
         if not self.capture:
             tok, lp, self.routing = self._body(keys)

@@ -182,3 +182,71 @@ def test_the_triton_kernel_names_the_shapes_it_cannot_run(monkeypatch):
     assert decode_kernels.unsupported(cuda, bf16, 128, 6, 128) == "triton is not installed"
     powers = [decode_kernels.next_power_of_2(x) for x in (1, 2, 3, 8, 10, 80, 128)]
     assert powers == [1, 2, 4, 8, 16, 128, 128]
+
+
+def test_the_engine_picks_its_decode_attention_once(engines, monkeypatch):
+    """The static step's attention: SDPA over key buckets on the eager plan and here (the kernel names the
+    fp32 dtype); where the kernel can run (its predicate stubbed, as on a CUDA machine) the compiled plan takes
+    `decode_kernels.decode_attention`, asked once per layer shape, unless the class switch is off, a layer's
+    core attention is not SdpaAttention or the predicate refuses a shape (each reason kept for benchmarks)."""
+    from rltrain.megatron import decode_kernels
+    from rltrain.megatron.inference import KVCacheGenerator
+
+    eager, compiled = engines
+    pos = torch.arange(8).expand(2, 8)
+    engine = KVCacheGenerator(eager, pos)
+    assert (
+        engine.decode_attention is None
+        and engine.triton_attention_unsupported == "the plan's kernels are eager"
+    )
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.decode_attention is None
+    assert engine.triton_attention_unsupported.startswith("dtype torch.float32")  # the CPU tests' dtype
+
+    asked = []
+    monkeypatch.setattr(decode_kernels, "attention_unsupported", lambda *shape: asked.append(shape))
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.decode_attention is decode_kernels.decode_attention
+    assert engine.triton_attention_unsupported is None
+    attn = compiled.modules()[0].decoder.layers[0].self_attention
+    per_group = attn.num_attention_heads_per_partition // attn.num_query_groups_per_partition
+    config = compiled.modules()[0].config
+    assert asked == [
+        (torch.device("cpu"), config.params_dtype, attn.hidden_size_per_attention_head, per_group)
+    ]
+
+    monkeypatch.setattr(decode_kernels, "attention_unsupported", lambda *shape: "refused")
+    assert KVCacheGenerator(compiled, pos).triton_attention_unsupported == "refused"
+    monkeypatch.setattr(decode_kernels, "attention_unsupported", lambda *shape: None)
+    monkeypatch.setattr(KVCacheGenerator, "triton_decode_attention", False)
+    assert KVCacheGenerator(compiled, pos).decode_attention is None
+    monkeypatch.setattr(KVCacheGenerator, "triton_decode_attention", True)
+    layer = compiled.modules()[0].decoder.layers[-1].self_attention
+    monkeypatch.setattr(layer, "core_attention", torch.nn.Identity())
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.decode_attention is None
+    assert engine.triton_attention_unsupported.startswith("core attention Identity")
+
+
+def test_the_attention_kernel_names_the_shapes_it_cannot_run_and_splits_few_rows(monkeypatch):
+    """`decode_kernels.attention_unsupported`: the 1.5B's and Qwen3-MoE's layers (and MQA, a head dim that is
+    no power of two) run on CUDA with triton; fp32 / fp64, head dims or groups out of range, another device
+    or no triton give their reason. `attention_splits`: columns split so that few rows still fill the SMs,
+    a power of two, never past MAX_SPLITS, none where the rows alone do."""
+    from rltrain.megatron import decode_kernels
+
+    cuda, bf16 = torch.device("cuda"), torch.bfloat16
+    monkeypatch.setattr(decode_kernels, "triton", object())
+    for d, per_group in ((128, 6), (128, 4), (64, 1), (80, 8), (256, 64)):
+        assert decode_kernels.attention_unsupported(cuda, bf16, d, per_group) is None, (d, per_group)
+        assert decode_kernels.attention_unsupported(cuda, torch.float16, d, per_group) is None
+    for dtype in (torch.float32, torch.float64):
+        assert decode_kernels.attention_unsupported(cuda, dtype, 128, 6).startswith("dtype")
+    for d in (8, 512):
+        assert decode_kernels.attention_unsupported(cuda, bf16, d, 6).startswith("head dimension")
+    assert "query heads per KV group" in decode_kernels.attention_unsupported(cuda, bf16, 128, 65)
+    assert decode_kernels.attention_unsupported(torch.device("cpu"), bf16, 128, 6).startswith("device cpu")
+    monkeypatch.setattr(decode_kernels, "triton", None)
+    assert decode_kernels.attention_unsupported(cuda, bf16, 128, 6) == "triton is not installed"
+    splits = {rows: decode_kernels.attention_splits(rows, 2, 132) for rows in (1, 8, 64, 128, 256, 512)}
+    assert splits == {1: 16, 8: 16, 64: 4, 128: 2, 256: 1, 512: 1}

@@ -201,6 +201,69 @@ def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket)
     assert rows_per_step[0] == 4
 
 
+def test_static_decode_through_the_attention_kernel_path_matches_the_dynamic_path(actor, monkeypatch):
+    """The static step's `decode_attention` path (each row's own columns, `StepKeys`), here with the kernel's
+    torch reference in place of the Triton kernel (CUDA only; bench/decode_tail_gpu.py checks the kernel
+    against SDPA on the device): the same batch as the dynamic path on padded prompts, with sampling
+    filters and with stops and compaction, and every step of a row set reads the whole cache, so a row set
+    needs one graph where SDPA's key buckets need one per bucket."""
+    from rltrain.megatron import decode_kernels, inference
+
+    monkeypatch.setattr(inference, "KEY_BUCKET", 4)
+    monkeypatch.setattr(
+        inference.KVCacheGenerator,
+        "_pick_decode_attention",
+        lambda self, layers: (decode_kernels.decode_attention_reference, None),
+    )
+    seen: list[tuple[int, int]] = []
+    body = inference.StaticDecodeStep._body
+
+    def record(step, keys):
+        seen.append((step.rows.numel(), keys))
+        return body(step, keys)
+
+    monkeypatch.setattr(inference.StaticDecodeStep, "_body", record)
+    prompts = _prompts()
+    free = actor.generate(prompts, 8, temperature=0.0, pad_id=0)["responses"]
+    stop_kw = dict(temperature=0.0, eos_id=int(free[0, 0]), stop_token_ids=(int(free[1, 0]),))
+    sample_kw = dict(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=3)
+    for kw in (dict(temperature=0.0), sample_kw, stop_kw):
+        seen.clear()
+        dynamic = actor.generate(prompts, 8, pad_id=0, **kw)
+        static = actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **kw)
+        _assert_same_batch(dynamic, static, str(kw))
+        assert len(seen) == 7 and {keys for _, keys in seen} == {6 + 8}, seen
+
+
+def test_the_attention_kernels_reference_sees_each_rows_own_columns():
+    """`decode_kernels.decode_attention_reference` (the kernel's semantics): row r attends over columns
+    first[r]..col not hidden, whatever the cache holds elsewhere (NaN past col, before first and in a
+    hidden hole), as SDPA does over just those columns; grouped query heads share their KV group."""
+    from rltrain.megatron import decode_kernels
+
+    gen = torch.Generator().manual_seed(0)
+    n, heads, groups, d, max_len, col = 3, 6, 2, 8, 12, 8
+    q = torch.randn(n, heads, d, generator=gen)
+    k, v = (
+        torch.randn(max_len, n, groups, d, generator=gen),
+        torch.randn(max_len, n, groups, d, generator=gen),
+    )
+    first = torch.tensor([0, 2, 5])
+    masked = torch.zeros(n, max_len, dtype=torch.bool)
+    masked[1, 4] = True  # a hole
+    for t in (k, v):
+        t[col + 1 :] = float("nan")
+        t[:2, 1] = float("nan")
+        t[:5, 2] = float("nan")
+        t[4, 1] = float("nan")
+    out = decode_kernels.decode_attention_reference(q, k, v, masked, first, torch.tensor([col]), 0.3)
+    assert out.shape == (n, heads * d) and not out.isnan().any()
+    for r, cols in enumerate(([*range(0, 9)], [2, 3, 5, 6, 7, 8], [5, 6, 7, 8])):
+        kk, vv = k[cols, r].repeat_interleave(3, 1), v[cols, r].repeat_interleave(3, 1)  # [c, heads, d]
+        w = (torch.einsum("hd,chd->hc", q[r], kk) * 0.3).softmax(-1)
+        assert_close(out[r].view(heads, d), torch.einsum("hc,chd->hd", w, vv), reduction=max_len)
+
+
 @given(still=st.lists(st.booleans(), min_size=1, max_size=70).filter(any))
 def test_compaction_keeps_a_power_of_two_of_rows(still):
     """The static step's compaction keeps every running row plus the first finished ones up to a power of
