@@ -12,15 +12,19 @@ so every row decodes to the end. Reported (decode_moe.json in --out):
                    decode glue, `KVCacheGenerator.fuse_moe_glue`: dispatch by rank, compiled
                    SwiGLU-times-probability and combine; megatron's router), `router_on` (the glue and the
                    static router, `KVCacheGenerator.fuse_moe_router`: gating GEMM, then the top-k routing as
-                   one compiled function, no dense [T, E] probabilities); s, tokens/s, and on / off
+                   one compiled function, no dense [T, E] probabilities), `triton_on` (and the Triton
+                   experts and decode attention, `triton_moe_experts` / `triton_decode_attention`); s,
+                   tokens/s, and each variant over the first
   step_ms[variant] one captured decode step (replay) at each --buckets count of cached columns, per variant
   step_kernels     per static decode step and variant, from torch.profiler over 3 eager steps (the
                    step the graph captures, run without capture): device kernels and launches on CUDA,
                    aten ops on the CPU; profile_step_{variant}.txt the tables
   parity           greedy tokens of `before` vs `graph` over --new-tokens: the first column where any row
                    differs, the share of equal tokens, the largest log-prob gap before the first difference
-  parity_glue      the same, `graph` with the MoE decode glue on vs off
-  parity_router    the same, `graph` with the static router on vs off (the glue on in both)
+  parity_<v>_vs_<first>  the same, `graph` with variant v against the first variant
+  experts_parity   (--only-triton) decode_kernels.expert_swiglu against two torch._grouped_mm and the SwiGLU
+                   between them on random bf16 rows of one layer, each against fp64; experts_us_per_layer
+                   both timed in a graph at decode row counts
   profile_*.txt    torch.profiler of 3 eager decode steps (host and device time; syncs show as
                    cudaStreamSynchronize / aten::item / aten::_local_scalar_dense)
 
@@ -28,6 +32,9 @@ so every row decodes to the end. Reported (decode_moe.json in --out):
     python3 bench/moe_decode_gpu.py --only-glue --out $OUT    (only the glue off / on comparison)
     python3 bench/moe_decode_gpu.py --only-router --out $OUT  (only the router off / on comparison, glue on:
                                                                variants `router_off`, `router_on`)
+    python3 bench/moe_decode_gpu.py --only-triton --out $OUT  (the Triton experts and decode attention, glue
+                                                               and router on: `triton_off`, `experts_on`,
+                                                               `attention_on`, `triton_on`)
 CPU smoke: OMP_NUM_THREADS=1 .venv/bin/python bench/moe_decode_gpu.py --device cpu --tiny --groups 2 --samples 2 \
                --prompt 8 --new-tokens 8 --full-tokens 16 --buckets 16 --out /tmp/moe_decode
            (add --fused-kernels compiled to run the compiled glue on the CPU too)
@@ -36,6 +43,7 @@ CPU smoke: OMP_NUM_THREADS=1 .venv/bin/python bench/moe_decode_gpu.py --device c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -56,6 +64,78 @@ def sync(dev: str) -> None:
         torch.cuda.synchronize()
 
 
+def experts_parity(report: dict) -> None:
+    """`decode_kernels.expert_swiglu` against the path it replaces (two torch._grouped_mm and
+    `moe_experts.swiglu_probs`) on random bf16 rows of qwen3-moe's layer (64 experts, hidden 1,024, expert
+    FFN 512), routed at random (an expert with no row, one with 3x its share): each one's error against an
+    fp64 truth, which must be the same order (the kernel's bound: 2^-6 of the largest |output|, a few bf16
+    roundings of the intermediates); then microseconds per layer (24 calls captured in one graph) at the
+    row counts of a decode step (T tokens x top 8)."""
+    from rltrain.megatron import decode_kernels, moe_experts
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    dt, experts, hidden, ffn, k = torch.bfloat16, 64, 1024, 512, 8
+    w1 = (torch.randn(experts, 2 * ffn, hidden, device="cuda", generator=gen) * hidden**-0.5).to(dt)
+    w2 = (torch.randn(experts, hidden, ffn, device="cuda", generator=gen) * ffn**-0.5).to(dt)
+
+    def routed(tokens: int):
+        index = torch.randint(0, experts, (tokens * k,), device="cuda", generator=gen)
+        index[index == 5] = 6
+        index[: tokens * k // 20] = 9
+        counts = torch.bincount(index, minlength=experts)
+        rows = torch.randn(tokens * k, hidden, device="cuda", generator=gen).to(dt)
+        p = torch.rand(tokens * k, device="cuda", generator=gen)
+        return rows, p, counts.cumsum(0).to(torch.int32), counts
+
+    def reference(rows, p, offsets):
+        h = moe_experts.grouped_mm(rows, w1.transpose(1, 2), offsets)
+        return moe_experts.grouped_mm(moe_experts.swiglu_probs(h, p), w2.transpose(1, 2), offsets)
+
+    res = report.setdefault("experts_parity", {})
+    for tokens in (256, 32, 4):
+        rows, p, offsets, counts = routed(tokens)
+        out = decode_kernels.expert_swiglu(rows, w1, w2, p, offsets)
+        ref = reference(rows, p, offsets)
+        truth = torch.empty(rows.shape, dtype=torch.float64, device="cuda")
+        start = 0
+        for e, c in enumerate(counts.tolist()):
+            gate, up = (rows[start : start + c].double() @ w1[e].double().T).chunk(2, -1)
+            act = torch.nn.functional.silu(gate) * up * p[start : start + c, None].double()
+            truth[start : start + c] = act @ w2[e].double().T
+            start += c
+        err, ref_err = (float((t.double() - truth).abs().max()) for t in (out, ref))
+        res[f"{tokens}x{k}"] = {"max_abs_err_kernel": err, "max_abs_err_grouped_mm": ref_err,
+                               "max_abs_diff": float((out.float() - ref.float()).abs().max()),
+                               "truth_max": float(truth.abs().max())}  # fmt: skip
+        print("experts parity", tokens, res[f"{tokens}x{k}"], flush=True)
+        assert err <= 2**-6 * float(truth.abs().max()), res[f"{tokens}x{k}"]
+
+    calls: dict = {}
+    for tokens in (512, 256, 64, 8):
+        rows, p, offsets, _ = routed(tokens)
+        for name, fn in (("grouped_mm", reference), ("triton", None)):
+
+            def run(rows=rows, p=p, offsets=offsets, fn=fn):
+                return fn(rows, p, offsets) if fn else decode_kernels.expert_swiglu(rows, w1, w2, p, offsets)
+
+            run()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(24):
+                    run()
+            for _ in range(3):
+                graph.replay()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(20):
+                graph.replay()
+            torch.cuda.synchronize()
+            calls[f"{tokens} tokens {name}"] = (time.perf_counter() - t0) / 20 / 24 * 1e6
+    report["experts_us_per_layer"] = calls
+    print("MoE experts, us per layer:", json.dumps(calls, indent=1), flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -73,15 +153,31 @@ def main() -> int:
                     help="skip megatron's MoELayer (`before`), the dynamic case, parity and their profiles")  # fmt: skip
     ap.add_argument("--only-router", action="store_true",
                     help="as --only-glue, the static router off / on (the glue on in both)")  # fmt: skip
+    ap.add_argument("--only-triton", action="store_true",
+                    help="as --only-glue, the Triton experts and decode attention off / on (glue and router on)")  # fmt: skip
     a = ap.parse_args()
-    only = a.only_glue or a.only_router
-    # Variants of the static MoE layer: (KVCacheGenerator.fuse_moe_glue, KVCacheGenerator.fuse_moe_router).
-    if a.only_router:
-        variants = {"router_off": (True, False), "router_on": (True, True)}
+    only = a.only_glue or a.only_router or a.only_triton
+    # Variants of the static MoE step: the KVCacheGenerator class switches each turns off (the rest on).
+    triton_off = {"triton_moe_experts": False, "triton_decode_attention": False}
+    if a.only_triton:
+        variants = {
+            "triton_off": triton_off,
+            "experts_on": {"triton_decode_attention": False},
+            "attention_on": {"triton_moe_experts": False},
+            "triton_on": {},
+        }
+    elif a.only_router:
+        variants = {"router_off": {**triton_off, "fuse_moe_router": False}, "router_on": triton_off}
     elif a.only_glue:
-        variants = {"glue_off": (False, False), "glue_on": (True, False)}
+        no_glue = {**triton_off, "fuse_moe_router": False}
+        variants = {"glue_off": {**no_glue, "fuse_moe_glue": False}, "glue_on": no_glue}
     else:
-        variants = {"glue_off": (False, False), "glue_on": (True, False), "router_on": (True, True)}
+        variants = {
+            "glue_off": {**triton_off, "fuse_moe_router": False, "fuse_moe_glue": False},
+            "glue_on": {**triton_off, "fuse_moe_router": False},
+            "router_on": triton_off,
+            "triton_on": {},
+        }
     warnings.filterwarnings("ignore")
     dev = a.device
     out_dir = Path(a.out)
@@ -117,29 +213,37 @@ def main() -> int:
             report["errors"][name] = f"{type(exc).__name__}: {exc}"
             return None
 
+    if a.only_triton and dev == "cuda":
+        attempt("experts_parity", lambda: experts_parity(report))
+
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(1, actor.vocab_size, (a.groups, p), generator=gen).repeat_interleave(a.samples, 0)
     cases = {"before": (False, False), "dynamic": (True, False), "graph": (True, True)}
 
-    def generate(
-        case: str, n: int, temperature: float = 1.0, glue: bool = True, router: bool = True
-    ) -> tuple[dict, dict]:
+    @contextlib.contextmanager
+    def switched(off: dict):
+        """The KVCacheGenerator class switches of `off` set (each read when an engine is built), all on after."""
+        for name, value in off.items():
+            setattr(inference.KVCacheGenerator, name, value)
+        try:
+            yield
+        finally:
+            for name in off:
+                setattr(inference.KVCacheGenerator, name, True)
+
+    def generate(case: str, n: int, temperature: float = 1.0, off: dict | None = None) -> tuple[dict, dict]:
         static_moe, graph = cases[case]
-        inference.KVCacheGenerator.static_moe = static_moe
-        inference.KVCacheGenerator.fuse_moe_glue = glue
-        inference.KVCacheGenerator.fuse_moe_router = router
         GroupedMoELayer.static = static_moe  # before: megatron's MoELayer.forward (its token dispatcher)
         try:
-            sync(dev)
-            t0 = time.perf_counter()
-            out = actor.generate(ids, n, temperature=temperature, eos_id=None, pad_id=0,
-                                 prompt_mask=torch.ones_like(ids), cuda_graph=graph, seed=3)  # fmt: skip
-            sync(dev)
-            s = time.perf_counter() - t0
+            with switched({"static_moe": static_moe, **(off or {})}):
+                sync(dev)
+                t0 = time.perf_counter()
+                out = actor.generate(ids, n, temperature=temperature, eos_id=None, pad_id=0,
+                                     prompt_mask=torch.ones_like(ids), cuda_graph=graph, seed=3)  # fmt: skip
+                sync(dev)
+                s = time.perf_counter() - t0
         finally:
-            inference.KVCacheGenerator.static_moe = GroupedMoELayer.static = True
-            inference.KVCacheGenerator.fuse_moe_glue = True
-            inference.KVCacheGenerator.fuse_moe_router = True
+            GroupedMoELayer.static = True
         return {"s": s, "tokens_per_s": int(out["response_mask"].sum()) / s}, out
 
     report["generate"] = {}
@@ -153,12 +257,10 @@ def main() -> int:
         report["graph_over_before"] = g["tokens_per_s"] / before["tokens_per_s"]
         print(f"graph / before: {report['graph_over_before']:.2f}x", flush=True)
 
-    def parity(
-        want_case: str = "before", want_on: tuple = (False, False), got_on: tuple = (True, True)
-    ) -> dict:
-        """Greedy `want_case` with the switches (glue, router) `want_on` against `graph` with `got_on`."""
-        _, want = generate(want_case, a.new_tokens, 0.0, *want_on)
-        _, got = generate("graph", a.new_tokens, 0.0, *got_on)
+    def parity(want_case: str = "before", want_off: dict | None = None, got_off: dict | None = None) -> dict:
+        """Greedy `want_case` with the switches `want_off` off against `graph` with `got_off` off."""
+        _, want = generate(want_case, a.new_tokens, 0.0, want_off)
+        _, got = generate("graph", a.new_tokens, 0.0, got_off)
         same = got["responses"] == want["responses"]
         cols = (~same).any(0).nonzero()
         first = int(cols[0]) if cols.numel() else a.new_tokens
@@ -170,15 +272,12 @@ def main() -> int:
         report["parity"] = attempt("parity", parity)
         print(f"parity: {report['parity']}", flush=True)
     # The glue against the argsort path, both in the graph step (compiled glue: bf16 roundings differ).
-    if not a.only_router:
-        report["parity_glue"] = attempt("parity_glue", lambda: parity("graph", (False, False), (True, False)))
-        print(f"parity glue on vs off: {report['parity_glue']}", flush=True)
-    # The static router against megatron's, the glue on in both.
-    if not a.only_glue:
-        report["parity_router"] = attempt(
-            "parity_router", lambda: parity("graph", (True, False), (True, True))
-        )
-        print(f"parity router on vs off: {report['parity_router']}", flush=True)
+    # Each variant against the first, both in the graph step.
+    first, *rest = variants
+    for name in rest if not only or a.only_glue or a.only_router else rest[-1:]:
+        key = f"parity_{name}_vs_{first}"
+        report[key] = attempt(key, lambda name=name: parity("graph", variants[first], variants[name]))
+        print(f"{key}: {report[key]}", flush=True)
 
     # One captured step per bucket for each variant (MoE decode glue, static router), the kernels of each
     # step, and the profiles of eager dynamic decode steps (before / after).
@@ -194,16 +293,13 @@ def main() -> int:
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev == "cuda" else [])
         with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
             actor.eval()
-            for name, (glue, router) in variants.items():
-                # Read when the engine is built.
-                inference.KVCacheGenerator.fuse_moe_glue = glue
-                inference.KVCacheGenerator.fuse_moe_router = router
-                try:
+            for name, off in variants.items():
+                with switched(off):  # read when the engine is built
                     engine = inference.KVCacheGenerator(actor, positions, zero_cache=True)
-                finally:
-                    inference.KVCacheGenerator.fuse_moe_glue = True
-                    inference.KVCacheGenerator.fuse_moe_router = True
-                assert (engine.moe_glue is not None) is glue and (engine.moe_route is not None) is router
+                assert (engine.moe_glue is not None) is off.get("fuse_moe_glue", True)
+                assert (engine.moe_route is not None) is off.get("fuse_moe_router", True)
+                print(f"{name}: experts {engine.triton_experts_unsupported or 'triton'}, attention "
+                      f"{engine.triton_attention_unsupported or 'triton'}", flush=True)  # fmt: skip
                 engine.forward(ids.to(dev), 0, rows, None)  # prefill: cache, stacked experts
                 key_masked = torch.zeros((b, max_len), dtype=torch.bool, device=dev)
                 key_masked[:, p:] = True
@@ -290,20 +386,19 @@ def main() -> int:
     if dev == "cuda":
         torch.cuda.empty_cache()
 
-    def full(glue: bool, router: bool) -> dict:
-        res, _ = generate("graph", a.full_tokens, glue=glue, router=router)
-        return res
-
     report["generate_full"] = full_runs = {}
-    for name, switches in variants.items():
-        full_runs[name] = res = attempt(f"full_{name}", lambda switches=switches: full(*switches))
+    for name, off in variants.items():
+        full_runs[name] = res = attempt(
+            f"full_{name}", lambda off=off: generate("graph", a.full_tokens, off=off)[0]
+        )
         print(f"generate graph, {name} ({a.full_tokens} new): {res}", flush=True)
-    # on / off: the glue (megatron's router in both), the static router (the glue on in both).
-    runs = {variants[name]: res for name, res in full_runs.items()}
-    for what, off, on in (("glue", (False, False), (True, False)), ("router", (True, False), (True, True))):
-        if runs.get(off) and runs.get(on):
-            report[f"full_{what}_on_over_off"] = ratio = runs[on]["tokens_per_s"] / runs[off]["tokens_per_s"]
-            print(f"{what} on / off ({a.full_tokens} new): {ratio:.3f}x", flush=True)
+    # Each variant over the first (everything it turns on against none of it).
+    first, *rest = variants
+    for name in rest:
+        if full_runs.get(first) and full_runs.get(name):
+            ratio = full_runs[name]["tokens_per_s"] / full_runs[first]["tokens_per_s"]
+            report[f"full_{name}_over_{first}"] = ratio
+            print(f"{name} / {first} ({a.full_tokens} new): {ratio:.3f}x", flush=True)
     (out_dir / "decode_moe.json").write_text(json.dumps(report, indent=1, default=str))
     print(json.dumps(report, default=str))
     return 0

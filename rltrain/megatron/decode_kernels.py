@@ -392,3 +392,146 @@ if triton is not None:
         )
         o = tl.sum(acc * w[:, None], 0) / tl.sum(total * w, 0)
         tl.store(out_ptr + at * D + j, o.to(out_ptr.dtype.element_ty), mask=j < D)
+
+
+# ------------------------------------------------------------------------------ MoE experts at decode
+# Rows, weight rows and reduction columns per tile of the experts' kernels. A decode step's experts hold
+# a few dozen rows each: one tile of rows reads each weight once, so the kernels stream the weights (the
+# bytes of the step) and skip experts that got no row.
+EXPERT_BLOCK_N = 64
+EXPERT_BLOCK_K = 64
+EXPERT_MAX_BLOCK_M = 64
+
+
+def experts_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why `expert_swiglu` cannot serve a model's experts (None: it can); the shapes are any (masked tiles)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (the kernel's products take bf16 or fp16)"
+    if device.type != "cuda":
+        return f"device {device.type} (the Triton kernel runs on CUDA)"
+    if triton is None:
+        return "triton is not installed"
+    return None
+
+
+def expert_block_m(pairs: int, experts: int) -> int:
+    """Rows per tile for `pairs` (token, expert) rows over `experts` experts: their mean per expert as a power
+    of two, 16 to EXPERT_MAX_BLOCK_M (an expert with more loops over tiles, re-reading its weights from L2)."""
+    return min(max(16, next_power_of_2(-(-pairs // max(experts, 1)))), EXPERT_MAX_BLOCK_M)
+
+
+def expert_swiglu(
+    rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor, offsets: torch.Tensor
+) -> torch.Tensor:
+    """All local experts of a MoE layer on their rows, in two Triton kernels: [M, H].
+
+    rows [M, H] the (token, expert) pairs' tokens in expert-major order, offsets [E] int32 the experts'
+    cumulative row counts (read on the device), probs [M] each row's routing probability, w1 [E, 2F, H]
+    ([gate; up] as megatron's fc1) and w2 [E, H, F] the stacked weights (`moe_decode.ExpertWeights`). The
+    first kernel computes a tile of gate and up columns together and stores (silu(gate) * up) * p, so fc1's
+    [M, 2F] output never goes to memory; the second is fc2. The grid is (expert, weight-row tile); an expert
+    without rows returns at once, so a step over few rows reads only its experts' weights.
+
+    Numerics: each product accumulates in fp32 and is rounded to the weights' dtype where `moe_decode`'s
+    path rounds (torch._grouped_mm's outputs), and the epilogue rounds as `moe_experts.swiglu_probs` does
+    (silu(gate), its product with up, the product with the fp32 probability), so the two differ by the
+    products' summation order only."""
+    assert triton is not None, "triton is not installed (decode_kernels.experts_unsupported)"
+    m, hidden = rows.shape
+    experts, two_f, _ = w1.shape
+    ffn = two_f // 2
+    assert w1.shape == (experts, 2 * ffn, hidden) and w2.shape == (experts, hidden, ffn), (w1.shape, w2.shape)
+    assert probs.shape == (m,) and offsets.shape == (experts,), (probs.shape, offsets.shape)
+    rows, w1, w2 = (t if t.is_contiguous() else t.contiguous() for t in (rows, w1, w2))
+    act = torch.empty((m, ffn), dtype=rows.dtype, device=rows.device)
+    out = torch.empty((m, hidden), dtype=rows.dtype, device=rows.device)
+    if m == 0:
+        return out
+    block_m = expert_block_m(m, experts)
+    _fc1_swiglu_kernel[(experts, triton.cdiv(ffn, EXPERT_BLOCK_N))](
+        rows, w1, probs, offsets, act, hidden, ffn,
+        BLOCK_M=block_m, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    _grouped_kernel[(experts, triton.cdiv(hidden, EXPERT_BLOCK_N))](
+        act, w2, offsets, out, ffn, hidden,
+        BLOCK_M=block_m, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=4, num_stages=3,
+    )  # fmt: skip
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _expert_rows(offsets_ptr, expert):
+        """The first row of `expert` and the row past its last (offsets are cumulative counts)."""
+        start = tl.load(offsets_ptr + expert - 1, mask=expert > 0, other=0)
+        return start, tl.load(offsets_ptr + expert)
+
+    @triton.jit
+    def _fc1_swiglu_kernel(
+        x_ptr, w_ptr, p_ptr, offsets_ptr, out_ptr, K, F,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """One (expert, tile of F columns): gate and up of its rows, then (silu(gate) * up) * p."""
+        expert = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        start, stop = _expert_rows(offsets_ptr, expert)
+        w_base = w_ptr + expert.to(tl.int64) * (2 * F) * K
+        kk = tl.arange(0, BLOCK_K)
+        for m0 in range(start, stop, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + kk
+                x = tl.load(
+                    x_ptr + m[:, None].to(tl.int64) * K + k[None, :],
+                    mask=(m < stop)[:, None] & (k < K)[None, :],
+                    other=0.0,
+                )
+                on = (n < F)[:, None] & (k < K)[None, :]
+                wg = tl.load(w_base + n[:, None] * K + k[None, :], mask=on, other=0.0)
+                wu = tl.load(w_base + (F + n)[:, None] * K + k[None, :], mask=on, other=0.0)
+                gate = tl.dot(x, tl.trans(wg), gate)
+                up = tl.dot(x, tl.trans(wu), up)
+            dt = out_ptr.dtype.element_ty
+            g = gate.to(dt).to(tl.float32)
+            silu = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+            a = (silu * up.to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            p = tl.load(p_ptr + m, mask=m < stop, other=0.0).to(tl.float32)
+            tl.store(
+                out_ptr + m[:, None].to(tl.int64) * F + n[None, :],
+                (a * p[:, None]).to(dt),
+                mask=(m < stop)[:, None] & (n < F)[None, :],
+            )
+
+    @triton.jit
+    def _grouped_kernel(
+        x_ptr, w_ptr, offsets_ptr, out_ptr, K, N,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """One (expert, tile of N columns): its rows times its weight [N, K] transposed."""
+        expert = tl.program_id(0)
+        n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        start, stop = _expert_rows(offsets_ptr, expert)
+        w_base = w_ptr + expert.to(tl.int64) * N * K
+        kk = tl.arange(0, BLOCK_K)
+        for m0 in range(start, stop, BLOCK_M):
+            m = m0 + tl.arange(0, BLOCK_M)
+            acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                k = k0 + kk
+                x = tl.load(
+                    x_ptr + m[:, None].to(tl.int64) * K + k[None, :],
+                    mask=(m < stop)[:, None] & (k < K)[None, :],
+                    other=0.0,
+                )
+                w = tl.load(
+                    w_base + n[:, None] * K + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0
+                )
+                acc = tl.dot(x, tl.trans(w), acc)
+            tl.store(
+                out_ptr + m[:, None].to(tl.int64) * N + n[None, :],
+                acc.to(out_ptr.dtype.element_ty),
+                mask=(m < stop)[:, None] & (n < N)[None, :],
+            )

@@ -459,6 +459,11 @@ class KVCacheGenerator:
     # row set) where `_pick_decode_attention` finds it can run, instead of SDPA over whole key buckets (the
     # class switch: off runs SDPA, which benchmarks time against it).
     triton_decode_attention = True
+    # The static MoE layers' experts at decode sizes as `decode_kernels.expert_swiglu` (two Triton kernels,
+    # SwiGLU in the first one's epilogue, experts without rows skipped) where `_pick_moe_glue` finds it can
+    # run, instead of two torch._grouped_mm and the compiled SwiGLU between them (the class switch: off
+    # runs those, which benchmarks time against it).
+    triton_moe_experts = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
@@ -513,11 +518,7 @@ class KVCacheGenerator:
             for layer in layers
             if self.static_moe and moe_decode.is_moe(layer.mlp) and moe_decode.unsupported(layer.mlp) is None
         }
-        self.moe_glue = (
-            (moe_decode.FUSED_GLUE if actor.fused_kernels else moe_decode.EAGER_GLUE)
-            if self.fuse_moe_glue
-            else None
-        )
+        self.moe_glue, self.triton_experts_unsupported = self._pick_moe_glue()
         self.moe_route = (
             (moe_decode.fused_route if actor.fused_kernels else moe_decode.route)
             if self.fuse_moe_router
@@ -588,6 +589,21 @@ class KVCacheGenerator:
             if why is not None:
                 return None, why
         return decode_kernels.decode_attention, None
+
+    def _pick_moe_glue(self) -> tuple[moe_decode.DecodeGlue | None, str | None]:
+        """The static MoE layers' glue, chosen once per engine (None: the argsort path, `fuse_moe_glue` off),
+        and why its experts are not `decode_kernels.expert_swiglu` (None when they are: CUDA, the plan's
+        fused kernels, `triton_moe_experts` on, a dtype the kernels take)."""
+        if not self.fuse_moe_glue:
+            return None, "KVCacheGenerator.fuse_moe_glue is off"
+        if not self.actor.fused_kernels:
+            return moe_decode.EAGER_GLUE, "the plan's kernels are eager"
+        if not self.triton_moe_experts:
+            return moe_decode.FUSED_GLUE, "KVCacheGenerator.triton_moe_experts is off"
+        why = decode_kernels.experts_unsupported(self.device, self.config.params_dtype)
+        if why is not None:
+            return moe_decode.FUSED_GLUE, why
+        return dataclasses.replace(moe_decode.FUSED_GLUE, experts=decode_kernels.expert_swiglu), None
 
     # --------------------------------------------------------------------------------- cache rows
     def _allocate(self, rows: int) -> None:

@@ -382,11 +382,15 @@ def static_routing(
 @dataclass(frozen=True)
 class DecodeGlue:
     """The generation path's MoE glue around the grouped GEMMs: `dispatch`, `moe_experts.swiglu_probs`, `combine`
-    (EAGER_GLUE) or their compiled versions (FUSED_GLUE, the engine's choice under `fused_kernels`)."""
+    (EAGER_GLUE) or their compiled versions (FUSED_GLUE, the engine's choice under `fused_kernels`).
+    `experts`, where the engine chose one (`decode_kernels.expert_swiglu` on CUDA): both products and the
+    SwiGLU between them in one function (rows, w1, w2, p, offsets) -> [M, H], for decode-sized batches
+    (at most RANK_DISPATCH_MAX_PAIRS pairs; prefills keep torch._grouped_mm)."""
 
     dispatch: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     combine: Callable[[torch.Tensor, torch.Tensor, torch.dtype], torch.Tensor]
+    experts: Callable[..., torch.Tensor] | None = None
 
 
 EAGER_GLUE = DecodeGlue(dispatch, moe_experts.swiglu_probs, combine)
@@ -451,12 +455,14 @@ def moe_forward(
     if glue is not None:
         assert weights is not None, "the decode glue has no backward: generation only"
         w1, w2 = weights(mlp)
-        rows, p, inverse, offsets = glue.dispatch(
-            x, index, probs, tokens * k <= RANK_DISPATCH_MAX_PAIRS, num_experts
-        )
-        # GroupedSwiGLU.forward's products and SwiGLU, the products outside the glue (torch._grouped_mm).
-        h = moe_experts.grouped_mm(rows, w1.transpose(1, 2), offsets)
-        y = moe_experts.grouped_mm(glue.swiglu(h, p), w2.transpose(1, 2), offsets)
+        small = tokens * k <= RANK_DISPATCH_MAX_PAIRS
+        rows, p, inverse, offsets = glue.dispatch(x, index, probs, small, num_experts)
+        if glue.experts is not None and small:
+            y = glue.experts(rows, w1, w2, p, offsets)
+        else:
+            # GroupedSwiGLU.forward's products and SwiGLU, the products outside the glue (torch._grouped_mm).
+            h = moe_experts.grouped_mm(rows, w1.transpose(1, 2), offsets)
+            y = moe_experts.grouped_mm(glue.swiglu(h, p), w2.transpose(1, 2), offsets)
         out = glue.combine(y, inverse, hidden.dtype).view_as(hidden)
         if mlp.use_shared_expert:
             out = out + mlp.shared_experts(hidden)
