@@ -250,3 +250,53 @@ def test_the_attention_kernel_names_the_shapes_it_cannot_run_and_splits_few_rows
     assert decode_kernels.attention_unsupported(cuda, bf16, 128, 6) == "triton is not installed"
     splits = {rows: decode_kernels.attention_splits(rows, 2, 132) for rows in (1, 8, 64, 128, 256, 512)}
     assert splits == {1: 16, 8: 16, 64: 4, 128: 2, 256: 1, 512: 1}
+
+
+def test_the_engine_picks_its_moe_experts_once(engines, monkeypatch):
+    """The static MoE glue's experts: the compiled glue's grouped products unless the Triton kernels can run
+    (CUDA, the plan's fused kernels, the class switch on, a 16-bit dtype); each reason kept, and with the
+    glue off (the argsort path) there is no glue at all."""
+    from rltrain.megatron import decode_kernels, moe_decode
+    from rltrain.megatron.inference import KVCacheGenerator
+
+    eager, compiled = engines
+    pos = torch.arange(8).expand(2, 8)
+    engine = KVCacheGenerator(eager, pos)
+    assert engine.moe_glue is moe_decode.EAGER_GLUE
+    assert engine.triton_experts_unsupported == "the plan's kernels are eager"
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.moe_glue is moe_decode.FUSED_GLUE and engine.moe_glue.experts is None
+    assert engine.triton_experts_unsupported.startswith("dtype torch.float32")
+    asked = []
+    monkeypatch.setattr(decode_kernels, "experts_unsupported", lambda *a: asked.append(a))
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.moe_glue.experts is decode_kernels.expert_swiglu
+    assert (
+        engine.moe_glue.dispatch is moe_decode.FUSED_GLUE.dispatch
+        and engine.triton_experts_unsupported is None
+    )
+    assert asked == [(torch.device("cpu"), compiled.modules()[0].config.params_dtype)]
+    monkeypatch.setattr(KVCacheGenerator, "triton_moe_experts", False)
+    assert KVCacheGenerator(compiled, pos).moe_glue is moe_decode.FUSED_GLUE
+    monkeypatch.setattr(KVCacheGenerator, "fuse_moe_glue", False)
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.moe_glue is None and "fuse_moe_glue is off" in engine.triton_experts_unsupported
+
+
+def test_the_experts_kernel_names_what_it_cannot_run_and_sizes_its_row_tiles(monkeypatch):
+    """`decode_kernels.experts_unsupported`: bf16 / fp16 on CUDA with triton; fp32, another device or no triton
+    give their reason. `expert_block_m`: the mean rows per expert as a power of two within 16..64."""
+    from rltrain.megatron import decode_kernels
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(decode_kernels, "triton", object())
+    for dtype in (torch.bfloat16, torch.float16):
+        assert decode_kernels.experts_unsupported(cuda, dtype) is None
+    assert decode_kernels.experts_unsupported(cuda, torch.float32).startswith("dtype")
+    assert decode_kernels.experts_unsupported(torch.device("cpu"), torch.bfloat16).startswith("device cpu")
+    monkeypatch.setattr(decode_kernels, "triton", None)
+    assert decode_kernels.experts_unsupported(cuda, torch.bfloat16) == "triton is not installed"
+    blocks = {
+        pairs: decode_kernels.expert_block_m(pairs, 64) for pairs in (8, 64 * 8, 256 * 8, 512 * 8, 10**6)
+    }
+    assert blocks == {8: 16, 512: 16, 2048: 32, 4096: 64, 10**6: 64}

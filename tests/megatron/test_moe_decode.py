@@ -129,6 +129,43 @@ def test_decode_glue_is_the_argsort_path_bit_for_bit(mp_world, moe_model, monkey
                 assert not torch.allclose(want, torch.zeros_like(want))
 
 
+def test_the_glues_experts_function_serves_decode_batches_only(mp_world, moe_model, monkeypatch):
+    """A glue with an `experts` function (the engine's Triton kernels on CUDA; here the products it replaces,
+    recorded) gets the decode-sized batches, up to RANK_DISPATCH_MAX_PAIRS pairs, with the dispatch's rows,
+    the stacked weights, each row's probability and the offsets, and its result is the layer's; prefills past
+    that keep the grouped products."""
+    from dataclasses import replace
+
+    from rltrain.megatron import moe_decode
+    from rltrain.megatron.moe_experts import grouped_mm, swiglu_probs
+
+    seen = []
+
+    def experts(rows, w1, w2, p, offsets):
+        seen.append(rows.shape[0])
+        h = grouped_mm(rows, w1.transpose(1, 2), offsets)
+        return grouped_mm(swiglu_probs(h, p), w2.transpose(1, 2), offsets) * 2  # visibly its result
+
+    glue = replace(moe_decode.EAGER_GLUE, experts=experts)
+    actor = _actor(moe_model)
+    actor.eval()
+    weights = moe_decode.ExpertWeights()
+    layer = _moe_layers(actor)[0]
+    k = layer.mlp.router.topk
+    gen = torch.Generator().manual_seed(6)
+    monkeypatch.setattr(moe_decode, "RANK_DISPATCH_MAX_PAIRS", 7 * k)
+    with torch.no_grad():
+        for s, n, takes in ((1, 7, True), (2, 4, False)):
+            hidden = torch.randn(s, n, layer.config.hidden_size, generator=gen)
+            seen.clear()
+            (want, _), _ = moe_decode.moe_forward(layer.mlp, hidden, weights, glue=moe_decode.EAGER_GLUE)
+            (got, _), _ = moe_decode.moe_forward(layer.mlp, hidden, weights, glue=glue)
+            assert seen == ([s * n * k] if takes else []), (s, n, seen)
+            shared = layer.mlp.shared_experts(hidden) if layer.mlp.use_shared_expert else 0
+            expected = (want - shared) * 2 + shared if takes else want  # the routed part doubled
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_decode_glue_keeps_grouped_swiglus_dtypes(dtype):
     """In 16 bits too (where the order of roundings shows), the eager glue around the grouped products is
