@@ -432,7 +432,9 @@ class KVCacheGenerator:
     step's attention inputs (split, q/k norm, RoPE, cache write) run as one function
     (`fused.decode_attention_inputs`, compiled under the plan's fused kernels, on CUDA one Triton kernel:
     `_pick_attention_inputs`) where `_qk_norms` accepts the layer, and its mask is SDPA's additive one,
-    built once per step.
+    built once per step. On CUDA under the plan's fused kernels the static step's attention is
+    `decode_kernels.decode_attention` (each row's own columns, `_pick_decode_attention`) and the static MoE
+    layers' experts at decode sizes `decode_kernels.expert_swiglu` (`_pick_moe_glue`).
     `routing` holds the top-k experts of the last forward's static MoE
     layers (by router layer number); `silent_routing` keeps them from an attached replay recorder.
     """
