@@ -149,19 +149,23 @@ def test_a_session_reuses_only_the_matching_prefix(actor):
 
 
 def test_static_decode_with_a_session_keeps_the_rows_a_compaction_kept_finished(actor, monkeypatch):
-    """The static (CUDA-graph) decode step with a session: compactions keep a power of two of rows, i.e.
-    some rows that already stopped stay in the cache (harvested at the end, not when they stopped). Both
-    calls of a two-call conversation give what the same calls give without a session, and the second
-    reuses the cached columns, also of a row that stayed in the cache after it stopped."""
+    """The static (CUDA-graph) decode step with a session: compactions keep a size of the ladder of rows
+    (here powers of two: with six rows the 1.5x ladder's sizes up to 4 are exact), i.e. some rows that
+    already stopped stay in the cache (harvested at the end, not when they stopped). Both calls of a
+    two-call conversation give what the same calls give without a session, and the second reuses the
+    cached columns, also of a row that stayed in the cache after it stopped."""
     from rltrain.data import left_pad
     from rltrain.megatron import inference
     from rltrain.megatron.inference import KVSession, generate_with_kv_cache
 
+    monkeypatch.setattr(
+        inference, "compacted_rows", lambda live, rows: min(1 << max(live - 1, 0).bit_length(), rows)
+    )
     kept = []
-    real = inference._power_of_two_rows
+    real = inference._ladder_rows
     monkeypatch.setattr(
         inference,
-        "_power_of_two_rows",
+        "_ladder_rows",
         lambda still: kept.append((int(still.sum()), int(real(still).sum()))) or real(still),
     )
     tok = CharTokenizer()

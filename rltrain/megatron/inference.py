@@ -1140,13 +1140,13 @@ def _decode(
             live_count.write(still.sum())
             if n_live == 0:
                 break
-            if n_live * 2 <= active.numel():
-                # Drop finished rows from the cache (a copy of it; at most log2(B) times per call).
+            if compacted_rows(n_live, b) < active.numel():
+                # Drop finished rows from the cache (a copy of it; at most ~2 log2(B) times per call).
                 if not bool(still.any()):  # every row stopped in the step the count had not seen
                     break
-                # The count is the last step's, so at least the exact one: the power of two that the
-                # static step rounds up to stays below the rows it has (< 2 x exact <= rows).
-                kept = still if step is None else _power_of_two_rows(still)
+                # The count is the last step's, so at least the exact one: the row count the static step
+                # rounds up to stays below the rows it has.
+                kept = still if step is None else _ladder_rows(still)
                 keep = kept.nonzero().squeeze(1)
                 if reuse is not None:  # the session holds the leaving rows' keys/values
                     gone = (~kept).nonzero().squeeze(1)
@@ -1182,15 +1182,30 @@ def _decode(
     return harvest
 
 
-def _power_of_two_rows(still: torch.Tensor) -> torch.Tensor:
+def compacted_rows(live: int, rows: int) -> int:
+    """The rows a decode batch keeps once `live` of its rows still run: the smallest size of the ladder
+    1, 2, 3, 4, 6, 8, 12, ... (powers of two and 1.5 times them) holding them, at most all `rows`; a batch
+    compacts when that is fewer rows than it has. Why a ladder of 1.5x steps: a step's cost grows with its
+    rows (on the H200, 1.5B: ~2 ms plus ~12 us a row at 768 columns), so halving only when half the rows
+    finished keeps up to half of a batch's rows idle, while each compaction costs a cache copy and a graph
+    capture (75-170 ms); a cost model of the benchmark's realistic rollout put the 1.5x ladder ~2% ahead of
+    powers of two (bench/decode_tail_gpu.py measures the rollout)."""
+    if live <= 1:
+        return min(live, rows)
+    power = 1 << (live - 1).bit_length()  # the power of two at or above live
+    size = power * 3 // 4 if live <= power * 3 // 4 else power
+    return min(size, rows)
+
+
+def _ladder_rows(still: torch.Tensor) -> torch.Tensor:
     """The rows a compaction of the static step keeps: the running ones (`still`), plus as many finished
-    ones (first in row order) as make their count a power of two, at most all rows. Their decode steps
-    then have the same shapes in every rollout of a process: compiled functions, cuDNN's attention plans
-    and cuBLAS's heuristics meet no new row count after the first rollout (a capture after a compaction
-    cost 140-170 ms on the H200 against 60-85 ms for a shape seen before). A finished row kept costs its
-    share of the step; its tokens are not written (`done`)."""
+    ones (first in row order) as make their count `compacted_rows`'s. Their decode steps then have the same
+    shapes in every rollout of a process: compiled functions, cuDNN's attention plans and cuBLAS's
+    heuristics meet no new row count after the first rollout (a capture after a compaction cost 140-170 ms
+    on the H200 against 60-85 ms for a shape seen before). A finished row kept costs its share of the
+    step; its tokens are not written (`done`)."""
     n = int(still.sum())
-    extra = min(1 << max(n - 1, 0).bit_length(), still.numel()) - n
+    extra = compacted_rows(n, still.numel()) - n
     if extra <= 0:
         return still
     kept = still.clone()

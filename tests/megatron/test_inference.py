@@ -196,9 +196,9 @@ def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket)
         static = actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **kw)
         _assert_same_batch(dynamic, static, str(kw))
         assert len(rows_per_step) == 7, "every decode step after the first sample is a static step"
-    # With stops, rows 0-2 finish at their first token and the static step is rebuilt over 4 rows: the 3
-    # still running and one finished row, so that compacted row sets have power-of-two sizes.
-    assert rows_per_step[0] == 4
+    # With stops, rows 0-2 finish at their first token and the static step is rebuilt over the 3 still
+    # running (3 is a size of the compaction ladder 1, 2, 3, 4, 6, 8, ...).
+    assert rows_per_step[0] == 3
 
 
 def test_static_decode_through_the_attention_kernel_path_matches_the_dynamic_path(actor, monkeypatch):
@@ -265,19 +265,21 @@ def test_the_attention_kernels_reference_sees_each_rows_own_columns():
 
 
 @given(still=st.lists(st.booleans(), min_size=1, max_size=70).filter(any))
-def test_compaction_keeps_a_power_of_two_of_rows(still):
-    """The static step's compaction keeps every running row plus the first finished ones up to a power of
-    two (at most all rows), so its shapes recur from one rollout to the next."""
-    from rltrain.megatron.inference import _power_of_two_rows
+def test_compaction_keeps_a_size_of_the_ladder(still):
+    """The static step's compaction keeps every running row plus the first finished ones up to the smallest
+    size of the ladder 1, 2, 3, 4, 6, 8, 12, ... (powers of two and 1.5x them) that holds them, at most all
+    rows, so its shapes recur from one rollout to the next; that size is never more than 4/3 of the
+    running rows past 2 (the idle rows a step carries)."""
+    from rltrain.megatron.inference import _ladder_rows, compacted_rows
 
     running = torch.tensor(still)
-    kept = _power_of_two_rows(running)
+    kept = _ladder_rows(running)
     n, total = int(running.sum()), len(still)
     assert bool(kept[running].all())
     size = int(kept.sum())
-    assert size == min(1 << (n - 1).bit_length(), total) and size >= n
-    finished = (~running).nonzero().squeeze(1)
-    assert torch.equal(kept[finished], torch.arange(finished.numel()) < size - n)
+    assert size == compacted_rows(n, total) and n <= size <= total
+    assert size == total or size in {1 << i for i in range(8)} | {3 << i for i in range(7)}
+    assert size == total or n < 3 or 3 * size <= 4 * n
 
 
 def test_key_buckets_widen_as_rows_shrink(monkeypatch):
