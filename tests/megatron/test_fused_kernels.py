@@ -189,7 +189,7 @@ def test_the_engine_picks_its_decode_attention_once(engines, monkeypatch):
     fp32 dtype); where the kernel can run (its predicate stubbed, as on a CUDA machine) the compiled plan takes
     `decode_kernels.decode_attention`, asked once per layer shape, unless the class switch is off, a layer's
     core attention is not SdpaAttention or the predicate refuses a shape (each reason kept for benchmarks)."""
-    from rltrain.megatron import decode_kernels
+    from rltrain.megatron import decode_kernels, inference
     from rltrain.megatron.inference import KVCacheGenerator
 
     eager, compiled = engines
@@ -221,11 +221,11 @@ def test_the_engine_picks_its_decode_attention_once(engines, monkeypatch):
     monkeypatch.setattr(KVCacheGenerator, "triton_decode_attention", False)
     assert KVCacheGenerator(compiled, pos).decode_attention is None
     monkeypatch.setattr(KVCacheGenerator, "triton_decode_attention", True)
-    layer = compiled.modules()[0].decoder.layers[-1].self_attention
-    monkeypatch.setattr(layer, "core_attention", torch.nn.Identity())
+    # A core attention other than the exact class whose math the kernel computes (a subclass would do too).
+    monkeypatch.setattr(inference, "SdpaAttention", type("OtherAttention", (), {}))
     engine = KVCacheGenerator(compiled, pos)
     assert engine.decode_attention is None
-    assert engine.triton_attention_unsupported.startswith("core attention Identity")
+    assert engine.triton_attention_unsupported.startswith("core attention SdpaAttention")
 
 
 def test_the_attention_kernel_names_the_shapes_it_cannot_run_and_splits_few_rows(monkeypatch):
