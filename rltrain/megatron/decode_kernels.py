@@ -190,6 +190,9 @@ if triton is not None:
 BLOCK_N = 64
 PROGRAMS_PER_SM = 2
 MAX_SPLITS = 16
+# Launch parameters of the attention kernel (bench/decode_kernels_tune.py sweeps them on the device).
+ATTENTION_WARPS = 4
+ATTENTION_STAGES = 2
 
 
 def attention_unsupported(
@@ -292,7 +295,7 @@ def decode_attention(
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         key_masked.stride(0), scale * 1.4426950408889634,
         P=per_group, D=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=BLOCK_N, SPLITS=splits,
-        num_warps=4, num_stages=2,
+        num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES,
     )  # fmt: skip
     if splits > 1:
         _combine_kernel[(n, heads)](part, stats, out, D=d, BLOCK_D=block_d, SPLITS=splits, num_warps=4)
@@ -401,6 +404,8 @@ if triton is not None:
 EXPERT_BLOCK_N = 64
 EXPERT_BLOCK_K = 64
 EXPERT_MAX_BLOCK_M = 64
+EXPERT_WARPS = 4
+EXPERT_STAGES = 3
 
 
 def experts_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -450,11 +455,11 @@ def expert_swiglu(
     block_m = expert_block_m(m, experts)
     _fc1_swiglu_kernel[(experts, triton.cdiv(ffn, EXPERT_BLOCK_N))](
         rows, w1, probs, offsets, act, hidden, ffn,
-        BLOCK_M=block_m, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=EXPERT_WARPS, num_stages=EXPERT_STAGES,
     )  # fmt: skip
     _grouped_kernel[(experts, triton.cdiv(hidden, EXPERT_BLOCK_N))](
         act, w2, offsets, out, ffn, hidden,
-        BLOCK_M=block_m, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=4, num_stages=3,
+        BLOCK_M=block_m, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=EXPERT_WARPS, num_stages=EXPERT_STAGES,
     )  # fmt: skip
     return out
 
