@@ -109,7 +109,7 @@ def experts(report: dict, token_counts: list[int]) -> None:
                 row[f"n{block_n} k{block_k} w{warps} s{stages}"] = f"{type(exc).__name__}"
         best = sorted((v, k) for k, v in row.items() if isinstance(v, float))[:6]
         print(f"experts {tokens} tokens: grouped_mm {row['grouped_mm']:.1f} us; best {best}", flush=True)
-    dk.EXPERT_BLOCK_N, dk.EXPERT_BLOCK_K, dk.EXPERT_WARPS, dk.EXPERT_STAGES = 64, 64, 4, 3
+    dk.EXPERT_BLOCK_N, dk.EXPERT_BLOCK_K, dk.EXPERT_WARPS, dk.EXPERT_STAGES = 64, 128, 4, 3
 
 
 def main() -> int:

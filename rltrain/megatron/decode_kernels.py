@@ -402,7 +402,7 @@ if triton is not None:
 # a few dozen rows each: one tile of rows reads each weight once, so the kernels stream the weights (the
 # bytes of the step) and skip experts that got no row.
 EXPERT_BLOCK_N = 64
-EXPERT_BLOCK_K = 64
+EXPERT_BLOCK_K = 128
 EXPERT_MAX_BLOCK_M = 64
 EXPERT_WARPS = 4
 EXPERT_STAGES = 3
