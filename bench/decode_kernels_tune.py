@@ -2,8 +2,9 @@
 device: microseconds per call, each call repeated as a step repeats it (28 layers of the 1.5B for the
 attention, 24 of qwen3-moe for the experts) inside one CUDA graph.
 
-  attention  decode_attention over the 1.5B's layer (12 query / 2 KV heads of 128) at (rows, column written)
-             per (BLOCK_N, warps, stages, splits), against SDPA over the engine's key bucket
+  attention  decode_attention at (rows, column written, KV groups, query heads per group) of the 1.5B's and
+             qwen3-moe's layers (d 128), a group or a whole row per program, per (columns per iteration,
+             warps, stages, splits), against SDPA over the engine's key bucket
   experts    expert_swiglu over qwen3-moe's layer (64 experts, hidden 1,024, FFN 512, top 8) at T tokens per
              (EXPERT_BLOCK_N, EXPERT_BLOCK_K, warps, stages), against two torch._grouped_mm and the SwiGLU
 
@@ -36,14 +37,19 @@ def graph_us(fn, calls: int) -> float:
     return per_call_ms(graph.replay, "cuda", iters=20) * 1e3 / calls
 
 
-def attention(report: dict, shapes: list[tuple[int, int]]) -> None:
+def attention(report: dict, shapes: list[tuple[int, ...]]) -> None:
     from rltrain.megatron import decode_kernels as dk
     from rltrain.megatron import inference
 
-    dt, groups, per_group, d, max_len = torch.bfloat16, 2, 6, 128, 1088
+    dt, d, max_len = torch.bfloat16, 128, 1088
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = report.setdefault("attention_us", {})
-    for rows, col in shapes:
+    # (KV groups per program, columns per iteration, warps, stages, splits): a group per program at the
+    # default tiles, and whole rows (ATTENTION_GROUPS_PER_PROGRAM 0) over a grid.
+    configs = [(1, 64, 4, 2, 1), (1, 64, 4, 2, 2)] + [
+        (0, *c) for c in itertools.product((16, 32, 64), (4, 8), (2, 3), (1, 2))
+    ]
+    for rows, col, groups, per_group in shapes:
         q = torch.randn(rows, groups * per_group, d, device="cuda", generator=gen).to(dt)
         k, v = (torch.randn(max_len, rows, groups, d, device="cuda", generator=gen).to(dt) for _ in range(2))
         masked = torch.zeros(rows, max_len, dtype=torch.bool, device="cuda")
@@ -58,21 +64,26 @@ def attention(report: dict, shapes: list[tuple[int, int]]) -> None:
             q[:, :, None], k[:keys].permute(1, 2, 0, 3), v[:keys].permute(1, 2, 0, 3),
             attn_mask=additive[:, None, None, :keys], scale=0.1, enable_gqa=True,
         )  # fmt: skip
-        row = res.setdefault(f"{rows}x{col}", {"sdpa_bucket": graph_us(sdpa, 28)})
+        row = res.setdefault(f"{rows}x{col} g{groups}x{per_group}", {"sdpa_bucket": graph_us(sdpa, 28)})
         chosen = dk.attention_splits
-        for block_n, warps, stages, splits in itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2)):
-            dk.BLOCK_N, dk.ATTENTION_WARPS, dk.ATTENTION_STAGES = block_n, warps, stages
+        for gp, block_n, warps, stages, splits in configs:
+            dk.ATTENTION_GROUPS_PER_PROGRAM, dk.ATTENTION_WARPS, dk.ATTENTION_STAGES = gp, warps, stages
+            dk.BLOCK_N = dk.WHOLE_ROW_BLOCK_N = block_n
             dk.attention_splits = lambda r, g, sms, s=splits: s
+            name = f"{'row' if gp == 0 else 'group'} n{block_n} w{warps} s{stages} x{splits}"
             try:
-                fn = functools.partial(dk.decode_attention, q, k, v, masked, first, column, 0.1)
-                row[f"n{block_n} w{warps} s{stages} x{splits}"] = graph_us(fn, 28)
+                row[name] = graph_us(
+                    functools.partial(dk.decode_attention, q, k, v, masked, first, column, 0.1), 28
+                )
             except Exception as exc:  # a config past the device's shared memory
-                row[f"n{block_n} w{warps} s{stages} x{splits}"] = f"{type(exc).__name__}"
+                row[name] = f"{type(exc).__name__}"
             finally:
                 dk.attention_splits = chosen
         best = sorted((v, k) for k, v in row.items() if isinstance(v, float))[:6]
-        print(f"attention {rows}x{col}: sdpa {row['sdpa_bucket']:.1f} us; best {best}", flush=True)
-    dk.BLOCK_N, dk.ATTENTION_WARPS, dk.ATTENTION_STAGES = 64, 4, 2
+        print(f"attention {rows}x{col} g{groups}x{per_group}: sdpa {row['sdpa_bucket']:.1f} us; "
+              f"group default {row.get('group n64 w4 s2 x1')}; best {best}", flush=True)  # fmt: skip
+    dk.ATTENTION_GROUPS_PER_PROGRAM, dk.BLOCK_N, dk.WHOLE_ROW_BLOCK_N = 1, 64, 32
+    dk.ATTENTION_WARPS, dk.ATTENTION_STAGES = 4, 2
 
 
 def experts(report: dict, token_counts: list[int]) -> None:
@@ -114,7 +125,8 @@ def experts(report: dict, token_counts: list[int]) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--attention", default="512x1000,256x700,64x300")
+    ap.add_argument("--attention", default="512x1000x2x6,256x700x2x6,64x300x2x6,256x250x4x4,256x1000x4x4",
+                    help="rows x column written x KV groups x query heads per group")  # fmt: skip
     ap.add_argument("--experts", default="512,256,64")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
