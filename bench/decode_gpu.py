@@ -58,6 +58,18 @@ def per_call_ms(fn, device: str, iters: int = 20, warmup: int = 3) -> float:
     return (time.perf_counter() - t0) / iters * 1e3
 
 
+def graph_us_per_call(fn, calls: int, iters: int = 20) -> float:
+    """Microseconds per call of `fn` (CUDA) with `calls` calls captured in one CUDA graph, as a decode step
+    repeats a layer's kernel: the launch gaps of a replayed graph, not of Python."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return per_call_ms(graph.replay, "cuda", iters=iters) * 1e3 / calls
+
+
 def timed_generate(actor, ids: torch.Tensor, n_new: int, device: str, eos_id: int | None = None) -> dict:
     """One `generate(cuda_graph=True)` of `ids` (T = 1, seed 3), timed: s, tokens, tokens/s and the batch."""
     sync(device)

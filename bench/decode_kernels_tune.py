@@ -24,17 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.decode_gpu import per_call_ms
-
-
-def graph_us(fn, calls: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return per_call_ms(graph.replay, "cuda", iters=20) * 1e3 / calls
+from bench.decode_gpu import graph_us_per_call
 
 
 def attention(report: dict, shapes: list[tuple[int, ...]]) -> None:
@@ -64,7 +54,9 @@ def attention(report: dict, shapes: list[tuple[int, ...]]) -> None:
             q[:, :, None], k[:keys].permute(1, 2, 0, 3), v[:keys].permute(1, 2, 0, 3),
             attn_mask=additive[:, None, None, :keys], scale=0.1, enable_gqa=True,
         )  # fmt: skip
-        row = res.setdefault(f"{rows}x{col} g{groups}x{per_group}", {"sdpa_bucket": graph_us(sdpa, 28)})
+        row = res.setdefault(
+            f"{rows}x{col} g{groups}x{per_group}", {"sdpa_bucket": graph_us_per_call(sdpa, 28)}
+        )
         chosen = dk.attention_splits
         for gp, block_n, warps, stages, splits in configs:
             dk.ATTENTION_GROUPS_PER_PROGRAM, dk.ATTENTION_WARPS, dk.ATTENTION_STAGES = gp, warps, stages
@@ -72,7 +64,7 @@ def attention(report: dict, shapes: list[tuple[int, ...]]) -> None:
             dk.attention_splits = lambda r, g, sms, s=splits: s
             name = f"{'row' if gp == 0 else 'group'} n{block_n} w{warps} s{stages} x{splits}"
             try:
-                row[name] = graph_us(
+                row[name] = graph_us_per_call(
                     functools.partial(dk.decode_attention, q, k, v, masked, first, column, 0.1), 28
                 )
             except Exception as exc:  # a config past the device's shared memory
@@ -105,7 +97,7 @@ def experts(report: dict, token_counts: list[int]) -> None:
             hid = moe_experts.grouped_mm(rows, w1.transpose(1, 2), offsets)
             return moe_experts.grouped_mm(moe_experts.swiglu_probs(hid, p), w2.transpose(1, 2), offsets)
 
-        row = res.setdefault(str(tokens), {"grouped_mm": graph_us(grouped, 24)})
+        row = res.setdefault(str(tokens), {"grouped_mm": graph_us_per_call(grouped, 24)})
         for block_n, block_k, warps, stages in itertools.product((32, 64, 128), (64, 128), (4,), (3, 4)):
             dk.EXPERT_BLOCK_N, dk.EXPERT_BLOCK_K, dk.EXPERT_WARPS, dk.EXPERT_STAGES = (
                 block_n,
@@ -115,7 +107,7 @@ def experts(report: dict, token_counts: list[int]) -> None:
             )
             try:
                 fn = functools.partial(dk.expert_swiglu, rows, w1, w2, p, offsets)
-                row[f"n{block_n} k{block_k} w{warps} s{stages}"] = graph_us(fn, 24)
+                row[f"n{block_n} k{block_k} w{warps} s{stages}"] = graph_us_per_call(fn, 24)
             except Exception as exc:
                 row[f"n{block_n} k{block_k} w{warps} s{stages}"] = f"{type(exc).__name__}"
         best = sorted((v, k) for k, v in row.items() if isinstance(v, float))[:6]

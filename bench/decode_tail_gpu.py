@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.decode_gpu import per_call_ms, sync, timed_generate
+from bench.decode_gpu import graph_us_per_call, per_call_ms, sync, timed_generate
 from bench.rollout_gpu import get_arch
 from tests.megatron._common import actor_of, init_groups
 
@@ -281,7 +281,7 @@ def triton_parity(report: dict) -> None:
 
     # 28 calls (a 1.5B step's layers) captured in one graph: microseconds per call, compiled vs Triton.
     calls = {
-        name: _graph_us_per_call(functools.partial(fn, *call_args), 28)
+        name: graph_us_per_call(functools.partial(fn, *call_args), 28)
         for name, fn in (
             ("compiled", fused.fused_decode_attention_inputs),
             ("triton", decode_kernels.attention_inputs),
@@ -401,20 +401,9 @@ def attention_parity(report: dict) -> None:
             "triton": functools.partial(decode_kernels.decode_attention, q, k, v, masked, first, column, 0.1),
         }  # fmt: skip
         for name, fn in fns.items():
-            calls[f"{rows} rows col {col} ({name}, sdpa reads {keys})"] = _graph_us_per_call(fn, 28)
+            calls[f"{rows} rows col {col} ({name}, sdpa reads {keys})"] = graph_us_per_call(fn, 28)
     report["attention_us_per_call_1.5b_layer"] = calls
     print("decode attention, us per call (1.5B layer):", json.dumps(calls, indent=1), flush=True)
-
-
-def _graph_us_per_call(fn, calls: int) -> float:
-    """Microseconds per call of `fn` with `calls` calls captured in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return per_call_ms(graph.replay, "cuda", iters=30) * 1e3 / calls
 
 
 def step_kernels(step, cols: int, table_path: Path, row_limit: int) -> tuple[float, str]:

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import sys
@@ -56,6 +57,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.decode_gpu import graph_us_per_call
 from tests.megatron._common import actor_of, init_groups
 
 
@@ -113,25 +115,11 @@ def experts_parity(report: dict) -> None:
     calls: dict = {}
     for tokens in (512, 256, 64, 8):
         rows, p, offsets, _ = routed(tokens)
-        for name, fn in (("grouped_mm", reference), ("triton", None)):
-
-            def run(rows=rows, p=p, offsets=offsets, fn=fn):
-                return fn(rows, p, offsets) if fn else decode_kernels.expert_swiglu(rows, w1, w2, p, offsets)
-
-            run()
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                for _ in range(24):
-                    run()
-            for _ in range(3):
-                graph.replay()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(20):
-                graph.replay()
-            torch.cuda.synchronize()
-            calls[f"{tokens} tokens {name}"] = (time.perf_counter() - t0) / 20 / 24 * 1e6
+        calls[f"{tokens} tokens grouped_mm"] = graph_us_per_call(
+            functools.partial(reference, rows, p, offsets), 24
+        )
+        kernel = functools.partial(decode_kernels.expert_swiglu, rows, w1, w2, p, offsets)
+        calls[f"{tokens} tokens triton"] = graph_us_per_call(kernel, 24)
     report["experts_us_per_layer"] = calls
     print("MoE experts, us per layer:", json.dumps(calls, indent=1), flush=True)
 
