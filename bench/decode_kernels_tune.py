@@ -37,7 +37,7 @@ def attention(report: dict, shapes: list[tuple[int, ...]]) -> None:
     # (KV groups per program, columns per iteration, warps, stages, splits): a group per program at the
     # default tiles, and whole rows (ATTENTION_GROUPS_PER_PROGRAM 0) over a grid.
     configs = [(1, 64, 4, 2, 1), (1, 64, 4, 2, 2)] + [
-        (0, *c) for c in itertools.product((16, 32, 64), (4, 8), (2, 3), (1, 2))
+        (0, *c) for c in itertools.product((16, 32), (4, 8), (2,), (1, 2))
     ]
     for rows, col, groups, per_group in shapes:
         q = torch.randn(rows, groups * per_group, d, device="cuda", generator=gen).to(dt)
