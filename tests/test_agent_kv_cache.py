@@ -148,15 +148,27 @@ def test_a_session_reuses_only_the_matching_prefix(actor):
     assert_tiny_close(cached["rollout_log_probs"], plain["rollout_log_probs"])
 
 
-def test_static_decode_with_a_session_keeps_the_rows_a_compaction_kept_finished(actor, monkeypatch):
+@pytest.mark.parametrize("attention", ["sdpa", "kernel"])
+def test_static_decode_with_a_session_keeps_the_rows_a_compaction_kept_finished(
+    actor, monkeypatch, attention
+):
     """The static (CUDA-graph) decode step with a session: compactions keep a size of the ladder of rows
     (here powers of two: with six rows the 1.5x ladder's sizes up to 4 are exact), i.e. some rows that
     already stopped stay in the cache (harvested at the end, not when they stopped). Both calls of a
     two-call conversation give what the same calls give without a session, and the second reuses the
-    cached columns, also of a row that stayed in the cache after it stopped."""
+    cached columns, also of a row that stayed in the cache after it stopped. With SDPA over key buckets and
+    with the CUDA step's attention over each row's own columns (its torch reference here: the kernel
+    needs CUDA)."""
     from rltrain.data import left_pad
-    from rltrain.megatron import inference
+    from rltrain.megatron import decode_kernels, inference
     from rltrain.megatron.inference import KVSession, generate_with_kv_cache
+
+    if attention == "kernel":
+        monkeypatch.setattr(
+            inference.KVCacheGenerator,
+            "_pick_decode_attention",
+            lambda self, layers: (decode_kernels.decode_attention_reference, None),
+        )
 
     monkeypatch.setattr(
         inference, "compacted_rows", lambda live, rows: min(1 << max(live - 1, 0).bit_length(), rows)
