@@ -202,6 +202,17 @@ def device_name(device: str) -> str | None:
     return str(name)
 
 
+@functools.cache
+def multiprocessor_count(device: str) -> int | None:
+    """Streaming multiprocessors of this process's device (what a kernel's grid fills); None on cpu and
+    where the device module does not report them."""
+    mod = accelerator_module(device)
+    if mod is None:
+        return None
+    count = getattr(mod.get_device_properties(mod.current_device()), "multi_processor_count", None)
+    return None if count is None else int(count)
+
+
 def peak_flops(device: str, dtype: str) -> float | None:
     """Dense peak FLOP/s of this process's device for matmuls in `dtype` (model.params_dtype), or None: on
     cpu, for float32 (the peak depends on TF32 settings) and for a device model not in PEAK_BF16_FLOPS."""

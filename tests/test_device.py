@@ -154,6 +154,7 @@ def test_cpu_device_calls_are_host_answers() -> None:
     devices.set_rng_state("cpu", torch.zeros(1))
     assert torch.equal(torch.get_rng_state(), state)
     assert devices.new_stream("cpu") is None and devices.new_event("cpu") is None
+    assert devices.multiprocessor_count("cpu") is None
     with devices.stream_context("cpu", None):
         pass
 

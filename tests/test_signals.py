@@ -65,7 +65,7 @@ def test_signal_stops_the_run_cleanly_and_the_same_command_resumes(tmp_path, sig
     """SIGINT's run saves in the background: a save still being written when the signal comes is committed
     (its step's metrics line is written) or removed, never left half-done. `group`: the signal reaches every
     process of the job, Ray's GCS and raylet too (`timeout`, Slurm's scancel): the run still stops with its
-    message and exit code within 5 s (it took 21 s while the driver waited for Ray's GCS, which stops
+    message and exit code within seconds (it took 21 s while the driver waited for Ray's GCS, which stops
     answering at once but takes ~10 s to exit), instead of waiting for a cluster that is gone."""
     out = tmp_path / "run"
     flags = ("--actor.checkpoint.async_save", "true") if signum == signal.SIGINT else ()
@@ -95,8 +95,14 @@ def test_signal_stops_the_run_cleanly_and_the_same_command_resumes(tmp_path, sig
             os.kill(proc.pid, signum)
         assert proc.wait(timeout=120) == code
         took = time.monotonic() - sent
-        if signum == signal.SIGTERM:  # what `timeout`, Slurm and Kubernetes send: stopped within 5 s
-            assert took < 5.0, f"the run took {took:.1f} s to stop"
+        if signum == signal.SIGTERM:  # what `timeout`, Slurm and Kubernetes send: stopped within seconds
+            # The driver waits at most STOP_RELEASE_TIMEOUT_S (2.5 s) for Ray; the bound leaves as much
+            # again twice for the rest (settling, exiting), which took 5.4 s once while a second test process
+            # shared the 2 cores. The regression this guards against took 21 s.
+            from rltrain.controller import STOP_RELEASE_TIMEOUT_S
+
+            bound = 3 * STOP_RELEASE_TIMEOUT_S
+            assert took < bound, f"the run took {took:.1f} s to stop (bound {bound} s)"
         stderr = err_path.read_text()
         name = signal.Signals(signum).name
         lines = [line for line in stderr.splitlines() if line.startswith(f"stopped by {name}: ")]

@@ -18,10 +18,10 @@ module and get the reason instead.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
+
+from rltrain import device as devices
 
 try:  # triton ships with torch's CUDA wheels; CPU installs have none (and must not add it)
     import triton
@@ -299,7 +299,7 @@ def decode_attention(
     if n == 0:
         return out.view(n, heads * d)
     gp = attention_groups_per_program(groups, per_group, d)
-    splits = attention_splits(n, groups // gp, _sm_count(query.device.index))
+    splits = attention_splits(n, groups // gp, devices.multiprocessor_count(query.device.type) or 1)
     block_h, block_d = max(16, next_power_of_2(gp * per_group)), max(16, next_power_of_2(gp * d))
     if splits > 1:
         part = torch.empty((n, heads, splits, d), dtype=torch.float32, device=query.device)
@@ -320,11 +320,6 @@ def decode_attention(
         block = max(16, next_power_of_2(d))
         _combine_kernel[(n, heads)](part, stats, out, D=d, BLOCK_D=block, SPLITS=splits, num_warps=4)
     return out.view(n, heads * d)
-
-
-@functools.cache
-def _sm_count(device_index: int | None) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 if triton is not None:
