@@ -3,8 +3,8 @@ device: microseconds per call, each call repeated as a step repeats it (28 layer
 attention, 24 of qwen3-moe for the experts) inside one CUDA graph.
 
   attention  decode_attention at (rows, column written, KV groups, query heads per group) of the 1.5B's and
-             qwen3-moe's layers (d 128), a group or a whole row per program, per (columns per iteration,
-             warps, stages, splits), against SDPA over the engine's key bucket
+             qwen3-moe's layers (d 128) per (columns per iteration, warps, stages, splits), against SDPA
+             over the engine's key bucket
   experts    expert_swiglu over qwen3-moe's layer (64 experts, hidden 1,024, FFN 512, top 8) at T tokens per
              (EXPERT_BLOCK_N, EXPERT_BLOCK_K, warps, stages), against two torch._grouped_mm and the SwiGLU
 
@@ -34,11 +34,8 @@ def attention(report: dict, shapes: list[tuple[int, ...]]) -> None:
     dt, d, max_len = torch.bfloat16, 128, 1088
     gen = torch.Generator(device="cuda").manual_seed(0)
     res = report.setdefault("attention_us", {})
-    # (KV groups per program, columns per iteration, warps, stages, splits): a group per program at the
-    # default tiles, and whole rows (ATTENTION_GROUPS_PER_PROGRAM 0) over a grid.
-    configs = [(1, 64, 4, 2, 1), (1, 64, 4, 2, 2)] + [
-        (0, *c) for c in itertools.product((16, 32), (4, 8), (2,), (1, 2))
-    ]
+    # (columns per iteration, warps, stages, splits)
+    configs = list(itertools.product((32, 64, 128), (4, 8), (2, 3), (1, 2)))
     for rows, col, groups, per_group in shapes:
         q = torch.randn(rows, groups * per_group, d, device="cuda", generator=gen).to(dt)
         k, v = (torch.randn(max_len, rows, groups, d, device="cuda", generator=gen).to(dt) for _ in range(2))
@@ -58,24 +55,21 @@ def attention(report: dict, shapes: list[tuple[int, ...]]) -> None:
             f"{rows}x{col} g{groups}x{per_group}", {"sdpa_bucket": graph_us_per_call(sdpa, 28)}
         )
         chosen = dk.attention_splits
-        for gp, block_n, warps, stages, splits in configs:
-            dk.ATTENTION_GROUPS_PER_PROGRAM, dk.ATTENTION_WARPS, dk.ATTENTION_STAGES = gp, warps, stages
-            dk.BLOCK_N = dk.WHOLE_ROW_BLOCK_N = block_n
+        for block_n, warps, stages, splits in configs:
+            dk.BLOCK_N, dk.ATTENTION_WARPS, dk.ATTENTION_STAGES = block_n, warps, stages
             dk.attention_splits = lambda r, g, sms, s=splits: s
-            name = f"{'row' if gp == 0 else 'group'} n{block_n} w{warps} s{stages} x{splits}"
+            name = f"n{block_n} w{warps} s{stages} x{splits}"
             try:
-                row[name] = graph_us_per_call(
-                    functools.partial(dk.decode_attention, q, k, v, masked, first, column, 0.1), 28
-                )
+                fn = functools.partial(dk.decode_attention, q, k, v, masked, first, column, 0.1)
+                row[name] = graph_us_per_call(fn, 28)
             except Exception as exc:  # a config past the device's shared memory
                 row[name] = f"{type(exc).__name__}"
             finally:
                 dk.attention_splits = chosen
         best = sorted((v, k) for k, v in row.items() if isinstance(v, float))[:6]
         print(f"attention {rows}x{col} g{groups}x{per_group}: sdpa {row['sdpa_bucket']:.1f} us; "
-              f"group default {row.get('group n64 w4 s2 x1')}; best {best}", flush=True)  # fmt: skip
-    dk.ATTENTION_GROUPS_PER_PROGRAM, dk.BLOCK_N, dk.WHOLE_ROW_BLOCK_N = 1, 64, 32
-    dk.ATTENTION_WARPS, dk.ATTENTION_STAGES = 4, 2
+              f"default {row.get('n64 w4 s2 x1')}; best {best}", flush=True)  # fmt: skip
+    dk.BLOCK_N, dk.ATTENTION_WARPS, dk.ATTENTION_STAGES = 64, 4, 2
 
 
 def experts(report: dict, token_counts: list[int]) -> None:

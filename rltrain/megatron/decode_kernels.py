@@ -193,14 +193,6 @@ MAX_SPLITS = 16
 # Launch parameters of the attention kernel (bench/decode_kernels_tune.py sweeps them on the device).
 ATTENTION_WARPS = 4
 ATTENTION_STAGES = 2
-# KV groups per program: 1 (each program its group's query heads), or 0: every group of a row in one
-# program where its tile fits WHOLE_ROW_TILE elements (`attention_groups_per_program`). A whole row reads each
-# cache column's groups as one contiguous piece (G x d elements, where one group reads d of them, G x d
-# apart), at the price of G x the tensor-core products (each head's query is zero outside its group's d
-# columns); columns per iteration WHOLE_ROW_BLOCK_N, so the wider tiles stay in shared memory.
-ATTENTION_GROUPS_PER_PROGRAM = 1
-WHOLE_ROW_TILE = 16 * 512
-WHOLE_ROW_BLOCK_N = 32
 
 
 def attention_unsupported(
@@ -218,15 +210,6 @@ def attention_unsupported(
     if triton is None:
         return "triton is not installed"
     return None
-
-
-def attention_groups_per_program(groups: int, per_group: int, head_dim: int) -> int:
-    """KV groups one attention program holds: ATTENTION_GROUPS_PER_PROGRAM, where 0 means all of a row's
-    groups if their tile ([heads, groups x d], padded to powers of two) is at most WHOLE_ROW_TILE, else 1."""
-    if ATTENTION_GROUPS_PER_PROGRAM:
-        return ATTENTION_GROUPS_PER_PROGRAM
-    tile = max(16, next_power_of_2(groups * per_group)) * next_power_of_2(groups * head_dim)
-    return groups if tile <= WHOLE_ROW_TILE else 1
 
 
 def attention_splits(rows: int, groups: int, sms: int) -> int:
@@ -298,27 +281,24 @@ def decode_attention(
     out = torch.empty((n, heads, d), dtype=query.dtype, device=query.device)
     if n == 0:
         return out.view(n, heads * d)
-    gp = attention_groups_per_program(groups, per_group, d)
-    splits = attention_splits(n, groups // gp, devices.multiprocessor_count(query.device.type) or 1)
-    block_h, block_d = max(16, next_power_of_2(gp * per_group)), max(16, next_power_of_2(gp * d))
+    splits = attention_splits(n, groups, devices.multiprocessor_count(query.device.type) or 1)
+    block_h, block_d = max(16, next_power_of_2(per_group)), max(16, next_power_of_2(d))
     if splits > 1:
         part = torch.empty((n, heads, splits, d), dtype=torch.float32, device=query.device)
         stats = torch.empty((n, heads, splits, 2), dtype=torch.float32, device=query.device)
     else:  # the kernel writes the output itself (its SPLITS switch never touches these)
         part, stats = out, out
-    _attention_kernel[(n, groups // gp, splits)](
+    _attention_kernel[(n, groups, splits)](
         query, k_cache, v_cache, key_masked.view(torch.uint8), first, col, out, part, stats,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         key_masked.stride(0), scale * 1.4426950408889634,
-        P=per_group, D=d, GP=gp, BLOCK_H=block_h, BLOCK_D=block_d,
-        BLOCK_N=BLOCK_N if gp == 1 else WHOLE_ROW_BLOCK_N, SPLITS=splits,
+        P=per_group, D=d, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=BLOCK_N, SPLITS=splits,
         num_warps=ATTENTION_WARPS, num_stages=ATTENTION_STAGES,
     )  # fmt: skip
     if splits > 1:
-        block = max(16, next_power_of_2(d))
-        _combine_kernel[(n, heads)](part, stats, out, D=d, BLOCK_D=block, SPLITS=splits, num_warps=4)
+        _combine_kernel[(n, heads)](part, stats, out, D=d, BLOCK_D=block_d, SPLITS=splits, num_warps=4)
     return out.view(n, heads * d)
 
 
@@ -328,24 +308,22 @@ if triton is not None:
     def _attention_kernel(
         q_ptr, k_ptr, v_ptr, mask_ptr, first_ptr, col_ptr, out_ptr, part_ptr, stats_ptr,
         q_row, q_head, k_col, k_row, k_group, v_col, v_row, v_group, mask_row, scale_log2,
-        P: tl.constexpr, D: tl.constexpr, GP: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+        P: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
     ):  # fmt: skip
-        """One (row, block of GP KV groups, split): the block's query heads against its share of the row's
-        columns. Tile columns j are (group j // D of the block, dimension j % D); a head's query is zero
-        outside its own group's columns, so one product serves every group of the block."""
+        """One (row, KV group, split): its query heads against its share of the row's columns."""
         row = tl.program_id(0).to(tl.int64)
-        block = tl.program_id(1).to(tl.int64)
+        group = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
-        heads = P * GP * tl.num_programs(1)
         h = tl.arange(0, BLOCK_H)
         j = tl.arange(0, BLOCK_D)
-        in_d = j < GP * D
-        g_of_j = j // D
-        dim = j % D
-        head = block * (P * GP) + h
-        own = (h < P * GP)[:, None] & in_d[None, :] & (g_of_j[None, :] == (h // P)[:, None])
-        q = tl.load(q_ptr + row * q_row + head[:, None] * q_head + dim[None, :], mask=own, other=0.0)
+        in_d = j < D
+        head = group * P + h
+        q = tl.load(
+            q_ptr + row * q_row + head[:, None] * q_head + j[None, :],
+            mask=(h < P)[:, None] & in_d[None, :],
+            other=0.0,
+        )
         # The row's columns first..col, split into SPLITS parts of whole blocks.
         lo = tl.load(first_ptr + row).to(tl.int32)
         hi = tl.load(col_ptr).to(tl.int32) + 1
@@ -356,14 +334,17 @@ if triton is not None:
         m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
         l_i = tl.zeros((BLOCK_H,), tl.float32)
         acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-        k_base = k_ptr + row * k_row + (block * GP + g_of_j) * k_group + dim
-        v_base = v_ptr + row * v_row + (block * GP + g_of_j) * v_group + dim
+        k_base = k_ptr + row * k_row + group * k_group
+        v_base = v_ptr + row * v_row + group * v_group
         for c0 in range(start, stop, BLOCK_N):
             c = c0 + tl.arange(0, BLOCK_N)
             hidden = tl.load(mask_ptr + row * mask_row + c, mask=c < stop, other=1)
             seen = (c < stop) & (hidden == 0)
-            kv_mask = seen[:, None] & in_d[None, :]
-            k = tl.load(k_base[None, :] + c[:, None].to(tl.int64) * k_col, mask=kv_mask, other=0.0)
+            k = tl.load(
+                k_base + c[:, None].to(tl.int64) * k_col + j[None, :],
+                mask=seen[:, None] & in_d[None, :],
+                other=0.0,
+            )
             s = tl.dot(q, tl.trans(k)) * scale_log2
             s = tl.where(seen[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -372,18 +353,25 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_safe)
             p = tl.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_base[None, :] + c[:, None].to(tl.int64) * v_col, mask=kv_mask, other=0.0)
+            v = tl.load(
+                v_base + c[:, None].to(tl.int64) * v_col + j[None, :],
+                mask=seen[:, None] & in_d[None, :],
+                other=0.0,
+            )
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
-        at = row * heads + head  # the output's (row, head), whose d values are the own columns
         if SPLITS == 1:
             o = acc / l_i[:, None]
-            tl.store(out_ptr + at[:, None] * D + dim[None, :], o.to(out_ptr.dtype.element_ty), mask=own)
+            tl.store(
+                out_ptr + (row * (P * tl.num_programs(1)) + head)[:, None] * D + j[None, :],
+                o.to(out_ptr.dtype.element_ty),
+                mask=(h < P)[:, None] & in_d[None, :],
+            )
         else:
-            at = at * SPLITS + split
-            tl.store(part_ptr + at[:, None] * D + dim[None, :], acc, mask=own)
-            tl.store(stats_ptr + at * 2, m_i, mask=h < P * GP)
-            tl.store(stats_ptr + at * 2 + 1, l_i, mask=h < P * GP)
+            at = (row * (P * tl.num_programs(1)) + head) * SPLITS + split
+            tl.store(part_ptr + at[:, None] * D + j[None, :], acc, mask=(h < P)[:, None] & in_d[None, :])
+            tl.store(stats_ptr + at * 2, m_i, mask=h < P)
+            tl.store(stats_ptr + at * 2 + 1, l_i, mask=h < P)
 
     @triton.jit
     def _combine_kernel(

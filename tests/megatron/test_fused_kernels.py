@@ -250,12 +250,6 @@ def test_the_attention_kernel_names_the_shapes_it_cannot_run_and_splits_few_rows
     assert decode_kernels.attention_unsupported(cuda, bf16, 128, 6) == "triton is not installed"
     splits = {rows: decode_kernels.attention_splits(rows, 2, 132) for rows in (1, 8, 64, 128, 256, 512)}
     assert splits == {1: 16, 8: 16, 64: 4, 128: 2, 256: 1, 512: 1}
-    assert (
-        decode_kernels.attention_groups_per_program(4, 4, 128) == decode_kernels.ATTENTION_GROUPS_PER_PROGRAM
-    )
-    monkeypatch.setattr(decode_kernels, "ATTENTION_GROUPS_PER_PROGRAM", 0)  # whole rows where they fit
-    shapes = {(2, 6, 128): 2, (4, 4, 128): 4, (8, 4, 128): 1, (1, 8, 64): 1, (2, 7, 80): 2}
-    assert {s: decode_kernels.attention_groups_per_program(*s) for s in shapes} == shapes
 
 
 def test_the_engine_picks_its_moe_experts_once(engines, monkeypatch):
