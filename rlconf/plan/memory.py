@@ -66,6 +66,9 @@ class _StageMem:
     rollout_experts: float = 0.0
     """The embedded engine's stacked copy of this stage's routed expert weights (rltrain/megatron/moe_decode.py:
     MoE at ep = etp = 1), held for one generate_sequences call."""
+    rollout_kv_compaction: float = 0.0
+    """One layer's keys and values: what compacting the KV cache holds on top of it (the engine replaces the
+    cache a layer at a time, rltrain/megatron/inference.py KVCacheGenerator.select_rows)."""
 
 
 @dataclass(frozen=True)
@@ -352,8 +355,8 @@ def _separate_rollout_memory(
     kv = _rollout_kv_bytes(c, lay, spec.arch, spec.arch.num_layers)
     bucket = 2 * min(REFIT_BUCKET_MIB * 2**20, full)
     sampling = _rollout_sampling_bytes(c, lay, lay.padded_vocab_size)
-    gen = [("rollout weights", weights), ("rollout kv cache", kv), ("rollout kv compaction", kv / 2),
-           ("rollout sampling", sampling)]  # fmt: skip
+    gen = [("rollout weights", weights), ("rollout kv cache", kv),
+           ("rollout kv compaction", kv / spec.arch.num_layers), ("rollout sampling", sampling)]  # fmt: skip
     push = [("rollout weights", weights), ("weight push bucket", bucket)]
     phases = tuple(
         PhaseMemory(
@@ -460,6 +463,7 @@ def _role_mem_model(
         logits_infer = copies * infer_tokens * out_width * elem if st.output_layer else 0.0
         colocated = c.rollout.placement == "colocated"
         kv = _rollout_kv_bytes(c, lay, spec.arch, st.num_layers) if role == "actor" and colocated else 0.0
+        kv_layers = st.num_layers
         sampling = 0.0
         if kv > 0 and st.output_layer:
             sampling = _rollout_sampling_bytes(c, lay, lay.padded_vocab_size)
@@ -469,6 +473,7 @@ def _role_mem_model(
             r_tp = rollout_tp(c)
             r_lay = replace(lay, tp=r_tp, pp=1, cp=1, dp=max(lay.world_size // r_tp, 1))
             kv = _rollout_kv_bytes(c, r_lay, spec.arch, spec.arch.num_layers)
+            kv_layers = spec.arch.num_layers
             sampling = _rollout_sampling_bytes(c, r_lay, lay.padded_vocab_size) if kv > 0 else 0.0
             refit = _refit_extra_bytes(c, spec, r_tp)
         # The engine's static-shape MoE layers stack the expert weights once per generate call (ep = etp = 1).
@@ -477,7 +482,7 @@ def _role_mem_model(
             stacked = _stage_expert_params(spec.arch, lay, st) * DTYPE_BYTES[c.model.params_dtype]
         mem = _StageMem(
             params, pbytes, grads, optim, acts, logits_train, logits_infer, in_flight, tokens, chunk, kv, refit,
-            sampling, stacked,
+            sampling, stacked, rollout_kv_compaction=kv / max(kv_layers, 1),
         )  # fmt: skip
         stages.append(mem)
     offload = (bool(m.param_offload), bool(m.grad_offload) and trained, bool(m.optimizer_offload) and trained)
@@ -519,13 +524,13 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
         calls.append((r.infer_phase, infer))
         if s.rollout_kv > 0:
             # generate_sequences on the actor's weights: what stays resident for the actor (as in its
-            # log-prob call) plus the KV cache; compacting the cache (when at most half of the rows still
-            # run) briefly holds the old cache and the new one of at most half its rows.
+            # log-prob call) plus the KV cache; compacting the cache (as rows finish) replaces it a layer at a
+            # time, so it briefly holds one layer's old keys and values beside the new ones.
             gen = [
                 *infer[:-1],
                 ("rollout weights (resharded)", s.rollout_weights),
                 ("rollout kv cache", s.rollout_kv),
-                ("rollout kv compaction", s.rollout_kv / 2),
+                ("rollout kv compaction", s.rollout_kv_compaction),
                 ("rollout sampling", s.rollout_sampling),
                 ("rollout stacked experts", s.rollout_experts),
             ]
@@ -619,7 +624,7 @@ def _memory_notes(
         "kv_heads/tp x head_dim, or with multi-head latent attention layers x (kv_lora_rank + "
         f"qk_rope_head_dim) whole on every TP rank, x (prompt width {rollout_prompt_tokens(c)} + max_response_length) x rows per DP "
         "rank x dtype bytes; the prompt width is data.max_prompt_length with prompt files, the synthetic "
-        "task's own otherwise; +50% while compacting) and the sampler's [rows, V] logits (16-bit + 2 fp32 "
+        "task's own otherwise; + one layer's share while compacting) and the sampler's [rows, V] logits (16-bit + 2 fp32 "
         "temporaries) are counted in generate_sequences and freed after it, for MoE at ep = etp = 1 also "
         "the engine's stacked copy of the routed expert weights; "
         "rollout.gpu_memory_utilization caps only a vLLM engine's pool and is not used here",

@@ -635,8 +635,13 @@ class KVCacheGenerator:
         return make(shape, dtype=self.config.params_dtype, device=self.device)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        """Keep (or repeat) cache rows: row i of the new cache is row `rows[i]` of the old one."""
-        self.cache = [[(k.index_select(1, rows), v.index_select(1, rows)) for k, v in c] for c in self.cache]
+        """Keep (or repeat) cache rows: row i of the new cache is row `rows[i]` of the old one. A layer at a
+        time, each layer's old tensors dropped before the next layer's are copied, so a compaction holds one
+        layer's old keys and values beside the new cache, not a second cache (the plan's memory estimate
+        counts it so: rlconf/plan/memory.py, "rollout kv compaction")."""
+        for chunk in self.cache:
+            for i, (k, v) in enumerate(chunk):
+                chunk[i] = (k.index_select(1, rows), v.index_select(1, rows))
 
     # --------------------------------------------------------------------------------- forward
     def forward(

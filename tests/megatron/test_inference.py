@@ -264,6 +264,37 @@ def test_the_attention_kernels_reference_sees_each_rows_own_columns():
         assert_close(out[r].view(heads, d), torch.einsum("hc,chd->hd", w, vv), reduction=max_len)
 
 
+def test_compaction_copies_the_cache_a_layer_at_a_time(monkeypatch):
+    """`KVCacheGenerator.select_rows` (compaction, and the n samples' repeat of a shared prefill): row i of the
+    new cache is row rows[i] of the old one in every layer, and each layer's old keys and values are gone
+    before the next layer's are copied, so a compaction holds one layer beside the cache, not a second cache
+    (what the plan's "rollout kv compaction" counts)."""
+    import weakref
+    from types import SimpleNamespace
+
+    from rltrain.megatron.inference import KVCacheGenerator
+
+    layers = [tuple(torch.randn(5, 4, 2, 3) for _ in range(2)) for _ in range(3)]
+    engine = SimpleNamespace(cache=[list(layers)])
+    old = [[weakref.ref(t) for t in kv] for kv in layers]
+    want = [tuple(t[:, [2, 0, 0]] for t in kv) for kv in layers]
+    del layers
+    seen: list[int] = []
+    inner = torch.Tensor.index_select
+
+    def index_select(t, dim, index):
+        # Layers before the one being copied: their old tensors are freed already.
+        seen.append(sum(r() is not None for kv in old for r in kv))
+        return inner(t, dim, index)
+
+    monkeypatch.setattr(torch.Tensor, "index_select", index_select)
+    KVCacheGenerator.select_rows(engine, torch.tensor([2, 0, 0]))
+    monkeypatch.undo()
+    assert seen == [6, 6, 4, 4, 2, 2]  # layer i's copies see only layers i.. of the old cache
+    for got, expected in zip(engine.cache[0], want, strict=True):
+        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
 @given(still=st.lists(st.booleans(), min_size=1, max_size=70).filter(any))
 def test_compaction_keeps_a_size_of_the_ladder(still):
     """The static step's compaction keeps every running row plus the first finished ones up to the smallest
