@@ -353,6 +353,15 @@ def _qk_norms(attn: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor 
     return weights[0], weights[1], eps
 
 
+def _head_shape(attn: torch.nn.Module) -> tuple[int, int]:
+    """(head dim, query heads per KV group) of a self-attention module on this rank: the shape the decode
+    step's kernels are asked about."""
+    return (
+        attn.hidden_size_per_attention_head,
+        attn.num_attention_heads_per_partition // attn.num_query_groups_per_partition,
+    )
+
+
 def kv_cache_unsupported(actor) -> str | None:
     """Why the KV-cache engine cannot run this actor's model (None: it can).
 
@@ -540,12 +549,9 @@ class KVCacheGenerator:
         if not self.triton_attention_inputs:
             return compiled, "KVCacheGenerator.triton_attention_inputs is off"
         shapes = {
-            (
-                a.hidden_size_per_attention_head,
-                a.num_attention_heads_per_partition // a.num_query_groups_per_partition,
-            )
+            _head_shape(layer.self_attention)
             for layer in layers
-            if id(a := layer.self_attention) in self.fused_inputs
+            if id(layer.self_attention) in self.fused_inputs
         }
         if not shapes:
             return compiled, "no layer takes the fused attention inputs"
@@ -578,12 +584,7 @@ class KVCacheGenerator:
                     None,
                     f"core attention {type(a.core_attention).__name__} (the kernel computes SdpaAttention's)",
                 )
-            shapes.add(
-                (
-                    a.hidden_size_per_attention_head,
-                    a.num_attention_heads_per_partition // a.num_query_groups_per_partition,
-                )
-            )
+            shapes.add(_head_shape(a))
         if not shapes:
             return None, "no attention layers"
         for d, per_group in sorted(shapes):

@@ -10,6 +10,7 @@ without sequence parallel), PP=2 and PP=2 x VPP=2 against the single-process res
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -167,6 +168,21 @@ def test_n_samples_per_prompt_share_one_prefill(actor, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------ static decode
+def _static_equals_dynamic(actor) -> Iterator[dict]:
+    """The static step's decode cases on the padded prompts (greedy; sampled with filters; greedy with stops,
+    rows 0-2 stopping at their first token, so the batch compacts): yields each case's generate kwargs once
+    `cuda_graph=True` gave the dynamic path's batch."""
+    prompts = _prompts()
+    free = actor.generate(prompts, 8, temperature=0.0, pad_id=0)["responses"]
+    stop_kw = dict(temperature=0.0, eos_id=int(free[0, 0]), stop_token_ids=(int(free[1, 0]), int(free[2, 0])))
+    sample_kw = dict(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=3)
+    for kw in (dict(temperature=0.0), sample_kw, stop_kw):
+        dynamic = actor.generate(prompts, 8, pad_id=0, **kw)
+        static = actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **kw)
+        _assert_same_batch(dynamic, static, str(kw))
+        yield kw
+
+
 @pytest.mark.parametrize("bucket", [4, 256])
 def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket):
     """`cuda_graph=True` decodes through StaticDecodeStep: fixed shapes, whole buckets of cache columns with
@@ -186,19 +202,13 @@ def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket)
         return inner(step, tokens, start, uniform)
 
     monkeypatch.setattr(inference.StaticDecodeStep, "__call__", call)
-    prompts = _prompts()
-    free = actor.generate(prompts, 8, temperature=0.0, pad_id=0)["responses"]
-    stop_kw = dict(temperature=0.0, eos_id=int(free[0, 0]), stop_token_ids=(int(free[1, 0]), int(free[2, 0])))
-    sample_kw = dict(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=3)
-    for kw in (dict(temperature=0.0), sample_kw, stop_kw):
-        rows_per_step.clear()
-        dynamic = actor.generate(prompts, 8, pad_id=0, **kw)
-        static = actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **kw)
-        _assert_same_batch(dynamic, static, str(kw))
+    for kw in _static_equals_dynamic(actor):
         assert len(rows_per_step) == 7, "every decode step after the first sample is a static step"
-    # With stops, rows 0-2 finish at their first token and the static step is rebuilt over the 3 still
-    # running (3 is a size of the compaction ladder 1, 2, 3, 4, 6, 8, ...).
-    assert rows_per_step[0] == 3
+        if "eos_id" in kw:
+            # With stops, rows 0-2 finish at their first token and the static step is rebuilt over the 3
+            # still running (3 is a size of the compaction ladder 1, 2, 3, 4, 6, 8, ...).
+            assert rows_per_step[0] == 3
+        rows_per_step.clear()
 
 
 def test_static_decode_through_the_attention_kernel_path_matches_the_dynamic_path(actor, monkeypatch):
@@ -223,16 +233,9 @@ def test_static_decode_through_the_attention_kernel_path_matches_the_dynamic_pat
         return body(step, keys)
 
     monkeypatch.setattr(inference.StaticDecodeStep, "_body", record)
-    prompts = _prompts()
-    free = actor.generate(prompts, 8, temperature=0.0, pad_id=0)["responses"]
-    stop_kw = dict(temperature=0.0, eos_id=int(free[0, 0]), stop_token_ids=(int(free[1, 0]),))
-    sample_kw = dict(temperature=0.7, top_p=0.9, top_k=20, min_p=0.05, seed=3)
-    for kw in (dict(temperature=0.0), sample_kw, stop_kw):
-        seen.clear()
-        dynamic = actor.generate(prompts, 8, pad_id=0, **kw)
-        static = actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **kw)
-        _assert_same_batch(dynamic, static, str(kw))
+    for _ in _static_equals_dynamic(actor):
         assert len(seen) == 7 and {keys for _, keys in seen} == {6 + 8}, seen
+        seen.clear()
 
 
 def test_the_attention_kernels_reference_sees_each_rows_own_columns():
