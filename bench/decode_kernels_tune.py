@@ -6,7 +6,8 @@ attention, 24 of qwen3-moe for the experts) inside one CUDA graph.
              qwen3-moe's layers (d 128) per (columns per iteration, warps, stages, splits), against SDPA
              over the engine's key bucket
   experts    expert_swiglu over qwen3-moe's layer (64 experts, hidden 1,024, FFN 512, top 8) at T tokens per
-             (EXPERT_BLOCK_N, EXPERT_BLOCK_K, warps, stages), against two torch._grouped_mm and the SwiGLU
+             fc1's and fc2's ExpertTiles and the row tile, against the dispatch's gather, two
+             torch._grouped_mm and the SwiGLU
 
     python3 bench/decode_kernels_tune.py --out $OUT     (decode_kernels_tune.json; needs a GPU with triton)
 """
@@ -73,6 +74,9 @@ def attention(report: dict, shapes: list[tuple[int, ...]]) -> None:
 
 
 def experts(report: dict, token_counts: list[int]) -> None:
+    """expert_swiglu at each token count: fc1's launch parameters (and the row tile: 1 or 2 x the mean rows
+    per expert) swept with fc2's at their default, then fc2's with fc1's best; at the first token count all
+    of them, at the others the default, the best of the first and the best five of each sweep again."""
     from rltrain.megatron import decode_kernels as dk
     from rltrain.megatron import moe_experts
 
@@ -81,39 +85,67 @@ def experts(report: dict, token_counts: list[int]) -> None:
     w1 = (torch.randn(e, 2 * f, h, device="cuda", generator=gen) * h**-0.5).to(dt)
     w2 = (torch.randn(e, h, f, device="cuda", generator=gen) * f**-0.5).to(dt)
     res = report.setdefault("experts_us", {})
+    default = (dk.FC1_TILES, dk.FC2_TILES, dk.EXPERT_ROWS_OVER_MEAN)
+    tiles = [dk.ExpertTiles(n, kk, w, st) for n, kk, w, st in itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4))]  # fmt: skip
+    fc2_tiles = tiles + [
+        dk.ExpertTiles(256, kk, w, st) for kk, w, st in itertools.product((64,), (4, 8), (2, 3))
+    ]
+
+    def name(fc1, fc2, scale):
+        return f"fc1 n{fc1.block_n} k{fc1.block_k} w{fc1.warps} s{fc1.stages} | fc2 n{fc2.block_n} k{fc2.block_k} w{fc2.warps} s{fc2.stages} | rows x{scale}"  # fmt: skip
+
+    def timed(row, args, fc1, fc2, scale):
+        dk.FC1_TILES, dk.FC2_TILES, dk.EXPERT_ROWS_OVER_MEAN = fc1, fc2, scale
+        key = name(fc1, fc2, scale)
+        try:
+            row[key] = graph_us_per_call(functools.partial(dk.expert_swiglu, *args), 24)
+        except Exception as exc:  # a config past the device's shared memory
+            row[key] = f"{type(exc).__name__}"
+        finally:
+            dk.FC1_TILES, dk.FC2_TILES, dk.EXPERT_ROWS_OVER_MEAN = default
+        return row[key]
+
+    first: list = []
     for tokens in token_counts:
         index = torch.randint(0, e, (tokens * k,), device="cuda", generator=gen).sort().values
         offsets = torch.bincount(index, minlength=e).cumsum(0).to(torch.int32)
-        rows = torch.randn(tokens * k, h, device="cuda", generator=gen).to(dt)
+        x = torch.randn(tokens, h, device="cuda", generator=gen).to(dt)
+        token = torch.randint(0, tokens, (tokens * k,), device="cuda", generator=gen)
         p = torch.rand(tokens * k, device="cuda", generator=gen)
 
-        def grouped(rows=rows, p=p, offsets=offsets):
-            hid = moe_experts.grouped_mm(rows, w1.transpose(1, 2), offsets)
+        def grouped(x=x, token=token, p=p, offsets=offsets):
+            hid = moe_experts.grouped_mm(x.index_select(0, token), w1.transpose(1, 2), offsets)
             return moe_experts.grouped_mm(moe_experts.swiglu_probs(hid, p), w2.transpose(1, 2), offsets)
 
+        args = (x, token, w1, w2, p, offsets)
         row = res.setdefault(str(tokens), {"grouped_mm": graph_us_per_call(grouped, 24)})
-        for block_n, block_k, warps, stages in itertools.product((32, 64, 128), (64, 128), (4,), (3, 4)):
-            dk.EXPERT_BLOCK_N, dk.EXPERT_BLOCK_K, dk.EXPERT_WARPS, dk.EXPERT_STAGES = (
-                block_n,
-                block_k,
-                warps,
-                stages,
+        timed(row, args, *default)
+        if not first:
+            fc1_runs = sorted(
+                (t, fc1, scale)
+                for fc1, scale in itertools.product(tiles, (1, 2))
+                if isinstance(t := timed(row, args, fc1, default[1], scale), float)
             )
-            try:
-                fn = functools.partial(dk.expert_swiglu, rows, w1, w2, p, offsets)
-                row[f"n{block_n} k{block_k} w{warps} s{stages}"] = graph_us_per_call(fn, 24)
-            except Exception as exc:
-                row[f"n{block_n} k{block_k} w{warps} s{stages}"] = f"{type(exc).__name__}"
-        best = sorted((v, k) for k, v in row.items() if isinstance(v, float))[:6]
-        print(f"experts {tokens} tokens: grouped_mm {row['grouped_mm']:.1f} us; best {best}", flush=True)
-    dk.EXPERT_BLOCK_N, dk.EXPERT_BLOCK_K, dk.EXPERT_WARPS, dk.EXPERT_STAGES = 64, 128, 4, 3
+            _, best1, scale = fc1_runs[0]
+            fc2_runs = sorted(
+                (t, fc2) for fc2 in fc2_tiles if isinstance(t := timed(row, args, best1, fc2, scale), float)
+            )
+            first = [(best1, fc2_runs[0][1], scale)]
+            first += [(c1, default[1], sc) for _, c1, sc in fc1_runs[1:6]]
+            first += [(best1, c2, scale) for _, c2 in fc2_runs[1:6]]
+        else:
+            for fc1, fc2, scale in first:
+                timed(row, args, fc1, fc2, scale)
+        best = sorted((v, key) for key, v in row.items() if isinstance(v, float))[:6]
+        print(f"experts {tokens} tokens: grouped_mm {row['grouped_mm']:.1f} us; default "
+              f"{row[name(*default)]:.1f}; best {best}", flush=True)  # fmt: skip
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--attention", default="512x1000x2x6,256x700x2x6,64x300x2x6,256x250x4x4,256x1000x4x4",
                     help="rows x column written x KV groups x query heads per group")  # fmt: skip
-    ap.add_argument("--experts", default="512,256,64")
+    ap.add_argument("--experts", default="256,64,512,8")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}

@@ -85,19 +85,22 @@ def experts_parity(report: dict) -> None:
         index[index == 5] = 6
         index[: tokens * k // 20] = 9
         counts = torch.bincount(index, minlength=experts)
-        rows = torch.randn(tokens * k, hidden, device="cuda", generator=gen).to(dt)
+        x = torch.randn(tokens, hidden, device="cuda", generator=gen).to(dt)
+        token = torch.randint(0, tokens, (tokens * k,), device="cuda", generator=gen)  # each row's token
         p = torch.rand(tokens * k, device="cuda", generator=gen)
-        return rows, p, counts.cumsum(0).to(torch.int32), counts
+        return x, token, p, counts.cumsum(0).to(torch.int32), counts
 
-    def reference(rows, p, offsets):
+    def reference(x, token, p, offsets):  # the dispatch's gather, then the grouped products
+        rows = x.index_select(0, token)
         h = moe_experts.grouped_mm(rows, w1.transpose(1, 2), offsets)
         return moe_experts.grouped_mm(moe_experts.swiglu_probs(h, p), w2.transpose(1, 2), offsets)
 
     res = report.setdefault("experts_parity", {})
     for tokens in (256, 32, 4):
-        rows, p, offsets, counts = routed(tokens)
-        out = decode_kernels.expert_swiglu(rows, w1, w2, p, offsets)
-        ref = reference(rows, p, offsets)
+        x, token, p, offsets, counts = routed(tokens)
+        out = decode_kernels.expert_swiglu(x, token, w1, w2, p, offsets)
+        ref = reference(x, token, p, offsets)
+        rows = x.index_select(0, token)
         truth = torch.empty(rows.shape, dtype=torch.float64, device="cuda")
         start = 0
         for e, c in enumerate(counts.tolist()):
@@ -114,11 +117,11 @@ def experts_parity(report: dict) -> None:
 
     calls: dict = {}
     for tokens in (512, 256, 64, 8):
-        rows, p, offsets, _ = routed(tokens)
+        x, token, p, offsets, _ = routed(tokens)
         calls[f"{tokens} tokens grouped_mm"] = graph_us_per_call(
-            functools.partial(reference, rows, p, offsets), 24
+            functools.partial(reference, x, token, p, offsets), 24
         )
-        kernel = functools.partial(decode_kernels.expert_swiglu, rows, w1, w2, p, offsets)
+        kernel = functools.partial(decode_kernels.expert_swiglu, x, token, w1, w2, p, offsets)
         calls[f"{tokens} tokens triton"] = graph_us_per_call(kernel, 24)
     report["experts_us_per_layer"] = calls
     print("MoE experts, us per layer:", json.dumps(calls, indent=1), flush=True)

@@ -18,6 +18,8 @@ module and get the reason instead.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -396,11 +398,22 @@ if triton is not None:
 # Rows, weight rows and reduction columns per tile of the experts' kernels. A decode step's experts hold
 # a few dozen rows each: one tile of rows reads each weight once, so the kernels stream the weights (the
 # bytes of the step) and skip experts that got no row.
-EXPERT_BLOCK_N = 64
-EXPERT_BLOCK_K = 128
+@dataclasses.dataclass(frozen=True)
+class ExpertTiles:
+    """Launch parameters of one of the experts' kernels (bench/decode_kernels_tune.py sweeps them)."""
+
+    block_n: int  # weight rows per tile
+    block_k: int  # reduction columns per pipelined step
+    warps: int
+    stages: int
+
+
+FC1_TILES = ExpertTiles(block_n=64, block_k=128, warps=4, stages=3)
+FC2_TILES = ExpertTiles(block_n=64, block_k=128, warps=4, stages=3)
+# Rows per tile: this many times the mean rows per expert (a power of two, 16 .. EXPERT_MAX_BLOCK_M). An expert
+# past its tile loops over a second one, which restarts the weights' pipeline (from L2).
+EXPERT_ROWS_OVER_MEAN = 1
 EXPERT_MAX_BLOCK_M = 64
-EXPERT_WARPS = 4
-EXPERT_STAGES = 3
 
 
 def experts_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -415,17 +428,25 @@ def experts_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
 
 
 def expert_block_m(pairs: int, experts: int) -> int:
-    """Rows per tile for `pairs` (token, expert) rows over `experts` experts: their mean per expert as a power
-    of two, 16 to EXPERT_MAX_BLOCK_M (an expert with more loops over tiles, re-reading its weights from L2)."""
-    return min(max(16, next_power_of_2(-(-pairs // max(experts, 1)))), EXPERT_MAX_BLOCK_M)
+    """Rows per tile for `pairs` (token, expert) rows over `experts` experts: EXPERT_ROWS_OVER_MEAN times their
+    mean per expert as a power of two, 16 to EXPERT_MAX_BLOCK_M (an expert with more loops over tiles,
+    re-reading its weights from L2)."""
+    mean = -(-pairs * EXPERT_ROWS_OVER_MEAN // max(experts, 1))
+    return min(max(16, next_power_of_2(mean)), EXPERT_MAX_BLOCK_M)
 
 
 def expert_swiglu(
-    rows: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, probs: torch.Tensor, offsets: torch.Tensor
+    x: torch.Tensor,
+    token: torch.Tensor,
+    w1: torch.Tensor,
+    w2: torch.Tensor,
+    probs: torch.Tensor,
+    offsets: torch.Tensor,
 ) -> torch.Tensor:
     """All local experts of a MoE layer on their rows, in two Triton kernels: [M, H].
 
-    rows [M, H] the (token, expert) pairs' tokens in expert-major order, offsets [E] int32 the experts'
+    x [T, H] the tokens, token [M] the token of each (token, expert) row in expert-major order (the first
+    kernel reads x[token] itself: the dispatch writes no [M, H] copy), offsets [E] int32 the experts'
     cumulative row counts (read on the device), probs [M] each row's routing probability, w1 [E, 2F, H]
     ([gate; up] as megatron's fc1) and w2 [E, H, F] the stacked weights (`moe_decode.ExpertWeights`). The
     first kernel computes a tile of gate and up columns together and stores (silu(gate) * up) * p, so fc1's
@@ -437,24 +458,26 @@ def expert_swiglu(
     (silu(gate), its product with up, the product with the fp32 probability), so the two differ by the
     products' summation order only."""
     assert triton is not None, "triton is not installed (decode_kernels.experts_unsupported)"
-    m, hidden = rows.shape
+    (m,) = token.shape
+    hidden = x.shape[1]
     experts, two_f, _ = w1.shape
     ffn = two_f // 2
     assert w1.shape == (experts, 2 * ffn, hidden) and w2.shape == (experts, hidden, ffn), (w1.shape, w2.shape)
     assert probs.shape == (m,) and offsets.shape == (experts,), (probs.shape, offsets.shape)
-    rows, w1, w2 = (t if t.is_contiguous() else t.contiguous() for t in (rows, w1, w2))
-    act = torch.empty((m, ffn), dtype=rows.dtype, device=rows.device)
-    out = torch.empty((m, hidden), dtype=rows.dtype, device=rows.device)
+    x, token, w1, w2 = (t if t.is_contiguous() else t.contiguous() for t in (x, token, w1, w2))
+    act = torch.empty((m, ffn), dtype=x.dtype, device=x.device)
+    out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
     block_m = expert_block_m(m, experts)
-    _fc1_swiglu_kernel[(experts, triton.cdiv(ffn, EXPERT_BLOCK_N))](
-        rows, w1, probs, offsets, act, hidden, ffn,
-        BLOCK_M=block_m, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=EXPERT_WARPS, num_stages=EXPERT_STAGES,
+    one, two = FC1_TILES, FC2_TILES
+    _fc1_swiglu_kernel[(experts, triton.cdiv(ffn, one.block_n))](
+        x, token, w1, probs, offsets, act, hidden, ffn,
+        BLOCK_M=block_m, BLOCK_N=one.block_n, BLOCK_K=one.block_k, num_warps=one.warps, num_stages=one.stages,
     )  # fmt: skip
-    _grouped_kernel[(experts, triton.cdiv(hidden, EXPERT_BLOCK_N))](
+    _grouped_kernel[(experts, triton.cdiv(hidden, two.block_n))](
         act, w2, offsets, out, ffn, hidden,
-        BLOCK_M=block_m, BLOCK_N=EXPERT_BLOCK_N, BLOCK_K=EXPERT_BLOCK_K, num_warps=EXPERT_WARPS, num_stages=EXPERT_STAGES,
+        BLOCK_M=block_m, BLOCK_N=two.block_n, BLOCK_K=two.block_k, num_warps=two.warps, num_stages=two.stages,
     )  # fmt: skip
     return out
 
@@ -469,10 +492,10 @@ if triton is not None:
 
     @triton.jit
     def _fc1_swiglu_kernel(
-        x_ptr, w_ptr, p_ptr, offsets_ptr, out_ptr, K, F,
+        x_ptr, tok_ptr, w_ptr, p_ptr, offsets_ptr, out_ptr, K, F,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        """One (expert, tile of F columns): gate and up of its rows, then (silu(gate) * up) * p."""
+        """One (expert, tile of F columns): gate and up of its rows (tokens x[tok]), then (silu(gate) * up) * p."""
         expert = tl.program_id(0)
         n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         start, stop = _expert_rows(offsets_ptr, expert)
@@ -480,12 +503,13 @@ if triton is not None:
         kk = tl.arange(0, BLOCK_K)
         for m0 in range(start, stop, BLOCK_M):
             m = m0 + tl.arange(0, BLOCK_M)
+            row = tl.load(tok_ptr + m, mask=m < stop, other=0).to(tl.int64) * K
             gate = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 k = k0 + kk
                 x = tl.load(
-                    x_ptr + m[:, None].to(tl.int64) * K + k[None, :],
+                    x_ptr + row[:, None] + k[None, :],
                     mask=(m < stop)[:, None] & (k < K)[None, :],
                     other=0.0,
                 )

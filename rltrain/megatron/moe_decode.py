@@ -220,6 +220,7 @@ def dispatch(
     probs: torch.Tensor,
     by_rank: bool = True,
     experts: int | None = None,
+    gather: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The generation path's glue from the router to the first grouped GEMM: x [T, H] the tokens, index
     [T, k] the router's top-k experts, probs either megatron's dense probabilities [T, E] (`experts` None:
@@ -229,13 +230,15 @@ def dispatch(
     [E] int32: the grouped GEMMs' cumulative row counts). The ops of the training path's dispatch
     (`moe_forward` without `glue`), so the same values; `fused_dispatch` compiles it (by rank).
 
-    `experts` says which form `probs` has because the shapes cannot: with k == E both are [T, E]."""
+    `experts` says which form `probs` has because the shapes cannot: with k == E both are [T, E].
+    `gather` False: the rows' tokens [T k] (x's row of each) in place of rows, for `DecodeGlue.experts`,
+    which reads x through them (no [T k, H] copy)."""
     k = index.shape[1]
     dense = experts is None
     order, inverse, offsets = expert_positions(index, probs.shape[1] if dense else experts, by_rank)
-    rows = x.index_select(0, order // k)
+    token = order // k
     p = (probs.gather(1, index) if dense else probs).reshape(-1).index_select(0, order)
-    return rows, p, inverse, offsets
+    return x.index_select(0, token) if gather else token, p, inverse, offsets
 
 
 def combine(y: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -245,12 +248,12 @@ def combine(y: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch
 
 
 def _fused_dispatch_rows(
-    x: torch.Tensor, index: torch.Tensor, probs: torch.Tensor, experts: int | None
+    x: torch.Tensor, index: torch.Tensor, probs: torch.Tensor, experts: int | None, gather: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`dispatch` by rank over T unbacked rows (the same T for all three)."""
     torch._check(index.shape[0] == x.shape[0])
     torch._check(probs.shape[0] == x.shape[0])
-    return dispatch(x, index, probs, True, experts)
+    return dispatch(x, index, probs, True, experts, gather)
 
 
 def fused_dispatch(
@@ -259,13 +262,15 @@ def fused_dispatch(
     probs: torch.Tensor,
     by_rank: bool = True,
     experts: int | None = None,
+    gather: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """`dispatch` torch.compile'd (by rank: one-hot, scan, gathers and scatter in a few kernels); the sort
     (`by_rank` False, batches past RANK_DISPATCH_MAX_PAIRS) stays eager: there kernels are not the cost."""
     if not by_rank:
-        return dispatch(x, index, probs, False, experts)
+        return dispatch(x, index, probs, False, experts, gather)
     rows = fused.unbacked_rows(x, index, probs)
-    return fused.compiled_or_eager(fused.compiled(_fused_dispatch_rows), _fused_dispatch_rows, *rows, experts)
+    compiled = fused.compiled(_fused_dispatch_rows)
+    return fused.compiled_or_eager(compiled, _fused_dispatch_rows, *rows, experts, gather)
 
 
 def fused_combine(y: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -384,8 +389,9 @@ class DecodeGlue:
     """The generation path's MoE glue around the grouped GEMMs: `dispatch`, `moe_experts.swiglu_probs`, `combine`
     (EAGER_GLUE) or their compiled versions (FUSED_GLUE, the engine's choice under `fused_kernels`).
     `experts`, where the engine chose one (`decode_kernels.expert_swiglu` on CUDA): both products and the
-    SwiGLU between them in one function (rows, w1, w2, p, offsets) -> [M, H], for decode-sized batches
-    (at most RANK_DISPATCH_MAX_PAIRS pairs; prefills keep torch._grouped_mm)."""
+    SwiGLU between them in one function (x, token, w1, w2, p, offsets) -> [M, H] reading each row's token
+    x[token] itself (the dispatch without `gather`), for decode-sized batches (at most
+    RANK_DISPATCH_MAX_PAIRS pairs; prefills keep torch._grouped_mm)."""
 
     dispatch: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     swiglu: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -456,9 +462,10 @@ def moe_forward(
         assert weights is not None, "the decode glue has no backward: generation only"
         w1, w2 = weights(mlp)
         small = tokens * k <= RANK_DISPATCH_MAX_PAIRS
-        rows, p, inverse, offsets = glue.dispatch(x, index, probs, small, num_experts)
-        if glue.experts is not None and small:
-            y = glue.experts(rows, w1, w2, p, offsets)
+        kernel = glue.experts is not None and small
+        rows, p, inverse, offsets = glue.dispatch(x, index, probs, small, num_experts, not kernel)
+        if kernel:  # rows are the pairs' tokens: the kernel reads x through them
+            y = glue.experts(x, rows, w1, w2, p, offsets)
         else:
             # GroupedSwiGLU.forward's products and SwiGLU, the products outside the glue (torch._grouped_mm).
             h = moe_experts.grouped_mm(rows, w1.transpose(1, 2), offsets)

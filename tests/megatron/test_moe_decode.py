@@ -131,9 +131,9 @@ def test_decode_glue_is_the_argsort_path_bit_for_bit(mp_world, moe_model, monkey
 
 def test_the_glues_experts_function_serves_decode_batches_only(mp_world, moe_model, monkeypatch):
     """A glue with an `experts` function (the engine's Triton kernels on CUDA; here the products it replaces,
-    recorded) gets the decode-sized batches, up to RANK_DISPATCH_MAX_PAIRS pairs, with the dispatch's rows,
-    the stacked weights, each row's probability and the offsets, and its result is the layer's; prefills past
-    that keep the grouped products."""
+    recorded) gets the decode-sized batches, up to RANK_DISPATCH_MAX_PAIRS pairs, with the tokens and each
+    row's token (it reads the rows itself), the stacked weights, each row's probability and the offsets, and
+    its result is the layer's; prefills past that keep the grouped products."""
     from dataclasses import replace
 
     from rltrain.megatron import moe_decode
@@ -141,8 +141,9 @@ def test_the_glues_experts_function_serves_decode_batches_only(mp_world, moe_mod
 
     seen = []
 
-    def experts(rows, w1, w2, p, offsets):
-        seen.append(rows.shape[0])
+    def experts(x, token, w1, w2, p, offsets):
+        seen.append(token.shape[0])
+        rows = x.index_select(0, token)
         h = grouped_mm(rows, w1.transpose(1, 2), offsets)
         return grouped_mm(swiglu_probs(h, p), w2.transpose(1, 2), offsets) * 2  # visibly its result
 
