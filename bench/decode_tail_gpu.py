@@ -32,9 +32,15 @@ Reported (decode_tail_gpu.json in --out):
                  and SDPA's error beside it, a graph replay with a moved column, microseconds per call, then
                  the same steps, kernels per step, rollouts and token parity
 
+  add_norm       (--only-add-norm, nothing else runs) each residual add with the norm after it as one compiled
+                 function (KVCacheGenerator.fuse_add_norm on) against megatron's add and norm (off):
+                 the sum and the norm against eager and an fp64 truth at the 1.5B's width, microseconds per
+                 layer (two calls), then the same steps, kernels per step, rollouts and token parity
+
 Run on the GPU machine:  python3 bench/decode_tail_gpu.py --out $OUT
 Triton attention inputs:  python3 bench/decode_tail_gpu.py --only-triton-inputs --out $OUT
 Triton decode attention:  python3 bench/decode_tail_gpu.py --only-triton-attention --out $OUT
+Add and norm fused:  python3 bench/decode_tail_gpu.py --only-add-norm --out $OUT
 CPU smoke:  OMP_NUM_THREADS=1 .venv/bin/python bench/decode_tail_gpu.py --arch tiny --device cpu --rows 8 \
                 --groups 2 --prompt 8 --new-tokens 32 --grid-rows 8,4 --grid-keys 16,40 --out /tmp/tail
 """
@@ -440,7 +446,51 @@ def _token_parity(a: dict, b: dict) -> dict:
     }
 
 
-# The class switches --only-triton-inputs / --only-triton-attention time off against on: (the switch, the
+def add_norm_parity(report: dict) -> None:
+    """`fused.fused_add_rms_norm` (compiled) against megatron's residual add and torch.nn.RMSNorm (eager) on
+    random bf16 rows of the 1.5B's width (1,536): the sum must be equal; the norm's error against an fp64
+    truth (from the rounded sum) beside eager's, the share of equal elements; then microseconds per layer
+    (the two calls a layer makes, 28 layers in one graph), eager's four kernels against the fused two."""
+    from rltrain.megatron import fused
+
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    dt, h = torch.bfloat16, 1536
+    norm = torch.nn.RMSNorm(h, eps=1e-6, device="cuda", dtype=dt)
+    with torch.no_grad():
+        norm.weight.uniform_(0.2, 2.0, generator=gen)
+    res = report.setdefault("add_norm_parity", {})
+    calls = {}
+    for rows in (512, 64, 8, 1):
+        x, residual = (torch.randn(1, rows, h, device="cuda", generator=gen).mul(4).to(dt) for _ in range(2))
+        hidden, normed = fused.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        eager = norm(residual + x)
+        assert torch.equal(hidden, residual + x), "the sum is megatron's"
+        s = hidden.double()
+        truth = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
+        res[str(rows)] = {
+            "max_abs_err_fused": float((normed.double() - truth).abs().max()),
+            "max_abs_err_eager": float((eager.double() - truth).abs().max()),
+            "equal_share": float((normed == eager).float().mean()),
+            "max_abs_diff": float((normed.float() - eager.float()).abs().max()),
+        }
+        print("add_norm parity", rows, res[str(rows)], flush=True)
+        assert res[str(rows)]["max_abs_err_fused"] <= 2**-7 * float(truth.abs().max()), res[str(rows)]
+
+        def megatron(x=x, residual=residual):
+            a = norm(residual + x)
+            return norm(a + x)
+
+        def fused_two(x=x, residual=residual):
+            a, n = fused.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+            return fused.fused_add_rms_norm(n, a, norm.weight, norm.eps)
+
+        calls[f"{rows} rows eager (4 kernels)"] = graph_us_per_call(megatron, 28)
+        calls[f"{rows} rows fused (2 kernels)"] = graph_us_per_call(fused_two, 28)
+    report["add_norm_us_per_layer"] = calls
+    print("add and norm, us per layer:", json.dumps(calls, indent=1), flush=True)
+
+
+# The class switches --only-triton-inputs / --only-triton-attention / --only-add-norm time off against on: (the switch, the
 # kernel's parity function, the engine's attributes holding its choice and the reason it names).
 SWITCHES = {
     "triton_inputs": (
@@ -455,6 +505,7 @@ SWITCHES = {
         "decode_attention",
         "triton_attention_unsupported",
     ),
+    "add_norm": ("fuse_add_norm", add_norm_parity, "add_norm", "add_norm_unsupported"),
 }
 
 
@@ -577,6 +628,11 @@ def main() -> int:
         help="the Triton decode attention against SDPA over key buckets (parity, steps, rollouts)",
     )
     parser.add_argument(
+        "--only-add-norm",
+        action="store_true",
+        help="each residual add with its norm as one compiled function against megatron's two (parity, steps, rollouts)",
+    )
+    parser.add_argument(
         "--triton-grid",
         default="512x1088,256x576,64x320,8x128",
         help="rows x cache columns of the steps timed with --only-triton-inputs / --only-triton-attention",
@@ -645,6 +701,8 @@ def main() -> int:
         if args.only_triton_inputs
         else "triton_attention"
         if args.only_triton_attention
+        else "add_norm"
+        if args.only_add_norm
         else None
     )
     if tag is not None:

@@ -475,6 +475,11 @@ class KVCacheGenerator:
     # run, instead of two torch._grouped_mm and the compiled SwiGLU between them (the class switch: off
     # runs those, which benchmarks time against it).
     triton_moe_experts = True
+    # The static step's residual adds each with the RMSNorm after it (the next layer's input norm, the final
+    # norm after the last layer) as one compiled function (`fused.fused_add_rms_norm`) where
+    # `_pick_add_norm` finds it can run: two kernels a layer instead of four (the class switch: off runs
+    # megatron's bias-dropout-add and norms, which benchmarks time against it).
+    fuse_add_norm = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
@@ -519,6 +524,7 @@ class KVCacheGenerator:
         self.additive_mask = self.fuse_step_glue and all(
             type(layer.self_attention.core_attention) is SdpaAttention for layer in layers
         )
+        self.add_norm, self.add_norm_unsupported = self._pick_add_norm()
         self.cache: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.models]
         self.expert_weights = moe_decode.ExpertWeights()
         self.routing: dict[int, torch.Tensor] = {}
@@ -592,6 +598,33 @@ class KVCacheGenerator:
             if why is not None:
                 return None, why
         return decode_kernels.decode_attention, None
+
+    def _pick_add_norm(
+        self,
+    ) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]] | None, str | None]:
+        """The static step's residual add with the next RMSNorm as one function (`fused.fused_add_rms_norm`),
+        chosen once per engine, or None and why not: the plan's fused kernels, `fuse_add_norm` on, one model
+        chunk, every norm of the layers and the final norm exactly torch.nn.RMSNorm with a weight, no bias
+        on the attention's and MLP's outputs (megatron's bias-dropout-add would add it) and no fp32
+        residual stream."""
+        if not self.fuse_add_norm:
+            return None, "KVCacheGenerator.fuse_add_norm is off"
+        if not self.actor.fused_kernels:
+            return None, "the plan's kernels are eager"
+        if len(self.models) != 1:
+            return None, "several model chunks (the static step runs one)"
+        cfg, (model,) = self.config, self.models
+        if cfg.add_bias_linear:
+            return None, "biases on the attention's and MLP's outputs (add_bias_linear)"
+        if cfg.fp32_residual_connection:
+            return None, "an fp32 residual stream (fp32_residual_connection)"
+        norms = [
+            n for layer in model.decoder.layers for n in (layer.input_layernorm, layer.pre_mlp_layernorm)
+        ]
+        for norm in [*norms, model.decoder.final_layernorm]:
+            if type(norm) is not torch.nn.RMSNorm or norm.weight is None:
+                return None, f"a norm {type(norm).__name__} (the fused function is torch.nn.RMSNorm's)"
+        return fused.fused_add_rms_norm, None
 
     def _pick_moe_glue(self) -> tuple[moe_decode.DecodeGlue | None, str | None]:
         """The static MoE layers' glue, chosen once per engine (None: the argsort path, `fuse_moe_glue` off),
@@ -688,18 +721,21 @@ class KVCacheGenerator:
         cols = pos.t()
         return self.cos[cols].unsqueeze(2), self.sin[cols].unsqueeze(2)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor | Residual) -> torch.Tensor:
         """Full-vocabulary fp32 logits [n, V] of the last column of the last stage's `hidden` [s, n, h]."""
         return self.raw_logits(hidden)[:, : self.vocab_size].float()
 
-    def raw_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def raw_logits(self, hidden: torch.Tensor | Residual) -> torch.Tensor:
         """The output layer's logits [n, padded V] (its dtype) of the last column of the last stage's
-        `hidden` [s, n, h]."""
+        `hidden` [s, n, h] (or the static step's `Residual`, normed by the final norm already)."""
         last = self.models[-1]
         # Only the last column's logits are needed: norm and project [1, n, h], not the whole prefill.
-        hidden = hidden[-1:]
-        if last.decoder.final_layernorm is not None:
-            hidden = last.decoder.final_layernorm(hidden)
+        if isinstance(hidden, Residual):
+            hidden = hidden.normed[-1:]
+        else:
+            hidden = hidden[-1:]
+            if last.decoder.final_layernorm is not None:
+                hidden = last.decoder.final_layernorm(hidden)
         weight = (
             last.shared_embedding_or_output_weight() if last.share_embeddings_and_output_weights else None
         )
@@ -709,45 +745,61 @@ class KVCacheGenerator:
     def _layer(
         self,
         layer: torch.nn.Module,
-        hidden: torch.Tensor,
+        hidden: torch.Tensor | Residual,
         kv: tuple[torch.Tensor, torch.Tensor],
         start: int | torch.Tensor,
         keys: int,
         rope: tuple[torch.Tensor, torch.Tensor],
         mask: torch.Tensor | StepKeys | None,
         mask_type: AttnMaskType,
-    ) -> torch.Tensor:
+        next_norm: torch.nn.Module | None = None,
+    ) -> torch.Tensor | Residual:
         """megatron's TransformerLayer.forward (eval, no cross attention) with cached self-attention.
 
         The new keys/values go to cache columns `start` (an int: columns start.. of a slice; a 1-element
         device tensor: one column chosen on the device, as a CUDA graph needs) and the attention reads
         the first `keys` columns, or, given the static step's `StepKeys`, each row's own columns through
-        `decode_attention`.
+        `decode_attention`. With `next_norm` (the static step where the engine has `add_norm`) each residual
+        add comes with the norm after it, and the layer returns a `Residual` normed by `next_norm`; `hidden`
+        may be one, its input norm done.
         """
         cfg = layer.config
         attn = layer.self_attention
-        residual = hidden
+        if isinstance(hidden, Residual):
+            residual, x = hidden.hidden, hidden.normed
+        else:
+            residual, x = hidden, layer.input_layernorm(hidden)
         if self.mla:
             causal = mask_type == AttnMaskType.causal
-            out = mla_cache.cached_attention(
-                attn, layer.input_layernorm(hidden), kv, start, keys, rope, mask, causal
-            )
+            out = mla_cache.cached_attention(attn, x, kv, start, keys, rope, mask, causal)
+        else:
+            query = self._attention_inputs(layer, x, kv, start, rope)
+            if isinstance(mask, StepKeys):  # the static step with `decode_attention`: each row's own columns
+                assert self.decode_attention is not None
+                context = self.decode_attention(
+                    query[0],
+                    kv[0],
+                    kv[1],
+                    mask.masked,
+                    mask.first,
+                    mask.col,
+                    attn.core_attention.softmax_scale,
+                ).unsqueeze(0)
+            else:
+                context = attn.core_attention(
+                    query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type
+                )
+            out = attn.linear_proj(context)
+        if next_norm is None:
             return self._mlp(
                 layer,
                 layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout),
             )
-        query = self._attention_inputs(layer, hidden, kv, start, rope)
-        if isinstance(mask, StepKeys):  # the static step with `decode_attention`: each row's own columns
-            assert self.decode_attention is not None
-            context = self.decode_attention(
-                query[0], kv[0], kv[1], mask.masked, mask.first, mask.col, attn.core_attention.softmax_scale
-            ).unsqueeze(0)
-        else:
-            context = attn.core_attention(query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type)
-        out = attn.linear_proj(context)
-        return self._mlp(
-            layer, layer.self_attn_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
-        )
+        assert self.add_norm is not None  # `_pick_add_norm`: no bias to add, every norm an RMSNorm
+        norm = layer.pre_mlp_layernorm
+        hidden, x = self.add_norm(out[0], residual, norm.weight, norm.eps)
+        mlp_out, _ = self._mlp_out(layer, x)
+        return Residual(*self.add_norm(mlp_out, hidden, next_norm.weight, next_norm.eps))
 
     def _attention_inputs(
         self,
@@ -757,19 +809,19 @@ class KVCacheGenerator:
         start: int | torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
     ) -> torch.Tensor:
-        """The rotated query [s, n, heads, d] of `hidden` (megatron's input norm and QKV projection), its
-        keys / values written into the cache at `start` (see `_layer`)."""
+        """The rotated query [s, n, heads, d] of `hidden` [s, n, h] (after the layer's input norm: megatron's
+        QKV projection), its keys / values written into the cache at `start` (see `_layer`)."""
         attn = layer.self_attention
         norms = self.fused_inputs.get(id(attn)) if isinstance(start, torch.Tensor) else None
         if norms is not None:
             # One decode column: megatron's QKV projection, then split / norm / RoPE / cache write fused.
-            mixed, _ = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None, split_qkv=False)
+            mixed, _ = attn.get_query_key_value_tensors(hidden, None, split_qkv=False)
             s, n = hidden.shape[:2]
             return self.attention_inputs(
                 mixed.view(s * n, *mixed.shape[2:]), rope[0].view(s * n, 1, -1), rope[1].view(s * n, 1, -1),
                 kv[0], kv[1], start, *norms,
             ).view(s, n, -1, kv[0].shape[-1])  # fmt: skip
-        query, key, value = attn.get_query_key_value_tensors(layer.input_layernorm(hidden), None)
+        query, key, value = attn.get_query_key_value_tensors(hidden, None)
         query = self.rotate(query, *rope)
         key = self.rotate(key, *rope)
         if isinstance(start, torch.Tensor):
@@ -782,21 +834,19 @@ class KVCacheGenerator:
 
     def _mlp(self, layer: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """The rest of megatron's TransformerLayer.forward after self-attention: norm, MLP, residual."""
-        cfg = layer.config
-        residual = hidden
-        if id(layer.mlp) in self.moe_static:
-            out, index = moe_decode.moe_forward(
-                layer.mlp,
-                layer.pre_mlp_layernorm(hidden),
-                self.expert_weights,
-                self.silent_routing,
-                glue=self.moe_glue,
-                route=self.moe_route,
-            )
-            self.routing[layer.mlp.router.layer_number] = index
-        else:
-            out = layer.mlp(layer.pre_mlp_layernorm(hidden))
-        return layer.mlp_bda(False, cfg.bias_dropout_fusion)(out, residual, layer.hidden_dropout)
+        out = self._mlp_out(layer, layer.pre_mlp_layernorm(hidden))
+        return layer.mlp_bda(False, layer.config.bias_dropout_fusion)(out, hidden, layer.hidden_dropout)
+
+    def _mlp_out(self, layer: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer's MLP (the static MoE path where `moe_static` has it) on its normed input: megatron's
+        (output, bias)."""
+        if id(layer.mlp) not in self.moe_static:
+            return layer.mlp(x)
+        out, index = moe_decode.moe_forward(
+            layer.mlp, x, self.expert_weights, self.silent_routing, glue=self.moe_glue, route=self.moe_route
+        )
+        self.routing[layer.mlp.router.layer_number] = index
+        return out
 
     def sample(
         self,
@@ -830,6 +880,16 @@ BUCKET_ROWS = 256
 def key_bucket(rows: int) -> int:
     """Cache columns per key-length bucket of a static decode step over `rows` rows."""
     return KEY_BUCKET * max(1, BUCKET_ROWS // max(rows, 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """The residual stream after a layer of the static step with `KVCacheGenerator.add_norm`: `hidden` and
+    its RMSNorm by the norm after it (the next layer's input norm; the final norm after the last layer),
+    both from one kernel."""
+
+    hidden: torch.Tensor
+    normed: torch.Tensor
 
 
 @dataclasses.dataclass(frozen=True)
@@ -914,9 +974,15 @@ class StaticDecodeStep:
         hidden = model.embedding(input_ids=self.tokens, position_ids=self.pos)
         # A recorder attached to the routers would keep the capture's buffers: the step hands them out.
         engine.silent_routing, engine.routing = True, {}
+        layers = model.decoder.layers
+        # With `add_norm` each layer hands the next its input already normed (the last: the final norm).
+        norms = [*(layer.input_layernorm for layer in layers[1:]), model.decoder.final_layernorm]
         try:
-            for layer, kv in zip(model.decoder.layers, engine.cache[0], strict=True):
-                hidden = engine._layer(layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask)
+            for layer, kv, norm in zip(layers, engine.cache[0], norms, strict=True):
+                after = norm if engine.add_norm is not None else None
+                hidden = engine._layer(
+                    layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask, after
+                )
         finally:
             engine.silent_routing = False
         temperature, top_p, top_k, min_p = self.sampling

@@ -300,3 +300,55 @@ def test_the_experts_kernel_names_what_it_cannot_run_and_sizes_its_row_tiles(mon
         pairs: decode_kernels.expert_block_m(pairs, 64) for pairs in (8, 64 * 8, 256 * 8, 512 * 8, 10**6)
     }
     assert blocks == {8: 16, 512: 16, 2048: 32, 4096: 64, 10**6: 64}
+
+
+def test_the_engine_picks_its_residual_add_and_norm_once(engines, monkeypatch):
+    """The static step's residual add with the next norm as one compiled function (`fused.fused_add_rms_norm`)
+    under the plan's fused kernels, and with its reason None otherwise: the eager plan, the class switch
+    off, biases on the attention's and MLP's outputs, an fp32 residual stream, a norm that is not
+    torch.nn.RMSNorm. The compiled engine's static step calls it twice a layer."""
+    from rltrain.megatron import fused
+    from rltrain.megatron.inference import KVCacheGenerator
+
+    eager, compiled = engines
+    pos = torch.arange(8).expand(2, 8)
+    assert KVCacheGenerator(eager, pos).add_norm_unsupported == "the plan's kernels are eager"
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.add_norm is fused.fused_add_rms_norm and engine.add_norm_unsupported is None
+    cfg = compiled.modules()[0].config
+    for field, why in (("add_bias_linear", "biases"), ("fp32_residual_connection", "an fp32 residual")):
+        with monkeypatch.context() as m:
+            m.setattr(cfg, field, True)
+            engine = KVCacheGenerator(compiled, pos)
+            assert engine.add_norm is None and engine.add_norm_unsupported.startswith(why), field
+    layer = compiled.modules()[0].decoder.layers[-1]
+    with monkeypatch.context() as m:
+        m.setitem(layer._modules, "pre_mlp_layernorm", torch.nn.LayerNorm(cfg.hidden_size))
+        assert KVCacheGenerator(compiled, pos).add_norm_unsupported == (
+            "a norm LayerNorm (the fused function is torch.nn.RMSNorm's)"
+        )
+    with monkeypatch.context() as m:
+        m.setattr(KVCacheGenerator, "fuse_add_norm", False)
+        assert KVCacheGenerator(compiled, pos).add_norm_unsupported == "KVCacheGenerator.fuse_add_norm is off"
+    calls = []
+    monkeypatch.setattr(fused, "fused_add_rms_norm", lambda *a: (calls.append(1), fused.add_rms_norm(*a))[1])
+    compiled.generate(make_batch(b=2)["input_ids"][:, :6], 3, temperature=0.0, pad_id=0, cuda_graph=True)
+    assert len(calls) == 2 * len(compiled.modules()[0].decoder.layers) * 2  # two static steps of 3 tokens
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_compiled_residual_add_and_norm_is_the_eager_one(dtype):
+    """`fused.fused_add_rms_norm` (one compiled kernel) gives `add_rms_norm`'s sum and norm, which is
+    megatron's residual add (bit for bit) and torch.nn.RMSNorm's call (to the dtype's rounding: the
+    compiled mean of squares sums in another order), for any row count."""
+    from rltrain.megatron import fused
+
+    gen = torch.Generator().manual_seed(0)
+    norm = torch.nn.RMSNorm(48, eps=1e-6, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=gen)
+    for rows in (1, 5, 64):
+        x, residual = (torch.randn(1, rows, 48, generator=gen).mul(3).to(dtype) for _ in range(2))
+        hidden, normed = fused.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        assert torch.equal(hidden, residual + x)
+        torch.testing.assert_close(normed, norm(residual + x), msg=f"{rows} rows")

@@ -238,6 +238,38 @@ def test_static_decode_through_the_attention_kernel_path_matches_the_dynamic_pat
         seen.clear()
 
 
+def test_static_decode_with_each_residual_add_and_its_norm_as_one_call_matches_the_dynamic_path(
+    actor, monkeypatch
+):
+    """The static step's `add_norm` path (each residual add with the RMSNorm after it, the layer handing the
+    next its input normed and the last one the final norm's output), here the eager `fused.add_rms_norm`
+    that the compiled function compiles: the dynamic path's batch (greedy, sampled with filters, stops
+    with compaction), two calls per layer per step."""
+    from rltrain.megatron import fused, inference
+
+    calls = []
+
+    def add_norm(x, residual, weight, eps):
+        calls.append(x.shape)
+        return fused.add_rms_norm(x, residual, weight, eps)
+
+    monkeypatch.setattr(inference.KVCacheGenerator, "_pick_add_norm", lambda self: (add_norm, None))
+    layers = len(actor.modules()[0].decoder.layers)
+    steps = []
+    body = inference.StaticDecodeStep._body
+
+    def record(step, keys):
+        steps.append(step.rows.numel())
+        return body(step, keys)
+
+    monkeypatch.setattr(inference.StaticDecodeStep, "_body", record)
+    for _ in _static_equals_dynamic(actor):
+        assert len(calls) == 2 * layers * len(steps) and len(steps) == 7, (len(calls), steps)
+        assert [shape[1] for shape in calls[:: 2 * layers]] == steps  # [1, rows, h]: one column per step
+        calls.clear()
+        steps.clear()
+
+
 def test_the_attention_kernels_reference_sees_each_rows_own_columns():
     """`decode_kernels.decode_attention_reference` (the kernel's semantics): row r attends over columns
     first[r]..col not hidden, whatever the cache holds elsewhere (NaN past col, before first and in a
