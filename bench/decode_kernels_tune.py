@@ -86,10 +86,8 @@ def experts(report: dict, token_counts: list[int]) -> None:
     w2 = (torch.randn(e, h, f, device="cuda", generator=gen) * f**-0.5).to(dt)
     res = report.setdefault("experts_us", {})
     default = (dk.FC1_TILES, dk.FC2_TILES, dk.EXPERT_ROWS_OVER_MEAN)
-    tiles = [dk.ExpertTiles(n, kk, w, st) for n, kk, w, st in itertools.product((32, 64, 128), (64, 128), (4, 8), (2, 3, 4))]  # fmt: skip
-    fc2_tiles = tiles + [
-        dk.ExpertTiles(256, kk, w, st) for kk, w, st in itertools.product((64,), (4, 8), (2, 3))
-    ]
+    tiles = [dk.ExpertTiles(n, kk, w, st) for n, kk, w, st in itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4))]  # fmt: skip
+    fc2_tiles = [dk.ExpertTiles(n, kk, w, 3) for n, kk, w in itertools.product((32, 64, 128, 256), (64, 128), (4, 8))]  # fmt: skip
 
     def name(fc1, fc2, scale):
         return f"fc1 n{fc1.block_n} k{fc1.block_k} w{fc1.warps} s{fc1.stages} | fc2 n{fc2.block_n} k{fc2.block_k} w{fc2.warps} s{fc2.stages} | rows x{scale}"  # fmt: skip
