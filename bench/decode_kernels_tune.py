@@ -73,7 +73,7 @@ def attention(report: dict, shapes: list[tuple[int, ...]]) -> None:
     dk.BLOCK_N, dk.ATTENTION_WARPS, dk.ATTENTION_STAGES = 64, 4, 2
 
 
-def experts(report: dict, token_counts: list[int]) -> None:
+def experts(report: dict, token_counts: list[int], out: Path | None = None) -> None:
     """expert_swiglu at each token count: fc1's launch parameters (and the row tile: 1 or 2 x the mean rows
     per expert) swept with fc2's at their default, then fc2's with fc1's best; at the first token count all
     of them, at the others the default, the best of the first and the best five of each sweep again."""
@@ -134,6 +134,8 @@ def experts(report: dict, token_counts: list[int]) -> None:
         else:
             for fc1, fc2, scale in first:
                 timed(row, args, fc1, fc2, scale)
+        if out is not None:  # after each token count: a call cut short keeps what it measured
+            (out / "decode_kernels_tune.json").write_text(json.dumps(report, indent=1))
         best = sorted((v, key) for key, v in row.items() if isinstance(v, float))[:6]
         print(f"experts {tokens} tokens: grouped_mm {row['grouped_mm']:.1f} us; default "
               f"{row[name(*default)]:.1f}; best {best}", flush=True)  # fmt: skip
@@ -149,9 +151,9 @@ def main() -> int:
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.attention.split(",") if s]
     attention(report, shapes)  # type: ignore[arg-type]
-    experts(report, [int(x) for x in a.experts.split(",") if x])
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    experts(report, [int(x) for x in a.experts.split(",") if x], out)
     (out / "decode_kernels_tune.json").write_text(json.dumps(report, indent=1))
     return 0
 
