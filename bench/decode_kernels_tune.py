@@ -8,6 +8,8 @@ attention, 24 of qwen3-moe for the experts) inside one CUDA graph.
   experts    expert_swiglu over qwen3-moe's layer (64 experts, hidden 1,024, FFN 512, top 8) at T tokens per
              fc1's and fc2's ExpertTiles and the row tile, against the dispatch's gather, two
              torch._grouped_mm and the SwiGLU
+  swiglu     (--swiglu ROWS) megatron's compiled SwiGLU and its backward with the widths static (rlplan's) and
+             symbolic (dynamic=True)
 
     python3 bench/decode_kernels_tune.py --out $OUT     (decode_kernels_tune.json; needs a GPU with triton)
 """
@@ -141,11 +143,58 @@ def experts(report: dict, token_counts: list[int], out: Path | None = None) -> N
               f"{row[name(*default)]:.1f}; best {best}", flush=True)  # fmt: skip
 
 
+def swiglu(report: dict, row_counts: list[int]) -> None:
+    """megatron's SwiGLU and its backward (`fused_bias_swiglu.swiglu` / `swiglu_back`) compiled as rlplan
+    serves them (`fused.use_unbacked_swiglu`: the row count unbacked, the widths static) against the widths
+    symbolic too (dynamic=True, as before): microseconds per call at the 1.5B's width (2 x 8,960), at decode
+    row counts (28 calls in a graph, as a step) and a training micro-batch's (4 calls)."""
+    from megatron.core.fusions import fused_bias_swiglu as fbs
+
+    from rltrain.megatron import fused
+
+    def symbolic(fn):
+        whole = torch.compile(fn, dynamic=True, fullgraph=True)
+
+        def call(*tensors):
+            rows = []
+            for t in tensors:
+                r = t.reshape(-1, t.shape[-1]).detach().contiguous()
+                torch._dynamo.decorators.mark_unbacked(r, 0)
+                rows.append(r)
+            return whole(*rows)
+
+        return call
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    res = report.setdefault("swiglu_us", {})
+    for name in ("swiglu", "swiglu_back"):
+        fn = getattr(fbs, name)
+        fn = getattr(fn, "_torchdynamo_orig_callable", fn)
+        ways = {"static widths": fused._unbacked_rows(fn), "symbolic widths": symbolic(fn)}
+        for rows in row_counts:
+            y = torch.randn(rows, 2 * 8960, device="cuda", generator=gen).to(torch.bfloat16)
+            args = (
+                (y,)
+                if name == "swiglu"
+                else (torch.randn(rows, 8960, device="cuda", generator=gen).to(y.dtype), y)
+            )
+            calls = 28 if rows <= 4096 else 4
+            for way, f in ways.items():
+                res[f"{name} {rows} rows, {way}"] = graph_us_per_call(functools.partial(f, *args), calls)
+            print(
+                name,
+                rows,
+                {k: round(v, 2) for k, v in res.items() if k.startswith(f"{name} {rows} ")},
+                flush=True,
+            )
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--attention", default="512x1000x2x6,256x700x2x6,64x300x2x6,256x250x4x4,256x1000x4x4",
                     help="rows x column written x KV groups x query heads per group")  # fmt: skip
     ap.add_argument("--experts", default="256,64,512,8")
+    ap.add_argument("--swiglu", default="", help="row counts of the SwiGLU comparison, e.g. 8,256,512,16384")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
@@ -154,6 +203,8 @@ def main() -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     experts(report, [int(x) for x in a.experts.split(",") if x], out)
+    if a.swiglu:
+        swiglu(report, [int(x) for x in a.swiglu.split(",")])
     (out / "decode_kernels_tune.json").write_text(json.dumps(report, indent=1))
     return 0
 

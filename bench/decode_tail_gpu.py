@@ -32,8 +32,8 @@ Reported (decode_tail_gpu.json in --out):
                  and SDPA's error beside it, a graph replay with a moved column, microseconds per call, then
                  the same steps, kernels per step, rollouts and token parity
 
-  add_norm       (--only-add-norm, nothing else runs) each residual add with the norm after it as one compiled
-                 function (KVCacheGenerator.fuse_add_norm on) against megatron's add and norm (off):
+  add_norm       (--only-add-norm, nothing else runs) each residual add with the norm after it as one Triton
+                 kernel (KVCacheGenerator.fuse_add_norm on) against megatron's add and norm (off):
                  the sum and the norm against eager and an fp64 truth at the 1.5B's width, microseconds per
                  layer (two calls), then the same steps, kernels per step, rollouts and token parity
 
@@ -447,11 +447,11 @@ def _token_parity(a: dict, b: dict) -> dict:
 
 
 def add_norm_parity(report: dict) -> None:
-    """`fused.fused_add_rms_norm` (compiled) against megatron's residual add and torch.nn.RMSNorm (eager) on
-    random bf16 rows of the 1.5B's width (1,536): the sum must be equal; the norm's error against an fp64
-    truth (from the rounded sum) beside eager's, the share of equal elements; then microseconds per layer
-    (the two calls a layer makes, 28 layers in one graph), eager's four kernels against the fused two."""
-    from rltrain.megatron import fused
+    """`decode_kernels.add_rms_norm` (the Triton kernel) against megatron's residual add and torch.nn.RMSNorm
+    (eager) on random bf16 rows of the 1.5B's width (1,536): the sum must be equal; the norm's error against
+    an fp64 truth (from the rounded sum) beside eager's, the share of equal elements; then microseconds per
+    layer (the two calls a layer makes, 28 layers in one graph), eager's four kernels against two."""
+    from rltrain.megatron import decode_kernels
 
     gen = torch.Generator(device="cuda").manual_seed(8)
     dt, h = torch.bfloat16, 1536
@@ -462,30 +462,31 @@ def add_norm_parity(report: dict) -> None:
     calls = {}
     for rows in (512, 64, 8, 1):
         x, residual = (torch.randn(1, rows, h, device="cuda", generator=gen).mul(4).to(dt) for _ in range(2))
-        hidden, normed = fused.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+        hidden, normed = decode_kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
         eager = norm(residual + x)
         assert torch.equal(hidden, residual + x), "the sum is megatron's"
         s = hidden.double()
         truth = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.weight.double()
         res[str(rows)] = {
-            "max_abs_err_fused": float((normed.double() - truth).abs().max()),
+            "max_abs_err_kernel": float((normed.double() - truth).abs().max()),
             "max_abs_err_eager": float((eager.double() - truth).abs().max()),
             "equal_share": float((normed == eager).float().mean()),
             "max_abs_diff": float((normed.float() - eager.float()).abs().max()),
         }
         print("add_norm parity", rows, res[str(rows)], flush=True)
-        assert res[str(rows)]["max_abs_err_fused"] <= 2**-7 * float(truth.abs().max()), res[str(rows)]
+        assert res[str(rows)]["max_abs_err_kernel"] <= 2**-7 * float(truth.abs().max()), res[str(rows)]
 
         def megatron(x=x, residual=residual):
-            a = norm(residual + x)
-            return norm(a + x)
+            a = residual + x
+            b = norm(a)
+            return norm(a + b)
 
-        def fused_two(x=x, residual=residual):
-            a, n = fused.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
-            return fused.fused_add_rms_norm(n, a, norm.weight, norm.eps)
+        def kernel(x=x, residual=residual):
+            a, n = decode_kernels.add_rms_norm(x, residual, norm.weight, norm.eps)
+            return decode_kernels.add_rms_norm(n, a, norm.weight, norm.eps)
 
         calls[f"{rows} rows eager (4 kernels)"] = graph_us_per_call(megatron, 28)
-        calls[f"{rows} rows fused (2 kernels)"] = graph_us_per_call(fused_two, 28)
+        calls[f"{rows} rows kernel (2 kernels)"] = graph_us_per_call(kernel, 28)
     report["add_norm_us_per_layer"] = calls
     print("add and norm, us per layer:", json.dumps(calls, indent=1), flush=True)
 
@@ -630,7 +631,7 @@ def main() -> int:
     parser.add_argument(
         "--only-add-norm",
         action="store_true",
-        help="each residual add with its norm as one compiled function against megatron's two (parity, steps, rollouts)",
+        help="each residual add with its norm as one Triton kernel against megatron's two (parity, steps, rollouts)",
     )
     parser.add_argument(
         "--triton-grid",

@@ -6,9 +6,12 @@ Why: a captured decode step is bound by its kernel count, not its bytes (~500 ke
 cache write) as five to seven Triton kernels; `attention_inputs` here is all of it in one launch.
 
 `decode_attention` is the step's attention over each row's own cache columns: cuDNN's kernel behind SDPA
-reads whole 256-column buckets, prompt pads included, at ~2 TB/s (its GQA form reads each key once per query
-head), and every bucket the decode reaches costs a graph capture; this one reads each key and value once per
-KV group, only up to the column written, so one captured graph serves a row set's whole decode.
+reads whole 256-column buckets, prompt pads included, and every bucket the decode reaches costs a graph
+capture; this one reads each key and value once per KV group, only up to the column written (~3.9 TB/s at 512
+rows), so one captured graph serves a row set's whole decode.
+
+`expert_swiglu` is a MoE layer's experts at decode sizes (fc1 with the SwiGLU in its epilogue, then fc2),
+`add_rms_norm` a residual add with the RMSNorm after it.
 
 `fused.decode_attention_inputs` and SDPA stay the references (and the CPU path); `KVCacheGenerator` takes
 these kernels only on CUDA with the plan's fused kernels and where `unsupported` / `attention_unsupported`
@@ -408,11 +411,14 @@ class ExpertTiles:
     stages: int
 
 
-FC1_TILES = ExpertTiles(block_n=64, block_k=128, warps=4, stages=3)
-FC2_TILES = ExpertTiles(block_n=64, block_k=128, warps=4, stages=3)
+# Swept on one H200 at qwen3-moe's layer (bench/decode_kernels_tune.py, docs/benchmarks.md): at 256 tokens
+# 61.8 us a layer against 87.8 with 64 x 128 tiles for both and rows of the mean; no worse at 8, 64, 512.
+FC1_TILES = ExpertTiles(block_n=32, block_k=64, warps=4, stages=3)
+FC2_TILES = ExpertTiles(block_n=64, block_k=64, warps=4, stages=3)
 # Rows per tile: this many times the mean rows per expert (a power of two, 16 .. EXPERT_MAX_BLOCK_M). An expert
-# past its tile loops over a second one, which restarts the weights' pipeline (from L2).
-EXPERT_ROWS_OVER_MEAN = 1
+# past its tile loops over a second one, which restarts the weights' pipeline (from L2): with twice the mean
+# few experts do.
+EXPERT_ROWS_OVER_MEAN = 2
 EXPERT_MAX_BLOCK_M = 64
 
 
@@ -559,3 +565,73 @@ if triton is not None:
                 acc.to(out_ptr.dtype.element_ty),
                 mask=(m < stop)[:, None] & (n < N)[None, :],
             )
+
+
+# ------------------------------------------------------------------------------ residual add and norm
+# Widest row the add-and-norm kernel holds in one program (its registers).
+ADD_NORM_MAX_WIDTH = 16384
+
+
+def add_norm_unsupported(device: torch.device, dtype: torch.dtype, width: int) -> str | None:
+    """Why `add_rms_norm` cannot serve a model (None: it can)."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"dtype {dtype}"
+    if width > ADD_NORM_MAX_WIDTH:
+        return f"hidden size {width} (the kernel holds a row of at most {ADD_NORM_MAX_WIDTH} in one program)"
+    if device.type != "cuda":
+        return f"device {device.type} (the Triton kernel runs on CUDA)"
+    if triton is None:
+        return "triton is not installed"
+    return None
+
+
+def add_rms_norm_reference(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`add_rms_norm`'s semantics in torch: (residual + x, its RMSNorm), megatron's bias-dropout-add in eval
+    (no bias) and torch.nn.RMSNorm's call (`F.rms_norm`). The CPU path of tests."""
+    hidden = residual + x
+    return hidden, F.rms_norm(hidden, (hidden.shape[-1],), weight, eps)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + x, its RMSNorm by `weight`) of rows x, residual [..., h] in one Triton kernel, one program
+    per row: the decode step's residual add with the norm after it (`KVCacheGenerator.add_norm`), where
+    megatron's add and torch's norm are two kernels (torch.compile made three of the pair).
+
+    Numerics: the sum is rounded to the dtype as megatron's add rounds it, and the norm reads the rounded
+    sum, in fp32: sum of squares over the row, rsqrt(mean + eps), then weight * (x * rstd) rounded once, as
+    torch's CUDA RMSNorm does; they differ by the order of the sum of squares only."""
+    assert triton is not None, "triton is not installed (decode_kernels.add_norm_unsupported)"
+    shape, width = x.shape, x.shape[-1]
+    rows = x.reshape(-1, width).contiguous()
+    res = residual.reshape(-1, width).contiguous()
+    hidden, normed = torch.empty_like(rows), torch.empty_like(rows)
+    if rows.shape[0] == 0:
+        return hidden.view(shape), normed.view(shape)
+    block = next_power_of_2(width)
+    _add_rms_norm_kernel[(rows.shape[0],)](
+        rows, res, weight.contiguous(), hidden, normed, width, torch.finfo(x.dtype).eps if eps is None else eps,
+        BLOCK=block, num_warps=min(16, max(4, block // 512)),
+    )  # fmt: skip
+    return hidden.view(shape), normed.view(shape)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, h_ptr, out_ptr, H, eps, BLOCK: tl.constexpr):
+        """One row: h = r + x (rounded), out = w * (h * rsqrt(mean(h^2) + eps)) (rounded)."""
+        at = tl.program_id(0).to(tl.int64) * H
+        i = tl.arange(0, BLOCK)
+        on = i < H
+        x = tl.load(x_ptr + at + i, mask=on, other=0.0).to(tl.float32)
+        r = tl.load(r_ptr + at + i, mask=on, other=0.0).to(tl.float32)
+        h = (r + x).to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + at + i, h, mask=on)
+        hf = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(hf * hf, 0) / H + eps)
+        w = tl.load(w_ptr + i, mask=on, other=0.0).to(tl.float32)
+        tl.store(out_ptr + at + i, (w * (hf * rstd)).to(out_ptr.dtype.element_ty), mask=on)

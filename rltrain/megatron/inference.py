@@ -476,9 +476,9 @@ class KVCacheGenerator:
     # runs those, which benchmarks time against it).
     triton_moe_experts = True
     # The static step's residual adds each with the RMSNorm after it (the next layer's input norm, the final
-    # norm after the last layer) as one compiled function (`fused.fused_add_rms_norm`) where
-    # `_pick_add_norm` finds it can run: two kernels a layer instead of four (the class switch: off runs
-    # megatron's bias-dropout-add and norms, which benchmarks time against it).
+    # norm after the last layer) as one Triton kernel (`decode_kernels.add_rms_norm`) where `_pick_add_norm`
+    # finds it can run: two kernels a layer instead of four (the class switch: off runs megatron's
+    # bias-dropout-add and norms, which benchmarks time against it).
     fuse_add_norm = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
@@ -602,11 +602,12 @@ class KVCacheGenerator:
     def _pick_add_norm(
         self,
     ) -> tuple[Callable[..., tuple[torch.Tensor, torch.Tensor]] | None, str | None]:
-        """The static step's residual add with the next RMSNorm as one function (`fused.fused_add_rms_norm`),
-        chosen once per engine, or None and why not: the plan's fused kernels, `fuse_add_norm` on, one model
-        chunk, every norm of the layers and the final norm exactly torch.nn.RMSNorm with a weight, no bias
-        on the attention's and MLP's outputs (megatron's bias-dropout-add would add it) and no fp32
-        residual stream."""
+        """The static step's residual add with the next RMSNorm as one Triton kernel
+        (`decode_kernels.add_rms_norm`), chosen once per engine, or None and why not: the plan's fused
+        kernels, `fuse_add_norm` on, one model chunk, every norm of the layers and the final norm exactly
+        torch.nn.RMSNorm with a weight, no bias on the attention's and MLP's outputs (megatron's
+        bias-dropout-add would add it), no fp32 residual stream, and what the kernel needs
+        (`decode_kernels.add_norm_unsupported`: CUDA, triton, the dtype, the width)."""
         if not self.fuse_add_norm:
             return None, "KVCacheGenerator.fuse_add_norm is off"
         if not self.actor.fused_kernels:
@@ -623,8 +624,9 @@ class KVCacheGenerator:
         ]
         for norm in [*norms, model.decoder.final_layernorm]:
             if type(norm) is not torch.nn.RMSNorm or norm.weight is None:
-                return None, f"a norm {type(norm).__name__} (the fused function is torch.nn.RMSNorm's)"
-        return fused.fused_add_rms_norm, None
+                return None, f"a norm {type(norm).__name__} (the kernel is torch.nn.RMSNorm's)"
+        why = decode_kernels.add_norm_unsupported(self.device, cfg.params_dtype, cfg.hidden_size)
+        return (None, why) if why is not None else (decode_kernels.add_rms_norm, None)
 
     def _pick_moe_glue(self) -> tuple[moe_decode.DecodeGlue | None, str | None]:
         """The static MoE layers' glue, chosen once per engine (None: the argsort path, `fuse_moe_glue` off),

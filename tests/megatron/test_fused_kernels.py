@@ -285,7 +285,8 @@ def test_the_engine_picks_its_moe_experts_once(engines, monkeypatch):
 
 def test_the_experts_kernel_names_what_it_cannot_run_and_sizes_its_row_tiles(monkeypatch):
     """`decode_kernels.experts_unsupported`: bf16 / fp16 on CUDA with triton; fp32, another device or no triton
-    give their reason. `expert_block_m`: the mean rows per expert as a power of two within 16..64."""
+    give their reason. `expert_block_m`: EXPERT_ROWS_OVER_MEAN x the mean rows per expert as a power of two
+    within 16..64."""
     from rltrain.megatron import decode_kernels
 
     cuda = torch.device("cuda")
@@ -299,23 +300,31 @@ def test_the_experts_kernel_names_what_it_cannot_run_and_sizes_its_row_tiles(mon
     blocks = {
         pairs: decode_kernels.expert_block_m(pairs, 64) for pairs in (8, 64 * 8, 256 * 8, 512 * 8, 10**6)
     }
-    assert blocks == {8: 16, 512: 16, 2048: 32, 4096: 64, 10**6: 64}
+    assert blocks == {8: 16, 512: 16, 2048: 64, 4096: 64, 10**6: 64}
+    monkeypatch.setattr(decode_kernels, "EXPERT_ROWS_OVER_MEAN", 1)
+    assert decode_kernels.expert_block_m(2048, 64) == 32 and decode_kernels.expert_block_m(64 * 20, 64) == 32
 
 
 def test_the_engine_picks_its_residual_add_and_norm_once(engines, monkeypatch):
-    """The static step's residual add with the next norm as one compiled function (`fused.fused_add_rms_norm`)
-    under the plan's fused kernels, and with its reason None otherwise: the eager plan, the class switch
-    off, biases on the attention's and MLP's outputs, an fp32 residual stream, a norm that is not
-    torch.nn.RMSNorm. The compiled engine's static step calls it twice a layer."""
-    from rltrain.megatron import fused
+    """The static step's residual add with the next norm as one Triton kernel (`decode_kernels.add_rms_norm`)
+    where it can run, and None with the reason otherwise: the eager plan, the class switch off, biases on
+    the attention's and MLP's outputs, an fp32 residual stream, a norm that is not torch.nn.RMSNorm, and the
+    kernel's own (device, triton, dtype, width). The static step calls it twice a layer."""
+    from rltrain.megatron import decode_kernels
     from rltrain.megatron.inference import KVCacheGenerator
 
     eager, compiled = engines
     pos = torch.arange(8).expand(2, 8)
     assert KVCacheGenerator(eager, pos).add_norm_unsupported == "the plan's kernels are eager"
     engine = KVCacheGenerator(compiled, pos)
-    assert engine.add_norm is fused.fused_add_rms_norm and engine.add_norm_unsupported is None
+    assert engine.add_norm is None
+    assert engine.add_norm_unsupported == "device cpu (the Triton kernel runs on CUDA)"
+    asked = []
+    monkeypatch.setattr(decode_kernels, "add_norm_unsupported", lambda *a: asked.append(a))
+    engine = KVCacheGenerator(compiled, pos)
+    assert engine.add_norm is decode_kernels.add_rms_norm and engine.add_norm_unsupported is None
     cfg = compiled.modules()[0].config
+    assert asked == [(torch.device("cpu"), cfg.params_dtype, cfg.hidden_size)]
     for field, why in (("add_bias_linear", "biases"), ("fp32_residual_connection", "an fp32 residual")):
         with monkeypatch.context() as m:
             m.setattr(cfg, field, True)
@@ -325,30 +334,36 @@ def test_the_engine_picks_its_residual_add_and_norm_once(engines, monkeypatch):
     with monkeypatch.context() as m:
         m.setitem(layer._modules, "pre_mlp_layernorm", torch.nn.LayerNorm(cfg.hidden_size))
         assert KVCacheGenerator(compiled, pos).add_norm_unsupported == (
-            "a norm LayerNorm (the fused function is torch.nn.RMSNorm's)"
+            "a norm LayerNorm (the kernel is torch.nn.RMSNorm's)"
         )
     with monkeypatch.context() as m:
         m.setattr(KVCacheGenerator, "fuse_add_norm", False)
         assert KVCacheGenerator(compiled, pos).add_norm_unsupported == "KVCacheGenerator.fuse_add_norm is off"
     calls = []
-    monkeypatch.setattr(fused, "fused_add_rms_norm", lambda *a: (calls.append(1), fused.add_rms_norm(*a))[1])
+
+    def counted(*args):
+        calls.append(1)
+        return decode_kernels.add_rms_norm_reference(*args)
+
+    monkeypatch.setattr(decode_kernels, "add_rms_norm", counted)
     compiled.generate(make_batch(b=2)["input_ids"][:, :6], 3, temperature=0.0, pad_id=0, cuda_graph=True)
     assert len(calls) == 2 * len(compiled.modules()[0].decoder.layers) * 2  # two static steps of 3 tokens
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_compiled_residual_add_and_norm_is_the_eager_one(dtype):
-    """`fused.fused_add_rms_norm` (one compiled kernel) gives `add_rms_norm`'s sum and norm, which is
-    megatron's residual add (bit for bit) and torch.nn.RMSNorm's call (to the dtype's rounding: the
-    compiled mean of squares sums in another order), for any row count."""
-    from rltrain.megatron import fused
+def test_the_add_and_norm_kernel_names_what_it_cannot_run(monkeypatch):
+    """`decode_kernels.add_norm_unsupported`: 16- and 32-bit floats on CUDA with triton, rows up to
+    ADD_NORM_MAX_WIDTH wide; each other case names its reason."""
+    from rltrain.megatron import decode_kernels
 
-    gen = torch.Generator().manual_seed(0)
-    norm = torch.nn.RMSNorm(48, eps=1e-6, dtype=dtype)
-    with torch.no_grad():
-        norm.weight.uniform_(0.5, 1.5, generator=gen)
-    for rows in (1, 5, 64):
-        x, residual = (torch.randn(1, rows, 48, generator=gen).mul(3).to(dtype) for _ in range(2))
-        hidden, normed = fused.fused_add_rms_norm(x, residual, norm.weight, norm.eps)
-        assert torch.equal(hidden, residual + x)
-        torch.testing.assert_close(normed, norm(residual + x), msg=f"{rows} rows")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(decode_kernels, "triton", object())
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        assert decode_kernels.add_norm_unsupported(cuda, dtype, 1536) is None
+    assert decode_kernels.add_norm_unsupported(cuda, torch.float64, 1536).startswith("dtype")
+    assert decode_kernels.add_norm_unsupported(cuda, torch.bfloat16, 16384) is None
+    assert decode_kernels.add_norm_unsupported(cuda, torch.bfloat16, 16385).startswith("hidden size 16385")
+    assert decode_kernels.add_norm_unsupported(torch.device("cpu"), torch.bfloat16, 64).startswith(
+        "device cpu"
+    )
+    monkeypatch.setattr(decode_kernels, "triton", None)
+    assert decode_kernels.add_norm_unsupported(cuda, torch.bfloat16, 64) == "triton is not installed"

@@ -242,16 +242,17 @@ def test_static_decode_with_each_residual_add_and_its_norm_as_one_call_matches_t
     actor, monkeypatch
 ):
     """The static step's `add_norm` path (each residual add with the RMSNorm after it, the layer handing the
-    next its input normed and the last one the final norm's output), here the eager `fused.add_rms_norm`
-    that the compiled function compiles: the dynamic path's batch (greedy, sampled with filters, stops
-    with compaction), two calls per layer per step."""
-    from rltrain.megatron import fused, inference
+    next its input normed and the last one the final norm's output), here with the kernel's torch reference
+    (the Triton kernel is CUDA's; bench/decode_tail_gpu.py --only-add-norm checks it on the device): the
+    dynamic path's batch (greedy, sampled with filters, stops with compaction), two calls per layer per
+    step."""
+    from rltrain.megatron import decode_kernels, inference
 
     calls = []
 
     def add_norm(x, residual, weight, eps):
         calls.append(x.shape)
-        return fused.add_rms_norm(x, residual, weight, eps)
+        return decode_kernels.add_rms_norm_reference(x, residual, weight, eps)
 
     monkeypatch.setattr(inference.KVCacheGenerator, "_pick_add_norm", lambda self: (add_norm, None))
     layers = len(actor.modules()[0].decoder.layers)
