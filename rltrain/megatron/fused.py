@@ -281,10 +281,12 @@ def _unbacked_rows(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tenso
     return call
 
 
-def use_unbacked_swiglu() -> None:
+def use_unbacked_swiglu(device: str | None = None, dtype: torch.dtype | None = None) -> None:
     """Serve megatron's compiled SwiGLU (`bias_activation_fusion`: `fused_bias_swiglu.swiglu` and its
     backward `swiglu_back`, torch.compile'd with default settings by megatron's jit_fuser) compiled once
-    with the row count unbacked.
+    with the row count unbacked; on a `device` and `dtype` where `triton_swiglu.unsupported` names no
+    reason the backward is `triton_swiglu.swiglu_back` instead (each input read once, where the compiled
+    torch.cat reads them again for each half of the gradient; docs/benchmarks.md).
 
     Why: megatron compiles them with automatic dynamic shapes, which guard on whether each dimension of
     the input's [s, b] base is 1 (a decode step's s, a one-row prefill's b, a packed micro-batch's b): a
@@ -293,13 +295,32 @@ def use_unbacked_swiglu() -> None:
     Idempotent."""
     from megatron.core.fusions import fused_bias_swiglu as fbs
 
+    from rltrain.megatron import triton_swiglu
+
+    kernel = device is not None and dtype is not None and triton_swiglu.unsupported(device, dtype) is None
     for name in ("swiglu", "swiglu_back"):
         current = getattr(fbs, name)
         if getattr(current, "_rlplan_unbacked", False):
             continue
         wrapped = _unbacked_rows(getattr(current, "_torchdynamo_orig_callable", current))
+        if kernel and name == "swiglu_back":
+            wrapped = _triton_swiglu_back(wrapped)
         wrapped._rlplan_unbacked = True  # type: ignore[attr-defined]
+        wrapped._rlplan_original = current  # type: ignore[attr-defined]
         setattr(fbs, name, wrapped)
+
+
+def _triton_swiglu_back(compiled_back: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """megatron's `swiglu_back(g, y)` as `triton_swiglu.swiglu_back`, the compiled function where the two
+    gradients' dtypes differ (torch's promotion decides its result's dtype there)."""
+    from rltrain.megatron import triton_swiglu
+
+    def call(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if g.dtype != y.dtype or torch.compiler.is_compiling():
+            return compiled_back(g, y)
+        return triton_swiglu.swiglu_back(g, y)
+
+    return call
 
 
 class FusedKernelsError(RuntimeError):

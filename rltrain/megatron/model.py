@@ -314,12 +314,12 @@ def transformer_config(
     kernel instead of a strided silu and a multiply, 0.73 s of a 5.2 s 1.5B log-prob pass on an H200,
     docs/benchmarks.md) and RoPE (`use_compiled_rope`; ~11 small kernels per query and key per layer)."""
     mla = arch.multi_latent_attention
-    if fused:
-        use_unbacked_swiglu()
-    if fused and not mla:  # MLA's RoPE stays megatron's unfused one (it de-interleaves the rope dims)
-        use_compiled_rope()
     ts = settings.transformer
     dtype = _DTYPES[ts.params_dtype]
+    if fused:
+        use_unbacked_swiglu(device, dtype)
+    if fused and not mla:  # MLA's RoPE stays megatron's unfused one (it de-interleaves the rope dims)
+        use_compiled_rope()
     rc = ts.recompute
     recompute: dict[str, Any] = {}
     if rc.granularity is not None:

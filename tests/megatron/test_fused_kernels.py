@@ -367,3 +367,40 @@ def test_the_add_and_norm_kernel_names_what_it_cannot_run(monkeypatch):
     )
     monkeypatch.setattr(decode_kernels, "triton", None)
     assert decode_kernels.add_norm_unsupported(cuda, torch.bfloat16, 64) == "triton is not installed"
+
+
+def test_megatrons_swiglu_backward_is_the_triton_kernel_where_it_can_run(monkeypatch):
+    """`fused.use_unbacked_swiglu(device, dtype)` serves megatron's `swiglu_back` by `triton_swiglu.swiglu_back`
+    where `triton_swiglu.unsupported` names no reason (here a recording stand-in for the CUDA kernel, whose
+    parity bench/decode_kernels_tune.py --swiglu checks on the device), the compiled function for mixed
+    dtypes and where the kernel cannot run; `unsupported` names the device, a missing triton and a dtype."""
+    from megatron.core.fusions import fused_bias_swiglu as fbs
+
+    from rltrain.megatron import fused, triton_swiglu
+
+    def original(name):
+        current = getattr(fbs, name)
+        return getattr(current, "_rlplan_original", current)
+
+    monkeypatch.setattr(triton_swiglu, "triton", object())
+    assert triton_swiglu.unsupported("cuda", torch.bfloat16) is None
+    assert triton_swiglu.unsupported("cuda", torch.float64).startswith("dtype")
+    assert triton_swiglu.unsupported("cpu", torch.bfloat16).startswith("device cpu")
+    monkeypatch.setattr(triton_swiglu, "triton", None)
+    assert triton_swiglu.unsupported("cuda", torch.bfloat16) == "triton is not installed"
+
+    gen = torch.Generator().manual_seed(0)
+    g, y = torch.randn(5, 16, generator=gen), torch.randn(5, 32, generator=gen)
+    want = original("swiglu_back")(g, y)
+    seen = []
+    monkeypatch.setattr(triton_swiglu, "swiglu_back", lambda g, y: (seen.append(g.shape), want)[1])
+    for can_run in (True, False):
+        for name in ("swiglu", "swiglu_back"):
+            monkeypatch.setattr(fbs, name, original(name))  # megatron's own, restored after the test
+        monkeypatch.setattr(triton_swiglu, "unsupported", lambda *a, ok=can_run: None if ok else "no")
+        fused.use_unbacked_swiglu("cuda", torch.bfloat16)
+        seen.clear()
+        torch.testing.assert_close(fbs.swiglu_back(g, y), want)
+        assert seen == ([g.shape] if can_run else [])
+        torch.testing.assert_close(fbs.swiglu_back(g.double(), y), want.double())  # mixed: compiled
+        assert len(seen) == int(can_run)
