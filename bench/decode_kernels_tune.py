@@ -9,7 +9,7 @@ attention, 24 of qwen3-moe for the experts) inside one CUDA graph.
              fc1's and fc2's ExpertTiles and the row tile, against the dispatch's gather, two
              torch._grouped_mm and the SwiGLU
   swiglu     (--swiglu ROWS) megatron's compiled SwiGLU and its backward with the widths static (rlplan's) and
-             symbolic (dynamic=True)
+             symbolic (dynamic=True), the backward also as triton_swiglu's kernel (parity against both)
 
     python3 bench/decode_kernels_tune.py --out $OUT     (decode_kernels_tune.json; needs a GPU with triton)
 """
@@ -150,7 +150,7 @@ def swiglu(report: dict, row_counts: list[int]) -> None:
     row counts (28 calls in a graph, as a step) and a training micro-batch's (4 calls)."""
     from megatron.core.fusions import fused_bias_swiglu as fbs
 
-    from rltrain.megatron import fused
+    from rltrain.megatron import fused, triton_swiglu
 
     def symbolic(fn):
         whole = torch.compile(fn, dynamic=True, fullgraph=True)
@@ -171,14 +171,25 @@ def swiglu(report: dict, row_counts: list[int]) -> None:
         fn = getattr(fbs, name)
         fn = getattr(fn, "_torchdynamo_orig_callable", fn)
         ways = {"static widths": fused._unbacked_rows(fn), "symbolic widths": symbolic(fn)}
+        if name == "swiglu_back":
+            ways["triton kernel"] = triton_swiglu.swiglu_back
         for rows in row_counts:
-            y = torch.randn(rows, 2 * 8960, device="cuda", generator=gen).to(torch.bfloat16)
+            y = torch.randn(rows, 2 * 8960, device="cuda", generator=gen).mul(3).to(torch.bfloat16)
             args = (
                 (y,)
                 if name == "swiglu"
                 else (torch.randn(rows, 8960, device="cuda", generator=gen).to(y.dtype), y)
             )
             calls = 28 if rows <= 4096 else 4
+            if name == "swiglu_back":  # the kernel against the compiled function and an fp64 truth
+                got, want = triton_swiglu.swiglu_back(*args), ways["static widths"](*args)
+                truth = fn(*(a.double() for a in args))
+                res[f"parity {rows} rows"] = {
+                    "equal_share": float((got == want).float().mean()),
+                    "max_abs_err_kernel": float((got.double() - truth).abs().max()),
+                    "max_abs_err_compiled": float((want.double() - truth).abs().max()),
+                }
+                print("swiglu_back parity", rows, res[f"parity {rows} rows"], flush=True)
             for way, f in ways.items():
                 res[f"{name} {rows} rows, {way}"] = graph_us_per_call(functools.partial(f, *args), calls)
             print(
