@@ -42,6 +42,16 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_TILE = 8192
 
 
+def where_unsupported(device_type: str) -> str | None:
+    """Why no Triton kernel runs on a `device_type` device (None: they can): CUDA, with triton installed.
+    Each kernel's predicate ends with it (and `triton_swiglu.unsupported`)."""
+    if device_type != "cuda":
+        return f"device {device_type} (the Triton kernel runs on CUDA)"
+    if triton is None:
+        return "triton is not installed"
+    return None
+
+
 def unsupported(
     device: torch.device, dtype: torch.dtype, head_dim: int, q_per_group: int, rot: int
 ) -> str | None:
@@ -56,11 +66,7 @@ def unsupported(
     tile = next_power_of_2(q_per_group + 2) * next_power_of_2(head_dim)
     if tile > MAX_TILE:
         return f"a group's tile of {tile} elements (at most {MAX_TILE} in one program's registers)"
-    if device.type != "cuda":
-        return f"device {device.type} (the Triton kernel runs on CUDA)"
-    if triton is None:
-        return "triton is not installed"
-    return None
+    return where_unsupported(device.type)
 
 
 def next_power_of_2(x: int) -> int:
@@ -210,11 +216,7 @@ def attention_unsupported(
         return f"head dimension {head_dim} (the kernel takes 16 to 256)"
     if not 1 <= q_per_group <= 64:
         return f"{q_per_group} query heads per KV group (the kernel takes 1 to 64)"
-    if device.type != "cuda":
-        return f"device {device.type} (the Triton kernel runs on CUDA)"
-    if triton is None:
-        return "triton is not installed"
-    return None
+    return where_unsupported(device.type)
 
 
 def attention_splits(rows: int, groups: int, sms: int) -> int:
@@ -426,11 +428,7 @@ def experts_unsupported(device: torch.device, dtype: torch.dtype) -> str | None:
     """Why `expert_swiglu` cannot serve a model's experts (None: it can); the shapes are any (masked tiles)."""
     if dtype not in (torch.bfloat16, torch.float16):
         return f"dtype {dtype} (the kernel's products take bf16 or fp16)"
-    if device.type != "cuda":
-        return f"device {device.type} (the Triton kernel runs on CUDA)"
-    if triton is None:
-        return "triton is not installed"
-    return None
+    return where_unsupported(device.type)
 
 
 def expert_block_m(pairs: int, experts: int) -> int:
@@ -578,11 +576,7 @@ def add_norm_unsupported(device: torch.device, dtype: torch.dtype, width: int) -
         return f"dtype {dtype}"
     if width > ADD_NORM_MAX_WIDTH:
         return f"hidden size {width} (the kernel holds a row of at most {ADD_NORM_MAX_WIDTH} in one program)"
-    if device.type != "cuda":
-        return f"device {device.type} (the Triton kernel runs on CUDA)"
-    if triton is None:
-        return "triton is not installed"
-    return None
+    return where_unsupported(device.type)
 
 
 def add_rms_norm_reference(

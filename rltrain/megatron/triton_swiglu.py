@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from rltrain import device as devices
+from rltrain.megatron import decode_kernels
 
 try:  # triton ships with torch's CUDA wheels; CPU installs have none (and must not add it)
     import triton
@@ -32,11 +33,7 @@ def unsupported(device: str, dtype: torch.dtype) -> str | None:
     in `dtype` (None: it can)."""
     if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"dtype {dtype}"
-    if devices.kind(device).name != "cuda":
-        return f"device {device} (the Triton kernel runs on CUDA)"
-    if triton is None:
-        return "triton is not installed"
-    return None
+    return decode_kernels.where_unsupported(devices.kind(device).name)
 
 
 def swiglu_back(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

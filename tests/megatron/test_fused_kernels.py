@@ -376,17 +376,17 @@ def test_megatrons_swiglu_backward_is_the_triton_kernel_where_it_can_run(monkeyp
     dtypes and where the kernel cannot run; `unsupported` names the device, a missing triton and a dtype."""
     from megatron.core.fusions import fused_bias_swiglu as fbs
 
-    from rltrain.megatron import fused, triton_swiglu
+    from rltrain.megatron import decode_kernels, fused, triton_swiglu
 
     def original(name):
         current = getattr(fbs, name)
         return getattr(current, "_rlplan_original", current)
 
-    monkeypatch.setattr(triton_swiglu, "triton", object())
+    monkeypatch.setattr(decode_kernels, "triton", object())
     assert triton_swiglu.unsupported("cuda", torch.bfloat16) is None
     assert triton_swiglu.unsupported("cuda", torch.float64).startswith("dtype")
     assert triton_swiglu.unsupported("cpu", torch.bfloat16).startswith("device cpu")
-    monkeypatch.setattr(triton_swiglu, "triton", None)
+    monkeypatch.setattr(decode_kernels, "triton", None)
     assert triton_swiglu.unsupported("cuda", torch.bfloat16) == "triton is not installed"
 
     gen = torch.Generator().manual_seed(0)
