@@ -34,7 +34,8 @@ try:  # triton ships with torch's CUDA wheels; CPU installs have none (and must 
 except ImportError:
     triton = None
 
-# Dtypes the kernel stores (the model's params dtype): it computes in fp32 and rounds once per output.
+# Dtypes the elementwise kernels store (the model's params dtype): they compute in fp32 and round once per
+# output (`attention_inputs`, `add_rms_norm`, triton_swiglu's backward).
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # One program holds one KV group's query heads, key and value ([q_per_group + 2, head_dim], padded to powers
 # of two) in registers (Qwen3-MoE's 10 x 128 pads to 2,048): a bound on that, not a measured limit; larger
@@ -572,7 +573,7 @@ ADD_NORM_MAX_WIDTH = 16384
 
 def add_norm_unsupported(device: torch.device, dtype: torch.dtype, width: int) -> str | None:
     """Why `add_rms_norm` cannot serve a model (None: it can)."""
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if dtype not in DTYPES:
         return f"dtype {dtype}"
     if width > ADD_NORM_MAX_WIDTH:
         return f"hidden size {width} (the kernel holds a row of at most {ADD_NORM_MAX_WIDTH} in one program)"

@@ -978,12 +978,15 @@ class StaticDecodeStep:
         engine.silent_routing, engine.routing = True, {}
         layers = model.decoder.layers
         # With `add_norm` each layer hands the next its input already normed (the last: the final norm).
-        norms = [*(layer.input_layernorm for layer in layers[1:]), model.decoder.final_layernorm]
+        norms = (
+            [*(layer.input_layernorm for layer in layers[1:]), model.decoder.final_layernorm]
+            if engine.add_norm is not None
+            else [None] * len(layers)
+        )
         try:
             for layer, kv, norm in zip(layers, engine.cache[0], norms, strict=True):
-                after = norm if engine.add_norm is not None else None
                 hidden = engine._layer(
-                    layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask, after
+                    layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask, norm
                 )
         finally:
             engine.silent_routing = False

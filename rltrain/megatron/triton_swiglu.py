@@ -2,9 +2,9 @@
 
 Why: torch.compile writes the backward's torch.cat as one pointwise kernel over the [n, 2F] gradient whose
 every element loads its column of g, y_1 and y_2 again (both halves need all three) and evaluates the
-sigmoid again: 1.39 ms for a 16,384-token micro-batch of the 1.5B (2 x 8,960 wide) on the H200, ~1 TB/s,
-once per layer per micro-batch of every update (docs/benchmarks.md). Here a program reads a tile of g,
-y_1 and y_2 once and writes both halves of the gradient.
+sigmoid again: 0.86-1.39 ms (two calls) for a 16,384-token micro-batch of the 1.5B (2 x 8,960 wide) on the
+H200, 1-1.7 TB/s, once per layer per micro-batch of every update (docs/benchmarks.md). Here a program reads
+a tile of g, y_1 and y_2 once and writes both halves of the gradient (358 us).
 
 `fused.use_unbacked_swiglu` serves it for megatron's `swiglu_back` on CUDA where `unsupported` names no
 reason; the compiled function stays the reference and the CPU path. Triton is imported guarded, as in
@@ -31,7 +31,7 @@ BLOCK = 1024
 def unsupported(device: str, dtype: torch.dtype) -> str | None:
     """Why `swiglu_back` cannot serve megatron's SwiGLU backward on `device` (the plan's `cluster.device`)
     in `dtype` (None: it can)."""
-    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if dtype not in decode_kernels.DTYPES:
         return f"dtype {dtype}"
     return decode_kernels.where_unsupported(devices.kind(device).name)
 
