@@ -37,7 +37,15 @@ Reported (decode_tail_gpu.json in --out):
                  the sum and the norm against eager and an fp64 truth at the 1.5B's width, microseconds per
                  layer (two calls), then the same steps, kernels per step, rollouts and token parity
 
+  floor          (--only-floor, nothing else runs) where a captured step's time goes at few and many rows
+                 (--floor-grid): its replay time, the device time of its kernels (a torch profile of graph
+                 replays) and so the idle time between them, the kernels per step and a table of the top
+                 kernels; each graph capture split into its warm-up run and the capture itself, for a
+                 shape new to the process and one seen before; the full-length and the realistic rollout
+                 with their captures' and compactions' seconds
+
 Run on the GPU machine:  python3 bench/decode_tail_gpu.py --out $OUT
+Floor profile:  python3 bench/decode_tail_gpu.py --only-floor --out $OUT
 Triton attention inputs:  python3 bench/decode_tail_gpu.py --only-triton-inputs --out $OUT
 Triton decode attention:  python3 bench/decode_tail_gpu.py --only-triton-attention --out $OUT
 Add and norm fused:  python3 bench/decode_tail_gpu.py --only-add-norm --out $OUT
@@ -429,6 +437,87 @@ def step_kernels(step, cols: int, table_path: Path, row_limit: int) -> tuple[flo
     return kernels, table
 
 
+def floor_case(
+    args, report: dict, actor, static_step, uniform, out_dir: Path, dev: str, max_len: int
+) -> None:
+    """`--only-floor`: per (rows x columns) of --floor-grid the captured step's replay time against its
+    kernels' device time (profiled over graph replays), the kernels per step and their table, and its
+    captures' warm-up and capture seconds (a first and a repeated capture of the shape)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rltrain import device as devices
+    from rltrain.megatron import inference
+
+    split: list[tuple[float, float]] = []
+
+    def timed_capture(device, fn, pool=None):
+        side = devices._capture_stream(torch.cuda.current_device())
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        out = devices._capture(torch, fn, pool)
+        torch.cuda.synchronize()
+        split.append((t1 - t0, time.perf_counter() - t1))
+        return out
+
+    real_capture = devices.capture_graph
+    devices.capture_graph = timed_capture  # type: ignore[assignment]
+    floor: dict = {}
+    report["floor"] = floor
+    try:
+        with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
+            actor.eval()
+            for item in args.floor_grid.split(","):
+                rows, keys = (int(x) for x in item.split("x"))
+                keys = min(keys, max_len)
+                tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
+                entry: dict = {"captures_warmup_s_capture_s": []}
+                for _ in range(2):  # a shape new to the process, then the same shape again
+                    step = static_step(rows)
+                    split.clear()
+                    step(tokens, keys - 1, uniform[:rows])
+                    entry["captures_warmup_s_capture_s"] += split
+                    if _ == 0:
+                        del step
+                ms = per_call_ms(
+                    lambda st=step, tk=tokens, r=rows, k=keys: st(tk, k - 1, uniform[:r]), dev, iters=30
+                )
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        step(tokens, keys - 1, uniform[:rows])
+                    torch.cuda.synchronize()
+                events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+                kernel_us = sum(e.self_device_time_total for e in events) / 5
+                entry.update(
+                    step_ms=ms,
+                    kernel_us=kernel_us,
+                    idle_us=ms * 1e3 - kernel_us,
+                    kernels=sum(e.count for e in events) / 5,
+                    top={
+                        e.key[:90]: {"us_per_step": e.self_device_time_total / 5, "per_step": e.count / 5}
+                        for e in sorted(events, key=lambda e: -e.self_device_time_total)[:30]
+                    },
+                )
+                floor[item] = entry
+                table = prof.key_averages().table(sort_by="self_device_time_total", row_limit=40)
+                (out_dir / f"profile_floor_{item}.txt").write_text(table)
+                print(
+                    f"floor {item}: step {ms:.3f} ms, kernels {kernel_us:.0f} us, {entry['kernels']:.0f} kernels,"
+                    f" captures {entry['captures_warmup_s_capture_s']}",
+                    flush=True,
+                )
+                print(table[:5000], flush=True)
+                del step
+                torch.cuda.empty_cache()
+    finally:
+        devices.capture_graph = real_capture  # type: ignore[assignment]
+
+
 def _token_parity(a: dict, b: dict) -> dict:
     """Share of equal response tokens of two rollouts of the same prompts, and per row the first step
     where they differ (the response length where none does)."""
@@ -634,6 +723,12 @@ def main() -> int:
         help="each residual add with its norm as one Triton kernel against megatron's two (parity, steps, rollouts)",
     )
     parser.add_argument(
+        "--only-floor",
+        action="store_true",
+        help="where a captured step's time goes (replay vs kernel time, top kernels, capture split), rollouts",
+    )
+    parser.add_argument("--floor-grid", default="512x1088,128x1088,64x1088,8x1088", help="rows x columns")
+    parser.add_argument(
         "--triton-grid",
         default="512x1088,256x576,64x320,8x128",
         help="rows x cache columns of the steps timed with --only-triton-inputs / --only-triton-attention",
@@ -711,6 +806,8 @@ def main() -> int:
         (out_dir / "decode_tail_gpu.json").write_text(json.dumps(report, indent=1, default=str))
         print("errors:", errors)
         return 0
+    if args.only_floor and dev == "cuda":
+        attempt("floor", lambda: floor_case(args, report, actor, static_step, uniform, out_dir, dev, max_len))
 
     # ---- the step cost model: captured step per (rows, columns read), fixed 256-column buckets
     report["step_ms"] = {}
@@ -745,7 +842,8 @@ def main() -> int:
                     torch.cuda.empty_cache()
 
     inference.BUCKET_ROWS = 1  # the grid and the capture timings: fixed KEY_BUCKET-column buckets
-    attempt("grid", grid)
+    if not args.only_floor:
+        attempt("grid", grid)
 
     def captures() -> None:
         rows, keys = min(256, b), min(576, max_len)
@@ -773,7 +871,7 @@ def main() -> int:
                 print(table[:6000], flush=True)
             inference.KVCacheGenerator.fuse_step_glue = True
 
-    if args.captures:
+    if args.captures and not args.only_floor:
         attempt("captures", captures)
 
     # ---- the realistic rollout, with compactions and captures counted and timed
@@ -855,7 +953,8 @@ def main() -> int:
         inference.BUCKET_ROWS = 256
         # "fused again": the same rollout once more, its graphs' shapes seen before in this process (what
         # every rollout after a run's first one pays).
-        for label in ["warm-up", *GLUE] if share is None else [*GLUE, "fused again"]:
+        glues = ("fused",) if args.only_floor else GLUE
+        for label in ["warm-up", *glues] if share is None else [*glues, "fused again"]:
             inference.KVCacheGenerator.fuse_step_glue = label != "unfused"
             res = attempt(
                 f"generate_{share}_{label}", lambda eos=eos: timed_generate(actor, ids, n_new, dev, eos)
