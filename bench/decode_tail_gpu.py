@@ -266,6 +266,18 @@ def triton_parity(report: dict) -> None:
                 bound = 2**-8 * truth[i].abs() * 1.001 + 2**-16 * truth[i].abs().max()
                 row[part]["worst_error_over_half_ulp"] = float((gap / bound).max())
                 assert bool((gap <= bound).all()), (key, part, row[part])
+        # The QKV bias added in the kernel (megatron's add: the sum rounded to bf16) against the kernel on
+        # the sum made first by torch: bit for bit.
+        bias = torch.randn(mixed.shape[1] * mixed.shape[2], device="cuda", generator=gen).to(dt)
+        pair = []
+        for m, b in ((mixed, bias), (mixed + bias.view(mixed.shape[1:]), None)):
+            kv = [c.clone() for c in caches]
+            with torch.no_grad():
+                pair.append(
+                    (decode_kernels.attention_inputs(m, cos, sin, *kv, column, *weights, eps, b), *kv)
+                )
+        row["bias_in_kernel_bit_identical"] = all(torch.equal(a, b) for a, b in zip(*pair, strict=True))
+        assert row["bias_in_kernel_bit_identical"], key
         res[key] = row
         print("triton parity", key, json.dumps(row), flush=True)
 

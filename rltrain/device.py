@@ -297,23 +297,27 @@ def graph_pool(device: str) -> Any:
     return torch.cuda.graph_pool_handle() if graphs_supported(device) else None
 
 
-def capture_graph(device: str, fn: Callable[[], Any], pool: Any = None) -> tuple[Any, Any]:
+def capture_graph(
+    device: str, fn: Callable[[], Any], pool: Any = None, warm_up: bool = True
+) -> tuple[Any, Any]:
     """Capture `fn` as a device graph: (graph with `.replay()`, fn's outputs, which each replay rewrites).
 
     `fn` runs once on the capture stream first (the warm-up torch.cuda.graph asks for: lazy initialisation,
     compilation and allocator state happen outside the capture), so it must be safe to run twice with the
-    same inputs. The warm-up is never skipped, even for a shape captured before: a capture that fails
-    leaves torch's allocator recording into the pool and its RNG in capture mode (measured on the H200:
-    every later capture and random draw of the process then fails), so nothing may be left to chance
-    inside one.
+    same inputs. A capture that fails leaves torch's allocator recording into the pool and its RNG in capture
+    mode (measured on the H200: every later capture and random draw of the process then fails), so nothing
+    may be left to chance inside one: `warm_up=False` is only for a call whose shapes and code path a capture
+    with its warm-up has already met in this process (the caller keeps that record: `inference.CaptureRecord`),
+    where the warm-up would only repeat the Python of a step (30-40 ms of a 1.5B decode step on the H200).
     """
     import torch
 
-    side = _capture_stream(torch.cuda.current_device())
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
+    if warm_up:
+        side = _capture_stream(torch.cuda.current_device())
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
     return _capture(torch, fn, pool)
 
 

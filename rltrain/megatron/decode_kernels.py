@@ -85,9 +85,12 @@ def attention_inputs(
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     eps: float,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`fused.decode_attention_inputs` (the same arguments and result: the rotated query [n, heads, d], k
     and v written into column `col` of the caches) as one Triton kernel; inference only (no autograd).
+    The QKV projection's `bias`, where given, is added as megatron's add (the sum rounded to the
+    activations' dtype) before the rest, so the projection needs no kernel of its own for it.
 
     The column is read on the device (a CUDA graph replays it), so nothing here syncs with the host. The
     grid is (row, KV group): each program loads its group's slice of `mixed` ([q_per_group + 2] heads of
@@ -119,13 +122,14 @@ def attention_inputs(
     _kernel[(n, groups)](
         mixed, cos, sin, k_cache, v_cache, col,
         # Absent norm weights: any pointer (the kernel's HAS_* switches never read it).
-        mixed if q_norm is None else q_norm, mixed if k_norm is None else k_norm, query,
+        mixed if q_norm is None else q_norm, mixed if k_norm is None else k_norm,
+        mixed if bias is None else bias, query,
         mixed.stride(0), mixed.stride(1), cos.stride(0), sin.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         query.stride(0), float(eps),
         P=per_group, D=d, ROT=rot, BLOCK_H=block_h, BLOCK_D=block_d,
-        HAS_QN=q_norm is not None, HAS_KN=k_norm is not None,
+        HAS_QN=q_norm is not None, HAS_KN=k_norm is not None, HAS_BIAS=bias is not None,
         num_warps=4 if block_h * block_d <= 2048 else 8,
     )  # fmt: skip
     return query
@@ -135,13 +139,13 @@ if triton is not None:
 
     @triton.jit
     def _kernel(
-        mixed_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, col_ptr, qw_ptr, kw_ptr, out_ptr,
+        mixed_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, col_ptr, qw_ptr, kw_ptr, bias_ptr, out_ptr,
         m_row, m_group, c_row, s_row,
         k_col, k_row, k_group, v_col, v_row, v_group,
         o_row, eps,
         P: tl.constexpr, D: tl.constexpr, ROT: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-        HAS_QN: tl.constexpr, HAS_KN: tl.constexpr,
+        HAS_QN: tl.constexpr, HAS_KN: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):  # fmt: skip
         """One (row, KV group): heads h < P are its queries, h == P its key, h == P + 1 its value."""
         row = tl.program_id(0).to(tl.int64)
@@ -156,8 +160,16 @@ if triton is not None:
         partner = tl.where(j < half, j + half, tl.where(in_rot, j - half, j))
         sign = tl.where(j < half, -1.0, 1.0)
         src = mixed_ptr + row * m_row + group * m_group + h * D
-        x = tl.load(src + j, mask=live, other=0.0).to(tl.float32)
-        xp = tl.load(src + partner, mask=live & in_rot, other=0.0).to(tl.float32)
+        x = tl.load(src + j, mask=live, other=0.0)
+        xp = tl.load(src + partner, mask=live & in_rot, other=0.0)
+        if HAS_BIAS:  # megatron's add: the sum in fp32 rounded to the activations' dtype
+            b_src = bias_ptr + group * ((P + 2) * D) + h * D
+            b = tl.load(b_src + j, mask=live, other=0.0).to(tl.float32)
+            bp = tl.load(b_src + partner, mask=live & in_rot, other=0.0).to(tl.float32)
+            x = (x.to(tl.float32) + b).to(mixed_ptr.dtype.element_ty)
+            xp = (xp.to(tl.float32) + bp).to(mixed_ptr.dtype.element_ty)
+        x = x.to(tl.float32)
+        xp = xp.to(tl.float32)
         if HAS_QN or HAS_KN:
             # F.rms_norm: fp32 mean of squares over d (padding loads 0), (x * rstd) * w, one rounding later.
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / D + eps)[:, None]

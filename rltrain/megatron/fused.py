@@ -74,11 +74,14 @@ def decode_attention_inputs(
     q_norm: torch.Tensor | None,
     k_norm: torch.Tensor | None,
     eps: float,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The glue of one decode step's attention between the QKV projection and the core attention.
 
     mixed [n, groups, (q_per_group + 2) * d] is megatron's unsplit QKV (`get_query_key_value_tensors(...,
-    split_qkv=False)`, bias added), one decode column of n rows; cos / sin [n, 1, rot]; the caches
+    split_qkv=False)`), one decode column of n rows, its bias added, or `bias` [groups * (q_per_group + 2) * d]
+    the QKV projection's bias to add first (megatron's add: the caller ran the projection with it deferred,
+    which saves a kernel per layer in the Triton version); cos / sin [n, 1, rot]; the caches
     [max_len, n, groups, d]; col a 1-element column index. Splits q, k, v as megatron does, applies the
     per-head RMSNorm of q and k when given (`q_norm` / `k_norm` weights, megatron's q/k_layernorm: the same
     `F.rms_norm` call torch.nn.RMSNorm makes), RoPE (`rotate`), writes k and v into column `col` of the
@@ -91,6 +94,8 @@ def decode_attention_inputs(
     torch._check(v_cache.shape[1] == n)
     torch._check(cos.shape[0] == n)
     torch._check(sin.shape[0] == n)
+    if bias is not None:
+        mixed = mixed + bias.view(groups, width)
     query, key, value = torch.split(mixed, [width - 2 * d, d, d], dim=-1)
     query = query.reshape(n, groups * (width // d - 2), d)  # no -1: n is unbacked
     if q_norm is not None:

@@ -62,11 +62,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -325,11 +327,15 @@ def sequence_parallel_off(modules: Sequence[torch.nn.Module]) -> Iterator[None]:
             setattr(obj, attr, True)
 
 
-def _qk_norms(attn: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor | None, float] | None:
-    """(q norm weight, k norm weight, eps) of a self-attention whose decode-step inputs
+def _attention_input_args(
+    attn: torch.nn.Module,
+) -> tuple[torch.Tensor | None, torch.Tensor | None, float, torch.Tensor | None] | None:
+    """(q norm weight, k norm weight, eps, QKV bias to add) of a self-attention whose decode-step inputs
     `fused.decode_attention_inputs` computes exactly; None where it cannot: an output gate, fewer query
     groups than TP ranks (megatron gathers and re-slices the QKV), a QKV split other than megatron's
-    SelfAttention's, or a q/k norm other than an affine torch.nn.RMSNorm over the head dimension."""
+    SelfAttention's, or a q/k norm other than an affine torch.nn.RMSNorm over the head dimension. The bias
+    is the QKV projection's where it is megatron's own ColumnParallelLinear adding it (`_bias_deferred`
+    then runs the projection without it and the inputs' function adds it: a kernel fewer per layer)."""
     cfg = attn.config
     if getattr(cfg, "attention_output_gate", False) or cfg.num_query_groups < attn.world_size:
         return None
@@ -350,7 +356,23 @@ def _qk_norms(attn: torch.nn.Module) -> tuple[torch.Tensor | None, torch.Tensor 
             return None
         weights.append(norm.weight)
         eps = norm.eps
-    return weights[0], weights[1], eps
+    qkv = attn.linear_qkv
+    own_bias = type(qkv) is ColumnParallelLinear and not qkv.skip_bias_add and qkv.bias is not None
+    return weights[0], weights[1], eps, qkv.bias if own_bias else None
+
+
+@contextlib.contextmanager
+def _bias_deferred(linear: torch.nn.Module, defer: bool) -> Iterator[None]:
+    """megatron's linear returning its output without its bias for the calls inside (`skip_bias_add`, whose
+    returned bias megatron's QKV split drops) where `defer`: the caller adds the bias itself."""
+    if not defer:
+        yield
+        return
+    linear.skip_bias_add = True
+    try:
+        yield
+    finally:
+        linear.skip_bias_add = False
 
 
 def _head_shape(attn: torch.nn.Module) -> tuple[int, int]:
@@ -440,7 +462,7 @@ class KVCacheGenerator:
     their router runs as the gating GEMM and `moe_decode.route` while `fuse_moe_router` is on. The static
     step's attention inputs (split, q/k norm, RoPE, cache write) run as one function
     (`fused.decode_attention_inputs`, compiled under the plan's fused kernels, on CUDA one Triton kernel:
-    `_pick_attention_inputs`) where `_qk_norms` accepts the layer, and its mask is SDPA's additive one,
+    `_pick_attention_inputs`) where `_attention_input_args` accepts the layer, and its mask is SDPA's additive one,
     built once per step. On CUDA under the plan's fused kernels the static step's attention is
     `decode_kernels.decode_attention` (each row's own columns, `_pick_decode_attention`) and the static MoE
     layers' experts at decode sizes `decode_kernels.expert_swiglu` (`_pick_moe_glue`).
@@ -508,14 +530,17 @@ class KVCacheGenerator:
         # The plan's fused kernels: RoPE as one compiled kernel (SwiGLU is fused in the model itself).
         self.rotate = fused_rotate if actor.fused_kernels else rotate
         self.sample_unfiltered = fused_sample_unfiltered if actor.fused_kernels else sample_unfiltered
-        # The static decode step's attention inputs (split, q/k norm, RoPE, cache write) as one function:
-        # per layer, the q/k norm weights it takes (layers it cannot follow are absent and run megatron's
-        # modules one by one); the function itself is `_pick_attention_inputs`'s.
+        # The static decode step's attention inputs (QKV bias, split, q/k norm, RoPE, cache write) as one
+        # function: per layer, the arguments it takes past the tensors (`_attention_input_args`; layers it
+        # cannot follow are absent and run megatron's modules one by one); the function itself is
+        # `_pick_attention_inputs`'s.
         layers = [layer for model in self.models for layer in model.decoder.layers]
         self.fused_inputs = {
-            id(layer.self_attention): norms
+            id(layer.self_attention): args
             for layer in layers
-            if self.fuse_step_glue and not self.mla and (norms := _qk_norms(layer.self_attention)) is not None
+            if self.fuse_step_glue
+            and not self.mla
+            and (args := _attention_input_args(layer.self_attention)) is not None
         }
         self.attention_inputs, self.triton_inputs_unsupported = self._pick_attention_inputs(layers)
         self.decode_attention, self.triton_attention_unsupported = self._pick_decode_attention(layers)
@@ -541,6 +566,18 @@ class KVCacheGenerator:
             if self.fuse_moe_router
             else None
         )
+
+    def code_path(self) -> tuple[Any, ...]:
+        """What decides the code the static step runs, all picked once per engine from the class switches,
+        the plan's kernels and the model: two engines of one actor with equal code paths run the same
+        functions (and compiled code) on tensors of equal shapes, so a capture of one may skip its warm-up
+        after a capture of the other (`StaticDecodeStep`)."""
+        return (
+            self.attention_inputs, self.decode_attention, self.additive_mask, self.add_norm, self.moe_glue,
+            self.moe_route, self.rotate, self.sample_unfiltered, self.fuse_step_glue, self.mla,
+            frozenset(self.fused_inputs), frozenset(self.moe_static), self.config.bias_activation_fusion,
+            self.config.apply_rope_fusion, self.config.params_dtype,
+        )  # fmt: skip
 
     def _pick_attention_inputs(
         self, layers: list[torch.nn.Module]
@@ -814,14 +851,16 @@ class KVCacheGenerator:
         """The rotated query [s, n, heads, d] of `hidden` [s, n, h] (after the layer's input norm: megatron's
         QKV projection), its keys / values written into the cache at `start` (see `_layer`)."""
         attn = layer.self_attention
-        norms = self.fused_inputs.get(id(attn)) if isinstance(start, torch.Tensor) else None
-        if norms is not None:
-            # One decode column: megatron's QKV projection, then split / norm / RoPE / cache write fused.
-            mixed, _ = attn.get_query_key_value_tensors(hidden, None, split_qkv=False)
+        args = self.fused_inputs.get(id(attn)) if isinstance(start, torch.Tensor) else None
+        if args is not None:
+            # One decode column: megatron's QKV projection (its bias deferred to the next function where
+            # `_attention_input_args` gave one), then bias / split / norm / RoPE / cache write fused.
+            with _bias_deferred(attn.linear_qkv, args[3] is not None):
+                mixed, _ = attn.get_query_key_value_tensors(hidden, None, split_qkv=False)
             s, n = hidden.shape[:2]
             return self.attention_inputs(
                 mixed.view(s * n, *mixed.shape[2:]), rope[0].view(s * n, 1, -1), rope[1].view(s * n, 1, -1),
-                kv[0], kv[1], start, *norms,
+                kv[0], kv[1], start, *args,
             ).view(s, n, -1, kv[0].shape[-1])  # fmt: skip
         query, key, value = attn.get_query_key_value_tensors(hidden, None)
         query = self.rotate(query, *rope)
@@ -903,6 +942,12 @@ class StepKeys:
     masked: torch.Tensor
     first: torch.Tensor
     col: torch.Tensor
+
+
+CAPTURED: weakref.WeakKeyDictionary[Any, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+"""Per actor, the signatures (rows, cache columns, key bucket, sampling, `KVCacheGenerator.code_path`) of the
+static decode steps captured with their warm-up in this process: a later capture of the same signature skips
+the warm-up (`devices.capture_graph(warm_up=False)`)."""
 
 
 class StaticDecodeStep:
@@ -1020,8 +1065,22 @@ class StaticDecodeStep:
             return tok, lp
         if keys not in self.graphs:
             # The warm-up and the capture both run the real step on the real buffers; it is idempotent: it
-            # rewrites this column's keys/values and mask bit.
-            self.graphs[keys] = devices.capture_graph(self.device, lambda: self._body(keys), self.pool)
+            # rewrites this column's keys/values and mask bit. A step of shapes and code an earlier capture
+            # of this actor met (every rollout after a run's first one, each compaction included) skips the
+            # warm-up: its functions are compiled and its kernels loaded for exactly these shapes.
+            signature = (
+                self.rows.numel(),
+                self.key_masked.shape[1],
+                keys,
+                self.sampling,
+                self.engine.code_path(),
+            )
+            seen = CAPTURED.setdefault(self.engine.actor, set())
+            warm_up = signature not in seen
+            self.graphs[keys] = devices.capture_graph(
+                self.device, lambda: self._body(keys), self.pool, warm_up=warm_up
+            )
+            seen.add(signature)
         graph, (tok, lp, self.routing) = self.graphs[keys]
         graph.replay()
         return tok, lp
@@ -1217,7 +1276,9 @@ def _decode(
             live_count.write(still.sum())
             if n_live == 0:
                 break
-            if compacted_rows(n_live, b) < active.numel():
+            if compacted_rows(n_live, b) < active.numel() and _compaction_pays(
+                step, n_live, b, active.numel(), n_new - 1 - t
+            ):
                 # Drop finished rows from the cache (a copy of it; at most ~2 log2(B) times per call).
                 if not bool(still.any()):  # every row stopped in the step the count had not seen
                     break
@@ -1272,6 +1333,25 @@ def compacted_rows(live: int, rows: int) -> int:
     power = 1 << (live - 1).bit_length()  # the power of two at or above live
     size = power * 3 // 4 if live <= power * 3 // 4 else power
     return min(size, rows)
+
+
+# A captured decode compacts only where the row-steps it saves reach this: the rows it drops times the steps
+# left at most. A compaction costs a cache copy and a graph capture (~45 ms for a shape met before, one H200,
+# 1.5B), a row-step ~12 us of the step there, so near the end of the token budget (a realistic rollout's
+# long tail) a compaction costs more than its remaining steps save.
+COMPACTION_ROW_STEPS = 4096
+
+
+def _compaction_pays(
+    step: StaticDecodeStep | None, live: int, rows: int, active: int, steps_left: int
+) -> bool:
+    """Whether a decode over `active` of `rows` rows, `live` of them running, compacts with `steps_left`
+    steps at most to go: always where the step has captured no graph (without graphs, or before its first
+    capture, a compaction costs only its copy), else where the rows dropped times the steps left reach
+    COMPACTION_ROW_STEPS."""
+    if step is None or not step.capture or not step.graphs:
+        return True
+    return (active - compacted_rows(live, rows)) * steps_left >= COMPACTION_ROW_STEPS
 
 
 def _ladder_rows(still: torch.Tensor) -> torch.Tensor:

@@ -107,7 +107,7 @@ def test_static_decode_step_matches_the_dynamic_path(mp_world, family_folder):
     """The static decode step (what CUDA graphs capture; eager here) computes its attention inputs with
     `fused.decode_attention_inputs` (split, Qwen3's q/k norm, RoPE, cache write in one function) and hands
     SDPA an additive mask; the dynamic path runs megatron's modules one by one. Greedy tokens and rollout
-    log-probs agree for every family: biases (qwen2), q/k norm and a head_dim that is not hidden / heads
+    log-probs agree for every family: the QKV bias added by that function (qwen2), q/k norm and a head_dim that is not hidden / heads
     (qwen3), Llama 3.1 rope scaling, grouped KV heads."""
     from rltrain.megatron.inference import KVCacheGenerator
 
@@ -119,6 +119,13 @@ def test_static_decode_step_matches_the_dynamic_path(mp_world, family_folder):
     assert engine.additive_mask
     if family == "qwen3":
         assert all(engine.fused_inputs[id(layer.self_attention)][0] is not None for layer in layers)
+    # The QKV bias (qwen2) is added by the inputs' function, the projection run without it.
+    biased = {layer.self_attention.linear_qkv.bias is not None for layer in layers}
+    assert biased == {family == "qwen2"}, family
+    assert all(
+        (engine.fused_inputs[id(layer.self_attention)][3] is not None) == (family == "qwen2")
+        for layer in layers
+    )
     prompts = make_batch(b=5)["input_ids"][:, :7]
     prompts[1, :3] = 0  # left padding in one row
     kw = dict(temperature=0.0, pad_id=0, eos_id=None)

@@ -10,7 +10,9 @@ without sequence parallel), PP=2 and PP=2 x VPP=2 against the single-process res
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -209,6 +211,101 @@ def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket)
             # still running (3 is a size of the compaction ladder 1, 2, 3, 4, 6, 8, ...).
             assert rows_per_step[0] == 3
         rows_per_step.clear()
+
+
+def _fake_graphs(monkeypatch) -> list[bool]:
+    """CUDA graphs cannot exist on this CPU: the device layer's capture replaced by a graph whose replay runs
+    the step again into the captured outputs (what a replay computes), its warm-up run where asked; the
+    static decode's decisions around captures are the production code's. Returns each capture's
+    `warm_up`, in order."""
+    from rltrain import device as devices
+    from rltrain.megatron import inference
+
+    warm: list[bool] = []
+
+    def capture(device, fn, pool=None, warm_up=True):
+        warm.append(warm_up)
+        if warm_up:
+            fn()
+        out = fn()
+
+        def replay():
+            tok, lp, routing = fn()
+            out[0].copy_(tok)
+            out[1].copy_(lp)
+            for k, v in routing.items():
+                out[2][k].copy_(v)
+
+        return SimpleNamespace(replay=replay), out
+
+    monkeypatch.setattr(devices, "graphs_supported", lambda device: True)
+    monkeypatch.setattr(devices, "graph_pool", lambda device: None)
+    monkeypatch.setattr(devices, "capture_graph", capture)
+    monkeypatch.setattr(inference, "CAPTURED", weakref.WeakKeyDictionary())
+    return warm
+
+
+def test_a_capture_of_a_step_met_before_skips_its_warm_up(actor, monkeypatch):
+    """A graph capture runs the step once eagerly first (the warm-up: compilation, lazy initialisation);
+    a capture whose rows, cache columns, key bucket, sampling and code path an earlier capture of the actor
+    met skips it (30-40 ms of Python per capture of a 1.5B step on the H200, and a realistic rollout
+    captures after each compaction). With `_fake_graphs`: the second rollout skips every warm-up and gives
+    the same batch as the first and the dynamic path; new sampling and a switched code path warm up again."""
+    from rltrain.megatron import inference
+
+    warm = _fake_graphs(monkeypatch)
+    monkeypatch.setattr(inference, "KEY_BUCKET", 4)
+    monkeypatch.setattr(inference, "BUCKET_ROWS", 6)  # 4-column buckets: a capture per bucket reached
+    prompts = _prompts()
+    free = actor.generate(prompts, 8, temperature=0.0, pad_id=0)["responses"]
+    stops = dict(temperature=0.0, eos_id=int(free[0, 0]), stop_token_ids=(int(free[1, 0]), int(free[2, 0])))
+    first = actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **stops)
+    assert len(warm) >= 2 and all(warm), warm  # each bucket a new shape
+    n = len(warm)
+    warm.clear()
+    again = actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **stops)
+    assert warm == [False] * n, warm
+    _assert_same_batch(first, again, "a capture without its warm-up")
+    _assert_same_batch(actor.generate(prompts, 8, pad_id=0, **stops), again, "the dynamic path")
+    warm.clear()
+    actor.generate(prompts, 8, pad_id=0, cuda_graph=True, temperature=0.7, seed=3, eos_id=stops["eos_id"])
+    assert warm and warm[0], "new sampling parameters: a new signature"
+    warm.clear()
+    monkeypatch.setattr(inference.KVCacheGenerator, "fuse_step_glue", False)
+    actor.generate(prompts, 8, pad_id=0, cuda_graph=True, **stops)
+    assert warm and all(warm), "another code path warms up"
+
+
+def test_a_captured_decode_compacts_only_where_the_steps_left_pay_for_it(actor, monkeypatch):
+    """Once a row set's graph is captured, a compaction costs a copy and a new capture: it happens only where
+    the rows dropped times the steps left reach `COMPACTION_ROW_STEPS` (a realistic rollout's last steps
+    keep their rows). Rows end at drawn lengths (the benchmarks' forced stops); with `_fake_graphs` the
+    batch equals the dynamic path's whether the decode compacts or not."""
+    from rltrain.megatron import inference
+
+    _fake_graphs(monkeypatch)
+    monkeypatch.setenv(inference.FORCE_EOS_ENV, "0.4")
+    prompts = _prompts()
+    kw = dict(temperature=0.0, pad_id=0, eos_id=1, seed=5)
+    lengths = inference.forced_lengths(6, 16, 5).tolist()
+    assert len(set(lengths)) > 2, lengths  # rows leave along the way
+    dynamic = actor.generate(prompts, 16, **kw)
+    rows_per_step: list[int] = []
+    inner = inference.StaticDecodeStep.__call__
+
+    def call(step, tokens, start, uniform):
+        rows_per_step.append(step.rows.numel())
+        return inner(step, tokens, start, uniform)
+
+    monkeypatch.setattr(inference.StaticDecodeStep, "__call__", call)
+    sets = {}
+    for threshold in (0, 10**9):
+        monkeypatch.setattr(inference, "COMPACTION_ROW_STEPS", threshold)
+        _assert_same_batch(dynamic, actor.generate(prompts, 16, cuda_graph=True, **kw), str(threshold))
+        sets[threshold] = list(dict.fromkeys(rows_per_step))
+        rows_per_step.clear()
+    assert len(sets[0]) > 1, sets  # compactions along the way
+    assert len(sets[10**9]) == 1, sets  # none after the first capture
 
 
 def test_static_decode_through_the_attention_kernel_path_matches_the_dynamic_path(actor, monkeypatch):
