@@ -642,3 +642,156 @@ if triton is not None:
         rstd = tl.rsqrt(tl.sum(hf * hf, 0) / H + eps)
         w = tl.load(w_ptr + i, mask=on, other=0.0).to(tl.float32)
         tl.store(out_ptr + at + i, (w * (hf * rstd)).to(out_ptr.dtype.element_ty), mask=on)
+
+
+# ------------------------------------------------------------------------------ linears over few rows
+@dataclasses.dataclass(frozen=True)
+class LinearTiles:
+    """Launch parameters of `linear`: output columns (weight rows) per program, reduction columns per
+    iteration, the parts the reduction is split into (a second kernel sums them), warps, pipeline stages."""
+
+    block_n: int
+    block_k: int
+    split_k: int
+    warps: int
+    stages: int
+
+
+# Rows past which `linear` is not asked: its programs hold every row ([rows, block_n] accumulators), and
+# from a few hundred rows on cuBLAS's tiles are compute-bound where this kernel is a weight stream.
+LINEAR_MAX_ROWS = 128
+# Launch parameters by (weight rows, weight columns, GLU) and the rows' power of two; swept on the device
+# (bench/decode_kernels_tune.py --linear); a shape not listed takes `linear_tiles`'s rule.
+LINEAR_TILES: dict[tuple[int, int, bool, int], LinearTiles] = {}
+
+
+def linear_tiles(n: int, k: int, glu: bool, rows: int) -> LinearTiles:
+    """`LINEAR_TILES`'s entry for the shape, else the rule: 32 output columns per program (64 for GLU's pair
+    of 32), reduction split until ~2 programs per SM of 132 cover the weight, 128 reduction columns."""
+    hit = LINEAR_TILES.get((n, k, glu, next_power_of_2(max(rows, 16))))
+    if hit is not None:
+        return hit
+    block_n = 32
+    tiles = -(-(n // 2 if glu else n) // block_n)
+    split = 1 if glu else max(1, min(8, next_power_of_2(max(1, 264 // max(tiles, 1)))))
+    while split > 1 and k // split < 256:
+        split //= 2
+    return LinearTiles(block_n=block_n, block_k=128, split_k=split, warps=4, stages=4)
+
+
+def linear_unsupported(device: torch.device, dtype: torch.dtype, rows: int) -> str | None:
+    """Why `linear` cannot serve a product (None: it can)."""
+    if dtype not in (torch.bfloat16, torch.float16):
+        return f"dtype {dtype} (the kernel's products take bf16 or fp16)"
+    if rows > LINEAR_MAX_ROWS:
+        return f"{rows} rows (the kernel takes at most {LINEAR_MAX_ROWS})"
+    return where_unsupported(device.type)
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor, glu: bool = False) -> torch.Tensor:
+    """`linear`'s semantics in torch: x [..., K] @ weight [N, K]^T rounded to x's dtype (megatron's linear
+    without bias); with `glu`, the product's halves [gate, up] as megatron's SwiGLU takes them, silu(gate) * up
+    in fp32 rounded once (rlplan's compiled SwiGLU)."""
+    y = x @ weight.t()
+    if not glu:
+        return y
+    gate, up = y.float().chunk(2, -1)
+    return (F.silu(gate) * up).to(x.dtype)
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, glu: bool = False, tiles: LinearTiles | None = None
+) -> torch.Tensor:
+    """x [..., K] @ weight [N, K]^T for few rows (at most LINEAR_MAX_ROWS), the weight read once as a stream:
+    at decode sizes cuBLAS's kernels for these shapes reach ~1/4 (the QKV and output projections) to ~3/4
+    (the MLP's) of the H200's bandwidth (bench/decode_tail_gpu.py --only-floor). The grid is (output tile,
+    reduction part); where the reduction is split, each part writes fp32 partial sums and `_linear_reduce`
+    adds them in a fixed order (deterministic, no atomics). With `glu` the weight is megatron's fused
+    [gate; up] fc1 [2F, K] and the result SwiGLU's [.., F]: each program computes a gate tile and its up
+    tile, so the [rows, 2F] product never goes to memory.
+
+    Numerics: fp32 accumulation, the product rounded to the dtype once (as cuBLAS's; the order of the sums
+    differs); with `glu` gate and up rounded as megatron's fc1 output is, then silu(gate) * up in fp32 rounded
+    once (`linear_reference`)."""
+    assert triton is not None, "triton is not installed (decode_kernels.linear_unsupported)"
+    shape, k = x.shape, x.shape[-1]
+    rows = x.reshape(-1, k)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    m = rows.shape[0]
+    n_w = weight.shape[0]
+    n_out = n_w // 2 if glu else n_w
+    assert weight.shape[1] == k and weight.stride(-1) == 1 and (not glu or n_w % 2 == 0), (
+        x.shape,
+        weight.shape,
+    )
+    out = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return out.view(*shape[:-1], n_out)
+    t = tiles or linear_tiles(n_w, k, glu, m)
+    split = 1 if glu else t.split_k
+    block_m = max(16, next_power_of_2(m))
+    grid = (triton.cdiv(n_out, t.block_n), split)
+    part = torch.empty((split, m, n_out), dtype=torch.float32, device=x.device) if split > 1 else out
+    _linear_kernel[grid](
+        rows, weight, out, part, m, n_out, k, rows.stride(0), weight.stride(0),
+        GLU=glu, SPLIT_K=split, BLOCK_M=block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        num_warps=t.warps, num_stages=t.stages,
+    )  # fmt: skip
+    if split > 1:
+        block = 1024
+        _linear_reduce[(triton.cdiv(m * n_out, block),)](part, out, m * n_out, SPLIT_K=split, BLOCK=block)
+    return out.view(*shape[:-1], n_out)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _linear_kernel(
+        x_ptr, w_ptr, out_ptr, part_ptr, M, N, K, x_row, w_row,
+        GLU: tl.constexpr, SPLIT_K: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        """One (output tile, reduction part): every row against BLOCK_N weight rows (and their up rows)."""
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        part = tl.program_id(1)
+        m = tl.arange(0, BLOCK_M)
+        kk = tl.arange(0, BLOCK_K)
+        per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        lo = part * per
+        hi = tl.minimum(lo + per, K)
+        in_m = (m < M)[:, None]
+        in_n = (n < N)[:, None]
+        w_rows = w_ptr + n[:, None].to(tl.int64) * w_row
+        acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        up = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+        for k0 in range(lo, hi, BLOCK_K):
+            k = k0 + kk
+            in_k = (k < hi)[None, :]
+            x = tl.load(x_ptr + m[:, None] * x_row + k[None, :], mask=in_m & in_k, other=0.0)
+            w = tl.load(w_rows + k[None, :], mask=in_n & in_k, other=0.0)
+            acc = tl.dot(x, tl.trans(w), acc)
+            if GLU:
+                wu = tl.load(w_rows + N * w_row + k[None, :], mask=in_n & in_k, other=0.0)
+                up = tl.dot(x, tl.trans(wu), up)
+        at = m[:, None] * N + n[None, :]
+        mask = in_m & (n < N)[None, :]
+        if SPLIT_K > 1:
+            tl.store(part_ptr + part * M * N + at, acc, mask=mask)
+        elif GLU:
+            # fc1's output rounded as megatron stores it, then SwiGLU in fp32 and one rounding.
+            gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+            u = up.to(out_ptr.dtype.element_ty).to(tl.float32)
+            y = gate / (1.0 + tl.exp(-gate)) * u
+            tl.store(out_ptr + at, y.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out_ptr + at, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _linear_reduce(part_ptr, out_ptr, size, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        """out = the sum of the SPLIT_K fp32 parts in order, rounded once."""
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        on = i < size
+        acc = tl.load(part_ptr + i, mask=on, other=0.0)
+        for s in tl.static_range(1, SPLIT_K):
+            acc += tl.load(part_ptr + s * size + i, mask=on, other=0.0)
+        tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=on)
