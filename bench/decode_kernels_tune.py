@@ -8,10 +8,6 @@ attention, 24 of qwen3-moe for the experts) inside one CUDA graph.
   experts    expert_swiglu over qwen3-moe's layer (64 experts, hidden 1,024, FFN 512, top 8) at T tokens per
              fc1's and fc2's ExpertTiles and the row tile, against the dispatch's gather, two
              torch._grouped_mm and the SwiGLU
-  linear     (--linear ROWS) decode_kernels.linear over the 1.5B's four projections (QKV, output, fc1 with the
-             SwiGLU, fc2) and qwen3-moe's two attention ones at few rows per LinearTiles, against cuBLAS
-             (F.linear, and for fc1 the compiled SwiGLU after it); 28 calls over 28 distinct weights in one
-             graph (a step reads each layer's weights once, never from L2); parity against an fp64 truth
   swiglu     (--swiglu ROWS) megatron's compiled SwiGLU and its backward with the widths static (rlplan's) and
              symbolic (dynamic=True), the backward also as triton_swiglu's kernel (parity against both)
 
@@ -147,90 +143,6 @@ def experts(report: dict, token_counts: list[int], out: Path | None = None) -> N
               f"{row[name(*default)]:.1f}; best {best}", flush=True)  # fmt: skip
 
 
-# (name, weight rows, weight columns, GLU): the 1.5B's projections and qwen3-moe's attention ones.
-LINEAR_SHAPES = (
-    ("1.5b qkv", 2048, 1536, False),
-    ("1.5b out", 1536, 1536, False),
-    ("1.5b fc1+swiglu", 17920, 1536, True),
-    ("1.5b fc2", 1536, 8960, False),
-    ("moe qkv", 3072, 1024, False),
-    ("moe out", 1024, 2048, False),
-)
-
-
-def linear(report: dict, row_counts: list[int], out: Path | None = None) -> None:
-    """`decode_kernels.linear` per LinearTiles against cuBLAS at decode row counts: microseconds per call of
-    28 calls over 28 distinct weights captured in one graph; the best tiles' error against an fp64 truth
-    beside cuBLAS's."""
-    import torch.nn.functional as F
-
-    from rltrain.megatron import decode_kernels as dk
-
-    dt, layers = torch.bfloat16, 28
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    res = report.setdefault("linear_us", {})
-    swiglu = torch.compile(
-        lambda y: (F.silu(y.float().chunk(2, -1)[0]) * y.float().chunk(2, -1)[1]).to(y.dtype)
-    )
-    for name, n, k, glu in LINEAR_SHAPES:
-        ws = [torch.randn(n, k, device="cuda", generator=gen).mul(k**-0.5).to(dt) for _ in range(layers)]
-        for rows in row_counts:
-            x = torch.randn(rows, k, device="cuda", generator=gen).to(dt)
-            key = f"{name} {rows} rows"
-
-            def cublas(x=x, ws=ws, glu=glu):
-                for w in ws:
-                    y = F.linear(x, w)
-                    if glu:
-                        swiglu(y)
-
-            row = {"cublas": graph_us_per_call(cublas, 1) / layers}
-            splits = (1,) if glu else (1, 2, 4, 8)
-            for bn, bk, split, stages in itertools.product((16, 32, 64), (64, 128, 256), splits, (3, 4)):
-                if not glu and k // split < bk:
-                    continue
-                t = dk.LinearTiles(block_n=bn, block_k=bk, split_k=split, warps=4, stages=stages)
-
-                def kernel(x=x, t=t, ws=ws, glu=glu):
-                    for w in ws:
-                        dk.linear(x, w, glu, t)
-
-                try:
-                    row[f"{bn}x{bk} split{split} stages{stages}"] = graph_us_per_call(kernel, 1) / layers
-                except Exception as exc:  # a tile the device cannot hold (shared memory)
-                    row[f"{bn}x{bk} split{split} stages{stages}"] = f"{type(exc).__name__}"
-            timed = {c: v for c, v in row.items() if c != "cublas" and isinstance(v, float)}
-            best = min(timed, key=timed.get)
-            bn, bk, split, stages = (
-                int(v) for v in best.replace("x", " ").replace("split", "").replace("stages", "").split()
-            )
-            t = dk.LinearTiles(block_n=bn, block_k=bk, split_k=split, warps=4, stages=stages)
-            rule = dk.linear_tiles(n, k, glu, rows)
-            truth = dk.linear_reference(x.double(), ws[0].double(), glu)
-            got, want = (
-                dk.linear(x, ws[0], glu, t),
-                dk.linear_reference(x, ws[0], glu) if glu else F.linear(x, ws[0]),
-            )
-            res[key] = {
-                "cublas_us": row["cublas"],
-                "best": best,
-                "best_us": timed[best],
-                "rule": str(rule),
-                "rule_us": graph_us_per_call(
-                    lambda x=x, r=rule, ws=ws, glu=glu: [dk.linear(x, w, glu, r) for w in ws], 1
-                )
-                / layers,
-                "bytes_per_call": n * k * 2,
-                "best_tb_per_s": n * k * 2 / timed[best] / 1e6,
-                "max_abs_err_kernel": float((got.double() - truth).abs().max()),
-                "max_abs_err_cublas": float((want.double() - truth).abs().max()),
-                "all": row,
-            }
-            print(key, {c: v for c, v in res[key].items() if c != "all"}, flush=True)
-            if out is not None:
-                (out / "decode_kernels_tune.json").write_text(json.dumps(report, indent=1))
-
-
 def swiglu(report: dict, row_counts: list[int]) -> None:
     """megatron's SwiGLU and its backward (`fused_bias_swiglu.swiglu` / `swiglu_back`) compiled as rlplan
     serves them (`fused.use_unbacked_swiglu`: the row count unbacked, the widths static) against the widths
@@ -293,17 +205,14 @@ def main() -> int:
     ap.add_argument("--attention", default="512x1000x2x6,256x700x2x6,64x300x2x6,256x250x4x4,256x1000x4x4",
                     help="rows x column written x KV groups x query heads per group")  # fmt: skip
     ap.add_argument("--experts", default="256,64,512,8")
-    ap.add_argument("--linear", default="", help="row counts of the few-row linear sweep, e.g. 8,64,128")
     ap.add_argument("--swiglu", default="", help="row counts of the SwiGLU comparison, e.g. 8,256,512,16384")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     a = ap.parse_args()
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name()}
     shapes = [tuple(int(x) for x in s.split("x")) for s in a.attention.split(",") if s]
+    attention(report, shapes)  # type: ignore[arg-type]
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.linear:
-        linear(report, [int(x) for x in a.linear.split(",")], out)
-    attention(report, shapes)  # type: ignore[arg-type]
     experts(report, [int(x) for x in a.experts.split(",") if x], out)
     if a.swiglu:
         swiglu(report, [int(x) for x in a.swiglu.split(",")])
