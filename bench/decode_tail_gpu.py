@@ -37,11 +37,6 @@ Reported (decode_tail_gpu.json in --out):
                  the sum and the norm against eager and an fp64 truth at the 1.5B's width, microseconds per
                  layer (two calls), then the same steps, kernels per step, rollouts and token parity
 
-  nano_batch     (--only-nano-batch, nothing else runs) the static step over >= NANO_BATCH_MIN_ROWS rows as two
-                 halves on two streams (KVCacheGenerator.nano_batch on) against one batch (off): steps (their
-                 attention reads the prompt columns only: the rollouts are the measure), kernels per step,
-                 the full-length and realistic rollouts off / on twice, token parity
-
   floor          (--only-floor, nothing else runs) where a captured step's time goes at few and many rows
                  (--floor-grid): its replay time, the device time of its kernels (a torch profile of graph
                  replays) and so the idle time between them, the kernels per step and a table of the top
@@ -54,7 +49,6 @@ Floor profile:  python3 bench/decode_tail_gpu.py --only-floor --out $OUT
 Triton attention inputs:  python3 bench/decode_tail_gpu.py --only-triton-inputs --out $OUT
 Triton decode attention:  python3 bench/decode_tail_gpu.py --only-triton-attention --out $OUT
 Add and norm fused:  python3 bench/decode_tail_gpu.py --only-add-norm --out $OUT
-Two halves on two streams:  python3 bench/decode_tail_gpu.py --only-nano-batch --out $OUT
 CPU smoke:  OMP_NUM_THREADS=1 .venv/bin/python bench/decode_tail_gpu.py --arch tiny --device cpu --rows 8 \
                 --groups 2 --prompt 8 --new-tokens 32 --grid-rows 8,4 --grid-keys 16,40 --out /tmp/tail
 """
@@ -491,7 +485,7 @@ def floor_case(
     try:
         with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
             actor.eval()
-            for item in (x for x in args.floor_grid.split(",") if x):
+            for item in args.floor_grid.split(","):
                 rows, keys = (int(x) for x in item.split("x"))
                 keys = min(keys, max_len)
                 tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
@@ -599,8 +593,8 @@ def add_norm_parity(report: dict) -> None:
     print("add and norm, us per layer:", json.dumps(calls, indent=1), flush=True)
 
 
-# The class switches --only-triton-inputs / --only-triton-attention / --only-add-norm / --only-nano-batch time off
-# against on: (the switch, the kernel's parity function (none for the halves: rows are independent), the engine's attributes holding its choice and the reason it names).
+# The class switches --only-triton-inputs / --only-triton-attention / --only-add-norm time off against on: (the switch, the
+# kernel's parity function, the engine's attributes holding its choice and the reason it names).
 SWITCHES = {
     "triton_inputs": (
         "triton_attention_inputs",
@@ -615,7 +609,6 @@ SWITCHES = {
         "triton_attention_unsupported",
     ),
     "add_norm": ("fuse_add_norm", add_norm_parity, "add_norm", "add_norm_unsupported"),
-    "nano_batch": ("nano_batch", lambda report: None, "nano_batched", "nano_batch_unsupported"),
 }
 
 
@@ -743,11 +736,6 @@ def main() -> int:
         help="each residual add with its norm as one Triton kernel against megatron's two (parity, steps, rollouts)",
     )
     parser.add_argument(
-        "--only-nano-batch",
-        action="store_true",
-        help="the static step as two halves on two streams against one batch (steps, rollouts, token parity)",
-    )
-    parser.add_argument(
         "--only-floor",
         action="store_true",
         help="where a captured step's time goes (replay vs kernel time, top kernels, capture split), rollouts",
@@ -824,8 +812,6 @@ def main() -> int:
         if args.only_triton_attention
         else "add_norm"
         if args.only_add_norm
-        else "nano_batch"
-        if args.only_nano_batch
         else None
     )
     if tag is not None:

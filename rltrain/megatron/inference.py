@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -503,10 +502,6 @@ class KVCacheGenerator:
     # finds it can run: two kernels a layer instead of four (the class switch: off runs megatron's
     # bias-dropout-add and norms, which benchmarks time against it).
     fuse_add_norm = True
-    # The static step over at least NANO_BATCH_MIN_ROWS rows as two halves on two streams, each half's
-    # attention beside the other's MLP, where `_pick_nano_batch` finds it can run (the class switch: off runs
-    # the rows as one batch, which benchmarks time against it).
-    nano_batch = True
 
     def __init__(self, actor, positions: torch.Tensor, zero_cache: bool = False) -> None:
         self.actor = actor
@@ -571,7 +566,6 @@ class KVCacheGenerator:
             if self.fuse_moe_router
             else None
         )
-        self.nano_batched, self.nano_batch_unsupported = self._pick_nano_batch()
 
     def code_path(self) -> tuple[Any, ...]:
         """What decides the code the static step runs, all picked once per engine from the class switches,
@@ -582,7 +576,7 @@ class KVCacheGenerator:
             self.attention_inputs, self.decode_attention, self.additive_mask, self.add_norm, self.moe_glue,
             self.moe_route, self.rotate, self.sample_unfiltered, self.fuse_step_glue, self.mla,
             frozenset(self.fused_inputs), frozenset(self.moe_static), self.config.bias_activation_fusion,
-            self.config.apply_rope_fusion, self.config.params_dtype, self.nano_batched,
+            self.config.apply_rope_fusion, self.config.params_dtype,
         )  # fmt: skip
 
     def _pick_attention_inputs(
@@ -641,26 +635,6 @@ class KVCacheGenerator:
             if why is not None:
                 return None, why
         return decode_kernels.decode_attention, None
-
-    def _pick_nano_batch(self) -> tuple[bool, str | None]:
-        """Whether the static step over many rows runs as two halves on two streams (`StaticDecodeStep`), and
-        why not: a decode over many rows alternates a compute-bound MLP (its GEMMs) with a bandwidth-bound
-        attention (the cache), which one batch runs one after the other; two halves on two streams run one
-        half's attention beside the other's MLP (each half reads the weights again: a loss over few rows,
-        hence NANO_BATCH_MIN_ROWS). Needs streams (CUDA), the attention over each row's own columns
-        (`decode_attention`: a half's rows are a view of the cache) and one dense model chunk (a static MoE
-        layer records each step's routing for the whole batch)."""
-        if not self.nano_batch:
-            return False, "KVCacheGenerator.nano_batch is off"
-        if not devices.graphs_supported(self.actor.device):
-            return False, f"device {self.actor.device} (two halves pay only on concurrent streams of a graph)"
-        if self.decode_attention is None:
-            return False, f"no decode attention kernel ({self.triton_attention_unsupported})"
-        if len(self.models) != 1:
-            return False, "several model chunks (the static step runs one)"
-        if self.moe_static or self.mla:
-            return False, "static MoE or latent-attention layers"
-        return True, None
 
     def _pick_add_norm(
         self,
@@ -818,7 +792,6 @@ class KVCacheGenerator:
         mask: torch.Tensor | StepKeys | None,
         mask_type: AttnMaskType,
         next_norm: torch.nn.Module | None = None,
-        after_attention: Callable[[], None] | None = None,
     ) -> torch.Tensor | Residual:
         """megatron's TransformerLayer.forward (eval, no cross attention) with cached self-attention.
 
@@ -827,8 +800,7 @@ class KVCacheGenerator:
         the first `keys` columns, or, given the static step's `StepKeys`, each row's own columns through
         `decode_attention`. With `next_norm` (the static step where the engine has `add_norm`) each residual
         add comes with the norm after it, and the layer returns a `Residual` normed by `next_norm`; `hidden`
-        may be one, its input norm done. `after_attention` is called once the attention's output projection
-        is queued (the static step's two halves order their streams by it).
+        may be one, its input norm done.
         """
         cfg = layer.config
         attn = layer.self_attention
@@ -857,8 +829,6 @@ class KVCacheGenerator:
                     query, kv[0][:keys], kv[1][:keys], mask, attn_mask_type=mask_type
                 )
             out = attn.linear_proj(context)
-        if after_attention is not None:
-            after_attention()
         if next_norm is None:
             return self._mlp(
                 layer,
@@ -946,9 +916,6 @@ KEY_BUCKET = 256
 # rows, while small row sets (a realistic rollout's tail, after compactions) capture fewer graphs. One H200,
 # 1.5B: a capture costs 75-170 ms; a step over 64 rows 2.93 / 3.27 ms reading 256 / 1,088 columns.
 BUCKET_ROWS = 256
-# The fewest rows a static step runs as two halves on two streams (`KVCacheGenerator.nano_batch`): each half
-# reads the weights again, which only a step whose attention and MLP both take long can hide.
-NANO_BATCH_MIN_ROWS = 256
 
 
 def key_bucket(rows: int) -> int:
@@ -1038,13 +1005,6 @@ class StaticDecodeStep:
         self.graphs: dict[int, tuple[Any, tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]]] = {}
         # The last call's top-k experts per MoE layer [rows, k] (buffers the next call rewrites).
         self.routing: dict[int, torch.Tensor] = {}
-        # Two halves of the rows on two streams (`_two_halves`) where the engine runs them and the step has
-        # enough rows for the second weight read to pay.
-        half = n // 2
-        self.halves = (
-            (slice(0, half), slice(half, n)) if engine.nano_batched and n >= NANO_BATCH_MIN_ROWS else None
-        )
-        self.side = devices.new_stream(self.device) if self.halves is not None else None
 
     def _body(self, keys: int) -> tuple[torch.Tensor, torch.Tensor, dict[int, torch.Tensor]]:
         engine = self.engine
@@ -1069,14 +1029,10 @@ class StaticDecodeStep:
             else [None] * len(layers)
         )
         try:
-            if self.halves is not None:
-                assert isinstance(mask, StepKeys)
-                hidden = self._two_halves(hidden, rope, mask, keys, norms)
-            else:
-                for layer, kv, norm in zip(layers, engine.cache[0], norms, strict=True):
-                    hidden = engine._layer(
-                        layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask, norm
-                    )
+            for layer, kv, norm in zip(layers, engine.cache[0], norms, strict=True):
+                hidden = engine._layer(
+                    layer, hidden, kv, self.col, keys, rope, mask, AttnMaskType.no_mask, norm
+                )
         finally:
             engine.silent_routing = False
         temperature, top_p, top_k, min_p = self.sampling
@@ -1092,60 +1048,6 @@ class StaticDecodeStep:
         else:
             tok, lp = sample_tokens(engine.logits(hidden), *self.sampling, uniform=self.uniform)
         return tok, lp, dict(engine.routing)
-
-    def _two_halves(
-        self,
-        hidden: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        mask: StepKeys,
-        keys: int,
-        norms: Sequence[torch.nn.Module | None],
-    ) -> torch.Tensor | Residual:
-        """The layers over the two halves of the rows (`halves`): the first on the current stream, the second
-        on `side`, ordered by events so the attentions alternate: the second half's attention of a layer
-        waits for the first's, the first's next attention for the second's, and each half's MLP runs beside
-        the other's attention (captured in one graph, the events are its edges). A half's rows are views of
-        the step's embeddings, RoPE rows, keys and cache; rows are independent, so the halves compute what
-        one batch computes (each product over fewer rows). On cpu (no streams) the halves run in turn."""
-        engine, dev = self.engine, self.device
-        (model,) = engine.models
-        main = devices.current_stream(dev)
-        parts: list[dict[str, Any]] = [
-            {
-                "hidden": hidden[:, rows],
-                "rope": (rope[0][:, rows], rope[1][:, rows]),
-                "mask": StepKeys(mask.masked[rows], mask.first[rows], mask.col),
-                "cache": [(k[:, rows], v[:, rows]) for k, v in engine.cache[0]],
-            }
-            for rows in self.halves or ()
-        ]
-        if self.side is not None:
-            self.side.wait_stream(main)
-        streams = (main, self.side)
-        second_attended = None  # the event after the second half's attention of the last layer
-        for i, (layer, norm) in enumerate(zip(model.decoder.layers, norms, strict=True)):
-            first_attended = None
-            for half, (part, stream) in enumerate(zip(parts, streams, strict=True)):
-                wait = second_attended if half == 0 else first_attended
-                with devices.stream_context(dev, stream):
-                    if wait is not None:
-                        stream.wait_event(wait)
-                    attended = devices.new_event(dev)
-                    record = None if attended is None else functools.partial(stream.record_event, attended)
-                    part["hidden"] = engine._layer(
-                        layer, part["hidden"], part["cache"][i], self.col, keys, part["rope"], part["mask"],
-                        AttnMaskType.no_mask, norm, after_attention=record,
-                    )  # fmt: skip
-                if half == 0:
-                    first_attended = attended
-                else:
-                    second_attended = attended
-        if self.side is not None:
-            main.wait_stream(self.side)
-        a, b = (part["hidden"] for part in parts)
-        if isinstance(a, Residual):
-            return Residual(torch.cat([a.hidden, b.hidden], 1), torch.cat([a.normed, b.normed], 1))
-        return torch.cat([a, b], 1)
 
     def __call__(
         self, tokens: torch.Tensor, start: int, uniform: torch.Tensor

@@ -335,65 +335,6 @@ def test_static_decode_through_the_attention_kernel_path_matches_the_dynamic_pat
         seen.clear()
 
 
-def test_static_decode_as_two_halves_matches_the_dynamic_path(actor, monkeypatch):
-    """A static step over many rows runs as two halves (on CUDA on two streams, each half's attention beside
-    the other's MLP, ordered by events); here the halves run in turn with the attention kernel's torch
-    reference, and the batch must be the dynamic path's: padded prompts, sampling filters, stops with
-    compaction (the 3 rows left run as one batch below NANO_BATCH_MIN_ROWS)."""
-    from rltrain.megatron import decode_kernels, inference
-
-    monkeypatch.setattr(
-        inference.KVCacheGenerator,
-        "_pick_decode_attention",
-        lambda self, layers: (decode_kernels.decode_attention_reference, None),
-    )
-    monkeypatch.setattr(inference.KVCacheGenerator, "_pick_nano_batch", lambda self: (True, None))
-    monkeypatch.setattr(inference, "NANO_BATCH_MIN_ROWS", 4)
-    halves: list[tuple[int, int]] = []
-    inner = inference.StaticDecodeStep._two_halves
-
-    def record(step, *args):
-        halves.append(tuple(r.stop - r.start for r in step.halves))
-        return inner(step, *args)
-
-    monkeypatch.setattr(inference.StaticDecodeStep, "_two_halves", record)
-    cases = 0
-    for kw in _static_equals_dynamic(actor):
-        cases += 1
-        if "eos_id" in kw:
-            assert not halves, "3 running rows: one batch"
-        else:
-            assert halves and set(halves) == {(3, 3)}, halves
-        halves.clear()
-    assert cases == 3
-
-
-def test_the_engine_names_why_it_runs_one_batch(actor, monkeypatch):
-    """`_pick_nano_batch`, once per engine: two halves need concurrent streams in a graph (CUDA), the attention
-    over each row's own columns and a dense single chunk; each refusal says which, and the class switch
-    turns it off."""
-    from rltrain import device as devices
-    from rltrain.megatron import decode_kernels, inference
-
-    positions = torch.zeros((1, 4), dtype=torch.long)
-    engine = inference.KVCacheGenerator(actor, positions)
-    assert not engine.nano_batched and engine.nano_batch_unsupported.startswith("device cpu")
-    monkeypatch.setattr(devices, "graphs_supported", lambda device: True)
-    engine = inference.KVCacheGenerator(actor, positions)
-    assert engine.nano_batch_unsupported.startswith("no decode attention kernel")
-    monkeypatch.setattr(
-        inference.KVCacheGenerator,
-        "_pick_decode_attention",
-        lambda self, layers: (decode_kernels.decode_attention_reference, None),
-    )
-    engine = inference.KVCacheGenerator(actor, positions)
-    assert engine.nano_batched and engine.nano_batch_unsupported is None
-    monkeypatch.setattr(inference.KVCacheGenerator, "nano_batch", False)
-    assert inference.KVCacheGenerator(actor, positions).nano_batch_unsupported == (
-        "KVCacheGenerator.nano_batch is off"
-    )
-
-
 def test_static_decode_with_each_residual_add_and_its_norm_as_one_call_matches_the_dynamic_path(
     actor, monkeypatch
 ):
