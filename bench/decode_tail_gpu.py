@@ -485,7 +485,7 @@ def floor_case(
     try:
         with actor._ctx(), inference.sequence_parallel_off(actor.modules()), torch.no_grad():
             actor.eval()
-            for item in args.floor_grid.split(","):
+            for item in (x for x in args.floor_grid.split(",") if x):
                 rows, keys = (int(x) for x in item.split("x"))
                 keys = min(keys, max_len)
                 tokens = torch.randint(0, actor.vocab_size, (rows,), device=dev)
