@@ -185,6 +185,21 @@ def _static_equals_dynamic(actor) -> Iterator[dict]:
         yield kw
 
 
+def _rows_per_static_step(monkeypatch) -> list[int]:
+    """The rows of every static decode step called from now on, in order."""
+    from rltrain.megatron import inference
+
+    rows: list[int] = []
+    inner = inference.StaticDecodeStep.__call__
+
+    def call(step, tokens, start, uniform):
+        rows.append(step.rows.numel())
+        return inner(step, tokens, start, uniform)
+
+    monkeypatch.setattr(inference.StaticDecodeStep, "__call__", call)
+    return rows
+
+
 @pytest.mark.parametrize("bucket", [4, 256])
 def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket):
     """`cuda_graph=True` decodes through StaticDecodeStep: fixed shapes, whole buckets of cache columns with
@@ -196,14 +211,7 @@ def test_static_decode_step_matches_the_dynamic_path(actor, monkeypatch, bucket)
     monkeypatch.setattr(inference, "KEY_BUCKET", bucket)
     # 6 rows read buckets of `bucket` columns; after the compaction to 3 rows, twice as wide.
     monkeypatch.setattr(inference, "BUCKET_ROWS", 6)
-    rows_per_step: list[int] = []
-    inner = inference.StaticDecodeStep.__call__
-
-    def call(step, tokens, start, uniform):
-        rows_per_step.append(step.rows.numel())
-        return inner(step, tokens, start, uniform)
-
-    monkeypatch.setattr(inference.StaticDecodeStep, "__call__", call)
+    rows_per_step = _rows_per_static_step(monkeypatch)
     for kw in _static_equals_dynamic(actor):
         assert len(rows_per_step) == 7, "every decode step after the first sample is a static step"
         if "eos_id" in kw:
@@ -290,14 +298,7 @@ def test_a_captured_decode_compacts_only_where_the_steps_left_pay_for_it(actor, 
     lengths = inference.forced_lengths(6, 16, 5).tolist()
     assert len(set(lengths)) > 2, lengths  # rows leave along the way
     dynamic = actor.generate(prompts, 16, **kw)
-    rows_per_step: list[int] = []
-    inner = inference.StaticDecodeStep.__call__
-
-    def call(step, tokens, start, uniform):
-        rows_per_step.append(step.rows.numel())
-        return inner(step, tokens, start, uniform)
-
-    monkeypatch.setattr(inference.StaticDecodeStep, "__call__", call)
+    rows_per_step = _rows_per_static_step(monkeypatch)
     sets = {}
     for threshold in (0, 10**9):
         monkeypatch.setattr(inference, "COMPACTION_ROW_STEPS", threshold)
