@@ -307,7 +307,7 @@ def capture_graph(
     same inputs. A capture that fails leaves torch's allocator recording into the pool and its RNG in capture
     mode (measured on the H200: every later capture and random draw of the process then fails), so nothing
     may be left to chance inside one: `warm_up=False` is only for a call whose shapes and code path a capture
-    with its warm-up has already met in this process (the caller keeps that record: `inference.CaptureRecord`),
+    with its warm-up has already met in this process (the caller keeps that record: `inference.CAPTURED`),
     where the warm-up would only repeat the Python of a step (30-40 ms of a 1.5B decode step on the H200).
     """
     import torch

@@ -460,10 +460,10 @@ class KVCacheGenerator:
     MoELayer), else megatron's MoELayer; their glue around the grouped GEMMs is `moe_decode.DecodeGlue`'s
     (dispatch by rank, compiled under the plan's fused kernels) while `fuse_moe_glue` is on, and with it
     their router runs as the gating GEMM and `moe_decode.route` while `fuse_moe_router` is on. The static
-    step's attention inputs (split, q/k norm, RoPE, cache write) run as one function
+    step's attention inputs (QKV bias, split, q/k norm, RoPE, cache write) run as one function
     (`fused.decode_attention_inputs`, compiled under the plan's fused kernels, on CUDA one Triton kernel:
-    `_pick_attention_inputs`) where `_attention_input_args` accepts the layer, and its mask is SDPA's additive one,
-    built once per step. On CUDA under the plan's fused kernels the static step's attention is
+    `_pick_attention_inputs`) where `_attention_input_args` accepts the layer, and its mask is SDPA's
+    additive one, built once per step. On CUDA under the plan's fused kernels the static step's attention is
     `decode_kernels.decode_attention` (each row's own columns, `_pick_decode_attention`) and the static MoE
     layers' experts at decode sizes `decode_kernels.expert_swiglu` (`_pick_moe_glue`).
     `routing` holds the top-k experts of the last forward's static MoE
@@ -946,8 +946,9 @@ class StepKeys:
 
 CAPTURED: weakref.WeakKeyDictionary[Any, set[tuple[Any, ...]]] = weakref.WeakKeyDictionary()
 """Per actor, the signatures (rows, cache columns, key bucket, sampling, `KVCacheGenerator.code_path`) of the
-static decode steps captured with their warm-up in this process: a later capture of the same signature skips
-the warm-up (`devices.capture_graph(warm_up=False)`)."""
+static decode steps captured in this process (the first of each with its warm-up): a later capture of the same
+signature skips the warm-up (`devices.capture_graph(warm_up=False)`). Lazy state of an engine (the MoE
+layers' stacked expert weights) is built by its prefill, before any capture."""
 
 
 class StaticDecodeStep:
