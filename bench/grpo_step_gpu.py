@@ -120,6 +120,13 @@ def run_rlplan(
         return {"command": " ".join(cmd[2:]), "failed": done.returncode, "stderr_tail": done.stderr[-3000:]}
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     plan = json.loads((folder / "plan.json").read_text())
+    # Profiles (`--set profile.tool=torch ...`): each role call's key_averages table next to the json, one
+    # level deep (the run folder nests them six deep, past what a device call brings back).
+    profiles = []
+    for table in sorted((folder / "profile").glob("**/summary.txt")):
+        flat = out / f"profile_{workload}_{'_'.join(table.relative_to(folder / 'profile').parent.parts)}.txt"
+        flat.write_text(table.read_text())
+        profiles.append(flat.name)
     timed = rows[1:] or rows  # step 1 warms up (allocator, CUDA graphs, lazy imports)
     keep = ("timing/", "perf/", "rollout/logprob_diff_max", "response/length_mean")
     summary = {k: spread([r[k] for r in timed if isinstance(r.get(k), int | float)])
@@ -134,6 +141,7 @@ def run_rlplan(
         "summary_steps_2_n": summary,
         "memory": memory_table(plan, rows),
         "memory_estimate_roles": [{"role": r["role"], "estimate_gib": r["total_gib"]} for r in plan["memory"]["roles"]],
+        "profiles": profiles,
     }  # fmt: skip
 
 
