@@ -40,9 +40,10 @@ Reported (decode_tail_gpu.json in --out):
   floor          (--only-floor, nothing else runs) where a captured step's time goes at few and many rows
                  (--floor-grid): its replay time, the device time of its kernels (a torch profile of graph
                  replays) and so the idle time between them, the kernels per step and a table of the top
-                 kernels; each graph capture split into its warm-up run and the capture itself, for a
-                 shape new to the process and one seen before; the full-length and the realistic rollout
-                 with their captures' and compactions' seconds
+                 kernels (the step's keys: the prompt's columns, or with --floor-all-columns every
+                 column up to the one written, as in a rollout); each graph capture split into its warm-up
+                 run and the capture itself, for a shape new to the process and one seen before; the
+                 full-length and the realistic rollout with their captures' and compactions' seconds
 
 Run on the GPU machine:  python3 bench/decode_tail_gpu.py --out $OUT
 Floor profile:  python3 bench/decode_tail_gpu.py --only-floor --out $OUT
@@ -492,6 +493,8 @@ def floor_case(
                 entry: dict = {"captures_warmup_s_capture_s": []}
                 for _ in range(2):  # a shape new to the process, then the same shape again
                     step = static_step(rows)
+                    if args.floor_all_columns:  # every column up to the one written holds a key to read
+                        step.key_masked[:, :keys] = False
                     split.clear()
                     step(tokens, keys - 1, uniform[:rows])
                     entry["captures_warmup_s_capture_s"] += split
@@ -741,6 +744,11 @@ def main() -> int:
         help="where a captured step's time goes (replay vs kernel time, top kernels, capture split), rollouts",
     )
     parser.add_argument("--floor-grid", default="512x1088,128x1088,64x1088,8x1088", help="rows x columns")
+    parser.add_argument(
+        "--floor-all-columns",
+        action="store_true",
+        help="the floor's steps see every column up to the one written (a rollout's attention), not the prompt's",
+    )
     parser.add_argument(
         "--triton-grid",
         default="512x1088,256x576,64x320,8x128",
