@@ -1277,9 +1277,8 @@ def _decode(
             live_count.write(still.sum())
             if n_live == 0:
                 break
-            if compacted_rows(n_live, b) < active.numel() and _compaction_pays(
-                step, n_live, b, active.numel(), n_new - 1 - t
-            ):
+            target = compacted_rows(n_live, b)
+            if target < active.numel() and _compaction_pays(step, active.numel() - target, n_new - 1 - t):
                 # Drop finished rows from the cache (a copy of it; at most ~2 log2(B) times per call).
                 if not bool(still.any()):  # every row stopped in the step the count had not seen
                     break
@@ -1343,16 +1342,13 @@ def compacted_rows(live: int, rows: int) -> int:
 COMPACTION_ROW_STEPS = 4096
 
 
-def _compaction_pays(
-    step: StaticDecodeStep | None, live: int, rows: int, active: int, steps_left: int
-) -> bool:
-    """Whether a decode over `active` of `rows` rows, `live` of them running, compacts with `steps_left`
-    steps at most to go: always where the step has captured no graph (without graphs, or before its first
-    capture, a compaction costs only its copy), else where the rows dropped times the steps left reach
-    COMPACTION_ROW_STEPS."""
+def _compaction_pays(step: StaticDecodeStep | None, dropped: int, steps_left: int) -> bool:
+    """Whether a decode compacts, dropping `dropped` rows with `steps_left` steps at most to go: always where
+    the step has captured no graph (without graphs, or before its first capture, a compaction costs only its
+    copy), else where the rows dropped times the steps left reach COMPACTION_ROW_STEPS."""
     if step is None or not step.capture or not step.graphs:
         return True
-    return (active - compacted_rows(live, rows)) * steps_left >= COMPACTION_ROW_STEPS
+    return dropped * steps_left >= COMPACTION_ROW_STEPS
 
 
 def _ladder_rows(still: torch.Tensor) -> torch.Tensor:

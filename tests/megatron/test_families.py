@@ -107,8 +107,8 @@ def test_static_decode_step_matches_the_dynamic_path(mp_world, family_folder):
     """The static decode step (what CUDA graphs capture; eager here) computes its attention inputs with
     `fused.decode_attention_inputs` (split, Qwen3's q/k norm, RoPE, cache write in one function) and hands
     SDPA an additive mask; the dynamic path runs megatron's modules one by one. Greedy tokens and rollout
-    log-probs agree for every family: the QKV bias added by that function (qwen2), q/k norm and a head_dim that is not hidden / heads
-    (qwen3), Llama 3.1 rope scaling, grouped KV heads."""
+    log-probs agree for every family: the QKV bias added by that function (qwen2), q/k norm and a head_dim
+    that is not hidden / heads (qwen3), Llama 3.1 rope scaling, grouped KV heads."""
     from rltrain.megatron.inference import KVCacheGenerator
 
     family, path = family_folder
