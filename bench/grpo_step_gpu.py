@@ -243,7 +243,7 @@ def main() -> int:
     parser.add_argument("--workloads", default="preset,onestep")
     parser.add_argument("--onestep-response-length", type=int, default=512)
     parser.add_argument("--realistic-share", type=float, default=0.4, help="mean response length / maximum")
-    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="extra rltrain flag")
+    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="extra rltrain flag (a list: PATH='V1 V2')")
     parser.add_argument(
         "--trl", action="store_true", help="also run TRL's GRPOTrainer on the onestep workload"
     )
@@ -257,7 +257,8 @@ def main() -> int:
     if args.trl_child:
         return trl_child(args)
     cfg = preset_config(args.preset)
-    extra = [f for kv in args.set for f in (f"--{kv.split('=', 1)[0]}", kv.split("=", 1)[1])]
+    # PATH=VALUE, or PATH=V1 V2 for a list field (e.g. profile.roles)
+    extra = [f for kv in args.set for f in (f"--{kv.split('=', 1)[0]}", *kv.split("=", 1)[1].split())]
     if cfg.cluster.device == "cuda":
         extra = ["--cluster.cpus_per_worker", "4", *extra]
     report: dict[str, Any] = {"preset": args.preset, "steps": args.steps, "device": cfg.cluster.device}

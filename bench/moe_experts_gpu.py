@@ -16,6 +16,10 @@ with `--fused`), and each switch alone. The main_grads of `off` and `on` are com
     python bench/moe_experts_gpu.py                      # Qwen3-30B-A3B layer: 128 experts, top 8, H 2048, F 768
     python bench/moe_experts_gpu.py --tokens 4096 --experts 64 --device cpu --dtype float32 --hidden 256 --ffn 128
     python bench/moe_experts_gpu.py --tokens 4096 --experts 64 --hidden 1024 --ffn 512 --micro-batches 4  # qwen3-moe-grpo
+
+`--products`: each of the six grouped products of a micro-batch (fc1 and fc2 forward; the backward's dscaled,
+dW2, dW1, dx) timed alone, with its TFLOP/s: how fast torch._grouped_mm is at this shape, apart from the glue.
+`--profile`: a torch profile of the `on` update step, its top kernels by device time (printed and in the json).
 """
 
 from __future__ import annotations
@@ -152,6 +156,72 @@ def update_path(a, w1s, w2s, dtype, dev, g) -> dict:
     return {"update_ms": ms, "update_speedup": ms["off"] / ms["on"], "update_main_grad_max_rel_diff": diff}
 
 
+def products(a, w1s, w2s, dtype, dev, g) -> dict:
+    """`--products`: each grouped product of one micro-batch alone, ms and TFLOP/s (2 x rows x K x N)."""
+    from rltrain.megatron.moe_experts import grouped_mm, grouped_mm_weight
+
+    choice = torch.rand(a.tokens, a.experts, generator=g).argsort(-1)[:, : a.topk].flatten()
+    counts = torch.bincount(choice, minlength=a.experts)
+    rows = int(counts.sum())
+    offs = counts.cumsum(0).to(dev, torch.int32)
+    w1, w2 = torch.stack([w.detach() for w in w1s]), torch.stack([w.detach() for w in w2s])
+    x = torch.randn(rows, a.hidden, generator=g).to(dev, dtype)
+    h = torch.randn(rows, 2 * a.ffn, generator=g).to(dev, dtype)
+    scaled = torch.randn(rows, a.ffn, generator=g).to(dev, dtype)
+    dy = torch.randn(rows, a.hidden, generator=g).to(dev, dtype)
+    cases = {  # name: (call, flops)
+        "fc1_fwd": (lambda: grouped_mm(x, w1.transpose(1, 2), offs), 2 * rows * a.hidden * 2 * a.ffn),
+        "fc2_fwd": (lambda: grouped_mm(scaled, w2.transpose(1, 2), offs), 2 * rows * a.ffn * a.hidden),
+        "dscaled": (lambda: grouped_mm(dy, w2, offs), 2 * rows * a.hidden * a.ffn),
+        "dw2": (lambda: grouped_mm_weight(dy.t(), scaled, offs), 2 * rows * a.hidden * a.ffn),
+        "dw1": (lambda: grouped_mm_weight(h.t(), x, offs), 2 * rows * 2 * a.ffn * a.hidden),
+        "dx": (lambda: grouped_mm(h, w1, offs), 2 * rows * 2 * a.ffn * a.hidden),
+    }
+    out = {}
+    for name, (call, flops) in cases.items():
+        ms = timed_step(call, a.device, a.repeat * 5)
+        out[name] = {"ms": ms, "tflops": flops / ms / 1e9}
+    total_ms = sum(v["ms"] for v in out.values())
+    total_flops = sum(f for _, f in cases.values())
+    out["all_six"] = {"ms": total_ms, "tflops": total_flops / total_ms / 1e9}
+    return out
+
+
+def profile_on(a, w1s, w2s, dtype, dev, g) -> str:
+    """`--profile`: the top kernels (device time) of the `on` update step, one step profiled."""
+    from torch.profiler import ProfilerActivity, profile
+
+    batches = []
+    for _ in range(a.micro_batches):
+        choice = torch.rand(a.tokens, a.experts, generator=g).argsort(-1)[:, : a.topk].flatten()
+        counts = torch.bincount(choice, minlength=a.experts)
+        rows = int(counts.sum())
+        batches.append((
+            (torch.randn(rows, a.hidden, generator=g) * 0.5).to(dev, dtype),
+            torch.rand(rows, generator=g).to(dev),
+            counts.cumsum(0).to(dev, torch.int32),
+            torch.randn(rows, a.hidden, generator=g).to(dev, dtype),
+        ))  # fmt: skip
+    experts = _ddp_experts(w1s, w2s)
+    config = _Config(a.fused)
+    before = (ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache)
+    ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache = a.fused, True, True
+    try:
+        for _ in range(3):
+            update_step(experts, batches, config)
+        if a.device == "cuda":
+            torch.cuda.synchronize()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device == "cuda" else [])
+        with profile(activities=activities) as prof:
+            update_step(experts, batches, config)
+            if a.device == "cuda":
+                torch.cuda.synchronize()
+    finally:
+        ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache = before
+    sort = "cuda_time_total" if a.device == "cuda" else "cpu_time_total"
+    return prof.key_averages().table(sort_by=sort, row_limit=30)
+
+
 def timed_step(fn, device: str, repeat: int) -> float:
     for _ in range(2):
         fn()
@@ -178,6 +248,8 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=4, help="micro-batches of one step (update_ms)")
     ap.add_argument("--fused", action=argparse.BooleanOptionalAction, default=None,
                     help="compiled elementwise work in update_ms's 'on' (default: on cuda)")  # fmt: skip
+    ap.add_argument("--products", action="store_true", help="time each grouped product alone")
+    ap.add_argument("--profile", action="store_true", help="profile the 'on' update step's kernels")
     a = ap.parse_args()
     if a.fused is None:
         a.fused = a.device == "cuda"
@@ -212,6 +284,12 @@ def main() -> None:
     ms = {name: timed(fn, (x, w1s, w2s, probs, counts), dy, a.device, a.repeat)
           for name, fn in (("sequential", sequential), ("grouped", grouped))}  # fmt: skip
     update = update_path(a, w1s, w2s, dtype, dev, g)
+    if a.products:
+        update["products"] = products(a, w1s, w2s, dtype, dev, g)
+    if a.profile:
+        table = profile_on(a, w1s, w2s, dtype, dev, g)
+        print(table)
+        update["profile"] = table.splitlines()
     print(json.dumps({
         "shape": {"tokens": a.tokens, "experts": a.experts, "topk": a.topk, "hidden": a.hidden, "ffn": a.ffn,
                   "rows": rows, "dtype": a.dtype, "device": a.device},
