@@ -8,8 +8,8 @@ attention, 24 of qwen3-moe for the experts) inside one CUDA graph.
   experts    expert_swiglu over qwen3-moe's layer (64 experts, hidden 1,024, FFN 512, top 8) at T tokens per
              fc1's and fc2's ExpertTiles and the row tile, against the dispatch's gather, two
              torch._grouped_mm and the SwiGLU
-  swiglu     (--swiglu ROWS) megatron's compiled SwiGLU and its backward with the widths static (rlplan's) and
-             symbolic (dynamic=True), the backward also as triton_swiglu's kernel (parity against both)
+  swiglu     (--swiglu ROWS) megatron's compiled SwiGLU and its backward with the widths static and symbolic
+             (dynamic=True), and as triton_swiglu's kernels (rlplan's on CUDA; parity against both)
 
     python3 bench/decode_kernels_tune.py --out $OUT     (decode_kernels_tune.json; needs a GPU with triton)
 """
@@ -171,8 +171,7 @@ def swiglu(report: dict, row_counts: list[int]) -> None:
         fn = getattr(fbs, name)
         fn = getattr(fn, "_torchdynamo_orig_callable", fn)
         ways = {"static widths": fused._unbacked_rows(fn), "symbolic widths": symbolic(fn)}
-        if name == "swiglu_back":
-            ways["triton kernel"] = triton_swiglu.swiglu_back
+        ways["triton kernel"] = getattr(triton_swiglu, name)
         for rows in row_counts:
             y = torch.randn(rows, 2 * 8960, device="cuda", generator=gen).mul(3).to(torch.bfloat16)
             args = (
@@ -181,15 +180,15 @@ def swiglu(report: dict, row_counts: list[int]) -> None:
                 else (torch.randn(rows, 8960, device="cuda", generator=gen).to(y.dtype), y)
             )
             calls = 28 if rows <= 4096 else 4
-            if name == "swiglu_back":  # the kernel against the compiled function and an fp64 truth
-                got, want = triton_swiglu.swiglu_back(*args), ways["static widths"](*args)
-                truth = fn(*(a.double() for a in args))
-                res[f"parity {rows} rows"] = {
-                    "equal_share": float((got == want).float().mean()),
-                    "max_abs_err_kernel": float((got.double() - truth).abs().max()),
-                    "max_abs_err_compiled": float((want.double() - truth).abs().max()),
-                }
-                print("swiglu_back parity", rows, res[f"parity {rows} rows"], flush=True)
+            # the kernel against the compiled function and an fp64 truth
+            got, want = ways["triton kernel"](*args), ways["static widths"](*args)
+            truth = fn(*(a.double() for a in args))
+            res[f"{name} parity {rows} rows"] = {
+                "equal_share": float((got == want).float().mean()),
+                "max_abs_err_kernel": float((got.double() - truth).abs().max()),
+                "max_abs_err_compiled": float((want.double() - truth).abs().max()),
+            }
+            print(name, "parity", rows, res[f"{name} parity {rows} rows"], flush=True)
             for way, f in ways.items():
                 res[f"{name} {rows} rows, {way}"] = graph_us_per_call(functools.partial(f, *args), calls)
             print(

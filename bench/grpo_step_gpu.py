@@ -243,7 +243,13 @@ def main() -> int:
     parser.add_argument("--workloads", default="preset,onestep")
     parser.add_argument("--onestep-response-length", type=int, default=512)
     parser.add_argument("--realistic-share", type=float, default=0.4, help="mean response length / maximum")
-    parser.add_argument("--set", action="append", default=[], metavar="PATH=VALUE", help="extra rltrain flag (a list: PATH='V1 V2')")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="extra rltrain flag (a list: PATH='V1 V2')",
+    )
     parser.add_argument(
         "--trl", action="store_true", help="also run TRL's GRPOTrainer on the onestep workload"
     )

@@ -30,12 +30,13 @@ def test_plan_says_which_kernels_the_engines_run(capsys):
     eager elsewhere; an explicit choice wins."""
     cases = [
         (["--preset", "tiny-grpo"], "kernels: eager (one torch op at a time; model.fused_kernels auto: cpu)"),
-        (["--preset", "qwen2.5-1.5b-grpo"], "kernels: fused (torch.compile'd SwiGLU, RoPE, log-prob / entropy; "
-                                             "model.fused_kernels auto: cuda)"),
+        (["--preset", "qwen2.5-1.5b-grpo"], "kernels: fused (SwiGLU, RoPE, log-prob / entropy, weight gradients "
+                                             "summed in their products; model.fused_kernels auto: cuda)"),
         (["--preset", "qwen2.5-1.5b-grpo", "--set", "model.fused_kernels=eager"],
          "kernels: eager (one torch op at a time; model.fused_kernels eager)"),
         (["--preset", "tiny-grpo", "--set", "model.fused_kernels=compiled"],
-         "kernels: fused (torch.compile'd SwiGLU, RoPE, log-prob / entropy; model.fused_kernels compiled)"),
+         "kernels: fused (SwiGLU, RoPE, log-prob / entropy, weight gradients summed in their products; "
+         "model.fused_kernels compiled)"),
     ]  # fmt: skip
     for args, line in cases:
         code = rlconf(["plan", *args])

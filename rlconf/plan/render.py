@@ -123,7 +123,8 @@ def _kernels_line(plan: TrainerPlan) -> str:
     setting = settings.fused_kernels_setting
     why = f"model.fused_kernels {setting}" + (f": {plan.resources.device}" if setting == "auto" else "")
     if settings.fused_kernels:
-        return f"  kernels: fused (torch.compile'd SwiGLU, RoPE, log-prob / entropy; {why})"
+        what = "SwiGLU, RoPE, log-prob / entropy, weight gradients summed in their products"
+        return f"  kernels: fused ({what}; {why})"
     return f"  kernels: eager (one torch op at a time; {why})"
 
 

@@ -243,22 +243,61 @@ def compiled_rope(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = Fals
     return _CompiledRope.apply(t, freqs)
 
 
-def use_compiled_rope() -> None:
-    """Serve megatron's `apply_rope_fusion` hooks with `rope_bshd` compiled by torch.compile (forward and
-    backward as fused kernels) where Transformer Engine, megatron's only provider, is absent: padded rows
-    (bshd) and packed rows (thd, through `packing.rope_thd`). Idempotent; the hooks are read only by configs
-    with apply_rope_fusion, i.e. engines whose plan says fused_kernels."""
+class _TritonRope(torch.autograd.Function):
+    """`rope_bshd` as `triton_rope`'s kernel, forward and backward, from the angle table's cos and sin
+    (computed once per table, `triton_rope.tables`, and saved for the backward: every layer shares them)."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        from rltrain.megatron import triton_rope
+
+        cos, sin = triton_rope.tables(freqs, t.dtype)
+        ctx.save_for_backward(cos, sin)
+        return triton_rope.rope(t, cos, sin)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        from rltrain.megatron import triton_rope
+
+        cos, sin = ctx.saved_tensors
+        return triton_rope.rope(grad, cos, sin, backward=True), None
+
+
+def triton_rope_hook(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """megatron's `fused_apply_rotary_pos_emb` hook on CUDA: `triton_rope`'s kernel (`_TritonRope`), the
+    compiled function for shapes it does not take (`triton_rope.shape_unsupported`) or mixed dtypes."""
+    from rltrain.megatron import triton_rope
+
+    assert not interleaved, "interleaved rotary embeddings are refused before this point"
+    if triton_rope.shape_unsupported(t, freqs) is not None or torch.compiler.is_compiling():
+        return compiled_rope(t, freqs)
+    return _TritonRope.apply(t, freqs)
+
+
+def use_compiled_rope(device: str | None = None, dtype: torch.dtype | None = None) -> None:
+    """Serve megatron's `apply_rope_fusion` hooks where Transformer Engine, megatron's only provider, is
+    absent: padded rows (bshd) and packed rows (thd, through `packing.rope_thd`), by `triton_rope`'s kernel
+    on a `device` and `dtype` where `triton_rope.unsupported` names no reason (`triton_rope_hook`), else by
+    `rope_bshd` compiled by torch.compile (forward and backward as fused kernels). Hooks that rlplan set
+    are replaced, Transformer Engine's kept; the hooks are read only by configs with apply_rope_fusion,
+    i.e. engines whose plan says fused_kernels."""
     from megatron.core.models.common.embeddings import rope_utils
 
-    if rope_utils.fused_apply_rotary_pos_emb is None:
-        rope_utils.fused_apply_rotary_pos_emb = compiled_rope
-    if rope_utils.fused_apply_rotary_pos_emb_thd is None:
-        # Packed rows (THD): each token's angle at its position within its row, then the same compiled RoPE.
+    from rltrain.megatron import triton_rope
+
+    kernel = device is not None and dtype is not None and triton_rope.unsupported(device, dtype) is None
+    hook = triton_rope_hook if kernel else compiled_rope
+    current = rope_utils.fused_apply_rotary_pos_emb
+    if current is None or current in (compiled_rope, triton_rope_hook):
+        rope_utils.fused_apply_rotary_pos_emb = hook
+    current_thd = rope_utils.fused_apply_rotary_pos_emb_thd
+    if current_thd is None or getattr(current_thd, "_rlplan", False):
+        # Packed rows (THD): each token's angle at its position within its row, then the same RoPE.
         from rltrain.megatron.packing import rope_thd
 
-        rope_utils.fused_apply_rotary_pos_emb_thd = functools.partial(
-            rope_thd, rotate=rope_utils.fused_apply_rotary_pos_emb
-        )
+        thd = functools.partial(rope_thd, rotate=hook)
+        thd._rlplan = True  # type: ignore[attr-defined]
+        rope_utils.fused_apply_rotary_pos_emb_thd = thd
 
 
 def _unbacked_rows(fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -290,8 +329,9 @@ def use_unbacked_swiglu(device: str | None = None, dtype: torch.dtype | None = N
     """Serve megatron's compiled SwiGLU (`bias_activation_fusion`: `fused_bias_swiglu.swiglu` and its
     backward `swiglu_back`, torch.compile'd with default settings by megatron's jit_fuser) compiled once
     with the row count unbacked; on a `device` and `dtype` where `triton_swiglu.unsupported` names no
-    reason the backward is `triton_swiglu.swiglu_back` instead (each input read once, where the compiled
-    torch.cat reads them again for each half of the gradient; docs/benchmarks.md).
+    reason both are `triton_swiglu`'s kernels instead (each input read once at the memory's speed, where
+    the compiled forward ran at ~2.5 TB/s and the compiled backward's torch.cat read its inputs again for
+    each half of the gradient; docs/benchmarks.md).
 
     Why: megatron compiles them with automatic dynamic shapes, which guard on whether each dimension of
     the input's [s, b] base is 1 (a decode step's s, a one-row prefill's b, a packed micro-batch's b): a
@@ -308,22 +348,23 @@ def use_unbacked_swiglu(device: str | None = None, dtype: torch.dtype | None = N
         if getattr(current, "_rlplan_unbacked", False):
             continue
         wrapped = _unbacked_rows(getattr(current, "_torchdynamo_orig_callable", current))
-        if kernel and name == "swiglu_back":
-            wrapped = _triton_swiglu_back(wrapped)
+        if kernel:
+            wrapped = _triton_swiglu(wrapped, name)
         wrapped._rlplan_unbacked = True  # type: ignore[attr-defined]
         wrapped._rlplan_original = current  # type: ignore[attr-defined]
         setattr(fbs, name, wrapped)
 
 
-def _triton_swiglu_back(compiled_back: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """megatron's `swiglu_back(g, y)` as `triton_swiglu.swiglu_back`, the compiled function where the two
-    gradients' dtypes differ (torch's promotion decides its result's dtype there)."""
+def _triton_swiglu(compiled_fn: Callable[..., torch.Tensor], name: str) -> Callable[..., torch.Tensor]:
+    """megatron's `swiglu(y)` / `swiglu_back(g, y)` (`name`) as `triton_swiglu`'s kernel of that name, the
+    compiled function where the inputs' dtypes differ (torch's promotion decides its result's dtype there)
+    or inside a compiled function (traced inline). The kernel is looked up at call time (tests swap it)."""
     from rltrain.megatron import triton_swiglu
 
-    def call(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        if g.dtype != y.dtype or torch.compiler.is_compiling():
-            return compiled_back(g, y)
-        return triton_swiglu.swiglu_back(g, y)
+    def call(*tensors: torch.Tensor) -> torch.Tensor:
+        if len({t.dtype for t in tensors}) > 1 or torch.compiler.is_compiling():
+            return compiled_fn(*tensors)
+        return getattr(triton_swiglu, name)(*tensors)
 
     return call
 
@@ -335,9 +376,10 @@ class FusedKernelsError(RuntimeError):
 def check_fused_kernels(device: str, dtype: torch.dtype) -> None:
     """Compile and run the fused RoPE on a small tensor before the model is built, so that a machine whose
     torch.compile toolchain is missing or broken (Triton on cuda, a C++ compiler on cpu) stops at start-up
-    with what to do, not in the middle of a step. The compiled graph is the one training uses (dynamic
-    sizes), so the probe costs one compile, not an extra one."""
-    use_compiled_rope()
+    with what to do, not in the middle of a step. The kernel is the one training uses (Triton's on CUDA,
+    `use_compiled_rope`; the compiled graph, with dynamic sizes, elsewhere), so the probe costs one compile,
+    not an extra one."""
+    use_compiled_rope(device, dtype)
     from megatron.core.models.common.embeddings import rope_utils
 
     dev = devices.torch_device(device)

@@ -312,14 +312,15 @@ def transformer_config(
     `fused` (the plan's `EnginePlan.fused_kernels`) turns on two of megatron's fusions, served by
     torch.compile'd functions: SwiGLU (megatron.core.jit's, whose backward keeps only the fc1 output; one
     kernel instead of a strided silu and a multiply, 0.73 s of a 5.2 s 1.5B log-prob pass on an H200,
-    docs/benchmarks.md) and RoPE (`use_compiled_rope`; ~11 small kernels per query and key per layer)."""
+    docs/benchmarks.md) and RoPE (`use_compiled_rope`; ~11 small kernels per query and key per layer); on CUDA
+    both as Triton kernels (`triton_swiglu`, `triton_rope`)."""
     mla = arch.multi_latent_attention
     ts = settings.transformer
     dtype = _DTYPES[ts.params_dtype]
     if fused:
         use_unbacked_swiglu(device, dtype)
     if fused and not mla:  # MLA's RoPE stays megatron's unfused one (it de-interleaves the rope dims)
-        use_compiled_rope()
+        use_compiled_rope(device, dtype)
     rc = ts.recompute
     recompute: dict[str, Any] = {}
     if rc.granularity is not None:
@@ -612,7 +613,9 @@ def build_model_chunks(
     fused: bool = False,
     lora: LoraPlan | None = None,
 ) -> list[torch.nn.Module]:
-    """This rank's model chunks (one per virtual pipeline stage), optionally wrapped in megatron DDP.
+    """This rank's model chunks (one per virtual pipeline stage), optionally wrapped in megatron DDP; with
+    `fused` (the plan's fused kernels) and DDP, the trained linears accumulate their weight gradients in
+    their products (`wgrad.use_fused_wgrad`).
 
     Each chunk is `DDP(Float16Module?(GPTModel))`; the bare GPTModel (for weights and sharded state dicts)
     is `unwrap(chunk)`. A critic (`value_head=True`) has no tied output layer: its last stage ends in
@@ -685,6 +688,10 @@ def build_model_chunks(
             DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=m, disable_bucketing=i > 0)
             for i, m in enumerate(chunks)
         ]
+        if fused:  # megatron's gradient accumulation fusion, once DDP gave the weights their main_grads
+            from rltrain.megatron.wgrad import use_fused_wgrad
+
+            use_fused_wgrad(chunks)
     return chunks
 
 

@@ -1,12 +1,18 @@
-"""megatron's SwiGLU backward (`fused_bias_swiglu.swiglu_back`) as one Triton kernel, for training on CUDA.
+"""megatron's SwiGLU (`fused_bias_swiglu.swiglu`) and its backward (`swiglu_back`) as Triton kernels, for
+training and decode on CUDA.
 
-Why: torch.compile writes the backward's torch.cat as one pointwise kernel over the [n, 2F] gradient whose
+Why the forward: torch.compile's kernel (widths static, rows unbacked) ran at ~2.5 TB/s on the H200 at a
+training micro-batch (350 us for 16,384 rows of the 1.5B, 463-482 us a call in a log-prob pass's profile,
+17% of the pass's device time, docs/benchmarks.md); a program here reads a tile of both halves of a row
+once and writes the product, as the backward does.
+
+Why the backward: torch.compile writes the backward's torch.cat as one pointwise kernel over the [n, 2F] gradient whose
 every element loads its column of g, y_1 and y_2 again (both halves need all three) and evaluates the
 sigmoid again: 0.86-1.39 ms (two calls) for a 16,384-token micro-batch of the 1.5B (2 x 8,960 wide) on the
 H200, 1-1.7 TB/s, once per layer per micro-batch of every update (docs/benchmarks.md). Here a program reads
 a tile of g, y_1 and y_2 once and writes both halves of the gradient (358 us).
 
-`fused.use_unbacked_swiglu` serves it for megatron's `swiglu_back` on CUDA where `unsupported` names no
+`fused.use_unbacked_swiglu` serves them for megatron's `swiglu` and `swiglu_back` on CUDA where `unsupported` names no
 reason; the compiled function stays the reference and the CPU path. Triton is imported guarded, as in
 decode_kernels.py.
 """
@@ -36,6 +42,18 @@ def unsupported(device: str, dtype: torch.dtype) -> str | None:
     return decode_kernels.where_unsupported(devices.kind(device).name)
 
 
+def swiglu(y: torch.Tensor) -> torch.Tensor:
+    """megatron's `swiglu`: silu(y_1) * y_2 [..., F] for y [..., 2F] ([y_1; y_2]), in fp32 and rounded once,
+    as the compiled function computes it."""
+    assert triton is not None, "triton is not installed (triton_swiglu.unsupported)"
+    ffn = y.shape[-1] // 2
+    y_rows = y.reshape(-1, 2 * ffn).contiguous()
+    out = y_rows.new_empty((y_rows.shape[0], ffn))
+    if y_rows.shape[0]:
+        _swiglu_kernel[(y_rows.shape[0], triton.cdiv(ffn, BLOCK))](y_rows, out, ffn, BLOCK=BLOCK)
+    return out.view(*y.shape[:-1], ffn)
+
+
 def swiglu_back(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The gradient [..., 2F] of SwiGLU's input y [..., 2F] ([y_1; y_2]) for the output's gradient g [..., F]:
     megatron's `swiglu_back`, (g * s * (1 + y_1 * (1 - s)) * y_2, g * silu(y_1)) with s = sigmoid(y_1), each
@@ -52,6 +70,16 @@ def swiglu_back(g: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+
+    @triton.jit
+    def _swiglu_kernel(y_ptr, out_ptr, F, BLOCK: tl.constexpr):
+        """One (row, tile of F columns) of silu(y_1) * y_2."""
+        row = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        on = j < F
+        y1 = tl.load(y_ptr + row * 2 * F + j, mask=on, other=0.0).to(tl.float32)
+        y2 = tl.load(y_ptr + row * 2 * F + F + j, mask=on, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * F + j, (y1 * tl.sigmoid(y1) * y2).to(out_ptr.dtype.element_ty), mask=on)
 
     @triton.jit
     def _swiglu_back_kernel(g_ptr, y_ptr, out_ptr, F, BLOCK: tl.constexpr):

@@ -14,6 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from ..tolerance import assert_close
 from ._common import UPDATE_DEPTH, actor_cfg, actor_of, assert_tiny_close, make_batch, tiny_model_cfg
 
 pytestmark = pytest.mark.slow
@@ -65,6 +66,65 @@ def test_compiled_engine_log_probs_and_update_match_eager(engines):
     after_b = fused.compute_log_prob(batch)["log_probs"]
     assert not torch.equal(after_a, a["log_probs"])  # the update moved the policy
     assert_tiny_close(after_b, after_a, depth=UPDATE_DEPTH)
+
+
+def test_compiled_engine_sums_weight_gradients_in_their_products(engines, monkeypatch):
+    """megatron's gradient accumulation fusion (`wgrad.use_fused_wgrad`): every trained linear of the compiled
+    engine accumulates its weight gradient into its main_grad through `fused_weight_gradient_mlp_cuda`
+    (rlplan's addmm), once per linear per micro-batch, none through DDP's hook; after one update on the same
+    batch the main_grads equal the eager engine's (its products' gradients added by DDP's hooks)."""
+    from types import SimpleNamespace
+
+    from megatron.core.tensor_parallel import layers
+
+    eager, fused = engines
+
+    def linears(engine):
+        kinds = layers.ColumnParallelLinear | layers.RowParallelLinear
+        return [m for c in engine.chunks for m in c.modules() if isinstance(m, kinds)]
+
+    trained = [m for m in linears(fused) if m.weight is not None and m.weight.requires_grad]
+    assert trained and all(m.gradient_accumulation_fusion for m in trained)
+    assert not any(m.gradient_accumulation_fusion for m in linears(eager))
+    shim = layers.fused_weight_gradient_mlp_cuda
+    calls = []
+
+    def accumulate(x, g, main_grad):
+        calls.append(main_grad.data_ptr())
+        shim.wgrad_gemm_accum_fp32(x, g, main_grad)
+
+    monkeypatch.setattr(
+        layers, "fused_weight_gradient_mlp_cuda", SimpleNamespace(wgrad_gemm_accum_fp32=accumulate)
+    )
+    batch = make_batch(b=4)
+    lp = eager.compute_log_prob(batch)["log_probs"]
+    adv = torch.randn(4, 1, generator=torch.Generator().manual_seed(5)).expand_as(lp) * batch["response_mask"]
+    rl = {**batch, "old_log_probs": lp, "advantages": adv.contiguous()}
+    eager.update_policy(rl)
+    fused.update_policy(rl)
+    mains = {m.weight.main_grad.data_ptr() for m in trained}
+    assert set(calls) == mains and len(calls) % len(mains) == 0  # every linear, once per micro-batch
+    for (name, a), (_, b) in zip(
+        eager.modules()[0].named_parameters(), fused.modules()[0].named_parameters(), strict=True
+    ):
+        assert_tiny_close(b.main_grad, a.main_grad, msg=name)
+
+
+def test_weight_gradients_accumulate_into_main_grad_for_each_dtype():
+    """`wgrad.accumulate_wgrad` (apex's wgrad_gemm_accum_*): main_grad += grad_output^T @ input, for inputs in
+    main_grad's dtype (one addmm) and in a 16-bit dtype (CPU: the product added; CUDA's mixed addmm is
+    checked on the device by bench/grpo_step_gpu.py's update)."""
+    from rltrain.megatron.wgrad import accumulate_wgrad
+
+    gen = torch.Generator().manual_seed(0)
+    x, g = torch.randn(40, 6, generator=gen), torch.randn(40, 3, generator=gen)
+    start = torch.randn(3, 6, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        main = start.clone()
+        accumulate_wgrad(x.to(dtype), g.to(dtype), main)
+        want = start + g.to(dtype).double().t() @ x.to(dtype).double()
+        assert main.dtype == torch.float32
+        assert_close(main.to(dtype), want.to(dtype), reduction=40)  # the tolerance of the inputs' dtype
 
 
 def test_compiled_engine_uses_the_compiled_rope(engines):
@@ -369,11 +429,12 @@ def test_the_add_and_norm_kernel_names_what_it_cannot_run(monkeypatch):
     assert decode_kernels.add_norm_unsupported(cuda, torch.bfloat16, 64) == "triton is not installed"
 
 
-def test_megatrons_swiglu_backward_is_the_triton_kernel_where_it_can_run(monkeypatch):
-    """`fused.use_unbacked_swiglu(device, dtype)` serves megatron's `swiglu_back` by `triton_swiglu.swiglu_back`
-    where `triton_swiglu.unsupported` names no reason (here a recording stand-in for the CUDA kernel, whose
-    parity bench/decode_kernels_tune.py --swiglu checks on the device), the compiled function for mixed
-    dtypes and where the kernel cannot run; `unsupported` names the device, a missing triton and a dtype."""
+def test_megatrons_swiglu_and_its_backward_are_the_triton_kernels_where_they_can_run(monkeypatch):
+    """`fused.use_unbacked_swiglu(device, dtype)` serves megatron's `swiglu` and `swiglu_back` by
+    `triton_swiglu`'s kernels of those names where `triton_swiglu.unsupported` names no reason (here
+    recording stand-ins for the CUDA kernels, whose parity bench/decode_kernels_tune.py --swiglu checks on
+    the device), the compiled functions for mixed dtypes and where the kernels cannot run; `unsupported`
+    names the device, a missing triton and a dtype."""
     from megatron.core.fusions import fused_bias_swiglu as fbs
 
     from rltrain.megatron import decode_kernels, fused, triton_swiglu
@@ -391,16 +452,96 @@ def test_megatrons_swiglu_backward_is_the_triton_kernel_where_it_can_run(monkeyp
 
     gen = torch.Generator().manual_seed(0)
     g, y = torch.randn(5, 16, generator=gen), torch.randn(5, 32, generator=gen)
-    want = original("swiglu_back")(g, y)
+    want = {"swiglu": original("swiglu")(y), "swiglu_back": original("swiglu_back")(g, y)}
+    args = {"swiglu": (y,), "swiglu_back": (g, y)}
     seen = []
-    monkeypatch.setattr(triton_swiglu, "swiglu_back", lambda g, y: (seen.append(g.shape), want)[1])
+    for name in want:
+        stand_in = lambda *t, name=name: (seen.append((name, t[0].shape)), want[name])[1]  # noqa: E731
+        monkeypatch.setattr(triton_swiglu, name, stand_in)
     for can_run in (True, False):
-        for name in ("swiglu", "swiglu_back"):
+        for name in want:
             monkeypatch.setattr(fbs, name, original(name))  # megatron's own, restored after the test
         monkeypatch.setattr(triton_swiglu, "unsupported", lambda *a, ok=can_run: None if ok else "no")
         fused.use_unbacked_swiglu("cuda", torch.bfloat16)
+        for name in want:
+            seen.clear()
+            torch.testing.assert_close(getattr(fbs, name)(*args[name]), want[name])
+            assert seen == ([(name, args[name][0].shape)] if can_run else [])
         seen.clear()
-        torch.testing.assert_close(fbs.swiglu_back(g, y), want)
-        assert seen == ([g.shape] if can_run else [])
-        torch.testing.assert_close(fbs.swiglu_back(g.double(), y), want.double())  # mixed: compiled
-        assert len(seen) == int(can_run)
+        torch.testing.assert_close(fbs.swiglu_back(g.double(), y), want["swiglu_back"].double())  # mixed
+        assert seen == []
+
+
+def _rope_kernel_math(t, cos, sin, backward=False):
+    """What `triton_rope.rope`'s kernel computes (checked against it in Triton's interpreter and on the device),
+    in torch: the rotary half-pairs in fp32 from the rounded tables, one rounding, the rest passed through."""
+    s, b = t.shape[:2]
+    rot = cos.shape[-1]
+    c = cos.float().expand(s, b, rot).unsqueeze(2)
+    n = sin.float().expand(s, b, rot).unsqueeze(2)
+    x = t.float()
+    x1, x2 = x[..., : rot // 2], x[..., rot // 2 : rot]
+    c1, c2, s1, s2 = c[..., : rot // 2], c[..., rot // 2 :], n[..., : rot // 2], n[..., rot // 2 :]
+    if backward:
+        o = torch.cat((x1 * c1 + x2 * s2, x2 * c2 - x1 * s1), -1)
+    else:
+        o = torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), -1)
+    return torch.cat((o, x[..., rot:]), -1).to(t.dtype)
+
+
+def test_megatrons_rope_is_the_triton_kernel_where_it_can_run(monkeypatch):
+    """`fused.use_compiled_rope(device, dtype)` serves megatron's RoPE hooks (padded bshd and packed thd) by
+    `fused.triton_rope_hook` where `triton_rope.unsupported` names no reason, else by the compiled function.
+    Triton cannot run on this CPU machine, so `triton_rope.rope` is a torch stand-in of its math here (the
+    kernel itself is checked in Triton's interpreter and on the device); what runs for real is the rest:
+    the hook's choice, the autograd wiring (forward and backward from one cached table), and the result
+    against megatron's unfused RoPE and its autograd gradient. `tables` computes a table's cos and sin
+    once and again when the angles change; shapes the kernel does not take go to the compiled function."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from rltrain.megatron import decode_kernels, fused, triton_rope
+
+    monkeypatch.setattr(decode_kernels, "triton", object())
+    assert triton_rope.unsupported("cuda", torch.bfloat16) is None
+    assert triton_rope.unsupported("cuda", torch.float64).startswith("dtype")
+    assert triton_rope.unsupported("cpu", torch.float32).startswith("device cpu")
+    for name in ("fused_apply_rotary_pos_emb", "fused_apply_rotary_pos_emb_thd"):
+        monkeypatch.setattr(rope_utils, name, None)  # megatron's own (no Transformer Engine), restored after
+    calls = []
+    monkeypatch.setattr(triton_rope, "rope", lambda *a, **k: (calls.append(k), _rope_kernel_math(*a, **k))[1])
+    monkeypatch.setattr(triton_rope, "unsupported", lambda *a: None)
+    fused.use_compiled_rope("cuda", torch.float32)
+    assert rope_utils.fused_apply_rotary_pos_emb is fused.triton_rope_hook
+    assert rope_utils.fused_apply_rotary_pos_emb_thd.keywords["rotate"] is fused.triton_rope_hook
+
+    gen = torch.Generator().manual_seed(0)
+    for s, b, heads, d, rot, fb in ((5, 2, 4, 16, 16, 1), (4, 3, 2, 20, 12, 3), (1, 1, 1, 8, 8, 1)):
+        t = torch.randn(s, b, heads, d, generator=gen).requires_grad_()
+        freqs = torch.rand(s, fb, 1, rot, generator=gen) * 20
+        grad = torch.randn(s, b, heads, d, generator=gen)
+        ref = _apply_rotary_pos_emb_bshd(t, freqs)
+        (ref_grad,) = torch.autograd.grad(ref, t, grad)
+        calls.clear()
+        out = rope_utils.fused_apply_rotary_pos_emb(t, freqs)
+        (out_grad,) = torch.autograd.grad(out, t, grad)
+        assert calls == [{}, {"backward": True}]
+        assert_close(out, ref, reduction=2)
+        assert_close(out_grad, ref_grad, reduction=2)
+
+    freqs = torch.rand(3, 1, 1, 8, generator=gen)
+    cos, _ = triton_rope.tables(freqs, torch.bfloat16)
+    assert triton_rope.tables(freqs, torch.bfloat16)[0] is cos  # every layer's query and key: one table
+    assert torch.equal(cos, torch.cos(freqs).to(torch.bfloat16).view(3, 1, 8))
+    assert triton_rope.tables(freqs, torch.float32)[0].dtype == torch.float32
+    freqs.mul_(2)  # new angles in the same tensor: computed again
+    assert torch.equal(triton_rope.tables(freqs, torch.float32)[1], torch.sin(freqs).view(3, 1, 8))
+
+    t = torch.randn(3, 2, 2, 8, generator=gen)
+    odd = torch.rand(3, 1, 1, 7, generator=gen)
+    assert triton_rope.shape_unsupported(t, odd).startswith("rotary dimension 7")
+    assert triton_rope.shape_unsupported(t, torch.rand(4, 1, 1, 8)).startswith("freqs")
+    calls.clear()
+    assert_close(fused.triton_rope_hook(t[..., :7].contiguous(), odd[..., :6]), _apply_rotary_pos_emb_bshd(
+        t[..., :7].contiguous(), odd[..., :6]), reduction=2)  # fmt: skip
+    assert calls == [{}]

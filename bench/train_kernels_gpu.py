@@ -1,0 +1,157 @@
+"""The training passes' kernels on the device, each against what it replaces, at a 1.5B micro-batch's shapes
+(bf16; writes train_kernels.json in --out):
+
+  rope     megatron's RoPE hook as `triton_rope`'s kernel (fused.triton_rope_hook: cos / sin once per table)
+           against the torch.compile'd function (fused.compiled_rope), forward and backward, query (12 heads)
+           and key (2 heads) of d 128 at --tokens packed tokens, padded [s, b] rows and a partial rotary
+           dimension: microseconds per call (the forward a layer's query + key, the table shared) and
+           each one's largest error against megatron's unfused RoPE in fp64, and the share of elements the
+           kernel and the compiled function give equal
+  wgrad    one weight's gradient accumulated into its fp32 main_grad: megatron's unfused way (a bf16 product,
+           then DDP's hook adds it) against `wgrad.accumulate_wgrad` (one addmm with an fp32 result into
+           main_grad), for the 1.5B's four products: microseconds and the error against fp64
+  grouped  whether torch._grouped_mm takes out_dtype=float32 (the experts' weight gradients straight in fp32)
+
+    python3 bench/train_kernels_gpu.py --out $OUT           (needs a GPU with triton)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def per_call_us(fn, iters: int = 50) -> float:
+    """Microseconds per call of fn on the current stream (events around iters calls after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / iters
+
+
+def rope(report: dict, tokens: int) -> None:
+    from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+
+    from rltrain.megatron import fused
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    res = report.setdefault("rope", {})
+    # (name, s, b, rot): packed (one row of all tokens), padded rows, a partial rotary dimension
+    for name, s, b, rot in (("packed", tokens, 1, 128), ("padded 8 rows", tokens // 8, 8, 128),
+                            ("partial rot 64", tokens, 1, 64)):  # fmt: skip
+        freqs = torch.rand(s, 1, 1, rot, device="cuda", generator=gen) * 2048
+        row = {}
+        for heads in (12, 2):
+            t = torch.randn(s, b, heads, 128, device="cuda", generator=gen).to(torch.bfloat16)
+            g = torch.randn(s, b, heads, 128, device="cuda", generator=gen).to(torch.bfloat16)
+            truth = _apply_rotary_pos_emb_bshd(t.double(), freqs.double())
+            t64 = t.double().requires_grad_()
+            (truth_grad,) = torch.autograd.grad(
+                _apply_rotary_pos_emb_bshd(t64, freqs.double()), t64, g.double()
+            )
+            outs = {}
+            for way, hook in (("triton", fused.triton_rope_hook), ("compiled", fused.compiled_rope)):
+                x = t.clone().requires_grad_()
+                out = hook(x, freqs)
+                (grad,) = torch.autograd.grad(out, x, g)
+                outs[way] = (out, grad)
+                row[f"{way} fwd us, {heads} heads"] = per_call_us(lambda h=hook, x=x, f=freqs: h(x, f))
+                row[f"{way} fwd+bwd us, {heads} heads"] = per_call_us(
+                    lambda h=hook, x=x, f=freqs, g=g: torch.autograd.grad(h(x, f), x, g)
+                )
+                row[f"{way} max err fwd / bwd, {heads} heads"] = (
+                    float((out.double() - truth).abs().max()),
+                    float((grad.double() - truth_grad).abs().max()),
+                )
+            row[f"equal share fwd / bwd, {heads} heads"] = (
+                float((outs["triton"][0] == outs["compiled"][0]).float().mean()),
+                float((outs["triton"][1] == outs["compiled"][1]).float().mean()),
+            )
+        res[name] = row
+        print("rope", name, json.dumps(row), flush=True)
+
+
+def wgrad(report: dict, tokens: int) -> None:
+    from rltrain.megatron.wgrad import accumulate_wgrad
+
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    res = report.setdefault("wgrad", {})
+    for name, out_f, in_f in (
+        ("qkv", 2048, 1536),
+        ("proj", 1536, 1536),
+        ("fc1", 17920, 1536),
+        ("fc2", 1536, 8960),
+    ):
+        x = torch.randn(tokens, in_f, device="cuda", generator=gen).to(torch.bfloat16)
+        g = torch.randn(tokens, out_f, device="cuda", generator=gen).to(torch.bfloat16)
+        start = torch.randn(out_f, in_f, device="cuda", generator=gen)
+        truth = start.double() + g.double().t() @ x.double()
+        main = {"unfused": start.clone(), "fused": start.clone()}
+
+        def unfused(m=main["unfused"], x=x, g=g):
+            m.add_(g.t().matmul(x))  # megatron without the fusion: bf16 wgrad, DDP's hook adds it
+
+        def fused(m=main["fused"], x=x, g=g):
+            accumulate_wgrad(x, g, m)
+
+        unfused()
+        fused()
+        row = {
+            "max err unfused": float((main["unfused"].double() - truth).abs().max()),
+            "max err fused": float((main["fused"].double() - truth).abs().max()),
+            "unfused us": per_call_us(unfused, 20),
+            "fused us": per_call_us(fused, 20),
+        }
+        res[name] = row
+        print("wgrad", name, json.dumps(row), flush=True)
+
+
+def grouped(report: dict) -> None:
+    a = torch.randn(1024, 4096, device="cuda").to(torch.bfloat16)
+    b = torch.randn(4096, 512, device="cuda").to(torch.bfloat16)
+    offs = torch.arange(512, 4097, 512, device="cuda", dtype=torch.int32)
+    try:
+        out = torch._grouped_mm(a, b, offs=offs, out_dtype=torch.float32)
+        want = torch.stack(
+            [a[:, i * 512 : (i + 1) * 512].float() @ b[i * 512 : (i + 1) * 512].float() for i in range(8)]
+        )
+        report["grouped_mm_out_fp32"] = {"ok": True, "dtype": str(out.dtype),
+                                         "max_abs_diff": float((out - want).abs().max())}  # fmt: skip
+    except Exception as exc:  # the probe reports whatever torch raises
+        report["grouped_mm_out_fp32"] = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    print("grouped", report["grouped_mm_out_fp32"], flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens of a micro-batch")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    a = ap.parse_args()
+    report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "tokens": a.tokens}
+    for part in (lambda: grouped(report), lambda: wgrad(report, a.tokens), lambda: rope(report, a.tokens)):
+        try:
+            part()
+        except Exception as exc:  # one part failing still reports the others
+            report.setdefault("errors", []).append(f"{type(exc).__name__}: {str(exc)[:500]}")
+            print("error", report["errors"][-1], flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "train_kernels.json").write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
