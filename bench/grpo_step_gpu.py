@@ -11,6 +11,9 @@ Workloads (`--workloads`, comma-separated):
 - onestep: 16 prompts x 8 responses x up to 512 tokens (`--onestep-response-length`; capped at the
   preset's own), one mini-batch (one optimizer step per rollout: the plan skips the old log-prob pass),
   KL loss coefficient 0.001. TRL runs this one (`--trl`, when `trl` is importable).
+- NAME:off (e.g. `--workloads preset:off,preset`): workload NAME with `--off-env` in rltrain's environment
+  (default: the training kernels of 2026-12-04 off, rltrain/megatron/fused.py TRAIN_KERNELS_OFF_ENV), so a
+  change is timed against the path before it in one call; its report key is rlplan_NAME_off.
 
 rlplan: `python -m rltrain.cli PRESET --trainer.total_steps N --trainer.test_freq 0
 --trainer.val_before_train false --trainer.save_freq 0` (plus `--cluster.cpus_per_worker 4` on cuda, as the
@@ -254,6 +257,11 @@ def main() -> int:
         "--trl", action="store_true", help="also run TRL's GRPOTrainer on the onestep workload"
     )
     parser.add_argument("--trl-micro-batch", type=int, default=16)
+    parser.add_argument(
+        "--off-env",
+        default="RLPLAN_BENCH_TRAIN_KERNELS_OFF=swiglu,rope,wgrad",
+        help="NAME=VALUE set for a workload written NAME:off in --workloads (rltrain/megatron/fused.py)",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/grpo_step"))
     parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--trl-workload", help=argparse.SUPPRESS)
@@ -276,11 +284,16 @@ def main() -> int:
     except ImportError:
         pass
     for workload in args.workloads.split(","):
-        flags = workload_flags(workload, cfg, args.onestep_response_length) + extra
+        # NAME:off runs workload NAME with --off-env set (the path before a change, side by side with NAME)
+        name, _, off = workload.partition(":")
+        flags = workload_flags(name, cfg, args.onestep_response_length) + extra
         from rltrain.megatron.inference import FORCE_EOS_ENV
 
-        env = {FORCE_EOS_ENV: str(args.realistic_share)} if workload == "realistic" else None
-        result = run_rlplan(args.preset, workload, flags, args.steps, out, env)
+        env = {FORCE_EOS_ENV: str(args.realistic_share)} if name == "realistic" else {}
+        if off:
+            key, _, value = args.off_env.partition("=")
+            env[key] = value
+        result = run_rlplan(args.preset, workload.replace(":", "_"), flags, args.steps, out, env or None)
         report[f"rlplan_{workload}"] = result
         s = result.get("summary_steps_2_n", {})
         if s:

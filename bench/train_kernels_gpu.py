@@ -4,8 +4,9 @@
   rope     megatron's RoPE hook as `triton_rope`'s kernel (fused.triton_rope_hook: cos / sin once per table)
            against the torch.compile'd function (fused.compiled_rope), forward and backward, query (12 heads)
            and key (2 heads) of d 128 at --tokens packed tokens, padded [s, b] rows and a partial rotary
-           dimension: microseconds per call (the forward a layer's query + key, the table shared) and
-           each one's largest error against megatron's unfused RoPE in fp64, and the share of elements the
+           dimension: device microseconds per call (a torch profile's kernel time: the Python of
+           this loop would otherwise set the pace), forward and forward + backward, and each one's largest
+           error against megatron's unfused RoPE in fp64, and the share of elements the
            kernel and the compiled function give equal
   wgrad    one weight's gradient accumulated into its fp32 main_grad: megatron's unfused way (a bf16 product,
            then DDP's hook adds it) against `wgrad.accumulate_wgrad` (one addmm with an fp32 result into
@@ -42,6 +43,21 @@ def per_call_us(fn, iters: int = 50) -> float:
     return start.elapsed_time(end) * 1e3 / iters
 
 
+def device_us(fn, iters: int = 20) -> float:
+    """Microseconds of device time (the kernels' own, summed from a torch profile) per call of fn: what a
+    training pass whose host runs ahead of the device pays, free of this benchmark's Python launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.device_time_total for e in prof.events() if e.device_type.name == "CUDA") / iters
+
+
 def rope(report: dict, tokens: int) -> None:
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
@@ -68,8 +84,8 @@ def rope(report: dict, tokens: int) -> None:
                 out = hook(x, freqs)
                 (grad,) = torch.autograd.grad(out, x, g)
                 outs[way] = (out, grad)
-                row[f"{way} fwd us, {heads} heads"] = per_call_us(lambda h=hook, x=x, f=freqs: h(x, f))
-                row[f"{way} fwd+bwd us, {heads} heads"] = per_call_us(
+                row[f"{way} fwd device us, {heads} heads"] = device_us(lambda h=hook, x=x, f=freqs: h(x, f))
+                row[f"{way} fwd+bwd device us, {heads} heads"] = device_us(
                     lambda h=hook, x=x, f=freqs, g=g: torch.autograd.grad(h(x, f), x, g)
                 )
                 row[f"{way} max err fwd / bwd, {heads} heads"] = (

@@ -12,6 +12,7 @@ shape until torch's recompile limit (tests/megatron/test_recompile.py counts).
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +20,17 @@ from typing import Any
 import torch
 
 from rltrain import device as devices
+
+TRAIN_KERNELS_OFF_ENV = "RLPLAN_BENCH_TRAIN_KERNELS_OFF"
+"""Benchmarks only (bench/grpo_step_gpu.py --off-env): a comma list of the training kernels of 2026-12-04 to
+leave off, so whole steps time the path before them side by side: `swiglu` (megatron's SwiGLU forward
+compiled, not Triton's), `rope` (RoPE compiled, not Triton's), `wgrad` (weight gradients added by DDP's
+hooks, not summed in their products)."""
+
+
+def bench_off(kernel: str) -> bool:
+    """Whether a benchmark switched `kernel` off (`TRAIN_KERNELS_OFF_ENV`)."""
+    return kernel in os.environ.get(TRAIN_KERNELS_OFF_ENV, "").split(",")
 
 
 def rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -251,7 +263,7 @@ class _TritonRope(torch.autograd.Function):
     def forward(ctx, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         from rltrain.megatron import triton_rope
 
-        cos, sin = triton_rope.tables(freqs, t.dtype)
+        cos, sin = triton_rope.tables(freqs)
         ctx.save_for_backward(cos, sin)
         return triton_rope.rope(t, cos, sin)
 
@@ -286,7 +298,7 @@ def use_compiled_rope(device: str | None = None, dtype: torch.dtype | None = Non
     from rltrain.megatron import triton_rope
 
     kernel = device is not None and dtype is not None and triton_rope.unsupported(device, dtype) is None
-    hook = triton_rope_hook if kernel else compiled_rope
+    hook = triton_rope_hook if kernel and not bench_off("rope") else compiled_rope
     current = rope_utils.fused_apply_rotary_pos_emb
     if current is None or current in (compiled_rope, triton_rope_hook):
         rope_utils.fused_apply_rotary_pos_emb = hook
@@ -348,7 +360,7 @@ def use_unbacked_swiglu(device: str | None = None, dtype: torch.dtype | None = N
         if getattr(current, "_rlplan_unbacked", False):
             continue
         wrapped = _unbacked_rows(getattr(current, "_torchdynamo_orig_callable", current))
-        if kernel:
+        if kernel and not (name == "swiglu" and bench_off("swiglu")):
             wrapped = _triton_swiglu(wrapped, name)
         wrapped._rlplan_unbacked = True  # type: ignore[attr-defined]
         wrapped._rlplan_original = current  # type: ignore[attr-defined]

@@ -43,6 +43,7 @@ from rltrain import device as devices
 from rltrain.megatron import context_parallel as cp
 from rltrain.megatron.fused import (  # noqa: F401  (re-exported: the engine's kernels were defined here)
     FusedKernelsError,
+    bench_off,
     check_fused_kernels,
     compiled_rope,
     fused_rotate,
@@ -688,8 +689,8 @@ def build_model_chunks(
             DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=m, disable_bucketing=i > 0)
             for i, m in enumerate(chunks)
         ]
-        if fused:  # megatron's gradient accumulation fusion, once DDP gave the weights their main_grads
-            from rltrain.megatron.wgrad import use_fused_wgrad
+        if fused and not bench_off("wgrad"):  # megatron's gradient accumulation fusion, once DDP gave the
+            from rltrain.megatron.wgrad import use_fused_wgrad  # weights their main_grads
 
             use_fused_wgrad(chunks)
     return chunks

@@ -474,7 +474,7 @@ def test_megatrons_swiglu_and_its_backward_are_the_triton_kernels_where_they_can
 
 def _rope_kernel_math(t, cos, sin, backward=False):
     """What `triton_rope.rope`'s kernel computes (checked against it in Triton's interpreter and on the device),
-    in torch: the rotary half-pairs in fp32 from the rounded tables, one rounding, the rest passed through."""
+    in torch: the rotary half-pairs in fp32 from the fp32 tables, one rounding, the rest passed through."""
     s, b = t.shape[:2]
     rot = cos.shape[-1]
     c = cos.float().expand(s, b, rot).unsqueeze(2)
@@ -530,12 +530,13 @@ def test_megatrons_rope_is_the_triton_kernel_where_it_can_run(monkeypatch):
         assert_close(out_grad, ref_grad, reduction=2)
 
     freqs = torch.rand(3, 1, 1, 8, generator=gen)
-    cos, _ = triton_rope.tables(freqs, torch.bfloat16)
-    assert triton_rope.tables(freqs, torch.bfloat16)[0] is cos  # every layer's query and key: one table
-    assert torch.equal(cos, torch.cos(freqs).to(torch.bfloat16).view(3, 1, 8))
-    assert triton_rope.tables(freqs, torch.float32)[0].dtype == torch.float32
+    cos, _ = triton_rope.tables(freqs)
+    assert triton_rope.tables(freqs)[0] is cos  # every layer's query and key: one table
+    assert torch.equal(cos, torch.cos(freqs).view(3, 1, 8))
     freqs.mul_(2)  # new angles in the same tensor: computed again
-    assert torch.equal(triton_rope.tables(freqs, torch.float32)[1], torch.sin(freqs).view(3, 1, 8))
+    assert torch.equal(triton_rope.tables(freqs)[1], torch.sin(freqs).view(3, 1, 8))
+    other = freqs.clone()  # the same angles in another tensor (another forward's table): computed again
+    assert triton_rope.tables(other)[0] is not triton_rope.tables(freqs)[0]
 
     t = torch.randn(3, 2, 2, 8, generator=gen)
     odd = torch.rand(3, 1, 1, 7, generator=gen)
