@@ -294,7 +294,7 @@ def main() -> int:
             key, _, value = args.off_env.partition("=")
             env[key] = value
         result = run_rlplan(args.preset, workload.replace(":", "_"), flags, args.steps, out, env or None)
-        report[f"rlplan_{workload}"] = result
+        report[f"rlplan_{workload.replace(':', '_')}"] = result
         s = result.get("summary_steps_2_n", {})
         if s:
             phases = ", ".join(
