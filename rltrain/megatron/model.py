@@ -52,6 +52,7 @@ from rltrain.megatron.fused import (  # noqa: F401  (re-exported: the engine's k
     use_compiled_rope,
     use_unbacked_swiglu,
 )
+from rltrain.megatron.multi_tensor import use_foreach_multi_tensor
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -758,7 +759,9 @@ def build_optimizer(
 ) -> MegatronOptimizer:
     """megatron optimizer (AdamW or SGD, fp32 master weights for 16-bit params, global grad clip) with the
     plan's settings. `lr` / `min_lr` here only seed megatron's param groups: `PlanLrSchedule` sets each
-    training step's lr from the plan's table before the step runs."""
+    training step's lr from the plan's table before the step runs. The gradient norm, clipping and fp32
+    copies run torch's foreach kernels (`multi_tensor.use_foreach_multi_tensor`), not megatron's per-parameter
+    fallbacks."""
     dtype = _DTYPES[params_dtype]
     cfg = OptimizerConfig(
         optimizer=optim.optimizer,
@@ -775,6 +778,7 @@ def build_optimizer(
         use_distributed_optimizer=ddp.use_distributed_optimizer,
         overlap_param_gather=ddp.overlap_param_gather,
     )
+    use_foreach_multi_tensor()  # before the optimizer copies its first parameters
     optimizer = get_megatron_optimizer(cfg, list(chunks))
     use_fused_torch_adam(optimizer)
     return optimizer

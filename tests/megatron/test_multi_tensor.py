@@ -1,0 +1,101 @@
+"""megatron's multi-tensor fallbacks as torch's foreach kernels (rltrain/megatron/multi_tensor.py): the gradient
+norm and the clipping scale equal megatron's local Python loops, read nothing back to the host, and are what
+megatron's gradient clipping and optimizer call once the engine built its optimizer."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from ..tolerance import assert_close
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch):
+    """Any read of a tensor's value on the host (float(), .item(), .tolist()) fails inside this block."""
+    with monkeypatch.context() as m:
+        for name in ("item", "tolist", "__float__"):
+            m.setattr(torch.Tensor, name, lambda *a, _n=name: pytest.fail(f"host read: Tensor.{_n}"))
+        yield
+
+
+def _grads(gen: torch.Generator) -> list[torch.Tensor]:
+    shapes = [(7, 3), (64,), (1,), (5, 4, 2), (0,)] * 40  # 200 tensors, an empty one among them
+    return [torch.randn(s, generator=gen) * (i % 7 + 1) for i, s in enumerate(shapes)]
+
+
+def test_foreach_l2_norm_equals_megatrons_loop_without_host_reads(monkeypatch):
+    from megatron.core.utils import local_multi_tensor_l2_norm
+
+    from rltrain.megatron.multi_tensor import l2_norm
+
+    from rltrain.megatron import cpu_compat
+
+    grads = _grads(torch.Generator().manual_seed(0))
+    with cpu_compat.cuda_to_cpu():  # the fallback builds its result on "cuda"
+        want, _ = local_multi_tensor_l2_norm(0, None, [grads], False)
+    halves = [grads[:77], grads[77:]]  # megatron may hand over several lists
+    with no_host_reads(monkeypatch):
+        got, per = l2_norm(0, None, halves, True)
+        got_only, none = l2_norm(0, None, [grads], False)
+    assert got.shape == (1,) and got.dtype == torch.float32 and none is None
+    assert_close(got, want, reduction=len(grads) * 64)
+    assert torch.equal(got, got_only)
+    assert_close(per, torch.stack([g.norm() for g in grads]), reduction=64)
+
+
+def test_foreach_scale_equals_megatrons_loop(monkeypatch):
+    from megatron.core.utils import local_multi_tensor_scale
+
+    from rltrain.megatron.multi_tensor import scale
+
+    gen = torch.Generator().manual_seed(1)
+    grads = _grads(gen)
+    mine, theirs = [g.clone() for g in grads], [g.clone() for g in grads]
+    with no_host_reads(monkeypatch):
+        scale(0, None, [mine, mine], 0.37)  # clipping: in place
+    local_multi_tensor_scale(0, None, [theirs, theirs], 0.37)
+    assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+    src = [g.to(torch.bfloat16) for g in grads]  # the optimizer's copies: 16-bit to fp32 and back
+    for factor in (1.0, 0.5):
+        mine, theirs = [torch.zeros_like(g) for g in grads], [torch.zeros_like(g) for g in grads]
+        scale(0, None, [src, mine], factor)
+        local_multi_tensor_scale(0, None, [src, theirs], factor)
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs, strict=True))
+
+
+def test_megatron_clips_through_the_foreach_kernels(mp_world, monkeypatch):
+    """After `use_foreach_multi_tensor()` (build_optimizer calls it) megatron's own gradient norm and clipping
+    run the foreach functions and give what its local fallbacks give."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.optimizer import optimizer as megatron_optimizer
+
+    from rltrain.megatron import cpu_compat, multi_tensor
+
+    for module in (clip_grads, megatron_optimizer):  # megatron's fallbacks, restored after the test
+        monkeypatch.setattr(module, "multi_tensor_scale_impl", utils.local_multi_tensor_scale)
+    monkeypatch.setattr(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
+    gen = torch.Generator().manual_seed(2)
+    params = [torch.nn.Parameter(torch.zeros(g.shape)) for g in _grads(gen)]
+    grads = _grads(gen)
+    group = torch.distributed.group.WORLD
+    results = {}
+    for way in ("local", "foreach"):
+        if way == "foreach":
+            multi_tensor.use_foreach_multi_tensor()
+            assert clip_grads.l2_norm_impl is multi_tensor.l2_norm
+            assert clip_grads.multi_tensor_scale_impl is multi_tensor.scale
+            assert megatron_optimizer.multi_tensor_scale_impl is multi_tensor.scale
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        with cpu_compat.cuda_to_cpu():
+            norm = clip_grads.get_grad_norm_fp32([p.grad for p in params], grad_stats_parallel_group=group)
+            clip_grads.clip_grad_by_total_norm_fp32(params, max_norm=1.0, total_norm=norm)
+        results[way] = (norm, [p.grad.clone() for p in params])
+    (norm_a, grads_a), (norm_b, grads_b) = results["local"], results["foreach"]
+    assert norm_b == pytest.approx(norm_a, rel=1e-6)
+    for a, b in zip(grads_a, grads_b, strict=True):
+        assert_close(b, a, reduction=64)
