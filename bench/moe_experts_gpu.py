@@ -11,7 +11,9 @@ micro-batches of one optimizer step, with megatron DDP's gradient protocol emula
 expert weight and DDP's per-parameter backward hook, `_make_backward_post_hook`'s add_), side by side:
 `off` (moe_experts.ExpertUpdate all off: weights stacked through autograd per micro-batch, the hooks add
 each gradient), `on` (main_grad by one multi-tensor add, stacks cached for the step, elementwise compiled
-with `--fused`), and each switch alone. The main_grads of `off` and `on` are compared before timing.
+with `--fused`, the weights held without autograd accumulators or hooks as rlplan's DDP without overlapped
+reduction allows), `on_with_accumulators` (the same with the weights as autograd inputs, their hooks
+firing), and the first three switches alone. The main_grads of `off` and `on` are compared before timing.
 
     python bench/moe_experts_gpu.py                      # Qwen3-30B-A3B layer: 128 experts, top 8, H 2048, F 768
     python bench/moe_experts_gpu.py --tokens 4096 --experts 64 --device cpu --dtype float32 --hidden 256 --ffn 128
@@ -88,6 +90,7 @@ def _ddp_experts(w1s, w2s) -> list[torch.nn.Module]:
         for param in (e.linear_fc1.weight, e.linear_fc2.weight):
             param.main_grad = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
             param.grad_added_to_main_grad = False
+            param.ddp_hook_needed = False  # rlplan's DDP does not overlap its gradient reduction
 
             def hook(*_unused, param=param):
                 if param.grad is not None and not param.grad_added_to_main_grad:
@@ -129,19 +132,22 @@ def update_path(a, w1s, w2s, dtype, dev, g) -> dict:
         ))  # fmt: skip
     experts = _ddp_experts(w1s, w2s)
     params = [p for e in experts for p in (e.linear_fc1.weight, e.linear_fc2.weight)]
-    settings = {  # (fuse, main_grad, cache)
-        "off": (False, False, False),
-        "on": (a.fused, True, True),
-        "fuse_only": (a.fused, False, False),
-        "main_grad_only": (False, True, False),
-        "cache_only": (False, False, True),
+    settings = {  # (fuse, main_grad, cache, no_accumulators)
+        "off": (False, False, False, False),
+        "on": (a.fused, True, True, True),
+        "on_with_accumulators": (a.fused, True, True, False),
+        "fuse_only": (a.fused, False, False, False),
+        "main_grad_only": (False, True, False, False),
+        "cache_only": (False, False, True, False),
     }
-    before = (ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache)
+    names = ("fuse", "main_grad", "cache", "no_accumulators")
+    before = [getattr(ExpertUpdate, n) for n in names]
     config = _Config(a.fused)
     grads, ms = {}, {}
     try:
-        for name, (fuse, main_grad, cache) in settings.items():
-            ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache = fuse, main_grad, cache
+        for name, switches in settings.items():
+            for n, v in zip(names, switches, strict=True):
+                setattr(ExpertUpdate, n, v)
             update_step(experts, batches, config)
             grads[name] = [p.main_grad.clone() for p in params]
 
@@ -150,7 +156,8 @@ def update_path(a, w1s, w2s, dtype, dev, g) -> dict:
 
             ms[name] = timed_step(step, a.device, a.repeat)
     finally:
-        ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache = before
+        for n, v in zip(names, before, strict=True):
+            setattr(ExpertUpdate, n, v)
     scale = max(float(t.abs().max()) for t in grads["off"]) or 1.0
     diff = max(float((x - y).abs().max()) for x, y in zip(grads["off"], grads["on"], strict=True)) / scale
     return {"update_ms": ms, "update_speedup": ms["off"] / ms["on"], "update_main_grad_max_rel_diff": diff}
@@ -204,8 +211,9 @@ def profile_on(a, w1s, w2s, dtype, dev, g) -> str:
         ))  # fmt: skip
     experts = _ddp_experts(w1s, w2s)
     config = _Config(a.fused)
-    before = (ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache)
-    ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache = a.fused, True, True
+    before = (ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache, ExpertUpdate.no_accumulators)
+    ExpertUpdate.set(True)
+    ExpertUpdate.fuse = a.fused
     try:
         for _ in range(3):
             update_step(experts, batches, config)
@@ -217,7 +225,7 @@ def profile_on(a, w1s, w2s, dtype, dev, g) -> str:
             if a.device == "cuda":
                 torch.cuda.synchronize()
     finally:
-        ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache = before
+        ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache, ExpertUpdate.no_accumulators = before
     sort = "cuda_time_total" if a.device == "cuda" else "cpu_time_total"
     return prof.key_averages().table(sort_by=sort, row_limit=30)
 

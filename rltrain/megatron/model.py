@@ -690,6 +690,9 @@ def build_model_chunks(
             DistributedDataParallel(config=config, ddp_config=ddp_cfg, module=m, disable_bucketing=i > 0)
             for i, m in enumerate(chunks)
         ]
+        for chunk in chunks:  # whether DDP's hooks need each gradient (moe_experts._hooks_needed)
+            for param in chunk.parameters():
+                param.ddp_hook_needed = ddp_cfg.overlap_grad_reduce
         if fused and not bench_off("wgrad"):  # megatron's gradient accumulation fusion, once DDP gave the
             from rltrain.megatron.wgrad import use_fused_wgrad  # weights their main_grads
 

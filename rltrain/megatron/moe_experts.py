@@ -102,16 +102,21 @@ class ExpertUpdate:
     into megatron DDP's main_grad buffers in one multi-tensor add per layer, not by DDP's per-parameter
     hooks (one add_ per expert weight per micro-batch). `cache`: inside `cached_expert_stacks` (the engine's
     forward + backward of one mini-batch) each layer's weights are stacked once, not per micro-batch.
-    Off, all three: the experts' weights are stacked through autograd on every call, as before."""
+    `no_accumulators`: with `main_grad`, the expert weights are held by the Function, not its autograd inputs,
+    where no DDP hook needs their gradients (`_held`), so autograd runs no gradient accumulator and megatron
+    DDP no Python hook per expert weight per micro-batch (128 per qwen3-moe layer; the qwen3-moe update was
+    host-bound on the H200, 4.5 s of kernels in 7.2 s, docs/benchmarks.md).
+    Off, all four: the experts' weights are stacked through autograd on every call, as before."""
 
     fuse: bool = True
     main_grad: bool = True
     cache: bool = True
+    no_accumulators: bool = True
 
     @classmethod
     def set(cls, on: bool) -> None:
-        """All three switches on or off."""
-        cls.fuse = cls.main_grad = cls.cache = on
+        """All four switches on or off."""
+        cls.fuse = cls.main_grad = cls.cache = cls.no_accumulators = on
 
 
 def swiglu_probs(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
@@ -282,6 +287,14 @@ def _into_main_grads(params: Sequence[torch.Tensor]) -> bool:
     return len(dtypes) == 1
 
 
+def _hooks_needed(params: Sequence[torch.Tensor]) -> bool:
+    """Whether some expert weight's DDP hook must see a gradient even though it is in main_grad already:
+    megatron DDP's hook marks a gradient ready for its overlapped reduction (`overlap_grad_reduce`);
+    without that it only drops the gradient the flag says was added. Weights the engine did not mark
+    (`ddp_hook_needed`, set by model.build_model_chunks from the DDP config) count as needing it."""
+    return any(getattr(p, "ddp_hook_needed", True) for p in params)
+
+
 # The most bytes of expert gradients cast to the main_grad dtype for one foreach add: a whole layer's dW in
 # fp32 at once would be a transient of GBs for 30B-class models (4 bytes per local expert parameter) at the
 # backward's peak, which the memory estimate does not hold; 256 MiB keeps it to a few adds per layer.
@@ -304,9 +317,11 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
     Gradients: dW1 / dW2 come out stacked. Where every weight has megatron DDP's main_grad (`_into_main_grads`
     and `main_grad`), they are added into the main_grads by `torch._foreach_add_` (cast to the buffer's
     dtype a chunk of experts at a time, `MAIN_GRAD_CHUNK_BYTES`), `grad_added_to_main_grad` is set, and
-    the per-expert views of dW1 / dW2 are returned as the parameters' gradients: DDP's hooks still fire (overlap_grad_reduce marks parameters ready in
-    them), see the flag and skip their own add_, and the views cost no copy (autograd takes an unshared
-    gradient of the parameter's layout as it is). This is Transformer Engine's and megatron's own
+    the per-expert views of dW1 / dW2 are returned as the parameters' gradients: DDP's hooks fire
+    (overlap_grad_reduce marks parameters ready in them), see the flag and skip their own add_, and the
+    views cost no copy (autograd takes an unshared gradient of the parameter's layout as it is). Where no
+    hook needs them the weights come `held` (a tuple, not autograd inputs; `_held`) and get no gradient
+    but their main_grads'. This is Transformer Engine's and megatron's own
     `gradient_accumulation_fusion` contract (tensor_parallel/layers.py), whose dummy gradient is a fresh
     empty tensor. Otherwise the same views are the real gradients (no DDP: plain modules, tests)."""
 
@@ -319,23 +334,26 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
         fused: bool,
         cache: bool,
         main_grad: bool,
+        held: tuple[torch.Tensor, ...] | None,
         *weights: torch.Tensor,
     ) -> torch.Tensor:
-        n = len(weights) // 2
-        w1, w2 = _stack(weights[:n], weights[n:], cache)
+        params = held if held is not None else weights
+        n = len(params) // 2
+        w1, w2 = _stack(params[:n], params[n:], cache)
         y, h = _swiglu_forward(x, w1, w2, probs, groups, fused)
         ctx.save_for_backward(x, w1, w2, probs, h)
-        ctx.groups, ctx.fused, ctx.main_grad, ctx.params = groups, fused, main_grad, weights
+        ctx.groups, ctx.fused, ctx.main_grad, ctx.params, ctx.held = groups, fused, main_grad, params, held
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, w1, w2, probs, h = ctx.saved_tensors
         params = ctx.params
-        need = ctx.needs_input_grad[6:]
+        held = ctx.held is not None
+        need = (True,) * len(params) if held else ctx.needs_input_grad[7:]
         dx, dw1, dw2, dprobs = _swiglu_backward(dy, x, w1, w2, probs, h, ctx.groups, ctx.fused, any(need))
         if dw1 is None or dw2 is None:  # frozen experts (LoRA)
-            return dx, dprobs, None, None, None, None, *([None] * len(params))
+            return dx, dprobs, None, None, None, None, None, *([None] * len(params))
         grads = [*dw1.unbind(0), *dw2.unbind(0)]
         if ctx.main_grad and all(need) and _into_main_grads(params):
             n = len(params) // 2
@@ -343,13 +361,17 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
             _add_into_main_grads([p.main_grad for p in params[n:]], dw2)
             for p in params:
                 p.grad_added_to_main_grad = True
+            if held:  # the weights were no autograd inputs: their gradients are in main_grad, and only there
+                return dx, dprobs, None, None, None, None, None
         else:
+            assert not held, "held expert weights need main_grads to take their gradients"
             for p in params:  # a flag a fused call of this step left set would make DDP drop these gradients
                 if getattr(p, "grad_added_to_main_grad", False):
                     p.grad_added_to_main_grad = False
         return (
             dx,
             dprobs,
+            None,
             None,
             None,
             None,
@@ -379,7 +401,29 @@ def expert_swiglu(
         config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or ())
     )
     cache = ExpertUpdate.cache and not recomputed
-    return ExpertParamsSwiGLU.apply(x, probs, groups, fused, cache, ExpertUpdate.main_grad, *fc1, *fc2)
+    params = (*fc1, *fc2)
+    main_grad = ExpertUpdate.main_grad
+    if _held(params, x, probs):
+        return ExpertParamsSwiGLU.apply(x, probs, groups, fused, cache, main_grad, params)
+    return ExpertParamsSwiGLU.apply(x, probs, groups, fused, cache, main_grad, None, *params)
+
+
+def _held(params: Sequence[torch.Tensor], x: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Whether the expert weights go into `ExpertParamsSwiGLU` held, not as autograd inputs
+    (`ExpertUpdate.no_accumulators`): their gradients will go into main_grad (`main_grad` on, every weight
+    trained with DDP's main_grad), no DDP hook needs to see them (`_hooks_needed`), and the rows' input or
+    probabilities take gradients, so that autograd runs the backward at all. Then autograd holds no
+    gradient accumulator for them and megatron DDP runs no Python hook per expert weight per micro-batch:
+    a hook fires after its accumulator even for a None gradient."""
+    return (
+        ExpertUpdate.no_accumulators
+        and ExpertUpdate.main_grad
+        and torch.is_grad_enabled()
+        and (x.requires_grad or probs.requires_grad)
+        and all(p.requires_grad for p in params)
+        and _into_main_grads(params)
+        and not _hooks_needed(params)
+    )
 
 
 class GroupedGemmExperts(SequentialMLP):

@@ -156,12 +156,14 @@ class _Config:
 def _switches(on: bool):
     from rltrain.megatron.moe_experts import ExpertUpdate
 
-    before = (ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache)
+    names = ("fuse", "main_grad", "cache", "no_accumulators")
+    before = [getattr(ExpertUpdate, n) for n in names]
     ExpertUpdate.set(on)
     try:
         yield
     finally:
-        ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache = before
+        for n, v in zip(names, before, strict=True):
+            setattr(ExpertUpdate, n, v)
 
 
 def _run(experts: _Experts, x, probs, counts, dy, config=_Config()):
@@ -203,16 +205,18 @@ def test_expert_params_path_gives_every_expert_parameter_its_gradient(on):
         assert torch.equal(a, b)
 
 
-def _ddp_like(experts: _Experts, main_dtype: torch.dtype) -> dict[str, list]:
+def _ddp_like(experts: _Experts, main_dtype: torch.dtype, hook_needed: bool = True) -> dict[str, list]:
     """megatron DDP's gradient protocol on the experts' weights: a main_grad per parameter, the
     grad_added_to_main_grad flag, and its backward post-hook on each gradient accumulator
     (distributed_data_parallel.py `_make_backward_post_hook`: add param.grad unless the flag says it was
-    added, then drop param.grad). Records each hook call's gradient storage."""
+    added, then drop param.grad), and the engine's `ddp_hook_needed` mark (DDP overlaps its gradient
+    reduction, whose hook must see every gradient). Records each hook call's gradient storage."""
     seen: dict[str, list] = {"fired": [], "storage": []}
     keep = []
     for i, param in enumerate(experts.weights()):
         param.main_grad = torch.zeros(param.shape, dtype=main_dtype)
         param.grad_added_to_main_grad = False
+        param.ddp_hook_needed = hook_needed
 
         def hook(*_unused, param=param, i=i):
             assert param.grad is not None  # what overlap_grad_reduce asserts
@@ -229,15 +233,19 @@ def _ddp_like(experts: _Experts, main_dtype: torch.dtype) -> dict[str, list]:
     return seen
 
 
+@pytest.mark.parametrize("hook_needed", [True, False], ids=["overlapped-reduce", "no-overlap"])
 @pytest.mark.parametrize("chunk_bytes", [None, 1], ids=["one-add", "an-add-per-expert"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_main_grads_accumulate_over_micro_batches_without_the_hooks_adding(dtype, chunk_bytes, monkeypatch):
+def test_main_grads_accumulate_over_micro_batches_without_the_hooks_adding(
+    dtype, chunk_bytes, hook_needed, monkeypatch
+):
     """With megatron DDP's protocol (fp32 main_grad, bf16 or fp32 weights), three micro-batches (different
     rows, an expert without tokens in one) accumulate into main_grad exactly what DDP's per-parameter hooks
-    accumulate with the switches off; on, the hooks still fire for every parameter with a gradient (what
-    overlap_grad_reduce needs), the gradients they see are views of one stacked tensor per weight kind (no
-    copy per parameter), and the flag tells them not to add. The same whether the experts' fp32 gradients
-    are added all at once or in chunks (`MAIN_GRAD_CHUNK_BYTES`, here down to one expert per add)."""
+    accumulate with the switches off. On, where DDP overlaps its reduction the hooks still fire for every
+    parameter with a gradient (what overlap_grad_reduce needs), the gradients they see are views of one
+    stacked tensor per weight kind (no copy per parameter), and the flag tells them not to add; where it
+    does not, no expert weight gets an autograd gradient and no hook fires. The same whether the experts'
+    fp32 gradients are added all at once or in chunks (`MAIN_GRAD_CHUNK_BYTES`, down to one per add)."""
     from rltrain.megatron import moe_experts
 
     if chunk_bytes is not None:
@@ -254,16 +262,18 @@ def test_main_grads_accumulate_over_micro_batches_without_the_hooks_adding(dtype
     mains = {}
     for on in (False, True):
         experts = _Experts(w1, w2)
-        seen = _ddp_like(experts, torch.float32)
+        seen = _ddp_like(experts, torch.float32, hook_needed)
         with _switches(on):
             for x, p, counts, dy in batches:
                 _run(experts, x, p, counts, dy)
         params = experts.weights()
-        for b in range(len(batches)):  # every hook once per micro-batch
-            assert sorted(seen["fired"][b * 2 * e : (b + 1) * 2 * e]) == list(range(2 * e))
         assert all(p.grad is None for p in params)
         assert all(p.grad_added_to_main_grad == on for p in params)
-        if on:  # per micro-batch: the E fc1 gradients share one storage, the E fc2 gradients another
+        fires = 0 if on and not hook_needed else len(batches)  # no accumulator ran, no hook: none
+        assert len(seen["fired"]) == fires * 2 * e
+        for b in range(fires):  # every hook once per micro-batch
+            assert sorted(seen["fired"][b * 2 * e : (b + 1) * 2 * e]) == list(range(2 * e))
+        if on and hook_needed:  # per micro-batch: the E fc1 gradients share one storage, the E fc2 another
             for b in range(len(batches)):
                 storages = seen["storage"][b * 2 * e : (b + 1) * 2 * e]
                 assert len(set(storages)) == 2, storages
@@ -382,7 +392,8 @@ def test_update_through_megatron_ddp_equals_the_path_before(mp_world, qwen3_moe)
     """A grouped-GEMM actor's update (megatron DDP and distributed optimizer on gloo, fp32, four
     micro-batches of two rows into one optimizer step) gives the same main_grads and the same parameters
     after the step with the update path's switches on as off: the gradients went into main_grad by the
-    multi-tensor add (the flag is still set after the step) and the stacks were reused across micro-batches."""
+    multi-tensor add (the flag is still set after the step), the stacks were reused across micro-batches and
+    the weights were held, not autograd inputs (no accumulator and no DDP hook per expert weight)."""
     from rltrain.megatron import moe_experts
     from rltrain.megatron.model import unwrap
 
@@ -399,9 +410,19 @@ def test_update_through_megatron_ddp_equals_the_path_before(mp_world, qwen3_moe)
                 _out.append(w1)
                 return w1, w2
 
+            held: list[bool] = []
+
+            def held_or_not(*args, _real=moe_experts._held, _out=held):
+                _out.append(_real(*args))
+                return _out[-1]
+
             with pytest.MonkeyPatch.context() as mp:
                 mp.setattr(moe_experts, "_stack", record)
+                mp.setattr(moe_experts, "_held", held_or_not)
                 actor.update_policy(_rl_batch(batch, old))
+            # On: megatron DDP without overlapped reduction needs no hook per expert weight, so the weights
+            # were held (no autograd accumulator) in every layer and micro-batch.
+            assert held == ([True] * 8 if on else [])
             model = unwrap(actor.chunks[0])
             named = dict(model.named_parameters())
             experts = [n for n in named if ".experts.local_experts." in n]

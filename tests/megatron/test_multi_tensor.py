@@ -29,9 +29,8 @@ def _grads(gen: torch.Generator) -> list[torch.Tensor]:
 def test_foreach_l2_norm_equals_megatrons_loop_without_host_reads(monkeypatch):
     from megatron.core.utils import local_multi_tensor_l2_norm
 
-    from rltrain.megatron.multi_tensor import l2_norm
-
     from rltrain.megatron import cpu_compat
+    from rltrain.megatron.multi_tensor import l2_norm
 
     grads = _grads(torch.Generator().manual_seed(0))
     with cpu_compat.cuda_to_cpu():  # the fallback builds its result on "cuda"
