@@ -277,11 +277,12 @@ class _TritonRope(torch.autograd.Function):
 
 def triton_rope_hook(t: torch.Tensor, freqs: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
     """megatron's `fused_apply_rotary_pos_emb` hook on CUDA: `triton_rope`'s kernel (`_TritonRope`), the
-    compiled function for shapes it does not take (`triton_rope.shape_unsupported`) or mixed dtypes."""
+    compiled function for tensors it does not take (`triton_rope.args_unsupported`) and inside a compiled
+    function (traced inline)."""
     from rltrain.megatron import triton_rope
 
     assert not interleaved, "interleaved rotary embeddings are refused before this point"
-    if triton_rope.shape_unsupported(t, freqs) is not None or torch.compiler.is_compiling():
+    if triton_rope.args_unsupported(t, freqs) is not None or torch.compiler.is_compiling():
         return compiled_rope(t, freqs)
     return _TritonRope.apply(t, freqs)
 

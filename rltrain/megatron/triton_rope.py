@@ -35,14 +35,16 @@ PAIRS = 32
 
 def unsupported(device: str, dtype: torch.dtype) -> str | None:
     """Why `rope` cannot serve megatron's RoPE on `device` (the plan's `cluster.device`) in `dtype` (None: it
-    can); shapes are checked per call (`shape_unsupported`)."""
+    can); each call's tensors are checked too (`args_unsupported`)."""
     if dtype not in decode_kernels.DTYPES:
         return f"dtype {dtype}"
     return decode_kernels.where_unsupported(devices.kind(device).name)
 
 
-def shape_unsupported(t: torch.Tensor, freqs: torch.Tensor) -> str | None:
+def args_unsupported(t: torch.Tensor, freqs: torch.Tensor) -> str | None:
     """Why `rope` cannot rotate t [s, b, heads, d] by freqs [s, b or 1, 1, rot] (None: it can)."""
+    if t.dtype not in decode_kernels.DTYPES:
+        return f"dtype {t.dtype}"
     if t.dim() != 4 or freqs.dim() != 4:
         return (
             f"t {tuple(t.shape)} / freqs {tuple(freqs.shape)} (needs [s, b, heads, d] / [s, b or 1, 1, rot])"

@@ -540,8 +540,9 @@ def test_megatrons_rope_is_the_triton_kernel_where_it_can_run(monkeypatch):
 
     t = torch.randn(3, 2, 2, 8, generator=gen)
     odd = torch.rand(3, 1, 1, 7, generator=gen)
-    assert triton_rope.shape_unsupported(t, odd).startswith("rotary dimension 7")
-    assert triton_rope.shape_unsupported(t, torch.rand(4, 1, 1, 8)).startswith("freqs")
+    assert triton_rope.args_unsupported(t, odd).startswith("rotary dimension 7")
+    assert triton_rope.args_unsupported(t, torch.rand(4, 1, 1, 8)).startswith("freqs")
+    assert triton_rope.args_unsupported(t.double(), torch.rand(3, 1, 1, 8)).startswith("dtype")
     calls.clear()
     assert_close(fused.triton_rope_hook(t[..., :7].contiguous(), odd[..., :6]), _apply_rotary_pos_emb_bshd(
         t[..., :7].contiguous(), odd[..., :6]), reduction=2)  # fmt: skip
