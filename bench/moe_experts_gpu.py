@@ -117,8 +117,9 @@ def update_step(experts, batches, config) -> None:
             expert_swiglu(experts, x, probs, groups, config).backward(dy)
 
 
-def update_path(a, w1s, w2s, dtype, dev, g) -> dict:
-    """`update_ms` (see the module docstring): switch settings side by side, main_grads compared first."""
+def micro_batches(a, dtype, dev, g) -> list[tuple[torch.Tensor, ...]]:
+    """--micro-batches of (rows x, probabilities, device offsets as moe_forward passes them, dy), each routed
+    top-k at random."""
     batches = []
     for _ in range(a.micro_batches):
         choice = torch.rand(a.tokens, a.experts, generator=g).argsort(-1)[:, : a.topk].flatten()
@@ -127,9 +128,15 @@ def update_path(a, w1s, w2s, dtype, dev, g) -> dict:
         batches.append((
             (torch.randn(rows, a.hidden, generator=g) * 0.5).to(dev, dtype),
             torch.rand(rows, generator=g).to(dev),
-            counts.cumsum(0).to(dev, torch.int32),  # device offsets, as moe_forward passes them
+            counts.cumsum(0).to(dev, torch.int32),
             torch.randn(rows, a.hidden, generator=g).to(dev, dtype),
         ))  # fmt: skip
+    return batches
+
+
+def update_path(a, w1s, w2s, dtype, dev, g) -> dict:
+    """`update_ms` (see the module docstring): switch settings side by side, main_grads compared first."""
+    batches = micro_batches(a, dtype, dev, g)
     experts = _ddp_experts(w1s, w2s)
     params = [p for e in experts for p in (e.linear_fc1.weight, e.linear_fc2.weight)]
     settings = {  # (fuse, main_grad, cache, no_accumulators)
@@ -198,17 +205,7 @@ def profile_on(a, w1s, w2s, dtype, dev, g) -> str:
     """`--profile`: the top kernels (device time) of the `on` update step, one step profiled."""
     from torch.profiler import ProfilerActivity, profile
 
-    batches = []
-    for _ in range(a.micro_batches):
-        choice = torch.rand(a.tokens, a.experts, generator=g).argsort(-1)[:, : a.topk].flatten()
-        counts = torch.bincount(choice, minlength=a.experts)
-        rows = int(counts.sum())
-        batches.append((
-            (torch.randn(rows, a.hidden, generator=g) * 0.5).to(dev, dtype),
-            torch.rand(rows, generator=g).to(dev),
-            counts.cumsum(0).to(dev, torch.int32),
-            torch.randn(rows, a.hidden, generator=g).to(dev, dtype),
-        ))  # fmt: skip
+    batches = micro_batches(a, dtype, dev, g)
     experts = _ddp_experts(w1s, w2s)
     config = _Config(a.fused)
     before = (ExpertUpdate.fuse, ExpertUpdate.main_grad, ExpertUpdate.cache, ExpertUpdate.no_accumulators)
