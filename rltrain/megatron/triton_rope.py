@@ -66,13 +66,14 @@ megatron's freqs tensor, so cos and sin are computed once per forward, not per c
 def tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of freqs [s, fb, 1, rot] in fp32, as contiguous [s, fb, rot] tables; the last table's are
     reused while freqs is the same tensor, unchanged."""
-    if _TABLES:
+    cacheable = not freqs.is_inference()  # an inference tensor has no version counter to check
+    if _TABLES and cacheable:
         f, version, cos, sin = _TABLES[0]
         if f is freqs and version == freqs._version:
             return cos, sin
     angles = freqs.detach().reshape(freqs.shape[0], freqs.shape[1], freqs.shape[-1]).float()
     cos, sin = torch.cos(angles).contiguous(), torch.sin(angles).contiguous()
-    _TABLES[:] = [(freqs, freqs._version, cos, sin)]
+    _TABLES[:] = [(freqs, freqs._version, cos, sin)] if cacheable else []
     return cos, sin
 
 

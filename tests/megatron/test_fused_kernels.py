@@ -537,6 +537,10 @@ def test_megatrons_rope_is_the_triton_kernel_where_it_can_run(monkeypatch):
     assert torch.equal(triton_rope.tables(freqs)[1], torch.sin(freqs).view(3, 1, 8))
     other = freqs.clone()  # the same angles in another tensor (another forward's table): computed again
     assert triton_rope.tables(other)[0] is not triton_rope.tables(freqs)[0]
+    with torch.inference_mode():  # no version counter to check: computed every time, not cached
+        frozen = torch.rand(3, 1, 1, 8, generator=gen)
+        assert torch.equal(triton_rope.tables(frozen)[0], torch.cos(frozen).view(3, 1, 8))
+    assert torch.equal(triton_rope.tables(frozen)[1], torch.sin(frozen).view(3, 1, 8))
 
     t = torch.randn(3, 2, 2, 8, generator=gen)
     odd = torch.rand(3, 1, 1, 7, generator=gen)
