@@ -259,8 +259,9 @@ def main() -> int:
     parser.add_argument("--trl-micro-batch", type=int, default=16)
     parser.add_argument(
         "--off-env",
-        default="RLPLAN_BENCH_TRAIN_KERNELS_OFF=swiglu,rope,wgrad",
-        help="NAME=VALUE set for a workload written NAME:off in --workloads (rltrain/megatron/fused.py)",
+        default=None,
+        help="NAME=VALUE set for a workload written NAME:off in --workloads (default: the training kernels of "
+        "2026-12-04 off, rltrain/megatron/fused.py TRAIN_KERNELS_OFF_ENV=swiglu,rope,wgrad)",
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp/grpo_step"))
     parser.add_argument("--trl-child", action="store_true", help=argparse.SUPPRESS)
@@ -291,10 +292,13 @@ def main() -> int:
 
         env = {FORCE_EOS_ENV: str(args.realistic_share)} if name == "realistic" else {}
         if off:
-            key, _, value = args.off_env.partition("=")
+            from rltrain.megatron.fused import TRAIN_KERNELS_OFF_ENV
+
+            key, _, value = (args.off_env or f"{TRAIN_KERNELS_OFF_ENV}=swiglu,rope,wgrad").partition("=")
             env[key] = value
-        result = run_rlplan(args.preset, workload.replace(":", "_"), flags, args.steps, out, env or None)
-        report[f"rlplan_{workload.replace(':', '_')}"] = result
+        label = workload.replace(":", "_")
+        result = run_rlplan(args.preset, label, flags, args.steps, out, env or None)
+        report[f"rlplan_{label}"] = result
         s = result.get("summary_steps_2_n", {})
         if s:
             phases = ", ".join(

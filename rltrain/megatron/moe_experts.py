@@ -355,7 +355,8 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
         if dw1 is None or dw2 is None:  # frozen experts (LoRA)
             return dx, dprobs, None, None, None, None, None, *([None] * len(params))
         grads = [*dw1.unbind(0), *dw2.unbind(0)]
-        if ctx.main_grad and all(need) and _into_main_grads(params):
+        # Held weights passed `_held`'s main_grad checks at the forward: not made again per micro-batch.
+        if held or (ctx.main_grad and all(need) and _into_main_grads(params)):
             n = len(params) // 2
             _add_into_main_grads([p.main_grad for p in params[:n]], dw1)
             _add_into_main_grads([p.main_grad for p in params[n:]], dw2)
@@ -364,7 +365,6 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
             if held:  # the weights were no autograd inputs: their gradients are in main_grad, and only there
                 return dx, dprobs, None, None, None, None, None
         else:
-            assert not held, "held expert weights need main_grads to take their gradients"
             for p in params:  # a flag a fused call of this step left set would make DDP drop these gradients
                 if getattr(p, "grad_added_to_main_grad", False):
                     p.grad_added_to_main_grad = False

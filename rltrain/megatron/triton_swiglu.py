@@ -6,14 +6,14 @@ training micro-batch (350 us for 16,384 rows of the 1.5B, 463-482 us a call in a
 17% of the pass's device time, docs/benchmarks.md); a program here reads a tile of both halves of a row
 once and writes the product, as the backward does.
 
-Why the backward: torch.compile writes the backward's torch.cat as one pointwise kernel over the [n, 2F] gradient whose
-every element loads its column of g, y_1 and y_2 again (both halves need all three) and evaluates the
-sigmoid again: 0.86-1.39 ms (two calls) for a 16,384-token micro-batch of the 1.5B (2 x 8,960 wide) on the
-H200, 1-1.7 TB/s, once per layer per micro-batch of every update (docs/benchmarks.md). Here a program reads
-a tile of g, y_1 and y_2 once and writes both halves of the gradient (358 us).
+Why the backward: torch.compile writes the backward's torch.cat as one pointwise kernel over the [n, 2F]
+gradient whose every element loads its column of g, y_1 and y_2 again (both halves need all three) and
+evaluates the sigmoid again: 0.86-1.39 ms (two calls) for a 16,384-token micro-batch of the 1.5B (2 x 8,960
+wide) on the H200, 1-1.7 TB/s, once per layer per micro-batch of every update (docs/benchmarks.md). Here a
+program reads a tile of g, y_1 and y_2 once and writes both halves of the gradient (358 us).
 
-`fused.use_unbacked_swiglu` serves them for megatron's `swiglu` and `swiglu_back` on CUDA where `unsupported` names no
-reason; the compiled function stays the reference and the CPU path. Triton is imported guarded, as in
+`fused.use_unbacked_swiglu` serves them for megatron's `swiglu` and `swiglu_back` on CUDA where `unsupported`
+names no reason; the compiled functions stay the reference and the CPU path. Triton is imported guarded, as in
 decode_kernels.py.
 """
 
