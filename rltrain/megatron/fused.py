@@ -25,7 +25,9 @@ TRAIN_KERNELS_OFF_ENV = "RLPLAN_BENCH_TRAIN_KERNELS_OFF"
 """Benchmarks only (bench/grpo_step_gpu.py --off-env): a comma list of the training kernels of 2026-12-04 to
 leave off, so whole steps time the path before them side by side: `swiglu` (megatron's SwiGLU forward
 compiled, not Triton's), `rope` (RoPE compiled, not Triton's), `wgrad` (weight gradients added by DDP's
-hooks, not summed in their products)."""
+hooks, not summed in their products), `foreach` (megatron's per-parameter gradient norm and clipping
+loops, not multi_tensor's foreach kernels), `held` (MoE expert weights through autograd's accumulators and
+DDP's hooks, not held by the experts' Function)."""
 
 
 def bench_off(kernel: str) -> bool:

@@ -781,7 +781,8 @@ def build_optimizer(
         use_distributed_optimizer=ddp.use_distributed_optimizer,
         overlap_param_gather=ddp.overlap_param_gather,
     )
-    use_foreach_multi_tensor()  # before the optimizer copies its first parameters
+    if not bench_off("foreach"):
+        use_foreach_multi_tensor()  # before the optimizer copies its first parameters
     optimizer = get_megatron_optimizer(cfg, list(chunks))
     use_fused_torch_adam(optimizer)
     return optimizer

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from rltrain.megatron.fused import compiled, compiled_or_eager, unbacked_rows
+from rltrain.megatron.fused import bench_off, compiled, compiled_or_eager, unbacked_rows
 
 
 def _use_grouped_kernel(t: torch.Tensor) -> bool:
@@ -423,6 +423,7 @@ def _held(params: Sequence[torch.Tensor], x: torch.Tensor, probs: torch.Tensor) 
         and all(p.requires_grad for p in params)
         and _into_main_grads(params)
         and not _hooks_needed(params)
+        and not bench_off("held")
     )
 
 
