@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench import trace_gaps
 
 WITHIN = 0.15
 """The issue's goal: the plan's memory estimate within +-15% of the measured peak."""
@@ -130,6 +131,11 @@ def run_rlplan(
         flat = out / f"profile_{workload}_{'_'.join(table.relative_to(folder / 'profile').parent.parts)}.txt"
         flat.write_text(table.read_text())
         profiles.append(flat.name)
+        trace = table.with_name("trace.json")
+        if trace.exists():  # where the device waited for the host (bench/trace_gaps.py)
+            gaps = flat.with_name(flat.stem.replace("profile_", "trace_gaps_", 1) + ".json")
+            gaps.write_text(json.dumps(trace_gaps.summarize(trace), indent=1))
+            profiles.append(gaps.name)
     timed = rows[1:] or rows  # step 1 warms up (allocator, CUDA graphs, lazy imports)
     keep = ("timing/", "perf/", "rollout/logprob_diff_max", "response/length_mean")
     summary = {k: spread([r[k] for r in timed if isinstance(r.get(k), int | float)])

@@ -97,28 +97,41 @@ class MegatronActor(TrainedEngine):
         summed over the CP group.
         """
         b, length, shard = logits.shape
-        if mb.packed is not None:  # one packed sequence [1, T]: gather_index points into it directly
-            mask = mb.data["response_mask"].bool()
-            rows = mb.gather_index[mask]
+        shape = mb.data["response_mask"].shape
+        if mb.response_index is not None and self.cp_size == 1:
+            # The valid tokens by their indices found on the host: a boolean mask here would read its count
+            # back (a wait for the whole forward), and masked_scatter's backward another.
+            flat = mb.response_index
+            rows = mb.flat_index().reshape(-1).index_select(0, flat)
+            responses = mb.data["responses"].reshape(-1).index_select(0, flat)
+
+            def place(values: torch.Tensor) -> torch.Tensor:
+                zeros = torch.zeros(shape.numel(), dtype=torch.float32, device=logits.device)
+                return zeros.index_copy(0, flat, values).view(shape)
         else:
             local, held = cp.to_local(mb.gather_index, length * self.cp_size)
             mask = mb.data["response_mask"].bool() & held
             rows = (torch.arange(b, device=logits.device).unsqueeze(1) * length + local)[mask]
+            responses = mb.data["responses"][mask]
+
+            def place(values: torch.Tensor) -> torch.Tensor:
+                return torch.zeros(shape, dtype=torch.float32, device=logits.device).masked_scatter(
+                    mask, values
+                )
+
         logp, ent = token_log_probs_and_entropy(
             logits.reshape(b * length, shard),
             rows,
-            mb.data["responses"][mask],
+            responses,
             temperature,
             self.vocab_size,
             with_entropy=with_entropy,
             chunk_tokens=self.logprob_chunk_tokens,
             fused=self.fused_kernels,
         )
-        zeros = torch.zeros(mask.shape, dtype=torch.float32, device=logits.device)
-        logp = zeros.masked_scatter(mask, logp)
         if ent is None:
-            return cp.sum_over_cp(logp), None
-        both = cp.sum_over_cp(torch.stack([logp, zeros.masked_scatter(mask, ent)]))
+            return cp.sum_over_cp(place(logp)), None
+        both = cp.sum_over_cp(torch.stack([place(logp), place(ent)]))
         return both[0], both[1]
 
     def compute_log_prob(

@@ -69,6 +69,9 @@ class MicroBatch:
     data: dict[str, torch.Tensor]  # the original per-row tensors ([b, ...]) of this micro-batch
     rows: torch.Tensor  # [b] indices of these rows in the batch that was split (outputs go back there)
     packed: PackedSeqParams | None = None  # megatron's THD params of a packed micro-batch
+    # [N] the valid response tokens' flat indices into [b, R] (row-major), found on the host while the
+    # micro-batch was built, so a pass selects them without a device -> host read (a boolean mask would).
+    response_index: torch.Tensor | None = None
 
     def flat_index(self) -> torch.Tensor:
         """[b, R] indices into the output's flattened positions ([b * L] padded, [T] packed) predicting
@@ -442,8 +445,9 @@ class MegatronEngine:
             tokens, positions, gather_index = align_batch(
                 data, self.seq_multiple, self.torch_device, min_length
             )
+            response_index = self._response_index(data)
             data = {k: v.to(self.torch_device) for k, v in data.items()}
-            out.append(MicroBatch(tokens, positions, gather_index, data, idx))
+            out.append(MicroBatch(tokens, positions, gather_index, data, idx, None, response_index))
         return out
 
     def _packed_micro_batches(
@@ -464,9 +468,22 @@ class MegatronEngine:
         for idx in index_sets:
             data = {k: v[idx] for k, v in batch.items() if isinstance(v, torch.Tensor)}
             rows = packing.pack_rows(data, self.seq_multiple, self.torch_device)
+            response_index = self._response_index(data)
             data = {k: v.to(self.torch_device) for k, v in data.items()}
-            out.append(MicroBatch(rows.tokens, rows.position_ids, rows.gather_index, data, idx, rows.params))
+            out.append(
+                MicroBatch(
+                    rows.tokens, rows.position_ids, rows.gather_index, data, idx, rows.params, response_index
+                )
+            )
         return out
+
+    def _response_index(self, data: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """`MicroBatch.response_index` of a micro-batch's rows as given (on the host, where the batch comes
+        from), on this engine's device; None for rows without a response mask."""
+        mask = data.get("response_mask")
+        if mask is None:
+            return None
+        return torch.nonzero(mask.reshape(-1).bool()).squeeze(1).to(self.torch_device)
 
     def rows_in_order(
         self,
@@ -519,9 +536,10 @@ class MegatronEngine:
 
     def micro_batch_weight(
         self, response_mask: torch.Tensor, loss_agg_mode: str, totals: tuple[float, float]
-    ) -> float:
-        """Factor that turns a micro-batch's own aggregated loss into its share of the mini-batch loss
-        aggregated over all DP ranks at once.
+    ) -> torch.Tensor:
+        """Factor (an fp32 scalar tensor on the mask's device: no host read between a micro-batch's forward
+        and its backward) that turns a micro-batch's own aggregated loss into its share of the mini-batch
+        loss aggregated over all DP ranks at once.
 
         token-mean: the micro-batch's token-mean x its tokens / all tokens of the mini-batch (every DP
         rank); seq-mean-*: its row mean x its rows / all rows. Times dp: megatron DDP averages gradients
@@ -530,11 +548,12 @@ class MegatronEngine:
         into micro-batches and over DP ranks, however uneven their token counts.
         """
         tokens, rows = totals
+        # Counted in fp64 and rounded once to fp32: the value a Python float weight had inside the product.
         if loss_agg_mode == "token-mean":
-            share = float(response_mask.sum()) / tokens
+            share = response_mask.sum(dtype=torch.float64) / tokens
         else:
-            share = float((response_mask.sum(-1) > 0).sum()) / rows
-        return share * self.dp_size
+            share = (response_mask.sum(-1) > 0).sum(dtype=torch.float64) / rows
+        return (share * self.dp_size).float()
 
     # --------------------------------------------------------------------------------- schedules
     def run_schedule(

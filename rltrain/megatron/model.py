@@ -525,9 +525,15 @@ class MoeRoutingStats:
             # does (context parallel pads rows to a multiple of 2 x CP, so counting them would make the
             # load depend on CP).
             routing_map = routing_map & ~padding.reshape(-1, 1).to(routing_map.device)
-        tokens = routing_map.sum(0, dtype=torch.float64).detach().cpu()
+        # Summed on the device, read back once on exit: a host read here would wait for every MoE layer's
+        # forward in turn (one sync per layer per micro-batch), so the host could never run ahead of the
+        # device.
+        tokens = routing_map.sum(0, dtype=torch.float64).detach()
         layer = router.layer_number
-        self.counts[layer] = self.counts[layer] + tokens if layer in self.counts else tokens
+        if layer in self.counts:
+            self.counts[layer].add_(tokens)
+        else:
+            self.counts[layer] = tokens
         # megatron's per-rank load-balancing loss is a part of the TP x CP group's (their values add up):
         # count each group's router calls once.
         if (
@@ -551,16 +557,19 @@ class MoeRoutingStats:
         # [layer, expert] token counts, [aux loss sum, router calls]: summed over every rank (pipeline stages
         # hold different layers; DP / EP ranks route their own tokens; TP ranks that route the same tokens
         # scale a layer's counts alike, which the ratio below cancels).
-        counts = torch.zeros(config.num_layers, experts, dtype=torch.float64)
+        counts = torch.zeros(config.num_layers, experts, dtype=torch.float64, device=self.device)
         for layer, c in self.counts.items():
             counts[layer - 1] = c
         tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-        aux = float(tracker["values"].sum()) if tracker is not None else 0.0
-        sums = torch.tensor([aux, float(self.calls), float(tracker is not None)], dtype=torch.float64)
+        aux = tracker["values"].sum().to(counts) if tracker is not None else counts.new_zeros(())
+        sums = torch.stack(
+            [aux, counts.new_tensor(float(self.calls)), counts.new_tensor(float(tracker is not None))]
+        )
+        packed = torch.cat([counts.flatten(), sums])
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            packed = torch.cat([counts.flatten(), sums]).to(self.device)
             torch.distributed.all_reduce(packed)
-            counts, sums = packed[: counts.numel()].cpu().view_as(counts), packed[counts.numel() :].cpu()
+        packed = packed.cpu()  # the one host read of the update's routing
+        counts, sums = packed[: counts.numel()].view_as(counts), packed[counts.numel() :]
         clear_aux_losses_tracker()
         routed = counts[counts.sum(1) > 0]
         if len(routed):

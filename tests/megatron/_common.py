@@ -4,6 +4,7 @@ through a compiled plan (`rlconf.plan.small_plan` + `from_plan`, the path a run 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import traceback
 from collections.abc import Callable
@@ -66,6 +67,21 @@ def hf_logits(path: str | os.PathLike, input_ids: torch.Tensor, attention_mask: 
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         return model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
+
+
+# Tensor methods that read a value back to the host: on a GPU each waits for all work queued before it.
+HOST_READS = ("item", "tolist", "__float__", "__int__", "cpu", "numpy")
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch):
+    """Any read of a tensor's value on the host (`HOST_READS`) fails the test inside this block."""
+    import pytest
+
+    with monkeypatch.context() as m:
+        for name in HOST_READS:
+            m.setattr(torch.Tensor, name, lambda *a, _n=name, **k: pytest.fail(f"host read: Tensor.{_n}"))
+        yield
 
 
 def batch_from_lengths(

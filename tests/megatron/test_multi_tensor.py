@@ -4,21 +4,11 @@ megatron's gradient clipping and optimizer call once the engine built its optimi
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 
 from ..tolerance import assert_close
-
-
-@contextlib.contextmanager
-def no_host_reads(monkeypatch):
-    """Any read of a tensor's value on the host (float(), .item(), .tolist()) fails inside this block."""
-    with monkeypatch.context() as m:
-        for name in ("item", "tolist", "__float__"):
-            m.setattr(torch.Tensor, name, lambda *a, _n=name: pytest.fail(f"host read: Tensor.{_n}"))
-        yield
+from ._common import no_host_reads
 
 
 def _grads(gen: torch.Generator) -> list[torch.Tensor]:

@@ -1,0 +1,87 @@
+"""Host reads inside an update (issue 36): on a GPU each read of a tensor's value waits for all the work queued
+before it, so one inside a layer's forward serialises the host and the device layer by layer (a profiled
+qwen3-moe update on the H200 read each MoE layer's routing counts back, 576 times per update). The routing
+statistics are summed on the device and read once per update; a micro-batch's loss weight is a device
+tensor, so nothing is read between its forward and its backward."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlconf.config import ActorConfig, ModelConfig
+
+from ._common import actor_of, batch_from_lengths, no_host_reads
+
+
+@pytest.fixture
+def moe_actor(mp_world):
+    from presets.gpu import QWEN3_MOE_3B
+
+    arch = replace(QWEN3_MOE_3B, num_layers=3, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                   num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
+                   num_moe_experts=8, moe_router_topk=2)  # fmt: skip
+    model = ModelConfig(arch=arch, params_dtype="float32", attention_backend="sdpa", moe_grouped_gemm=True)
+    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+    return actor_of(model, cfg, "cpu", total_steps=2)
+
+
+def test_routing_stats_are_read_once_per_update(moe_actor, monkeypatch):
+    """No host read while a router's forward is recorded (3 MoE layers x 2 micro-batches of them), and the
+    update's expert-load metric is the one the routers' own routing maps give."""
+    from rltrain.megatron.model import MoeRoutingStats, unwrap
+
+    record = MoeRoutingStats._record
+
+    def record_without_reads(self, *args):
+        with no_host_reads(monkeypatch):
+            return record(self, *args)
+
+    monkeypatch.setattr(MoeRoutingStats, "_record", record_without_reads)
+    seen: dict[int, torch.Tensor] = {}
+
+    def count(router, inputs, output):
+        routed = output[1]  # [tokens, experts]; padding columns (True in the mask) are not tokens
+        if len(inputs) > 1 and inputs[1] is not None:
+            routed = routed & ~inputs[1].reshape(-1, 1)
+        tokens = routed.sum(0, dtype=torch.float64)
+        seen[router.layer_number] = seen.get(router.layer_number, 0) + tokens
+
+    routers = [m for m in unwrap(moe_actor.chunks[0]).modules() if hasattr(m, "router_replay")]
+    assert len(routers) == 3
+    handles = [r.register_forward_hook(count) for r in routers]
+    batch = batch_from_lengths([(6, 8), (4, 7), (6, 3), (5, 8)], 6, 8, vocab=128)
+    mask = batch["response_mask"].float()
+    metrics = moe_actor.update_policy({**batch, "old_log_probs": torch.zeros_like(mask), "advantages": mask})
+    for h in handles:
+        h.remove()
+    loads = [float(c.max() / c.mean()) for c in seen.values()]
+    assert metrics["actor/moe_expert_load_max"] == pytest.approx(sum(loads) / len(loads), rel=1e-12)
+    assert metrics["actor/moe_aux_loss"] > 0
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batch_weight_is_a_device_tensor_equal_to_the_host_float(mode, monkeypatch):
+    """The weight needs no host read, and a loss times it is bit for bit the loss times the Python float the
+    weight was before (the scalar is rounded to fp32 inside the product either way)."""
+    from rltrain.megatron.engine import MegatronEngine
+
+    gen = torch.Generator().manual_seed(0)
+    for dp in (1, 2, 3):
+        engine = SimpleNamespace(dp_size=dp)
+        for _ in range(20):
+            mask = (torch.rand(5, 9, generator=gen) < 0.6).long()
+            mask[0] = 0  # a row without a valid token
+            totals = (float(mask.sum()) * dp + 17.0, 4.0 * dp + 1.0)
+            loss = torch.randn((), generator=gen)
+            with no_host_reads(monkeypatch):
+                weight = MegatronEngine.micro_batch_weight(engine, mask, mode, totals)
+            assert isinstance(weight, torch.Tensor) and weight.dtype == torch.float32
+            if mode == "token-mean":
+                before = float(mask.sum()) / totals[0] * dp
+            else:
+                before = float((mask.sum(-1) > 0).sum()) / totals[1] * dp
+            assert torch.equal(loss * weight, loss * before)
