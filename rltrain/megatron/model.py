@@ -808,10 +808,12 @@ def guarded_optimizer_step(
 
     found_inf = optimizer.prepare_grads()  # megatron's own inf / NaN check (fp16 loss scaling)
     grad_norm = float("nan") if found_inf else float(optimizer.get_grad_norm())
-    bad = torch.tensor([0.0 if loss_finite and math.isfinite(grad_norm) else 1.0], device=device)
+    ok = loss_finite and math.isfinite(grad_norm)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        bad = torch.tensor([0.0 if ok else 1.0], device=device)
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
-    if bad.item() > 0:
+        ok = bad.item() == 0
+    if not ok:
         return False, grad_norm
     chained = getattr(optimizer, "chained_optimizers", [optimizer])
     for opt in chained:

@@ -237,11 +237,14 @@ class GroupedSwiGLU(torch.autograd.Function):
 _STACKS: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] | None = None
 """Inside `cached_expert_stacks`: each layer's stacked expert weights (keyed by its first fc1 weight) and
 the parameters' version counters they were stacked at."""
+_PARAMS: dict[int, tuple[tuple[torch.Tensor, ...], bool]] | None = None
+"""Inside `cached_expert_stacks`: each layer's `_expert_params` (keyed by its list of experts)."""
 
 
 @contextlib.contextmanager
 def cached_expert_stacks() -> Iterator[None]:
-    """Within this context each MoE layer stacks its expert weights once (`ExpertUpdate.cache`): the engine
+    """Within this context each MoE layer looks up its experts' weights once (`_expert_params`) and stacks
+    them once (`ExpertUpdate.cache`): the engine
     enters it around one mini-batch's forward + backward (rltrain/megatron/engine.py `run_schedule`), so
     the optimizer, which changes the weights, runs outside it; the stacks are dropped on exit.
 
@@ -250,13 +253,14 @@ def cached_expert_stacks() -> Iterator[None]:
     are checked too, so an in-place change inside the context (a test, a user's hook) restacks. Memory:
     the stacks of every MoE layer of the stage are held for the mini-batch, where per-call stacks were
     held for each micro-batch in flight (the same at pp = 1; rlconf/plan/memory.py counts it)."""
-    global _STACKS
-    outer = _STACKS
+    global _STACKS, _PARAMS
+    outer, outer_params = _STACKS, _PARAMS
     _STACKS = {} if outer is None else outer  # nested: the outer context's stacks
+    _PARAMS = {} if outer_params is None else outer_params
     try:
         yield
     finally:
-        _STACKS = outer
+        _STACKS, _PARAMS = outer, outer_params
 
 
 def _stack(fc1: Sequence[torch.Tensor], fc2: Sequence[torch.Tensor], cache: bool) -> tuple[torch.Tensor, ...]:
@@ -393,36 +397,49 @@ def expert_swiglu(
     except where megatron recomputes the MoE layer (full recompute, or selective with "moe"), which keeps
     one layer's activations at a time: a cache would hold every layer's stack."""
     fused = bool(config.bias_activation_fusion) and ExpertUpdate.fuse
-    fc1 = [e.linear_fc1.weight for e in experts]
-    fc2 = [e.linear_fc2.weight for e in experts]
+    params, can_hold = _expert_params(experts)
+    n = len(experts)
     if not (ExpertUpdate.main_grad or ExpertUpdate.cache):
-        return GroupedSwiGLU.apply(x, torch.stack(fc1), torch.stack(fc2), probs, groups, fused)
+        return GroupedSwiGLU.apply(x, torch.stack(params[:n]), torch.stack(params[n:]), probs, groups, fused)
     recomputed = config.recompute_granularity == "full" or (
         config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or ())
     )
     cache = ExpertUpdate.cache and not recomputed
-    params = (*fc1, *fc2)
     main_grad = ExpertUpdate.main_grad
-    if _held(params, x, probs):
+    if _held(can_hold, x, probs):
         return ExpertParamsSwiGLU.apply(x, probs, groups, fused, cache, main_grad, params)
     return ExpertParamsSwiGLU.apply(x, probs, groups, fused, cache, main_grad, None, *params)
 
 
-def _held(params: Sequence[torch.Tensor], x: torch.Tensor, probs: torch.Tensor) -> bool:
+def _expert_params(experts: Sequence[torch.nn.Module]) -> tuple[tuple[torch.Tensor, ...], bool]:
+    """(the local experts' fc1 weights then their fc2 weights, whether they could be held: every one trained
+    with DDP's main_grad and no DDP hook needing it, `_into_main_grads` and not `_hooks_needed`). Looked up
+    once per layer per training pass inside `cached_expert_stacks` (the DDP buffers and flags do not
+    change within it): two module lookups per expert and the checks over 2E weights cost ~0.3 ms of host
+    time per MoE layer per micro-batch on a 64-expert layer."""
+    key = id(experts)
+    if _PARAMS is not None and key in _PARAMS:
+        return _PARAMS[key]
+    params = (*(e.linear_fc1.weight for e in experts), *(e.linear_fc2.weight for e in experts))
+    can_hold = all(p.requires_grad for p in params) and _into_main_grads(params) and not _hooks_needed(params)
+    if _PARAMS is not None:
+        _PARAMS[key] = (params, can_hold)
+    return params, can_hold
+
+
+def _held(can_hold: bool, x: torch.Tensor, probs: torch.Tensor) -> bool:
     """Whether the expert weights go into `ExpertParamsSwiGLU` held, not as autograd inputs
     (`ExpertUpdate.no_accumulators`): their gradients will go into main_grad (`main_grad` on, every weight
-    trained with DDP's main_grad), no DDP hook needs to see them (`_hooks_needed`), and the rows' input or
-    probabilities take gradients, so that autograd runs the backward at all. Then autograd holds no
-    gradient accumulator for them and megatron DDP runs no Python hook per expert weight per micro-batch:
-    a hook fires after its accumulator even for a None gradient."""
+    trained with DDP's main_grad and no DDP hook needing to see it: `can_hold`, `_expert_params`), and the
+    rows' input or probabilities take gradients, so that autograd runs the backward at all. Then autograd
+    holds no gradient accumulator for them and megatron DDP runs no Python hook per expert weight per
+    micro-batch: a hook fires after its accumulator even for a None gradient."""
     return (
-        ExpertUpdate.no_accumulators
+        can_hold
+        and ExpertUpdate.no_accumulators
         and ExpertUpdate.main_grad
         and torch.is_grad_enabled()
         and (x.requires_grad or probs.requires_grad)
-        and all(p.requires_grad for p in params)
-        and _into_main_grads(params)
-        and not _hooks_needed(params)
         and not bench_off("held")
     )
 

@@ -6,6 +6,7 @@ tensor, so nothing is read between its forward and its backward."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -85,3 +86,64 @@ def test_micro_batch_weight_is_a_device_tensor_equal_to_the_host_float(mode, mon
             else:
                 before = float((mask.sum(-1) > 0).sum()) / totals[1] * dp
             assert torch.equal(loss * weight, loss * before)
+
+
+def _reads_outside_the_schedule(actor, rl: dict, monkeypatch) -> tuple[int, dict]:
+    """(host reads of an update outside its forward / backward schedule and its micro-batches' making, which
+    reads the host's own batch: it comes from the controller on the CPU; the update's metrics)."""
+    from rltrain.megatron.engine import MegatronEngine
+
+    from ._common import HOST_READS
+
+    count = 0
+    inside = False
+
+    def not_counted(method):
+        def run(self, *args, **kwargs):
+            nonlocal inside
+            inside = True
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                inside = False
+
+        return run
+
+    def counted(original):
+        def read(self, *args, **kwargs):
+            nonlocal count
+            count += not inside
+            return original(self, *args, **kwargs)
+
+        return read
+
+    with monkeypatch.context() as m:
+        for method in ("run_schedule", "micro_batches"):
+            m.setattr(MegatronEngine, method, not_counted(getattr(MegatronEngine, method)))
+        for name in HOST_READS:
+            m.setattr(torch.Tensor, name, counted(getattr(torch.Tensor, name)))
+        metrics = actor.update_policy(rl)
+    return count, metrics
+
+
+def test_an_update_reads_its_metrics_once_per_optimizer_step(mp_world, monkeypatch):
+    """Outside the forward / backward schedule an update reads the same number of values back to the host
+    whether its mini-batch has 1, 2 or 4 micro-batches (its micro-batches' metrics come back in one copy per
+    optimizer step, not one read per metric per micro-batch)."""
+    from presets.gpu import QWEN3_MOE_3B
+
+    arch = replace(QWEN3_MOE_3B, num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                   num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
+                   num_moe_experts=8, moe_router_topk=2)  # fmt: skip
+    model = ModelConfig(arch=arch, params_dtype="float32", attention_backend="sdpa", moe_grouped_gemm=True)
+    batch = batch_from_lengths([(6, 8), (4, 7), (6, 3), (5, 8)], 6, 8, vocab=128)
+    mask = batch["response_mask"].float()
+    rl = {**batch, "old_log_probs": torch.zeros_like(mask), "advantages": mask}
+    reads = {}
+    for micro in (4, 2, 1):
+        cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro, use_dynamic_bsz=False)
+        reads[micro], metrics = _reads_outside_the_schedule(
+            actor_of(model, cfg, "cpu", total_steps=2), rl, monkeypatch
+        )
+        assert all(math.isfinite(v) for v in metrics.values()), metrics
+    assert reads[4] == reads[2] == reads[1], reads
