@@ -12,6 +12,10 @@
            then DDP's hook adds it) against `wgrad.accumulate_wgrad` (one addmm with an fp32 result into
            main_grad), for the 1.5B's four products: microseconds and the error against fp64
   grouped  whether torch._grouped_mm takes out_dtype=float32 (the experts' weight gradients straight in fp32)
+  maingrad a MoE layer's expert weight gradients (qwen3-moe: 64 experts, fc1 [1024, 1024], fc2 [1024, 512],
+           bf16) added into fp32 main_grads laid out as megatron DDP's buffer (reverse order, fc1 / fc2
+           interleaved): `triton_grad_add`'s kernel against the foreach cast-and-add it replaces, device
+           microseconds per layer and whether the sums are bit-identical
 
     python3 bench/train_kernels_gpu.py --out $OUT           (needs a GPU with triton)
 """
@@ -151,13 +155,60 @@ def grouped(report: dict) -> None:
     print("grouped", report["grouped_mm_out_fp32"], flush=True)
 
 
+def maingrad(report: dict, experts: int = 64, hidden: int = 1024, ffn: int = 512) -> None:
+    from rltrain.megatron import moe_experts, triton_grad_add
+    from rltrain.megatron.fused import TRAIN_KERNELS_OFF_ENV
+
+    n1, n2 = 2 * ffn * hidden, hidden * ffn
+    buffer = torch.randn(experts * (n1 + n2) + 64, device="cuda")
+    fc1, fc2 = [None] * experts, [None] * experts
+    pos = 64
+    for e in reversed(range(experts)):  # megatron DDP's buffer: reverse parameter order
+        fc2[e] = buffer[pos : pos + n2].view(hidden, ffn)
+        pos += n2
+        fc1[e] = buffer[pos : pos + n1].view(2 * ffn, hidden)
+        pos += n1
+    dw1 = torch.randn(experts, 2 * ffn, hidden, device="cuda").to(torch.bfloat16)
+    dw2 = torch.randn(experts, hidden, ffn, device="cuda").to(torch.bfloat16)
+    assert triton_grad_add.unsupported(fc1, dw1) is None and triton_grad_add.unsupported(fc2, dw2) is None
+    start = buffer.clone()
+
+    def foreach():
+        os.environ[TRAIN_KERNELS_OFF_ENV] = "maingrad"
+        try:
+            moe_experts._add_into_main_grads(fc1, dw1)
+            moe_experts._add_into_main_grads(fc2, dw2)
+        finally:
+            del os.environ[TRAIN_KERNELS_OFF_ENV]
+
+    def kernel():
+        moe_experts._add_into_main_grads(fc1, dw1)
+        moe_experts._add_into_main_grads(fc2, dw2)
+
+    sums = {}
+    for name, fn in (("foreach", foreach), ("kernel", kernel)):
+        buffer.copy_(start)
+        fn()
+        sums[name] = buffer.clone()
+    row = {"bit_identical": bool(torch.equal(sums["foreach"], sums["kernel"])),
+           "foreach_us": device_us(foreach), "kernel_us": device_us(kernel)}  # fmt: skip
+    row["bytes_moved_gb_per_s_kernel"] = experts * (n1 + n2) * 10 / row["kernel_us"] / 1e3
+    report["maingrad"] = row
+    print("maingrad", row, flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of a micro-batch")
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only", default="", help="comma list of parts (default: all)")
     a = ap.parse_args()
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "tokens": a.tokens}
-    for part in (lambda: grouped(report), lambda: wgrad(report, a.tokens), lambda: rope(report, a.tokens)):
+    parts = {"maingrad": lambda: maingrad(report), "grouped": lambda: grouped(report),
+             "wgrad": lambda: wgrad(report, a.tokens), "rope": lambda: rope(report, a.tokens)}  # fmt: skip
+    for name, part in parts.items():
+        if a.only and name not in a.only.split(","):
+            continue
         try:
             part()
         except Exception as exc:  # one part failing still reports the others

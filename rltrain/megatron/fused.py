@@ -27,7 +27,8 @@ leave off, so whole steps time the path before them side by side: `swiglu` (mega
 compiled, not Triton's), `rope` (RoPE compiled, not Triton's), `wgrad` (weight gradients added by DDP's
 hooks, not summed in their products), `foreach` (megatron's per-parameter gradient norm and clipping
 loops, not multi_tensor's foreach kernels), `held` (MoE expert weights through autograd's accumulators and
-DDP's hooks, not held by the experts' Function)."""
+DDP's hooks, not held by the experts' Function), `maingrad` (the experts' weight gradients cast and added by
+foreach ops, not triton_grad_add's kernel)."""
 
 
 def bench_off(kernel: str) -> bool:

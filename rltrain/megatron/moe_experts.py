@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
+from rltrain.megatron import triton_grad_add
 from rltrain.megatron.fused import bench_off, compiled, compiled_or_eager, unbacked_rows
 
 
@@ -306,7 +307,12 @@ MAIN_GRAD_CHUNK_BYTES = 256 * 2**20
 
 
 def _add_into_main_grads(mains: Sequence[torch.Tensor], dw: torch.Tensor) -> None:
-    """main_grads[e] += dw[e] for the stacked gradients dw [E, ...], a chunk of experts per foreach add."""
+    """main_grads[e] += dw[e] for the stacked gradients dw [E, ...]: one Triton kernel where
+    `triton_grad_add.unsupported` names no reason (CUDA, DDP's buffer), else a chunk of experts per foreach
+    add. The same sums either way."""
+    if triton_grad_add.unsupported(mains, dw) is None and not bench_off("maingrad"):
+        triton_grad_add.add_into(mains, dw)
+        return
     wide = mains[0].dtype
     chunk = max(1, MAIN_GRAD_CHUNK_BYTES // max(1, dw[0].numel() * wide.itemsize))
     for lo in range(0, dw.shape[0], chunk):

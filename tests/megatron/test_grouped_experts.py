@@ -436,3 +436,64 @@ def test_update_through_megatron_ddp_equals_the_path_before(mp_world, qwen3_moe)
     for n, (grad, param) in results[True].items():
         assert torch.equal(grad, results[False][n][0]), n
         assert torch.equal(param, results[False][n][1]), n
+
+
+def test_one_kernel_adds_the_experts_gradients_into_megatron_ddps_buffer(mp_world, qwen3_moe, monkeypatch):
+    """`triton_grad_add` takes the main_grads real megatron DDP gives the experts as they are (its layout
+    check passes: fp32 views into one buffer), and an update whose experts' gradients go through it (two
+    launches per MoE layer and micro-batch, each at that weight kind's offsets into the buffer) ends with the
+    main_grads and parameters of the foreach path bit for bit. Triton cannot run on this CPU machine: the
+    launch is the kernel's documented math in torch (checked against the kernel in Triton's interpreter and
+    on the device by bench/train_kernels_gpu.py); the offsets, the buffer view and the dispatch are real."""
+    from rltrain.megatron import triton_grad_add
+    from rltrain.megatron.model import unwrap
+
+    batch = _batch()
+    results = {}
+    launches: list[tuple[int, tuple[int, ...]]] = []
+
+    def launch(buffer, offsets, dw, size):  # the kernel's math
+        index = (offsets.unsqueeze(1) + torch.arange(size)).reshape(-1)
+        buffer.index_put_((index,), dw.reshape(-1).to(buffer.dtype), accumulate=True)
+        launches.append((len(offsets), tuple(offsets.tolist())))
+
+    reasons: list[str | None] = []
+
+    def layout(mains, dw, _real=triton_grad_add.layout_unsupported):
+        reasons.append(_real(mains, dw))
+        return reasons[-1]
+
+    for kernel in (False, True):
+        with _switches(True), monkeypatch.context() as m:
+            if kernel:
+                m.setattr(triton_grad_add, "device_unsupported", lambda device: None)
+                m.setattr(triton_grad_add, "layout_unsupported", layout)
+                m.setattr(triton_grad_add, "_launch", launch)
+            actor = _actor(qwen3_moe, True)
+            old = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+            actor.update_policy(_rl_batch(batch, old))
+            named = dict(unwrap(actor.chunks[0]).named_parameters())
+            results[kernel] = {n: (p.main_grad.clone(), p.detach().clone()) for n, p in named.items()}
+    assert reasons and all(r is None for r in reasons), reasons
+    assert len(launches) == 2 * 2 * 4  # fc1 and fc2, 2 layers, 4 micro-batches
+    assert len({offsets for _, offsets in launches}) == 4  # each layer's fc1 and fc2 at their own offsets
+    for n, (grad, param) in results[True].items():
+        assert torch.equal(grad, results[False][n][0]), n
+        assert torch.equal(param, results[False][n][1]), n
+
+
+def test_triton_grad_add_refuses_what_it_cannot_take():
+    """The kernel's layout check names main_grads outside one buffer, of another dtype or size, and a
+    non-contiguous gradient stack; on this CPU machine the device check names the device."""
+    from rltrain.megatron import triton_grad_add as t
+
+    buffer = torch.zeros(40)
+    mains = [buffer[i * 10 : (i + 1) * 10].view(2, 5) for i in (3, 1, 2)]
+    dw = torch.ones(3, 2, 5, dtype=torch.bfloat16)
+    assert t.layout_unsupported(mains, dw) is None
+    assert "one buffer" in t.layout_unsupported([*mains[:2], torch.zeros(2, 5)], dw)
+    assert "fp32" in t.layout_unsupported([m.double() for m in mains], dw)
+    assert "size" in t.layout_unsupported(mains, torch.ones(3, 2, 4, dtype=torch.bfloat16))
+    assert "contiguous" in t.layout_unsupported(mains, torch.ones(3, 5, 2).transpose(1, 2))
+    assert "one per main_grad" in t.layout_unsupported(mains[:2], dw)
+    assert t.unsupported(mains, dw) == "no triton on this device"
