@@ -146,6 +146,15 @@ def torch_device(device: str, index: int | None = None) -> torch.device:
     return torch.device(device, current_index(device) if index is None else index)
 
 
+def from_host(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait: on CUDA pinned and copied asynchronously (a
+    copy from pageable memory first waits for everything queued on the stream, so one per micro-batch
+    tensor stalled the host at each mini-batch); elsewhere `tensor.to(device)`."""
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def set_device(device: str, index: int) -> None:
     """Make device `index` current in this process (before NCCL / HCCL create communicators on it)."""
     mod = accelerator_module(device)

@@ -34,7 +34,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlconf.seeding import DROPOUT, SHUFFLE, derive_seed
-from rltrain.device import device_context, torch_device
+from rltrain.device import device_context, from_host, torch_device
 from rltrain.megatron import context_parallel as cp
 from rltrain.megatron import model as mmodel
 from rltrain.megatron import packing
@@ -114,7 +114,7 @@ def align_batch(
     prompt_len = valid_len - resp_len
     gather_index = (prompt_len.unsqueeze(1) - 1 + torch.arange(r).unsqueeze(0)).clamp(min=0, max=length - 1)
     positions = cols.unsqueeze(0).expand(b, -1).contiguous()
-    return tokens.to(device), positions.to(device), gather_index.to(device)
+    return from_host(tokens, device), from_host(positions, device), from_host(gather_index, device)
 
 
 def split_rows(n: int, micro_batch_size: int) -> list[slice]:
@@ -446,7 +446,7 @@ class MegatronEngine:
                 data, self.seq_multiple, self.torch_device, min_length
             )
             response_index = self._response_index(data)
-            data = {k: v.to(self.torch_device) for k, v in data.items()}
+            data = {k: from_host(v, self.torch_device) for k, v in data.items()}
             out.append(MicroBatch(tokens, positions, gather_index, data, idx, None, response_index))
         return out
 
@@ -469,7 +469,7 @@ class MegatronEngine:
             data = {k: v[idx] for k, v in batch.items() if isinstance(v, torch.Tensor)}
             rows = packing.pack_rows(data, self.seq_multiple, self.torch_device)
             response_index = self._response_index(data)
-            data = {k: v.to(self.torch_device) for k, v in data.items()}
+            data = {k: from_host(v, self.torch_device) for k, v in data.items()}
             out.append(
                 MicroBatch(
                     rows.tokens, rows.position_ids, rows.gather_index, data, idx, rows.params, response_index
@@ -483,7 +483,7 @@ class MegatronEngine:
         mask = data.get("response_mask")
         if mask is None:
             return None
-        return torch.nonzero(mask.reshape(-1).bool()).squeeze(1).to(self.torch_device)
+        return from_host(torch.nonzero(mask.reshape(-1).bool()).squeeze(1), self.torch_device)
 
     def rows_in_order(
         self,

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
+from rltrain.device import from_host
 from rltrain.token_balance import balanced_split, split_packed_by_tokens
 
 
@@ -106,7 +107,7 @@ def pack_rows(batch: dict[str, torch.Tensor], seq_multiple: int, device: torch.d
     local = (prompt_len.unsqueeze(1) - 1 + torch.arange(r).unsqueeze(0)).clamp(min=0)
     local = torch.minimum(local, (lengths - 1).unsqueeze(1))
     gather_index = offsets[:-1].unsqueeze(1) + local
-    cu = torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    cu = from_host(torch.tensor([0, *torch.tensor(seqlens).cumsum(0).tolist()], dtype=torch.int32), device)
     longest = max(seqlens)
     params = RowPackedSeqParams(
         qkv_format="thd",
@@ -115,10 +116,13 @@ def pack_rows(batch: dict[str, torch.Tensor], seq_multiple: int, device: torch.d
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
         seqlens=tuple(seqlens),
-        padding_mask=padding.unsqueeze(0).to(device),
+        padding_mask=from_host(padding.unsqueeze(0), device),
     )
     return PackedRows(
-        tokens.unsqueeze(0).to(device), positions.unsqueeze(0).to(device), gather_index.to(device), params
+        from_host(tokens.unsqueeze(0), device),
+        from_host(positions.unsqueeze(0), device),
+        from_host(gather_index, device),
+        params,
     )
 
 
