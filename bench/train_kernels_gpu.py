@@ -170,7 +170,10 @@ def maingrad(report: dict, experts: int = 64, hidden: int = 1024, ffn: int = 512
         pos += n1
     dw1 = torch.randn(experts, 2 * ffn, hidden, device="cuda").to(torch.bfloat16)
     dw2 = torch.randn(experts, hidden, ffn, device="cuda").to(torch.bfloat16)
-    assert triton_grad_add.unsupported(fc1, dw1) is None and triton_grad_add.unsupported(fc2, dw2) is None
+    fc1 = (fc1, triton_grad_add.destination(fc1))
+    fc2 = (fc2, triton_grad_add.destination(fc2))
+    assert not isinstance(fc1[1], str) and triton_grad_add.gradients_unsupported(fc1[1], dw1) is None
+    assert not isinstance(fc2[1], str) and triton_grad_add.gradients_unsupported(fc2[1], dw2) is None
     start = buffer.clone()
 
     def foreach():

@@ -238,14 +238,17 @@ class GroupedSwiGLU(torch.autograd.Function):
 _STACKS: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] | None = None
 """Inside `cached_expert_stacks`: each layer's stacked expert weights (keyed by its first fc1 weight) and
 the parameters' version counters they were stacked at."""
-_PARAMS: dict[int, tuple[tuple[torch.Tensor, ...], bool]] | None = None
-"""Inside `cached_expert_stacks`: each layer's `_expert_params` (keyed by its list of experts)."""
+_PARAMS: dict[int, tuple[Any, tuple[torch.Tensor, ...], bool]] | None = None
+"""Inside `cached_expert_stacks`: each layer's list of experts (held, so its id stays its own) and its
+`_expert_params`, keyed by the list's id."""
+_TARGETS: dict[int, tuple[tuple[torch.Tensor, ...], Any]] | None = None
+"""Inside `cached_expert_stacks`: a parameter tuple (held) and its `_main_grad_targets`, keyed by its id."""
 
 
 @contextlib.contextmanager
 def cached_expert_stacks() -> Iterator[None]:
-    """Within this context each MoE layer looks up its experts' weights once (`_expert_params`) and stacks
-    them once (`ExpertUpdate.cache`): the engine
+    """Within this context each MoE layer looks up its experts' weights and main_grads once
+    (`_expert_params`, `_main_grad_targets`) and stacks them once (`ExpertUpdate.cache`): the engine
     enters it around one mini-batch's forward + backward (rltrain/megatron/engine.py `run_schedule`), so
     the optimizer, which changes the weights, runs outside it; the stacks are dropped on exit.
 
@@ -254,14 +257,14 @@ def cached_expert_stacks() -> Iterator[None]:
     are checked too, so an in-place change inside the context (a test, a user's hook) restacks. Memory:
     the stacks of every MoE layer of the stage are held for the mini-batch, where per-call stacks were
     held for each micro-batch in flight (the same at pp = 1; rlconf/plan/memory.py counts it)."""
-    global _STACKS, _PARAMS
-    outer, outer_params = _STACKS, _PARAMS
-    _STACKS = {} if outer is None else outer  # nested: the outer context's stacks
-    _PARAMS = {} if outer_params is None else outer_params
+    global _STACKS, _PARAMS, _TARGETS
+    outer = _STACKS, _PARAMS, _TARGETS
+    if _STACKS is None:  # nested: the outer context's caches
+        _STACKS, _PARAMS, _TARGETS = {}, {}, {}
     try:
         yield
     finally:
-        _STACKS, _PARAMS = outer, outer_params
+        _STACKS, _PARAMS, _TARGETS = outer
 
 
 def _stack(fc1: Sequence[torch.Tensor], fc2: Sequence[torch.Tensor], cache: bool) -> tuple[torch.Tensor, ...]:
@@ -306,12 +309,39 @@ def _hooks_needed(params: Sequence[torch.Tensor]) -> bool:
 MAIN_GRAD_CHUNK_BYTES = 256 * 2**20
 
 
-def _add_into_main_grads(mains: Sequence[torch.Tensor], dw: torch.Tensor) -> None:
-    """main_grads[e] += dw[e] for the stacked gradients dw [E, ...]: one Triton kernel where
-    `triton_grad_add.unsupported` names no reason (CUDA, DDP's buffer), else a chunk of experts per foreach
+MainGrads = tuple[list[torch.Tensor], "triton_grad_add.Destination | str"]
+"""A weight kind's main_grads, and where triton_grad_add's kernel adds into them (or why it cannot)."""
+
+
+def _main_grad_targets(params: tuple[torch.Tensor, ...]) -> tuple[MainGrads, MainGrads]:
+    """The fc1 and the fc2 weights' `MainGrads`, made once per layer per training pass inside
+    `cached_expert_stacks` (keyed by the parameter tuple `_expert_params` keeps there): the kernel's checks
+    over 2E main_grads and its offsets' copy to the device are not repeated per micro-batch."""
+    hit = None if _TARGETS is None else _TARGETS.get(id(params))
+    if hit is not None and hit[0] is params:  # the entry holds its key alive: the id is not a reused one
+        return hit[1]
+    n = len(params) // 2
+    kinds = []
+    for half in (params[:n], params[n:]):
+        mains = [p.main_grad for p in half]
+        kinds.append((mains, triton_grad_add.destination(mains)))
+    targets = (kinds[0], kinds[1])
+    if _TARGETS is not None:
+        _TARGETS[id(params)] = (params, targets)
+    return targets
+
+
+def _add_into_main_grads(target: MainGrads, dw: torch.Tensor) -> None:
+    """main_grads[e] += dw[e] for the stacked gradients dw [E, ...]: one Triton kernel where the target has
+    a `triton_grad_add.Destination` that takes dw (CUDA, DDP's buffer), else a chunk of experts per foreach
     add. The same sums either way."""
-    if triton_grad_add.unsupported(mains, dw) is None and not bench_off("maingrad"):
-        triton_grad_add.add_into(mains, dw)
+    mains, dest = target
+    if (
+        not isinstance(dest, str)
+        and triton_grad_add.gradients_unsupported(dest, dw) is None
+        and not bench_off("maingrad")
+    ):
+        triton_grad_add.add_into(dest, dw)
         return
     wide = mains[0].dtype
     chunk = max(1, MAIN_GRAD_CHUNK_BYTES // max(1, dw[0].numel() * wide.itemsize))
@@ -367,9 +397,9 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
         grads = [*dw1.unbind(0), *dw2.unbind(0)]
         # Held weights passed `_held`'s main_grad checks at the forward: not made again per micro-batch.
         if held or (ctx.main_grad and all(need) and _into_main_grads(params)):
-            n = len(params) // 2
-            _add_into_main_grads([p.main_grad for p in params[:n]], dw1)
-            _add_into_main_grads([p.main_grad for p in params[n:]], dw2)
+            fc1, fc2 = _main_grad_targets(params)
+            _add_into_main_grads(fc1, dw1)
+            _add_into_main_grads(fc2, dw2)
             for p in params:
                 p.grad_added_to_main_grad = True
             if held:  # the weights were no autograd inputs: their gradients are in main_grad, and only there
@@ -423,13 +453,13 @@ def _expert_params(experts: Sequence[torch.nn.Module]) -> tuple[tuple[torch.Tens
     once per layer per training pass inside `cached_expert_stacks` (the DDP buffers and flags do not
     change within it): two module lookups per expert and the checks over 2E weights cost ~0.3 ms of host
     time per MoE layer per micro-batch on a 64-expert layer."""
-    key = id(experts)
-    if _PARAMS is not None and key in _PARAMS:
-        return _PARAMS[key]
+    hit = None if _PARAMS is None else _PARAMS.get(id(experts))
+    if hit is not None and hit[0] is experts:
+        return hit[1], hit[2]
     params = (*(e.linear_fc1.weight for e in experts), *(e.linear_fc2.weight for e in experts))
     can_hold = all(p.requires_grad for p in params) and _into_main_grads(params) and not _hooks_needed(params)
     if _PARAMS is not None:
-        _PARAMS[key] = (params, can_hold)
+        _PARAMS[id(experts)] = (experts, params, can_hold)
     return params, can_hold
 
 

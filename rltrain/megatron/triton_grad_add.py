@@ -9,13 +9,15 @@ main_grad, adds in fp32 and writes back (10 bytes per element): one launch per w
 
 The main_grads are views into megatron DDP's one gradient buffer wherever DDP put them (its layout runs in
 reverse parameter order, an expert's fc1 and fc2 interleaved): the kernel takes each expert's element offset
-into that buffer, kept on the device per set of offsets (`_OFFSETS`) so no call copies them from the host.
-The sum is the one the cast-then-add path computes (fp32 + fp32 rounded once), bit for bit.
+into that buffer (`Destination`, made once per layer and weight kind per training pass by the caller, so
+neither the checks over the E main_grads nor the offsets' copy to the device repeat per micro-batch). The sum
+is the one the cast-then-add path computes (fp32 + fp32 rounded once), bit for bit.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -33,15 +35,37 @@ BLOCK = 2048
 
 SOURCE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
-_OFFSETS: dict[tuple[torch.device, tuple[int, ...]], torch.Tensor] = {}
-"""Each set of main_grad offsets (a layer's fc1 or fc2 experts) as an int64 tensor on its device."""
-_OFFSETS_MAX = 4096
+
+@dataclass(frozen=True)
+class Destination:
+    """Where `add_into` adds: the main_grads' whole buffer (a flat view from its first element), each
+    expert's element offset into it (int64, on the device) and the elements per expert."""
+
+    buffer: torch.Tensor
+    offsets: torch.Tensor
+    size: int
 
 
-def unsupported(mains: Sequence[torch.Tensor], dw: torch.Tensor) -> str | None:
-    """Why `add_into` cannot add dw [E, ...] into `mains` (None: it can): Triton on dw's device
-    (`device_unsupported`) and the layout `layout_unsupported` takes."""
-    return device_unsupported(dw.device) or layout_unsupported(mains, dw)
+def destination(mains: Sequence[torch.Tensor]) -> Destination | str:
+    """The `Destination` of these main_grads, or why the kernel cannot add into them: Triton on their
+    device, fp32, one size, each contiguous and all in one buffer."""
+    if not mains:
+        return "no main_grads"
+    first = mains[0]
+    reason = device_unsupported(first.device)
+    if reason is not None:
+        return reason
+    storage = first.untyped_storage().data_ptr()
+    for main in mains:
+        if main.dtype != torch.float32 or main.numel() != first.numel() or not main.is_contiguous():
+            return "main_grads not fp32, contiguous and of one size"
+        if main.device != first.device or main.untyped_storage().data_ptr() != storage:
+            return "main_grads not in one buffer"
+    whole = first.untyped_storage().nbytes() // first.element_size()
+    offsets = torch.tensor([m.storage_offset() for m in mains], dtype=torch.int64)
+    return Destination(
+        first.as_strided((whole,), (1,), 0), devices.from_host(offsets, first.device), first.numel()
+    )
 
 
 def device_unsupported(device: torch.device) -> str | None:
@@ -51,48 +75,27 @@ def device_unsupported(device: torch.device) -> str | None:
     return decode_kernels.where_unsupported(devices.kind(device.type).name)
 
 
-def layout_unsupported(mains: Sequence[torch.Tensor], dw: torch.Tensor) -> str | None:
-    """Why the kernel cannot take these tensors (None: it can): fp32 main_grads of dw[e]'s size, each
-    contiguous and all in one buffer on dw's device, a contiguous 16/32-bit dw with one gradient per
-    main_grad."""
-    if dw.dtype not in SOURCE_DTYPES or not dw.is_contiguous() or dw.shape[0] != len(mains) or not mains:
-        return "gradients not a contiguous [E, ...] 16/32-bit stack of one per main_grad"
-    size = dw[0].numel()
-    storage = mains[0].untyped_storage().data_ptr()
-    for main in mains:
-        if main.dtype != torch.float32 or main.numel() != size or not main.is_contiguous():
-            return "main_grads not fp32, contiguous and of the gradients' size"
-        if main.device != dw.device or main.untyped_storage().data_ptr() != storage:
-            return "main_grads not in one buffer"
+def gradients_unsupported(dest: Destination, dw: torch.Tensor) -> str | None:
+    """Why dw [E, ...] cannot be added into `dest` (None: it can): a contiguous 16/32-bit stack of one
+    gradient per main_grad, each of the main_grads' size, on their device."""
+    if dw.dtype not in SOURCE_DTYPES or not dw.is_contiguous() or dw.device != dest.buffer.device:
+        return "gradients not a contiguous 16/32-bit stack on the main_grads' device"
+    if dw.shape[0] != len(dest.offsets) or dw[0].numel() != dest.size:
+        return "not one gradient of the main_grads' size per main_grad"
     return None
 
 
-def add_into(mains: Sequence[torch.Tensor], dw: torch.Tensor) -> None:
-    """mains[e] += dw[e] (in fp32) for every expert e, in one kernel; `unsupported` must name no reason."""
-    size = dw[0].numel()
-    if size == 0:
-        return
-    offsets = _offsets(mains)
-    first = mains[0]
-    whole = first.untyped_storage().nbytes() // first.element_size()
-    buffer = first.as_strided((whole,), (1,), 0)  # the whole gradient buffer, from its first element
-    _launch(buffer, offsets, dw, size)
+def add_into(dest: Destination, dw: torch.Tensor) -> None:
+    """main_grad[e] += dw[e] (in fp32) for every expert e, in one kernel; `gradients_unsupported` must name
+    no reason."""
+    if dest.size:
+        _launch(dest.buffer, dest.offsets, dw, dest.size)
 
 
 def _launch(buffer: torch.Tensor, offsets: torch.Tensor, dw: torch.Tensor, size: int) -> None:
     """buffer[offsets[e] : offsets[e] + size] += dw[e] for every e: the kernel."""
-    assert triton is not None, "triton is not installed (triton_grad_add.unsupported)"
+    assert triton is not None, "triton is not installed (triton_grad_add.device_unsupported)"
     _add_kernel[(len(offsets), triton.cdiv(size, BLOCK))](buffer, offsets, dw, size, BLOCK=BLOCK)
-
-
-def _offsets(mains: Sequence[torch.Tensor]) -> torch.Tensor:
-    key = (mains[0].device, tuple(m.storage_offset() for m in mains))
-    found = _OFFSETS.get(key)
-    if found is None:
-        if len(_OFFSETS) >= _OFFSETS_MAX:  # buffers rebuilt many times over (tests): start afresh
-            _OFFSETS.clear()
-        found = _OFFSETS[key] = torch.tensor(key[1], dtype=torch.int64, device=mains[0].device)
-    return found
 
 
 if triton is not None:

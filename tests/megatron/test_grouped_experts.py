@@ -457,24 +457,25 @@ def test_one_kernel_adds_the_experts_gradients_into_megatron_ddps_buffer(mp_worl
         buffer.index_put_((index,), dw.reshape(-1).to(buffer.dtype), accumulate=True)
         launches.append((len(offsets), tuple(offsets.tolist())))
 
-    reasons: list[str | None] = []
+    made: list = []
 
-    def layout(mains, dw, _real=triton_grad_add.layout_unsupported):
-        reasons.append(_real(mains, dw))
-        return reasons[-1]
+    def destination(mains, _real=triton_grad_add.destination):
+        made.append(_real(mains))
+        return made[-1]
 
     for kernel in (False, True):
         with _switches(True), monkeypatch.context() as m:
             if kernel:
                 m.setattr(triton_grad_add, "device_unsupported", lambda device: None)
-                m.setattr(triton_grad_add, "layout_unsupported", layout)
+                m.setattr(triton_grad_add, "destination", destination)
                 m.setattr(triton_grad_add, "_launch", launch)
             actor = _actor(qwen3_moe, True)
             old = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
             actor.update_policy(_rl_batch(batch, old))
             named = dict(unwrap(actor.chunks[0]).named_parameters())
             results[kernel] = {n: (p.main_grad.clone(), p.detach().clone()) for n, p in named.items()}
-    assert reasons and all(r is None for r in reasons), reasons
+    # Made once per layer and weight kind for the mini-batch (not per micro-batch), and all taken.
+    assert len(made) == 2 * 2 and not any(isinstance(d, str) for d in made), made
     assert len(launches) == 2 * 2 * 4  # fc1 and fc2, 2 layers, 4 micro-batches
     assert len({offsets for _, offsets in launches}) == 4  # each layer's fc1 and fc2 at their own offsets
     for n, (grad, param) in results[True].items():
@@ -482,18 +483,23 @@ def test_one_kernel_adds_the_experts_gradients_into_megatron_ddps_buffer(mp_worl
         assert torch.equal(param, results[False][n][1]), n
 
 
-def test_triton_grad_add_refuses_what_it_cannot_take():
-    """The kernel's layout check names main_grads outside one buffer, of another dtype or size, and a
-    non-contiguous gradient stack; on this CPU machine the device check names the device."""
+def test_triton_grad_add_refuses_what_it_cannot_take(monkeypatch):
+    """The kernel's destination refuses main_grads outside one buffer, of another dtype or size, and takes
+    no gradient stack of another size, count or layout; on this CPU machine it names the device."""
     from rltrain.megatron import triton_grad_add as t
 
     buffer = torch.zeros(40)
     mains = [buffer[i * 10 : (i + 1) * 10].view(2, 5) for i in (3, 1, 2)]
+    assert t.destination(mains) == "no triton on this device"
+    monkeypatch.setattr(t, "device_unsupported", lambda device: None)
+    dest = t.destination(mains)
+    assert not isinstance(dest, str) and dest.offsets.tolist() == [30, 10, 20] and dest.size == 10
+    assert dest.buffer.data_ptr() == buffer.data_ptr() and dest.buffer.numel() == 40
+    assert "one buffer" in t.destination([*mains[:2], torch.zeros(2, 5)])
+    assert "fp32" in t.destination([m.double() for m in mains])
+    assert "one size" in t.destination([*mains[:2], buffer[:4]])
     dw = torch.ones(3, 2, 5, dtype=torch.bfloat16)
-    assert t.layout_unsupported(mains, dw) is None
-    assert "one buffer" in t.layout_unsupported([*mains[:2], torch.zeros(2, 5)], dw)
-    assert "fp32" in t.layout_unsupported([m.double() for m in mains], dw)
-    assert "size" in t.layout_unsupported(mains, torch.ones(3, 2, 4, dtype=torch.bfloat16))
-    assert "contiguous" in t.layout_unsupported(mains, torch.ones(3, 5, 2).transpose(1, 2))
-    assert "one per main_grad" in t.layout_unsupported(mains[:2], dw)
-    assert t.unsupported(mains, dw) == "no triton on this device"
+    assert t.gradients_unsupported(dest, dw) is None
+    assert "size" in t.gradients_unsupported(dest, torch.ones(3, 2, 4, dtype=torch.bfloat16))
+    assert "per main_grad" in t.gradients_unsupported(dest, dw[:2])
+    assert "contiguous" in t.gradients_unsupported(dest, torch.ones(3, 5, 2).transpose(1, 2))
