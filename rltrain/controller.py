@@ -804,7 +804,14 @@ def _release(trainer: Trainer | None, stopping: bool, failed: bool) -> bool:
     deadline = time.monotonic() + (RELEASE_TIMEOUT_S if failed else STOP_RELEASE_TIMEOUT_S)
     while worker.is_alive() and time.monotonic() < deadline and not local_cluster_down():
         worker.join(0.1)
-    return not worker.is_alive()
+    released = not worker.is_alive()
+    if not released and stopping and trainer is not None:
+        # Ray did not answer in time and the driver exits next, taking the cluster and its workers along:
+        # drop an uncommitted staged save now rather than leave it for the next start's cleanup (a worker
+        # still writing as it dies can only leave scratch that cleanup_incomplete removes).
+        for step in trainer.ckpt.pending_steps():
+            trainer.ckpt.abort(step)
+    return released
 
 
 def _worker_failure_fix(exc: WorkerError, folder: RunFolder | None) -> str:

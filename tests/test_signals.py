@@ -134,3 +134,28 @@ def test_signal_stops_the_run_cleanly_and_the_same_command_resumes(tmp_path, sig
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"(step {resume_step})" in rerun.stdout and "resumed from" in rerun.stdout
     assert logged_steps(out) == list(range(1, resume_step + 3))
+
+
+def test_a_stop_whose_release_outlasts_its_bound_drops_the_staged_save(tmp_path, monkeypatch):
+    """SIGTERM to the process group while a save is staged: when Ray does not answer within the stop's bound
+    (the driver exits right after), the uncommitted staged save is removed, not left for the next start,
+    and the committed checkpoints are untouched (flaked once in the full run: the release thread hung in a
+    Ray call to dying workers and the driver exited before its own abort)."""
+    import threading
+    from types import SimpleNamespace
+
+    from rltrain import controller
+    from rltrain.checkpoint.registry import CheckpointRegistry
+
+    registry = CheckpointRegistry(tmp_path / "checkpoints", ("actor",))
+    registry.begin(6)
+    assert [p.name.split(".tmp-")[0] for p in (tmp_path / "checkpoints").iterdir()] == ["global_step_6"]
+    hang = threading.Event()
+    trainer = SimpleNamespace(ckpt=registry, shutdown=lambda **kw: hang.wait(30), _settle_saves=lambda: None)
+    monkeypatch.setattr(controller, "STOP_RELEASE_TIMEOUT_S", 0.3)
+    try:
+        assert controller._release(trainer, stopping=True, failed=False) is False
+        assert list((tmp_path / "checkpoints").iterdir()) == []
+        assert registry.pending_steps() == []
+    finally:
+        hang.set()

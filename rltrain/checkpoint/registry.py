@@ -185,9 +185,11 @@ class CheckpointRegistry:
         return final
 
     def abort(self, step: int) -> None:
-        """Drop the staged save of `step` (its workers failed); nothing published changes."""
-        tmp = self._staging.pop(step)
-        shutil.rmtree(tmp, ignore_errors=True)
+        """Drop the staged save of `step` (its workers failed or are gone); nothing published changes. A step
+        no longer staged (dropped already, by the stopping driver or its release thread) is left alone."""
+        tmp = self._staging.pop(step, None)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------ reading
     def check_complete(self, folder: str | os.PathLike, full: bool = False) -> str | None:
