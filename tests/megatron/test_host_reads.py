@@ -2,7 +2,8 @@
 before it, so one inside a layer's forward serialises the host and the device layer by layer (a profiled
 qwen3-moe update on the H200 read each MoE layer's routing counts back, 576 times per update). The routing
 statistics are summed on the device and read once per update; a micro-batch's loss weight is a device
-tensor, so nothing is read between its forward and its backward."""
+tensor, so nothing is read between its forward and its backward; the micro-batches' metrics come back in one
+copy per optimizer step."""
 
 from __future__ import annotations
 
