@@ -108,18 +108,18 @@ def summarize(path: str | Path, min_gap_us: float = 20.0, top: int = 25, depth: 
     span = (span1 - span0) / 1e6
     return {
         "trace": str(path),
-        "span_s": round(span, 4),
-        "busy_s": round(busy / 1e6, 4),
-        "idle_s": round(span - busy / 1e6, 4),
-        "gaps_over_min_s": round(gap_total / 1e6, 4),
+        "span_s": round(span, 6),
+        "busy_s": round(busy / 1e6, 6),
+        "idle_s": round(span - busy / 1e6, 6),
+        "gaps_over_min_s": round(gap_total / 1e6, 6),
         "min_gap_us": min_gap_us,
         "device_events": len(device),
         "host_reads": sum(reads.values()),
         "host_reads_by_op": reads.most_common(top),
         "syncs": sum(syncs.values()),
         "syncs_by_op": syncs.most_common(top),
-        "gap_s_by_launching_op": [(k, round(v / 1e6, 4)) for k, v in gaps_by_launch.most_common(top)],
-        "gap_s_after_copy": [(k, round(v / 1e6, 4)) for k, v in gaps_after_copy.most_common(top)],
+        "gap_s_by_launching_op": [(k, round(v / 1e6, 6)) for k, v in gaps_by_launch.most_common(top)],
+        "gap_s_after_copy": [(k, round(v / 1e6, 6)) for k, v in gaps_after_copy.most_common(top)],
     }
 
 
