@@ -14,6 +14,10 @@ Workloads (`--workloads`, comma-separated):
 - NAME:off (e.g. `--workloads preset:off,preset`): workload NAME with `--off-env` in rltrain's environment
   (default: the training kernels of 2026-12-04 off, rltrain/megatron/fused.py TRAIN_KERNELS_OFF_ENV), so a
   change is timed against the path before it in one call; its report key is rlplan_NAME_off.
+- NAME@DIR (e.g. `--workloads preset@.before,preset`): workload NAME run by the rlplan tree in DIR (its
+  working directory and first on PYTHONPATH), e.g. an older commit unpacked there by `mkdir .before && git
+  archive COMMIT rltrain rlconf presets bench pyproject.toml | tar -x -C .before`, so two commits are timed
+  one after the other on the same machine; its report key is rlplan_NAME_at_<DIR's name>.
 
 rlplan: `python -m rltrain.cli PRESET --trainer.total_steps N --trainer.test_freq 0
 --trainer.val_before_train false --trainer.save_freq 0` (plus `--cluster.cpus_per_worker 4` on cuda, as the
@@ -110,14 +114,27 @@ def sequence_layout(plan: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def run_rlplan(
-    preset: str, workload: str, flags: list[str], steps: int, out: Path, env: dict[str, str] | None = None
+    preset: str,
+    workload: str,
+    flags: list[str],
+    steps: int,
+    out: Path,
+    env: dict[str, str] | None = None,
+    tree: Path | None = None,
 ) -> dict[str, Any]:
-    folder = out / f"rlplan_{workload}"
+    """One workload's rltrain run (by the rlplan tree in `tree` when given) and its report."""
+    folder = (out / f"rlplan_{workload}").resolve()  # absolute: a tree's run has its own working directory
+    env = dict(env or {})
+    if tree is not None:
+        tree = tree.resolve()
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tree), os.environ.get("PYTHONPATH")) if p)
     cmd = [sys.executable, "-m", "rltrain.cli", preset, "--trainer.total_steps", str(steps), "--trainer.test_freq",
            "0", "--trainer.val_before_train", "false", "--trainer.save_freq", "0", "--trainer.output_dir",
            str(folder), *flags]  # fmt: skip
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, **(env or {})})
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, check=False, env={**os.environ, **env}, cwd=tree
+    )
     wall = time.perf_counter() - t0
     (out / f"rlplan_{workload}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0:
@@ -141,7 +158,8 @@ def run_rlplan(
     summary = {k: spread([r[k] for r in timed if isinstance(r.get(k), int | float)])
                for k in sorted({k for r in timed for k in r}) if k.startswith(keep)}  # fmt: skip
     return {
-        "command": " ".join(f"{k}={v}" for k, v in (env or {}).items()) + " rltrain " + " ".join(cmd[3:]),
+        "command": " ".join(f"{k}={v}" for k, v in env.items()) + " rltrain " + " ".join(cmd[3:]),
+        "tree": str(tree) if tree is not None else None,
         "wall_s_incl_startup": wall,
         "passes": plan["passes"],
         # The micro-batch layout of each engine's log-prob and update passes (packed THD or padded), and why.
@@ -291,7 +309,9 @@ def main() -> int:
     except ImportError:
         pass
     for workload in args.workloads.split(","):
-        # NAME:off runs workload NAME with --off-env set (the path before a change, side by side with NAME)
+        # NAME:off runs workload NAME with --off-env set (the path before a change, side by side with NAME);
+        # NAME@DIR runs it with the rlplan tree in DIR (another commit, side by side with this one).
+        workload, _, tree = workload.partition("@")
         name, _, off = workload.partition(":")
         flags = workload_flags(name, cfg, args.onestep_response_length) + extra
         from rltrain.megatron.inference import FORCE_EOS_ENV
@@ -302,8 +322,10 @@ def main() -> int:
 
             key, _, value = (args.off_env or f"{TRAIN_KERNELS_OFF_ENV}=swiglu,rope,wgrad").partition("=")
             env[key] = value
-        label = workload.replace(":", "_")
-        result = run_rlplan(args.preset, label, flags, args.steps, out, env or None)
+        label = workload.replace(":", "_") + (f"_at_{Path(tree).resolve().name.lstrip('.')}" if tree else "")
+        result = run_rlplan(
+            args.preset, label, flags, args.steps, out, env or None, Path(tree) if tree else None
+        )
         report[f"rlplan_{label}"] = result
         s = result.get("summary_steps_2_n", {})
         if s:
@@ -312,10 +334,10 @@ def main() -> int:
             )
             layout = ", ".join(f"{r} {'packed' if v['packed'] else 'padded'}"
                                for r, v in result["sequence_layout"].items())  # fmt: skip
-            print(f"{workload}: {s['timing/step_s']['median']:.3g} s/step, {s['perf/throughput']['median']:.4g} "
+            print(f"{label}: {s['timing/step_s']['median']:.3g} s/step, {s['perf/throughput']['median']:.4g} "
                   f"tokens/s per device; {phases}; {layout}", flush=True)  # fmt: skip
         else:
-            print(f"{workload}: failed (see rlplan_{workload}.log)", flush=True)
+            print(f"{label}: failed (see rlplan_{label}.log)", flush=True)
     tput = {w: report.get(f"rlplan_{w}", {}).get("summary_steps_2_n", {}).get("perf/throughput")
             for w in ("preset", "realistic")}  # fmt: skip
     if tput["preset"] and tput["realistic"]:
