@@ -147,15 +147,19 @@ def test_a_stop_whose_release_outlasts_its_bound_drops_the_staged_save(tmp_path,
     from rltrain import controller
     from rltrain.checkpoint.registry import CheckpointRegistry
 
-    registry = CheckpointRegistry(tmp_path / "checkpoints", ("actor",))
+    root = tmp_path / "checkpoints"
+    registry = CheckpointRegistry(root, ("actor",))
+    (root / "global_step_4" / "actor").mkdir(parents=True)  # a published save stands in place
+    (root / "global_step_4" / "actor" / "weights").write_text("kept")
     registry.begin(6)
-    assert [p.name.split(".tmp-")[0] for p in (tmp_path / "checkpoints").iterdir()] == ["global_step_6"]
+    assert sorted(p.name.split(".tmp-")[0] for p in root.iterdir()) == ["global_step_4", "global_step_6"]
     hang = threading.Event()
     trainer = SimpleNamespace(ckpt=registry, shutdown=lambda **kw: hang.wait(30), _settle_saves=lambda: None)
     monkeypatch.setattr(controller, "STOP_RELEASE_TIMEOUT_S", 0.3)
     try:
         assert controller._release(trainer, stopping=True, failed=False) is False
-        assert list((tmp_path / "checkpoints").iterdir()) == []
+        assert [p.name for p in root.iterdir()] == ["global_step_4"]
+        assert (root / "global_step_4" / "actor" / "weights").read_text() == "kept"
         assert registry.pending_steps() == []
     finally:
         hang.set()
