@@ -241,8 +241,9 @@ the parameters' version counters they were stacked at."""
 _PARAMS: dict[int, tuple[Any, tuple[torch.Tensor, ...], bool]] | None = None
 """Inside `cached_expert_stacks`: each layer's list of experts (held, so its id stays its own) and its
 `_expert_params`, keyed by the list's id."""
-_TARGETS: dict[int, tuple[tuple[torch.Tensor, ...], Any]] | None = None
-"""Inside `cached_expert_stacks`: a parameter tuple (held) and its `_main_grad_targets`, keyed by its id."""
+_TARGETS: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] | None = None
+"""Inside `cached_expert_stacks`: a layer's first and last expert weights (held) and its
+`_main_grad_targets`, keyed by the first weight's id."""
 
 
 @contextlib.contextmanager
@@ -315,11 +316,17 @@ MainGrads = tuple[list[torch.Tensor], "triton_grad_add.Destination | str"]
 
 def _main_grad_targets(params: tuple[torch.Tensor, ...]) -> tuple[MainGrads, MainGrads]:
     """The fc1 and the fc2 weights' `MainGrads`, made once per layer per training pass inside
-    `cached_expert_stacks` (keyed by the parameter tuple `_expert_params` keeps there): the kernel's checks
+    `cached_expert_stacks` (keyed by the layer's first expert weight, as the stacks are): the kernel's checks
     over 2E main_grads and its offsets' copy to the device are not repeated per micro-batch."""
-    hit = None if _TARGETS is None else _TARGETS.get(id(params))
-    if hit is not None and hit[0] is params:  # the entry holds its key alive: the id is not a reused one
-        return hit[1]
+    hit = None if _TARGETS is None else _TARGETS.get(id(params[0]))
+    # The entry holds the weights it was made for: a matching first and last weight is this layer's.
+    if (
+        hit is not None
+        and hit[0] is params[0]
+        and hit[1] is params[-1]
+        and len(hit[2][0][0]) * 2 == len(params)
+    ):
+        return hit[2]
     n = len(params) // 2
     kinds = []
     for half in (params[:n], params[n:]):
@@ -327,7 +334,7 @@ def _main_grad_targets(params: tuple[torch.Tensor, ...]) -> tuple[MainGrads, Mai
         kinds.append((mains, triton_grad_add.destination(mains)))
     targets = (kinds[0], kinds[1])
     if _TARGETS is not None:
-        _TARGETS[id(params)] = (params, targets)
+        _TARGETS[id(params[0])] = (params[0], params[-1], targets)
     return targets
 
 
