@@ -748,8 +748,7 @@ class Trainer:
             with ray_down:
                 group.shutdown()
         # The workers are gone, so nothing writes into a staged save any more: remove what was not committed.
-        for step in self.ckpt.pending_steps():
-            self.ckpt.abort(step)
+        self.ckpt.abort_pending()
         for pool in self.pools if reachable else ():
             with ray_down:
                 pool.release()
@@ -809,8 +808,7 @@ def _release(trainer: Trainer | None, stopping: bool, failed: bool) -> bool:
         # Ray did not answer in time and the driver exits next, taking the cluster and its workers along:
         # drop an uncommitted staged save now rather than leave it for the next start's cleanup (a worker
         # still writing as it dies can only leave scratch that cleanup_incomplete removes).
-        for step in trainer.ckpt.pending_steps():
-            trainer.ckpt.abort(step)
+        trainer.ckpt.abort_pending()
     return released
 
 

@@ -191,6 +191,11 @@ class CheckpointRegistry:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def abort_pending(self) -> None:
+        """Drop every staged save not committed (`abort` each pending step)."""
+        for step in self.pending_steps():
+            self.abort(step)
+
     # ------------------------------------------------------------------------------------ reading
     def check_complete(self, folder: str | os.PathLike, full: bool = False) -> str | None:
         """None when `folder` is a complete checkpoint, else the reason it is not.
