@@ -238,7 +238,7 @@ class GroupedSwiGLU(torch.autograd.Function):
 _STACKS: dict[int, tuple[tuple[int, ...], torch.Tensor, torch.Tensor]] | None = None
 """Inside `cached_expert_stacks`: each layer's stacked expert weights (keyed by its first fc1 weight) and
 the parameters' version counters they were stacked at."""
-_PARAMS: dict[int, tuple[Any, tuple[torch.Tensor, ...], bool]] | None = None
+_PARAMS: dict[int, tuple[Any, tuple[torch.Tensor, ...], bool, bool]] | None = None
 """Inside `cached_expert_stacks`: each layer's list of experts (held, so its id stays its own) and its
 `_expert_params`, keyed by the list's id."""
 _TARGETS: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] | None = None
@@ -361,8 +361,8 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
     weights [H, F] (the parameters themselves), stacked inside forward without autograd (`_stack`; once
     per mini-batch under `cached_expert_stacks` when `cache`).
 
-    Gradients: dW1 / dW2 come out stacked. Where every weight has megatron DDP's main_grad (`_into_main_grads`
-    and `main_grad`), they are added into the main_grads by `torch._foreach_add_` (cast to the buffer's
+    Gradients: dW1 / dW2 come out stacked. Where every weight has megatron DDP's main_grad (`main_grad`, which
+    the caller passes on only where `_into_main_grads` holds), they are added into the main_grads by `torch._foreach_add_` (cast to the buffer's
     dtype a chunk of experts at a time, `MAIN_GRAD_CHUNK_BYTES`), `grad_added_to_main_grad` is set, and
     the per-expert views of dW1 / dW2 are returned as the parameters' gradients: DDP's hooks fire
     (overlap_grad_reduce marks parameters ready in them), see the flag and skip their own add_, and the
@@ -402,8 +402,9 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
         if dw1 is None or dw2 is None:  # frozen experts (LoRA)
             return dx, dprobs, None, None, None, None, None, *([None] * len(params))
         grads = [*dw1.unbind(0), *dw2.unbind(0)]
-        # Held weights passed `_held`'s main_grad checks at the forward: not made again per micro-batch.
-        if held or (ctx.main_grad and all(need) and _into_main_grads(params)):
+        # `main_grad` comes on only where every weight takes DDP's main_grad (`_expert_params` checked it once
+        # per layer per pass), and held weights always do.
+        if held or (ctx.main_grad and all(need)):
             fc1, fc2 = _main_grad_targets(params)
             _add_into_main_grads(fc1, dw1)
             _add_into_main_grads(fc2, dw2)
@@ -440,7 +441,7 @@ def expert_swiglu(
     except where megatron recomputes the MoE layer (full recompute, or selective with "moe"), which keeps
     one layer's activations at a time: a cache would hold every layer's stack."""
     fused = bool(config.bias_activation_fusion) and ExpertUpdate.fuse
-    params, can_hold = _expert_params(experts)
+    params, into_main_grads, can_hold = _expert_params(experts)
     n = len(experts)
     if not (ExpertUpdate.main_grad or ExpertUpdate.cache):
         return GroupedSwiGLU.apply(x, torch.stack(params[:n]), torch.stack(params[n:]), probs, groups, fused)
@@ -448,26 +449,28 @@ def expert_swiglu(
         config.recompute_granularity == "selective" and "moe" in (config.recompute_modules or ())
     )
     cache = ExpertUpdate.cache and not recomputed
-    main_grad = ExpertUpdate.main_grad
+    main_grad = ExpertUpdate.main_grad and into_main_grads
     if _held(can_hold, x, probs):
         return ExpertParamsSwiGLU.apply(x, probs, groups, fused, cache, main_grad, params)
     return ExpertParamsSwiGLU.apply(x, probs, groups, fused, cache, main_grad, None, *params)
 
 
-def _expert_params(experts: Sequence[torch.nn.Module]) -> tuple[tuple[torch.Tensor, ...], bool]:
-    """(the local experts' fc1 weights then their fc2 weights, whether they could be held: every one trained
-    with DDP's main_grad and no DDP hook needing it, `_into_main_grads` and not `_hooks_needed`). Looked up
+def _expert_params(experts: Sequence[torch.nn.Module]) -> tuple[tuple[torch.Tensor, ...], bool, bool]:
+    """(the local experts' fc1 weights then their fc2 weights, whether every one takes DDP's main_grad
+    (`_into_main_grads`), whether they could be held: all trained, taking main_grad and no DDP hook needing
+    them (not `_hooks_needed`)). Looked up
     once per layer per training pass inside `cached_expert_stacks` (the DDP buffers and flags do not
     change within it): two module lookups per expert and the checks over 2E weights cost ~0.3 ms of host
     time per MoE layer per micro-batch on a 64-expert layer."""
     hit = None if _PARAMS is None else _PARAMS.get(id(experts))
     if hit is not None and hit[0] is experts:
-        return hit[1], hit[2]
+        return hit[1:]
     params = (*(e.linear_fc1.weight for e in experts), *(e.linear_fc2.weight for e in experts))
-    can_hold = all(p.requires_grad for p in params) and _into_main_grads(params) and not _hooks_needed(params)
+    into = _into_main_grads(params)
+    can_hold = into and all(p.requires_grad for p in params) and not _hooks_needed(params)
     if _PARAMS is not None:
-        _PARAMS[id(experts)] = (experts, params, can_hold)
-    return params, can_hold
+        _PARAMS[id(experts)] = (experts, params, into, can_hold)
+    return params, into, can_hold
 
 
 def _held(can_hold: bool, x: torch.Tensor, probs: torch.Tensor) -> bool:
