@@ -146,6 +146,7 @@ class Trainer:
         pending = [(g, [w.init_model.remote() for w in g.workers]) for g in self.groups.values()]
         for group, refs in pending:
             group.wait(refs)
+            group.release_rendezvous_port()  # its rank 0's store listens on it now
         # MFU's denominator: the device's dense peak (None on cpu or an unlisted device: no MFU is logged).
         self.peak_flops = self.policy.call("device_peak_flops")[0]
         self.start_step = 1

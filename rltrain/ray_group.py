@@ -270,10 +270,6 @@ def _placement_error(name: str, counts: list[int], group: int, bundle: dict[str,
     )
 
 
-# Rendezvous ports this driver handed out, by node: never given to a second group (see _Probe.address).
-_handed_out: dict[str, set[int]] = {}
-
-
 class WorkerGroup:
     """`world_size` Ray actors of one role, rank r in bundle r of its pool."""
 
@@ -301,13 +297,12 @@ class WorkerGroup:
             if env_vars:
                 env["env_vars"] = {**env_vars, **env.get("env_vars", {})}
         # torch.distributed rendezvous on rank 0's node: ask a probe in bundle 0 for its address and a free
-        # port there (the controller's own address is wrong when the pool spans nodes).
-        probe = ray.remote(_Probe).options(num_cpus=0, scheduling_strategy=pool.strategy(0)).remote()
-        master_addr, master_port = ray.get(
-            probe.address.remote(frozenset(_handed_out.get(pool.node_ids()[0], ())))
+        # port there (the controller's own address is wrong when the pool spans nodes). The probe holds the
+        # port until rank 0 listens on it (release_rendezvous_port): nothing else on the node takes it first.
+        self._port_holder: Any = (
+            ray.remote(_Probe).options(num_cpus=0, scheduling_strategy=pool.strategy(0)).remote()
         )
-        _handed_out.setdefault(pool.node_ids()[0], set()).add(master_port)
-        ray.kill(probe)
+        master_addr, master_port = ray.get(self._port_holder.address.remote())
         self.workers = [
             remote_cls.options(
                 num_cpus=cpus_per_worker,
@@ -355,7 +350,15 @@ class WorkerGroup:
                 raise cause from None
             raise WorkerError(self.role, rank, f"{type(cause).__name__}: {cause}", died=False) from None
 
+    def release_rendezvous_port(self) -> None:
+        """End the probe holding the group's rendezvous port: call once rank 0's store listens on it (after
+        the workers' init_model)."""
+        if self._port_holder is not None:
+            ray.kill(self._port_holder, no_restart=True)
+            self._port_holder = None
+
     def shutdown(self) -> None:
+        self.release_rendezvous_port()
         for w in self.workers:
             ray.kill(w, no_restart=True)
 
@@ -429,15 +432,11 @@ def accelerator_options(device: str, share: float) -> dict[str, Any]:
 
 
 class _Probe:
-    """Runs in bundle 0 of a pool to report that node's address and a free port."""
+    """Runs in bundle 0 of a pool to report that node's address and a free port, which it holds for the
+    group's rendezvous while it lives (free_port)."""
 
-    def address(self, taken: frozenset[int] = frozenset()) -> tuple[str, int]:
-        """A port free now and not in `taken`: ports handed to groups whose workers have not bound them
-        yet (the OS may offer a released port again; two groups on one node would then collide)."""
-        port = free_port()
-        while port in taken:
-            port = free_port()
-        return ray.util.get_node_ip_address(), port
+    def address(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), free_port()
 
 
 def _first_line(exc: BaseException) -> str:

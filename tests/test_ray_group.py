@@ -3,9 +3,11 @@ local cluster's lifetime: none of its processes outlives the driver (ray.shutdow
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +27,21 @@ pytestmark = [pytest.mark.multiproc]
 class EchoWorker:
     def __init__(self, role: str, rank: int, world_size: int, master_addr: str, master_port: int, tag: str):
         self.rank, self.world_size, self.tag = rank, world_size, tag
+        self.master_port = master_port
+
+    def listen(self) -> int:
+        """Rank 0's store listening on the rendezvous port, as init_process_group's would."""
+        import datetime
+
+        import torch.distributed
+
+        self.store = torch.distributed.TCPStore(
+            "127.0.0.1", self.master_port, 1, True, datetime.timedelta(seconds=30)
+        )
+        return self.master_port
+
+    def close(self) -> None:
+        del self.store
 
     def whoami(self, x: int) -> tuple[int, int, str, int]:
         return self.rank, self.world_size, self.tag, x * 10
@@ -84,6 +101,37 @@ def test_group_passes_rank_args_and_names_failures(ray_cluster):
             group.call("die")
         assert (exc.value.role, exc.value.rank, exc.value.died) == ("critic", 1, True)
         assert "critic worker rank 1 died" in str(exc.value)
+    finally:
+        group.shutdown()
+        pool.release()
+
+
+def _plain_bind_refused(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("", port))
+        except OSError as exc:
+            assert exc.errno == errno.EADDRINUSE
+            return True
+        return False
+
+
+def test_the_rendezvous_port_stays_held_until_rank_0_listens(ray_cluster):
+    """Between the probe finding the group's port and rank 0's store listening on it, nothing else on the
+    node can take the port (CI once lost a run to EADDRINUSE there); once released, it is free again."""
+    pool = Pool.reserve("test", 1, "cpu", 1.0, 1)
+    group = WorkerGroup("actor", EchoWorker, pool, 1, "cpu", 1.0, {"tag": "t"})
+    try:
+        port = group.workers[0].__ray_call__.remote(lambda w: w.master_port)
+        port = ray.get(port)
+        assert _plain_bind_refused(port), "the probe no longer holds the port: another process could take it"
+        assert group.call("listen") == [port]  # torch's store listens on the held port
+        group.release_rendezvous_port()
+        group.call("close")
+        deadline = time.monotonic() + 30
+        while _plain_bind_refused(port) and time.monotonic() < deadline:
+            time.sleep(0.2)  # the probe's process ends asynchronously
+        assert not _plain_bind_refused(port)
     finally:
         group.shutdown()
         pool.release()

@@ -494,7 +494,7 @@ def _cpu_world() -> Any:
     import torch
     from megatron.core import parallel_state
 
-    from rltrain.megatron.parallel import GroupSizes, destroy_parallel, free_port, init_parallel
+    from rltrain.megatron.parallel import GroupSizes, destroy_parallel, free_port, init_parallel, release_port
 
     if torch.distributed.is_initialized():
         layout_ok = (
@@ -507,7 +507,11 @@ def _cpu_world() -> Any:
             raise CheckpointError("export-hf runs in a process of its own (a torch.distributed world of one)")
         yield
         return
-    init_parallel(GroupSizes(), "cpu", rank=0, world_size=1, master_addr="127.0.0.1", master_port=free_port())
+    port = free_port()
+    try:
+        init_parallel(GroupSizes(), "cpu", rank=0, world_size=1, master_addr="127.0.0.1", master_port=port)
+    finally:
+        release_port(port)
     try:
         yield
     finally:

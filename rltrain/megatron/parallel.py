@@ -20,12 +20,32 @@ import torch
 from rlconf.seeding import run_seed
 from rltrain import device as devices
 
+# Ports free_port handed out, each held bound by this process until release_port (or exit).
+_held_ports: dict[int, socket.socket] = {}
+
 
 def free_port() -> int:
-    """A TCP port free on this host now, for a torch.distributed rendezvous (MASTER_PORT)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+    """A TCP port for a torch.distributed rendezvous (MASTER_PORT), held for it by this process until
+    `release_port(port)` or exit.
+
+    Held, not only found free: between finding a free port and rank 0's store listening on it, another
+    process's bind to port 0 (another run's rendezvous, Ray's own servers) could take it, and rank 0 would
+    fail with EADDRINUSE. The port stays bound here with SO_REUSEADDR and never listens: the kernel then
+    gives it to no other bind(0) or connect(), a bind without SO_REUSEADDR is refused, and torch's TCPStore,
+    which binds with SO_REUSEADDR, listens on it as usual (in this process or another)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("", 0))
+    port = sock.getsockname()[1]
+    _held_ports[port] = sock
+    return port
+
+
+def release_port(port: int) -> None:
+    """Stop holding a port `free_port` handed out (once its store listens, or its world is gone)."""
+    sock = _held_ports.pop(port, None)
+    if sock is not None:
+        sock.close()
 
 
 def init_distributed(
