@@ -91,15 +91,112 @@ def _count(events, names: dict | None = None) -> Counter:
     return counts
 
 
+def _train_counts(events, names: dict | None = None) -> dict[str, Counter]:
+    """Kernel-launching ops of one training forward + backward per phase: forward ops as `_count` (phase by
+    the record_function around them), backward ops by the phase of the forward op that made their autograd
+    node (its sequence number)."""
+    forward = _count(events, names)
+    phase_of_seq: dict[int, str] = {}
+    for e in events:
+        if e.sequence_nr < 0 or not e.name.startswith("aten::") or "evaluate_function" in e.name:
+            continue
+        phase, up = "other", e.cpu_parent
+        while up is not None:
+            if up.name.startswith("phase:"):
+                phase = up.name.removeprefix("phase:")
+                break
+            up = up.cpu_parent
+        phase_of_seq.setdefault(e.sequence_nr, "experts" if phase == "grouped_mm" else phase)
+    backward: Counter = Counter()
+    for e in events:
+        if not e.name.startswith("autograd::engine::evaluate_function:"):
+            continue
+        phase = phase_of_seq.get(e.sequence_nr, "other")
+        stack = list(e.cpu_children)
+        while stack:  # the launching ops below the node, each once at the top of its nesting
+            c = stack.pop()
+            if c.name.startswith("aten::") and c.name not in NO_KERNEL and _launches(c):
+                backward[phase] += 1
+                if names is not None:
+                    names.setdefault(f"{phase} (backward)", []).append(c.name.removeprefix("aten::"))
+            else:
+                stack.extend(c.cpu_children)
+    return {"forward": forward, "backward": backward}
+
+
+def train_main(a: argparse.Namespace) -> int:
+    """One MoE layer's training forward + backward (autograd on, the load-balancing loss on), ops per phase:
+    the router (`moe_decode.train_route`, or megatron's with the bench switch `router` off), the dispatch
+    (expert positions, rows), the experts and the combine of `moe_decode.moe_forward`."""
+    from presets.gpu import QWEN3_MOE_3B
+    from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
+    from rltrain.megatron import moe_decode, moe_experts
+    from rltrain.megatron.model import unwrap
+    from rltrain.megatron.parallel import free_port
+
+    init_groups(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
+    arch = replace(QWEN3_MOE_3B, num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                   num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
+                   moe_aux_loss_coeff=0.001)  # fmt: skip
+    model = ModelConfig(arch=arch, params_dtype=a.dtype, attention_backend="sdpa", moe_grouped_gemm=True)
+    actor = actor_of(model, ActorConfig(megatron=MegatronConfig()), "cpu")
+    (layer,) = unwrap(actor.chunks[0]).decoder.layers
+    mlp = layer.mlp
+    hidden = torch.randn(a.rows, 1, arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    hidden = hidden.to(getattr(torch, a.dtype)).requires_grad_()
+    with contextlib.ExitStack() as stack:
+        mlp.router.forward = _phase("router", mlp.router.forward)
+        stack.callback(mlp.router.__dict__.pop, "forward")
+        for obj, attr, phase in (
+            (moe_decode, "train_route", "router"),
+            (moe_decode, "expert_positions", "dispatch"),
+            (moe_decode._ExpertRows, "apply", "dispatch"),
+            (moe_decode, "expert_swiglu", "experts"),
+            (moe_decode._Permuted, "apply", "combine"),
+        ):
+            stack.callback(setattr, obj, attr, getattr(obj, attr))
+            setattr(obj, attr, _phase(phase, getattr(obj, attr)))
+        grouped = moe_experts.grouped_mm
+        moe_experts.grouped_mm = _phase("grouped_mm", grouped)
+        stack.callback(setattr, moe_experts, "grouped_mm", grouped)
+        actor.train()
+
+        def call() -> None:
+            out, _ = mlp(hidden)
+            out.float().sum().backward()
+
+        call()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            call()
+    names: dict = {}
+    counts = _train_counts(prof.events(), names)
+    report = {}
+    for part, c in counts.items():
+        row = {p: c.get(p, 0) for p in (*PHASES, "other")}
+        row["total"] = sum(row.values())
+        report[part] = row
+        print(f"{part:8s}: {row}", flush=True)
+    if a.names:
+        for phase, ops in names.items():
+            print(f"    {phase}: {' '.join(ops)}", flush=True)
+    print(json.dumps(report))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32)
+    ap.add_argument(
+        "--train", action="store_true", help="a training forward + backward (megatron's MoE layer)"
+    )
     ap.add_argument("--names", action="store_true", help="print the ops of each phase")
     ap.add_argument(
         "--dtype", default="float32", choices=["float32", "bfloat16"], help="params and activations"
     )
     a = ap.parse_args()
     warnings.filterwarnings("ignore")
+    if a.train:
+        return train_main(a)
     from presets.gpu import QWEN3_MOE_3B
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
     from rltrain.megatron import moe_decode, moe_experts

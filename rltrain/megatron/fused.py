@@ -28,7 +28,8 @@ compiled, not Triton's), `rope` (RoPE compiled, not Triton's), `wgrad` (weight g
 hooks, not summed in their products), `foreach` (megatron's per-parameter gradient norm and clipping
 loops, not multi_tensor's foreach kernels), `held` (MoE expert weights through autograd's accumulators and
 DDP's hooks, not held by the experts' Function), `maingrad` (the experts' weight gradients cast and added by
-foreach ops, not triton_grad_add's kernel)."""
+foreach ops, not triton_grad_add's kernel), `router` (megatron's router in training passes, not
+moe_decode.train_route)."""
 
 
 def bench_off(kernel: str) -> bool:

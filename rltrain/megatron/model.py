@@ -493,6 +493,7 @@ class MoeRoutingStats:
 
         self.device = device
         self.routers = [m for c in chunks for m in unwrap(c).modules() if isinstance(m, TopKRouter)]
+        self._router_ids = {id(r) for r in self.routers}
         self.counts: dict[int, torch.Tensor] = {}
         self.calls = 0
         self.handles: list[Any] = []
@@ -513,6 +514,10 @@ class MoeRoutingStats:
         get_moe_layer_wise_logging_tracker().pop("load_balancing_loss", None)
         for router in self.routers:
             self.handles.append(router.register_forward_hook(self._record))
+        # Routers that moe_decode.train_route stands in for (their forward, so its hooks, never runs).
+        from rltrain.megatron.moe_decode import ROUTE_OBSERVERS
+
+        ROUTE_OBSERVERS.append(self._record_index)
         return self
 
     def _record(
@@ -528,7 +533,21 @@ class MoeRoutingStats:
         # Summed on the device, read back once on exit: a host read here would wait for every MoE layer's
         # forward in turn (one sync per layer per micro-batch), so the host could never run ahead of the
         # device.
-        tokens = routing_map.sum(0, dtype=torch.float64).detach()
+        self._add(router, routing_map.sum(0, dtype=torch.float64).detach())
+
+    def _record_index(
+        self, router: torch.nn.Module, index: torch.Tensor, padding: torch.Tensor | None
+    ) -> None:
+        """`_record` for a routing given as top-k indices [T, k] (padding [T] True on padding)."""
+        if id(router) not in self._router_ids:
+            return  # another engine's
+        counted = torch.ones(index.shape, dtype=torch.float64, device=index.device)
+        if padding is not None:
+            counted = counted * ~padding.unsqueeze(1)
+        tokens = torch.zeros(router.num_experts, dtype=torch.float64, device=index.device)
+        self._add(router, tokens.scatter_add_(0, index.reshape(-1), counted.reshape(-1)))
+
+    def _add(self, router: torch.nn.Module, tokens: torch.Tensor) -> None:
         layer = router.layer_number
         if layer in self.counts:
             self.counts[layer].add_(tokens)
@@ -550,6 +569,10 @@ class MoeRoutingStats:
 
         for handle in self.handles:
             handle.remove()
+        from rltrain.megatron.moe_decode import ROUTE_OBSERVERS
+
+        if self._record_index in ROUTE_OBSERVERS:
+            ROUTE_OBSERVERS.remove(self._record_index)
         if not self.routers or exc[0] is not None:
             return
         config = self.routers[0].config

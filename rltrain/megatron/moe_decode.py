@@ -47,8 +47,10 @@ object to see the call (`moe_forward`); elsewhere megatron's router runs as in i
 Every shape depends only on T, so the step is graph-capturable. The KV-cache engine stacks the expert
 weights once ([E, 2F, H] and [E, H, F], `ExpertWeights`): the copy lives as long as one `generate` call.
 Training passes (`GroupedMoELayer`, the MoE layer of `model.moe_grouped_gemm`) run the experts' own
-parameters through `moe_experts.expert_swiglu`, as `GroupedGemmExperts` does; the router's
-load-balancing loss, z-loss and replay are the router's own, so they are unchanged.
+parameters through `moe_experts.expert_swiglu`, as `GroupedGemmExperts` does. Their router is
+`train_route` where `train_router_unsupported` accepts it (megatron's routing and load-balancing loss, its
+z-loss called as it is, without the dense [T, E] maps; bench switch `router` off); with router replay,
+expert bias or sequence / global balancing losses megatron's router runs (item 1), so those are unchanged.
 """
 
 from __future__ import annotations
@@ -384,6 +386,102 @@ def static_routing(
     return fn(logits.view(-1, logits.shape[-1]), router.expert_bias, TopkRouting.of(router))
 
 
+def train_router_unsupported(router: torch.nn.Module) -> str | None:
+    """Why `train_route` cannot stand in for this router's forward in a training pass (None: it can;
+    megatron's `TopKRouter.forward` runs otherwise, through `_TopkTap`)."""
+    why = router_unsupported(router)
+    if why is not None:
+        return why
+    if router.router_replay is not None:  # recording and replaying go through megatron's hook
+        return "router replay"
+    if router.enable_expert_bias:  # megatron's token count for the bias update stays megatron's
+        return "expert bias (moe_router_enable_expert_bias)"
+    if router.get_aux_loss_coeff("seq_aux_loss") > 0 or router.get_aux_loss_coeff("global_aux_loss") > 0:
+        return "sequence or global load-balancing loss"
+    return None
+
+
+# Called by `train_route` with (router, index [T, k], padding [T] or None) for every routing it makes: what
+# a forward hook on the router sees of megatron's path (model.MoeRoutingStats registers here too).
+ROUTE_OBSERVERS: list[Callable[[torch.nn.Module, torch.Tensor, torch.Tensor | None], None]] = []
+
+
+def train_route(
+    router: torch.nn.Module, hidden: torch.Tensor, padding_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """megatron's `TopKRouter.forward` on `hidden` [s, n, H] for the passes of training engines, without
+    its dense [T, E] probabilities and routing maps: (probs [T, k] in the logits' dtype, index [T, k]), the
+    load-balancing loss attached to probs as megatron attaches it. For routers `train_router_unsupported`
+    accepts; `padding_mask` [s, n] True on padding.
+
+    The same ops in megatron's order and dtypes: its gating, its z-loss (`apply_z_loss`, a no-op unless set),
+    `route`, then (training mode, autograd on, coefficient > 0) the switch-transformer loss from the scores
+    and top-k choice megatron's `compute_routing_scores_for_aux_loss` makes (fp32 softmax, or normalised
+    sigmoid, over all experts; padding rows zeroed), its tokens per expert counted by a scatter-add where
+    megatron sums a dense map, reduced over the TP x CP group, then megatron's own
+    `switch_load_balancing_loss_func` and `attach_and_log_load_balancing_loss` (the tracker its metrics
+    read). Why: megatron's training router is ~35 kernels per MoE layer per micro-batch forward and
+    backward, two softmaxes and top-ks and four dense scatters among them, in a qwen3-moe update bound by
+    its small kernels (bench/moe_layer_ops.py --train). tests/megatron/test_moe_decode.py compares it with
+    megatron's router: outputs, every gradient, the loss and the routing metrics."""
+    router._maintain_float32_expert_bias()  # as TopKRouter.forward
+    logits = router.gating(hidden)
+    logits = logits.view(-1, logits.shape[-1])
+    padding = None if padding_mask is None else padding_mask.reshape(-1)
+    logits = router.apply_z_loss(logits, padding_mask=padding)
+    probs, index = route(logits, router.expert_bias, TopkRouting.of(router))
+    if router.training and torch.is_grad_enabled() and router.is_aux_loss_enabled():
+        probs = _load_balancing_loss(router, logits, probs, padding)
+    for observe in ROUTE_OBSERVERS:
+        observe(router, index, padding)
+    return probs, index
+
+
+def _load_balancing_loss(
+    router: torch.nn.Module, logits: torch.Tensor, probs: torch.Tensor, padding: torch.Tensor | None
+) -> torch.Tensor:
+    """megatron's `TopKRouter._apply_aux_loss` (with `compute_routing_scores_for_aux_loss`, unfused) on the
+    top-k probabilities: the loss attached to `probs` (returned) and recorded in megatron's tracker."""
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+    coeff = router.get_aux_loss_coeff("aux_loss")
+    tokens, experts = logits.shape
+    k = router.topk
+    if router.score_function == "softmax":
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        scores = torch.sigmoid(logits)
+        scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
+    chosen = torch.topk(scores, k=k, dim=1).indices.reshape(-1)
+    if padding is None:
+        counted = torch.ones_like(chosen)
+    else:
+        valid = ~padding
+        scores = scores * valid.unsqueeze(-1)
+        counted = valid.unsqueeze(1).expand(-1, k).reshape(-1).long()
+    local = torch.zeros(experts, dtype=torch.long, device=logits.device).scatter_add_(0, chosen, counted)
+    group = router.tp_cp_group
+    per_expert = reduce_from_tensor_model_parallel_region(local, group)
+    if padding is None:
+        local_tokens: int | torch.Tensor = tokens
+        total: int | torch.Tensor = tokens * group.size()
+    else:
+        local_tokens, total = local.sum() / k, per_expert.sum() / k
+    aux = switch_load_balancing_loss_func(
+        probs=scores,
+        tokens_per_expert=per_expert,
+        total_num_tokens=total,
+        topk=k,
+        num_experts=router.config.num_moe_experts,
+        moe_aux_loss_coeff=coeff,
+        fused=False,
+    )
+    return router.attach_and_log_load_balancing_loss(
+        probs, coeff, aux, "load_balancing_loss", group, valid_token_count=local_tokens
+    )
+
+
 @dataclass(frozen=True)
 class DecodeGlue:
     """The generation path's MoE glue around the grouped GEMMs: `dispatch`, `moe_experts.swiglu_probs`, `combine`
@@ -424,6 +522,9 @@ def moe_forward(
     functions, the grouped GEMMs between them, no autograd Functions; None runs the argsort path below
     (training's, and the engine's with the class switch `KVCacheGenerator.fuse_moe_glue` off).
 
+    Without `glue`, the router is `train_route` where `train_router_unsupported` accepts it (no dense
+    [T, E] probabilities), else megatron's.
+
     `route` (`route` or `fused_route`; taken with `glue` only, the class switch
     `KVCacheGenerator.fuse_moe_router`): the router's gating GEMM, then `route` for the top-k probabilities
     [T, k] the glue takes as they are, instead of megatron's router and its dense [T, E] probabilities.
@@ -444,6 +545,9 @@ def moe_forward(
     if static_route:
         assert route is not None
         probs, index = static_routing(router, hidden, route)
+        num_experts = router.num_experts
+    elif glue is None and not fused.bench_off("router") and train_router_unsupported(router) is None:
+        probs, index = train_route(router, hidden, padding_mask)
         num_experts = router.num_experts
     else:
         saved = router.router_replay
@@ -477,7 +581,7 @@ def moe_forward(
     # Expert-major, token order within an expert (the stable argsort: any batch size, autograd).
     order, inverse, offsets = expert_positions(index, len(experts), by_rank=False)
     inverse = inverse.reshape(-1)
-    p = probs.gather(1, index).reshape(-1).index_select(0, order)
+    p = (probs if num_experts is not None else probs.gather(1, index)).reshape(-1).index_select(0, order)
     rows = _ExpertRows.apply(x, order, inverse, k)
     if weights is not None:
         y = GroupedSwiGLU.apply(rows, *weights(mlp), p, offsets)  # [T k, H]
@@ -524,6 +628,7 @@ __all__ = [
     "EAGER_GLUE",
     "FUSED_GLUE",
     "RANK_DISPATCH_MAX_PAIRS",
+    "ROUTE_OBSERVERS",
     "DecodeGlue",
     "ExpertWeights",
     "GroupedMoELayer",
@@ -539,5 +644,7 @@ __all__ = [
     "route",
     "router_unsupported",
     "static_routing",
+    "train_route",
+    "train_router_unsupported",
     "unsupported",
 ]

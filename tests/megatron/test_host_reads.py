@@ -32,34 +32,49 @@ def moe_actor(mp_world):
 
 
 def test_routing_stats_are_read_once_per_update(moe_actor, monkeypatch):
-    """No host read while a router's forward is recorded (3 MoE layers x 2 micro-batches of them), and the
+    """No host read while a routing is recorded (3 MoE layers x 2 micro-batches of them), and the
     update's expert-load metric is the one the routers' own routing maps give."""
     from rltrain.megatron.model import MoeRoutingStats, unwrap
+    from rltrain.megatron.moe_decode import ROUTE_OBSERVERS
 
-    record = MoeRoutingStats._record
+    for name in ("_record", "_record_index"):  # megatron's router (its forward hook), or train_route's
+        record = getattr(MoeRoutingStats, name)
 
-    def record_without_reads(self, *args):
-        with no_host_reads(monkeypatch):
-            return record(self, *args)
+        def record_without_reads(self, *args, record=record):
+            with no_host_reads(monkeypatch):
+                return record(self, *args)
 
-    monkeypatch.setattr(MoeRoutingStats, "_record", record_without_reads)
+        monkeypatch.setattr(MoeRoutingStats, name, record_without_reads)
     seen: dict[int, torch.Tensor] = {}
 
-    def count(router, inputs, output):
-        routed = output[1]  # [tokens, experts]; padding columns (True in the mask) are not tokens
-        if len(inputs) > 1 and inputs[1] is not None:
-            routed = routed & ~inputs[1].reshape(-1, 1)
+    def count(router, routed, padding):
+        # routed [tokens, experts]; padding columns (True in the mask) are not tokens
+        if padding is not None:
+            routed = routed & ~padding.reshape(-1, 1)
         tokens = routed.sum(0, dtype=torch.float64)
         seen[router.layer_number] = seen.get(router.layer_number, 0) + tokens
 
+    def hook(router, inputs, output):
+        count(router, output[1], inputs[1] if len(inputs) > 1 else None)
+
+    def observe(router, index, padding):
+        routed = torch.nn.functional.one_hot(index, router.num_experts).sum(1).bool()
+        count(router, routed, padding)
+
     routers = [m for m in unwrap(moe_actor.chunks[0]).modules() if hasattr(m, "router_replay")]
     assert len(routers) == 3
-    handles = [r.register_forward_hook(count) for r in routers]
+    handles = [r.register_forward_hook(hook) for r in routers]
+    ROUTE_OBSERVERS.append(observe)
     batch = batch_from_lengths([(6, 8), (4, 7), (6, 3), (5, 8)], 6, 8, vocab=128)
     mask = batch["response_mask"].float()
-    metrics = moe_actor.update_policy({**batch, "old_log_probs": torch.zeros_like(mask), "advantages": mask})
-    for h in handles:
-        h.remove()
+    try:
+        metrics = moe_actor.update_policy(
+            {**batch, "old_log_probs": torch.zeros_like(mask), "advantages": mask}
+        )
+    finally:
+        ROUTE_OBSERVERS.remove(observe)
+        for h in handles:
+            h.remove()
     loads = [float(c.max() / c.mean()) for c in seen.values()]
     assert metrics["actor/moe_expert_load_max"] == pytest.approx(sum(loads) / len(loads), rel=1e-12)
     assert metrics["actor/moe_aux_loss"] > 0

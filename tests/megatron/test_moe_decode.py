@@ -406,36 +406,62 @@ def _grouped_actor(path, cfg=None):
     return actor_of(model, cfg or _layout_cfg(aux=0.01), "cpu", trainable=True, total_steps=4)
 
 
-def test_grouped_moe_layer_trains_as_megatrons_moe_layer(mp_world, moe_model, monkeypatch):
-    """model.moe_grouped_gemm's MoE layer (GroupedMoELayer: moe_forward, no token dispatcher) in training
-    mode, load-balancing loss on: the output and every gradient (hidden states, router, each expert's own
-    weights, shared expert) equal megatron's MoELayer.forward on the same module (fp32 rounding)."""
-    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+@pytest.mark.parametrize("padded", [False, True], ids=["unpadded", "padded"])
+def test_grouped_moe_layer_trains_as_megatrons_moe_layer(mp_world, moe_model, monkeypatch, padded):
+    """model.moe_grouped_gemm's MoE layer (GroupedMoELayer: moe_forward, no token dispatcher, the router
+    `train_route` without dense maps) in training mode, load-balancing loss on, with and without a padding
+    mask: the output and every gradient (hidden states, router, each expert's own weights, shared expert)
+    equal megatron's MoELayer.forward on the same module (fp32 rounding); the load-balancing loss megatron's
+    tracker records and the routing metrics' token counts are the same numbers."""
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler,
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
 
-    from rltrain.megatron.moe_decode import GroupedMoELayer
+    from rltrain.megatron.model import MoeRoutingStats
+    from rltrain.megatron.moe_decode import GroupedMoELayer, train_router_unsupported
 
     # A backward outside megatron's schedule sets the loss scale megatron keeps process-wide: undone after.
     monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
     actor = _grouped_actor(moe_model)
     layer = _moe_layers(actor)[0]
     assert isinstance(layer.mlp, GroupedMoELayer)
+    assert train_router_unsupported(layer.mlp.router) is None
     layer.mlp.train()
     params = [p for p in layer.mlp.parameters() if p.requires_grad]
     gen = torch.Generator().manual_seed(2)
     hidden = torch.randn(6, 3, layer.config.hidden_size, generator=gen)
     dy = torch.randn(6, 3, layer.config.hidden_size, generator=gen)
+    # [b, s] True on padding, as the engine passes it (row 1 ends two columns early, row 2 one).
+    padding = torch.zeros(3, 6, dtype=torch.bool)
+    padding[1, 4:] = padding[2, 5:] = True
+    kwargs = {"padding_mask": padding} if padded else {}
+    calls = []
+    layer.mlp.router.register_forward_hook(lambda *_: calls.append(1))
     results = {}
     for static in (False, True):
         GroupedMoELayer.static = static
+        calls.clear()
+        clear_aux_losses_tracker()
         try:
-            x = hidden.clone().requires_grad_()
-            out, bias = layer.mlp(x)
-            assert bias is None
-            grads = torch.autograd.grad(out, [x, *params], dy, allow_unused=True)
+            with MoeRoutingStats(actor.chunks, torch.device("cpu")) as stats:
+                x = hidden.clone().requires_grad_()
+                out, bias = layer.mlp(x, **kwargs)
+                assert bias is None
+                grads = torch.autograd.grad(out, [x, *params], dy, allow_unused=True)
+                aux = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
+                counts = {k: v.clone() for k, v in stats.counts.items()}
         finally:
             GroupedMoELayer.static = True
-        results[static] = (out.detach(), grads)
-    (want, want_grads), (got, got_grads) = results[False], results[True]
+        assert bool(calls) == (not static), (
+            "the grouped layer ran megatron's router forward" if static else ""
+        )
+        results[static] = (out.detach(), grads, aux, counts)
+    (want, want_grads, want_aux, want_counts), (got, got_grads, got_aux, got_counts) = (
+        results[False],
+        results[True],
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     names = ["hidden"] + [n for n, p in layer.mlp.named_parameters() if p.requires_grad]
     for name, g, w in zip(names, got_grads, want_grads, strict=True):
@@ -444,6 +470,12 @@ def test_grouped_moe_layer_trains_as_megatrons_moe_layer(mp_world, moe_model, mo
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6, msg=name)
     router_grad = got_grads[1 + names[1:].index(next(n for n in names[1:] if n.startswith("router")))]
     assert router_grad is not None and bool(router_grad.abs().sum() > 0)
+    # The same ops on the same numbers: the loss and the counts are equal bit for bit.
+    assert bool(want_aux.sum() > 0) and torch.equal(got_aux, want_aux)
+    assert want_counts.keys() == got_counts.keys() == {layer.mlp.router.layer_number}
+    for key, c in want_counts.items():
+        assert torch.equal(got_counts[key], c)
+        assert float(c.sum()) == layer.mlp.router.topk * (18 - 3 * padded)
 
 
 @pytest.fixture(scope="module")
