@@ -95,7 +95,16 @@ def _train_counts(events, names: dict | None = None) -> dict[str, Counter]:
     """Kernel-launching ops of one training forward + backward per phase: forward ops as `_count` (phase by
     the record_function around them), backward ops by the phase of the forward op that made their autograd
     node (its sequence number)."""
-    forward = _count(events, names)
+
+    def in_backward(e) -> bool:
+        up = e
+        while up is not None:
+            if up.name.startswith("autograd::engine::evaluate_function:"):
+                return True
+            up = up.cpu_parent
+        return False
+
+    forward = _count([e for e in events if not in_backward(e)], names)
     phase_of_seq: dict[int, str] = {}
     for e in events:
         if e.sequence_nr < 0 or not e.name.startswith("aten::") or "evaluate_function" in e.name:
