@@ -178,18 +178,21 @@ def train_main(a: argparse.Namespace) -> int:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             call()
     names: dict = {}
-    counts = _train_counts(prof.events(), names)
-    report = {}
-    for part, c in counts.items():
-        row = {p: c.get(p, 0) for p in (*PHASES, "other")}
-        row["total"] = sum(row.values())
-        report[part] = row
-        print(f"{part:8s}: {row}", flush=True)
-    if a.names:
-        for phase, ops in names.items():
-            print(f"    {phase}: {' '.join(ops)}", flush=True)
+    report: dict = {}
+    for part, c in _train_counts(prof.events(), names).items():
+        _report_row(report, part, c, names if a.names and part == "backward" else None)
     print(json.dumps(report))
     return 0
+
+
+def _report_row(report: dict, key: str, counts: Counter, names: dict | None) -> None:
+    """One row of `report`: ops per phase and their total, printed (with each phase's ops, `names`)."""
+    row = {p: counts.get(p, 0) for p in (*PHASES, "other")}
+    row["total"] = sum(row.values())
+    report[key] = row
+    print(f"{key}: {row}", flush=True)
+    for phase, ops in (names or {}).items():
+        print(f"    {phase}: {' '.join(ops)}", flush=True)
 
 
 def main() -> int:
@@ -248,13 +251,8 @@ def main() -> int:
                     call()
                 names: dict = {}
                 counts = _count(prof.events(), names)
-                row = {p: counts.get(p, 0) for p in (*PHASES, "other")}
-                row["total"] = sum(row.values())
-                report[f"glue_{glue_name}/router_{'on' if route else 'off'}"] = row
-                print(f"glue {glue_name:8s} router {'on ' if route else 'off'}: {row}", flush=True)
-                if a.names:
-                    for phase, ops in names.items():
-                        print(f"    {phase}: {' '.join(ops)}", flush=True)
+                key = f"glue_{glue_name}/router_{'on' if route else 'off'}"
+                _report_row(report, key, counts, names if a.names else None)
     print(json.dumps(report))
     return 0
 
