@@ -2,7 +2,8 @@
 compiled `fused_route`) against megatron-core's TopKRouter.forward on the router configurations rlplan's
 families use: the same experts in the same top-k order and the same weights (eagerly bit for bit, compiled to
 the rounding of the dtype); configurations it does not reproduce are refused by `router_unsupported`, and
-`moe_forward` runs megatron's router where a replay object is to see the call or autograd is on.
+`moe_forward` runs megatron's router where a replay object is to see the call or autograd is on. The training
+passes' router (`train_route`) against TopKRouter.forward in training mode: routing, losses and gradients.
 """
 
 from __future__ import annotations
@@ -150,6 +151,101 @@ def test_router_unsupported_names_what_it_refuses(mp_world):
     router = _router(fields, torch.float32)
     router.__class__ = Routed
     assert router_unsupported(router) == "router Routed"
+
+
+# The routers `train_route` takes (the expert bias keeps megatron's router) x (z-loss, padding mask).
+TRAIN_CASES = [
+    pytest.param(name, dtype, z_loss, padded, id=f"{name}-{str(dtype).removeprefix('torch.')}"
+                 f"{'-zloss' if z_loss else ''}{'-padded' if padded else ''}")
+    for name, (fields, dtypes) in ROUTERS.items() if not fields.get("moe_router_enable_expert_bias")
+    for dtype in dtypes
+    for z_loss, padded in ((False, False), (False, True), (True, True))
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "dtype", "z_loss", "padded"), TRAIN_CASES)
+def test_train_route_trains_as_megatrons_router(mp_world, monkeypatch, name, dtype, z_loss, padded):
+    """The training router (`train_route`) against TopKRouter.forward in training mode, load-balancing loss
+    on (and the z-loss, and a padding mask, where the case says): the same experts and top-k probabilities
+    bit for bit, the same losses in megatron's tracker bit for bit, and the same gradients of the hidden
+    states and the router's weight to the dtype's rounding (megatron's router adds the logits' gradient
+    paths in another order)."""
+    from megatron.core.transformer.moe.moe_utils import (
+        MoEAuxLossAutoScaler,
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    from rltrain.megatron.moe_decode import train_route, train_router_unsupported
+
+    from ..tolerance import tolerance
+
+    # A backward outside megatron's schedule sets the loss scale megatron keeps process-wide: undone after.
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
+    fields, _ = ROUTERS[name]
+    extra = {"moe_aux_loss_coeff": 0.01, **({"moe_z_loss_coeff": 1e-3} if z_loss else {})}
+    router = _router(fields, dtype, **extra).train()
+    router.set_layer_number(1)  # the tracker records a layer's losses only
+    assert train_router_unsupported(router) is None
+    gen = torch.Generator().manual_seed(7)
+    seq, rows = 6, 3
+    hidden = torch.randn(seq, rows, HIDDEN, generator=gen).to(dtype)
+    padding = torch.zeros(seq, rows, dtype=torch.bool)  # [s, b] True on padding, as MoELayer.route takes it
+    if padded:
+        padding[4:, 1] = padding[5:, 2] = True
+    mask = padding if padded else None
+    weight_out = torch.randn(seq * rows, router.topk, generator=gen)
+    results = {}
+    for path in ("megatron", "train_route"):
+        clear_aux_losses_tracker()
+        x = hidden.clone().requires_grad_()
+        if path == "megatron":
+            from rltrain.megatron.moe_decode import _TopkTap
+
+            tap = router.router_replay = _TopkTap(None, silent=True)
+            try:
+                dense, _ = router(x, mask)
+            finally:
+                router.router_replay = None
+            index = tap.index
+            probs = dense.gather(1, index)
+        else:
+            probs, index = train_route(router, x, mask)
+        grads = torch.autograd.grad((probs.float() * weight_out).sum(), [x, router.weight])
+        tracker = get_moe_layer_wise_logging_tracker()
+        losses = {key: v["values"].clone() for key, v in tracker.items() if bool(v["values"].any())}
+        results[path] = (probs.detach(), index, grads, losses)
+    (want_p, want_i, want_g, want_l), (got_p, got_i, got_g, got_l) = (
+        results["megatron"],
+        results["train_route"],
+    )
+    assert torch.equal(got_i, want_i) and got_p.dtype == want_p.dtype and torch.equal(got_p, want_p)
+    assert want_l.keys() == got_l.keys() == {"load_balancing_loss", *(["z_loss"] if z_loss else [])}
+    for key, value in want_l.items():
+        assert torch.equal(got_l[key], value), key
+    for label, g, w in zip(("hidden", "router weight"), got_g, want_g, strict=True):
+        tol = tolerance(dtype, reduction=router.weight.shape[0], magnitude=float(w.abs().max()))
+        torch.testing.assert_close(g, w, **tol, msg=lambda m, label=label: f"{label}: {m}")
+    clear_aux_losses_tracker()
+
+
+def test_train_router_unsupported_keeps_megatrons_router_where_it_must(mp_world):
+    """Where megatron's router does more than `train_route` reproduces, it is named and megatron's runs:
+    a replay object (recording and replaying go through megatron's hook), the expert bias (its token count
+    for the bias update), the sequence-level or global balancing losses; and whatever the static router
+    refuses."""
+    from rltrain.megatron.moe_decode import train_router_unsupported
+
+    fields = ROUTERS["softmax-norm-topk"][0]
+    router = _router(fields, torch.float32, moe_aux_loss_coeff=0.01)
+    assert train_router_unsupported(router) is None
+    router.router_replay = _Recorder()
+    assert train_router_unsupported(router) == "router replay"
+    assert "expert bias" in train_router_unsupported(_router(ROUTERS["sigmoid-deepseek"][0], torch.float32))
+    for kind in ("seq_aux_loss", "global_aux_loss"):
+        refused = _router(fields, torch.float32, moe_router_load_balancing_type=kind, moe_aux_loss_coeff=0.01)
+        assert "load-balancing" in train_router_unsupported(refused), kind
+    assert "jitter" in train_router_unsupported(_router(fields, torch.float32, moe_input_jitter_eps=1e-2))
 
 
 @pytest.mark.parametrize("k", [2, 4])
