@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from ._common import free_port, run_spawned, spawn
 from .test_moe import _actor, make_tiny_moe
 
 pytestmark = [
@@ -170,24 +171,30 @@ def test_train_route_trains_as_megatrons_router(mp_world, monkeypatch, name, dty
     bit for bit, the same losses in megatron's tracker bit for bit, and the same gradients of the hidden
     states and the router's weight to the dtype's rounding (megatron's router adds the logits' gradient
     paths in another order)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    # A backward outside megatron's schedule sets the loss scale megatron keeps process-wide: undone after.
+    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
+    _compare_train_route(name, dtype, z_loss, padded, seed=7)
+
+
+def _compare_train_route(name: str, dtype: torch.dtype, z_loss: bool, padded: bool, seed: int) -> None:
+    """`test_train_route_trains_as_megatrons_router`'s comparison on this rank's hidden states (`seed`)."""
     from megatron.core.transformer.moe.moe_utils import (
-        MoEAuxLossAutoScaler,
         clear_aux_losses_tracker,
         get_moe_layer_wise_logging_tracker,
     )
 
-    from rltrain.megatron.moe_decode import train_route, train_router_unsupported
+    from rltrain.megatron.moe_decode import _TopkTap, train_route, train_router_unsupported
 
     from ..tolerance import tolerance
 
-    # A backward outside megatron's schedule sets the loss scale megatron keeps process-wide: undone after.
-    monkeypatch.setattr(MoEAuxLossAutoScaler, "main_loss_backward_scale", None)
     fields, _ = ROUTERS[name]
     extra = {"moe_aux_loss_coeff": 0.01, **({"moe_z_loss_coeff": 1e-3} if z_loss else {})}
     router = _router(fields, dtype, **extra).train()
     router.set_layer_number(1)  # the tracker records a layer's losses only
     assert train_router_unsupported(router) is None
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     seq, rows = 6, 3
     hidden = torch.randn(seq, rows, HIDDEN, generator=gen).to(dtype)
     padding = torch.zeros(seq, rows, dtype=torch.bool)  # [s, b] True on padding, as MoELayer.route takes it
@@ -200,8 +207,6 @@ def test_train_route_trains_as_megatrons_router(mp_world, monkeypatch, name, dty
         clear_aux_losses_tracker()
         x = hidden.clone().requires_grad_()
         if path == "megatron":
-            from rltrain.megatron.moe_decode import _TopkTap
-
             tap = router.router_replay = _TopkTap(None, silent=True)
             try:
                 dense, _ = router(x, mask)
@@ -215,6 +220,7 @@ def test_train_route_trains_as_megatrons_router(mp_world, monkeypatch, name, dty
         tracker = get_moe_layer_wise_logging_tracker()
         losses = {key: v["values"].clone() for key, v in tracker.items() if bool(v["values"].any())}
         results[path] = (probs.detach(), index, grads, losses)
+    clear_aux_losses_tracker()
     (want_p, want_i, want_g, want_l), (got_p, got_i, got_g, got_l) = (
         results["megatron"],
         results["train_route"],
@@ -226,7 +232,30 @@ def test_train_route_trains_as_megatrons_router(mp_world, monkeypatch, name, dty
     for label, g, w in zip(("hidden", "router weight"), got_g, want_g, strict=True):
         tol = tolerance(dtype, reduction=router.weight.shape[0], magnitude=float(w.abs().max()))
         torch.testing.assert_close(g, w, **tol, msg=lambda m, label=label: f"{label}: {m}")
-    clear_aux_losses_tracker()
+
+
+def _tp2_worker(rank: int, world: int, port: int) -> None:
+    run_spawned(_tp2_train_route, rank, world, port)
+
+
+def _tp2_train_route(rank: int, world: int, port: int) -> None:
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from rltrain.megatron.parallel import GroupSizes, destroy_parallel, init_parallel
+
+    init_parallel(GroupSizes(tp=2), "cpu", rank=rank, world_size=world, master_port=port)
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
+    for padded in (False, True):  # each rank routes its own tokens (its sequence shard)
+        _compare_train_route("softmax-norm-topk", torch.float32, False, padded, seed=7 + rank)
+    destroy_parallel()
+
+
+@pytest.mark.multiproc
+def test_train_route_reduces_the_expert_load_over_tensor_parallel_ranks(tmp_path):
+    """At TP = 2 the load-balancing loss counts tokens per expert over both ranks' tokens (megatron reduces
+    them over the TP x CP group): `train_route` equals megatron's router on each rank, with ranks routing
+    different tokens, padded and unpadded."""
+    spawn(_tp2_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def test_train_router_unsupported_keeps_megatrons_router_where_it_must(mp_world):
