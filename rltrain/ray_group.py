@@ -56,6 +56,10 @@ _local_cluster = False
 _reaper: subprocess.Popen | None = None
 
 
+# Ray settings of the local cluster `start_ray` starts (a cluster it joins keeps its own).
+LOCAL_CLUSTER_SYSTEM_CONFIG = {"enable_metrics_collection": False, "enable_open_telemetry": False}
+
+
 def start_ray(
     address: str | None,
     num_cpus: int,
@@ -76,7 +80,14 @@ def start_ray(
         if on_started is not None:
             on_started()
         return
-    kwargs: dict[str, Any] = {"num_cpus": num_cpus, "include_dashboard": False, "log_to_driver": True}
+    kwargs: dict[str, Any] = {
+        "num_cpus": num_cpus,
+        "include_dashboard": False,
+        "log_to_driver": True,
+        # No metrics: nothing reads them without a dashboard, and Ray's OpenTelemetry exporter thread has
+        # crashed the driver with SIGSEGV (opentelemetry MetricReader::Collect) after a finished run.
+        "_system_config": LOCAL_CLUSTER_SYSTEM_CONFIG,
+    }
     if temp_dir:
         kwargs["_temp_dir"] = temp_dir
     # address="local": a new cluster even when `ray start` left one on this machine (ray.init() would join it).

@@ -13,6 +13,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -77,6 +78,16 @@ def ray_cluster():
     start_ray(None, num_cpus=2, temp_dir=temp)
     yield
     ray.shutdown()
+
+
+def test_the_local_cluster_runs_no_metrics_exporter(ray_cluster):
+    """The driver of the local cluster collects and exports no Ray metrics (the exporter thread crashed a
+    finished run's driver in CI): Ray logs that its stats are off in the driver's own log."""
+    from ray._private.worker import global_worker
+
+    logs = Path(global_worker.node.get_logs_dir_path())
+    (driver_log,) = logs.glob(f"python-core-driver-*_{os.getpid()}.log")
+    assert "Disabled stats." in driver_log.read_text()
 
 
 def test_group_passes_rank_args_and_names_failures(ray_cluster):
