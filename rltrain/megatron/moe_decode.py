@@ -422,8 +422,9 @@ def train_route(
     `switch_load_balancing_loss_func` and `attach_and_log_load_balancing_loss` (the tracker its metrics
     read). Why: megatron's training router is ~35 kernels per MoE layer per micro-batch forward and
     backward, two softmaxes and top-ks and four dense scatters among them, in a qwen3-moe update bound by
-    its small kernels (bench/moe_layer_ops.py --train). tests/megatron/test_moe_decode.py compares it with
-    megatron's router: outputs, every gradient, the loss and the routing metrics."""
+    its small kernels (bench/moe_layer_ops.py --train). tests/megatron/test_moe_router_decode.py compares it
+    with megatron's router on each router configuration it takes (routing, losses, gradients; TP = 2 too),
+    tests/megatron/test_moe_decode.py the whole layer (outputs, every gradient, the routing metrics)."""
     router._maintain_float32_expert_bias()  # as TopKRouter.forward
     logits = router.gating(hidden)
     logits = logits.view(-1, logits.shape[-1])
