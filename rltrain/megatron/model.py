@@ -485,6 +485,7 @@ class MoeRoutingStats:
     `actor/moe_expert_load_max`: the busiest expert's share of the routed tokens over the mean share
     (tokens routed to each expert over the whole update, summed over ranks), averaged over MoE layers: 1.0
     is perfect balance, num_experts / topk means every token went to the same experts.
+    Each routing counts once: the forward a recomputed layer runs without autograd is left out.
     Collective on exit: every rank of the engine calls it. A dense model yields no metrics.
     """
 
@@ -548,6 +549,10 @@ class MoeRoutingStats:
         self._add(router, tokens.scatter_add_(0, index.reshape(-1), counted.reshape(-1)))
 
     def _add(self, router: torch.nn.Module, tokens: torch.Tensor) -> None:
+        if not torch.is_grad_enabled():
+            # The first forward of a recomputed layer (full or MoE recompute runs it without autograd, then
+            # again in the backward): its routing is counted once, where megatron records its loss.
+            return
         layer = router.layer_number
         if layer in self.counts:
             self.counts[layer].add_(tokens)

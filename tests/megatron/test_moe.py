@@ -142,6 +142,27 @@ def test_moe_log_probs_match_transformers(mp_world, moe_folder):
     _close(got, reference_log_probs(logits, batch), family)
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["megatron_layer", "grouped_layer"])
+def test_moe_metrics_count_each_routing_once_with_full_recompute(mp_world, tmp_path_factory, grouped):
+    """Full activation recompute runs every MoE layer's forward twice (without autograd, then again in the
+    backward): the update's load-balancing loss and expert-load metrics are those of the same update without
+    recompute, each routing counted once."""
+    path = make_tiny_moe(tmp_path_factory.mktemp("recompute") / "hf", "qwen3_moe")
+    batch = _batch()
+    rl = _rl_batch(batch, torch.zeros_like(batch["response_mask"], dtype=torch.float32))
+    model = ModelConfig(path=str(path), attention_backend="sdpa", moe_grouped_gemm=grouped)
+    metrics = {}
+    for recompute in (False, True):
+        cfg = _layout_cfg(aux=0.01)
+        if recompute:
+            ov = replace(cfg.megatron.override_transformer_config, recompute_granularity="full",
+                         recompute_method="uniform", recompute_num_layers=1)  # fmt: skip
+            cfg = replace(cfg, megatron=replace(cfg.megatron, override_transformer_config=ov))
+        metrics[recompute] = actor_of(model, cfg, "cpu", trainable=True, total_steps=4).update_policy(rl)
+    for key in ("actor/moe_aux_loss", "actor/moe_expert_load_max"):
+        assert metrics[True][key] == pytest.approx(metrics[False][key], rel=1e-6), key
+
+
 def test_moe_loader_reads_exactly_the_tensors_validate_checks(mp_world, moe_folder, monkeypatch):
     """rlconf.model_files.hf_tensors (what `rlconf validate` checks) is what the loader reads: routers, every
     expert, shared experts and their gate."""
