@@ -158,7 +158,7 @@ def test_a_timeout_kills_the_whole_tree():
     t0 = time.perf_counter()
     out = run_python("import os, time\nfor _ in range(3):\n    os.fork()\ntime.sleep(60)", timeout_s=1.5)
     assert out.error and "timed out" in out.text
-    assert time.perf_counter() - t0 < 5
+    assert time.perf_counter() - t0 < 15  # not the program's 60 s (a loaded machine needs some slack)
     time.sleep(0.5)
     assert _sandboxed_pids() == []
 
