@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from rlconf.plan import Pool as PlanPool
-from rltrain.ray_group import devices_per_node
+from rltrain.ray_group import LOCAL_CLUSTER_SYSTEM_CONFIG, devices_per_node
 
 pytestmark = [pytest.mark.multiproc]
 
@@ -61,9 +61,16 @@ def two_nodes():
     temp_dir = tempfile.mkdtemp(prefix="rlmn", dir="/tmp")  # short: Ray's socket paths have a length limit
     with pytest.MonkeyPatch.context() as env:
         env.setenv("RAY_AUTH_MODE", "disabled")
+        # Without Ray's metrics, as the local cluster rltrain starts (ray_group.start_ray): their exporter
+        # thread once crashed a finished driver; the drivers joining take the setting from the head.
         cluster = Cluster(
             initialize_head=True,
-            head_node_args={"num_cpus": CPUS_PER_NODE, "temp_dir": temp_dir, "include_dashboard": False},
+            head_node_args={
+                "num_cpus": CPUS_PER_NODE,
+                "temp_dir": temp_dir,
+                "include_dashboard": False,
+                "_system_config": LOCAL_CLUSTER_SYSTEM_CONFIG,
+            },
         )
         cluster.add_node(num_cpus=CPUS_PER_NODE, temp_dir=temp_dir)
         cluster.wait_for_nodes()
