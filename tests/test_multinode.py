@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -21,7 +19,8 @@ import psutil
 import pytest
 
 from rlconf.plan import Pool as PlanPool
-from rltrain.ray_group import LOCAL_CLUSTER_SYSTEM_CONFIG, devices_per_node
+from rltrain.ray_group import devices_per_node
+from tests.ray_clusters import ray_test_cluster
 
 pytestmark = [pytest.mark.multiproc]
 
@@ -56,29 +55,8 @@ def test_devices_per_node_follows_the_plans_numbering(first, num, gpus_per_node,
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    from ray.cluster_utils import Cluster
-
-    temp_dir = tempfile.mkdtemp(prefix="rlmn", dir="/tmp")  # short: Ray's socket paths have a length limit
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        # Without Ray's metrics, as the local cluster rltrain starts (ray_group.start_ray): their exporter
-        # thread once crashed a finished driver; the drivers joining take the setting from the head.
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": CPUS_PER_NODE,
-                "temp_dir": temp_dir,
-                "include_dashboard": False,
-                "_system_config": LOCAL_CLUSTER_SYSTEM_CONFIG,
-            },
-        )
-        cluster.add_node(num_cpus=CPUS_PER_NODE, temp_dir=temp_dir)
-        cluster.wait_for_nodes()
-        try:
-            yield cluster
-        finally:
-            cluster.shutdown()
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    with ray_test_cluster(2, CPUS_PER_NODE, "rlmn") as cluster:
+        yield cluster
 
 
 def _raylets() -> set[int]:

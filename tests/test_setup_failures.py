@@ -15,7 +15,6 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -351,21 +350,10 @@ def test_two_nodes_without_a_cluster_are_refused_before_anything_is_written(tmp_
 @pytest.fixture(scope="module")
 def one_node():
     """A real one-node Ray cluster (its own processes, not this test's driver)."""
-    from ray.cluster_utils import Cluster
+    from tests.ray_clusters import ray_test_cluster
 
-    temp_dir = tempfile.mkdtemp(prefix="rlsf", dir="/tmp")  # short: Ray's socket paths have a length limit
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("RAY_AUTH_MODE", "disabled")
-        cluster = Cluster(initialize_head=True,
-                          head_node_args={"num_cpus": 2, "temp_dir": temp_dir, "include_dashboard": False})  # fmt: skip
-        cluster.wait_for_nodes()
-        try:
-            yield cluster
-        finally:
-            cluster.shutdown()
-            import shutil
-
-            shutil.rmtree(temp_dir, ignore_errors=True)
+    with ray_test_cluster(1, 2, "rlsf") as cluster:
+        yield cluster
 
 
 @pytest.mark.slow
