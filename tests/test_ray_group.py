@@ -30,6 +30,9 @@ class EchoWorker:
         self.rank, self.world_size, self.tag = rank, world_size, tag
         self.master_port = master_port
 
+    def rendezvous_port(self) -> int:
+        return self.master_port
+
     def listen(self) -> int:
         """Rank 0's store listening on the rendezvous port, as init_process_group's would."""
         import datetime
@@ -133,8 +136,7 @@ def test_the_rendezvous_port_stays_held_until_rank_0_listens(ray_cluster):
     pool = Pool.reserve("test", 1, "cpu", 1.0, 1)
     group = WorkerGroup("actor", EchoWorker, pool, 1, "cpu", 1.0, {"tag": "t"})
     try:
-        port = group.workers[0].__ray_call__.remote(lambda w: w.master_port)
-        port = ray.get(port)
+        (port,) = group.call("rendezvous_port")
         assert _plain_bind_refused(port), "the probe no longer holds the port: another process could take it"
         assert group.call("listen") == [port]  # torch's store listens on the held port
         group.release_rendezvous_port()
