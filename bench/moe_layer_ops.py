@@ -60,6 +60,21 @@ def _launches(e) -> bool:
     return e.name not in CONVERSIONS or any(_launches(c) for c in e.cpu_children)
 
 
+def _ancestor(e, prefix: str) -> str | None:
+    """The name of the nearest of `e` and the events enclosing it that starts with `prefix` (None: none)."""
+    while e is not None:
+        if e.name.startswith(prefix):
+            return e.name
+        e = e.cpu_parent
+    return None
+
+
+def _phase_of(e) -> str:
+    """The phase whose record_function encloses op event `e` ("other" outside them)."""
+    name = _ancestor(e.cpu_parent, "phase:")
+    return "other" if name is None else name.removeprefix("phase:")
+
+
 def _count(events, names: dict | None = None) -> Counter:
     """Kernel-launching ops per phase (see the module docstring); a grouped product counts once (on the CPU
     `moe_experts.grouped_mm` loops over the experts, on CUDA it is one torch._grouped_mm). `names`: each
@@ -77,12 +92,7 @@ def _count(events, names: dict | None = None) -> Counter:
             continue
         if not in_graph and parent is not None and parent.name.startswith("aten::"):
             continue  # counted at the top of its nesting
-        phase, up = "other", parent
-        while up is not None:
-            if up.name.startswith("phase:"):
-                phase = up.name.removeprefix("phase:")
-                break
-            up = up.cpu_parent
+        phase = _phase_of(e)
         if phase == "grouped_mm":
             continue
         counts[phase] += 1
@@ -96,29 +106,17 @@ def _train_counts(events, names: dict | None = None) -> dict[str, Counter]:
     the record_function around them), backward ops by the phase of the forward op that made their autograd
     node (its sequence number)."""
 
-    def in_backward(e) -> bool:
-        up = e
-        while up is not None:
-            if up.name.startswith("autograd::engine::evaluate_function:"):
-                return True
-            up = up.cpu_parent
-        return False
-
-    forward = _count([e for e in events if not in_backward(e)], names)
+    node = "autograd::engine::evaluate_function:"
+    forward = _count([e for e in events if _ancestor(e, node) is None], names)
     phase_of_seq: dict[int, str] = {}
     for e in events:
         if e.sequence_nr < 0 or not e.name.startswith("aten::") or "evaluate_function" in e.name:
             continue
-        phase, up = "other", e.cpu_parent
-        while up is not None:
-            if up.name.startswith("phase:"):
-                phase = up.name.removeprefix("phase:")
-                break
-            up = up.cpu_parent
+        phase = _phase_of(e)
         phase_of_seq.setdefault(e.sequence_nr, "experts" if phase == "grouped_mm" else phase)
     backward: Counter = Counter()
     for e in events:
-        if not e.name.startswith("autograd::engine::evaluate_function:"):
+        if not e.name.startswith(node):
             continue
         phase = phase_of_seq.get(e.sequence_nr, "other")
         stack = list(e.cpu_children)
@@ -133,25 +131,31 @@ def _train_counts(events, names: dict | None = None) -> dict[str, Counter]:
     return {"forward": forward, "backward": backward}
 
 
-def train_main(a: argparse.Namespace) -> int:
-    """One MoE layer's training forward + backward (autograd on, the load-balancing loss on), ops per phase:
-    the router (`moe_decode.train_route`, or megatron's with the bench switch `router` off), the dispatch
-    (expert positions, rows), the experts and the combine of `moe_decode.moe_forward`."""
+def _moe_layer(dtype: str, trainable: bool, **arch: object) -> tuple[object, torch.nn.Module, int]:
+    """(the actor, its one MoE layer's MLP, the hidden size): a one-layer qwen3-moe-shaped model (its routing,
+    tiny widths; `arch` overrides) in a gloo world of one, with `model.moe_grouped_gemm` as the presets."""
     from presets.gpu import QWEN3_MOE_3B
     from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
-    from rltrain.megatron import moe_decode, moe_experts
     from rltrain.megatron.model import unwrap
     from rltrain.megatron.parallel import free_port
 
     init_groups(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
-    arch = replace(QWEN3_MOE_3B, num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                   num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
-                   moe_aux_loss_coeff=0.001)  # fmt: skip
-    model = ModelConfig(arch=arch, params_dtype=a.dtype, attention_backend="sdpa", moe_grouped_gemm=True)
-    actor = actor_of(model, ActorConfig(megatron=MegatronConfig()), "cpu")
+    shape = replace(QWEN3_MOE_3B, num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                    num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32, **arch)  # fmt: skip
+    model = ModelConfig(arch=shape, params_dtype=dtype, attention_backend="sdpa", moe_grouped_gemm=True)
+    actor = actor_of(model, ActorConfig(megatron=MegatronConfig()), "cpu", trainable=trainable)
     (layer,) = unwrap(actor.chunks[0]).decoder.layers
-    mlp = layer.mlp
-    hidden = torch.randn(a.rows, 1, arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    return actor, layer.mlp, shape.hidden_size
+
+
+def train_main(a: argparse.Namespace) -> int:
+    """One MoE layer's training forward + backward (autograd on, the load-balancing loss on), ops per phase:
+    the router (`moe_decode.train_route`, or megatron's with the bench switch `router` off), the dispatch
+    (expert positions, rows), the experts and the combine of `moe_decode.moe_forward`."""
+    from rltrain.megatron import moe_decode, moe_experts
+
+    actor, mlp, width = _moe_layer(a.dtype, trainable=True, moe_aux_loss_coeff=0.001)
+    hidden = torch.randn(a.rows, 1, width, generator=torch.Generator().manual_seed(0))
     hidden = hidden.to(getattr(torch, a.dtype)).requires_grad_()
     with contextlib.ExitStack() as stack:
         mlp.router.forward = _phase("router", mlp.router.forward)
@@ -199,7 +203,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=32)
     ap.add_argument(
-        "--train", action="store_true", help="a training forward + backward (megatron's MoE layer)"
+        "--train", action="store_true", help="a training forward + backward (GroupedMoELayer's moe_forward)"
     )
     ap.add_argument("--names", action="store_true", help="print the ops of each phase")
     ap.add_argument(
@@ -209,20 +213,10 @@ def main() -> int:
     warnings.filterwarnings("ignore")
     if a.train:
         return train_main(a)
-    from presets.gpu import QWEN3_MOE_3B
-    from rlconf.config import ActorConfig, MegatronConfig, ModelConfig
     from rltrain.megatron import moe_decode, moe_experts
-    from rltrain.megatron.model import unwrap
-    from rltrain.megatron.parallel import free_port
 
-    init_groups(MegatronConfig(), "cpu", rank=0, world_size=1, master_port=free_port())
-    arch = replace(QWEN3_MOE_3B, num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                   num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32)  # fmt: skip
-    model = ModelConfig(arch=arch, params_dtype=a.dtype, attention_backend="sdpa", moe_grouped_gemm=True)
-    actor = actor_of(model, ActorConfig(megatron=MegatronConfig()), "cpu", trainable=False)
-    (layer,) = unwrap(actor.chunks[0]).decoder.layers
-    mlp = layer.mlp
-    hidden = torch.randn(1, a.rows, arch.hidden_size, generator=torch.Generator().manual_seed(0))
+    actor, mlp, width = _moe_layer(a.dtype, trainable=False)
+    hidden = torch.randn(1, a.rows, width, generator=torch.Generator().manual_seed(0))
     hidden = hidden.to(getattr(torch, a.dtype))
     weights = moe_decode.ExpertWeights()
     routes = {"off": None, "eager": moe_decode.route, "compiled": moe_decode.fused_route}
