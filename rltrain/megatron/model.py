@@ -540,13 +540,11 @@ class MoeRoutingStats:
         self, router: torch.nn.Module, index: torch.Tensor, padding: torch.Tensor | None
     ) -> None:
         """`_record` for a routing given as top-k indices [T, k] (padding [T] True on padding)."""
+        from rltrain.megatron.moe_decode import tokens_per_expert
+
         if id(router) not in self._router_ids:
             return  # another engine's
-        counted = torch.ones(index.shape, dtype=torch.float64, device=index.device)
-        if padding is not None:
-            counted = counted * ~padding.unsqueeze(1)
-        tokens = torch.zeros(router.num_experts, dtype=torch.float64, device=index.device)
-        self._add(router, tokens.scatter_add_(0, index.reshape(-1), counted.reshape(-1)))
+        self._add(router, tokens_per_expert(index, router.num_experts, padding, torch.float64))
 
     def _add(self, router: torch.nn.Module, tokens: torch.Tensor) -> None:
         if not torch.is_grad_enabled():

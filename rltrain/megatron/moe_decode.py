@@ -401,6 +401,19 @@ def train_router_unsupported(router: torch.nn.Module) -> str | None:
     return None
 
 
+def tokens_per_expert(
+    index: torch.Tensor, experts: int, padding: torch.Tensor | None, dtype: torch.dtype
+) -> torch.Tensor:
+    """[experts] in `dtype`: how many tokens chose each expert, from top-k indices [T, k], padding rows
+    ([T] True on padding) left out; the sum over T of megatron's dense routing map, by a scatter-add."""
+    if padding is None:
+        counted = torch.ones(index.shape, dtype=dtype, device=index.device)
+    else:
+        counted = (~padding).unsqueeze(1).expand(index.shape).to(dtype)
+    total = torch.zeros(experts, dtype=dtype, device=index.device)
+    return total.scatter_add_(0, index.reshape(-1), counted.reshape(-1))
+
+
 # Called by `train_route` with (router, index [T, k], padding [T] or None) for every routing it makes: what
 # a forward hook on the router sees of megatron's path (model.MoeRoutingStats registers here too).
 ROUTE_OBSERVERS: list[Callable[[torch.nn.Module, torch.Tensor, torch.Tensor | None], None]] = []
@@ -454,14 +467,10 @@ def _load_balancing_loss(
     else:
         scores = torch.sigmoid(logits)
         scores = scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
-    chosen = torch.topk(scores, k=k, dim=1).indices.reshape(-1)
-    if padding is None:
-        counted = torch.ones_like(chosen)
-    else:
-        valid = ~padding
-        scores = scores * valid.unsqueeze(-1)
-        counted = valid.unsqueeze(1).expand(-1, k).reshape(-1).long()
-    local = torch.zeros(experts, dtype=torch.long, device=logits.device).scatter_add_(0, chosen, counted)
+    chosen = torch.topk(scores, k=k, dim=1).indices
+    if padding is not None:
+        scores = scores * (~padding).unsqueeze(-1)
+    local = tokens_per_expert(chosen, experts, padding, torch.long)  # megatron's dense map summed: int64
     group = router.tp_cp_group
     per_expert = reduce_from_tensor_model_parallel_region(local, group)
     if padding is None:
@@ -645,6 +654,7 @@ __all__ = [
     "route",
     "router_unsupported",
     "static_routing",
+    "tokens_per_expert",
     "train_route",
     "train_router_unsupported",
     "unsupported",

@@ -362,8 +362,9 @@ class ExpertParamsSwiGLU(torch.autograd.Function):
     per mini-batch under `cached_expert_stacks` when `cache`).
 
     Gradients: dW1 / dW2 come out stacked. Where every weight has megatron DDP's main_grad (`main_grad`, which
-    the caller passes on only where `_into_main_grads` holds), they are added into the main_grads by `torch._foreach_add_` (cast to the buffer's
-    dtype a chunk of experts at a time, `MAIN_GRAD_CHUNK_BYTES`), `grad_added_to_main_grad` is set, and
+    the caller passes on only where `_into_main_grads` holds), they are added into the main_grads by
+    `_add_into_main_grads` (triton_grad_add's kernel on CUDA, else `torch._foreach_add_` cast to the
+    buffer's dtype a chunk of experts at a time), `grad_added_to_main_grad` is set, and
     the per-expert views of dW1 / dW2 are returned as the parameters' gradients: DDP's hooks fire
     (overlap_grad_reduce marks parameters ready in them), see the flag and skip their own add_, and the
     views cost no copy (autograd takes an unshared gradient of the parameter's layout as it is). Where no
