@@ -19,16 +19,22 @@ from rlconf.config import ActorConfig, ModelConfig
 from ._common import actor_of, batch_from_lengths, no_host_reads
 
 
-@pytest.fixture
-def moe_actor(mp_world):
+def _moe_actor(layers: int, micro_batch: int):
+    """A tiny qwen3-moe-routed actor (8 experts, top 2, grouped experts) of `layers` layers, 4 rows per
+    mini-batch in micro-batches of `micro_batch`."""
     from presets.gpu import QWEN3_MOE_3B
 
-    arch = replace(QWEN3_MOE_3B, num_layers=3, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+    arch = replace(QWEN3_MOE_3B, num_layers=layers, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                    num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
                    num_moe_experts=8, moe_router_topk=2)  # fmt: skip
     model = ModelConfig(arch=arch, params_dtype="float32", attention_backend="sdpa", moe_grouped_gemm=True)
-    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, use_dynamic_bsz=False)
+    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro_batch, use_dynamic_bsz=False)
     return actor_of(model, cfg, "cpu", total_steps=2)
+
+
+@pytest.fixture
+def moe_actor(mp_world):
+    return _moe_actor(layers=3, micro_batch=2)
 
 
 def test_routing_stats_are_read_once_per_update(moe_actor, monkeypatch):
@@ -146,20 +152,13 @@ def test_an_update_reads_its_metrics_once_per_optimizer_step(mp_world, monkeypat
     """Outside the forward / backward schedule an update reads the same number of values back to the host
     whether its mini-batch has 1, 2 or 4 micro-batches (its micro-batches' metrics come back in one copy per
     optimizer step, not one read per metric per micro-batch)."""
-    from presets.gpu import QWEN3_MOE_3B
-
-    arch = replace(QWEN3_MOE_3B, num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                   num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
-                   num_moe_experts=8, moe_router_topk=2)  # fmt: skip
-    model = ModelConfig(arch=arch, params_dtype="float32", attention_backend="sdpa", moe_grouped_gemm=True)
     batch = batch_from_lengths([(6, 8), (4, 7), (6, 3), (5, 8)], 6, 8, vocab=128)
     mask = batch["response_mask"].float()
     rl = {**batch, "old_log_probs": torch.zeros_like(mask), "advantages": mask}
     reads = {}
     for micro in (4, 2, 1):
-        cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro, use_dynamic_bsz=False)
         reads[micro], metrics = _reads_outside_the_schedule(
-            actor_of(model, cfg, "cpu", total_steps=2), rl, monkeypatch
+            _moe_actor(layers=2, micro_batch=micro), rl, monkeypatch
         )
         assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert reads[4] == reads[2] == reads[1], reads
