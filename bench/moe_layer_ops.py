@@ -165,7 +165,7 @@ def train_main(a: argparse.Namespace) -> int:
             (moe_decode, "expert_positions", "dispatch"),
             (moe_decode._ExpertRows, "apply", "dispatch"),
             (moe_decode, "expert_swiglu", "experts"),
-            (moe_decode._Permuted, "apply", "combine"),
+            (moe_decode._Combine, "apply", "combine"),
         ):
             stack.callback(setattr, obj, attr, getattr(obj, attr))
             setattr(obj, attr, _phase(phase, getattr(obj, attr)))

@@ -16,6 +16,10 @@
            bf16) added into fp32 main_grads laid out as megatron DDP's buffer (reverse order, fc1 / fc2
            interleaved): `triton_grad_add`'s kernel against the foreach cast-and-add it replaces, device
            microseconds per layer and whether the sums are bit-identical
+  gathersum each token's k expert rows gathered and summed in fp32 (a MoE layer's combine and its rows'
+           gradient; qwen3-moe: 12,288 tokens, top 8, H 1,024, bf16): `triton_gather_sum`'s kernel against
+           torch's gather, sum and cast, device microseconds, the share of equal elements and the largest
+           difference in units of bf16's rounding of the fp64 sum
 
     python3 bench/train_kernels_gpu.py --out $OUT           (needs a GPU with triton)
 """
@@ -200,6 +204,29 @@ def maingrad(report: dict, experts: int = 64, hidden: int = 1024, ffn: int = 512
     print("maingrad", row, flush=True)
 
 
+def gathersum(report: dict, tokens: int = 12288, k: int = 8, hidden: int = 1024) -> None:
+    from rltrain.megatron import triton_gather_sum
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    src = torch.randn(tokens * k, hidden, device="cuda", generator=g).to(torch.bfloat16)
+    index = torch.randperm(tokens * k, device="cuda", generator=g).view(tokens, k)
+    assert triton_gather_sum.unsupported(src, index, torch.bfloat16) is None
+    ref = triton_gather_sum.gather_sum_reference(src, index, torch.bfloat16)
+    got = triton_gather_sum.gather_sum(src, index, torch.bfloat16)
+    exact = src.double().index_select(0, index.reshape(-1)).view(tokens, k, hidden).sum(1)
+    ulp = (exact.abs().clamp_min(1e-30).log2().floor() - 7).exp2()  # bf16's spacing at each value
+    row = {
+        "equal_share": float((ref == got).float().mean()),
+        "max_err_ulp_kernel": float(((got.double() - exact).abs() / ulp).max()),
+        "max_err_ulp_torch": float(((ref.double() - exact).abs() / ulp).max()),
+        "torch_us": device_us(lambda: triton_gather_sum.gather_sum_reference(src, index, torch.bfloat16)),
+        "kernel_us": device_us(lambda: triton_gather_sum.gather_sum(src, index, torch.bfloat16)),
+    }
+    row["kernel_gb_per_s"] = (src.numel() + tokens * hidden) * 2 / row["kernel_us"] / 1e3
+    report["gathersum"] = row
+    print("gathersum", row, flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of a micro-batch")
@@ -207,7 +234,8 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of parts (default: all)")
     a = ap.parse_args()
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "tokens": a.tokens}
-    parts = {"maingrad": lambda: maingrad(report), "grouped": lambda: grouped(report),
+    parts = {"gathersum": lambda: gathersum(report),
+             "maingrad": lambda: maingrad(report), "grouped": lambda: grouped(report),
              "wgrad": lambda: wgrad(report, a.tokens), "rope": lambda: rope(report, a.tokens)}  # fmt: skip
     for name, part in parts.items():
         if a.only and name not in a.only.split(","):

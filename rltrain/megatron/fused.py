@@ -29,7 +29,8 @@ hooks, not summed in their products), `foreach` (megatron's per-parameter gradie
 loops, not multi_tensor's foreach kernels), `held` (MoE expert weights through autograd's accumulators and
 DDP's hooks, not held by the experts' Function), `maingrad` (the experts' weight gradients cast and added by
 foreach ops, not triton_grad_add's kernel), `router` (megatron's router in training passes, not
-moe_decode.train_route)."""
+moe_decode.train_route), `gathersum` (a MoE layer's k expert rows per token gathered, summed and cast by
+torch's three ops, not triton_gather_sum's kernel; the combine's backward is its gather either way)."""
 
 
 def bench_off(kernel: str) -> bool:

@@ -65,7 +65,7 @@ from megatron.core import parallel_state
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.moe_utils import group_limited_topk
 
-from rltrain.megatron import fused, moe_experts
+from rltrain.megatron import fused, moe_experts, triton_gather_sum
 from rltrain.megatron.moe_experts import GroupedGemmExperts, GroupedSwiGLU, expert_swiglu
 
 
@@ -145,38 +145,50 @@ class ExpertWeights:
         return self._stacked[key]
 
 
+def _summed_rows(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in `dtype`: each token's k rows `index` [T, k] of src [T k, H] summed in fp32, rounded once:
+    `triton_gather_sum`'s kernel where it runs (CUDA), else torch's gather, sum and cast (the bench switch
+    `gathersum` of fused.TRAIN_KERNELS_OFF_ENV times torch's on CUDA too)."""
+    if fused.bench_off("gathersum"):
+        return triton_gather_sum.gather_sum_reference(src, index, dtype)
+    return triton_gather_sum.gather_sum(src, index, dtype)
+
+
 class _ExpertRows(torch.autograd.Function):
-    """x [T, H] -> its rows in expert order [T k, H] (row j is token order[j] // k), where `order` is a
-    permutation of the T x k (token, slot) pairs and `inverse` its inverse. The backward gathers each
-    token's k gradients through `inverse` and sums them (in fp32): index_select's own backward is an atomic
-    index_add into [T, H], 0.85 s of a 10 s qwen3-moe update on the H200 (docs/benchmarks.md)."""
+    """x [T, H] -> its rows in expert order [T k, H] (row j is token `token[j]`, the pair at row j divided
+    by k), where `inverse` [T, k] is each (token, slot) pair's row. The backward sums each token's k row
+    gradients (`_summed_rows`, in fp32): index_select's own backward is an atomic index_add into [T, H],
+    0.85 s of a 10 s qwen3-moe update on the H200 (docs/benchmarks.md)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor, k: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, token: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.save_for_backward(inverse)
-        ctx.k = k
-        return x.index_select(0, order // k)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
-        (inverse,) = ctx.saved_tensors
-        per_token = grad.index_select(0, inverse).view(-1, ctx.k, grad.shape[-1])
-        return per_token.sum(1, dtype=torch.float32).to(grad.dtype), None, None, None
-
-
-class _Permuted(torch.autograd.Function):
-    """y.index_select(0, perm) for a permutation `perm` (inverse `inverse`): the backward is the gather by
-    the inverse permutation, not an atomic index_add."""
-
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, perm: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        ctx.save_for_backward(inverse)
-        return y.index_select(0, perm)
+        return x.index_select(0, token)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
+        return _summed_rows(grad.contiguous(), inverse, grad.dtype), None, None
+
+
+class _Combine(torch.autograd.Function):
+    """The experts' rows y [T k, H] (expert order) back to tokens: each token's k rows `inverse` [T, k]
+    summed in fp32 and cast to `dtype` ([T, H], `_summed_rows`). The backward gives row j the gradient of
+    its token `token[j]` (one gather; autograd's path through the sum, cast and permutation wrote the
+    gradient out k times over in fp32 and bf16 first)."""
+
+    @staticmethod
+    def forward(
+        ctx, y: torch.Tensor, inverse: torch.Tensor, token: torch.Tensor, dtype: torch.dtype
+    ) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(token)
+        ctx.y_dtype = y.dtype
+        return _summed_rows(y, inverse, dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
+        (token,) = ctx.saved_tensors
+        return grad.to(ctx.y_dtype).index_select(0, token), None, None, None
 
 
 # Generation: where N = T x k (token, slot) pairs are at most this many, the dispatch ranks each pair within
@@ -590,16 +602,15 @@ def moe_forward(
         return (out, None), index
     # Expert-major, token order within an expert (the stable argsort: any batch size, autograd).
     order, inverse, offsets = expert_positions(index, len(experts), by_rank=False)
-    inverse = inverse.reshape(-1)
+    token = order // k
     p = (probs if num_experts is not None else probs.gather(1, index)).reshape(-1).index_select(0, order)
-    rows = _ExpertRows.apply(x, order, inverse, k)
+    rows = _ExpertRows.apply(x, token, inverse)
     if weights is not None:
         y = GroupedSwiGLU.apply(rows, *weights(mlp), p, offsets)  # [T k, H]
     else:  # training: gradients into each expert's parameters (`moe_experts.ExpertUpdate` picks the way)
         y = expert_swiglu(experts, rows, p, offsets, mlp.config)
-    # Back to (token, slot) order through the inverse permutation, then each token's k outputs summed.
-    out = _Permuted.apply(y, inverse, order).view(tokens, k, -1).sum(1, dtype=torch.float32)
-    out = out.to(hidden.dtype).view_as(hidden)
+    # Each token's k expert outputs summed (fp32), back in the activations' dtype.
+    out = _Combine.apply(y, inverse, token, hidden.dtype).view_as(hidden)
     if mlp.use_shared_expert:
         out = out + mlp.shared_experts(hidden)
     return (out, None), index

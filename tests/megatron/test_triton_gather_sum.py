@@ -1,0 +1,45 @@
+"""triton_gather_sum: a MoE layer's k expert rows per token gathered and summed in fp32 by one kernel.
+
+The kernel needs CUDA and triton: its comparison with torch's gather, sum and cast is skipped where no GPU is
+present (CI); the CPU path (torch's ops, what `gather_sum` runs there) is tested here and through the MoE
+layer's tests (tests/megatron/test_moe_decode.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rltrain.megatron import triton_gather_sum
+
+
+def test_the_cpu_path_is_torchs_gather_sum_and_cast():
+    g = torch.Generator().manual_seed(0)
+    src = torch.randn(24, 5, generator=g).to(torch.bfloat16)
+    index = torch.randperm(24, generator=g).view(8, 3)
+    assert triton_gather_sum.unsupported(src, index, torch.bfloat16) is not None
+    got = triton_gather_sum.gather_sum(src, index, torch.bfloat16)
+    want = torch.stack([src[row].float().sum(0) for row in index]).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    # float64 sums stay float64
+    src64 = src.double()
+    assert torch.equal(triton_gather_sum.gather_sum(src64, index, torch.float64), src64[index].sum(1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernel)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize(("tokens", "k", "width"), [(0, 8, 64), (1, 1, 1), (37, 8, 1024), (300, 6, 200)])
+def test_the_kernel_sums_as_torch_does(dtype, tokens, k, width):
+    g = torch.Generator(device="cuda").manual_seed(tokens + k + width)
+    src = torch.randn(tokens * k + 3, width, device="cuda", generator=g).to(dtype)
+    index = torch.randperm(tokens * k + 3, device="cuda", generator=g)[: tokens * k].view(tokens, k)
+    assert triton_gather_sum.unsupported(src, index, dtype) is None
+    got = triton_gather_sum.gather_sum(src, index, dtype)
+    want = triton_gather_sum.gather_sum_reference(src, index, dtype)
+    assert got.shape == want.shape == (tokens, width) and got.dtype == dtype
+    # Both round an fp32 sum of the same k values once; only the order of the fp32 additions may differ,
+    # so a value may land one rounding step of `dtype` away, never more.
+    exact = src.double()[index].sum(1)
+    step = torch.finfo(dtype).eps * exact.abs().clamp_min(torch.finfo(dtype).tiny)
+    assert ((got.double() - exact).abs() <= step + (want.double() - exact).abs()).all()
+    if tokens:
+        assert (got == want).float().mean() > 0.99
