@@ -69,6 +69,10 @@ class _StageMem:
     rollout_kv_compaction: float = 0.0
     """One layer's keys and values: what compacting the KV cache holds on top of it (the engine replaces the
     cache a layer at a time, rltrain/megatron/inference.py KVCacheGenerator.select_rows)."""
+    infer_stacks: float = 0.0
+    """Grouped-GEMM experts' stacked weights of every MoE layer of the stage, held for a whole forward-only
+    pass (rltrain/megatron/moe_experts.py cached_expert_stacks; not where megatron recomputes the MoE layer,
+    which stacks per call)."""
 
 
 @dataclass(frozen=True)
@@ -480,9 +484,13 @@ def _role_mem_model(
         stacked = 0.0
         if kv > 0 and lay.ep == 1 and lay.etp == 1 and refit == 0.0:
             stacked = _stage_expert_params(spec.arch, lay, st) * DTYPE_BYTES[c.model.params_dtype]
+        recomputed = ov.recompute_granularity == "full" or (
+            ov.recompute_granularity == "selective" and "moe" in (ov.recompute_modules or ())
+        )
+        infer_stacks = _stage_expert_params(spec.arch, lay, st) * elem if grouped and not recomputed else 0.0
         mem = _StageMem(
             params, pbytes, grads, optim, acts, logits_train, logits_infer, in_flight, tokens, chunk, kv, refit,
-            sampling, stacked, rollout_kv_compaction=kv / max(kv_layers, 1),
+            sampling, stacked, rollout_kv_compaction=kv / max(kv_layers, 1), infer_stacks=infer_stacks,
         )  # fmt: skip
         stages.append(mem)
     offload = (bool(m.param_offload), bool(m.grad_offload) and trained, bool(m.optimizer_offload) and trained)
@@ -520,14 +528,14 @@ def _phases(models: list[_RoleMemModel], stage_of: dict[str, int]) -> list[Phase
         if r.trained:
             infer += [] if go else [(f"{r.role} grads", s.grad_bytes)]
             infer += [] if oo else [(f"{r.role} optimizer", s.optim_bytes)]
-        infer.append((f"{r.role} logits", s.logits_infer))
-        calls.append((r.infer_phase, infer))
+        calls.append((r.infer_phase, [*infer, (f"{r.role} stacked experts", s.infer_stacks),
+                                      (f"{r.role} logits", s.logits_infer)]))  # fmt: skip
         if s.rollout_kv > 0:
             # generate_sequences on the actor's weights: what stays resident for the actor (as in its
             # log-prob call) plus the KV cache; compacting the cache (as rows finish) replaces it a layer at a
             # time, so it briefly holds one layer's old keys and values beside the new ones.
             gen = [
-                *infer[:-1],
+                *infer,
                 ("rollout weights (resharded)", s.rollout_weights),
                 ("rollout kv cache", s.rollout_kv),
                 ("rollout kv compaction", s.rollout_kv_compaction),
@@ -552,7 +560,7 @@ def _own_bytes(s: _StageMem) -> float:
         + s.grad_bytes
         + s.optim_bytes
         + s.act_bytes
-        + max(s.logits_train + s.logprob_chunk, s.logits_infer)
+        + max(s.logits_train + s.logprob_chunk, s.logits_infer + s.infer_stacks)
     )
 
 
@@ -641,7 +649,8 @@ def _memory_notes(
         ),
         "logits: the update's 16-bit [tokens, V/tp] logits + their gradient, and with eager kernels the "
         "log-prob backward's chunk (2**25 elements: 16-bit + 3 fp32 temporaries; the fused kernels have none); "
-        "a forward pass's logits (+ GPTModel's [b, s] copy with sequence parallel)",
+        "a forward pass's logits (+ GPTModel's [b, s] copy with sequence parallel); a forward pass with "
+        "grouped-GEMM experts also holds every MoE layer's stacked expert weights (made once per pass)",
     ]
     for pm in pools:
         for ph in pm.phases:

@@ -35,6 +35,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlconf.seeding import DROPOUT, SHUFFLE, derive_seed
 from rltrain.device import device_context, from_host, torch_device
+from rltrain.megatron import fused
 from rltrain.megatron import context_parallel as cp
 from rltrain.megatron import model as mmodel
 from rltrain.megatron import packing
@@ -610,9 +611,12 @@ class MegatronEngine:
         if len(chunks) == 1:
             iters = iters[0]
         grad_ctx = torch.no_grad() if forward_only else contextlib.nullcontext()
-        # A training pass stacks each MoE layer's expert weights once for all its micro-batches (the
-        # optimizer step, which changes them, comes after; moe_experts.ExpertUpdate.cache).
-        stacks = contextlib.nullcontext() if forward_only else cached_expert_stacks()
+        # A pass stacks each MoE layer's expert weights once for all its micro-batches (a training pass's
+        # optimizer step, which changes them, comes after; moe_experts.ExpertUpdate.cache). A forward-only
+        # pass too: restacking per micro-batch cost host time the log-prob passes of qwen3-moe were bound by
+        # (docs/benchmarks.md); the bench switch `passstacks` times that way.
+        per_micro_batch = forward_only and fused.bench_off("passstacks")
+        stacks = contextlib.nullcontext() if per_micro_batch else cached_expert_stacks()
         with grad_ctx, stacks:
             return fb(
                 forward_step_func=forward_step,

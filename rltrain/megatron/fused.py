@@ -30,7 +30,8 @@ loops, not multi_tensor's foreach kernels), `held` (MoE expert weights through a
 DDP's hooks, not held by the experts' Function), `maingrad` (the experts' weight gradients cast and added by
 foreach ops, not triton_grad_add's kernel), `router` (megatron's router in training passes, not
 moe_decode.train_route), `gathersum` (a MoE layer's k expert rows per token gathered, summed and cast by
-torch's three ops, not triton_gather_sum's kernel; the combine's backward is its gather either way)."""
+torch's three ops, not triton_gather_sum's kernel; the combine's backward is its gather either way),
+`passstacks` (a forward-only pass stacks each MoE layer's expert weights per micro-batch, not once per pass)."""
 
 
 def bench_off(kernel: str) -> bool:

@@ -250,14 +250,16 @@ _TARGETS: dict[int, tuple[torch.Tensor, torch.Tensor, Any]] | None = None
 def cached_expert_stacks() -> Iterator[None]:
     """Within this context each MoE layer looks up its experts' weights and main_grads once
     (`_expert_params`, `_main_grad_targets`) and stacks them once (`ExpertUpdate.cache`): the engine
-    enters it around one mini-batch's forward + backward (rltrain/megatron/engine.py `run_schedule`), so
-    the optimizer, which changes the weights, runs outside it; the stacks are dropped on exit.
+    enters it around one mini-batch's forward + backward and around a forward-only pass's micro-batches
+    (rltrain/megatron/engine.py `run_schedule`), so the optimizer, which changes the weights, runs outside
+    it; the stacks are dropped on exit.
 
     Why not keyed on the parameters' version counters alone: megatron's distributed optimizer writes the
     new weights into its parameter buffer, which does not bump the parameters' own counters. The counters
     are checked too, so an in-place change inside the context (a test, a user's hook) restacks. Memory:
-    the stacks of every MoE layer of the stage are held for the mini-batch, where per-call stacks were
-    held for each micro-batch in flight (the same at pp = 1; rlconf/plan/memory.py counts it)."""
+    the stacks of every MoE layer of the stage are held for the mini-batch (or the forward-only pass), where
+    per-call stacks were held for each micro-batch in flight (the same at pp = 1; rlconf/plan/memory.py
+    counts them in the update and the log-prob passes)."""
     global _STACKS, _PARAMS, _TARGETS
     outer = _STACKS, _PARAMS, _TARGETS
     if _STACKS is None:  # nested: the outer context's caches
