@@ -35,10 +35,9 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rlconf.seeding import DROPOUT, SHUFFLE, derive_seed
 from rltrain.device import device_context, from_host, torch_device
-from rltrain.megatron import fused
 from rltrain.megatron import context_parallel as cp
+from rltrain.megatron import fused, packing
 from rltrain.megatron import model as mmodel
-from rltrain.megatron import packing
 from rltrain.megatron.hf_weights import load_hf_weights
 from rltrain.megatron.moe_experts import cached_expert_stacks
 from rltrain.megatron.offload import HostOffloader, storage_bytes, storage_key, unique_storages
