@@ -848,3 +848,35 @@ def test_memory_counts_the_engines_stacked_expert_weights() -> None:
                   ref=replace(moe.ref, megatron=replace(moe.ref.megatron, expert_model_parallel_size=2)))  # fmt: skip
     assert "rollout stacked experts" not in parts(ep2)
     assert "rollout stacked experts" not in parts(get_preset("qwen2.5-1.5b-grpo"))
+
+
+def test_memory_counts_a_forward_passs_stacked_expert_weights() -> None:
+    """A forward-only pass with grouped-GEMM experts holds every MoE layer's stacked expert weights for the
+    whole pass (rltrain/megatron/moe_experts.py cached_expert_stacks): qwen3-moe-grpo's 4.5 GiB in both
+    log-prob phases, the local experts' share at ep = 2; not with megatron's sequential experts, not where
+    megatron recomputes the MoE layer (stacked per call), and never for a dense model."""
+    from presets import get_preset
+
+    def parts(config, phase):
+        pool = compile_plan(config).memory.pools[0]
+        return {p.label: p.gib for p in next(p for p in pool.phases if p.phase == phase).parts}
+
+    moe = get_preset("qwen3-moe-grpo")
+    whole = 24 * 64 * 3 * 1024 * 512 * 2 / 2**30
+    assert parts(moe, "actor_compute_log_prob")["actor stacked experts"] == pytest.approx(whole, abs=1e-5)
+    assert parts(moe, "ref_compute_log_prob")["ref stacked experts"] == pytest.approx(whole, abs=1e-5)
+    assert "actor stacked experts" not in parts(moe, "actor_update")  # the update's are in its activations
+    cluster = replace(moe.cluster, gpus_per_node=2)
+    mcfg = replace(moe.actor.megatron, expert_model_parallel_size=2)
+    ep2 = replace(moe, cluster=cluster, actor=replace(moe.actor, megatron=mcfg),
+                  ref=replace(moe.ref, megatron=replace(moe.ref.megatron, expert_model_parallel_size=2)))  # fmt: skip
+    assert parts(ep2, "actor_compute_log_prob")["actor stacked experts"] == pytest.approx(whole / 2, abs=1e-5)
+    sequential = replace(moe, model=replace(moe.model, moe_grouped_gemm=False))
+    assert "actor stacked experts" not in parts(sequential, "actor_compute_log_prob")
+    ov = replace(moe.actor.megatron.override_transformer_config, recompute_granularity="full",
+                 recompute_method="uniform", recompute_num_layers=1)  # fmt: skip
+    recomputed = replace(
+        moe, actor=replace(moe.actor, megatron=replace(moe.actor.megatron, override_transformer_config=ov))
+    )
+    assert "actor stacked experts" not in parts(recomputed, "actor_compute_log_prob")
+    assert "actor stacked experts" not in parts(get_preset("qwen2.5-1.5b-grpo"), "actor_compute_log_prob")

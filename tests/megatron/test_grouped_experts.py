@@ -438,6 +438,46 @@ def test_update_through_megatron_ddp_equals_the_path_before(mp_world, qwen3_moe)
         assert torch.equal(param, results[False][n][1]), n
 
 
+def test_a_forward_only_pass_stacks_each_layer_once(mp_world, qwen3_moe, monkeypatch):
+    """A log-prob pass of four micro-batches stacks each of the two MoE layers' expert weights once (the
+    engine's `cached_expert_stacks` around the pass, dropped after it), not once per micro-batch (the bench
+    switch `passstacks`, the way before), with the same log-probs bit for bit; after an update the next
+    pass stacks the new weights."""
+    from rltrain.megatron import moe_experts
+    from rltrain.megatron.fused import TRAIN_KERNELS_OFF_ENV
+
+    cfg = replace(_layout_cfg(), log_prob_micro_batch_size_per_gpu=2)
+    model = ModelConfig(path=str(qwen3_moe), attention_backend="sdpa", moe_grouped_gemm=True)
+    actor = actor_of(model, cfg, "cpu", trainable=True, total_steps=4)
+    batch = _batch()
+    stacks: list[torch.Tensor] = []
+
+    def record(*args, _real=moe_experts._stack):
+        w1, w2 = _real(*args)
+        stacks.append(w1)
+        return w1, w2
+
+    def log_probs() -> torch.Tensor:
+        stacks.clear()
+        return actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+
+    monkeypatch.setattr(moe_experts, "_stack", record)
+    monkeypatch.setenv(TRAIN_KERNELS_OFF_ENV, "passstacks")
+    per_micro_batch = log_probs()
+    assert (len(stacks), len({id(t) for t in stacks})) == (8, 8)  # 2 layers x 4 micro-batches
+    monkeypatch.delenv(TRAIN_KERNELS_OFF_ENV)
+    once = log_probs()
+    assert (len(stacks), len({id(t) for t in stacks})) == (8, 2)
+    assert torch.equal(once, per_micro_batch)
+    assert moe_experts._STACKS is None  # dropped with the pass
+    first = list(stacks)
+    actor.update_policy(_rl_batch(batch, once))
+    after = log_probs()
+    assert len({id(t) for t in stacks}) == 2
+    assert not any(torch.equal(new, old) for new, old in zip(stacks[:2], first[:2], strict=True))
+    assert not torch.equal(after, once)
+
+
 def test_one_kernel_adds_the_experts_gradients_into_megatron_ddps_buffer(mp_world, qwen3_moe, monkeypatch):
     """`triton_grad_add` takes the main_grads real megatron DDP gives the experts as they are (its layout
     check passes: fp32 views into one buffer), and an update whose experts' gradients go through it (two
