@@ -204,7 +204,11 @@ def qwen3_moe_grpo() -> RLConfig:
             "cluster.device_memory_gib": 139.0,
             "data.train_batch_size": 32,
             "actor.ppo_mini_batch_size": 8,
-            "actor.ppo_max_token_len_per_gpu": 12288,
+            # Micro-batches of 24,576 tokens (8 per mini-batch -> 4): the MoE layers' passes are bound by
+            # the host launching their small kernels, a cost per micro-batch, so a larger one runs the
+            # update 1.40x and the log-prob passes 2.1x faster on the H200 with the same updates
+            # (docs/benchmarks.md, 2026-12-05); the update's peak is ~102 GiB of the 139.
+            "actor.ppo_max_token_len_per_gpu": 24576,
             "trainer.output_dir": "outputs/qwen3-moe-grpo",
             "trainer.experiment_name": "qwen3-moe-grpo",
         },
