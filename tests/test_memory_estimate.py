@@ -57,7 +57,9 @@ def _phases(config: RLConfig) -> dict[str, dict[str, float]]:
     return {ph.phase: {**{p.label: p.gib for p in ph.parts}, "total": ph.total_gib} for ph in pool.phases}
 
 
-@pytest.mark.parametrize(("run", "phase"), [(run, ph) for run, phases in MEASURED_GIB.items() for ph in phases])
+@pytest.mark.parametrize(
+    ("run", "phase"), [(run, ph) for run, phases in MEASURED_GIB.items() for ph in phases]
+)
 def test_estimate_is_within_15_percent_of_the_measured_peak(run: tuple[str, str, int], phase: str) -> None:
     preset, kernels, budget = run
     config = _with_kernels(get_preset(preset), kernels)
