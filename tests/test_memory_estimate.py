@@ -37,8 +37,8 @@ MEASURED_GIB = {
     },
     ("qwen3-moe-grpo", "compiled", 24576): {
         "actor_update": 102.24,
-        "actor_compute_log_prob": 59.82,
-        "ref_compute_log_prob": 59.82,
+        "actor_compute_log_prob": 64.32,
+        "ref_compute_log_prob": 64.32,
         "generate_sequences": 70.31,
     },
 }
