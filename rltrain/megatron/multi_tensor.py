@@ -13,6 +13,11 @@ the fallback's by fp32 rounding.
 
 `use_foreach_multi_tensor()` serves megatron's optimizer and gradient clipping with them where megatron fell
 back to its local functions; apex's or Transformer Engine's kernels, where installed, are kept.
+
+It also gives megatron's distributed optimizer `copy_main_params_to_model_params`: after each step megatron
+copies every parameter's updated fp32 shard into the model's 16-bit parameter buffer one `copy_` at a time
+(~3,300 launches per step for qwen3-moe, 18,169 `copy_` calls in one profiled update on the H200, whose
+device waited for them, docs/benchmarks.md); here the same copies are one `torch._foreach_copy_`.
 """
 
 from __future__ import annotations
@@ -50,14 +55,78 @@ def scale(
         torch._foreach_copy_(dst, torch._foreach_mul(src, factor))
 
 
+def _megatron_copy() -> Any:
+    """megatron's own DistributedOptimizer._copy_main_params_to_model_params (kept for what the foreach copy
+    does not take)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    _MEGATRON_COPY.setdefault("method", DistributedOptimizer._copy_main_params_to_model_params)
+    return _MEGATRON_COPY["method"]
+
+
+_MEGATRON_COPY: dict[str, Any] = {}
+
+
+def copy_main_params_to_model_params(self: Any) -> None:
+    """megatron's `DistributedOptimizer._copy_main_params_to_model_params` (each updated fp32 main shard into
+    its range of the model's parameter buffer) as one foreach copy: the same destinations and sources in
+    megatron's order, the same rounding. megatron's own method runs where it does something else (a stub
+    optimizer, megatron FSDP, the precision-aware optimizer, fp8 parameters)."""
+    from megatron.core.fp8_utils import is_float8tensor
+
+    groups = ((self.shard_fp32_from_float16_groups, self.model_float16_groups),
+              (self.shard_fp32_groups, self.model_fp32_groups))  # fmt: skip
+    plain = not (
+        self.is_stub_optimizer
+        or self.ddp_config.use_megatron_fsdp
+        or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    )
+    if plain and not hasattr(self, "_rlplan_fp8_params"):  # fixed for the optimizer's life: checked once
+        self._rlplan_fp8_params = any(is_float8tensor(p) for _, model in groups for g in model for p in g)
+    if not plain or self._rlplan_fp8_params:
+        _megatron_copy()(self)
+        return
+    # The destinations are views of megatron's parameter buffers and the sources its fp32 shards, both made
+    # once when the optimizer is built (offloading resizes their storages in place, so the views stay
+    # valid): found once per optimizer, not per parameter on every step (~17 ms of host time per qwen3-moe
+    # step). Rebuilt if megatron ever replaced a group list.
+    key = tuple(id(g) for pair in groups for side in pair for g in side)
+    cached = getattr(self, "_rlplan_param_copies", None)
+    if cached is None or cached[0] != key:
+        cached = (key, *_param_copies(self, groups))
+        self._rlplan_param_copies = cached
+    _, dst, src = cached
+    if dst:
+        torch._foreach_copy_(dst, src)
+
+
+def _param_copies(self: Any, groups: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(destinations, sources) of megatron's per-parameter copies in `_copy_main_params_to_model_params`, in
+    its order: each main shard's range of the parameter buffer, and the shard."""
+    dst, src = [], []
+    for shard_groups, model_groups in groups:
+        for shard_group, model_group in zip(shard_groups, model_groups, strict=True):
+            for shard_main_param, model_param in zip(shard_group, model_group, strict=True):
+                world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+                assert world_range.size == shard_main_param.nelement()
+                gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]
+                buffer = self.buffers[gbuf_index].buckets[bucket_id].param_data
+                dst.append(buffer.view(-1)[world_range.start : world_range.end])
+                src.append(shard_main_param)
+    return dst, src
+
+
 def use_foreach_multi_tensor() -> None:
     """Serve megatron's gradient clipping (`optimizer.clip_grads`) and mixed-precision optimizer copies
-    (`optimizer.optimizer`) with `l2_norm` and `scale` where megatron fell back to its local Python loops.
-    Idempotent."""
+    (`optimizer.optimizer`) with `l2_norm` and `scale` where megatron fell back to its local Python loops,
+    and its distributed optimizer's parameter copies with `copy_main_params_to_model_params`. Idempotent."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as megatron_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    if DistributedOptimizer._copy_main_params_to_model_params is _megatron_copy():
+        DistributedOptimizer._copy_main_params_to_model_params = copy_main_params_to_model_params
     if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = l2_norm
     for module in (clip_grads, megatron_optimizer):

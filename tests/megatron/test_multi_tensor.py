@@ -88,3 +88,51 @@ def test_megatron_clips_through_the_foreach_kernels(mp_world, monkeypatch):
     assert norm_b == pytest.approx(norm_a, rel=1e-6)
     for a, b in zip(grads_a, grads_b, strict=True):
         assert_close(b, a, reduction=64)
+
+
+def test_the_distributed_optimizer_copies_its_parameters_in_one_foreach_copy(mp_world, monkeypatch):
+    """megatron's distributed optimizer copies each updated fp32 main shard into the model's 16-bit parameter
+    buffer after a step: `copy_main_params_to_model_params` (installed by `use_foreach_multi_tensor`, which
+    build_optimizer calls) does it in one foreach copy, with the buffer megatron's per-parameter copies give
+    bit for bit (a bf16 MoE actor: 2 layers x 8 experts x 2 weights and the rest)."""
+    from dataclasses import replace
+
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from presets.gpu import QWEN3_MOE_3B
+    from rlconf.config import ActorConfig, ModelConfig
+    from rltrain.megatron import multi_tensor
+
+    from ._common import actor_of, batch_from_lengths
+
+    arch = replace(QWEN3_MOE_3B, num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                   num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
+                   num_moe_experts=8, moe_router_topk=2)  # fmt: skip
+    model = ModelConfig(arch=arch, params_dtype="bfloat16", attention_backend="sdpa", moe_grouped_gemm=True)
+    actor = actor_of(model, ActorConfig(ppo_mini_batch_size=4, use_dynamic_bsz=False), "cpu", total_steps=2)
+    assert (
+        DistributedOptimizer._copy_main_params_to_model_params
+        is multi_tensor.copy_main_params_to_model_params
+    )
+    # megatron chains a distributed optimizer for the dense parameters and one for the experts
+    optimizers = [o for o in actor.optimizer.chained_optimizers if isinstance(o, DistributedOptimizer)]
+    assert len(optimizers) == 2
+    batch = batch_from_lengths([(6, 8), (4, 7), (6, 3), (5, 8)], 6, 8, vocab=128)
+    mask = batch["response_mask"].float()
+    actor.update_policy({**batch, "old_log_probs": -mask, "advantages": mask})  # the fp32 shards moved
+    copies = []
+    real_foreach = torch._foreach_copy_
+    monkeypatch.setattr(torch, "_foreach_copy_", lambda d, s: copies.append(len(d)) or real_foreach(d, s))
+    counts = []
+    for optimizer in optimizers:
+        buffers = [b.param_data for gbuf in optimizer.buffers for b in gbuf.buckets]
+        results = {}
+        for way, method in (("megatron", multi_tensor._megatron_copy()), ("foreach", DistributedOptimizer._copy_main_params_to_model_params)):  # fmt: skip
+            for b in buffers:
+                b.fill_(7.0)  # (megatron pads the buffer: the padding keeps it)
+            method(optimizer)
+            results[way] = [b.clone() for b in buffers]
+        counts.append(sum(len(g) for g in (*optimizer.model_float16_groups, *optimizer.model_fp32_groups)))
+        for a, b in zip(results["megatron"], results["foreach"], strict=True):
+            assert torch.equal(a, b) and (a != 7.0).float().mean() > 0.9
+    assert copies == counts and 2 * 2 * 8 in counts  # one foreach copy per optimizer; the experts' own
