@@ -90,11 +90,12 @@ def test_megatron_clips_through_the_foreach_kernels(mp_world, monkeypatch):
         assert_close(b, a, reduction=64)
 
 
-def test_the_distributed_optimizer_copies_its_parameters_in_one_foreach_copy(mp_world, monkeypatch):
+def test_the_distributed_optimizers_copies_are_megatrons_in_one_foreach_copy(mp_world, monkeypatch):
     """megatron's distributed optimizer copies each updated fp32 main shard into the model's 16-bit parameter
     buffer after a step: `copy_main_params_to_model_params` (installed by `use_foreach_multi_tensor`, which
     build_optimizer calls) does it in one foreach copy, with the buffer megatron's per-parameter copies give
-    bit for bit (a bf16 MoE actor: 2 layers x 8 experts x 2 weights and the rest)."""
+    bit for bit (a bf16 MoE actor: 2 layers x 8 experts x 2 weights and the rest); before a step each main
+    shard gets the gradient view megatron's per-parameter lookups give (`copy_model_grads_to_main_grads`)."""
     from dataclasses import replace
 
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
@@ -136,3 +137,23 @@ def test_the_distributed_optimizer_copies_its_parameters_in_one_foreach_copy(mp_
         for a, b in zip(results["megatron"], results["foreach"], strict=True):
             assert torch.equal(a, b) and (a != 7.0).float().mean() > 0.9
     assert copies == counts and 2 * 2 * 8 in counts  # one foreach copy per optimizer; the experts' own
+    # The gradients each main shard gets before a step: megatron's per-parameter lookups, or the views found
+    # once (`copy_model_grads_to_main_grads`): the same ranges of the same main_grad buffers.
+    assert DistributedOptimizer._copy_model_grads_to_main_grads is multi_tensor.copy_model_grads_to_main_grads
+    for optimizer in optimizers:
+        for buffer in optimizer.buffers:
+            buffer.grad_data.copy_(
+                torch.randn(buffer.grad_data.shape, generator=torch.Generator().manual_seed(3))
+            )
+        shards = [
+            p for g in (*optimizer.shard_fp32_from_float16_groups, *optimizer.shard_fp32_groups) for p in g
+        ]
+        grads = {}
+        for way, method in (("megatron", multi_tensor._MEGATRON_GRADS["method"]), ("cached", DistributedOptimizer._copy_model_grads_to_main_grads)):  # fmt: skip
+            for _ in range(2):  # the second call takes the cached ranges
+                for p in shards:
+                    p.grad = None
+                method(optimizer)
+            grads[way] = [p.grad for p in shards]
+        for a, b in zip(grads["megatron"], grads["cached"], strict=True):
+            assert a.dtype == b.dtype == torch.float32 and torch.equal(a, b) and a.data_ptr() == b.data_ptr()
