@@ -43,9 +43,9 @@ def main() -> int:
     actor = actor_of(model, ActorConfig(ppo_mini_batch_size=4, use_dynamic_bsz=False), "cpu", total_steps=2)
     optimizers = [o for o in actor.optimizer.chained_optimizers if isinstance(o, DistributedOptimizer)]
     ways = {
-        "params megatron": multi_tensor._megatron_copy(),
+        "params megatron": multi_tensor.megatron_method("_copy_main_params_to_model_params"),
         "params foreach": multi_tensor.copy_main_params_to_model_params,
-        "grads megatron": multi_tensor._MEGATRON_GRADS["method"],
+        "grads megatron": multi_tensor.megatron_method("_copy_model_grads_to_main_grads"),
         "grads cached": multi_tensor.copy_model_grads_to_main_grads,
     }
     report: dict = {

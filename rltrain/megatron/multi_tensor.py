@@ -56,85 +56,57 @@ def scale(
         torch._foreach_copy_(dst, torch._foreach_mul(src, factor))
 
 
-def _megatron_copy() -> Any:
-    """megatron's own DistributedOptimizer._copy_main_params_to_model_params (kept for what the foreach copy
-    does not take)."""
+_MEGATRON_METHODS: dict[str, Any] = {}
+"""megatron's own DistributedOptimizer methods that `use_foreach_multi_tensor` replaces, by name."""
+
+
+def megatron_method(name: str) -> Any:
+    """megatron's own `DistributedOptimizer.<name>`, kept when `use_foreach_multi_tensor` replaces it: the
+    replacements call it for what they do not take (and tests and benches compare with it)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    _MEGATRON_COPY.setdefault("method", DistributedOptimizer._copy_main_params_to_model_params)
-    return _MEGATRON_COPY["method"]
+    return _MEGATRON_METHODS.setdefault(name, getattr(DistributedOptimizer, name))
 
 
-_MEGATRON_COPY: dict[str, Any] = {}
+def _megatrons_own_way(optimizer: Any) -> bool:
+    """Whether megatron's copies do something other than plain per-parameter copies here (a stub optimizer,
+    megatron FSDP, the precision-aware optimizer's decoupled gradients and parameters)."""
+    return bool(
+        optimizer.is_stub_optimizer
+        or optimizer.ddp_config.use_megatron_fsdp
+        or optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+    )
+
+
+def _cached(optimizer: Any, attr: str, groups: tuple, build: Any) -> Any:
+    """`build(optimizer, groups)`, made once per optimizer and kept on it as `attr`; made again if megatron
+    replaced one of its group lists (it builds them once, with the optimizer). The views it holds stay valid
+    through offloading, which resizes their storages in place (rltrain/megatron/offload.py)."""
+    key = tuple(id(g) for pair in groups for side in pair for g in side)
+    hit = getattr(optimizer, attr, None)
+    if hit is None or hit[0] != key:
+        hit = (key, build(optimizer, groups))
+        setattr(optimizer, attr, hit)
+    return hit[1]
 
 
 def copy_main_params_to_model_params(self: Any) -> None:
     """megatron's `DistributedOptimizer._copy_main_params_to_model_params` (each updated fp32 main shard into
     its range of the model's parameter buffer) as one foreach copy: the same destinations and sources in
-    megatron's order, the same rounding. megatron's own method runs where it does something else (a stub
-    optimizer, megatron FSDP, the precision-aware optimizer, fp8 parameters)."""
+    megatron's order, found once per optimizer (~17 ms of host time per qwen3-moe step), the same rounding.
+    megatron's own method runs where it does something else (`_megatrons_own_way`, fp8 parameters)."""
     from megatron.core.fp8_utils import is_float8tensor
 
     groups = ((self.shard_fp32_from_float16_groups, self.model_float16_groups),
               (self.shard_fp32_groups, self.model_fp32_groups))  # fmt: skip
-    plain = not (
-        self.is_stub_optimizer
-        or self.ddp_config.use_megatron_fsdp
-        or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-    )
-    if plain and not hasattr(self, "_rlplan_fp8_params"):  # fixed for the optimizer's life: checked once
+    if not _megatrons_own_way(self) and not hasattr(self, "_rlplan_fp8_params"):  # fixed: checked once
         self._rlplan_fp8_params = any(is_float8tensor(p) for _, model in groups for g in model for p in g)
-    if not plain or self._rlplan_fp8_params:
-        _megatron_copy()(self)
+    if _megatrons_own_way(self) or self._rlplan_fp8_params:
+        megatron_method("_copy_main_params_to_model_params")(self)
         return
-    # The destinations are views of megatron's parameter buffers and the sources its fp32 shards, both made
-    # once when the optimizer is built (offloading resizes their storages in place, so the views stay
-    # valid): found once per optimizer, not per parameter on every step (~17 ms of host time per qwen3-moe
-    # step). Rebuilt if megatron ever replaced a group list.
-    key = tuple(id(g) for pair in groups for side in pair for g in side)
-    cached = getattr(self, "_rlplan_param_copies", None)
-    if cached is None or cached[0] != key:
-        cached = (key, *_param_copies(self, groups))
-        self._rlplan_param_copies = cached
-    _, dst, src = cached
+    dst, src = _cached(self, "_rlplan_param_copies", groups, _param_copies)
     if dst:
         torch._foreach_copy_(dst, src)
-
-
-def copy_model_grads_to_main_grads(self: Any) -> None:
-    """megatron's `DistributedOptimizer._copy_model_grads_to_main_grads` (each main shard's `.grad` = its
-    range of the parameter's reduced main_grad, as fp32) with the ranges found once per optimizer: megatron
-    looks up every parameter's range and slices its main_grad on every step (~18 ms of host time per
-    qwen3-moe step, 3,243 parameters, on the 2-core CPU). The same gradients (views of the same buffer, cast
-    only where the buffer is not fp32). megatron's own method runs where it does something else (a stub
-    optimizer, megatron FSDP, the precision-aware optimizer's decoupled gradients)."""
-    if (
-        self.is_stub_optimizer
-        or self.ddp_config.use_megatron_fsdp
-        or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
-    ):
-        _MEGATRON_GRADS["method"](self)
-        return
-    groups = ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
-              (self.model_fp32_groups, self.shard_fp32_groups))  # fmt: skip
-    key = tuple(id(g) for pair in groups for side in pair for g in side)
-    cached = getattr(self, "_rlplan_grad_views", None)
-    if cached is None or cached[0] != key:
-        pairs = []
-        for model_groups, shard_groups in groups:
-            for model_group, shard_group in zip(model_groups, shard_groups, strict=True):
-                for model_param, shard_main_param in zip(model_group, shard_group, strict=True):
-                    param_range = self._get_model_param_range_map(model_param)["param"]
-                    assert param_range.size == shard_main_param.nelement()
-                    view = model_param.main_grad.view(-1)[param_range.start : param_range.end]
-                    pairs.append((shard_main_param, view))
-        cached = (key, pairs)
-        self._rlplan_grad_views = cached
-    for shard_main_param, view in cached[1]:
-        shard_main_param.grad = view.float()
-
-
-_MEGATRON_GRADS: dict[str, Any] = {}
 
 
 def _param_copies(self: Any, groups: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -153,20 +125,49 @@ def _param_copies(self: Any, groups: tuple) -> tuple[list[torch.Tensor], list[to
     return dst, src
 
 
+def copy_model_grads_to_main_grads(self: Any) -> None:
+    """megatron's `DistributedOptimizer._copy_model_grads_to_main_grads` (each main shard's `.grad` = its
+    range of the parameter's reduced main_grad, as fp32) with the ranges found once per optimizer: megatron
+    looks up every parameter's range and slices its main_grad on every step (~14 ms of host time per
+    qwen3-moe step, 3,243 parameters, on the 2-core CPU). The same gradients (views of the same buffer, cast
+    only where the buffer is not fp32); megatron's own method where `_megatrons_own_way`."""
+    if _megatrons_own_way(self):
+        megatron_method("_copy_model_grads_to_main_grads")(self)
+        return
+    groups = ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
+              (self.model_fp32_groups, self.shard_fp32_groups))  # fmt: skip
+    for shard_main_param, view in _cached(self, "_rlplan_grad_views", groups, _grad_views):
+        shard_main_param.grad = view.float()
+
+
+def _grad_views(self: Any, groups: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(main shard, its range of the parameter's main_grad) for every parameter, in megatron's order."""
+    pairs = []
+    for model_groups, shard_groups in groups:
+        for model_group, shard_group in zip(model_groups, shard_groups, strict=True):
+            for model_param, shard_main_param in zip(model_group, shard_group, strict=True):
+                param_range = self._get_model_param_range_map(model_param)["param"]
+                assert param_range.size == shard_main_param.nelement()
+                pairs.append(
+                    (shard_main_param, model_param.main_grad.view(-1)[param_range.start : param_range.end])
+                )
+    return pairs
+
+
 def use_foreach_multi_tensor() -> None:
     """Serve megatron's gradient clipping (`optimizer.clip_grads`) and mixed-precision optimizer copies
     (`optimizer.optimizer`) with `l2_norm` and `scale` where megatron fell back to its local Python loops,
-    and its distributed optimizer's parameter copies with `copy_main_params_to_model_params`. Idempotent."""
+    and its distributed optimizer's copies around a step with `copy_main_params_to_model_params` and
+    `copy_model_grads_to_main_grads`. Idempotent."""
     from megatron.core import utils
     from megatron.core.optimizer import clip_grads
     from megatron.core.optimizer import optimizer as megatron_optimizer
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    if DistributedOptimizer._copy_main_params_to_model_params is _megatron_copy():
-        DistributedOptimizer._copy_main_params_to_model_params = copy_main_params_to_model_params
-    _MEGATRON_GRADS.setdefault("method", DistributedOptimizer._copy_model_grads_to_main_grads)
-    if DistributedOptimizer._copy_model_grads_to_main_grads is _MEGATRON_GRADS["method"]:
-        DistributedOptimizer._copy_model_grads_to_main_grads = copy_model_grads_to_main_grads
+    for name, mine in (("_copy_main_params_to_model_params", copy_main_params_to_model_params),
+                       ("_copy_model_grads_to_main_grads", copy_model_grads_to_main_grads)):  # fmt: skip
+        if getattr(DistributedOptimizer, name) is megatron_method(name):
+            setattr(DistributedOptimizer, name, mine)
     if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
         clip_grads.l2_norm_impl = l2_norm
     for module in (clip_grads, megatron_optimizer):

@@ -10,7 +10,8 @@ their k rows in fp32 in slot order and rounds once.
 
 The sum is the one torch's path computes up to fp32 summation order (torch's reduction may pair the k
 addends differently): both round an fp32 sum of the same k values once. The torch path stays the CPU path
-and the reference (tests/megatron/test_moe_decode.py compares the two on CUDA).
+and the reference (tests/megatron/test_triton_gather_sum.py compares the two on CUDA; the MoE layer's
+tests, tests/megatron/test_moe_decode.py, run the torch path against megatron's layer on the CPU).
 """
 
 from __future__ import annotations

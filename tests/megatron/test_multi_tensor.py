@@ -128,7 +128,7 @@ def test_the_distributed_optimizers_copies_are_megatrons_in_one_foreach_copy(mp_
     for optimizer in optimizers:
         buffers = [b.param_data for gbuf in optimizer.buffers for b in gbuf.buckets]
         results = {}
-        for way, method in (("megatron", multi_tensor._megatron_copy()), ("foreach", DistributedOptimizer._copy_main_params_to_model_params)):  # fmt: skip
+        for way, method in (("megatron", multi_tensor.megatron_method("_copy_main_params_to_model_params")), ("foreach", DistributedOptimizer._copy_main_params_to_model_params)):  # fmt: skip
             for b in buffers:
                 b.fill_(7.0)  # (megatron pads the buffer: the padding keeps it)
             method(optimizer)
@@ -149,7 +149,7 @@ def test_the_distributed_optimizers_copies_are_megatrons_in_one_foreach_copy(mp_
             p for g in (*optimizer.shard_fp32_from_float16_groups, *optimizer.shard_fp32_groups) for p in g
         ]
         grads = {}
-        for way, method in (("megatron", multi_tensor._MEGATRON_GRADS["method"]), ("cached", DistributedOptimizer._copy_model_grads_to_main_grads)):  # fmt: skip
+        for way, method in (("megatron", multi_tensor.megatron_method("_copy_model_grads_to_main_grads")), ("cached", DistributedOptimizer._copy_model_grads_to_main_grads)):  # fmt: skip
             for _ in range(2):  # the second call takes the cached ranges
                 for p in shards:
                     p.grad = None
