@@ -96,12 +96,12 @@ def test_signal_stops_the_run_cleanly_and_the_same_command_resumes(tmp_path, sig
         assert proc.wait(timeout=120) == code
         took = time.monotonic() - sent
         if signum == signal.SIGTERM:  # what `timeout`, Slurm and Kubernetes send: stopped within seconds
-            # The driver waits at most STOP_RELEASE_TIMEOUT_S (2.5 s) for Ray; the bound leaves as much
-            # again twice for the rest (settling, exiting), which took 5.4 s once while a second test process
-            # shared the 2 cores. The regression this guards against took 21 s.
+            # The driver waits at most STOP_RELEASE_TIMEOUT_S (2.5 s) for Ray; the bound leaves four times as
+            # much for the rest (settling, exiting), which took 5.4 s once and 7.9 s once while a second test
+            # process shared the 2 cores. The regression this guards against took 21 s.
             from rltrain.controller import STOP_RELEASE_TIMEOUT_S
 
-            bound = 3 * STOP_RELEASE_TIMEOUT_S
+            bound = 5 * STOP_RELEASE_TIMEOUT_S
             assert took < bound, f"the run took {took:.1f} s to stop (bound {bound} s)"
         stderr = err_path.read_text()
         name = signal.Signals(signum).name
