@@ -297,6 +297,21 @@ def actor_of(
     return MegatronActor.from_plan(plan, "actor", init_from=init_from, frozen=not trainable)
 
 
+def tiny_moe_actor(layers: int, micro_batch: int, params_dtype: str = "float32"):
+    """A tiny qwen3-moe-routed actor (8 experts, top 2, grouped experts) of `layers` layers on the CPU, 4 rows
+    per mini-batch in micro-batches of `micro_batch`."""
+    from dataclasses import replace
+
+    from presets.gpu import QWEN3_MOE_3B
+
+    arch = replace(QWEN3_MOE_3B, num_layers=layers, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                   num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
+                   num_moe_experts=8, moe_router_topk=2)  # fmt: skip
+    model = ModelConfig(arch=arch, params_dtype=params_dtype, attention_backend="sdpa", moe_grouped_gemm=True)
+    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro_batch, use_dynamic_bsz=False)
+    return actor_of(model, cfg, "cpu", total_steps=2)
+
+
 def critic_of(
     model_cfg: ModelConfig,
     critic_cfg: CriticConfig,

@@ -8,33 +8,17 @@ copy per optimizer step."""
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from rlconf.config import ActorConfig, ModelConfig
-
-from ._common import actor_of, batch_from_lengths, no_host_reads
-
-
-def _moe_actor(layers: int, micro_batch: int):
-    """A tiny qwen3-moe-routed actor (8 experts, top 2, grouped experts) of `layers` layers, 4 rows per
-    mini-batch in micro-batches of `micro_batch`."""
-    from presets.gpu import QWEN3_MOE_3B
-
-    arch = replace(QWEN3_MOE_3B, num_layers=layers, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                   num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
-                   num_moe_experts=8, moe_router_topk=2)  # fmt: skip
-    model = ModelConfig(arch=arch, params_dtype="float32", attention_backend="sdpa", moe_grouped_gemm=True)
-    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro_batch, use_dynamic_bsz=False)
-    return actor_of(model, cfg, "cpu", total_steps=2)
+from ._common import batch_from_lengths, no_host_reads, tiny_moe_actor
 
 
 @pytest.fixture
 def moe_actor(mp_world):
-    return _moe_actor(layers=3, micro_batch=2)
+    return tiny_moe_actor(layers=3, micro_batch=2)
 
 
 def test_routing_stats_are_read_once_per_update(moe_actor, monkeypatch):
@@ -158,7 +142,7 @@ def test_an_update_reads_its_metrics_once_per_optimizer_step(mp_world, monkeypat
     reads = {}
     for micro in (4, 2, 1):
         reads[micro], metrics = _reads_outside_the_schedule(
-            _moe_actor(layers=2, micro_batch=micro), rl, monkeypatch
+            tiny_moe_actor(layers=2, micro_batch=micro), rl, monkeypatch
         )
         assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert reads[4] == reads[2] == reads[1], reads

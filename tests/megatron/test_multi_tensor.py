@@ -96,21 +96,13 @@ def test_the_distributed_optimizers_copies_are_megatrons_in_one_foreach_copy(mp_
     build_optimizer calls) does it in one foreach copy, with the buffer megatron's per-parameter copies give
     bit for bit (a bf16 MoE actor: 2 layers x 8 experts x 2 weights and the rest); before a step each main
     shard gets the gradient view megatron's per-parameter lookups give (`copy_model_grads_to_main_grads`)."""
-    from dataclasses import replace
-
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    from presets.gpu import QWEN3_MOE_3B
-    from rlconf.config import ActorConfig, ModelConfig
     from rltrain.megatron import multi_tensor
 
-    from ._common import actor_of, batch_from_lengths
+    from ._common import batch_from_lengths, tiny_moe_actor
 
-    arch = replace(QWEN3_MOE_3B, num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                   num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
-                   num_moe_experts=8, moe_router_topk=2)  # fmt: skip
-    model = ModelConfig(arch=arch, params_dtype="bfloat16", attention_backend="sdpa", moe_grouped_gemm=True)
-    actor = actor_of(model, ActorConfig(ppo_mini_batch_size=4, use_dynamic_bsz=False), "cpu", total_steps=2)
+    actor = tiny_moe_actor(layers=2, micro_batch=4, params_dtype="bfloat16")
     assert (
         DistributedOptimizer._copy_main_params_to_model_params
         is multi_tensor.copy_main_params_to_model_params
