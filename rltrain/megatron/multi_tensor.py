@@ -95,27 +95,31 @@ def copy_main_params_to_model_params(self: Any) -> None:
     its range of the model's parameter buffer) as one foreach copy: the same destinations and sources in
     megatron's order, found once per optimizer (~17 ms of host time per qwen3-moe step), the same rounding.
     megatron's own method runs where it does something else (`_megatrons_own_way`, fp8 parameters)."""
-    from megatron.core.fp8_utils import is_float8tensor
-
     groups = ((self.shard_fp32_from_float16_groups, self.model_float16_groups),
               (self.shard_fp32_groups, self.model_fp32_groups))  # fmt: skip
-    if not _megatrons_own_way(self) and not hasattr(self, "_rlplan_fp8_params"):  # fixed: checked once
-        self._rlplan_fp8_params = any(is_float8tensor(p) for _, model in groups for g in model for p in g)
-    if _megatrons_own_way(self) or self._rlplan_fp8_params:
+    copies = (
+        None if _megatrons_own_way(self) else _cached(self, "_rlplan_param_copies", groups, _param_copies)
+    )
+    if copies is None:
         megatron_method("_copy_main_params_to_model_params")(self)
         return
-    dst, src = _cached(self, "_rlplan_param_copies", groups, _param_copies)
+    dst, src = copies
     if dst:
         torch._foreach_copy_(dst, src)
 
 
-def _param_copies(self: Any, groups: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _param_copies(self: Any, groups: tuple) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     """(destinations, sources) of megatron's per-parameter copies in `_copy_main_params_to_model_params`, in
-    its order: each main shard's range of the parameter buffer, and the shard."""
+    its order: each main shard's range of the parameter buffer, and the shard. None where a parameter is
+    fp8 (megatron quantizes those shards itself)."""
+    from megatron.core.fp8_utils import is_float8tensor
+
     dst, src = [], []
     for shard_groups, model_groups in groups:
         for shard_group, model_group in zip(shard_groups, model_groups, strict=True):
             for shard_main_param, model_param in zip(shard_group, model_group, strict=True):
+                if is_float8tensor(model_param):
+                    return None
                 world_range = self._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
                 assert world_range.size == shard_main_param.nelement()
                 gbuf_index, _, bucket_id = self.model_param_gbuf_map[model_param]

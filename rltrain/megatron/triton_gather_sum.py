@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from rltrain import device as devices
 from rltrain.megatron import decode_kernels
 
 try:  # triton ships with torch's CUDA wheels; CPU installs have none (and must not add it)
@@ -44,9 +43,7 @@ def gather_sum_reference(src: torch.Tensor, index: torch.Tensor, dtype: torch.dt
 
 def unsupported(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> str | None:
     """Why `gather_sum` takes torch's path for these tensors (None: the kernel runs)."""
-    if triton is None or src.device.type != "cuda":
-        return "no triton on this device"
-    reason = decode_kernels.where_unsupported(devices.kind(src.device.type).name)
+    reason = decode_kernels.where_unsupported(src.device.type)
     if reason is not None:
         return reason
     if src.dtype not in (torch.bfloat16, torch.float16, torch.float32) or dtype not in decode_kernels.DTYPES:
