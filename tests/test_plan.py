@@ -826,6 +826,20 @@ def test_memory_counts_embedded_rollout_kv_cache() -> None:
     assert _rollout_kv_bytes(vllm, lay, QWEN25_7B, 14) == 0.0
 
 
+def _policy_pool_parts(config, phase: str) -> dict[str, float]:
+    """{part label: GiB} of one phase of the first pool's memory estimate."""
+    pool = compile_plan(config).memory.pools[0]
+    return {p.label: p.gib for p in next(p for p in pool.phases if p.phase == phase).parts}
+
+
+def _at_ep2(moe):
+    """A MoE preset on 2 GPUs with its actor's and ref's experts split over them (ep = 2)."""
+    cluster = replace(moe.cluster, gpus_per_node=2)
+    mcfg = replace(moe.actor.megatron, expert_model_parallel_size=2)
+    return replace(moe, cluster=cluster, actor=replace(moe.actor, megatron=mcfg),
+                   ref=replace(moe.ref, megatron=replace(moe.ref.megatron, expert_model_parallel_size=2)))  # fmt: skip
+
+
 def test_memory_counts_the_engines_stacked_expert_weights() -> None:
     """A MoE actor generating on the embedded engine at ep = etp = 1 holds a stacked copy of its routed
     expert weights (rltrain/megatron/moe_decode.py) through generate_sequences: qwen3-moe-grpo's 24 MoE
@@ -834,19 +848,14 @@ def test_memory_counts_the_engines_stacked_expert_weights() -> None:
     from presets import get_preset
 
     def parts(config, phase="generate_sequences"):
-        pool = compile_plan(config).memory.pools[0]
-        return {p.label: p.gib for p in next(p for p in pool.phases if p.phase == phase).parts}
+        return _policy_pool_parts(config, phase)
 
     moe = get_preset("qwen3-moe-grpo")
     assert parts(moe)["rollout stacked experts"] == pytest.approx(
         24 * 64 * 3 * 1024 * 512 * 2 / 2**30, abs=1e-5
     )
     assert "rollout stacked experts" not in parts(moe, "actor_update")
-    cluster = replace(moe.cluster, gpus_per_node=2)
-    mcfg = replace(moe.actor.megatron, expert_model_parallel_size=2)
-    ep2 = replace(moe, cluster=cluster, actor=replace(moe.actor, megatron=mcfg),
-                  ref=replace(moe.ref, megatron=replace(moe.ref.megatron, expert_model_parallel_size=2)))  # fmt: skip
-    assert "rollout stacked experts" not in parts(ep2)
+    assert "rollout stacked experts" not in parts(_at_ep2(moe))
     assert "rollout stacked experts" not in parts(get_preset("qwen2.5-1.5b-grpo"))
 
 
@@ -857,20 +866,15 @@ def test_memory_counts_a_forward_passs_stacked_expert_weights() -> None:
     megatron recomputes the MoE layer (stacked per call), and never for a dense model."""
     from presets import get_preset
 
-    def parts(config, phase):
-        pool = compile_plan(config).memory.pools[0]
-        return {p.label: p.gib for p in next(p for p in pool.phases if p.phase == phase).parts}
-
+    parts = _policy_pool_parts
     moe = get_preset("qwen3-moe-grpo")
     whole = 24 * 64 * 3 * 1024 * 512 * 2 / 2**30
     assert parts(moe, "actor_compute_log_prob")["actor stacked experts"] == pytest.approx(whole, abs=1e-5)
     assert parts(moe, "ref_compute_log_prob")["ref stacked experts"] == pytest.approx(whole, abs=1e-5)
     assert "actor stacked experts" not in parts(moe, "actor_update")  # the update's are in its activations
-    cluster = replace(moe.cluster, gpus_per_node=2)
-    mcfg = replace(moe.actor.megatron, expert_model_parallel_size=2)
-    ep2 = replace(moe, cluster=cluster, actor=replace(moe.actor, megatron=mcfg),
-                  ref=replace(moe.ref, megatron=replace(moe.ref.megatron, expert_model_parallel_size=2)))  # fmt: skip
-    assert parts(ep2, "actor_compute_log_prob")["actor stacked experts"] == pytest.approx(whole / 2, abs=1e-5)
+    assert parts(_at_ep2(moe), "actor_compute_log_prob")["actor stacked experts"] == pytest.approx(
+        whole / 2, abs=1e-5
+    )
     sequential = replace(moe, model=replace(moe.model, moe_grouped_gemm=False))
     assert "actor stacked experts" not in parts(sequential, "actor_compute_log_prob")
     ov = replace(moe.actor.megatron.override_transformer_config, recompute_granularity="full",
