@@ -257,8 +257,9 @@ def dispatch(
 
 def combine(y: torch.Tensor, inverse: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """After the second grouped GEMM: each token's k expert outputs (rows `inverse` [T, k] of y [T k, H])
-    summed in fp32 (a deterministic sum, where megatron scatter-adds) and cast to `dtype`: [T, H]."""
-    return y[inverse].sum(1, dtype=torch.float32).to(dtype)
+    summed in fp32 (a deterministic sum, where megatron scatter-adds) and cast to `dtype`: [T, H]. The
+    training layer's sum (`triton_gather_sum`) in torch's ops, so generation and training add alike."""
+    return triton_gather_sum.gather_sum_reference(y, inverse, dtype)
 
 
 def _fused_dispatch_rows(
