@@ -82,6 +82,24 @@ class MicroBatch:
         return torch.arange(b, device=self.gather_index.device).unsqueeze(1) * length + self.gather_index
 
 
+@dataclass(frozen=True)
+class StepOutcome:
+    """One optimizer step of an update as the device holds it (`MegatronEngine.optimizer_step_on`)."""
+
+    values: torch.Tensor  # [micro-batches, names] fp64: each micro-batch's metrics (none off the last stage)
+    grad_norm: torch.Tensor  # 0-dim: megatron's global gradient norm
+    applied: torch.Tensor  # 0-dim bool: whether the divergence guard let the step through
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """An update's optimizer steps read back on the host (`MegatronEngine.read_steps`)."""
+
+    grad_norms: list[float]
+    skipped: int  # steps the divergence guard did not apply
+    count: int  # micro-batch outputs counted into the metric sums
+
+
 def _device_of(device: str) -> torch.device:
     return torch_device(device)
 
@@ -519,20 +537,20 @@ class MegatronEngine:
                 "batch must split evenly over the data-parallel ranks"
             )
 
-    def global_loss_totals(self, mini_batch: dict[str, torch.Tensor]) -> tuple[float, float]:
-        """(valid response tokens, rows) of a mini-batch summed over all data-parallel ranks."""
-        t = torch.tensor(
+    def global_loss_totals(self, response_masks: list[torch.Tensor]) -> list[tuple[float, float]]:
+        """(valid response tokens, rows) of each mini-batch (its response mask) summed over all data-parallel
+        ranks: counted on the host (the batch is the controller's host copy) and, with DP ranks, all-reduced
+        in one call for the whole update, so no mini-batch waits for the device to finish the one before."""
+        local = [
             # Rows without a valid token are left out of the seq-mean modes (algorithms.agg_loss).
-            [
-                float(mini_batch["response_mask"].sum()),
-                float((mini_batch["response_mask"].sum(-1) > 0).sum()),
-            ],
-            dtype=torch.float64,
-            device=self.torch_device,
-        )
-        if self.dp_size > 1:
+            [float(mask.sum()), float((mask.sum(-1) > 0).sum())]
+            for mask in response_masks
+        ]
+        if self.dp_size > 1 and local:
+            t = torch.tensor(local, dtype=torch.float64, device=self.torch_device)
             torch.distributed.all_reduce(t, group=parallel_state.get_data_parallel_group())
-        return max(float(t[0]), 1.0), max(float(t[1]), 1.0)
+            local = t.cpu().tolist()
+        return [(max(tokens, 1.0), max(rows, 1.0)) for tokens, rows in local]
 
     def micro_batch_weight(
         self, response_mask: torch.Tensor, loss_agg_mode: str, totals: tuple[float, float]
@@ -689,19 +707,21 @@ class MegatronEngine:
         n = batch["input_ids"].shape[0]
         mini = plan.responses_per_mini_batch_per_rank
         gen = torch.Generator().manual_seed(derive_seed(self.seed, step, SHUFFLE))
+        schedule = []
         for _ in range(plan.ppo_epochs):
             order = torch.randperm(n, generator=gen) if shuffle else torch.arange(n)
-            for m0 in range(0, n, mini):
-                rows = order[m0 : m0 + mini]
-                mini_batch = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
-                mbs = self.micro_batches(
-                    mini_batch,
-                    plan.micro_batch_size_per_rank or 0,
-                    plan.use_dynamic_bsz,
-                    plan.max_token_len_per_micro_batch or 0,
-                    packed=self.spec.settings.remove_padding,
-                )
-                yield mini_batch, mbs, self.global_loss_totals(mini_batch)
+            schedule += [order[m0 : m0 + mini] for m0 in range(0, n, mini)]
+        totals = self.global_loss_totals([batch["response_mask"][rows] for rows in schedule])
+        for rows, mini_batch_totals in zip(schedule, totals, strict=True):
+            mini_batch = {k: v[rows] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+            mbs = self.micro_batches(
+                mini_batch,
+                plan.micro_batch_size_per_rank or 0,
+                plan.use_dynamic_bsz,
+                plan.max_token_len_per_micro_batch or 0,
+                packed=self.spec.settings.remove_padding,
+            )
+            yield mini_batch, mbs, mini_batch_totals
 
     def forward_micro_batches(self, batch: dict[str, torch.Tensor]) -> list[MicroBatch]:
         """Micro-batches of a forward-only pass (log-probs, values, reward scores), as the plan sizes them."""
@@ -729,36 +749,51 @@ class MegatronEngine:
         micro_batches: list[MicroBatch],
         loss_fn: Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]],
         names: list[str],
-        sums: dict[str, float],
-    ) -> tuple[float, int, bool]:
-        """One optimizer step over one mini-batch's micro-batches: forward+backward through the schedule,
-        the step (`optimizer_step`: not applied when the loss `names[0]` or the gradient norm is not
-        finite), and the micro-batch metrics added into `sums`. Returns (grad_norm, outputs counted,
-        applied)."""
+    ) -> StepOutcome:
+        """One optimizer step over one mini-batch's micro-batches: forward+backward through the schedule and
+        the step (`optimizer_step`: not applied when the loss `names[0]` of a micro-batch or the gradient
+        norm is not finite). Nothing is read back to the host here (`read_steps` reads an update's steps
+        at once)."""
         outs = self.run_schedule(micro_batches, loss_fn, forward_only=False)
         # Outputs exist on the last pipeline stage only; optimizer_step agrees on them with every rank.
-        rows = self._host_metrics(outs, names)
-        loss_finite = all(math.isfinite(row[0]) for row in rows)
+        values = self._metric_values(outs, names)
+        loss_finite = torch.isfinite(values[:, 0]).all()
         applied, grad_norm = self.optimizer_step(loss_finite)
-        for row in rows:
-            for k, v in zip(names, row, strict=True):
-                sums[k] += v
-        return grad_norm, len(outs), applied
+        return StepOutcome(values, grad_norm, applied)
 
-    def _host_metrics(self, outs: list[dict[str, torch.Tensor]], names: list[str]) -> list[list[float]]:
-        """The micro-batches' metrics `names` as floats, one row per micro-batch, read back in one copy:
-        a float() per value would wait for the device once per value (~50 per optimizer step)."""
-        values = [o[k] for o in outs for k in names]
+    def _metric_values(self, outs: list[dict[str, torch.Tensor]], names: list[str]) -> torch.Tensor:
+        """The micro-batches' metrics `names` as one [micro-batches, names] fp64 tensor on the device."""
+        values = [torch.as_tensor(o[k]).detach().to(self.torch_device, torch.float64).reshape(()) for o in outs
+                  for k in names]  # fmt: skip
         if not values:
-            return []
-        flat = torch.stack(
-            [torch.as_tensor(v).detach().to(self.torch_device, torch.float64).reshape(()) for v in values]
-        )
-        host = flat.cpu().tolist()
-        return [host[i : i + len(names)] for i in range(0, len(host), len(names))]
+            return torch.empty(0, len(names), dtype=torch.float64, device=self.torch_device)
+        return torch.stack(values).view(len(outs), len(names))
 
-    def optimizer_step(self, loss_finite: bool = True) -> tuple[bool, float]:
-        """One optimizer step on the accumulated gradients; returns (applied, grad_norm).
+    def read_steps(self, steps: list[StepOutcome], names: list[str], sums: dict[str, float]) -> StepTotals:
+        """An update's optimizer steps read back in one copy (a read per step would make the host wait for
+        the device at every step): each micro-batch's metrics added into `sums` in order, the steps' gradient
+        norms, how many were not applied and how many micro-batch outputs were counted."""
+        if not steps:
+            return StepTotals([], 0, 0)
+        parts = [
+            t for s in steps for t in (s.values.reshape(-1), s.grad_norm.reshape(1), s.applied.reshape(1))
+        ]
+        host = torch.cat([t.to(self.torch_device, torch.float64) for t in parts]).cpu().tolist()
+        grad_norms, skipped, count, at = [], 0, 0, 0
+        for s in steps:
+            rows, width = s.values.shape
+            for r in range(rows):
+                for k, v in zip(names, host[at + r * width : at + (r + 1) * width], strict=True):
+                    sums[k] += v
+            at += rows * width
+            grad_norms.append(host[at])
+            skipped += host[at + 1] == 0.0
+            count += rows
+            at += 2
+        return StepTotals(grad_norms, skipped, count)
+
+    def optimizer_step(self, loss_finite: torch.Tensor | bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step on the accumulated gradients; returns (applied, grad_norm) as 0-dim tensors.
 
         The divergence guard: the step is not applied (the weights and the optimizer state stay as they
         were) when megatron's own check finds inf / NaN in the gradients (`prepare_grads`: the fp16 loss
@@ -766,10 +801,12 @@ class MegatronEngine:
         any rank. megatron's `step()` has no such check for bf16 / fp32 (a NaN norm even slips through
         its clipping, as `clip_coeff < 1` is False for NaN), so the step is ChainedOptimizer.step's body
         with the check between the norm and the update. Every rank of this engine decides together (one
-        all-reduce of a flag), so no replica steps while another does not."""
+        all-reduce of a flag), so no replica steps while another does not; with torch's fused Adam the
+        decision stays on the device (`model.guarded_optimizer_step`)."""
         assert self._optimizer is not None, "this engine was built without an optimizer"
         self.reload()
-        return mmodel.guarded_optimizer_step(self._optimizer, loss_finite, self.torch_device)
+        flag = torch.as_tensor(loss_finite, device=self.torch_device)
+        return mmodel.guarded_optimizer_step(self._optimizer, flag, self.torch_device)
 
     def weights_finite(self) -> bool:
         """Whether every parameter of this rank is finite (offloaded parameters are brought back first)."""

@@ -824,12 +824,32 @@ def build_optimizer(
 
 
 def guarded_optimizer_step(
-    optimizer: MegatronOptimizer, loss_finite: bool, device: torch.device
-) -> tuple[bool, float]:
+    optimizer: MegatronOptimizer, loss_finite: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """megatron's optimizer step (ChainedOptimizer.step: prepare grads, global norm, clip, update) that is
     not applied when megatron's found_inf check fires, the global gradient norm is not finite, or
-    `loss_finite` is False on any rank of the default process group (the engine's world). Returns
-    (applied, grad_norm); grad_norm is NaN when found_inf fired before a norm was computed."""
+    `loss_finite` (a bool tensor) is False on any rank of the default process group (the engine's world).
+    Returns (applied, grad_norm) as 0-dim tensors; grad_norm is NaN when found_inf fired before a norm was
+    computed.
+
+    Where `steps_on_device(optimizer)` the whole step is decided on the device (`_step_on_device`): no value
+    is read back to the host, so the host goes on to the next mini-batch while the device still runs this
+    one (megatron's own step reads the norm, the guard read the loss and the flag: three waits per step)."""
+    if steps_on_device(optimizer):
+        return _step_on_device(optimizer, loss_finite, device)
+    applied, grad_norm = _step_on_host(optimizer, bool(loss_finite), device)
+    return torch.tensor(applied), torch.tensor(grad_norm, dtype=torch.float64)
+
+
+def _sub_optimizers(optimizer: MegatronOptimizer) -> list[Any]:
+    """A ChainedOptimizer's optimizers (dense and expert parameters), or the optimizer itself."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def _step_on_host(
+    optimizer: MegatronOptimizer, loss_finite: bool, device: torch.device
+) -> tuple[bool, float]:
+    """The guarded step as megatron decides a step, on the host (fp16 loss scaling, SGD, foreach Adam)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     found_inf = optimizer.prepare_grads()  # megatron's own inf / NaN check (fp16 loss scaling)
@@ -841,8 +861,7 @@ def guarded_optimizer_step(
         ok = bad.item() == 0
     if not ok:
         return False, grad_norm
-    chained = getattr(optimizer, "chained_optimizers", [optimizer])
-    for opt in chained:
+    for opt in _sub_optimizers(optimizer):
         params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
         if params and opt.config.clip_grad > 0.0:
             clip_grad_by_total_norm_fp32(
@@ -850,6 +869,85 @@ def guarded_optimizer_step(
                 use_decoupled_grad=opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8,
             )  # fmt: skip
     return bool(optimizer.step_with_ready_grads()), grad_norm
+
+
+def steps_on_device(optimizer: MegatronOptimizer) -> bool:
+    """Whether the guarded step can be decided on the device: every update is torch's fused Adam, which
+    takes a `found_inf` flag tensor and then leaves the weights and the state as they were (the step counter
+    included); no fp16 loss scaler (megatron reads its found_inf on the host); no decoupled gradients or
+    megatron FSDP (DTensor gradients), whose norm and clipping stay megatron's."""
+    if bench_off("deviceguard"):
+        return False
+    for opt in _sub_optimizers(optimizer):
+        if getattr(opt, "is_stub_optimizer", False):
+            continue
+        ddp = getattr(opt, "ddp_config", None)
+        if (
+            getattr(opt, "grad_scaler", None) is not None
+            or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+            or (ddp is not None and ddp.use_megatron_fsdp)
+        ):
+            return False
+        inner = opt.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            return False
+        if not all(group["fused"] or not group["params"] for group in inner.param_groups):
+            return False
+    return True
+
+
+def _step_on_device(
+    optimizer: MegatronOptimizer, loss_finite: torch.Tensor, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_step_on_host`'s decisions as device tensors: the norm megatron computes (`grad_norm_on_device`), the
+    guard's flag all-reduced without a read, megatron's clipping as a multiply by min(1, coefficient) (x 1.0
+    where megatron skips it: the same bits), and the flag handed to the fused Adam as its `found_inf`."""
+    optimizer.prepare_grads()  # no loss scaler here: megatron's copies of the gradients, no check
+    grad_norm = grad_norm_on_device(optimizer, device)
+    ok = loss_finite.to(device) & torch.isfinite(grad_norm)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        bad = (~ok).to(torch.float32).reshape(1)
+        torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
+        ok = bad[0] == 0
+    found_inf = (~ok).to(torch.float32)
+    stepped = [opt for opt in _sub_optimizers(optimizer) if not getattr(opt, "is_stub_optimizer", False)]
+    for opt in stepped:
+        params = opt.get_parameters()
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads and opt.config.clip_grad > 0.0:
+            coeff = opt.config.clip_grad / (grad_norm + 1.0e-6)  # megatron's, in fp64 as on its host
+            torch._foreach_mul_(grads, torch.where(coeff < 1.0, coeff, 1.0).to(torch.float32))
+        opt.optimizer.found_inf = found_inf  # as torch's GradScaler hands it to a fused optimizer
+    try:
+        optimizer.step_with_ready_grads()
+    finally:
+        for opt in stepped:
+            del opt.optimizer.found_inf
+    return ok, grad_norm
+
+
+def grad_norm_on_device(optimizer: MegatronOptimizer, device: torch.device) -> torch.Tensor:
+    """megatron's global L2 gradient norm (`ChainedOptimizer.get_grad_norm`, p = 2) as a 0-dim fp64 tensor on
+    the device, where megatron reads it back: each sub-optimizer's `get_main_grads_for_grad_norm`, megatron's
+    `l2_norm_impl`, the squares summed over each one's grad-stats group, combined as megatron combines them."""
+    from megatron.core.optimizer import clip_grads
+
+    def norm(grads: list[torch.Tensor], group: Any) -> torch.Tensor:
+        if grads:
+            overflow = torch.zeros(1, dtype=torch.int, device=device)
+            total, _ = clip_grads.multi_tensor_applier(clip_grads.l2_norm_impl, overflow, [grads], False)
+        else:
+            total = torch.zeros(1, dtype=torch.float, device=device)
+        total = total**2.0
+        torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
+        return total.reshape(()).double().sqrt()
+
+    subs = _sub_optimizers(optimizer)
+    if len(subs) == 1 or optimizer.grads_states_parallel_group_is_shared():
+        grads = [g for opt in subs for g in opt.get_main_grads_for_grad_norm()]
+        return norm(grads, subs[0].get_grad_stats_parallel_group())
+    norms = [norm(opt.get_main_grads_for_grad_norm(), opt.get_grad_stats_parallel_group()) for opt in subs]
+    return torch.stack(norms).square().sum().sqrt()
 
 
 def use_fused_torch_adam(optimizer: MegatronOptimizer) -> int:
@@ -864,8 +962,7 @@ def use_fused_torch_adam(optimizer: MegatronOptimizer) -> int:
     keep the foreach path (the CPU tests' reference numbers were made with it).
     """
     switched = 0
-    subs = getattr(optimizer, "chained_optimizers", [optimizer])
-    for sub in subs:
+    for sub in _sub_optimizers(optimizer):
         inner = getattr(sub, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             continue

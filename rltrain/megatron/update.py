@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rltrain.megatron.engine import MegatronEngine, MicroBatch
+from rltrain.megatron.engine import MegatronEngine, MicroBatch, StepOutcome
 
 LossFn = Callable[[MicroBatch, torch.Tensor], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 """A micro-batch's loss: (micro-batch, model output) -> (scaled loss, detached metrics by name)."""
@@ -54,9 +54,7 @@ class TrainedEngine(MegatronEngine):
         entered around the mini-batch loop (e.g. MoE routing statistics), `per_mini_batch(mbs)` around each
         optimizer step (e.g. routing replay). Every DP rank must hold the same number of rows."""
         sums: dict[str, float] = dict.fromkeys(names, 0.0)
-        count = 0
-        grad_norms: list[float] = []
-        skipped = 0  # optimizer steps the divergence guard did not apply (MegatronEngine.optimizer_step)
+        steps: list[StepOutcome] = []  # read back once, after the last step (MegatronEngine.read_steps)
         tokens = 0
         start = time.perf_counter()
         with self._ctx():
@@ -69,17 +67,13 @@ class TrainedEngine(MegatronEngine):
                     tokens += int(mini_batch["attention_mask"].sum())
                     self.zero_grad()
                     with per_mini_batch(mbs) if per_mini_batch is not None else contextlib.nullcontext():
-                        grad_norm, counted, applied = self.optimizer_step_on(
-                            mbs, loss_for(totals), names, sums
-                        )
-                    grad_norms.append(grad_norm)
-                    skipped += not applied
-                    count += counted
+                        steps.append(self.optimizer_step_on(mbs, loss_for(totals), names))
             assert self.lr_scheduler is not None
             self.lr_scheduler.step(1)
-        metrics = self.reduce_metrics(sums, count, names)
-        metrics[f"{prefix}/grad_norm"] = sum(grad_norms) / max(len(grad_norms), 1)
-        metrics[f"{prefix}/skipped_updates"] = float(skipped)
+            done = self.read_steps(steps, names, sums)
+        metrics = self.reduce_metrics(sums, done.count, names)
+        metrics[f"{prefix}/grad_norm"] = sum(done.grad_norms) / max(len(done.grad_norms), 1)
+        metrics[f"{prefix}/skipped_updates"] = float(done.skipped)
         metrics[f"{prefix}/lr"] = lr
         return UpdateResult(metrics, tokens, time.perf_counter() - start)
 

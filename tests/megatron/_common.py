@@ -297,9 +297,16 @@ def actor_of(
     return MegatronActor.from_plan(plan, "actor", init_from=init_from, frozen=not trainable)
 
 
-def tiny_moe_actor(layers: int, micro_batch: int, params_dtype: str = "float32"):
-    """A tiny qwen3-moe-routed actor (8 experts, top 2, grouped experts) of `layers` layers on the CPU, 4 rows
-    per mini-batch in micro-batches of `micro_batch`."""
+def tiny_moe_actor(
+    layers: int,
+    micro_batch: int,
+    params_dtype: str = "float32",
+    mini_batch: int = 4,
+    optim: Optim | None = None,
+    total_steps: int = 2,
+):
+    """A tiny qwen3-moe-routed actor (8 experts, top 2, grouped experts) of `layers` layers on the CPU, `mini_batch`
+    rows per mini-batch in micro-batches of `micro_batch`."""
     from dataclasses import replace
 
     from presets.gpu import QWEN3_MOE_3B
@@ -308,8 +315,20 @@ def tiny_moe_actor(layers: int, micro_batch: int, params_dtype: str = "float32")
                    num_query_groups=2, kv_channels=16, vocab_size=128, moe_ffn_hidden_size=32,
                    num_moe_experts=8, moe_router_topk=2)  # fmt: skip
     model = ModelConfig(arch=arch, params_dtype=params_dtype, attention_backend="sdpa", moe_grouped_gemm=True)
-    cfg = ActorConfig(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=micro_batch, use_dynamic_bsz=False)
-    return actor_of(model, cfg, "cpu", total_steps=2)
+    cfg = ActorConfig(
+        ppo_mini_batch_size=mini_batch, ppo_micro_batch_size_per_gpu=micro_batch, use_dynamic_bsz=False
+    )
+    return actor_of(model, cfg, "cpu", total_steps=total_steps, optim=optim)
+
+
+def fuse_adam_on_cpu(engine) -> None:
+    """Give a CPU engine's AdamW torch's fused kernel, as `model.use_fused_torch_adam` does on accelerators (CPU
+    parameters keep the foreach path there): the optimizer step is then decided on the device
+    (`model.steps_on_device`, unless a bench switched it off), which the tests check on the CPU this way."""
+    optimizer = engine._optimizer
+    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in sub.optimizer.param_groups:
+            group["fused"], group["foreach"] = True, False
 
 
 def critic_of(

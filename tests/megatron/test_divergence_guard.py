@@ -1,6 +1,7 @@
 """The engine's divergence guard (MegatronEngine.optimizer_step): an update whose loss or gradient norm is
-not finite is not applied, in fp32 and bf16, so the weights and the optimizer state stay as they were; a
-finite update right after it is applied as usual."""
+not finite is not applied, in fp32 and bf16, decided on the host (foreach AdamW, megatron's reads) or on the
+device (torch's fused AdamW given the flag, as on accelerators), so the weights and the optimizer state stay
+as they were; a finite update right after it is applied as usual."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import math
 import pytest
 import torch
 
-from ._common import actor_cfg, actor_of, make_batch, tiny_model_cfg
+from ._common import actor_cfg, actor_of, fuse_adam_on_cpu, make_batch, tiny_model_cfg
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
@@ -30,15 +31,20 @@ def _optimizer_steps(actor) -> list[int]:
     return [int(s["step"]) for o in inner for s in o.state.values() if "step" in s]
 
 
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_non_finite_update_is_not_applied(mp_world, tiny_hf, dtype):
+def test_a_non_finite_update_is_not_applied(mp_world, tiny_hf, dtype, where):
     import dataclasses
 
     from rlconf.config import Optim
+    from rltrain.megatron.model import steps_on_device
 
     cfg = actor_cfg(ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, optim=Optim(lr=1e-3))
     model = dataclasses.replace(tiny_model_cfg(str(tiny_hf)), params_dtype=dtype)
     actor = actor_of(model, cfg, "cpu", total_steps=10)
+    if where == "device":
+        fuse_adam_on_cpu(actor)
+    assert steps_on_device(actor._optimizer) == (where == "device")
     batch = make_batch(b=4)
     batch["old_log_probs"] = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
     batch["advantages"] = torch.ones_like(batch["old_log_probs"]) * batch["response_mask"]

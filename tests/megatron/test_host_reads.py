@@ -146,3 +146,35 @@ def test_an_update_reads_its_metrics_once_per_optimizer_step(mp_world, monkeypat
         )
         assert all(math.isfinite(v) for v in metrics.values()), metrics
     assert reads[4] == reads[2] == reads[1], reads
+
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_an_optimizer_step_decided_on_the_device_reads_nothing_back(mp_world, monkeypatch, where):
+    """With the step decided on the device (fused AdamW, `model.steps_on_device`), an optimizer step (gradient
+    norm, clipping, the divergence guard, the update) reads no value back to the host, so the host goes on to
+    the next mini-batch while the device works; the update's steps come back in one copy after the last one
+    (`MegatronEngine.read_steps`). megatron's host step reads the norm and the guard the loss at every step."""
+    from rltrain.megatron.engine import MegatronEngine
+
+    from ._common import fuse_adam_on_cpu
+
+    batch = batch_from_lengths([(6, 8), (4, 7), (6, 3), (5, 8)], 6, 8, vocab=128)
+    mask = batch["response_mask"].float()
+    rl = {**batch, "old_log_probs": torch.zeros_like(mask), "advantages": mask}
+    actor = tiny_moe_actor(layers=2, micro_batch=1, mini_batch=2)
+    if where == "device":
+        fuse_adam_on_cpu(actor)
+    step = MegatronEngine.optimizer_step
+
+    def step_without_reads(self, *args, **kwargs):
+        with no_host_reads(monkeypatch):
+            return step(self, *args, **kwargs)
+
+    monkeypatch.setattr(MegatronEngine, "optimizer_step", step_without_reads)
+    if where == "host":
+        with pytest.raises(pytest.fail.Exception, match="host read"):
+            actor.update_policy(rl)
+        return
+    metrics = actor.update_policy(rl)
+    assert metrics["actor/skipped_updates"] == 0.0 and math.isfinite(metrics["actor/grad_norm"])
