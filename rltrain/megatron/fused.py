@@ -31,7 +31,9 @@ DDP's hooks, not held by the experts' Function), `maingrad` (the experts' weight
 foreach ops, not triton_grad_add's kernel), `router` (megatron's router in training passes, not
 moe_decode.train_route), `gathersum` (a MoE layer's k expert rows per token gathered, summed and cast by
 torch's three ops, not triton_gather_sum's kernel; the combine's backward is its gather either way),
-`passstacks` (a forward-only pass stacks each MoE layer's expert weights per micro-batch, not once per pass)."""
+`passstacks` (a forward-only pass stacks each MoE layer's expert weights per micro-batch, not once per pass),
+`deviceguard` (the optimizer step's norm, clipping and divergence guard decided on the host as megatron's
+step does, reading the norm and the loss back, not on the device: model.steps_on_device)."""
 
 
 def bench_off(kernel: str) -> bool:
