@@ -148,7 +148,6 @@ def test_an_update_reads_its_metrics_once_per_optimizer_step(mp_world, monkeypat
     assert reads[4] == reads[2] == reads[1], reads
 
 
-
 @pytest.mark.parametrize("where", ["host", "device"])
 def test_an_optimizer_step_decided_on_the_device_reads_nothing_back(mp_world, monkeypatch, where):
     """With the step decided on the device (fused AdamW, `model.steps_on_device`), an optimizer step (gradient
