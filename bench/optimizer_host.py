@@ -1,8 +1,13 @@
 """Host time of megatron's distributed-optimizer copies around a step, megatron's per-parameter loops against
 rltrain/megatron/multi_tensor.py's (one foreach copy of the updated shards into the parameter buffer, the
-gradient views found once per optimizer), on a qwen3-moe-routed model of tiny widths (24 layers x 64
-experts: 3,243 parameters, the preset's count) in bf16 on the CPU: the Python these copies cost per step is
-the same on a GPU host, where the update waits for it (docs/benchmarks.md).
+gradient views found once per optimizer), and of a whole guarded optimizer step (norm, clipping, guard, fused
+AdamW, copies) decided on the host as megatron decides it against decided on the device
+(rltrain/megatron/model.py `steps_on_device`), on a qwen3-moe-routed model of tiny widths (24 layers x 64
+experts: 3,243 parameters, the preset's count) in bf16 on the CPU: the Python these cost per step is the same
+on a GPU host, where the update waits for it (docs/benchmarks.md). On the CPU no step waits for a device, so
+the whole-step rows measure the host's own work only, not the waits the device path removes, and they run
+inside the CPU's cuda->cpu TorchFunctionMode (rltrain/megatron/cpu_compat.py), which adds to every torch
+call: their torch-call counts are the figure that carries over to a GPU host.
 
     OMP_NUM_THREADS=1 .venv/bin/python bench/optimizer_host.py [--layers 24] [--repeat 20]
 """
@@ -61,6 +66,44 @@ def main() -> int:
             runs.append((time.perf_counter() - start) / a.repeat * 1e3)
         report[f"{name} ms per step"] = {"median": round(statistics.median(runs), 2),
                                          "min": round(min(runs), 2), "max": round(max(runs), 2)}  # fmt: skip
+    import os
+
+    from rltrain.megatron.fused import TRAIN_KERNELS_OFF_ENV
+    from tests.megatron._common import fuse_adam_on_cpu
+
+    fuse_adam_on_cpu(actor)  # torch's fused AdamW, as on an accelerator
+    for c in actor.chunks:
+        for p in c.parameters():
+            if getattr(p, "main_grad", None) is not None:
+                p.main_grad.normal_(std=1e-3)
+    from torch.overrides import TorchFunctionMode
+
+    class CountCalls(TorchFunctionMode):
+        """Counts the torch calls of a step (tensor methods included): on a GPU host each is a dispatch, most
+        of them a launch."""
+
+        calls = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            CountCalls.calls += 1
+            return func(*args, **(kwargs or {}))
+
+    for name, off in (("step decided on the host", "deviceguard"), ("step decided on the device", "")):
+        os.environ[TRAIN_KERNELS_OFF_ENV] = off
+        runs = []
+        with actor._ctx():
+            actor.optimizer_step(True)  # warm-up: the optimizer's state and cached lists
+            CountCalls.calls = 0
+            with CountCalls():
+                actor.optimizer_step(True)
+            report[f"{name}: torch calls"] = CountCalls.calls
+            for _ in range(5):
+                start = time.perf_counter()
+                for _ in range(a.repeat):
+                    actor.optimizer_step(True)
+                runs.append((time.perf_counter() - start) / a.repeat * 1e3)
+        report[f"{name}: ms (inside the CPU's cuda->cpu mode)"] = {"median": round(statistics.median(runs), 2),
+                                "min": round(min(runs), 2), "max": round(max(runs), 2)}  # fmt: skip
     print(json.dumps(report))
     return 0
 
