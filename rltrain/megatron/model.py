@@ -913,7 +913,7 @@ def _step_on_device(
     stepped = [opt for opt in _sub_optimizers(optimizer) if not getattr(opt, "is_stub_optimizer", False)]
     for opt in stepped:
         params = opt.get_parameters()
-        grads = [p.grad for p in params if p.grad is not None]
+        grads = [g for p in params if (g := p.grad) is not None]
         if grads and opt.config.clip_grad > 0.0:
             coeff = opt.config.clip_grad / (grad_norm + 1.0e-6)  # megatron's, in fp64 as on its host
             torch._foreach_mul_(grads, torch.where(coeff < 1.0, coeff, 1.0).to(torch.float32))

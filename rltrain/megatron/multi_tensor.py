@@ -38,7 +38,8 @@ def l2_norm(
     """amp_C.multi_tensor_l2norm: the L2 norm of all tensors of `tensor_lists` as a [1] fp32 tensor on their
     device (and each tensor's norm where `per_tensor`), no host read."""
     tensors = [t for group in tensor_lists for t in group]
-    norms = torch.stack([n.float() for n in torch._foreach_norm(tensors)])
+    # Each norm in fp32 (as apex's kernel sums, and no per-tensor cast: one dispatch each on the host).
+    norms = torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     return torch.linalg.vector_norm(norms).reshape(1), (norms if per_tensor else None)
 
 
@@ -140,22 +141,23 @@ def copy_model_grads_to_main_grads(self: Any) -> None:
         return
     groups = ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
               (self.model_fp32_groups, self.shard_fp32_groups))  # fmt: skip
-    for shard_main_param, view in _cached(self, "_rlplan_grad_views", groups, _grad_views):
-        shard_main_param.grad = view.float()
+    for shard_main_param, view, cast in _cached(self, "_rlplan_grad_views", groups, _grad_views):
+        shard_main_param.grad = view.float() if cast else view
 
 
-def _grad_views(self: Any, groups: tuple) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(main shard, its range of the parameter's main_grad) for every parameter, in megatron's order."""
-    pairs = []
+def _grad_views(self: Any, groups: tuple) -> list[tuple[torch.Tensor, torch.Tensor, bool]]:
+    """(main shard, its range of the parameter's main_grad, whether to cast it) for every parameter, in
+    megatron's order. megatron's `.float()` of a view of an fp32 main_grad is the view itself, so only a 16-bit
+    main_grad is cast, at every step as megatron casts it (a cast per parameter is a dispatch on the host)."""
+    views: list[tuple[torch.Tensor, torch.Tensor, bool]] = []
     for model_groups, shard_groups in groups:
         for model_group, shard_group in zip(model_groups, shard_groups, strict=True):
             for model_param, shard_main_param in zip(model_group, shard_group, strict=True):
                 param_range = self._get_model_param_range_map(model_param)["param"]
                 assert param_range.size == shard_main_param.nelement()
-                pairs.append(
-                    (shard_main_param, model_param.main_grad.view(-1)[param_range.start : param_range.end])
-                )
-    return pairs
+                view = model_param.main_grad.view(-1)[param_range.start : param_range.end]
+                views.append((shard_main_param, view, view.dtype != torch.float32))
+    return views
 
 
 def use_foreach_multi_tensor() -> None:
