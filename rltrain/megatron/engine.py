@@ -763,8 +763,10 @@ class MegatronEngine:
 
     def _metric_values(self, outs: list[dict[str, torch.Tensor]], names: list[str]) -> torch.Tensor:
         """The micro-batches' metrics `names` as one [micro-batches, names] fp64 tensor on the device."""
-        values = [torch.as_tensor(o[k]).detach().to(self.torch_device, torch.float64).reshape(()) for o in outs
-                  for k in names]  # fmt: skip
+        device = self.torch_device
+        values = [
+            torch.as_tensor(o[k]).detach().to(device, torch.float64).reshape(()) for o in outs for k in names
+        ]
         if not values:
             return torch.empty(0, len(names), dtype=torch.float64, device=self.torch_device)
         return torch.stack(values).view(len(outs), len(names))
