@@ -30,6 +30,7 @@ from ._common import (
     assert_tiny_close,
     batch_from_lengths,
     free_port,
+    fuse_adam_on_cpu,
     hf_logits,
     init_groups,
     reference_log_probs,
@@ -112,8 +113,15 @@ def _actor(path: Path | str, cfg=None, trainable: bool = False):
                          trainable=trainable, total_steps=4)  # fmt: skip
 
 
-def _update(path: str, cfg, rl: dict) -> dict:
+def _update(path: str, cfg, rl: dict, fused: bool = False) -> dict:
+    """One update; `fused`: torch's fused AdamW, as on an accelerator, so the step is decided on the device
+    (rltrain.megatron.model.steps_on_device)."""
     actor = _actor(path, cfg, trainable=True)
+    if fused:
+        from rltrain.megatron.model import steps_on_device
+
+        fuse_adam_on_cpu(actor)
+        assert steps_on_device(actor._optimizer)
     metrics = actor.update_policy(rl)
     after = actor.compute_log_prob(rl, with_entropy=False)["log_probs"]
     return {"metrics": metrics, "after": after}
@@ -256,10 +264,12 @@ def _run_ep_layouts(rank: int, world: int, port: int, refs: dict, out_dir: str) 
         # same tokens (TP=2 x EP=2 is DP=1); at EP=2 (DP=2) the update is compared without it.
         path = refs["paths"][UPDATE_FAMILY]
         rl = {k: v[rows] for k, v in refs["rl"].items()}
-        for aux in (0.0, None) if dp == 1 else (0.0,):
-            res = _update(path, _layout_cfg(tp, ep, etp, aux), rl)
+        # Also with the step decided on the device (fused AdamW): the same norm over the EP ranks' shards.
+        runs = [(0.0, False), (0.0, True), (None, False)] if dp == 1 else [(0.0, False), (0.0, True)]
+        for aux, fused in runs:
+            res = _update(path, _layout_cfg(tp, ep, etp, aux), rl, fused)
             expected = refs["updates"][str(aux)]
-            where = f"{name} update aux={aux}"
+            where = f"{name} update aux={aux}" + (" (step on the device)" if fused else "")
             diffs[f"{where} after"] = float((res["after"] - expected["after"][rows]).abs().max())
             rel = rel_tolerance(torch.float32, MOE_REDUCTION, UPDATE_DEPTH)
             assert res["metrics"]["actor/grad_norm"] == pytest.approx(expected["grad_norm"], rel=rel), where
