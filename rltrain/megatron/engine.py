@@ -319,8 +319,7 @@ class MegatronEngine:
         opt = self._optimizer
         if opt is None:
             return []
-        subs = list(opt.chained_optimizers) if hasattr(opt, "chained_optimizers") else [opt]
-        return [s for s in subs if getattr(s, "optimizer", None) is not None]
+        return [s for s in mmodel.sub_optimizers(opt) if getattr(s, "optimizer", None) is not None]
 
     def _param_tensors(self) -> list[torch.Tensor]:
         # With the distributed optimizer megatron DDP keeps all params of a buffer in one contiguous

@@ -828,9 +828,9 @@ def guarded_optimizer_step(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """megatron's optimizer step (ChainedOptimizer.step: prepare grads, global norm, clip, update) that is
     not applied when megatron's found_inf check fires, the global gradient norm is not finite, or
-    `loss_finite` (a bool tensor) is False on any rank of the default process group (the engine's world).
-    Returns (applied, grad_norm) as 0-dim tensors; grad_norm is NaN when found_inf fired before a norm was
-    computed.
+    `loss_finite` (a bool tensor on `device`) is False on any rank of the default process group (the
+    engine's world). Returns (applied, grad_norm) as 0-dim tensors; grad_norm is NaN when found_inf fired
+    before a norm was computed.
 
     Where `steps_on_device(optimizer)` the whole step is decided on the device (`_step_on_device`): no value
     is read back to the host, so the host goes on to the next mini-batch while the device still runs this
@@ -841,7 +841,7 @@ def guarded_optimizer_step(
     return torch.tensor(applied), torch.tensor(grad_norm, dtype=torch.float64)
 
 
-def _sub_optimizers(optimizer: MegatronOptimizer) -> list[Any]:
+def sub_optimizers(optimizer: MegatronOptimizer) -> list[Any]:
     """A ChainedOptimizer's optimizers (dense and expert parameters), or the optimizer itself."""
     return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
@@ -861,7 +861,7 @@ def _step_on_host(
         ok = bad.item() == 0
     if not ok:
         return False, grad_norm
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         params = [] if getattr(opt, "is_stub_optimizer", False) else opt.get_parameters()
         if params and opt.config.clip_grad > 0.0:
             clip_grad_by_total_norm_fp32(
@@ -878,7 +878,7 @@ def steps_on_device(optimizer: MegatronOptimizer) -> bool:
     megatron FSDP (DTensor gradients), whose norm and clipping stay megatron's."""
     if bench_off("deviceguard"):
         return False
-    for opt in _sub_optimizers(optimizer):
+    for opt in sub_optimizers(optimizer):
         if getattr(opt, "is_stub_optimizer", False):
             continue
         ddp = getattr(opt, "ddp_config", None)
@@ -904,13 +904,13 @@ def _step_on_device(
     where megatron skips it: the same bits), and the flag handed to the fused Adam as its `found_inf`."""
     optimizer.prepare_grads()  # no loss scaler here: megatron's copies of the gradients, no check
     grad_norm = grad_norm_on_device(optimizer, device)
-    ok = loss_finite.to(device) & torch.isfinite(grad_norm)
+    ok = loss_finite & torch.isfinite(grad_norm)
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         bad = (~ok).to(torch.float32).reshape(1)
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)
         ok = bad[0] == 0
     found_inf = (~ok).to(torch.float32)
-    stepped = [opt for opt in _sub_optimizers(optimizer) if not getattr(opt, "is_stub_optimizer", False)]
+    stepped = [opt for opt in sub_optimizers(optimizer) if not getattr(opt, "is_stub_optimizer", False)]
     for opt in stepped:
         params = opt.get_parameters()
         grads = [g for p in params if (g := p.grad) is not None]
@@ -942,7 +942,7 @@ def grad_norm_on_device(optimizer: MegatronOptimizer, device: torch.device) -> t
         torch.distributed.all_reduce(total, op=torch.distributed.ReduceOp.SUM, group=group)
         return total.reshape(()).double().sqrt()
 
-    subs = _sub_optimizers(optimizer)
+    subs = sub_optimizers(optimizer)
     if len(subs) == 1 or optimizer.grads_states_parallel_group_is_shared():
         grads = [g for opt in subs for g in opt.get_main_grads_for_grad_norm()]
         return norm(grads, subs[0].get_grad_stats_parallel_group())
@@ -962,7 +962,7 @@ def use_fused_torch_adam(optimizer: MegatronOptimizer) -> int:
     keep the foreach path (the CPU tests' reference numbers were made with it).
     """
     switched = 0
-    for sub in _sub_optimizers(optimizer):
+    for sub in sub_optimizers(optimizer):
         inner = getattr(sub, "optimizer", None)
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
             continue

@@ -325,8 +325,7 @@ def fuse_adam_on_cpu(engine) -> None:
     """Give a CPU engine's AdamW torch's fused kernel, as `model.use_fused_torch_adam` does on accelerators (CPU
     parameters keep the foreach path there): the optimizer step is then decided on the device
     (`model.steps_on_device`, unless a bench switched it off), which the tests check on the CPU this way."""
-    optimizer = engine._optimizer
-    for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+    for sub in engine._sub_optimizers():
         for group in sub.optimizer.param_groups:
             group["fused"], group["foreach"] = True, False
 

@@ -36,8 +36,7 @@ def _weights(actor) -> dict[str, torch.Tensor]:
 
 def _optimizer_steps(actor) -> list[int]:
     """AdamW's step counter of each parameter with state (absent before the first applied step)."""
-    opt = actor._optimizer
-    inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+    inner = [o.optimizer for o in actor._sub_optimizers()]
     return [int(s["step"]) for o in inner for s in o.state.values() if "step" in s]
 
 
