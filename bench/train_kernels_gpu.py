@@ -16,6 +16,10 @@
            bf16) added into fp32 main_grads laid out as megatron DDP's buffer (reverse order, fc1 / fc2
            interleaved): `triton_grad_add`'s kernel against the foreach cast-and-add it replaces, device
            microseconds per layer and whether the sums are bit-identical
+  swigluprobs the MoE experts' SwiGLU times each row's probability and its backward (qwen3-moe at 24,576
+           tokens, top 8: 196,608 rows, F 512, bf16): `triton_swiglu.swiglu_probs` / `swiglu_probs_back`
+           against the torch.compile'd functions they replace (bench switch `swigluprobs`), device
+           microseconds, equal shares, dp's largest relative difference and the kernels' GB/s
   gathersum each token's k expert rows gathered and summed in fp32 (a MoE layer's combine and its rows'
            gradient; qwen3-moe: 12,288 tokens, top 8, H 1,024, bf16): `triton_gather_sum`'s kernel against
            torch's gather, sum and cast, device microseconds, the share of equal elements and the largest
@@ -227,6 +231,41 @@ def gathersum(report: dict, tokens: int = 12288, k: int = 8, hidden: int = 1024)
     print("gathersum", row, flush=True)
 
 
+def swigluprobs(report: dict, rows: int = 24576 * 8, ffn: int = 512) -> None:
+    from rltrain.megatron import moe_experts, triton_swiglu
+    from rltrain.megatron.fused import TRAIN_KERNELS_OFF_ENV
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    h = (2 * torch.randn(rows, 2 * ffn, device="cuda", generator=g)).to(torch.bfloat16)
+    probs = torch.rand(rows, device="cuda", generator=g)
+    dscaled = torch.randn(rows, ffn, device="cuda", generator=g).to(torch.bfloat16)
+    assert triton_swiglu.probs_unsupported(h, probs) is None
+    os.environ[TRAIN_KERNELS_OFF_ENV] = "swigluprobs"  # the compiled functions
+    want = (
+        moe_experts.fused_swiglu_probs(h, probs),
+        *moe_experts.fused_swiglu_probs_backward(h, probs, dscaled),
+    )
+    row = {
+        "compiled_fwd_us": device_us(lambda: moe_experts.fused_swiglu_probs(h, probs)),
+        "compiled_bwd_us": device_us(lambda: moe_experts.fused_swiglu_probs_backward(h, probs, dscaled)),
+    }
+    del os.environ[TRAIN_KERNELS_OFF_ENV]
+    got = (
+        moe_experts.fused_swiglu_probs(h, probs),
+        *moe_experts.fused_swiglu_probs_backward(h, probs, dscaled),
+    )
+    row["kernel_fwd_us"] = device_us(lambda: moe_experts.fused_swiglu_probs(h, probs))
+    row["kernel_bwd_us"] = device_us(lambda: moe_experts.fused_swiglu_probs_backward(h, probs, dscaled))
+    for name, a, b in zip(("fwd", "bwd_scaled", "bwd_dh"), got, want, strict=False):
+        row[f"equal_share_{name}"] = float((a == b).float().mean())
+    row["dp_max_rel"] = float(((got[3] - want[3]).abs() / want[3].abs().clamp_min(1e-6)).max())
+    # bytes each must move: h and p in, fc2's input out; h, p and dscaled in, fc2's input, dh and dp out
+    row["kernel_fwd_gb_per_s"] = rows * (3 * ffn * 2 + 4) / row["kernel_fwd_us"] / 1e3
+    row["kernel_bwd_gb_per_s"] = rows * (6 * ffn * 2 + 8) / row["kernel_bwd_us"] / 1e3
+    report["swigluprobs"] = row
+    print("swigluprobs", row, flush=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of a micro-batch")
@@ -234,7 +273,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of parts (default: all)")
     a = ap.parse_args()
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "tokens": a.tokens}
-    parts = {"gathersum": lambda: gathersum(report),
+    parts = {"swigluprobs": lambda: swigluprobs(report), "gathersum": lambda: gathersum(report),
              "maingrad": lambda: maingrad(report), "grouped": lambda: grouped(report),
              "wgrad": lambda: wgrad(report, a.tokens), "rope": lambda: rope(report, a.tokens)}  # fmt: skip
     for name, part in parts.items():

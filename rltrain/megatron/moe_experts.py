@@ -22,10 +22,10 @@ this Function's forward and backward too.
 
 The training path (`expert_swiglu`, issue 36: a qwen3-moe update on the H200 spent as much time in glue as
 in the grouped products) takes three steps past stacking through autograd per call, each behind a class
-switch of `ExpertUpdate`: the elementwise work compiled (`fused_swiglu_probs`, its backward); the weights
-entering `ExpertParamsSwiGLU` as parameters, their gradients added into megatron DDP's main_grads in one
-multi-tensor add (instead of DDP's hook per expert weight); the stacks made once per mini-batch
-(`cached_expert_stacks`) instead of per micro-batch.
+switch of `ExpertUpdate`: the elementwise work fused (`fused_swiglu_probs`, its backward: compiled, on CUDA
+`triton_swiglu`'s kernels); the weights entering `ExpertParamsSwiGLU` as parameters, their gradients added
+into megatron DDP's main_grads in one multi-tensor add (instead of DDP's hook per expert weight); the stacks
+made once per mini-batch (`cached_expert_stacks`) instead of per micro-batch.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 
-from rltrain.megatron import triton_grad_add
+from rltrain.megatron import triton_grad_add, triton_swiglu
 from rltrain.megatron.fused import bench_off, compiled, compiled_or_eager, unbacked_rows
 
 
@@ -164,8 +164,17 @@ def _swiglu_probs_backward_rows(
     return swiglu_probs_backward(h, probs, dscaled)
 
 
+def _triton_swiglu_probs(h: torch.Tensor, probs: torch.Tensor) -> bool:
+    """Whether `triton_swiglu`'s kernels serve the fused path for these tensors (CUDA with triton; the bench
+    switch `swigluprobs` keeps the compiled functions)."""
+    return triton_swiglu.probs_unsupported(h, probs) is None and not bench_off("swigluprobs")
+
+
 def fused_swiglu_probs(h: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """`swiglu_probs` torch.compile'd (one kernel, fp32 inside, one rounding), once per dtype."""
+    """`swiglu_probs` torch.compile'd (one kernel, fp32 inside, one rounding), once per dtype; on CUDA
+    `triton_swiglu.swiglu_probs`, the same math."""
+    if _triton_swiglu_probs(h, probs):
+        return triton_swiglu.swiglu_probs(h, probs)
     return compiled_or_eager(compiled(_swiglu_probs_rows), _swiglu_probs_rows, *unbacked_rows(h, probs))
 
 
@@ -173,7 +182,10 @@ def fused_swiglu_probs_backward(
     h: torch.Tensor, probs: torch.Tensor, dscaled: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`swiglu_probs_backward` torch.compile'd, once per dtype (eager's ~20 kernels of [M, F] in fp32
-    become a pointwise kernel and the dp reduction)."""
+    become a pointwise kernel and the dp reduction); on CUDA `triton_swiglu.swiglu_probs_back`, the same
+    math in one pass over the inputs."""
+    if _triton_swiglu_probs(h, probs):
+        return triton_swiglu.swiglu_probs_back(h, probs, dscaled)
     rows = unbacked_rows(h, probs, dscaled)
     return compiled_or_eager(compiled(_swiglu_probs_backward_rows), _swiglu_probs_backward_rows, *rows)
 
