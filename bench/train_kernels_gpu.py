@@ -16,6 +16,10 @@
            bf16) added into fp32 main_grads laid out as megatron DDP's buffer (reverse order, fc1 / fc2
            interleaved): `triton_grad_add`'s kernel against the foreach cast-and-add it replaces, device
            microseconds per layer and whether the sums are bit-identical
+  rmsnorm  torch's RMSNorm against `triton_rms_norm`'s kernels (bf16) at qwen3-moe's hidden (24,576 x 1,024),
+           query-head (x 16 x 128) and key-head (x 4 x 128) norms and the 1.5B's hidden (16,384 x 1,536):
+           device microseconds forward and forward + backward, equal shares and largest relative
+           differences of y, dx and dw
   swigluprobs the MoE experts' SwiGLU times each row's probability and its backward (qwen3-moe at 24,576
            tokens, top 8: 196,608 rows, F 512, bf16): `triton_swiglu.swiglu_probs` / `swiglu_probs_back`
            against the torch.compile'd functions they replace (bench switch `swigluprobs`), device
@@ -266,6 +270,48 @@ def swigluprobs(report: dict, rows: int = 24576 * 8, ffn: int = 512) -> None:
     print("swigluprobs", row, flush=True)
 
 
+def rmsnorm(report: dict) -> None:
+    """torch's RMSNorm against `triton_rms_norm`'s kernels at the norms of a training micro-batch."""
+    import torch.nn.functional as F
+
+    from rltrain.megatron import triton_rms_norm
+
+    shapes = {  # name: (rows, width)
+        "qwen3moe_hidden": (24576, 1024), "qwen3moe_q_heads": (24576 * 16, 128),
+        "qwen3moe_k_heads": (24576 * 4, 128), "qwen25_1.5b_hidden": (16384, 1536),
+    }  # fmt: skip
+    rows_out = {}
+    for name, (rows, width) in shapes.items():
+        g = torch.Generator(device="cuda").manual_seed(rows + width)
+        x = torch.randn(rows, width, device="cuda", generator=g).to(torch.bfloat16).requires_grad_()
+        w = (1 + 0.1 * torch.randn(width, device="cuda", generator=g)).to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(rows, width, device="cuda", generator=g).to(torch.bfloat16)
+        assert triton_rms_norm.unsupported(x, w) is None
+
+        def torchs(backward: bool, x=x, w=w, dy=dy, width=width):
+            y = F.rms_norm(x, (width,), w, 1e-6)
+            return (y, *torch.autograd.grad(y, (x, w), dy)) if backward else (y,)
+
+        def kernels(backward: bool, x=x, w=w, dy=dy):
+            y = triton_rms_norm.rms_norm(x, w, 1e-6)
+            return (y, *torch.autograd.grad(y, (x, w), dy)) if backward else (y,)
+
+        row = {}
+        for label, fn in (("torch", torchs), ("kernel", kernels)):
+            row[f"{label}_out"] = [t.detach() for t in fn(True)]
+            with torch.no_grad():
+                row[f"{label}_fwd_us"] = device_us(lambda fn=fn: fn(False))
+            row[f"{label}_fwd_bwd_us"] = device_us(lambda fn=fn: fn(True))
+        for i, part in enumerate(("y", "dx", "dw")):
+            a, b = row["kernel_out"][i], row["torch_out"][i]
+            row[f"equal_share_{part}"] = float((a == b).float().mean())
+            row[f"max_rel_{part}"] = float((a.float() - b.float()).abs().max() / b.float().abs().max())
+        del row["kernel_out"], row["torch_out"]
+        rows_out[name] = row
+        print("rmsnorm", name, row, flush=True)
+    report["rmsnorm"] = rows_out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of a micro-batch")
@@ -273,7 +319,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of parts (default: all)")
     a = ap.parse_args()
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "tokens": a.tokens}
-    parts = {"swigluprobs": lambda: swigluprobs(report), "gathersum": lambda: gathersum(report),
+    parts = {"rmsnorm": lambda: rmsnorm(report), "swigluprobs": lambda: swigluprobs(report), "gathersum": lambda: gathersum(report),
              "maingrad": lambda: maingrad(report), "grouped": lambda: grouped(report),
              "wgrad": lambda: wgrad(report, a.tokens), "rope": lambda: rope(report, a.tokens)}  # fmt: skip
     for name, part in parts.items():

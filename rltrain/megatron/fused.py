@@ -34,7 +34,8 @@ torch's three ops, not triton_gather_sum's kernel; the combine's backward is its
 `passstacks` (a forward-only pass stacks each MoE layer's expert weights per micro-batch, not once per pass),
 `deviceguard` (the optimizer step's norm, clipping and divergence guard decided on the host as megatron's
 step does, reading the norm and the loss back, not on the device: model.steps_on_device), `swigluprobs` (the
-MoE experts' SwiGLU-and-probability work and its backward compiled, not triton_swiglu's kernels)."""
+MoE experts' SwiGLU-and-probability work and its backward compiled, not triton_swiglu's kernels), `rmsnorm`
+(the training norms as torch's RMSNorm, not triton_rms_norm's kernels)."""
 
 
 def bench_off(kernel: str) -> bool:

@@ -75,7 +75,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 
 from rltrain import device as devices
-from rltrain.megatron import decode_kernels, fused, mla_cache, moe_decode
+from rltrain.megatron import decode_kernels, fused, mla_cache, moe_decode, triton_rms_norm
 from rltrain.megatron.kv_session import KVSession
 from rltrain.megatron.lora import generation_weights
 from rltrain.megatron.model import SdpaAttention, fused_rotate, rotate
@@ -348,7 +348,7 @@ def _attention_input_args(
         if norm is None or isinstance(norm, IdentityOp):
             weights.append(None)
             continue
-        if type(norm) is not torch.nn.RMSNorm or norm.weight is None or norm.eps is None:
+        if type(norm) not in triton_rms_norm.RMS_NORMS or norm.weight is None or norm.eps is None:
             return None
         if tuple(norm.normalized_shape) != (attn.hidden_size_per_attention_head,):
             return None
@@ -660,7 +660,7 @@ class KVCacheGenerator:
             n for layer in model.decoder.layers for n in (layer.input_layernorm, layer.pre_mlp_layernorm)
         ]
         for norm in [*norms, model.decoder.final_layernorm]:
-            if type(norm) is not torch.nn.RMSNorm or norm.weight is None:
+            if type(norm) not in triton_rms_norm.RMS_NORMS or norm.weight is None:
                 return None, f"a norm {type(norm).__name__} (the kernel is torch.nn.RMSNorm's)"
         why = decode_kernels.add_norm_unsupported(self.device, cfg.params_dtype, cfg.hidden_size)
         return (None, why) if why is not None else (decode_kernels.add_rms_norm, None)

@@ -53,6 +53,7 @@ from rltrain.megatron.fused import (  # noqa: F401  (re-exported: the engine's k
     use_unbacked_swiglu,
 )
 from rltrain.megatron.multi_tensor import use_foreach_multi_tensor
+from rltrain.megatron.triton_rms_norm import TritonRMSNorm
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -170,12 +171,15 @@ class TorchRMSNorm:
     With sequence parallel each TP rank normalises its own slice of the sequence, so the norm weight's
     gradient is partial per rank; marking the parameter `sequence_parallel` makes megatron's
     finalize_model_grads all-reduce it over the TP group, exactly as it does for TE/Apex norms.
+    Engines with fused kernels (`config.bias_activation_fusion`, the plan's `fused_kernels`) get a
+    `triton_rms_norm.TritonRMSNorm`: the same module, its forward and backward Triton kernels on CUDA.
     """
 
     def __new__(
         cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any
     ) -> torch.nn.Module:
-        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm_type = TritonRMSNorm if config.bias_activation_fusion else torch.nn.RMSNorm
+        norm = norm_type(hidden_size, eps=eps)
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm

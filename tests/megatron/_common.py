@@ -181,6 +181,24 @@ def run_spawned(fn: Callable[..., None], *args: object) -> None:
         raise
 
 
+def in_triton_interpreter(script: str) -> None:
+    """Run `script` (Python that raises on a failed check) in a child process with triton's interpreter on
+    (TRITON_INTERPRET=1, read when triton decorates the kernels, hence a fresh process): the Triton kernels
+    run on CPU tensors. Skips where triton is not installed (CI's CPU install has none); the interpreter
+    rounds 16-bit stores toward zero where the GPU rounds to nearest, so checks allow one step of the dtype."""
+    import subprocess
+    import sys
+
+    import pytest
+
+    pytest.importorskip("triton", reason="needs triton (its interpreter runs the kernels on the CPU)")
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(repo), *sys.path])}
+    code = f"{script}\nprint('interpreted ok')"
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, env=env, capture_output=True, text=True)
+    assert done.returncode == 0 and "interpreted ok" in done.stdout, done.stderr[-3000:]
+
+
 def reference_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Plain recomputation: log softmax of full-vocabulary logits [B, S, V] at the response positions."""
     r = batch["responses"].shape[1]

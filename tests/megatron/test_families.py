@@ -119,6 +119,21 @@ def test_static_decode_step_matches_the_dynamic_path(mp_world, family_folder):
     assert engine.additive_mask
     if family == "qwen3":
         assert all(engine.fused_inputs[id(layer.self_attention)][0] is not None for layer in layers)
+        # Engines with fused kernels build their q/k norms as TritonRMSNorm (the same function): taken too.
+        from rltrain.megatron.triton_rms_norm import TritonRMSNorm
+
+        originals = [(layer.self_attention, n, getattr(layer.self_attention, n)) for layer in layers
+                     for n in ("q_layernorm", "k_layernorm")]  # fmt: skip
+        try:
+            for attention, name, norm in originals:
+                twin = TritonRMSNorm(norm.normalized_shape, eps=norm.eps)
+                twin.load_state_dict(norm.state_dict())
+                setattr(attention, name, twin)
+            again = KVCacheGenerator(actor, torch.zeros((1, 4), dtype=torch.long))
+            assert all(again.fused_inputs[id(layer.self_attention)][0] is not None for layer in layers)
+        finally:
+            for attention, name, norm in originals:
+                setattr(attention, name, norm)
     # The QKV bias (qwen2) is added by the inputs' function, the projection run without it.
     biased = {layer.self_attention.linear_qkv.bias is not None for layer in layers}
     assert biased == {family == "qwen2"}, family

@@ -14,6 +14,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from rltrain.megatron.triton_rms_norm import TritonRMSNorm
+
 from ..tolerance import assert_close
 from ._common import UPDATE_DEPTH, actor_cfg, actor_of, assert_tiny_close, make_batch, tiny_model_cfg
 
@@ -35,6 +37,12 @@ def test_the_plan_turns_fused_kernels_on_for_the_compiled_engine(engines):
     assert fused.spec.fused_kernels
     assert fused.modules()[0].config.bias_activation_fusion  # megatron's compiled SwiGLU
     assert not eager.modules()[0].config.bias_activation_fusion
+
+    def norm_types(engine):
+        return {type(m) for m in engine.modules()[0].modules() if isinstance(m, torch.nn.RMSNorm)}
+
+    assert norm_types(fused) == {TritonRMSNorm}  # its kernels on CUDA (test_rms_norm_kernels.py)
+    assert norm_types(eager) == {torch.nn.RMSNorm}
 
 
 @pytest.mark.parametrize("cuda_graph", [False, True])

@@ -1,18 +1,12 @@
 """The MoE experts' SwiGLU-and-probability work as Triton kernels (`triton_swiglu.swiglu_probs` and
 `swiglu_probs_back`), served by `moe_experts.fused_swiglu_probs` and its backward on CUDA.
 
-The kernels need triton: on CUDA they are compared with the compiled functions they replace (skipped where no
-GPU is present, CI); where triton is installed without a GPU, its interpreter runs them on the CPU (skipped
-where triton is absent, CI). The dispatch (which path the fused functions take, the bench switch) and the
+The kernels need triton: on CUDA they are compared with the math of the compiled functions they replace
+(skipped where no GPU is present, CI); where triton is installed without a GPU, its interpreter runs them on
+the CPU (skipped where triton is absent, CI). The dispatch (which path the fused functions take, the bench switch) and the
 reasons `probs_unsupported` names run everywhere, with recording stand-ins for the kernels."""
 
 from __future__ import annotations
-
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,13 +14,12 @@ import torch
 from rltrain.megatron import decode_kernels, fused, moe_experts, triton_swiglu
 
 from ..tolerance import tolerance
+from ._common import in_triton_interpreter
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
     pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
 ]
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 def _inputs(rows: int, ffn: int, dtype: torch.dtype, device: str = "cpu"):
@@ -153,20 +146,13 @@ def test_the_kernels_compute_the_compiled_functions_math(dtype, rows, ffn):
     _check_kernels(h, probs, dscaled, exact_rounding=True)
 
 
-def test_the_kernels_in_tritons_interpreter_compute_what_the_compiled_functions_do():
+def test_the_kernels_in_tritons_interpreter_compute_the_compiled_functions_math():
     """Where triton is installed but no GPU (a developer's CPU machine), its interpreter runs the kernels on
-    CPU tensors: fp32 and bf16 (whose stores the interpreter truncates), the shapes of the CUDA test."""
-    pytest.importorskip("triton", reason="needs triton (its interpreter runs the kernels on the CPU)")
-    script = textwrap.dedent(
-        f"""
-        import torch
-        from tests.megatron.test_swiglu_probs_kernels import _check_kernels, _inputs
-        for dtype in (torch.float32, torch.bfloat16):
-            for rows, ffn in {SHAPES!r}:
-                _check_kernels(*_inputs(rows, ffn, dtype), exact_rounding=False)
-        print("ok")
-        """
+    CPU tensors: fp32 and bf16, the shapes of the CUDA test."""
+    in_triton_interpreter(
+        "import torch\n"
+        "from tests.megatron.test_swiglu_probs_kernels import SHAPES, _check_kernels, _inputs\n"
+        "for dtype in (torch.float32, torch.bfloat16):\n"
+        "    for rows, ffn in SHAPES:\n"
+        "        _check_kernels(*_inputs(rows, ffn, dtype), exact_rounding=False)\n"
     )
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(REPO), *sys.path])}
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
