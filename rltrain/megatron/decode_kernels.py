@@ -27,12 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from rltrain import device as devices
-
-try:  # triton ships with torch's CUDA wheels; CPU installs have none (and must not add it)
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
+from rltrain.megatron.triton_runtime import tl, triton
 
 # Dtypes the elementwise kernels store (the model's params dtype): they compute in fp32 and round once per
 # output (`attention_inputs`, `add_rms_norm`, triton_swiglu's backward).

@@ -19,12 +19,7 @@ from __future__ import annotations
 import torch
 
 from rltrain.megatron import decode_kernels
-
-try:  # triton ships with torch's CUDA wheels; CPU installs have none (and must not add it)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None  # type: ignore[assignment]
+from rltrain.megatron.triton_runtime import tl, triton
 
 BLOCK_T = 8
 """Tokens per program."""

@@ -26,12 +26,7 @@ import torch
 
 from rltrain.megatron import decode_kernels
 from rltrain.megatron.fused import bench_off
-
-try:  # triton ships with torch's CUDA wheels; CPU installs have none (and must not add it)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None  # type: ignore[assignment]
+from rltrain.megatron.triton_runtime import tl, triton
 
 MAX_WIDTH = 16384
 """Widest row a program holds in registers (decode_kernels.ADD_NORM_MAX_WIDTH's bound)."""

@@ -33,12 +33,7 @@ import torch
 
 from rltrain import device as devices
 from rltrain.megatron import decode_kernels
-
-try:  # triton ships with torch's CUDA wheels; CPU installs have none (and must not add it)
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the machine
-    triton = None  # type: ignore[assignment]
+from rltrain.megatron.triton_runtime import tl, triton
 
 # Columns of the gradient's halves per program.
 BLOCK = 1024

@@ -149,11 +149,12 @@ def test_the_kernels_compute_torchs_rmsnorm(dtype, rows, width, strided):
 def test_the_kernels_in_tritons_interpreter_compute_torchs_rmsnorm():
     """Where triton is installed but no GPU (a developer's CPU machine), its interpreter runs the kernels on
     CPU tensors: fp32 and bf16, the shapes of the CUDA test."""
-    in_triton_interpreter(
-        "import torch\n"
-        "from tests.megatron.test_rms_norm_kernels import SHAPES, _check_kernels, _inputs\n"
-        "for dtype in (torch.float32, torch.bfloat16):\n"
-        "    for rows, width in SHAPES:\n"
-        "        for strided in (False, True):\n"
-        "            _check_kernels(*_inputs(rows, width, dtype, strided=strided), exact_rounding=False)\n"
-    )
+    in_triton_interpreter(f"from {__name__} import _check_on_cpu; _check_on_cpu()")
+
+
+def _check_on_cpu() -> None:
+    """The CUDA test's checks for fp32 and bf16 on CPU tensors (run by triton's interpreter)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, width in SHAPES:
+            for strided in (False, True):
+                _check_kernels(*_inputs(rows, width, dtype, strided=strided), exact_rounding=False)

@@ -149,10 +149,11 @@ def test_the_kernels_compute_the_compiled_functions_math(dtype, rows, ffn):
 def test_the_kernels_in_tritons_interpreter_compute_the_compiled_functions_math():
     """Where triton is installed but no GPU (a developer's CPU machine), its interpreter runs the kernels on
     CPU tensors: fp32 and bf16, the shapes of the CUDA test."""
-    in_triton_interpreter(
-        "import torch\n"
-        "from tests.megatron.test_swiglu_probs_kernels import SHAPES, _check_kernels, _inputs\n"
-        "for dtype in (torch.float32, torch.bfloat16):\n"
-        "    for rows, ffn in SHAPES:\n"
-        "        _check_kernels(*_inputs(rows, ffn, dtype), exact_rounding=False)\n"
-    )
+    in_triton_interpreter(f"from {__name__} import _check_on_cpu; _check_on_cpu()")
+
+
+def _check_on_cpu() -> None:
+    """The CUDA test's checks for fp32 and bf16 on CPU tensors (run by triton's interpreter)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for rows, ffn in SHAPES:
+            _check_kernels(*_inputs(rows, ffn, dtype), exact_rounding=False)
