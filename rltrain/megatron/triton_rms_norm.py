@@ -100,7 +100,7 @@ class _RMSNorm(torch.autograd.Function):
                 rows, weight, dy_rows, rstd, dx, partial, n, rows.stride(0), dy_rows.stride(0),
                 H=width, BLOCK_ROWS=block_r, BLOCK_H=block_h, TILES=TILES,
             )  # fmt: skip
-        dw = partial.sum(0).to(weight.dtype)
+        dw = partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None  # (frozen under LoRA)
         return dx.view(x.shape), dw, None
 
 

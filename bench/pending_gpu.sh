@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The GPU measurements this tree still owes (issue 36), each part sized for one device call (<= 10 minutes),
+# writing under $OUT/<part>. Run from the repository root on the GPU machine with the cp312 site tarball
+# carried (`carry: [".gpusite"]`; DESIGN.md says how to build it):
+#     bash bench/pending_gpu.sh kernels      # CUDA parity tests + the kernels against what they replace
+#     bash bench/pending_gpu.sh moe          # qwen3-moe steps: the update before 2026-12-05 vs this tree
+#     bash bench/pending_gpu.sh dense        # the 1.5B at 12,288 vs 24,576 tokens per micro-batch
+#     bash bench/pending_gpu.sh realistic    # qwen3-moe, realistic response lengths vs the preset
+#     bash bench/pending_gpu.sh profile      # a torch profile of the qwen3-moe update and log-prob passes
+# Parts `moe`, `realistic` and `profile` need an H200 (the update's peak is ~102 GiB).
+set -u
+part="${1:?usage: bash bench/pending_gpu.sh kernels|moe|dense|realistic|profile}"
+out="${OUT:-/tmp/pending_gpu}/$part"
+mkdir -p "$out"
+if [ -f .gpusite/site312.tar.xz ] && [ ! -d /tmp/site312 ]; then
+  tar -xJf .gpusite/site312.tar.xz -C /tmp
+fi
+export PYTHONPATH="/tmp/site312:$PWD"
+export RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
+git log --oneline -1 2>/dev/null | tee "$out/commit.txt"
+
+case "$part" in
+  kernels)
+    if python3 -c "import pytest, hypothesis" 2>/dev/null; then
+      python3 -m pytest -q -p no:cacheprovider tests/megatron/test_swiglu_probs_kernels.py \
+        tests/megatron/test_rms_norm_kernels.py tests/megatron/test_triton_gather_sum.py 2>&1 \
+        | tail -30 | tee "$out/pytest.txt"
+    else
+      echo "pytest or hypothesis missing: the CUDA parity tests did not run" | tee "$out/pytest.txt"
+    fi
+    python3 bench/train_kernels_gpu.py --only swigluprobs,rmsnorm,gathersum --out "$out" 2>&1 | tail -20
+    ;;
+  moe)
+    # The update before the eleventh and twelfth sessions (host-decided step, megatron's loops, the
+    # experts' elementwise work and the norms compiled) against this tree, side by side.
+    python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 3 --workloads preset:off,preset \
+      --off-env RLPLAN_BENCH_TRAIN_KERNELS_OFF=deviceguard,foreach,swigluprobs,rmsnorm --out "$out" 2>&1 | tail -20
+    ;;
+  dense)
+    python3 bench/grpo_step_gpu.py --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \
+      --out "$out/b12k" 2>&1 | tail -8
+    python3 bench/grpo_step_gpu.py --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \
+      --set actor.ppo_max_token_len_per_gpu=24576 --set cluster.device_memory_gib=139 \
+      --out "$out/b24k" 2>&1 | tail -8
+    ;;
+  realistic)
+    python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 3 --workloads realistic,preset \
+      --out "$out" 2>&1 | tail -20
+    ;;
+  profile)
+    python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 2 --workloads preset \
+      --set profile.tool=torch --set profile.steps=2 \
+      --set "profile.roles=actor_update actor_compute_log_prob" --out "$out" 2>&1 | tail -8
+    find "$out" -name trace.json -delete  # too large to bring back; grpo_step_gpu.py kept its trace_gaps_*.json
+    ;;
+  *)
+    echo "unknown part $part" >&2
+    exit 2
+    ;;
+esac
