@@ -3,13 +3,14 @@
 # writing under $OUT/<part>. Run from the repository root on the GPU machine with the cp312 site tarball
 # carried (`carry: [".gpusite"]`; DESIGN.md says how to build it):
 #     bash bench/pending_gpu.sh kernels      # CUDA parity tests + the kernels against what they replace
-#     bash bench/pending_gpu.sh moe          # qwen3-moe steps: the update before 2026-12-05 vs this tree
+#     bash bench/pending_gpu.sh moe          # qwen3-moe steps: the host-decided optimizer step vs this tree
+#     bash bench/pending_gpu.sh moe-kernels  # qwen3-moe steps: the RMSNorm and SwiGLU-probs kernels off vs on
 #     bash bench/pending_gpu.sh dense        # the 1.5B at 12,288 vs 24,576 tokens per micro-batch
 #     bash bench/pending_gpu.sh realistic    # qwen3-moe, realistic response lengths vs the preset
 #     bash bench/pending_gpu.sh profile      # a torch profile of the qwen3-moe update and log-prob passes
-# Parts `moe`, `realistic` and `profile` need an H200 (the update's peak is ~102 GiB).
+# Parts `moe`, `moe-kernels`, `realistic` and `profile` need an H200 (the update's peak is ~102 GiB).
 set -u
-part="${1:?usage: bash bench/pending_gpu.sh kernels|moe|dense|realistic|profile}"
+part="${1:?usage: bash bench/pending_gpu.sh kernels|moe|moe-kernels|dense|realistic|profile}"
 out="${OUT:-/tmp/pending_gpu}/$part"
 mkdir -p "$out"
 if [ -f .gpusite/site312.tar.xz ] && [ ! -d /tmp/site312 ]; then
@@ -32,10 +33,16 @@ case "$part" in
     python3 bench/train_kernels_gpu.py --only swigluprobs,rmsnorm,gathersum --out "$out" 2>&1 | tail -20
     ;;
   moe)
-    # The update before the eleventh and twelfth sessions (host-decided step, megatron's loops, the
-    # experts' elementwise work and the norms compiled) against this tree, side by side.
+    # The optimizer step decided on the host with megatron's per-parameter loops (before the eleventh
+    # session) against this tree, side by side.
     python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 3 --workloads preset:off,preset \
-      --off-env RLPLAN_BENCH_TRAIN_KERNELS_OFF=deviceguard,foreach,swigluprobs,rmsnorm --out "$out" 2>&1 | tail -20
+      --off-env RLPLAN_BENCH_TRAIN_KERNELS_OFF=deviceguard,foreach --out "$out" 2>&1 | tail -20
+    ;;
+  moe-kernels)
+    # The twelfth session's kernels (RMSNorm, the experts' SwiGLU x probability) off against on: their
+    # device time saved against the host time their launches add (the passes are partly host-bound).
+    python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 3 --workloads preset:off,preset \
+      --off-env RLPLAN_BENCH_TRAIN_KERNELS_OFF=swigluprobs,rmsnorm --out "$out" 2>&1 | tail -20
     ;;
   dense)
     python3 bench/grpo_step_gpu.py --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \

@@ -67,23 +67,29 @@ def _rows(t: torch.Tensor, width: int) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
+def _forward(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, each row's rstd in fp32)."""
+    width = x.shape[-1]
+    rows = _rows(x, width)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        block_r, block_h = _block_rows(width)
+        _forward_kernel[(triton.cdiv(rows.shape[0], block_r),)](
+            rows, weight, out, rstd, rows.shape[0], rows.stride(0), eps,
+            H=width, BLOCK_ROWS=block_r, BLOCK_H=block_h,
+        )  # fmt: skip
+    return out.view(x.shape), rstd
+
+
 class _RMSNorm(torch.autograd.Function):
     """Saves what torch's RMSNorm saves: the input as given (no copy of a strided view) and each row's rstd."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        width = x.shape[-1]
-        rows = _rows(x, width)
-        out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-        rstd = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
-        if rows.shape[0]:
-            block_r, block_h = _block_rows(width)
-            _forward_kernel[(triton.cdiv(rows.shape[0], block_r),)](
-                rows, weight, out, rstd, rows.shape[0], rows.stride(0), eps,
-                H=width, BLOCK_ROWS=block_r, BLOCK_H=block_h,
-            )  # fmt: skip
+        y, rstd = _forward(x, weight, eps)
         ctx.save_for_backward(x, weight, rstd)
-        return out.view(x.shape)
+        return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -106,22 +112,31 @@ class _RMSNorm(torch.autograd.Function):
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
     """`F.rms_norm(x, (width,), weight, eps)` by the kernels, differentiable in x and weight (`unsupported`
-    names no reason for these tensors)."""
+    names no reason for these tensors). Without autograd (log-prob passes, generation) the forward kernel
+    alone runs: the passes' host launches every layer's kernels, and an autograd Function adds its own cost."""
     assert triton is not None, "triton is not installed (triton_rms_norm.unsupported)"
-    return _RMSNorm.apply(x, weight, _eps(x, eps))
+    eps = _eps(x, eps)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
+    return _forward(x, weight, eps)[0]
 
 
 class TritonRMSNorm(torch.nn.RMSNorm):
     """torch.nn.RMSNorm whose forward is `rms_norm` where the kernels can run (CUDA with triton, the
-    weight's dtype, a normalised last dimension), else torch's."""
+    weight's dtype, a normalised last dimension), else torch's. The verdict is kept per input device, dtype
+    and width and the weight's device and dtype (offloading moves the weight), so a layer's call pays for no
+    check after the first."""
+
+    _verdict: tuple[tuple[Any, ...], bool] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (
-            len(self.normalized_shape) == 1
-            and unsupported(x, self.weight) is None
-            and not bench_off("rmsnorm")
-        ):
-            return rms_norm(x, self.weight, self.eps)
+        weight = self.weight
+        key = (x.device, x.dtype, x.shape[-1], None if weight is None else (weight.device, weight.dtype))
+        if self._verdict is None or self._verdict[0] != key:
+            kernels = len(self.normalized_shape) == 1 and unsupported(x, weight) is None
+            self._verdict = (key, kernels and not bench_off("rmsnorm"))
+        if self._verdict[1]:
+            return rms_norm(x, weight, self.eps)
         return super().forward(x)
 
 

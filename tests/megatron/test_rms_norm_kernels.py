@@ -43,6 +43,8 @@ def _check_kernels(x, weight, dy, exact_rounding: bool) -> None:
     xs, ws = x.detach().requires_grad_(), weight.detach().requires_grad_()  # detach keeps x's strides
     y = triton_rms_norm.rms_norm(xs, ws, eps)
     dx, dw = torch.autograd.grad(y, (xs, ws), dy)
+    with torch.no_grad():  # the forward kernel alone (log-prob passes): the same bits
+        assert torch.equal(triton_rms_norm.rms_norm(xs, ws, eps), y)
     yt = F.rms_norm(xs, (width,), ws, eps)
     dxt, dwt = torch.autograd.grad(yt, (xs, ws), dy)
     x64, w64, dy64 = x.double().requires_grad_(), weight.double().requires_grad_(), dy.double()
@@ -117,7 +119,7 @@ def test_where_the_kernels_cannot_run_the_module_is_torchs_rmsnorm():
 def test_the_module_takes_the_kernels_where_they_run(monkeypatch, switched_off):
     """Where `unsupported` names no reason the forward is `rms_norm` (a recording stand-in returning torch's
     result), with the module's weight and eps (torch's default eps where None); the bench switch `rmsnorm`
-    keeps torch's forward."""
+    keeps torch's forward. A module asks `unsupported` once per input and weight device, dtype and width."""
     x = _inputs(5, 8, torch.float32)[0]
     seen = []
 
@@ -125,15 +127,22 @@ def test_the_module_takes_the_kernels_where_they_run(monkeypatch, switched_off):
         seen.append((t.shape, w is norm.weight, eps))
         return F.rms_norm(t, (t.shape[-1],), w, eps)
 
+    asked = []
     monkeypatch.setattr(triton_rms_norm, "rms_norm", stand_in)
-    monkeypatch.setattr(triton_rms_norm, "unsupported", lambda *a: None)
+    monkeypatch.setattr(triton_rms_norm, "unsupported", lambda t, w: asked.append((t.dtype, w.dtype)))
     if switched_off:
         monkeypatch.setenv(fused.TRAIN_KERNELS_OFF_ENV, "rmsnorm")
     for eps in (1e-6, None):
         seen.clear()
         norm = TritonRMSNorm(8, eps=eps)
-        torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), norm.weight, eps), rtol=0, atol=0)
-        assert seen == ([] if switched_off else [(x.shape, True, eps)])
+        for _ in range(2):
+            torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), norm.weight, eps), rtol=0, atol=0)
+        assert seen == ([] if switched_off else [(x.shape, True, eps)] * 2)
+    # The verdict is asked once per input and weight device / dtype / width, again when they change.
+    assert asked == [(torch.float32, torch.float32)] * 2
+    norm.double()
+    norm(x.double())
+    assert asked[-1] == (torch.float64, torch.float64) and len(asked) == 3
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels)")
