@@ -6,11 +6,13 @@
 #     bash bench/pending_gpu.sh moe          # qwen3-moe steps: the host-decided optimizer step vs this tree
 #     bash bench/pending_gpu.sh moe-kernels  # qwen3-moe steps: the RMSNorm and SwiGLU-probs kernels off vs on
 #     bash bench/pending_gpu.sh dense        # the 1.5B at 12,288 vs 24,576 tokens per micro-batch
+#     bash bench/pending_gpu.sh moe-logprob  # qwen3-moe, log-prob passes at 49,152 tokens (against `moe`'s preset)
+#     bash bench/pending_gpu.sh dense-logprob  # the 1.5B, log-prob passes at 49,152 (against `dense`'s b12k)
 #     bash bench/pending_gpu.sh realistic    # qwen3-moe, realistic response lengths vs the preset
 #     bash bench/pending_gpu.sh profile      # a torch profile of the qwen3-moe update and log-prob passes
-# Parts `moe`, `moe-kernels`, `realistic` and `profile` need an H200 (the update's peak is ~102 GiB).
+# Parts `moe*`, `realistic` and `profile` need an H200 (the update's peak is ~102 GiB).
 set -u
-part="${1:?usage: bash bench/pending_gpu.sh kernels|moe|moe-kernels|dense|realistic|profile}"
+part="${1:?usage: bash bench/pending_gpu.sh kernels|moe|moe-kernels|moe-logprob|dense|dense-logprob|realistic|profile}"
 out="${OUT:-/tmp/pending_gpu}/$part"
 mkdir -p "$out"
 if [ -f .gpusite/site312.tar.xz ] && [ ! -d /tmp/site312 ]; then
@@ -50,6 +52,18 @@ case "$part" in
     python3 bench/grpo_step_gpu.py --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \
       --set actor.ppo_max_token_len_per_gpu=24576 --set cluster.device_memory_gib=139 \
       --out "$out/b24k" 2>&1 | tail -8
+    ;;
+  moe-logprob)
+    # The log-prob passes at twice the update's token budget (actor / ref.log_prob_max_token_len_per_gpu):
+    # half the micro-batches, whose per-micro-batch host cost bounds a MoE forward pass.
+    python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 3 --workloads preset \
+      --set actor.log_prob_max_token_len_per_gpu=49152 --set ref.log_prob_max_token_len_per_gpu=49152 \
+      --out "$out" 2>&1 | tail -8
+    ;;
+  dense-logprob)
+    python3 bench/grpo_step_gpu.py --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \
+      --set actor.log_prob_max_token_len_per_gpu=49152 --set ref.log_prob_max_token_len_per_gpu=49152 \
+      --out "$out" 2>&1 | tail -8
     ;;
   realistic)
     python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 3 --workloads realistic,preset \

@@ -367,6 +367,12 @@ class ActorConfig:
     """Token budget of one micro-batch per rank when use_dynamic_bsz is true."""
     log_prob_micro_batch_size_per_gpu: int = 8
     """Responses per forward when computing log-probs (no backward, so it can be larger)."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Cut the log-prob passes' micro-batches (old log-probs, and the rollout's) by a token budget; null:
+    as use_dynamic_bsz (verl's rollout.log_prob_use_dynamic_bsz)."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget of a log-prob micro-batch per rank (a forward pass keeps no activations, so it can be
+    larger than the update's); null: ppo_max_token_len_per_gpu (verl's rollout.log_prob_max_token_len_per_gpu)."""
     ppo_epochs: int = 1
     """Passes over each step's rollouts."""
     shuffle: bool = True
@@ -406,6 +412,13 @@ class RefConfig:
     """Parallel layout of the reference model."""
     log_prob_micro_batch_size_per_gpu: int = 8
     """Responses per forward when computing reference log-probs."""
+    log_prob_use_dynamic_bsz: bool | None = None
+    """Cut the reference pass's micro-batches by a token budget; null: as actor.use_dynamic_bsz (verl's
+    ref.log_prob_use_dynamic_bsz). With LoRA's reference (the actor's adapters off) the actor's settings
+    apply: its engine computes them."""
+    log_prob_max_token_len_per_gpu: int | None = None
+    """Token budget of a reference micro-batch per rank; null: actor.ppo_max_token_len_per_gpu (verl's
+    ref.log_prob_max_token_len_per_gpu)."""
 
 
 @dataclass(frozen=True)

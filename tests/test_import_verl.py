@@ -576,3 +576,37 @@ def test_multi_turn_keys_map_and_tool_configs_are_reported(qwen7b: Path) -> None
         None, grpo_overrides(qwen7b, **{"actor_rollout_ref.rollout.multi_turn.max_assistant_turns": "null"})
     )
     assert tr.config.rollout.multi_turn.max_assistant_turns == 4
+
+
+def test_log_prob_token_budgets_map_to_the_log_prob_passes(qwen7b: Path) -> None:
+    """verl's rollout.log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu (its actor's old log-prob
+    pass) and ref.log_prob_* (17 of verl's 46 Megatron scripts set them): the plan's actor and ref engines
+    cut their forward micro-batches by those budgets while the update keeps its own; unset, both passes take
+    the actor's, as verl interpolates them."""
+    budgets = {
+        "actor_rollout_ref.actor.use_dynamic_bsz": "True",
+        "actor_rollout_ref.actor.ppo_max_token_len_per_gpu": "4096",
+        "actor_rollout_ref.rollout.log_prob_use_dynamic_bsz": "True",
+        "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu": "18432",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": "True",
+        "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "10240",
+    }
+    overrides = grpo_overrides(qwen7b, **budgets)
+    tr = translate(None, overrides)
+    assert tr.valid, format_report(tr)
+    assert not {u.verl for u in tr.unmapped} & set(budgets)
+    plan = _steps_plan(tr.config)
+    actor, ref = plan.engine("actor").settings, plan.engine("ref").settings
+    assert (actor.forward_use_dynamic_bsz, actor.forward_max_token_len) == (True, 18432)
+    assert (ref.forward_use_dynamic_bsz, ref.forward_max_token_len) == (True, 10240)
+    assert plan.batch_plan("actor").max_token_len_per_micro_batch == 4096
+    unset = {k: v for k, v in budgets.items() if "log_prob" not in k}
+    plan = _steps_plan(translate(None, grpo_overrides(qwen7b, **unset)).config)
+    for role in ("actor", "ref"):
+        assert plan.engine(role).settings.forward_max_token_len == 4096, role
+    assert accounted(tr) == keys_of(overrides)
+
+
+def _steps_plan(c: RLConfig):
+    """The plan of a translated script run by steps (its prompt files, /data/..., do not exist here)."""
+    return compile_plan(dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, total_epochs=None)))

@@ -884,3 +884,37 @@ def test_memory_counts_a_forward_passs_stacked_expert_weights() -> None:
     )
     assert "actor stacked experts" not in parts(recomputed, "actor_compute_log_prob")
     assert "actor stacked experts" not in parts(get_preset("qwen2.5-1.5b-grpo"), "actor_compute_log_prob")
+
+
+def test_the_log_prob_passes_take_their_own_token_budget() -> None:
+    """actor.log_prob_* (the old log-prob pass) and ref.log_prob_* (the reference pass), verl's rollout /
+    ref.log_prob_use_dynamic_bsz and log_prob_max_token_len_per_gpu: unset, the actor's update budget
+    (verl's interpolation); set, each engine cuts its forward micro-batches by its own, the memory estimate
+    sizes each log-prob phase's logits by it, and `rlconf plan` prints them. The update keeps its budget."""
+    from presets import get_preset
+    from rlconf.plan.render import format_plan
+
+    moe = get_preset("qwen3-moe-grpo")  # actor.use_dynamic_bsz, 24,576 tokens per micro-batch
+    plan = compile_plan(moe)
+    for role in ("actor", "ref"):
+        s = plan.engine(role).settings
+        assert (s.forward_use_dynamic_bsz, s.forward_max_token_len) == (True, 24576), role
+    larger = replace(moe, actor=replace(moe.actor, log_prob_max_token_len_per_gpu=49152),
+                     ref=replace(moe.ref, log_prob_max_token_len_per_gpu=36864))  # fmt: skip
+    plan2 = compile_plan(larger)
+    assert plan2.engine("actor").settings.forward_max_token_len == 49152
+    assert plan2.engine("ref").settings.forward_max_token_len == 36864
+    assert plan2.batch_plan("actor") == plan.batch_plan("actor")  # the update's schedule is its own
+    logits = {p: _policy_pool_parts(moe, p) for p in ("actor_compute_log_prob", "ref_compute_log_prob")}
+    logits2 = {p: _policy_pool_parts(larger, p) for p in logits}
+    assert logits2["actor_compute_log_prob"]["actor logits"] == pytest.approx(
+        2 * logits["actor_compute_log_prob"]["actor logits"], rel=1e-6
+    )
+    assert logits2["ref_compute_log_prob"]["ref logits"] == pytest.approx(
+        1.5 * logits["ref_compute_log_prob"]["ref logits"], rel=1e-6
+    )
+    assert "forward passes' micro-batches: actor budget 49152 tok, ref budget 36864 tok" in format_plan(plan2)
+    rows = replace(larger, actor=replace(larger.actor, log_prob_use_dynamic_bsz=False))
+    s = compile_plan(rows).engine("actor").settings
+    assert (s.forward_use_dynamic_bsz, s.forward_max_token_len) == (False, None)
+    assert s.forward_micro_batch_size == moe.actor.log_prob_micro_batch_size_per_gpu

@@ -290,3 +290,32 @@ def test_a_config_built_in_python_is_typed_by_a_rule():
     assert [(i.path, i.rule) for i in check_config(section)] == [("model.arch", "type")]
     # An int where a float is declared is a number, as the loader reads it.
     assert not [i for i in check_config(replace_paths(base, {"actor.optim.lr": 1})) if i.rule == "type"]
+
+
+def test_the_log_prob_passes_token_budget_fits_a_sequence():
+    """actor / ref.log_prob_max_token_len_per_gpu (verl's rollout / ref.log_prob_*): where a log-prob pass
+    cuts its micro-batches by tokens, its budget (its own, else the actor's update budget) fits one full
+    sequence; the error names the field that gave it, once (the actor's and the rollout's passes share it),
+    and an update budget that also cuts the update is reported by the update's check alone."""
+
+    def budget_errors(overrides):
+        return [i.path for i in _issues(overrides) if i.rule == "token-budget-fits-sequence"]
+
+    own = ["actor.log_prob_use_dynamic_bsz=true", "actor.log_prob_max_token_len_per_gpu=20"]
+    assert budget_errors(own) == ["actor.log_prob_max_token_len_per_gpu"]
+    ref = [
+        "actor.use_kl_loss=true",
+        "ref.log_prob_use_dynamic_bsz=true",
+        "ref.log_prob_max_token_len_per_gpu=20",
+    ]
+    assert budget_errors(ref) == ["ref.log_prob_max_token_len_per_gpu"]
+    borrowed = ["actor.log_prob_use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=20"]
+    assert budget_errors(borrowed) == ["actor.ppo_max_token_len_per_gpu"]
+    both = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=20", "actor.use_kl_loss=true"]
+    assert budget_errors(both) == ["actor.ppo_max_token_len_per_gpu"]
+    larger = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096",
+              "actor.log_prob_max_token_len_per_gpu=100000"]  # fmt: skip
+    assert budget_errors(larger) == []
+    fixed = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096",
+             "actor.log_prob_use_dynamic_bsz=false", "actor.log_prob_max_token_len_per_gpu=20"]  # fmt: skip
+    assert budget_errors(fixed) == []  # rows, not tokens: the budget is not used

@@ -16,6 +16,7 @@ from rlconf.config import (
     RLConfig,
 )
 from rlconf.errors import Issue, error, warning
+from rlconf.fields import get_path
 from rlconf.model_spec import (
     expert_layout_issues,
 )
@@ -24,6 +25,7 @@ from rlconf.plan.roles import (
     builds_model_arch,
     configured_roles,
     data_parallel,
+    forward_batching,
     gathers_params_async,
     head_issues,
     layer_split_issues,
@@ -486,12 +488,15 @@ def _batch_checks(
     "*.ppo_micro_batch_size_per_gpu",
     "*.use_dynamic_bsz",
     "*.ppo_max_token_len_per_gpu",
+    "*.log_prob_use_dynamic_bsz",
+    "*.log_prob_max_token_len_per_gpu",
     "data.max_prompt_length",
     "rollout.max_response_length",
 )
 def batch_layout(c: RLConfig) -> Iterator[Issue]:
     """Batches split evenly: mini-batches divide the batch; responses divide over dp x micro-batch; a
-    mini-batch covers a micro-batch per rank; the token budget fits one full sequence."""
+    mini-batch covers a micro-batch per rank; the token budget fits one full sequence (the update's and the
+    log-prob passes')."""
     if not sizes_ok(c) or actor_world(c) < 1:
         return
     for spec in trained_roles(c):
@@ -501,3 +506,35 @@ def batch_layout(c: RLConfig) -> Iterator[Issue]:
                 c, spec.section, r.ppo_mini_batch_size, r.ppo_micro_batch_size_per_gpu, r.use_dynamic_bsz,
                 r.ppo_max_token_len_per_gpu, world, r.megatron,
             )  # fmt: skip
+    yield from _log_prob_budgets(c)
+
+
+def _log_prob_budgets(c: RLConfig) -> Iterator[Issue]:
+    """The log-prob passes' token budget (`forward_batching`: a log_prob_max_token_len_per_gpu, else the
+    actor's ppo_max_token_len_per_gpu) fits one full sequence wherever they cut by tokens; reported at the
+    field that gave it, once (an update budget that cuts the update too is _batch_checks' to report)."""
+    need = c.data.max_prompt_length + c.rollout.max_response_length
+    reported: set[str] = set()
+    for name in configured_roles(c):
+        spec = role_spec(name)
+        if spec.log_prob_budget is None or spec.token_budget is None:
+            continue
+        _, dynamic, budget = forward_batching(c, name)
+        if not dynamic or budget is None or budget >= need:
+            continue
+        if get_path(c, spec.log_prob_budget).log_prob_max_token_len_per_gpu is not None:
+            path = f"{spec.log_prob_budget}.log_prob_max_token_len_per_gpu"
+        elif get_path(c, spec.token_budget).use_dynamic_bsz:
+            continue
+        else:
+            path = f"{spec.token_budget}.ppo_max_token_len_per_gpu"
+        if path in reported:
+            continue
+        reported.add(path)
+        yield error(
+            path,
+            f"the log-prob passes' token budget {budget} is smaller than one full sequence "
+            f"(max_prompt_length + max_response_length = {need})",
+            f"set {path.rsplit('.', 1)[1]} >= {need}",
+            "token-budget-fits-sequence",
+        )

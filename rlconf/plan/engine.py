@@ -15,8 +15,13 @@ from rlconf.config import (
     RLConfig,
 )
 from rlconf.errors import ConfigError
-from rlconf.fields import get_path
-from rlconf.plan.roles import megatron_of, overlaps_param_gather, packing_blocker, packing_issue, role_spec
+from rlconf.plan.roles import (
+    forward_batching,
+    megatron_of,
+    overlaps_param_gather,
+    packing_blocker,
+    packing_issue,
+)
 from rlconf.plan.types import (
     ENGINE_ROLES,
     DdpSettings,
@@ -137,15 +142,3 @@ def fused_kernels(c: RLConfig) -> bool:
     if c.model.fused_kernels == "auto":
         return c.cluster.device == "cuda"
     return c.model.fused_kernels == "compiled"
-
-
-def forward_batching(c: RLConfig, role: str) -> tuple[int, bool, int | None]:
-    """(rows per forward micro-batch, token-budget batching on, the token budget) of a megatron role's
-    log-prob / value / reward passes: what its engine runs and what the memory estimate sizes (the role
-    table's forward_micro_batch and token_budget: the ref cuts by the actor's token budget, as verl)."""
-    spec = role_spec(role)
-    rows = get_path(c, spec.forward_micro_batch)
-    if spec.token_budget is None:
-        return rows, False, None
-    section = get_path(c, spec.token_budget)
-    return rows, section.use_dynamic_bsz, section.ppo_max_token_len_per_gpu

@@ -18,8 +18,8 @@ from rlconf.model_spec import (
     layer_params,
 )
 from rlconf.plan.compile import Models, cdiv
-from rlconf.plan.engine import forward_batching, fused_kernels
-from rlconf.plan.roles import megatron_of, rollout_resharded, rollout_tp
+from rlconf.plan.engine import fused_kernels
+from rlconf.plan.roles import forward_batching, megatron_of, rollout_resharded, rollout_tp
 from rlconf.plan.types import (
     DTYPE_BYTES,
     GIB,

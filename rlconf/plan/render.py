@@ -319,6 +319,18 @@ def _passes_lines(plan: TrainerPlan) -> list[str]:
             "",
             f"log-prob passes per step: old log-probs {old[sp.old_log_prob]} ({sp.reason}); ref log-probs {ref}",
         ]
+    forward = []
+    for role in plan.roles:
+        if role == "rollout":  # (its log-probs come with generation; a separate rollout's engine samples)
+            continue
+        s = plan.engine(role).settings
+        cut = (
+            f"budget {s.forward_max_token_len} tok"
+            if s.forward_use_dynamic_bsz
+            else f"{s.forward_micro_batch_size} rows"
+        )
+        forward.append(f"{role} {cut}")
+    out.append(f"forward passes' micro-batches: {', '.join(forward)}")
     return out
 
 

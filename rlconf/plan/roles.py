@@ -56,6 +56,9 @@ class RoleSpec:
     token_budget: str | None
     """Config path of the section whose use_dynamic_bsz / ppo_max_token_len_per_gpu cut its forward
     micro-batches by tokens (the ref: the actor's, as verl); None: fixed row counts only."""
+    log_prob_budget: str | None = None
+    """Config path of the section whose log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu, where
+    set, override token_budget's for its forward passes (verl's rollout.log_prob_* and ref.log_prob_*)."""
 
     def section_of(self, c: RLConfig) -> Any:
         """The role's config section."""
@@ -85,6 +88,7 @@ ROLE_TABLE: tuple[RoleSpec, ...] = (
         model_path="model.path",
         forward_micro_batch="actor.log_prob_micro_batch_size_per_gpu",
         token_budget="actor",
+        log_prob_budget="actor",
     ),
     RoleSpec(
         name="rollout",
@@ -100,6 +104,7 @@ ROLE_TABLE: tuple[RoleSpec, ...] = (
         model_path="model.path",
         forward_micro_batch="actor.log_prob_micro_batch_size_per_gpu",
         token_budget="actor",
+        log_prob_budget="actor",
     ),
     RoleSpec(
         name="ref",
@@ -115,6 +120,7 @@ ROLE_TABLE: tuple[RoleSpec, ...] = (
         model_path="model.path",
         forward_micro_batch="ref.log_prob_micro_batch_size_per_gpu",
         token_budget="actor",
+        log_prob_budget="ref",
     ),
     RoleSpec(
         name="critic",
@@ -163,6 +169,26 @@ def megatron_of(c: RLConfig, role: str) -> tuple[str, MegatronConfig]:
     """(config path, megatron section) of a megatron role (a separate rollout's: the actor's)."""
     spec = ROLE_SPECS[role]
     return spec.megatron, spec.megatron_of(c)
+
+
+def forward_batching(c: RLConfig, role: str) -> tuple[int, bool, int | None]:
+    """(rows per forward micro-batch, token-budget batching on, the token budget) of a megatron role's
+    log-prob / value / reward passes: what its engine runs and what the memory estimate sizes (the role
+    table's forward_micro_batch and token_budget: the ref cuts by the actor's token budget, as verl; its
+    log_prob_budget section's log_prob_use_dynamic_bsz / log_prob_max_token_len_per_gpu where set)."""
+    spec = role_spec(role)
+    rows = get_path(c, spec.forward_micro_batch)
+    if spec.token_budget is None:
+        return rows, False, None
+    section = get_path(c, spec.token_budget)
+    dynamic, budget = section.use_dynamic_bsz, section.ppo_max_token_len_per_gpu
+    if spec.log_prob_budget is not None:
+        own = get_path(c, spec.log_prob_budget)
+        if own.log_prob_use_dynamic_bsz is not None:
+            dynamic = own.log_prob_use_dynamic_bsz
+        if own.log_prob_max_token_len_per_gpu is not None:
+            budget = own.log_prob_max_token_len_per_gpu
+    return rows, dynamic, budget
 
 
 # ====================================================================================== which roles run

@@ -406,9 +406,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu", "ref.log_prob_micro_batch_size_per_gpu", ""),
     _u("actor_rollout_ref.ref.log_prob_micro_batch_size", "deprecated-in-verl",
        "set log_prob_micro_batch_size_per_gpu"),
-    _u("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "unsupported", "log-prob passes use fixed micro-batches"),
-    _u("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "unsupported",
-       "log-prob passes use fixed micro-batches"),
+    _m("actor_rollout_ref.ref.log_prob_use_dynamic_bsz", "ref.log_prob_use_dynamic_bsz",
+       "unset: the actor's use_dynamic_bsz, as verl interpolates it"),
+    _m("actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", "ref.log_prob_max_token_len_per_gpu",
+       "unset: the actor's ppo_max_token_len_per_gpu, as verl interpolates it"),
     _u("actor_rollout_ref.ref.strategy", "not-needed", "the ref runs on megatron in the actor's processes"),
     _u("actor_rollout_ref.ref.use_torch_compile", "not-needed", "rlplan compiles nothing by default"),
     _u("actor_rollout_ref.ref.load_weight", "not-needed", "the ref loads the actor's initial weights"),
@@ -443,10 +444,11 @@ VERL_KEYS: tuple[VerlKey, ...] = (
        "verl's actor recomputes old log-probs with the rollout's micro-batch size"),
     _u("actor_rollout_ref.rollout.log_prob_micro_batch_size", "deprecated-in-verl",
        "set log_prob_micro_batch_size_per_gpu"),
-    _u("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "unsupported",
-       "log-prob passes use fixed micro-batches"),
-    _u("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "unsupported",
-       "log-prob passes use fixed micro-batches"),
+    _m("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz", "actor.log_prob_use_dynamic_bsz",
+       "the old log-prob pass (verl's actor recomputes them with the rollout's settings); unset: the actor's "
+       "use_dynamic_bsz, as verl interpolates it"),
+    _m("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu", "actor.log_prob_max_token_len_per_gpu",
+       "the old log-prob pass; unset: the actor's ppo_max_token_len_per_gpu, as verl interpolates it"),
     _m("actor_rollout_ref.rollout.val_kwargs.n", "rollout.val.n", ""),
     _m("actor_rollout_ref.rollout.val_kwargs.temperature", "rollout.val.temperature", "0 is greedy"),
     _m("actor_rollout_ref.rollout.val_kwargs.top_p", "rollout.val.top_p", ""),
@@ -765,6 +767,12 @@ FSDP_ROWS.update({
         "size: verl's FSDP budget counts one device's share of a sequence split by Ulysses; rlplan's counts whole "
         "sequences per data-parallel rank", cv.times_ulysses(f"{prefix}.ulysses_sequence_parallel_size"))
     for prefix, ours in (("actor_rollout_ref.actor", "actor"), ("critic", "critic"))
+} | {
+    f"{prefix}.log_prob_max_token_len_per_gpu": _m(
+        f"{prefix}.log_prob_max_token_len_per_gpu", f"{ours}.log_prob_max_token_len_per_gpu", "x "
+        "ulysses_sequence_parallel_size, as the update's budget", cv.times_ulysses(f"{ulysses}.ulysses_sequence_parallel_size"))
+    for prefix, ours, ulysses in (("actor_rollout_ref.rollout", "actor", "actor_rollout_ref.actor"),
+                                  ("actor_rollout_ref.ref", "ref", "actor_rollout_ref.ref"))
 })  # fmt: skip
 """Rows that replace the table's for an FSDP script (where verl's FSDP workers read a key its megatron ones
 ignore, or read it with another meaning)."""
