@@ -495,9 +495,7 @@ def test_dapo_overrides_map_to_rlplan_fields(qwen7b: Path) -> None:
         "reward_model.overlong_buffer.penalty_factor": "1.0",
         "data.gen_batch_size": "96",
     }
-    overrides = grpo_overrides(qwen7b, **dapo)
-    tr = translate(None, overrides)
-    assert tr.valid, format_report(tr)
+    overrides, tr = _translated(qwen7b, dapo)
     c = tr.config
     assert (c.actor.clip_ratio_low, c.actor.clip_ratio_high, c.actor.loss_agg_mode) == (
         0.2,
@@ -591,9 +589,7 @@ def test_log_prob_token_budgets_map_to_the_log_prob_passes(qwen7b: Path) -> None
         "actor_rollout_ref.ref.log_prob_use_dynamic_bsz": "True",
         "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu": "10240",
     }
-    overrides = grpo_overrides(qwen7b, **budgets)
-    tr = translate(None, overrides)
-    assert tr.valid, format_report(tr)
+    overrides, tr = _translated(qwen7b, budgets)
     assert not {u.verl for u in tr.unmapped} & set(budgets)
     plan = _steps_plan(tr.config)
     actor, ref = plan.engine("actor").settings, plan.engine("ref").settings
@@ -605,6 +601,14 @@ def test_log_prob_token_budgets_map_to_the_log_prob_passes(qwen7b: Path) -> None
     for role in ("actor", "ref"):
         assert plan.engine(role).settings.forward_max_token_len == 4096, role
     assert accounted(tr) == keys_of(overrides)
+
+
+def _translated(model: Path, changes: dict[str, str]):
+    """(the GRPO script's overrides with `changes`, their valid translation)."""
+    overrides = grpo_overrides(model, **changes)
+    tr = translate(None, overrides)
+    assert tr.valid, format_report(tr)
+    return overrides, tr
 
 
 def _steps_plan(c: RLConfig):

@@ -199,6 +199,22 @@ def in_triton_interpreter(script: str) -> None:
     assert done.returncode == 0 and "interpreted ok" in done.stdout, done.stderr[-3000:]
 
 
+def check_kernels_where(where: str, module: str) -> None:
+    """Run `module`'s `_check_all(device, exact_rounding)` (its Triton kernels against their reference over its
+    cases) on a CUDA GPU (`where` "cuda"; skips without one, as in CI) or in triton's interpreter on CPU
+    tensors ("interpreter"; skips without triton, as in CI), where 16-bit stores round toward zero."""
+    import importlib
+
+    import pytest
+
+    if where == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU (the Triton kernels)")
+        importlib.import_module(module)._check_all("cuda", exact_rounding=True)
+    else:
+        in_triton_interpreter(f"from {module} import _check_all; _check_all('cpu', exact_rounding=False)")
+
+
 def reference_log_probs(logits: torch.Tensor, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Plain recomputation: log softmax of full-vocabulary logits [B, S, V] at the response positions."""
     r = batch["responses"].shape[1]

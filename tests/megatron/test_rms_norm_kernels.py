@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from rltrain.megatron import decode_kernels, fused, triton_rms_norm
 from rltrain.megatron.triton_rms_norm import TritonRMSNorm
 
-from ._common import in_triton_interpreter
+from ._common import check_kernels_where
 
 # (rows, width): empty, one row, qwen3's 128-wide head norms, a width that is no power of two, a hidden size.
 SHAPES = [(0, 64), (1, 1), (300, 128), (37, 96), (19, 1536)]
@@ -145,25 +145,17 @@ def test_the_module_takes_the_kernels_where_they_run(monkeypatch, switched_off):
     assert asked[-1] == (torch.float64, torch.float64) and len(asked) == 3
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize(("rows", "width"), SHAPES)
-@pytest.mark.parametrize("strided", [False, True])
-def test_the_kernels_compute_torchs_rmsnorm(dtype, rows, width, strided):
-    x, weight, dy = _inputs(rows, width, dtype, "cuda", strided)
-    assert triton_rms_norm.unsupported(x, weight) is None
-    _check_kernels(x, weight, dy, exact_rounding=True)
+@pytest.mark.parametrize("where", ["cuda", "interpreter"])
+def test_the_kernels_compute_torchs_rmsnorm(where):
+    """On a GPU, and in triton's interpreter where triton is installed without one (a developer's CPU
+    machine): every dtype the kernels take, the shapes above, contiguous and strided inputs."""
+    check_kernels_where(where, __name__)
 
 
-def test_the_kernels_in_tritons_interpreter_compute_torchs_rmsnorm():
-    """Where triton is installed but no GPU (a developer's CPU machine), its interpreter runs the kernels on
-    CPU tensors: fp32 and bf16, the shapes of the CUDA test."""
-    in_triton_interpreter(f"from {__name__} import _check_on_cpu; _check_on_cpu()")
-
-
-def _check_on_cpu() -> None:
-    """The CUDA test's checks for fp32 and bf16 on CPU tensors (run by triton's interpreter)."""
-    for dtype in (torch.float32, torch.bfloat16):
+def _check_all(device: str, exact_rounding: bool) -> None:
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, width in SHAPES:
             for strided in (False, True):
-                _check_kernels(*_inputs(rows, width, dtype, strided=strided), exact_rounding=False)
+                x, weight, dy = _inputs(rows, width, dtype, device, strided)
+                assert triton_rms_norm.unsupported(x, weight) is None or device == "cpu"
+                _check_kernels(x, weight, dy, exact_rounding)

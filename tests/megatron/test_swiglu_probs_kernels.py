@@ -14,7 +14,7 @@ import torch
 from rltrain.megatron import decode_kernels, fused, moe_experts, triton_swiglu
 
 from ..tolerance import tolerance
-from ._common import in_triton_interpreter
+from ._common import check_kernels_where
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
@@ -137,23 +137,16 @@ def test_the_reference_math_is_what_the_compiled_functions_compute():
 SHAPES = [(0, 8), (1, 1), (37, 512), (300, 130), (17, 1536)]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the Triton kernels)")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize(("rows", "ffn"), SHAPES)
-def test_the_kernels_compute_the_compiled_functions_math(dtype, rows, ffn):
-    h, probs, dscaled = _inputs(rows, ffn, dtype, "cuda")
-    assert triton_swiglu.probs_unsupported(h, probs) is None
-    _check_kernels(h, probs, dscaled, exact_rounding=True)
+@pytest.mark.parametrize("where", ["cuda", "interpreter"])
+def test_the_kernels_compute_the_compiled_functions_math(where):
+    """On a GPU, and in triton's interpreter where triton is installed without one (a developer's CPU
+    machine): every dtype the kernels take, the shapes above."""
+    check_kernels_where(where, __name__)
 
 
-def test_the_kernels_in_tritons_interpreter_compute_the_compiled_functions_math():
-    """Where triton is installed but no GPU (a developer's CPU machine), its interpreter runs the kernels on
-    CPU tensors: fp32 and bf16, the shapes of the CUDA test."""
-    in_triton_interpreter(f"from {__name__} import _check_on_cpu; _check_on_cpu()")
-
-
-def _check_on_cpu() -> None:
-    """The CUDA test's checks for fp32 and bf16 on CPU tensors (run by triton's interpreter)."""
-    for dtype in (torch.float32, torch.bfloat16):
+def _check_all(device: str, exact_rounding: bool) -> None:
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         for rows, ffn in SHAPES:
-            _check_kernels(*_inputs(rows, ffn, dtype), exact_rounding=False)
+            h, probs, dscaled = _inputs(rows, ffn, dtype, device)
+            assert triton_swiglu.probs_unsupported(h, probs) is None or device == "cpu"
+            _check_kernels(h, probs, dscaled, exact_rounding)
