@@ -52,6 +52,12 @@ def gather_sum(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> to
     """`gather_sum_reference`'s result: the kernel where `unsupported` names no reason, else torch's ops."""
     if unsupported(src, index, dtype) is not None:
         return gather_sum_reference(src, index, dtype)
+    return kernel_sum(src, index, dtype)
+
+
+def kernel_sum(src: torch.Tensor, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The kernel's sum (what `gather_sum` runs where `unsupported` names no reason)."""
+    assert triton is not None, "triton is not installed (triton_gather_sum.unsupported)"
     tokens, k = index.shape
     width = src.shape[1]
     out = torch.empty((tokens, width), dtype=dtype, device=src.device)
@@ -79,4 +85,4 @@ if triton is not None:
         tl.store(out + rows[:, None] * width + cols[None, :], total.to(out.dtype.element_ty), mask=keep)
 
 
-__all__ = ["BLOCK_H", "BLOCK_T", "gather_sum", "gather_sum_reference", "unsupported"]
+__all__ = ["BLOCK_H", "BLOCK_T", "gather_sum", "gather_sum_reference", "kernel_sum", "unsupported"]
