@@ -90,6 +90,11 @@ class ModelConfig:
     """Mixture-of-experts models: compute each layer's local experts with grouped GEMM (torch._grouped_mm
     on CUDA with bf16, the same math expert by expert elsewhere) instead of one pair of linears per expert.
     Same parameters and checkpoints either way. No effect on dense models."""
+    moe_router_dtype: Literal["fp32", "fp64"] | None = None
+    """Mixture-of-experts models: precision of every router's gating product and routing, in every role
+    (megatron's moe_router_dtype; verl's override_transformer_config.moe_router_dtype). null: the
+    parameters' dtype, as transformers' gate, except DeepSeek-V3-style sigmoid routers, which route in fp32.
+    No effect on dense models."""
 
 
 # ---------------------------------------------------------------------------------------------- data

@@ -614,3 +614,15 @@ def _translated(model: Path, changes: dict[str, str]):
 def _steps_plan(c: RLConfig):
     """The plan of a translated script run by steps (its prompt files, /data/..., do not exist here)."""
     return compile_plan(dataclasses.replace(c, trainer=dataclasses.replace(c.trainer, total_epochs=None)))
+
+
+def test_moe_router_dtype_maps_to_the_models_one_setting(qwen7b: Path) -> None:
+    """verl's actor override_transformer_config.moe_router_dtype (12 of verl's 46 Megatron scripts set fp32)
+    is model.moe_router_dtype, the precision of every role's routers; the ref's own key is reported as
+    covered by it."""
+    key = "+actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype"
+    ref_key = "+actor_rollout_ref.ref.megatron.override_transformer_config.moe_router_dtype"
+    overrides, tr = _translated(qwen7b, {key: "fp32", ref_key: "fp32"})
+    assert tr.config.model.moe_router_dtype == "fp32"
+    assert {u.verl: u.reason for u in tr.unmapped}[ref_key.lstrip("+")] == "not-needed"
+    assert accounted(tr) == keys_of(overrides)

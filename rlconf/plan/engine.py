@@ -92,6 +92,7 @@ def _settings(c: RLConfig, role: str, arch: ModelArch) -> EngineSettings:
             if ov.moe_aux_loss_coeff is None
             else ov.moe_aux_loss_coeff,
             z_loss_coeff=ov.moe_z_loss_coeff,
+            router_dtype=c.model.moe_router_dtype,
             ffn_hidden_size=arch.moe_ffn_hidden_size or arch.ffn_hidden_size,
         ),
         ddp=DdpSettings(

@@ -622,6 +622,8 @@ class MoeSettings:
     architecture's (config.json's router_aux_loss_coef)."""
     z_loss_coeff: float | None
     """Router z-loss coefficient (None: off)."""
+    router_dtype: str | None
+    """model.moe_router_dtype: fp32 / fp64 routing (None: the model family's own)."""
     ffn_hidden_size: int
     """Routed expert FFN size: the architecture's moe_ffn_hidden_size, or its ffn_hidden_size."""
 

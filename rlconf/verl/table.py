@@ -95,6 +95,8 @@ _MEGATRON_FIELDS: tuple[tuple[str, Any, str, Converter | None, Reason | None], .
      "a field of rlplan's MegatronConfig", None, None),
     ("override_transformer_config.attention_backend", None,
      "rlplan has one setting for every role: model.attention_backend (see the actor row)", None, "not-needed"),
+    ("override_transformer_config.moe_router_dtype", None,
+     "rlplan has one setting for every role: model.moe_router_dtype (see the actor row)", None, "not-needed"),
     ("override_transformer_config.*", None,
      "rlplan forwards only the recompute and dropout fields to megatron's TransformerConfig", None,
      "unsupported"),
@@ -128,6 +130,9 @@ def _megatron_rows() -> list[VerlKey]:
             if ours == "actor.megatron" and suffix == "dtype":
                 rows.append(_m(key, "model.params_dtype", "",
                                cv.dtype, verl_default="bfloat16", family="megatron"))  # fmt: skip
+            elif ours == "actor.megatron" and suffix == "override_transformer_config.moe_router_dtype":
+                rows.append(_m(key, "model.moe_router_dtype", "one precision for every role's routers",
+                               family="megatron"))  # fmt: skip
             elif ours == "actor.megatron" and suffix == "override_transformer_config.attention_backend":
                 rows.append(_m(key, "model.attention_backend",
                                "flash and fused -> auto (Transformer Engine when installed, else sdpa), "

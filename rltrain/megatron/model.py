@@ -457,6 +457,7 @@ def moe_config(arch: ModelArch, settings: EngineSettings) -> dict[str, Any]:
         "moe_expert_capacity_factor": None,
         "moe_permute_fusion": False,
         "moe_router_fusion": False,
+        **({"moe_router_dtype": moe.router_dtype} if moe.router_dtype is not None else {}),
     }
 
 

@@ -150,6 +150,39 @@ def test_moe_log_probs_match_transformers(mp_world, moe_folder):
     _close(got, reference_log_probs(logits, batch), family)
 
 
+def test_moe_router_dtype_sets_every_routers_precision(mp_world, tmp_path_factory, monkeypatch):
+    """model.moe_router_dtype (verl's override_transformer_config.moe_router_dtype): in a bf16 model every
+    MoE layer's router computes its gating product, and so its routing, in fp32 (megatron's
+    moe_router_dtype) through rlplan's own router paths (log-probs, an update, the static decode step);
+    unset, the router runs in bf16 (transformers' gate)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from rltrain.megatron.model import unwrap
+
+    path = make_tiny_moe(tmp_path_factory.mktemp("router_dtype") / "hf", "qwen3_moe")
+    gating_dtypes: list[torch.dtype] = []
+    gating = TopKRouter.gating
+    monkeypatch.setattr(
+        TopKRouter, "gating", lambda self, x: (out := gating(self, x), gating_dtypes.append(out.dtype))[0]
+    )
+    batch = _batch()
+    log_probs = {}
+    for setting, dtype in ((None, torch.bfloat16), ("fp32", torch.float32)):
+        model = ModelConfig(path=str(path), attention_backend="sdpa", params_dtype="bfloat16",
+                            moe_router_dtype=setting)  # fmt: skip
+        actor = actor_of(model, _layout_cfg(), "cpu", trainable=True, total_steps=4)
+        routers = [m for m in unwrap(actor.chunks[0]).modules() if isinstance(m, TopKRouter)]
+        assert routers and {r.config.moe_router_dtype for r in routers} == {setting}
+        gating_dtypes.clear()
+        log_probs[setting] = actor.compute_log_prob(batch, with_entropy=False)["log_probs"]
+        actor.update_policy(_rl_batch(batch, log_probs[setting]))
+        actor.generate(
+            batch["input_ids"][:2, :6], 3, temperature=0.0, pad_id=0, cuda_graph=True
+        )  # static step
+        assert gating_dtypes and set(gating_dtypes) == {dtype}, setting
+    assert all(torch.isfinite(lp).all() for lp in log_probs.values())
+
+
 @pytest.mark.parametrize("grouped", [False, True], ids=["megatron_layer", "grouped_layer"])
 def test_moe_metrics_count_each_routing_once_with_full_recompute(mp_world, tmp_path_factory, grouped):
     """Full activation recompute runs every MoE layer's forward twice (without autograd, then again in the
