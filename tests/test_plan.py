@@ -918,3 +918,17 @@ def test_the_log_prob_passes_take_their_own_token_budget() -> None:
     s = compile_plan(rows).engine("actor").settings
     assert (s.forward_use_dynamic_bsz, s.forward_max_token_len) == (False, None)
     assert s.forward_micro_batch_size == moe.actor.log_prob_micro_batch_size_per_gpu
+
+
+def test_moe_router_dtype_is_every_roles_and_the_plan_says_so() -> None:
+    """model.moe_router_dtype reaches every MoE engine's settings (actor, ref, rollout) and the models line
+    of `rlconf plan`; unset, none of them sets a precision (the family's own)."""
+    from presets import get_preset
+    from rlconf.plan.render import format_plan
+
+    moe = get_preset("qwen3-moe-grpo")
+    fp32 = replace(moe, model=replace(moe.model, moe_router_dtype="fp32"))
+    for config, want in ((moe, None), (fp32, "fp32")):
+        plan = compile_plan(config)
+        assert {plan.engine(r).settings.moe.router_dtype for r in plan.roles} == {want}
+        assert ("routing in fp32" in format_plan(plan)) == (want is not None)

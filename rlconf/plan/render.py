@@ -199,6 +199,12 @@ def _attention_text(a: ModelArch) -> str:
     return text
 
 
+def _router_dtype_text(plan: TrainerPlan, m: ModelSpec) -> str:
+    """ ", routing in fp32" where model.moe_router_dtype sets the routers' precision (every role alike)."""
+    moe = plan.engine(m.used_by[0]).settings.moe
+    return f", routing in {moe.router_dtype}" if moe is not None and moe.router_dtype else ""
+
+
 def _model_lines(plan: TrainerPlan) -> list[str]:
     """The models: parameters, architecture, LoRA."""
     out: list[str] = []
@@ -210,6 +216,7 @@ def _model_lines(plan: TrainerPlan) -> list[str]:
             + (
                 f" ({_fmt_count(m.params_active)} active: {a.num_moe_experts} experts, {a.moe_router_topk} per token"
                 + (", router replay" if m.name == "policy" and plan.rollout.router_replay else "")
+                + _router_dtype_text(plan, m)
                 + ")"
                 if a.num_moe_experts is not None
                 else ""
