@@ -921,8 +921,8 @@ def test_the_log_prob_passes_take_their_own_token_budget() -> None:
 
 
 def test_moe_router_dtype_is_every_roles_and_the_plan_says_so() -> None:
-    """model.moe_router_dtype reaches every MoE engine's settings (actor, ref, rollout) and the models line
-    of `rlconf plan`; unset, none of them sets a precision (the family's own)."""
+    """model.moe_router_dtype reaches every MoE engine's settings (the actor's, which generates, and the
+    ref's) and the models line of `rlconf plan`; unset, none of them sets a precision (the family's own)."""
     from presets import get_preset
     from rlconf.plan.render import format_plan
 
@@ -930,5 +930,5 @@ def test_moe_router_dtype_is_every_roles_and_the_plan_says_so() -> None:
     fp32 = replace(moe, model=replace(moe.model, moe_router_dtype="fp32"))
     for config, want in ((moe, None), (fp32, "fp32")):
         plan = compile_plan(config)
-        assert {plan.engine(r).settings.moe.router_dtype for r in plan.roles} == {want}
+        assert {plan.engine(r).settings.moe.router_dtype for r in ("actor", "ref")} == {want}
         assert ("routing in fp32" in format_plan(plan)) == (want is not None)
