@@ -10,7 +10,9 @@
 #     bash bench/pending_gpu.sh dense-logprob  # the 1.5B, log-prob passes at 49,152 (against `dense`'s b12k)
 #     bash bench/pending_gpu.sh realistic    # qwen3-moe, realistic response lengths vs the preset
 #     bash bench/pending_gpu.sh profile      # a torch profile of the qwen3-moe update and log-prob passes
-# Parts `moe*`, `realistic` and `profile` need an H200 (the update's peak is ~102 GiB).
+# Parts `moe*`, `realistic` and `profile` need an H200 (the update's peak is ~102 GiB); on an 80 GiB card set
+# PENDING_SET="--set actor.ppo_max_token_len_per_gpu=12288 --set cluster.device_memory_gib=80
+# --set ref.megatron.param_offload=true" (added to every step run; side-by-side ratios stay comparable).
 set -u
 part="${1:?usage: bash bench/pending_gpu.sh kernels|moe|moe-kernels|moe-logprob|dense|dense-logprob|realistic|profile}"
 out="${OUT:-/tmp/pending_gpu}/$part"
@@ -37,40 +39,40 @@ case "$part" in
   moe)
     # The optimizer step decided on the host with megatron's per-parameter loops (before the eleventh
     # session) against this tree, side by side.
-    python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 3 --workloads preset:off,preset \
+    python3 bench/grpo_step_gpu.py ${PENDING_SET:-} --preset qwen3-moe-grpo --steps 3 --workloads preset:off,preset \
       --off-env RLPLAN_BENCH_TRAIN_KERNELS_OFF=deviceguard,foreach --out "$out" 2>&1 | tail -20
     ;;
   moe-kernels)
     # The twelfth session's kernels (RMSNorm, the experts' SwiGLU x probability) off against on: their
     # device time saved against the host time their launches add (the passes are partly host-bound).
-    python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 3 --workloads preset:off,preset \
+    python3 bench/grpo_step_gpu.py ${PENDING_SET:-} --preset qwen3-moe-grpo --steps 3 --workloads preset:off,preset \
       --off-env RLPLAN_BENCH_TRAIN_KERNELS_OFF=swigluprobs,rmsnorm --out "$out" 2>&1 | tail -20
     ;;
   dense)
-    python3 bench/grpo_step_gpu.py --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \
+    python3 bench/grpo_step_gpu.py ${PENDING_SET:-} --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \
       --out "$out/b12k" 2>&1 | tail -8
-    python3 bench/grpo_step_gpu.py --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \
+    python3 bench/grpo_step_gpu.py ${PENDING_SET:-} --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \
       --set actor.ppo_max_token_len_per_gpu=24576 --set cluster.device_memory_gib=139 \
       --out "$out/b24k" 2>&1 | tail -8
     ;;
   moe-logprob)
     # The log-prob passes at twice the update's token budget (actor / ref.log_prob_max_token_len_per_gpu):
     # half the micro-batches, whose per-micro-batch host cost bounds a MoE forward pass.
-    python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 3 --workloads preset \
+    python3 bench/grpo_step_gpu.py ${PENDING_SET:-} --preset qwen3-moe-grpo --steps 3 --workloads preset \
       --set actor.log_prob_max_token_len_per_gpu=49152 --set ref.log_prob_max_token_len_per_gpu=49152 \
       --out "$out" 2>&1 | tail -8
     ;;
   dense-logprob)
-    python3 bench/grpo_step_gpu.py --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \
+    python3 bench/grpo_step_gpu.py ${PENDING_SET:-} --preset qwen2.5-1.5b-grpo --steps 3 --workloads preset \
       --set actor.log_prob_max_token_len_per_gpu=49152 --set ref.log_prob_max_token_len_per_gpu=49152 \
       --out "$out" 2>&1 | tail -8
     ;;
   realistic)
-    python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 3 --workloads realistic,preset \
+    python3 bench/grpo_step_gpu.py ${PENDING_SET:-} --preset qwen3-moe-grpo --steps 3 --workloads realistic,preset \
       --out "$out" 2>&1 | tail -20
     ;;
   profile)
-    python3 bench/grpo_step_gpu.py --preset qwen3-moe-grpo --steps 2 --workloads preset \
+    python3 bench/grpo_step_gpu.py ${PENDING_SET:-} --preset qwen3-moe-grpo --steps 2 --workloads preset \
       --set profile.tool=torch --set profile.steps=2 \
       --set "profile.roles=actor_update actor_compute_log_prob" --out "$out" 2>&1 | tail -8
     find "$out" -name trace.json -delete  # too large to bring back; grpo_step_gpu.py kept its trace_gaps_*.json
