@@ -43,6 +43,7 @@ SUB_RULES: dict[str, str] = {
     "batch-divisible-by-dp-micro": "batch-layout",
     "mini-batch-covers-micro": "batch-layout",
     "token-budget-fits-sequence": "batch-layout",
+    "log-prob-budget-unused": "batch-layout",
 }
 
 

@@ -319,3 +319,13 @@ def test_the_log_prob_passes_token_budget_fits_a_sequence():
     fixed = ["actor.use_dynamic_bsz=true", "actor.ppo_max_token_len_per_gpu=4096",
              "actor.log_prob_use_dynamic_bsz=false", "actor.log_prob_max_token_len_per_gpu=20"]  # fmt: skip
     assert budget_errors(fixed) == []  # rows, not tokens: the budget is not used
+
+
+def test_a_reference_budget_lora_would_not_use_is_reported():
+    """With LoRA the reference log-probs come from the actor's engine (adapters off), cut by the actor's
+    log-prob budget: a ref.log_prob_* the user set is a warning naming the field and the actor's twin."""
+    overrides = ["actor.use_kl_loss=true", "actor.lora.rank=4", "ref.log_prob_max_token_len_per_gpu=8192"]
+    hits = [i for i in _issues(overrides) if i.rule == "log-prob-budget-unused"]
+    assert [(i.path, i.severity) for i in hits] == [("ref.log_prob_max_token_len_per_gpu", "warning")]
+    assert "actor.log_prob_max_token_len_per_gpu" in hits[0].fix
+    assert not [i for i in _issues(overrides[:2]) if i.rule == "log-prob-budget-unused"]

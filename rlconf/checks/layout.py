@@ -32,6 +32,7 @@ from rlconf.plan.roles import (
     megatron_roles,
     model_parallel,
     pipeline_split,
+    ref_from_adapters,
     role_spec,
     role_world,
     rollout_tp,
@@ -496,7 +497,8 @@ def _batch_checks(
 def batch_layout(c: RLConfig) -> Iterator[Issue]:
     """Batches split evenly: mini-batches divide the batch; responses divide over dp x micro-batch; a
     mini-batch covers a micro-batch per rank; the token budget fits one full sequence (the update's and the
-    log-prob passes')."""
+    log-prob passes'); a reference budget that LoRA's reference (the actor's engine) would not use is
+    reported."""
     if not sizes_ok(c) or actor_world(c) < 1:
         return
     for spec in trained_roles(c):
@@ -518,6 +520,17 @@ def _log_prob_budgets(c: RLConfig) -> Iterator[Issue]:
     for name in configured_roles(c):
         spec = role_spec(name)
         if spec.log_prob_budget is None or spec.token_budget is None:
+            continue
+        if name == "ref" and ref_from_adapters(c):
+            for field in ("log_prob_use_dynamic_bsz", "log_prob_max_token_len_per_gpu"):
+                if getattr(c.ref, field) is not None:
+                    yield warning(
+                        f"ref.{field}",
+                        f"ref.{field} has no effect: with LoRA the reference log-probs come from the actor's "
+                        "engine with its adapters off, in the actor's log-prob micro-batches",
+                        f"remove ref.{field}, or set actor.{field} (the old log-probs' and the reference's)",
+                        "log-prob-budget-unused",
+                    )
             continue
         _, dynamic, budget = forward_batching(c, name)
         if not dynamic or budget is None or budget >= need:

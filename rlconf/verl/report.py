@@ -37,6 +37,7 @@ for _sub, _parent in (
     ("batch-divisible-by-dp-micro", "batch-layout"),
     ("mini-batch-covers-micro", "batch-layout"),
     ("token-budget-fits-sequence", "batch-layout"),
+    ("log-prob-budget-unused", "batch-layout"),
 ):
     _LATE_IN_VERL[_sub] = _LATE_IN_VERL[_parent]  # fmt: skip
 RLPLAN_ONLY_RULES: dict[str, str] = {
