@@ -1,8 +1,8 @@
 """torch.nn.RMSNorm's forward and backward as Triton kernels, for the training passes' norms on CUDA.
 
 Why: every decoder layer normalises its input and its MLP input, and Qwen3-style layers every query and key
-head (rows of 128): a qwen3-moe update on the H200 spent 0.29 s of its 3.6 s of kernels in torch's RMSNorm
-(0.10 s forward, 0.19 s backward; docs/benchmarks.md), ~3x what reading the inputs and writing the outputs
+head (rows of 128): a qwen3-moe update on the H200 spent 0.31 s of its 3.6 s of kernels in torch's RMSNorm
+(0.11 s forward, 0.20 s backward; docs/benchmarks.md), ~3x what reading the inputs and writing the outputs
 once needs at the memory's speed. Here a forward program normalises BLOCK_ROWS rows held in registers (many
 short rows per program, so the 128-wide head norms fill the machine), and a backward program walks
 BLOCK_ROWS x TILES rows, writing each row's input gradient and one fp32 partial of the weight's gradient;
