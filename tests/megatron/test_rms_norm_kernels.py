@@ -69,7 +69,9 @@ def _check_kernels(x, weight, dy, exact_rounding: bool) -> None:
             assert ((result.double() - exact).abs() <= bound).all(), float(
                 (result.double() - exact).abs().max()
             )
-        if exact_rounding and got.numel() and x.dtype != torch.float32 and got is not dw:
+        # Where torch's sums and ours round alike almost every 16-bit element is equal (0.99998 on the H200
+        # at 24,576 x 1,024); a share needs elements to be one: a one-row norm may differ in every element.
+        if exact_rounding and got.numel() >= 1000 and x.dtype != torch.float32 and got is not dw:
             assert (got == torchs).double().mean() > 0.98
 
 
