@@ -894,7 +894,9 @@ def test_the_log_prob_passes_take_their_own_token_budget() -> None:
     from presets import get_preset
     from rlconf.plan.render import format_plan
 
-    moe = get_preset("qwen3-moe-grpo")  # actor.use_dynamic_bsz, 24,576 tokens per micro-batch
+    preset = get_preset("qwen3-moe-grpo")  # actor.use_dynamic_bsz, 24,576 tokens per micro-batch
+    moe = replace(preset, actor=replace(preset.actor, log_prob_max_token_len_per_gpu=None),
+                  ref=replace(preset.ref, log_prob_max_token_len_per_gpu=None))  # fmt: skip
     plan = compile_plan(moe)
     for role in ("actor", "ref"):
         s = plan.engine(role).settings
