@@ -210,7 +210,7 @@ def qwen3_moe_grpo() -> RLConfig:
             # (docs/benchmarks.md, 2026-12-05); the update's peak is ~102 GiB of the 139.
             "actor.ppo_max_token_len_per_gpu": 24576,
             # The log-prob passes keep no activations: twice the update's budget (half their micro-batches)
-            # took the old log-prob and ref passes from 1.20-1.51 / 1.12-1.18 s to 1.11-1.15 / 1.05-1.06 s on the
+            # took the old log-prob and ref passes from 1.20-1.51 / 1.07-1.20 s to 1.11-1.15 / 1.05-1.06 s on the
             # H200 (log-prob peak 70.6 GiB; docs/benchmarks.md, 2026-12-05, twelfth session).
             "actor.log_prob_max_token_len_per_gpu": 49152,
             "ref.log_prob_max_token_len_per_gpu": 49152,
