@@ -23,7 +23,8 @@ fi
 export PYTHONPATH="/tmp/site312:$PWD"
 export RAY_AUTH_MODE=disabled NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$out/device.txt"
-git log --oneline -1 2>/dev/null | tee "$out/commit.txt"
+# (No commit is recorded here: the device gets the working tree, but its .git may be an older snapshot, whose
+# `git log` named another commit; the caller names the commit it sent.)
 
 case "$part" in
   kernels)

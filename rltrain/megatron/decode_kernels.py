@@ -15,8 +15,8 @@ rows), so one captured graph serves a row set's whole decode.
 
 `fused.decode_attention_inputs` and SDPA stay the references (and the CPU path); `KVCacheGenerator` takes
 these kernels only on CUDA with the plan's fused kernels and where `unsupported` / `attention_unsupported`
-name no reason (inference.py). Triton is imported guarded: CPU machines (no triton package) import this
-module and get the reason instead.
+name no reason (inference.py). Triton comes from triton_runtime, guarded: CPU machines (no triton package)
+import this module and get the reason instead.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ in fp32, rounded to the weight's dtype. They differ from torch by the order of t
 
 `TritonRMSNorm` is a torch.nn.RMSNorm (same parameter, state dict and HF mapping) that takes these kernels
 where `unsupported` names no reason and the bench switch `rmsnorm` is not set; `model.TorchRMSNorm` builds it
-for engines with fused kernels. Triton is imported guarded, as in decode_kernels.py.
+for engines with fused kernels. Triton comes from triton_runtime (None where absent).
 """
 
 from __future__ import annotations

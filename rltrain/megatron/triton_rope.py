@@ -13,7 +13,7 @@ the kernel's largest error against fp64 at 0.025 where the compiled function's i
 device). The backward is RoPE's transpose, g cos + R^T(g sin).
 
 `fused.use_compiled_rope(device, dtype)` serves it where `unsupported` names no reason; the compiled function
-stays the reference and the CPU path. Triton is imported guarded, as in decode_kernels.py.
+stays the reference and the CPU path. Triton comes from triton_runtime (None where absent).
 """
 
 from __future__ import annotations

@@ -13,8 +13,8 @@ wide) on the H200, 1-1.7 TB/s, once per layer per micro-batch of every update (d
 program reads a tile of g, y_1 and y_2 once and writes both halves of the gradient (358 us).
 
 `fused.use_unbacked_swiglu` serves them for megatron's `swiglu` and `swiglu_back` on CUDA where `unsupported`
-names no reason; the compiled functions stay the reference and the CPU path. Triton is imported guarded, as in
-decode_kernels.py.
+names no reason; the compiled functions stay the reference and the CPU path. Triton comes from triton_runtime
+(None where absent).
 
 `swiglu_probs` / `swiglu_probs_back`: the MoE experts' elementwise work between their grouped products
 (moe_experts.fused_swiglu_probs and its backward: SwiGLU times each row's routing probability, and the
