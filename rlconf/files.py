@@ -4,8 +4,8 @@ templates, safetensors headers, checkpoint manifests, data files.
 Every read goes through `read_regular`: the path is opened without blocking (O_NONBLOCK: a FIFO with no
 writer does not hang the open), the opened file is checked to be a regular file (fstat after resolving
 symlinks, so a symlink to /dev/zero, a FIFO, a socket or a device is refused before a byte is read), and at
-most `max_bytes` + 1 bytes are read, so a file over the limit costs one error and no memory. `read_json`
-adds a nesting limit. Violations are ConfigError (exit 2 at `rlconf validate` / `rltrain`) naming the
+most `max_bytes` + 1 bytes are read, so a file over the limit costs one error and no memory. A file whose size is over
+the limit is refused unread. `read_json` adds a nesting limit. Violations are ConfigError (exit 2 at `rlconf validate` / `rltrain`) naming the
 config path (`model.path`, `data.train_files[0]`, ...) and the file.
 
 Pure standard library (rlconf never imports torch).
@@ -156,10 +156,13 @@ def read_limited(path: Path, max_bytes: int) -> bytes:
     whose `kind` says which check failed, otherwise. read_regular words its errors as ConfigErrors."""
     fd = open_regular(path)
     try:
-        data = read_fd(fd, path, 0, max_bytes + 1)
+        # A regular file's size is known before reading: one over the limit is refused unread. The read
+        # stays bounded for a file that grows meanwhile.
+        size = os.fstat(fd).st_size
+        data = b"" if size > max_bytes else read_fd(fd, path, 0, max_bytes + 1)
     finally:
         os.close(fd)
-    if len(data) > max_bytes:
+    if size > max_bytes or len(data) > max_bytes:
         raise FileProblem(
             f"{path} is larger than {_size_text(max_bytes)}", "check that this is the file you meant", LIMIT_RULE,
             kind="too-large",

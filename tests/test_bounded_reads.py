@@ -1,6 +1,6 @@
 """Reads and derived sizes are bounded (issue 31 items 2 and 3): an interpolation bomb in a verl config, a chat
 template that loops 10^10 times, data files that are devices or FIFOs, and plans far larger than this machine
-all stop with exit 2 in well under a second (or the render budget), naming the file or key; never a hang, a
+all stop with exit 2 having read and allocated little (or at the render budget), naming the file or key; never a hang, a
 MemoryError, or gigabytes of memory."""
 
 from __future__ import annotations
@@ -9,13 +9,13 @@ import os
 import resource
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from rlconf.cli import main as rlconf_main
 from rltrain.cli import main as rltrain_main
+from tests.read_count import counting_reads
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,12 +34,10 @@ def test_import_verl_interpolation_bomb(tmp_path, capsys):
     verl = tmp_path / "verl.yaml"
     verl.write_text("\n".join(lines) + "\n")
     before = _peak_rss_mib()
-    start = time.perf_counter()
     code = rlconf_main(["import-verl", str(verl)])
-    elapsed = time.perf_counter() - start
     err = capsys.readouterr().err
     assert code == 2, err
-    assert elapsed < 1.0 and _peak_rss_mib() - before < 200
+    assert _peak_rss_mib() - before < 200  # expanded, 2^40 characters: a MemoryError
     assert "custom.k" in err and "expands to more than" in err and "Traceback" not in err
 
 
@@ -55,12 +53,11 @@ def test_import_verl_interpolation_bomb(tmp_path, capsys):
 )
 def test_plans_larger_than_this_machine_exit_2_at_dry_run(flags, needle, capsys):
     """On cpu the budget is this machine's memory: the plan's own estimate and its advice, exit 2, fast."""
-    start = time.perf_counter()
+    before = _peak_rss_mib()
     code = rltrain_main(["tiny-grpo", *flags, "--dry-run"])
-    elapsed = time.perf_counter() - start
     err = capsys.readouterr().err
     assert code == 2, err
-    assert elapsed < 3.0, elapsed
+    assert _peak_rss_mib() - before < 200  # judged from the plan's arithmetic, nothing of that size built
     assert "[memory-exceeds-device]" in err and "this machine's memory per worker on cpu" in err
     assert needle in err and "fix: change one or more of" in err and "Traceback" not in err
     sets = [
@@ -163,10 +160,9 @@ def test_checkpoint_records_are_read_bounded(tmp_path, kind):
     else:
         with open(f, "wb") as out:
             out.truncate(100 << 20)
-    start = time.perf_counter()
-    with pytest.raises(JSON_ERRORS) as info:
+    with counting_reads() as reads, pytest.raises(JSON_ERRORS) as info:
         read_json(f)
-    assert time.perf_counter() - start < 1.0
+    assert reads.bytes <= 200_000  # the 200,000-byte nested file; the others are refused unread
     assert str(f) in str(info.value)
     assert {"fifo": "FIFO", "symlink-dev-zero": "a device", "deep": "nested deeper", "huge": "larger than"}[
         kind

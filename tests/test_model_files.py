@@ -12,7 +12,6 @@ import stat
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -20,11 +19,13 @@ import torch
 
 from presets import PRESETS
 from rlconf.cli import main as rlconf_main
+from rlconf.files import MIB
 from rlconf.load import load_config
 from rlconf.model_files import RULE, hf_tensors, read_safetensors_header
 from rlconf.model_spec import read_model_arch
 from rltrain.cli import main as rltrain_main
 from rltrain.tokenizer import CharTokenizer
+from tests.read_count import counting_reads
 
 ROOT = Path(__file__).resolve().parents[1]
 QWEN = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -66,15 +67,20 @@ def _write(path: Path, header: dict, data: bytes) -> None:
     path.write_bytes(struct.pack("<Q", len(text)) + text + data)
 
 
+READ_BOUND = 4 * MIB
+"""What validating a damaged tiny folder may read: its files are at most a few hundred KiB (config.json is
+read by each check that needs the architecture, five at validate; the safetensors data past the header never),
+and a file over its limit or not a regular file is refused unread."""
+
+
 def _rejects(folder: Path, capsys, *needles: str, flags: tuple[str, ...] = ()) -> str:
-    """`rlconf validate` exits 2 in well under a second with rule model-files naming model.path and each
-    needle; returns stderr."""
-    start = time.perf_counter()
-    code = rlconf_main(["validate", "--preset", "tiny-grpo", "--set", f"model.path={folder}", *flags])
-    elapsed = time.perf_counter() - start
+    """`rlconf validate` exits 2 with rule model-files naming model.path and each needle, having read at most
+    READ_BOUND bytes; returns stderr."""
+    with counting_reads() as reads:
+        code = rlconf_main(["validate", "--preset", "tiny-grpo", "--set", f"model.path={folder}", *flags])
     err = capsys.readouterr().err
     assert code == 2, err
-    assert elapsed < 1.0, elapsed
+    assert reads.bytes <= READ_BOUND, reads.bytes
     assert "] model.path:" in err and "fix:" in err and "Traceback" not in err, err
     for needle in needles:
         assert needle in err, (needle, err)
@@ -232,16 +238,20 @@ def test_sharded_index_naming_a_file_outside_the_folder(folder, capsys):
     _rejects(folder, capsys, "'../model.safetensors'", "[model-folder-paths]")
 
 
-def test_rltrain_stops_before_ray(folder, capsys):
+def test_rltrain_stops_before_ray(folder, capsys, monkeypatch):
     """Not a dry run: rltrain exits 2 at its checks, before Ray or a worker starts."""
+    import ray
+
+    def no_ray(*args, **kwargs):
+        raise AssertionError("ray.init called for a folder the checks refuse")
+
+    monkeypatch.setattr(ray, "init", no_ray)
     (folder / "model.safetensors").unlink()
-    start = time.perf_counter()
     code = rltrain_main(
         ["tiny-grpo", "--model.path", str(folder), "--trainer.output_dir", str(folder.parent / "o")]
     )
     err = capsys.readouterr().err
     assert code == 2 and "[model-files] model.path:" in err and "no weights file" in err, err
-    assert time.perf_counter() - start < 5
     assert not (folder.parent / "o").exists()
 
 
@@ -276,12 +286,10 @@ def test_config_json_that_is_not_a_regular_file(folder, kind):
         os.mkfifo(cfg)
     else:
         cfg.symlink_to("/dev/zero")
-    start = time.perf_counter()
     result = _cli(
         "validate", "--preset", "tiny-grpo", "--set", f"model.path={folder}"
     )  # a hang fails the timeout
     assert result.returncode == 2, result.stderr
-    assert time.perf_counter() - start < 10
     # A link out of the folder is refused first by path containment (rule model-folder-paths), before any
     # read; a FIFO inside it by the bounded reader.
     refusal = "[model-folder-paths]" if kind == "symlink-dev-zero" else f"{cfg} is not a regular file"
@@ -294,7 +302,7 @@ def test_config_json_too_large_or_too_deep(folder, capsys):
     cfg.write_text("[" * 100_000 + "]" * 100_000)
     _rejects(folder, capsys, "nested deeper than")
     cfg.write_text(" " * (5 << 20) + "{}")
-    _rejects(folder, capsys, "larger than 4 MiB")
+    _rejects(folder, capsys, "larger than 4 MiB")  # refused by its size, unread
 
 
 def test_tokenizer_json_symlink_to_dev_zero(folder, capsys):
@@ -334,11 +342,9 @@ def _set_template(folder: Path, template: str) -> None:
 def test_chat_template_bomb_is_stopped_at_validate(folder, capsys):
     """Two nested range(100000) loops (the issue: 10.2 GB after 90 s): the render budget stops it."""
     _set_template(folder, BOMB)
-    start = time.perf_counter()
     code = rlconf_main(["validate", "--preset", "tiny-grpo", "--set", f"model.path={folder}"])
     err = capsys.readouterr().err
-    assert code == 2, err
-    assert time.perf_counter() - start < 5
+    assert code == 2, err  # unstopped, the template runs 10^10 iterations: hours, not the budget's seconds
     assert (
         "[model-files] model.path:" in err
         and "tokenizer_config.json: the chat template ran longer than" in err
@@ -362,10 +368,8 @@ def test_chat_template_bomb_is_stopped_when_the_run_renders_it(folder):
     _set_template(folder, "{% for m in messages %}{% for c in m['content'] %}{% for d in m['content'] %}"
                   "{% endfor %}{% endfor %}{% endfor %}")  # fmt: skip
     tok = load_tokenizer(tokenizer_plan(ModelConfig(path=str(folder))))
-    start = time.perf_counter()
-    with pytest.raises(ConfigError) as info:
+    with pytest.raises(ConfigError) as info:  # the message says the budget stopped it, not an error
         tok.encode_prompt("1" * 100_000)
-    assert time.perf_counter() - start < 5
     assert info.value.path == "model.path" and "ran longer than" in info.value.issues[0].message
 
 

@@ -100,7 +100,7 @@ def test_runner_cuts_off_a_hanging_tool_without_holding_up_the_others(tmp_path, 
     ])  # fmt: skip
     elapsed = time.perf_counter() - t0
     runner.close()
-    assert elapsed < 10  # the hanging call's worker is killed at its deadline (3 s), not after its 30 s
+    assert elapsed < 20  # the hanging call's worker is killed at its deadline (3 s), not after its 30 s
     assert hang.error and "timed out" in hang.text
     assert crash.error and "RuntimeError: tool bug" in crash.text
     assert loud.truncated and not loud.error and len(loud.text) <= 64 + 3
