@@ -3,6 +3,7 @@
 # writing under $OUT/<part>. Run from the repository root on the GPU machine with the cp312 site tarball
 # carried (`carry: [".gpusite"]`; DESIGN.md says how to build it):
 #     bash bench/pending_gpu.sh kernels      # CUDA parity tests + the kernels against what they replace
+#     bash bench/pending_gpu.sh rmsnorm-tune # the RMSNorm backward's launch shapes at the hidden widths
 #     bash bench/pending_gpu.sh moe          # qwen3-moe steps: the host-decided optimizer step vs this tree
 #     bash bench/pending_gpu.sh moe-kernels  # qwen3-moe steps: the RMSNorm and SwiGLU-probs kernels off vs on
 #     bash bench/pending_gpu.sh dense        # the 1.5B at 12,288 vs 24,576 tokens per micro-batch
@@ -14,7 +15,7 @@
 # PENDING_SET="--set actor.ppo_max_token_len_per_gpu=12288 --set cluster.device_memory_gib=80
 # --set ref.megatron.param_offload=true" (added to every step run; side-by-side ratios stay comparable).
 set -u
-part="${1:?usage: bash bench/pending_gpu.sh kernels|moe|moe-kernels|moe-logprob|dense|dense-logprob|realistic|profile}"
+part="${1:?usage: bash bench/pending_gpu.sh kernels|rmsnorm-tune|moe|moe-kernels|moe-logprob|dense|dense-logprob|realistic|profile}"
 out="${OUT:-/tmp/pending_gpu}/$part"
 mkdir -p "$out"
 if [ -f .gpusite/site312.tar.xz ] && [ ! -d /tmp/site312 ]; then
@@ -36,6 +37,11 @@ case "$part" in
       echo "pytest or hypothesis missing: the CUDA parity tests did not run" | tee "$out/pytest.txt"
     fi
     python3 bench/train_kernels_gpu.py --only swigluprobs,rmsnorm,gathersum --out "$out" 2>&1 | tail -20
+    ;;
+  rmsnorm-tune)
+    # The backward's tiles are untuned at hidden widths (1,024: no gain over torch's; docs/benchmarks.md):
+    # pick TILE_ELEMENTS / TILES / num_warps from this sweep, then run `kernels` again.
+    python3 bench/train_kernels_gpu.py --only rmsnorm-tune --out "$out" 2>&1 | tail -40
     ;;
   moe)
     # The optimizer step decided on the host with megatron's per-parameter loops (before the eleventh

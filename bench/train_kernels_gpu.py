@@ -20,6 +20,8 @@
            query-head (x 16 x 128) and key-head (x 4 x 128) norms and the 1.5B's hidden (16,384 x 1,536):
            device microseconds forward and forward + backward, equal shares and largest relative
            differences of y, dx and dw
+  rmsnorm-tune  the RMSNorm backward kernel's launch shapes (tile elements, tiles per program, warps) at
+           the two hidden widths: device microseconds of each, the best, and the bytes' time at 4.3 TB/s
   swigluprobs the MoE experts' SwiGLU times each row's probability and its backward (qwen3-moe at 24,576
            tokens, top 8: 196,608 rows, F 512, bf16): `triton_swiglu.swiglu_probs` / `swiglu_probs_back`
            against the torch.compile'd functions they replace (bench switch `swigluprobs`), device
@@ -35,6 +37,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -312,6 +315,36 @@ def rmsnorm(report: dict) -> None:
     report["rmsnorm"] = rows_out
 
 
+def rmsnorm_tune(report: dict) -> None:
+    """`triton_rms_norm`'s backward kernel over launch shapes (elements of a tile, tiles per program, warps)
+    at the hidden widths, device microseconds per call, printed as measured; the bytes' time beside them."""
+    from rltrain.megatron import triton_rms_norm
+
+    found = {}
+    for name, (rows, width) in {
+        "qwen3moe_hidden": (24576, 1024),
+        "qwen25_1.5b_hidden": (16384, 1536),
+    }.items():
+        g = torch.Generator(device="cuda").manual_seed(rows + width)
+        x = torch.randn(rows, width, device="cuda", generator=g).to(torch.bfloat16)
+        w = (1 + 0.1 * torch.randn(width, device="cuda", generator=g)).to(torch.bfloat16)
+        dy = torch.randn(rows, width, device="cuda", generator=g).to(torch.bfloat16)
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1) + 1e-6)
+        bytes_moved = 3 * x.numel() * x.element_size()  # x and dy read, dx written
+        times = {}
+        for tile_elements in (2048, 4096, 8192):
+            for tiles in (2, 8):
+                for warps in (4, 8, 16):
+                    us = per_call_us(functools.partial(
+                        triton_rms_norm._backward, x, w, rstd, dy, tile_elements, tiles, warps))  # fmt: skip
+                    times[f"{tile_elements}x{tiles}w{warps}"] = round(us, 1)
+                    print(name, tile_elements, tiles, warps, f"{us:.1f} us", flush=True)
+        best = min(times, key=times.__getitem__)
+        found[name] = {"us": times, "best": best, "bytes_us_at_4.3TBps": round(bytes_moved / 4.3e6, 1)}
+        print(name, "best", best, times[best], "bytes' time", found[name]["bytes_us_at_4.3TBps"], flush=True)
+    report["rmsnorm_tune"] = found
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=16384, help="tokens of a micro-batch")
@@ -319,7 +352,7 @@ def main() -> int:
     ap.add_argument("--only", default="", help="comma list of parts (default: all)")
     a = ap.parse_args()
     report: dict = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "tokens": a.tokens}
-    parts = {"rmsnorm": lambda: rmsnorm(report), "swigluprobs": lambda: swigluprobs(report), "gathersum": lambda: gathersum(report),
+    parts = {"rmsnorm": lambda: rmsnorm(report), "rmsnorm-tune": lambda: rmsnorm_tune(report), "swigluprobs": lambda: swigluprobs(report), "gathersum": lambda: gathersum(report),
              "maingrad": lambda: maingrad(report), "grouped": lambda: grouped(report),
              "wgrad": lambda: wgrad(report, a.tokens), "rope": lambda: rope(report, a.tokens)}  # fmt: skip
     for name, part in parts.items():

@@ -51,9 +51,10 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor | None) -> str | None:
     return decode_kernels.where_unsupported(x.device.type)
 
 
-def _block_rows(width: int) -> tuple[int, int]:
+def _block_rows(width: int, tile_elements: int = TILE_ELEMENTS) -> tuple[int, int]:
+    """(rows of a program's tile, the power-of-two width it holds)."""
     block_h = decode_kernels.next_power_of_2(width)
-    return max(1, min(64, TILE_ELEMENTS // block_h)), block_h
+    return max(1, min(64, tile_elements // block_h)), block_h
 
 
 def _eps(x: torch.Tensor, eps: float | None) -> float:
@@ -94,20 +95,35 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight, rstd = ctx.saved_tensors
-        width = x.shape[-1]
-        rows, dy_rows = _rows(x, width), _rows(dy, width)
-        n = rows.shape[0]
-        dx = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-        block_r, block_h = _block_rows(width)
-        programs = triton.cdiv(n, block_r * TILES)
-        partial = torch.empty((programs, width), dtype=torch.float32, device=x.device)
-        if n:
-            _backward_kernel[(programs,)](
-                rows, weight, dy_rows, rstd, dx, partial, n, rows.stride(0), dy_rows.stride(0),
-                H=width, BLOCK_ROWS=block_r, BLOCK_H=block_h, TILES=TILES,
-            )  # fmt: skip
+        dx, partial = _backward(x, weight, rstd, dy)
         dw = partial.sum(0).to(weight.dtype) if ctx.needs_input_grad[1] else None  # (frozen under LoRA)
-        return dx.view(x.shape), dw, None
+        return dx, dw, None
+
+
+def _backward(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    rstd: torch.Tensor,
+    dy: torch.Tensor,
+    tile_elements: int = TILE_ELEMENTS,
+    tiles: int = TILES,
+    num_warps: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, the programs' fp32 partials of dw); the launch's shape is a parameter for
+    bench/train_kernels_gpu.py's `rmsnorm-tune`."""
+    width = x.shape[-1]
+    rows, dy_rows = _rows(x, width), _rows(dy, width)
+    n = rows.shape[0]
+    dx = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    block_r, block_h = _block_rows(width, tile_elements)
+    programs = triton.cdiv(n, block_r * tiles)
+    partial = torch.empty((programs, width), dtype=torch.float32, device=x.device)
+    if n:
+        _backward_kernel[(programs,)](
+            rows, weight, dy_rows, rstd, dx, partial, n, rows.stride(0), dy_rows.stride(0),
+            H=width, BLOCK_ROWS=block_r, BLOCK_H=block_h, TILES=tiles, num_warps=num_warps,
+        )  # fmt: skip
+    return dx.view(x.shape), partial
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> torch.Tensor:
