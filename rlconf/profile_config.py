@@ -51,3 +51,15 @@ class LoggingConfig:
     """Log level of the controller and workers."""
     plot_reward: bool = True
     """Write reward_curve.png to trainer.output_dir at the end of the run."""
+    val_generations: int = 0
+    """Validation responses to record at each validation (prompt, response, ground truth, score): the same
+    rows every time (a choice fixed by trainer.seed), so a reader follows them through training; appended to
+    trainer.output_dir/val_generations.jsonl, and a table in wandb / text in tensorboard where those
+    backends log. 0: none (verl's trainer.log_val_generations)."""
+    rollout_data_dir: str | None = None
+    """Folder for every training step's generations, STEP.jsonl, one line per response (input, output, gts,
+    score, step, data_source: verl's trainer.rollout_data_dir format); a relative path is under
+    trainer.output_dir; null: none written."""
+    validation_data_dir: str | None = None
+    """Folder for every validation's generations, STEP.jsonl (step 0: before training), as
+    rollout_data_dir; null: none written (verl's trainer.validation_data_dir)."""

@@ -28,6 +28,7 @@ SHUFFLE = "shuffle"
 DROPOUT = "dropout"
 DP_SHARD = "dp-shard"  # a data-parallel rank's part of a rollout: (rollout seed, dp rank, DP_SHARD)
 GENERATE = "generate"  # an engine's sampler outside a run: (megatron seed, call number, GENERATE)
+VAL_SAMPLES = "val-samples"  # which validation rows logging.val_generations records: (seed, 0, VAL_SAMPLES)
 
 _SEED_BITS = 63  # torch, numpy and megatron all accept it; a signed 64-bit int never overflows
 

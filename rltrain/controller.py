@@ -29,12 +29,13 @@ from rlconf.errors import ConfigError, error
 from rlconf.plan import TrainerPlan
 from rlconf.plan.roles import role_spec
 from rlconf.run_config import ConfigDocument
-from rlconf.seeding import ROLLOUT, VALIDATE, derive_seed
-from rltrain import algorithms
+from rlconf.seeding import ROLLOUT, VAL_SAMPLES, VALIDATE, derive_seed
+from rltrain import algorithms, generations
 from rltrain import device as devices
 from rltrain import metrics as metrics_lib
 from rltrain.checkpoint import CheckpointError, Resume
 from rltrain.data import PromptBatch, left_pad
+from rltrain.generations import GENERATIONS_KEY
 from rltrain.guard import CAUSE_KEY, DIVERGED_EXIT, DivergedError, DivergenceGuard, bad_update, first_bad
 from rltrain.metrics import REWARD_PLOT, MetricsLogger, plot_reward_curve
 from rltrain.profiling import Profiler, nsys_command, write_summary
@@ -309,16 +310,15 @@ class Trainer:
             self.tokenizer.decode(row[mask.bool()].tolist())
             for row, mask in zip(batch["responses"], present, strict=True)
         ]
+        truths = [g for g in prompts.ground_truths for _ in range(n)]
+        prompt_texts = [p for p in prompts.prompts for _ in range(n)]
+        sources = [d for d in prompts.data_sources for _ in range(n)]
         t0 = time.perf_counter()
         with self.reward_profiler.profiled("reward_compute"):
             scores, reward_extras = score_rows(
-                self.reward_fn,
-                texts,
-                [g for g in prompts.ground_truths for _ in range(n)],
-                [p for p in prompts.prompts for _ in range(n)],
-                [d for d in prompts.data_sources for _ in range(n)],
+                self.reward_fn, texts, truths, prompt_texts, sources,
                 [e for e in prompts.extra_infos for _ in range(n)],
-            )
+            )  # fmt: skip
         batch["scores"] = torch.tensor(scores, dtype=torch.float32)
         if "multi_turn_reward" in batch:  # an interaction's per-turn and final rewards
             batch["scores"] = batch["scores"] + batch["multi_turn_reward"]
@@ -358,6 +358,11 @@ class Trainer:
             metrics["perf/total_num_tokens"] = int(batch["attention_mask"].sum())  # prompts + responses
             metrics["sample/prompt"] = prompts.prompts[0]
             metrics["sample/response"] = texts[0]
+        log = self.run.logging
+        if (log.validation_data_dir or log.val_generations) if validate else log.rollout_data_dir:
+            metrics[GENERATIONS_KEY] = generations.text_rows(
+                prompt_texts, texts, truths, batch["scores"].tolist(), sources
+            )  # the caller pops them: it knows the step
         return batch, metrics
 
     def _agent_rollout(
@@ -391,6 +396,8 @@ class Trainer:
             batch, metrics = self.dynamic_sampling(step, prompts)
         else:
             batch, metrics = self.rollout(prompts, self.plan.batch_plan("actor").responses_per_prompt, seed)
+        if (rows := metrics.pop(GENERATIONS_KEY, None)) is not None:
+            generations.write_step_file(self.run.logging.rollout_data_dir, step, rows)
         self._data_states[step] = self.train_data.state_dict()
         metrics["timing/generate_s"] = time.perf_counter() - t0
         return batch, metrics
@@ -597,6 +604,8 @@ class Trainer:
             else:
                 metrics["perf/total_num_tokens"] += batch_metrics["perf/total_num_tokens"]
                 metrics["timing/reward_s"] += batch_metrics["timing/reward_s"]
+                if GENERATIONS_KEY in metrics:  # every generated response is recorded, kept or not
+                    metrics[GENERATIONS_KEY] += batch_metrics[GENERATIONS_KEY]
             generated.append(batch)
             rows = algorithms.groups_with_spread(
                 algorithms.filter_metric(batch, fg.metric), batch["group_index"]
@@ -639,12 +648,23 @@ class Trainer:
         `step` training steps (0: before training); batch i samples from (seed, step, "validate/i")."""
         if self.val_data is None:
             return {}
-        scores, lengths = [], []
+        scores, lengths, rows = [], [], []
         for i, prompts in enumerate(self.val_data):
             seed = derive_seed(self.run.seed, step, f"{VALIDATE}/{i}")
-            batch, _ = self.rollout(prompts, self.plan.rollout.val_responses_per_prompt, seed, validate=True)
+            batch, metrics = self.rollout(
+                prompts, self.plan.rollout.val_responses_per_prompt, seed, validate=True
+            )
             scores.append(batch["scores"])
             lengths.append(batch["response_mask"].sum(-1).float())
+            rows += metrics.pop(GENERATIONS_KEY, [])
+        log = self.run.logging
+        if log.validation_data_dir:
+            generations.write_step_file(log.validation_data_dir, step, rows)
+        if log.val_generations:
+            # The same rows at every validation (the set and its order are fixed): read through training.
+            chosen = generations.fixed_sample(len(rows), log.val_generations, derive_seed(
+                self.run.seed, 0, VAL_SAMPLES))  # fmt: skip
+            self.logger.log_generations(step, [{**rows[i], "row": i} for i in chosen])
         return {
             "val/reward/mean": torch.cat(scores).mean().item(),
             "val/response/length_mean": torch.cat(lengths).mean().item(),

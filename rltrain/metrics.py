@@ -14,6 +14,8 @@ from rlconf.errors import ConfigError, error
 from rltrain import metrics_file
 
 METRICS_FILE = "metrics.jsonl"
+VAL_GENERATIONS_FILE = "val_generations.jsonl"
+"""logging.val_generations' samples: one line per validation, {"step": N, "samples": [...]}."""
 REWARD_PLOT = "reward_curve.png"
 CONSOLE_KEYS = (
     "reward/mean",
@@ -190,6 +192,7 @@ class MetricsLogger:
         """Drop the lines of steps after `step`, atomically (rltrain.metrics_file: a torn last line goes
         too, a malformed line is a ConfigError naming the file and the line)."""
         metrics_file.truncate_after(self.path, step)
+        metrics_file.truncate_after(self.path.with_name(VAL_GENERATIONS_FILE), step)
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
 
@@ -217,6 +220,32 @@ class MetricsLogger:
                 )
             else:
                 print(f"step {step:4d}  " + "  ".join(parts + speed), file=sys.stdout, flush=True)
+
+    def log_generations(self, step: int, samples: Sequence[Mapping[str, Any]]) -> None:
+        """A validation's recorded samples (logging.val_generations): a line of val_generations.jsonl
+        (replacing one of the same step: a resumed run validating the step again), a wandb table, a
+        tensorboard text. Each sample: input, output, gts, score, data_source, row."""
+        path = self.path.with_name(VAL_GENERATIONS_FILE)
+        records = metrics_file.parse(path).records
+        if any(record["step"] >= step for _, _, record in records):
+            metrics_file.write_lines(path, [line for _, line, record in records if record["step"] < step])
+        with path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"step": step, "samples": list(samples)}, default=str) + "\n")
+        columns = ("row", "input", "output", "gts", "score")
+        if self._wandb is not None:
+            import wandb
+
+            table = wandb.Table(columns=["step", *columns])
+            for sample in samples:
+                table.add_data(step, *(str(sample[c]) if c != "score" else sample[c] for c in columns))
+            self._wandb.log({"val/generations": table}, step=step)
+        if self._tb is not None:
+            text = "\n\n".join(
+                f"**row {s['row']}**, score {s['score']:.4g}\n\n```\n{s['input']}\n```\n\n```\n{s['output']}\n```"
+                for s in samples
+            )  # markdown: tensorboard renders a text summary as markdown
+            self._tb.add_text("val/generations", text, step)
+            self._tb.flush()
 
     def _speed(self, step: int, record: Mapping[str, Any]) -> list[str]:
         """`tokens/s N` of this step and `ETA` from the mean step time of this process's steps so far."""

@@ -120,7 +120,8 @@ def test_resume_with_validation_continues_exactly_and_exports_hf(tmp_path):
     operations on the same numbers), although each resumed segment validates once more than the
     uninterrupted run; the HF export loads in transformers."""
     common = ["--trainer.save_freq", "2", "--trainer.test_freq", "2", "--trainer.val_before_train", "true",
-              "--trainer.max_ckpt_to_keep", "1",
+              "--trainer.max_ckpt_to_keep", "1", "--logging.val_generations", "3",
+              "--logging.rollout_data_dir", "gens/rollout", "--logging.validation_data_dir", "gens/val",
               "--actor.checkpoint.save_contents", "[model, optimizer, extra, hf_model]",
               "--actor.megatron.override_transformer_config.hidden_dropout", "0.1",
               "--actor.megatron.override_transformer_config.attention_dropout", "0.1"]  # fmt: skip
@@ -163,6 +164,42 @@ def test_resume_with_validation_continues_exactly_and_exports_hf(tmp_path):
             assert not extra, (step, extra)
         assert got == want, step
     assert "val_before/reward/mean" in straight_rows[0] and "val/reward/mean" in straight_rows[5]
+    check_generation_records(out, ref, straight_rows)
+
+
+def _jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def check_generation_records(out: Path, ref: Path, rows: list[dict]) -> None:
+    """logging.rollout_data_dir / validation_data_dir / val_generations of the resume test: the resumed
+    run's records equal the uninterrupted run's (a redone validation replaces its file and its line), and
+    they hold what the metrics measured."""
+    for sub in ("gens/rollout", "gens/val"):
+        names = sorted(p.name for p in (ref / sub).iterdir())
+        assert names == sorted(p.name for p in (out / sub).iterdir()), sub
+        for name in names:
+            assert (out / sub / name).read_text() == (ref / sub / name).read_text(), (sub, name)
+    assert sorted(p.name for p in (ref / "gens/rollout").iterdir()) == [f"{s}.jsonl" for s in range(1, 7)]
+    assert sorted(p.name for p in (ref / "gens/val").iterdir()) == [f"{s}.jsonl" for s in (0, 2, 4, 6)]
+    for row in rows:
+        step = row["step"]
+        dump = _jsonl(ref / "gens/rollout" / f"{step}.jsonl")
+        assert {d["step"] for d in dump} == {step} and all(d["output"] and d["input"] for d in dump)
+        assert sum(d["score"] for d in dump) / len(dump) == pytest.approx(row["reward/mean"], rel=1e-6)
+        if "val/reward/mean" in row:
+            val = _jsonl(ref / "gens/val" / f"{step}.jsonl")
+            assert sum(d["score"] for d in val) / len(val) == pytest.approx(row["val/reward/mean"], rel=1e-6)
+    samples = _jsonl(ref / "val_generations.jsonl")
+    assert samples == _jsonl(out / "val_generations.jsonl")
+    assert [s["step"] for s in samples] == [0, 2, 4, 6]
+    chosen = [[x["row"] for x in s["samples"]] for s in samples]
+    assert len(set(chosen[0])) == 3 and all(c == chosen[0] for c in chosen)  # the same rows every time
+    for s in samples:
+        val = _jsonl(ref / "gens/val" / f"{s['step']}.jsonl")
+        assert [{**val[x["row"]], "row": x["row"]} for x in s["samples"]] == [
+            {**x, "step": s["step"]} for x in s["samples"]
+        ]
 
 
 def test_trainer_seed_seeds_the_run(tmp_path):

@@ -185,6 +185,15 @@ CASES = [
     (["cluster.connect_timeout_s=0"], "cluster.connect_timeout_s", "cluster", "error"),
     (["profile.tool=torch", "profile.steps=[1]", "profile.save_path=/dev/null/prof"],
      "profile.save_path", "output-dir", "error"),
+    (["logging.rollout_data_dir=/dev/null/gens"], "logging.rollout_data_dir", "output-dir", "error"),
+    (["trainer.output_dir=/dev/null", "logging.validation_data_dir=gens"], "logging.validation_data_dir",
+     "output-dir", "error"),  # relative: under the run folder, which cannot be made
+    # generation records (verl's trainer.log_val_generations, rollout_data_dir, validation_data_dir)
+    (["logging.val_generations=-1"], "logging.val_generations", "generation-records", "error"),
+    (["logging.val_generations=4", "trainer.test_freq=0", "trainer.val_before_train=false"],
+     "logging.val_generations", "generation-records", "warning"),
+    (["logging.validation_data_dir=gens", "trainer.test_freq=0", "trainer.val_before_train=false"],
+     "logging.validation_data_dir", "generation-records", "warning"),
     # numbers the plan and the workers cannot handle
     (["trainer.seed=-1"], "trainer.seed", "seed-range", "error"),
     (["trainer.seed=100000000000000000000000000000"], "trainer.seed", "seed-range", "error"),

@@ -24,6 +24,7 @@ from rlconf.plan.roles import (
     present_passes,
     total_devices,
 )
+from rlconf.plan.run import in_run_folder
 from rlconf.rules import rule
 
 SEED_FIELDS = ("trainer.seed", "data.seed", "actor.megatron.seed", "ref.megatron.seed", "critic.megatron.seed",
@@ -134,9 +135,13 @@ def _unwritable_reason(path: str) -> str | None:
     return None
 
 
-@rule("output-dir", "trainer.output_dir", "profile.save_path", filesystem=True)
+@rule(
+    "output-dir", "trainer.output_dir", "profile.save_path", "logging.rollout_data_dir",
+    "logging.validation_data_dir", filesystem=True,
+)  # fmt: skip
 def output_dir(c: RLConfig) -> Iterator[Issue]:
-    """trainer.output_dir (and an absolute profile.save_path) is a writable folder or can be created."""
+    """trainer.output_dir (and an absolute profile.save_path, the generation folders where they resolve) is
+    a writable folder or can be created."""
     if (reason := _unwritable_reason(c.trainer.output_dir)) is not None:
         yield error("trainer.output_dir", f"the run cannot write its outputs: {reason}",
                     "choose a folder you can write to (it is created if missing)", "output-dir")  # fmt: skip
@@ -145,6 +150,12 @@ def output_dir(c: RLConfig) -> Iterator[Issue]:
         yield error("profile.save_path", f"the profiler cannot write: {reason}",
                     "choose a folder you can write to, or a path relative to trainer.output_dir",
                     "output-dir")  # fmt: skip
+    for name in ("rollout_data_dir", "validation_data_dir"):
+        folder = getattr(c.logging, name)
+        if folder and (reason := _unwritable_reason(in_run_folder(c.trainer.output_dir, folder))):
+            yield error(f"logging.{name}", f"the run cannot write its generations: {reason}",
+                        "choose a folder you can write to, or a path relative to trainer.output_dir",
+                        "output-dir")  # fmt: skip
 
 
 @rule("profile", "profile.*", "cluster.device")

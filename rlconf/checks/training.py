@@ -168,6 +168,29 @@ def trainer_rules(c: RLConfig) -> Iterator[Issue]:
                       "lower critic_warmup", "trainer")  # fmt: skip
 
 
+@rule(
+    "generation-records", "logging.val_generations", "logging.rollout_data_dir", "logging.validation_data_dir"
+)
+def generation_records(c: RLConfig) -> Iterator[Issue]:
+    """The validation samples to record are >= 0, the generation folders are named when set, and what is
+    recorded at validation has a validation to come from."""
+    log, t = c.logging, c.trainer
+    if log.val_generations < 0:
+        yield error("logging.val_generations", f"must be >= 0, got {log.val_generations}",
+                    "use e.g. 10, or 0 to record none", "generation-records")  # fmt: skip
+    for name in ("rollout_data_dir", "validation_data_dir"):
+        if (folder := getattr(log, name)) is not None and not folder.strip():
+            yield error(f"logging.{name}", "is empty", "name a folder (a relative one is under "
+                        "trainer.output_dir), or null to write none", "generation-records")  # fmt: skip
+    if not t.test_freq and not t.val_before_train:
+        asked = [n for n, on in (("val_generations", log.val_generations > 0),
+                                 ("validation_data_dir", log.validation_data_dir is not None)) if on]  # fmt: skip
+        for name in asked:
+            yield warning(f"logging.{name}", "nothing is recorded: the run never validates (trainer.test_freq "
+                          "is 0 and val_before_train is false)", "set trainer.test_freq (e.g. 10) or "
+                          "trainer.val_before_train: true", "generation-records")  # fmt: skip
+
+
 VLLM_ONLY_ROLLOUT_FIELDS = ("gpu_memory_utilization", "max_num_seqs", "free_cache_engine")
 """Rollout fields that only rollout.engine: vllm reads (rltrain/rollout/vllm_adapter.py)."""
 

@@ -46,6 +46,7 @@ from rlconf.plan.roles import (
     rollout_resharded,
     rollout_tp,
 )
+from rlconf.plan.run import in_run_folder
 from rlconf.plan.types import (
     CONTROLLER,
     MEGATRON_ORDER,
@@ -529,13 +530,9 @@ def optim_plans(c: RLConfig, batches: tuple[BatchPlan, ...]) -> tuple[OptimPlan,
 
 
 # ============================================================================================ profile
-def _join(base: str, path: str) -> str:
-    return os.path.normpath(os.path.join(base, path))
-
-
 def profile_plan(c: RLConfig, roles: tuple[str, ...], layouts: tuple[RoleLayout, ...]) -> ProfilePlan:
     p = c.profile
-    save_path = _join(c.trainer.output_dir, p.save_path)
+    save_path = in_run_folder(c.trainer.output_dir, p.save_path)
     mode = "discrete" if p.discrete else "continuous"
     options: TorchProfileOptions | NpuProfileOptions | NsysProfileOptions | None = None
     if p.tool == "torch":
@@ -610,7 +607,7 @@ def checkpoint_plan(
     c: RLConfig, roles: tuple[str, ...], models: Models, layouts: tuple[RoleLayout, ...]
 ) -> CheckpointPlan:
     t = c.trainer
-    root = _join(t.output_dir, "checkpoints")
+    root = in_run_folder(t.output_dir, "checkpoints")
     if t.save_freq > 0:
         steps = sorted({s for s in range(t.save_freq, t.total_steps + 1, t.save_freq)} | {t.total_steps})
     else:

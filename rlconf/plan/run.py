@@ -9,6 +9,7 @@ functions.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from rlconf.config import (
@@ -49,6 +50,13 @@ class LoggingPlan:
     """Log level of the controller and workers."""
     plot_reward: bool
     """Write reward_curve.png to the output folder at the end of the run."""
+    val_generations: int
+    """Validation responses recorded at each validation in val_generations.jsonl (0: none)."""
+    rollout_data_dir: str | None
+    """Folder of each training step's generations, STEP.jsonl (logging.rollout_data_dir resolved: a relative
+    path is under the output folder); None: not written."""
+    validation_data_dir: str | None
+    """Folder of each validation's generations, STEP.jsonl, resolved as rollout_data_dir; None: not written."""
 
 
 @dataclass(frozen=True)
@@ -101,8 +109,21 @@ def run_plan(c: RLConfig, total_steps: int | None = None) -> RunPlan:
         accept_config_changes=t.accept_config_changes,
         params_dtype=c.model.params_dtype,
         cluster=ClusterPlan(k.device, k.ray_address, k.connect_timeout_s, k.cpus_per_worker),
-        logging=LoggingPlan(tuple(log.backends), log.level, log.plot_reward),
-    )
+        logging=LoggingPlan(
+            tuple(log.backends), log.level, log.plot_reward, log.val_generations,
+            _optional_in_run_folder(t.output_dir, log.rollout_data_dir),
+            _optional_in_run_folder(t.output_dir, log.validation_data_dir),
+        ),
+    )  # fmt: skip
+
+
+def in_run_folder(output_dir: str, path: str) -> str:
+    """`path` as the run writes it: a relative one is under the run folder (trainer.output_dir)."""
+    return os.path.normpath(os.path.join(output_dir, path))
+
+
+def _optional_in_run_folder(output_dir: str, path: str | None) -> str | None:
+    return None if path is None else in_run_folder(output_dir, path)
 
 
 # ============================================================================================ tools

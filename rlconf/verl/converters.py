@@ -26,6 +26,11 @@ def expand(value: Any, _: Mapping[str, Any]) -> Any:
     return os.path.expanduser(value) if isinstance(value, str) else value
 
 
+def from_cwd(value: Any, _: Mapping[str, Any]) -> Any:
+    """A verl folder relative to the current directory, made absolute (rlplan's are under output_dir)."""
+    return os.path.abspath(os.path.expanduser(value)) if isinstance(value, str) and value else value
+
+
 def files(value: Any, _: Mapping[str, Any]) -> Any:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list | tuple):

@@ -659,13 +659,15 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("trainer.seed", "trainer.seed", ""),
     _m("trainer.profile_steps", "profile.steps", "older verl name of global_profiler.steps"),
     _u("trainer.balance_batch", "not-needed", "rlplan balances micro-batches by token count itself"),
-    _u("trainer.log_val_generations", "unsupported", "validation logs scores, not generations"),
+    _m("trainer.log_val_generations", "logging.val_generations", "the same validation rows each time, in "
+       "val_generations.jsonl and the wandb / tensorboard backends", verl_default=0),
     _u("trainer.esi_redundant_time", "unsupported", "no elastic-instance save deadline"),
     _u("trainer.del_local_ckpt_after_load", "unsupported", "checkpoints are kept by trainer.max_ckpt_to_keep"),
     _u("trainer.default_hdfs_dir", "unsupported", "local or mounted folders only"),
     _u("trainer.ray_wait_register_center_timeout", "not-needed", "no register center"),
-    _u("trainer.rollout_data_dir", "unsupported", "rollouts are not dumped"),
-    _u("trainer.validation_data_dir", "unsupported", "validation generations are not dumped"),
+    _m("trainer.rollout_data_dir", "logging.rollout_data_dir", "STEP.jsonl per step in verl's format; a "
+       "relative folder (verl's: from the current directory) is made absolute", cv.from_cwd),
+    _m("trainer.validation_data_dir", "logging.validation_data_dir", "as rollout_data_dir", cv.from_cwd),
     _u("trainer.val_only", "unsupported", "no validation-only mode"),
     _u("trainer.use_legacy_worker_impl", "not-needed", "one worker implementation"),
     _u("trainer.max_ref_ckpt_to_keep", "not-needed", "the ref is never saved"),
