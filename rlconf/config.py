@@ -468,6 +468,8 @@ class SamplingConfig:
     """0 means greedy decoding; otherwise in [0.001, 100]."""
     top_p: float = 1.0
     """Nucleus sampling mass."""
+    top_k: int = -1
+    """Keep the k most likely tokens; -1 disables."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,7 @@ from rlconf.docs import generated_regions, refresh_regions, write_reference
 from rlconf.errors import ConfigError
 from rlconf.fields import leaf_paths
 from rlconf.plan import compile_plan
+from rlconf.plan.run import rollout_plan
 from rlconf.verl import (
     VERL_KEYS,
     Translation,
@@ -152,8 +153,9 @@ def test_qwen25_grpo_megatron_overrides_translate_to_the_plan_layout(qwen7b: Pat
 
     # Every key is accounted for; the unmapped ones with their reasons.
     assert accounted(tr) == keys_of(overrides)
-    reasons = {u.verl: u.reason for u in tr.unmapped}
-    assert reasons == {"actor_rollout_ref.model.use_remove_padding": "not-needed"}
+    assert not tr.unmapped, [u.verl for u in tr.unmapped]
+    # use_remove_padding=True keeps rlplan's null: packed wherever the engine can (the plan says where).
+    assert c.model.use_remove_padding is None
     # total_epochs maps one to one; the prompt files are not on this machine, so the import says the steps
     # are counted where they are (and plans the rest).
     assert c.trainer.total_epochs == 15
@@ -626,3 +628,31 @@ def test_moe_router_dtype_maps_to_the_models_one_setting(qwen7b: Path) -> None:
     assert tr.config.model.moe_router_dtype == "fp32"
     assert {u.verl: u.reason for u in tr.unmapped}[ref_key.lstrip("+")] == "not-needed"
     assert accounted(tr) == keys_of(overrides)
+
+
+# ------------------------------------------------------------------------------------- validation sampling
+@pytest.mark.parametrize(
+    ("do_sample", "temperature"),
+    [(None, 0.0), ("False", 0.0), ("True", 0.6)],
+    ids=["default", "false", "true"],
+)
+def test_verl_validates_greedily_unless_do_sample(do_sample, temperature):
+    """verl's validation samples only with val_kwargs.do_sample = true (default false); otherwise it decodes
+    greedily and its val_kwargs.temperature is unused: rlplan validates the same way, and says so."""
+    overrides = [
+        "actor_rollout_ref.rollout.val_kwargs.temperature=0.6",
+        "actor_rollout_ref.rollout.val_kwargs.top_k=20",
+    ]
+    if do_sample is not None:
+        overrides.append(f"actor_rollout_ref.rollout.val_kwargs.do_sample={do_sample}")
+    tr = translate(None, overrides, check_plan=False)
+    val = tr.config.rollout.val
+    assert (val.temperature, val.top_k) == (temperature, 20)
+    greedy = [d for d in tr.derived if d.rlplan == "rollout.val.temperature"]
+    assert bool(greedy) == (temperature == 0.0)
+    assert rollout_plan(tr.config.rollout).val.top_k == 20  # the validation sampler's top-k is the script's
+
+
+def test_verl_use_remove_padding_false_pads():
+    tr = translate(None, ["actor_rollout_ref.model.use_remove_padding=False"], check_plan=False)
+    assert tr.config.model.use_remove_padding is False

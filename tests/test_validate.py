@@ -149,6 +149,7 @@ CASES = [
     (["rollout.val.temperature=1e-9"], "rollout.val.temperature", "sampling", "error"),
     (["rollout.top_p=0"], "rollout.top_p", "sampling", "error"),
     (["rollout.top_k=-2"], "rollout.top_k", "sampling", "error"),
+    (["rollout.val.top_k=0"], "rollout.val.top_k", "sampling", "error"),
     (["trainer.max_bad_steps=0"], "trainer.max_bad_steps", "trainer", "error"),
     (["trainer.output_dir="], "trainer.output_dir", "trainer", "error"),
     (["trainer.output_dir=  "], "trainer.output_dir", "trainer", "error"),

@@ -211,8 +211,9 @@ def sampling(c: RLConfig) -> Iterator[Issue]:
                     "use a temperature > 0 (1.0 is usual)", "sampling")  # fmt: skip
     if not 0 < r.top_p <= 1:
         yield error("rollout.top_p", f"must be in (0, 1], got {r.top_p}", "use 1.0 to disable", "sampling")
-    if r.top_k == 0 or r.top_k < -1:
-        yield error("rollout.top_k", f"must be >= 1, or -1 to disable, got {r.top_k}", "use -1", "sampling")
+    for path, top_k in (("rollout.top_k", r.top_k), ("rollout.val.top_k", r.val.top_k)):
+        if top_k == 0 or top_k < -1:
+            yield error(path, f"must be >= 1, or -1 to disable, got {top_k}", "use -1", "sampling")
     if not 0 <= r.min_p < 1:
         yield error("rollout.min_p", f"must be in [0, 1), got {r.min_p}", "use 0 to disable", "sampling")
     if not 0 < r.gpu_memory_utilization <= 1:

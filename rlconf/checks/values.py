@@ -37,6 +37,7 @@ _POSITIVE_INT_FIELDS = re.compile(
 # Fields that match the pattern above but may legitimately be zero or negative.
 _MAY_BE_NON_POSITIVE = {
     "rollout.top_k",
+    "rollout.val.top_k",
     "rollout.num_devices",
     "critic.num_devices",
     "reward.reward_model.num_devices",

@@ -240,7 +240,7 @@ def rollout_plan(
         max_response_length=r.max_response_length,
         stop_token_ids=tuple(r.stop_token_ids),
         train=SamplingPlan(r.temperature, r.top_p, r.top_k, r.min_p),
-        val=SamplingPlan(r.val.temperature, r.val.top_p, -1, 0.0),
+        val=SamplingPlan(r.val.temperature, r.val.top_p, r.val.top_k, 0.0),
         val_responses_per_prompt=r.val.n,
         tensor_parallel_size=rollout_tp,
         cuda_graph=r.cuda_graph,

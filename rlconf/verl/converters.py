@@ -31,6 +31,11 @@ def from_cwd(value: Any, _: Mapping[str, Any]) -> Any:
     return os.path.abspath(os.path.expanduser(value)) if isinstance(value, str) and value else value
 
 
+def packing(value: Any, _: Mapping[str, Any]) -> Any:
+    """verl's use_remove_padding: true keeps rlplan's null (packed wherever the engine can), false pads."""
+    return SKIP if value is True else value
+
+
 def files(value: Any, _: Mapping[str, Any]) -> Any:
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, list | tuple):

@@ -256,8 +256,8 @@ _VLLM_ONLY = (
 
 _ROLLOUT_UNSUPPORTED = "rlplan's embedded rollout has no such engine option"
 _PADDING = (
-    "no switch: rlplan pads each micro-batch to its longest row (no packed sequences); "
-    "actor.use_dynamic_bsz groups rows of similar length to keep that padding low"
+    "one setting for every model's passes in rlplan: model.use_remove_padding (see the "
+    "actor_rollout_ref.model row); packed and padded rows give the same sums"
 )
 _CHUNKING = (
     "no switch: rlplan's log-prob and entropy never hold fp32 [tokens, vocabulary] logits for the "
@@ -327,7 +327,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("actor_rollout_ref.model.custom_chat_template", "unsupported", "the tokenizer's chat template is used"),
     _u("actor_rollout_ref.model.use_fused_kernels", "not-needed", "the log-prob / entropy reductions are fused by "
        "model.fused_kernels (auto: compiled on cuda)"),
-    _u("actor_rollout_ref.model.use_remove_padding", "not-needed", _PADDING),
+    _m("actor_rollout_ref.model.use_remove_padding", "model.use_remove_padding", "true: rlplan packs rows "
+       "(THD) wherever its engine can, as its default null does (the plan says where); false: padded rows",
+       cv.packing),
     # LoRA: verl's FSDP keys (lora_rank, ...) and its Megatron-Bridge section (model.lora.*).
     _m("actor_rollout_ref.model.lora_rank", "actor.lora.rank", "0 = off (verl's and rlplan's)"),
     _m("actor_rollout_ref.model.lora_alpha", "actor.lora.alpha", ""),
@@ -457,9 +459,10 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _m("actor_rollout_ref.rollout.val_kwargs.n", "rollout.val.n", ""),
     _m("actor_rollout_ref.rollout.val_kwargs.temperature", "rollout.val.temperature", "0 is greedy"),
     _m("actor_rollout_ref.rollout.val_kwargs.top_p", "rollout.val.top_p", ""),
-    _u("actor_rollout_ref.rollout.val_kwargs.top_k", "unsupported", "validation sampling has n, temperature "
-       "and top_p"),
-    _u("actor_rollout_ref.rollout.val_kwargs.do_sample", "not-needed", "validation temperature 0 is greedy"),
+    _m("actor_rollout_ref.rollout.val_kwargs.top_k", "rollout.val.top_k", "", verl_default=-1),
+    _u("actor_rollout_ref.rollout.val_kwargs.do_sample", "not-needed", "false (verl's default): verl validates "
+       "greedily whatever val_kwargs.temperature says, so rollout.val.temperature 0 is derived; true: sampled "
+       "with val_kwargs' temperature, top_p and top_k", verl_default=False),
     _u("actor_rollout_ref.rollout.do_sample", "not-needed", "training rollouts always sample "
        "(rollout.temperature > 0)"),
     _u("actor_rollout_ref.rollout.mode", "not-needed", "the embedded engine has one mode"),

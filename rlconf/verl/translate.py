@@ -428,6 +428,7 @@ def translate(
 
     _derive_verl_defaults(values, settings, ctx, derive)
     _derive_rlplan_rules(values, settings, derive)
+    _derive_greedy_validation(ctx, settings, derive)
     _derive_profiled_roles(values, settings, derive)
     _derive_rollout_pool(values, settings, derive)
     if settings.get("reward.reward_model.enable") is True:
@@ -536,6 +537,16 @@ def _tools_not_loaded(values: Mapping[str, Any], settings: Mapping[str, Any]) ->
         "read verl's tool YAML, so this multi-turn rollout has no tool to call",
         "list the tools in rollout.multi_turn.tools (built-in calculator / python, or module:function / "
         "module:Class of your own)", "verl-import")]  # fmt: skip
+
+
+def _derive_greedy_validation(
+    ctx: Mapping[str, Any], settings: dict[str, Any], derive: Callable[[str, Any, str], None]
+) -> None:
+    """verl validates greedily unless val_kwargs.do_sample is true, whatever val_kwargs.temperature says."""
+    key = "actor_rollout_ref.rollout.val_kwargs.do_sample"
+    if ctx[key] is not True and _current(settings, "rollout.val.temperature") != 0:
+        derive("rollout.val.temperature", 0.0, f"verl validates greedily while {key} = {show(ctx[key])} "
+               "(val_kwargs.temperature is not used then)")  # fmt: skip
 
 
 def _derive_rlplan_rules(
