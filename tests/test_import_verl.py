@@ -656,3 +656,15 @@ def test_verl_validates_greedily_unless_do_sample(do_sample, temperature):
 def test_verl_use_remove_padding_false_pads():
     tr = translate(None, ["actor_rollout_ref.model.use_remove_padding=False"], check_plan=False)
     assert tr.config.model.use_remove_padding is False
+
+
+@pytest.mark.parametrize("manager", ["naive", "dapo", "prime", "batch", "my_manager"])
+def test_reward_managers_that_call_the_function_another_way_are_refused(manager):
+    """verl's batch manager calls compute_score once with lists: rlplan's per-response calls would hand
+    a batch function strings. Refused by name, as is a custom manager; the per-response ones translate."""
+    for key in ("reward_model.reward_manager", "reward.reward_manager.name"):
+        tr = translate(None, [f"{key}={manager}"], check_plan=False)
+        refused = [i for i in tr.errors if i.path == key and i.rule == "verl-import"]
+        assert bool(refused) == (manager not in ("naive", "dapo", "prime")), (key, manager)
+        if manager == "batch":
+            assert "once with lists" in refused[0].message and "per-response" in refused[0].fix

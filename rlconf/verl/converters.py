@@ -260,6 +260,30 @@ def train_batch_size(value: Any, _: Mapping[str, Any]) -> Any:
     return value
 
 
+PER_RESPONSE_REWARD_MANAGERS = ("naive", "dapo", "prime")
+"""verl's reward managers that call compute_score once per response, as rlplan calls reward.function (dapo adds
+the overlong buffer: reward.overlong_buffer; prime runs the same calls in a process pool)."""
+
+
+def reward_manager(value: Any, _: Mapping[str, Any]) -> Any:
+    """Refuses a reward manager that calls the reward function another way than once per response."""
+    if value in PER_RESPONSE_REWARD_MANAGERS:
+        return SKIP
+    if value == "batch":
+        raise VerlValueError(
+            "verl's batch reward manager calls compute_score once with lists (data_sources, solution_strs, "
+            "ground_truths, extra_infos); rlplan calls reward.function once per response, so the function "
+            "would get one string where it expects a list",
+            "give a per-response function compute_score(data_source, solution_str, ground_truth, extra_info) "
+            "as custom_reward_function (it may call your batch function with one-element lists)",
+        )
+    raise VerlValueError(
+        f"a reward manager rlplan does not run (it runs {', '.join(PER_RESPONSE_REWARD_MANAGERS)}: one "
+        "compute_score call per response)",
+        "drop reward_manager and give the scoring as a per-response custom_reward_function",
+    )
+
+
 def refuse_true(message: str, fix: str) -> Converter:
     """A check for a key with no rlplan path: true asks for a feature rlplan does not build."""
 

@@ -574,8 +574,9 @@ VERL_KEYS: tuple[VerlKey, ...] = (
     _u("reward_model.max_length", "not-needed", "prompt + response lengths bound it"),
     _u("reward_model.use_dynamic_bsz", "unsupported", "reward passes use fixed micro-batches"),
     _u("reward_model.forward_max_token_len_per_gpu", "unsupported", "reward passes use fixed micro-batches"),
-    _u("reward_model.reward_manager", "not-needed", "reward.function scores every response; DAPO's overlong "
-       "penalty is reward.overlong_buffer"),
+    _u("reward_model.reward_manager", "not-needed", "naive, dapo, prime: reward.function scores every "
+       "response as they do (DAPO's overlong penalty is reward.overlong_buffer); batch and custom managers are "
+       "refused", cv.reward_manager),
     _m("reward_model.overlong_buffer.enable", "reward.overlong_buffer.enable", "DAPO overlong reward shaping "
        "(the dapo reward manager)"),
     _m("reward_model.overlong_buffer.len", "reward.overlong_buffer.len", ""),
