@@ -106,3 +106,22 @@ def test_verl_keys_translate(tmp_path, monkeypatch):
     assert log.rollout_data_dir == str(tmp_path / "dumps" / "rollout")
     assert log.validation_data_dir == "/data/val"
     assert not {u.verl for u in result.unmapped} & {"trainer.log_val_generations", "trainer.rollout_data_dir"}
+
+
+def test_rlconf_plan_says_when_the_run_validates_and_what_it_records(tmp_path):
+    from rlconf.plan.render import format_plan
+
+    def validation_line(*overrides: str) -> str:
+        config = load_config(None, preset="tiny-grpo", presets=PRESETS,
+                             overrides=[f"trainer.output_dir={tmp_path}", *overrides])  # fmt: skip
+        return next(
+            line for line in format_plan(compile_plan(config)).splitlines() if line.startswith("validation:")
+        )
+
+    assert validation_line("logging.val_generations=3", "logging.rollout_data_dir=gens") == (
+        "validation: before the first step, every 25 steps and after the last; records 3 fixed rows per "
+        f"validation -> val_generations.jsonl; every step's responses -> {tmp_path}/gens/STEP.jsonl"
+    )
+    # No validation: nothing of it recorded (rule generation-records warns), the step dumps still are.
+    assert validation_line("trainer.test_freq=0", "trainer.val_before_train=false", "logging.val_generations=3",
+                           "logging.validation_data_dir=v") == "validation: none"  # fmt: skip

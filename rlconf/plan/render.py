@@ -282,11 +282,28 @@ def _placement_lines(plan: TrainerPlan) -> list[str]:
     return out
 
 
+def _validation_line(plan: TrainerPlan) -> str:
+    """When the run validates, and the generations it records as text (logging.*)."""
+    run, log = plan.run, plan.run.logging
+    when = ["before the first step"] if run.val_before_train else []
+    if run.test_freq:
+        when.append(f"every {run.test_freq} steps and after the last")
+    records = []
+    if when and log.val_generations:
+        records.append(f"{log.val_generations} fixed rows per validation -> val_generations.jsonl")
+    if when and log.validation_data_dir:
+        records.append(f"every validation's responses -> {log.validation_data_dir}/STEP.jsonl")
+    if log.rollout_data_dir:
+        records.append(f"every step's responses -> {log.rollout_data_dir}/STEP.jsonl")
+    line = f"validation: {', '.join(when) if when else 'none'}"
+    return line + (f"; records {'; '.join(records)}" if records else "")
+
+
 def _batch_lines(plan: TrainerPlan) -> list[str]:
     """The run length and the batch schedule."""
     out: list[str] = []
     if plan.length is not None:
-        out += ["", f"run: {plan.length.describe()}"]
+        out += ["", f"run: {plan.length.describe()}", _validation_line(plan)]
     if plan.batch:
         out += ["", "batch schedule (per training step; mini-batches count prompts)"]
         rows = []
