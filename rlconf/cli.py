@@ -29,8 +29,7 @@ def _load(
 ) -> tuple[RLConfig, tuple[Issue, ...]]:
     """Load a config from a file, `preset:NAME` or --preset (a file overlays --preset); returns it with its
     warnings. `filesystem` adds the checks of the paths a run reads and writes (rlconf.validate)."""
-    from rlconf.load import load_config
-    from rlconf.validate import check_config
+    from rlconf.load import load_checked
 
     if source is not None and source.startswith(PRESET_PREFIX):
         named = source.removeprefix(PRESET_PREFIX)
@@ -53,9 +52,7 @@ def _load(
         )
     from presets import PRESETS
 
-    config = load_config(source, preset=preset, overrides=overrides, filesystem=filesystem, presets=PRESETS)
-    warnings = tuple(i for i in check_config(config, filesystem=filesystem) if i.severity == "warning")
-    return config, warnings
+    return load_checked(source, preset=preset, overrides=overrides, filesystem=filesystem, presets=PRESETS)
 
 
 def _write_output(path: str, text: str, option: str) -> None:

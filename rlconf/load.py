@@ -769,6 +769,19 @@ def load_config(
 
     `filesystem=True` adds the rules that check the paths a run reads and writes (see rlconf.validate).
     """
+    return load_checked(source, preset=preset, overrides=overrides, filesystem=filesystem, presets=presets)[0]
+
+
+def load_checked(
+    source: str | Path | Mapping[str, Any] | None = None,
+    *,
+    preset: str | None = None,
+    overrides: Sequence[str] = (),
+    filesystem: bool = False,
+    presets: PresetCatalog = NO_PRESETS,
+) -> tuple[RLConfig, tuple[Issue, ...]]:
+    """load_config's config and the warnings its checks found (one pass of the rules: the filesystem ones
+    read model folders, which is not free for a large model)."""
     from rlconf.validate import check_config
 
     config, structural, src_name = build_from_sources(
@@ -777,4 +790,4 @@ def load_config(
     issues = structural + check_config(config, filesystem=filesystem)
     if any(i.severity == "error" for i in issues):
         raise ConfigError(issues, src_name)
-    return config
+    return config, tuple(issues)

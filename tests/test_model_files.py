@@ -385,3 +385,21 @@ def test_config_json_with_a_billion_experts_is_refused_before_listing_them(tmp_p
     }))  # fmt: skip
     CharTokenizer().save_pretrained(str(folder))
     _rejects(folder, capsys, "weight tensors, more than any model has")
+
+
+def test_validate_reads_each_weights_header_once(good, capsys, monkeypatch):
+    """`rlconf validate` runs the folder rules once (it ran them twice, to collect the warnings again): a
+    large model's thousands of header entries are parsed once per command."""
+    import rlconf.model_files as model_files
+
+    calls, real = [], model_files.read_safetensors_header
+
+    def counted(path, *args, **kwargs):
+        calls.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(model_files, "read_safetensors_header", counted)
+    assert rlconf_main(["validate", "--preset", "tiny-grpo", "--set", f"model.path={good}"]) == 0, (
+        capsys.readouterr().err
+    )
+    assert calls == [str(good / "model.safetensors")]
