@@ -731,8 +731,8 @@ class TrainerConfig:
     accept_config_changes: bool = False
     """Resume although the config differs from the one the run folder holds (its config.yaml with
     config_history.jsonl applied); the changes take effect from the next step and are recorded in
-    config_history.jsonl. Not needed for logging, profile, names, saving, validation, Ray placement, or a
-    total_steps that leaves the learning rates of the remaining steps as they were."""
+    config_history.jsonl. Not needed for logging, profile, names, saving, validation (rollout.val too), Ray
+    placement, or a total_steps that leaves the learning rates of the remaining steps as they were."""
     max_ckpt_to_keep: int | None = None
     """Keep at most this many complete checkpoints; None keeps all."""
     max_bad_steps: int = 3

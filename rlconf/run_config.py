@@ -72,7 +72,7 @@ def yaml_scalar(value: Any) -> str:
     return dump_yaml(value).strip().removesuffix("...").strip()
 
 
-_FREE_PREFIXES = {"logging.": "logging", "profile.": "profiling"}
+_FREE_PREFIXES = {"logging.": "logging", "profile.": "profiling", "rollout.val.": "validation"}
 _FREE_PATHS = {
     "trainer.output_dir": "a name",
     "trainer.project_name": "a name",

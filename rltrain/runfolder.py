@@ -23,7 +23,7 @@ Fields that are not changes of the run (recorded in the history, never refused),
   trainer.output_dir, project_name, experiment_name       names
   trainer.resume_mode, resume_from_path, accept_config_changes    how this start resumes
   trainer.save_freq, max_ckpt_to_keep, *.checkpoint.save_contents, *.checkpoint.async_save    saving
-  trainer.test_freq, val_before_train                     validation
+  trainer.test_freq, val_before_train, rollout.val.*      validation (its sampling streams are its own)
   cluster.ray_address, cpus_per_worker, connect_timeout_s, device_memory_gib   where it runs, not the layout
   rollout.push_timeout_s                                  when a stuck push counts as failed
   trainer.total_steps     when the steps still to run keep their learning rates (an extension); with a

@@ -232,12 +232,14 @@ def test_resume_with_a_changed_config_is_refused_with_old_and_new(tmp_path):
 
     # Logging, profiling, saving and validation are not changes of the run.
     config, plan = tiny(out, logging__level="DEBUG", trainer__save_freq=1, trainer__test_freq=0,
-                        profile__tool="torch", profile__steps=(3,),
+                        profile__tool="torch", profile__steps=(3,), logging__val_generations=4,
+                        rollout__val__temperature=0.7, rollout__val__top_k=20,
                         actor__checkpoint__save_contents=("model", "optimizer", "extra", "hf_model"))  # fmt: skip
     folder = RunFolder.open(config, plan)
     folder.close()
     assert {c.path for c in folder.changes} == {"logging.level", "trainer.save_freq", "trainer.test_freq",
-                                                "profile.tool", "profile.steps",
+                                                "profile.tool", "profile.steps", "logging.val_generations",
+                                                "rollout.val.temperature", "rollout.val.top_k",
                                                 "actor.checkpoint.save_contents"}  # fmt: skip
     assert all(c.free for c in folder.changes)
 
