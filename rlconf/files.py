@@ -3,10 +3,11 @@ templates, safetensors headers, checkpoint manifests, data files.
 
 Every read goes through `read_regular`: the path is opened without blocking (O_NONBLOCK: a FIFO with no
 writer does not hang the open), the opened file is checked to be a regular file (fstat after resolving
-symlinks, so a symlink to /dev/zero, a FIFO, a socket or a device is refused before a byte is read), and at
-most `max_bytes` + 1 bytes are read, so a file over the limit costs one error and no memory. A file whose size is over
-the limit is refused unread. `read_json` adds a nesting limit. Violations are ConfigError (exit 2 at `rlconf validate` / `rltrain`) naming the
-config path (`model.path`, `data.train_files[0]`, ...) and the file.
+symlinks, so a symlink to /dev/zero, a FIFO, a socket or a device is refused before a byte is read), a file
+whose size is over the limit is refused unread, and at most `max_bytes` + 1 bytes are read (a file that grows
+meanwhile), so a file over the limit costs one error and no memory. `read_json` adds a nesting limit.
+Violations are ConfigError (exit 2 at `rlconf validate` / `rltrain`) naming the config path (`model.path`,
+`data.train_files[0]`, ...) and the file.
 
 Pure standard library (rlconf never imports torch).
 """

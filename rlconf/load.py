@@ -780,8 +780,8 @@ def load_checked(
     filesystem: bool = False,
     presets: PresetCatalog = NO_PRESETS,
 ) -> tuple[RLConfig, tuple[Issue, ...]]:
-    """load_config's config and the warnings its checks found (one pass of the rules: the filesystem ones
-    read model folders, which is not free for a large model)."""
+    """load_config's config and its warnings (it raises on an error), from one pass of the rules: the
+    filesystem ones read model folders, which is not free for a large model."""
     from rlconf.validate import check_config
 
     config, structural, src_name = build_from_sources(

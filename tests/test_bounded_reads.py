@@ -1,7 +1,7 @@
 """Reads and derived sizes are bounded (issue 31 items 2 and 3): an interpolation bomb in a verl config, a chat
 template that loops 10^10 times, data files that are devices or FIFOs, and plans far larger than this machine
-all stop with exit 2 having read and allocated little (or at the render budget), naming the file or key; never a hang, a
-MemoryError, or gigabytes of memory."""
+all stop with exit 2 having read and allocated little (or at the render budget), naming the file or key;
+never a hang, a MemoryError, or gigabytes of memory."""
 
 from __future__ import annotations
 
