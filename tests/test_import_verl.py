@@ -668,3 +668,18 @@ def test_reward_managers_that_call_the_function_another_way_are_refused(manager)
         assert bool(refused) == (manager not in ("naive", "dapo", "prime")), (key, manager)
         if manager == "batch":
             assert "once with lists" in refused[0].message and "per-response" in refused[0].fix
+
+
+def test_megatron_kernel_switches_are_rlplans_choice_and_grouped_gemm_maps():
+    """override_transformer_config's fusion and dispatcher switches (set by 4-12 of verl's 46 scripts) change
+    kernels, not the math: reported as rlplan's own choice, not as an unsupported feature; moe_grouped_gemm is
+    rlplan's model.moe_grouped_gemm."""
+    prefix = "actor_rollout_ref.actor.megatron.override_transformer_config"
+    switches = ("gradient_accumulation_fusion", "moe_permute_fusion", "apply_rope_fusion", "bias_activation_fusion",
+                "masked_softmax_fusion", "bias_dropout_fusion", "persist_layer_norm", "moe_token_dispatcher_type",
+                "moe_enable_deepep", "moe_shared_expert_overlap", "use_flash_attn")  # fmt: skip
+    overrides = [f"+{prefix}.{name}=True" for name in switches] + [f"+{prefix}.moe_grouped_gemm=True"]
+    tr = translate(None, overrides, check_plan=False)
+    reasons = {u.verl.rpartition(".")[2]: u.reason for u in tr.unmapped}
+    assert reasons == dict.fromkeys(switches, "not-needed")
+    assert tr.config.model.moe_grouped_gemm is True

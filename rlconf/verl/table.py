@@ -58,6 +58,14 @@ _VERL_MCORE_CKPT = (
 )
 IN_ACTOR = "rlplan runs the reference policy in the actor's processes, so it uses the actor's layout"
 
+_KERNEL_SWITCH = (
+    "a kernel switch: rlplan chooses its kernels itself (model.fused_kernels: fused on cuda, where its own "
+    "kernels need no apex or Transformer Engine); the same math either way"
+)
+_DISPATCH = (
+    "rlplan routes tokens to its experts itself (DeepEP and megatron's dispatchers are not used); the same "
+    "routing and sums"
+)
 # (verl suffix, rlplan suffix | _SAME | None, note, converter, reason, {role: override})
 _MEGATRON_FIELDS: tuple[tuple[str, Any, str, Converter | None, Reason | None], ...] = (
     ("tensor_model_parallel_size", _SAME, "", None, None),
@@ -97,6 +105,19 @@ _MEGATRON_FIELDS: tuple[tuple[str, Any, str, Converter | None, Reason | None], .
      "rlplan has one setting for every role: model.attention_backend (see the actor row)", None, "not-needed"),
     ("override_transformer_config.moe_router_dtype", None,
      "rlplan has one setting for every role: model.moe_router_dtype (see the actor row)", None, "not-needed"),
+    ("override_transformer_config.moe_grouped_gemm", None,
+     "rlplan has one setting for every role: model.moe_grouped_gemm (see the actor row)", None, "not-needed"),
+    ("override_transformer_config.gradient_accumulation_fusion", None,
+     "rlplan sums each weight's gradient into its fp32 main_grad inside the product whenever its kernels are "
+     "fused (model.fused_kernels: auto fuses on cuda)", None, "not-needed"),
+    *((f"override_transformer_config.{name}", None, _KERNEL_SWITCH, None, "not-needed") for name in (
+        "apply_rope_fusion", "bias_activation_fusion", "masked_softmax_fusion", "bias_dropout_fusion",
+        "persist_layer_norm", "moe_permute_fusion", "moe_shared_expert_overlap")),
+    ("override_transformer_config.use_flash_attn", None,
+     "rlplan has one attention setting for every role: model.attention_backend (see the actor row of "
+     "attention_backend)", None, "not-needed"),
+    *((f"override_transformer_config.{name}", None, _DISPATCH, None, "not-needed")
+      for name in ("moe_token_dispatcher_type", "moe_enable_deepep")),
     ("override_transformer_config.*", None,
      "rlplan forwards only the recompute and dropout fields to megatron's TransformerConfig", None,
      "unsupported"),
@@ -130,6 +151,9 @@ def _megatron_rows() -> list[VerlKey]:
             if ours == "actor.megatron" and suffix == "dtype":
                 rows.append(_m(key, "model.params_dtype", "",
                                cv.dtype, verl_default="bfloat16", family="megatron"))  # fmt: skip
+            elif ours == "actor.megatron" and suffix == "override_transformer_config.moe_grouped_gemm":
+                rows.append(_m(key, "model.moe_grouped_gemm", "one setting for every role's experts",
+                               family="megatron"))  # fmt: skip
             elif ours == "actor.megatron" and suffix == "override_transformer_config.moe_router_dtype":
                 rows.append(_m(key, "model.moe_router_dtype", "one precision for every role's routers",
                                family="megatron"))  # fmt: skip
