@@ -1,7 +1,8 @@
-"""How long the paths a run writes get: `trainer.output_dir` (and an absolute `profile.save_path`) must leave
-room for the deepest file a run writes under it, within the filesystem's limits (NAME_MAX per component,
-PATH_MAX for the whole path), so that a too long folder is refused before training instead of failing at the
-first save with "File name too long".
+"""Where and how long the paths a run writes get. `in_run_folder` resolves a path the config gives relative
+to the run folder (profile.save_path, logging.*_data_dir, checkpoints/). How long: `trainer.output_dir` (and
+an absolute `profile.save_path`) must leave room for the deepest file a run writes under it, within the
+filesystem's limits (NAME_MAX per component, PATH_MAX for the whole path), so that a too long folder is
+refused before training instead of failing at the first save with "File name too long".
 
 The deepest file: a staged save's `checkpoints/global_step_N.tmp-<10>/<role>/huggingface/` plus the longest
 leaf a save writes there (an atomic write's `.NAME.tmp-<8>` of the longest tokenizer or index file, megatron's
@@ -22,6 +23,11 @@ LEAF_ALLOWANCE = 64
 """Characters kept for a file name inside a checkpoint's role folder (the longest rlplan and megatron write
 is `.model.safetensors.index.json.tmp-xxxxxxxx`, 41)."""
 _NAME_MAX, _PATH_MAX = 255, 4096  # Linux's, where the filesystem does not say
+
+
+def in_run_folder(output_dir: str, path: str) -> str:
+    """`path` as the run writes it: a relative one is under the run folder (trainer.output_dir)."""
+    return os.path.normpath(os.path.join(output_dir, path))
 
 
 def _limits(path: str) -> tuple[int, int]:

@@ -107,10 +107,12 @@ def repair(path: str | os.PathLike) -> MetricsLines:
 
 
 def truncate_after(path: str | os.PathLike, step: int) -> None:
-    """Keep the records of steps <= `step` (a resume redoes the others), atomically."""
+    """Keep the records of steps <= `step` (a resume redoes the others), atomically; a missing file stays
+    missing."""
+    if not Path(path).exists():
+        return
     if step <= 0:
-        if Path(path).exists():
-            write_lines(path, [])
+        write_lines(path, [])
         return
     parsed = parse(path)
     write_lines(path, [line for _, line, record in parsed.records if record["step"] <= step])

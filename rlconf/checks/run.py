@@ -24,8 +24,8 @@ from rlconf.plan.roles import (
     present_passes,
     total_devices,
 )
-from rlconf.plan.run import in_run_folder
 from rlconf.rules import rule
+from rlconf.run_paths import in_run_folder
 
 SEED_FIELDS = ("trainer.seed", "data.seed", "actor.megatron.seed", "ref.megatron.seed", "critic.megatron.seed",
                "reward.reward_model.megatron.seed")  # fmt: skip

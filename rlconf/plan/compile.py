@@ -46,7 +46,6 @@ from rlconf.plan.roles import (
     rollout_resharded,
     rollout_tp,
 )
-from rlconf.plan.run import in_run_folder
 from rlconf.plan.types import (
     CONTROLLER,
     MEGATRON_ORDER,
@@ -72,6 +71,7 @@ from rlconf.plan.types import (
     StepPasses,
     by_role,
 )
+from rlconf.run_paths import in_run_folder
 
 # ========================================================================================= roles
 # The config was checked by rlconf.validate (assemble.compile_parts runs it first): sizes the arithmetic below

@@ -9,7 +9,6 @@ functions.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from rlconf.config import (
@@ -22,6 +21,7 @@ from rlconf.config import (
     RolloutConfig,
     TrainerConfig,
 )
+from rlconf.run_paths import in_run_folder
 from rlconf.seeding import resolve_seed
 
 
@@ -115,11 +115,6 @@ def run_plan(c: RLConfig, total_steps: int | None = None) -> RunPlan:
             _optional_in_run_folder(t.output_dir, log.validation_data_dir),
         ),
     )  # fmt: skip
-
-
-def in_run_folder(output_dir: str, path: str) -> str:
-    """`path` as the run writes it: a relative one is under the run folder (trainer.output_dir)."""
-    return os.path.normpath(os.path.join(output_dir, path))
 
 
 def _optional_in_run_folder(output_dir: str, path: str | None) -> str | None:
