@@ -10,6 +10,7 @@ from typing import Any
 from rlconf.config import RLConfig
 from rlconf.errors import Issue
 from rlconf.fields import leaf_paths
+from rlconf.rules import SUB_RULES
 from rlconf.verl.keys import REASONS, VerlKey
 from rlconf.verl.table import IN_ACTOR, VERL_KEYS
 from rlconf.verl.translate import Translation, nest, plain, rlplan_default, show
@@ -32,14 +33,9 @@ _LATE_IN_VERL = {
     "sampling": "the rollout engine rejects it at the first generation",
     "checkpoint-contents": "the first resume fails",
 }
-for _sub, _parent in (
-    ("mini-batch-divides-batch", "batch-layout"),
-    ("batch-divisible-by-dp-micro", "batch-layout"),
-    ("mini-batch-covers-micro", "batch-layout"),
-    ("token-budget-fits-sequence", "batch-layout"),
-    ("log-prob-budget-unused", "batch-layout"),
-):
-    _LATE_IN_VERL[_sub] = _LATE_IN_VERL[_parent]  # fmt: skip
+for _sub, _parent in SUB_RULES.items():  # a sub-rule fails in verl where its rule does
+    if _parent in _LATE_IN_VERL:
+        _LATE_IN_VERL[_sub] = _LATE_IN_VERL[_parent]
 RLPLAN_ONLY_RULES: dict[str, str] = {
     "rollout-engine": "rlplan regroups tensor-parallel shards (rollout tp divides or is a multiple of the actor's) "
     "and runs vLLM only where it is installed",
